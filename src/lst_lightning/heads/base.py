@@ -1,0 +1,77 @@
+"""The interface every output head implements, so that one LightningModule can
+train and evaluate any of them.
+
+A head maps the body's last hidden layer ``H`` (m, d) and targets to a scalar
+training loss, and gives full-vocabulary scores (in chunks of classes) for
+top-k error rates and ranks. Two kinds exist:
+
+- self-updating heads (``self_updating = True``: the factored and naive
+  spherical heads) apply their own exact SGD step inside ``loss.backward()``
+  and hold no ``nn.Parameter``; the training loop sets ``head.lr`` each step;
+- ordinary heads (softmax, hierarchical, adaptive, sampled) hold parameters
+  that the optimizer trains.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+
+class OutputHead(nn.Module):
+    """Base class of all output heads."""
+
+    #: True when the head updates itself in backward (no optimizer parameters).
+    self_updating: bool = False
+    #: True when ``log_prob`` gives normalised log-probabilities (perplexity).
+    has_log_prob: bool = False
+
+    num_classes: int
+    hidden_dim: int
+
+    def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
+        """The training loss (a scalar)."""
+        raise NotImplementedError
+
+    def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
+        """Scores of classes ``start:end`` for each row of ``hidden``: (m, end - start).
+
+        Higher is more likely; used for top-k error rates and ranks.
+        """
+        raise NotImplementedError
+
+    def score_chunks(self, hidden: Tensor, chunk_size: int = 65536) -> Iterator[tuple[int, Tensor]]:
+        """Full-vocabulary scores in chunks of classes: yields (start, scores)."""
+        for start in range(0, self.num_classes, chunk_size):
+            end = min(start + chunk_size, self.num_classes)
+            yield start, self.scores(hidden, start, end)
+
+    def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
+        """log p(target | hidden), shape (m,), for heads that define probabilities."""
+        raise NotImplementedError(f"{type(self).__name__} defines no normalised probabilities")
+
+    @torch.no_grad()
+    def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
+        """The score of each row's target class, (m,). Heads override this with a gather."""
+        target_idx = target_idx.reshape(-1)
+        out = torch.empty(hidden.shape[0], device=hidden.device)
+        for start, sc in self.score_chunks(hidden):
+            inside = (target_idx >= start) & (target_idx < start + sc.shape[1])
+            rows = inside.nonzero().squeeze(1)
+            out = out.to(sc.dtype)
+            out[rows] = sc[rows, target_idx[rows] - start]
+        return out
+
+    @torch.no_grad()
+    def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:
+        """1-based rank of each row's target among all classes, (m,).
+
+        Ties count against the target, so a constant scorer ranks last, not first.
+        Two passes over chunks of classes: never holds (m, D) scores at once.
+        """
+        target = self.target_score(hidden, target_idx)
+        rank = torch.ones(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        for _, sc in self.score_chunks(hidden, chunk_size):
+            rank += (sc >= target[:, None].to(sc.dtype)).sum(1)
+        return rank - 1  # the target itself scored >= itself once
