@@ -14,23 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import OutputHead
-from .targets import check_hidden, check_reduction, check_targets, reduce_rows
+from .targets import check_class_counts, check_hidden, check_reduction, check_targets, reduce_rows
 
 BINNINGS = ("equal_size", "equal_mass", "sqrt_mass")
-
-
-def check_class_counts(class_counts, num_classes: int) -> Tensor:
-    """A float64 copy of the counts after checking shape and values."""
-    if not isinstance(class_counts, Tensor):
-        class_counts = torch.as_tensor(class_counts)
-    if class_counts.shape != (num_classes,):
-        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(class_counts.shape)}")
-    counts = class_counts.detach().to("cpu", torch.float64)
-    if not torch.isfinite(counts).all() or (counts < 0).any():
-        raise ValueError("class_counts must be finite and non-negative")
-    if counts.sum() <= 0:
-        raise ValueError("class_counts must not all be zero")
-    return counts
 
 
 def frequency_bins(num_classes: int, num_clusters: int, binning: str = "equal_size",
