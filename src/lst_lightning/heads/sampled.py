@@ -62,15 +62,16 @@ class SampledSoftmaxHead(LinearClassHead):
         if not self.sampler.needs_embeddings:
             return
         version = self.weight._version
-        exact = not hasattr(self.sampler, "tree")
-        if exact or full or self._synced_version is None or self._touched is None \
-                or self._steps_since_build >= self.resync_every:
-            self.sampler.sync(self._keys(self.weight), self.bias)
-            self._steps_since_build = 0
-        elif version != self._synced_version:
+        if version == self._synced_version and not full:
+            return
+        partial = hasattr(self.sampler, "tree") and self._touched is not None and self._synced_version is not None
+        if partial and not full and self._steps_since_build + 1 < self.resync_every:
             rows = self._touched
             self.sampler.sync(self._keys(self.weight[rows]), None, rows=rows)
             self._steps_since_build += 1
+        else:
+            self.sampler.sync(self._keys(self.weight), self.bias)
+            self._steps_since_build = 0
         self._synced_version = version
 
     def _draw(self, query: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -90,8 +91,7 @@ class SampledSoftmaxHead(LinearClassHead):
         idx, val, valid = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         query = self._query(hidden)
         with torch.no_grad():
-            if self.training:
-                self.sync_sampler()
+            self.sync_sampler()
             neg, log_q, log_q_t = self._draw(query.detach(), idx)
             first = first_occurrence(idx)
             if self.remove_accidental_hits:
