@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .base import OutputHead
-from .targets import check_class_counts, check_hidden, check_reduction, check_targets, reduce_rows
+from ..class_counts import check_class_counts
+from .targets import check_hidden, check_reduction, check_targets, reduce_rows
 
 BINNINGS = ("equal_size", "equal_mass", "sqrt_mass")
 

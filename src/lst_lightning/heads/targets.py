@@ -78,17 +78,3 @@ def first_occurrence(idx: Tensor) -> Tensor:
     K = idx.shape[1]
     same = (idx[:, :, None] == idx[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)
     return (idx >= 0) & ~same.any(2)
-
-
-def check_class_counts(class_counts, num_classes: int) -> Tensor:
-    """A float64 copy of the counts after checking shape and values."""
-    if not isinstance(class_counts, Tensor):
-        class_counts = torch.as_tensor(class_counts)
-    if class_counts.shape != (num_classes,):
-        raise ValueError(f"class_counts must have shape ({num_classes},), got {tuple(class_counts.shape)}")
-    counts = class_counts.detach().to("cpu", torch.float64)
-    if not torch.isfinite(counts).all() or (counts < 0).any():
-        raise ValueError("class_counts must be finite and non-negative")
-    if counts.sum() <= 0:
-        raise ValueError("class_counts must not all be zero")
-    return counts

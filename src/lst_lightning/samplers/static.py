@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..heads.targets import check_class_counts
+from ..class_counts import check_class_counts
 from .base import Sampler, check_num_samples
 
 
