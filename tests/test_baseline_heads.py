@@ -199,6 +199,8 @@ HEADS = {
 BAD = [
     (lambda h, t: (h[:, :-1], t, None), ValueError, "shape"),
     (lambda h, t: (h, t.float(), None), TypeError, "int64"),
+    (lambda h, t: (h[:0], t[:0], None), ValueError, "empty"),
+    (lambda h, t: (h, t[:, None][:, :0], None), ValueError, "K >= 1"),
     (lambda h, t: (h, t + D, None), ValueError, "class ids"),
     (lambda h, t: (h, t - 2, None), ValueError, "class ids"),
     (lambda h, t: (h, t[:-1], None), ValueError, "shape"),
@@ -371,3 +373,16 @@ def KernelTreeOf(head):  # noqa: N802
     tree = KernelSumTree(head.sampler.tree.kernel, head.sampler.tree.leaf_size)
     tree.build(head._keys(head.weight).detach())
     return tree.sums
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_target_score_and_rank_agree_with_full_scores(name):
+    head = HEADS[name]()
+    h, t = torch.randn(m, d), torch.randint(0, D, (m,))
+    with torch.no_grad():
+        full = torch.cat([s for _, s in head.score_chunks(h, chunk_size=5)], 1)
+    target = head.target_score(h, t)
+    torch.testing.assert_close(target, full.gather(1, t[:, None])[:, 0])
+    assert torch.equal(head.target_rank(h, t, chunk_size=5), 1 + (full > target[:, None]).sum(1))
+    if head.has_log_prob:
+        torch.testing.assert_close(head.log_prob(h, t), torch.log_softmax(full, 1).gather(1, t[:, None])[:, 0])

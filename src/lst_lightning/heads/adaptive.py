@@ -101,3 +101,7 @@ class AdaptiveSoftmaxHead(OutputHead):
                 tail_lp = F.log_softmax(self.asm.tail[i - 1](hidden).float(), dim=1)
                 parts.append(head_lp[:, self.cutoffs[0] + i - 1, None] + tail_lp[:, a - lo:b - lo])
         return torch.cat(parts, 1)
+
+    @torch.no_grad()
+    def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
+        return self._target_log_prob(hidden, target_idx.reshape(-1, 1))[:, 0]

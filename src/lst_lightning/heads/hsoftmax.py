@@ -133,3 +133,7 @@ class HierarchicalSoftmaxHead(OutputHead):
         lse = mx + tot.log()
         lp = self.cluster_log_prob(hidden)[:, c0:c1 + 1].gather(1, seg) + logits - lse.gather(1, seg)
         return lp[:, start - lo:end - lo]
+
+    @torch.no_grad()
+    def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
+        return self._slot_log_prob(hidden, target_idx.reshape(-1, 1))[:, 0]

@@ -69,6 +69,10 @@ class LinearClassHead(OutputHead):
         b = None if self.bias is None else self.bias[start:end]
         return F.linear(self._query(hidden), self._keys(self.weight[start:end]), b)
 
+    @torch.no_grad()
+    def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
+        return self.class_logits(hidden, target_idx.reshape(-1, 1))[:, 0]
+
     def log_normaliser(self, hidden: Tensor, chunk_size: int = 65536) -> Tensor:
         """log sum_i exp(o_i) per row, over chunks of classes: (m,)."""
         parts = [torch.logsumexp(sc.float(), dim=1) for _, sc in self.score_chunks(hidden, chunk_size)]

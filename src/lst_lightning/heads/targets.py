@@ -40,12 +40,15 @@ def check_targets(hidden: Tensor, target_idx: Tensor, target_val: Tensor | None,
     check_hidden(hidden, hidden_dim)
     if not isinstance(target_idx, Tensor):
         raise TypeError(f"target_idx must be a torch.Tensor, got {type(target_idx).__name__}")
-    if target_idx.dtype != torch.long:
-        raise TypeError(f"target_idx must be int64 (torch.long), got {target_idx.dtype}")
+    if target_idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target_idx must be an int64 (or int32) tensor, got {target_idx.dtype}")
     m = hidden.shape[0]
-    idx = target_idx[:, None] if target_idx.dim() == 1 else target_idx
-    if idx.dim() != 2 or idx.shape[0] != m:
-        raise ValueError(f"target_idx must have shape ({m},) or ({m}, K), got {tuple(target_idx.shape)}")
+    if m == 0:
+        raise ValueError("hidden has no rows: the minibatch is empty")
+    idx = (target_idx[:, None] if target_idx.dim() == 1 else target_idx).long()
+    if idx.dim() != 2 or idx.shape[0] != m or idx.shape[1] == 0:
+        raise ValueError(f"target_idx must have shape ({m},) or ({m}, K) with K >= 1, "
+                         f"got {tuple(target_idx.shape)}")
     if idx.numel() and (idx.min() < -1 or idx.max() >= num_classes):
         raise ValueError(f"target_idx must hold class ids in [0, {num_classes}) or -1 for padding; "
                          f"got values in [{int(idx.min())}, {int(idx.max())}]")
