@@ -325,6 +325,9 @@ def test_sampled_gradient_bias_is_detectable_with_a_poor_proposal():
 def test_sampled_eval_scores_are_full_softmax():
     head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, sampler="uniform", bias=True)
     h, t = torch.randn(m, d), torch.randint(0, D, (m,))
+    head.eval()
+    t3 = make_targets(3)
+    torch.testing.assert_close(head(h, t3), full_softmax_loss(head, h, t3))
     full = torch.cat([s for _, s in head.score_chunks(h, chunk_size=6)], 1)
     torch.testing.assert_close(full, F.linear(h, head.weight, head.bias))
     torch.testing.assert_close(head.log_prob(h, t), F.log_softmax(full, 1).gather(1, t[:, None])[:, 0])

@@ -1,6 +1,7 @@
 """Sampled softmax: the softmax over the targets and S sampled negatives, with
 the logit correction -log(S q) (Bengio & Senecal; Jean et al.) and accidental
-hits removed. At evaluation the head scores all classes (full softmax).
+hits removed. In eval mode the loss is the exact full softmax, and scores
+cover all classes.
 
 Accidental hits (negatives equal to a target of their row) are dropped, so the
 k kept negatives of a row are i.i.d. draws from q restricted to the
@@ -89,6 +90,10 @@ class SampledSoftmaxHead(LinearClassHead):
 
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, valid = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
+        if not self.training:
+            # Evaluation: the exact full-softmax loss, comparable across heads.
+            log_z = self.log_normaliser(hidden)[:, None]
+            return reduce_rows((val * (log_z - self.class_logits(hidden, idx).float())).sum(1), self.reduction)
         query = self._query(hidden)
         with torch.no_grad():
             self.sync_sampler()
@@ -103,8 +108,7 @@ class SampledSoftmaxHead(LinearClassHead):
                 hit = torch.zeros_like(neg, dtype=torch.bool)
                 kept, log_rest = torch.full_like(neg[:, :1], self.num_samples), torch.zeros_like(log_q[:, :1])
             correction = log_q + kept.log() - log_rest
-            if self.training:
-                self._touched = torch.unique(torch.cat([idx[valid], neg.reshape(-1)]))
+            self._touched = torch.unique(torch.cat([idx[valid], neg.reshape(-1)]))
         o_t = self.class_logits(hidden, idx)
         if neg.dim() == 2 and not self.sampler.conditional:
             # Shared negatives: one (m, S) matmul against S rows.
