@@ -139,18 +139,23 @@ class KernelSumTree(nn.Module):
         walker_row = torch.arange(m, device=hidden.device).repeat_interleave(num_samples)
         ids = torch.empty(m * num_samples, dtype=torch.long, device=hidden.device)
         logq = torch.empty(m * num_samples, dtype=torch.float64, device=hidden.device)
+        P = self.num_blocks
         for sl in self._chunks(walker_row.numel()):
             r = walker_row[sl]
-            q, h = q_all[r], hidden[r]
             node = torch.ones_like(r)
             lq = torch.zeros(r.numel(), dtype=torch.float64, device=r.device)
             for _ in range(self.depth):
-                pl = self._p_left(q, node)
+                # Walkers of one row at one node share the branch probability: compute it once.
+                uk, inv = torch.unique(r * (2 * P) + node, return_inverse=True)
+                pl = self._p_left(q_all[uk // (2 * P)], uk % (2 * P))[inv]
                 u = torch.rand(r.numel(), device=r.device, generator=generator)
                 go_left = u < pl
                 node = torch.where(go_left, 2 * node, 2 * node + 1)
                 lq += torch.where(go_left, pl, 1 - pl).double().log()
-            p, rows = self._leaf_probs(q, h, node - self.num_blocks)
+            uk, inv = torch.unique(r * P + (node - P), return_inverse=True)
+            ur = uk // P
+            p, rows = self._leaf_probs(q_all[ur], hidden[ur], uk % P)
+            p, rows = p[inv], rows[inv]
             pick = torch.multinomial(p, 1, generator=generator)
             ids[sl] = rows.gather(1, pick)[:, 0]
             logq[sl] = lq + p.gather(1, pick)[:, 0].double().log()
