@@ -153,11 +153,14 @@ def test_bookkeeping_refresh_is_exact():
     assert int(f.q_refreshes) == 2
 
 
-def test_long_float32_run_keeps_uinv_accurate():
+@pytest.mark.parametrize("m", [4, 16])  # Woodbury updates of U^-1, and direct solves
+def test_long_float32_run_keeps_uinv_accurate(m):
     f, _ = make_pair("zloss", D=500, d=16, dtype=torch.float32, lr=0.05)
     for _ in range(400):
-        H, idx = batch(16, 16, 500, 1, dtype=torch.float32)
+        H, idx = batch(m, 16, 500, 1, dtype=torch.float32)
         f(H.requires_grad_(), idx).backward()
+    if not bool(f.uinv_fresh):
+        f.stabilise()
     eye = torch.eye(16)
     assert float((f.Uinv @ f.U - eye).abs().max()) < 1e-4
     W = f.weight().double()

@@ -9,6 +9,7 @@ names here follow it (row layout: H is m x d).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         g = torch.Generator().manual_seed(0)
         self.register_buffer("u_max", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
         self.register_buffer("u_min", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
+        self.register_buffer("uinv_fresh", torch.ones((), dtype=torch.bool, device=fk.get("device")))
         self.register_buffer("cond_bound", torch.ones((), **f64))     # >= cond(U), carried
         self.register_buffer("cond_estimate", torch.ones((), **f64))  # measured at the last check
         for name in ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes",
@@ -129,6 +131,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         self.V.copy_(W)
         self.U.copy_(torch.eye(self.width, dtype=self.dtype, device=self.device))
         self.Uinv.copy_(self.U)
+        self.uinv_fresh.fill_(True)
         self.omega.zero_()
         self.cond_bound.fill_(1.0)
         self.cond_estimate.fill_(1.0)
@@ -169,9 +172,16 @@ class FactoredSphericalHead(SphericalHeadBase):
         q, s, A, *_ = self._outputs(Hx, idx)
         return self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T)))
 
+    def _use_woodbury(self, m: int) -> bool:
+        # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
+        return self.woodbury == "always" or (self.woodbury == "auto" and 2 * m <= self.width)
+
     @torch.no_grad()
     def _forward_step(self, Hx, idx, T):
-        q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=True)
+        woodbury = self._use_woodbury(Hx.shape[0])
+        if woodbury and not bool(self.uinv_fresh):
+            self._refresh_uinv()  # the last steps solved with U directly and left U^-1 behind
+        q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
         L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T))
         return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA)
 
@@ -184,8 +194,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         # dH = dO W without dO: Z = (g_s 1^T + Yd) W.
         Z = lk.gather_sum(self.V, idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
         dH = torch.addcmul(Z, gq[:, None], sv.Hq, value=2.0)
-        small = torch.cat([Hx.reshape(-1), gq, gs, GA.reshape(-1)])
-        if not bool(torch.isfinite(small).all()):
+        if not math.isfinite(float(Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
             self._skip("hidden states or loss gradients")
             return torch.zeros_like(dH)
         new = self._new_state(sv, gq, gs, GA, ybar, Z, dH)
@@ -202,7 +211,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         c = 1.0 - lr * self.weight_decay  # > 0: forward checked lr * weight_decay < 1
         kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
         Pg = gq[:, None] * Hx
-        use_woodbury = self.woodbury == "always" or (self.woodbury == "auto" and m <= d)
+        use_woodbury = sv.HUinv is not None
         G = Hx @ Hx.T if use_woodbury else None
         lam_lo, lam_hi, exact = self._step_eigen_bounds(Hx, G, kappa)
         fold = exact and lam_lo < self.fold_tol
@@ -217,9 +226,8 @@ class FactoredSphericalHead(SphericalHeadBase):
             KR = kappa[:, None] * R
             Uinv_new = (self.Uinv + Hx.T @ KR) / c
             HUinv_new = (sv.HUinv + G @ KR) / c
-        else:
-            Uinv_new = torch.linalg.inv(U_new)
-            HUinv_new = Hx @ Uinv_new
+        else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
+            Uinv_new, HUinv_new = None, torch.linalg.solve(U_new, Hx, left=False)
         # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
         P2 = 2.0 * Pg
         M = dH @ P2.T + P2 @ Z.T
@@ -230,7 +238,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         Q_new = c * c * self.Q + HtR + HtR.T
         wbar_new = c * self.wbar - lr * (Hx.T @ (2.0 * gq * sv.s + self.num_classes * gs + ybar))
         parts = [U_new, omega_new, HUinv_new, Q_new, wbar_new] + ([Uinv_new] if Uinv_new is not None else [])
-        if not all(bool(torch.isfinite(t).all()) for t in parts):
+        if not math.isfinite(float(sum(t.sum() for t in parts))):  # NaN and inf survive a sum
             return None
         return {"U": U_new, "Uinv": Uinv_new, "omega": omega_new, "Q": Q_new, "wbar": wbar_new,
                 "HUinv": HUinv_new, "fold": fold, "cond_step": lam_hi / lam_lo if lam_lo > 0 else float("inf")}
@@ -238,17 +246,22 @@ class FactoredSphericalHead(SphericalHeadBase):
     def _step_eigen_bounds(self, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[float, float, bool]:
         """Bounds (lo, hi) on |eigenvalues| of B/c = I - H^T diag(kappa) H, and whether they are exact.
 
-        The Frobenius norm of H^T diag(kappa+) H bounds its largest eigenvalue in O(m^2)
-        (or O(d^2)); only when that cannot rule out an eigenvalue below 1/2 are the
-        eigenvalues computed (O(min(m, d)^3), large steps only)."""
+        Tiered, cheapest first: the largest eigenvalue of H^T diag(w) H (w >= 0) is at most
+        its trace sum(w ||h||^2) (O(m d)), and at most its Frobenius norm (O(m^2) with
+        G = H H^T at hand, else O(m d^2)). Only when neither rules out an eigenvalue of
+        B/c below 1/2 are the eigenvalues computed (O(min(m, d)^3): large steps only)."""
+        sq = Hx.pow(2).sum(1) if G is None else G.diagonal()
         rho = []
         for w in (kappa.clamp(min=0), (-kappa).clamp(min=0)):
-            if G is not None:
-                r = w.sqrt()
-                rho.append(float(torch.linalg.matrix_norm(G * r[:, None] * r[None, :])))
-            else:
-                X = w.sqrt()[:, None] * Hx
-                rho.append(float(torch.linalg.matrix_norm(X.T @ X)))
+            r = float(w @ sq)
+            if r > 0.05:  # the trace bound is loose by up to a factor min(m, d): tighten it
+                if G is not None:
+                    sw = w.sqrt()
+                    r = float(torch.linalg.matrix_norm(G * sw[:, None] * sw[None, :]))
+                else:
+                    X = w.sqrt()[:, None] * Hx
+                    r = float(torch.linalg.matrix_norm(X.T @ X))
+            rho.append(r)
         if rho[0] <= 0.5:
             return 1.0 - rho[0], 1.0 + rho[1], False
         self.eig_checks += 1
@@ -267,7 +280,10 @@ class FactoredSphericalHead(SphericalHeadBase):
             self.folds += 1
         else:
             self.U.copy_(new["U"])
-            self.Uinv.copy_(new["Uinv"])
+            if new["Uinv"] is not None:
+                self.Uinv.copy_(new["Uinv"])
+            else:
+                self.uinv_fresh.fill_(False)
         lk.scatter_add_rows_(self.V, sv.idx, GA, new["HUinv"], -self.lr)
         self.omega.copy_(new["omega"])
         self.Q.copy_(0.5 * (new["Q"] + new["Q"].T))
@@ -287,12 +303,13 @@ class FactoredSphericalHead(SphericalHeadBase):
         due = self.check_every and n % self.check_every == 0
         if due or float(self.cond_bound) > self.cond_trigger:
             self.stabilise()
-        elif self.uinv_refresh_every and n % self.uinv_refresh_every == 0:
-            self._refresh_uinv()
+        elif self.uinv_refresh_every and n % self.uinv_refresh_every == 0 and bool(self.uinv_fresh):
+            self._refresh_uinv()  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
 
     @torch.no_grad()
     def _refresh_uinv(self) -> None:
         self.Uinv.copy_(torch.linalg.inv(self.U))
+        self.uinv_fresh.fill_(True)
         self.uinv_refreshes += 1
 
     @torch.no_grad()
@@ -303,6 +320,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         eye = torch.eye(self.width, dtype=self.dtype, device=self.device)
         self.U.copy_(eye)
         self.Uinv.copy_(eye)
+        self.uinv_fresh.fill_(True)
         self.cond_bound.fill_(1.0)
         self.cond_estimate.fill_(1.0)
         self._version += 1

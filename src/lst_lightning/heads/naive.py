@@ -53,7 +53,7 @@ class NaiveSphericalHead(SphericalHeadBase):
     def _forward_step(self, Hx, idx, T):
         with torch.enable_grad():
             Hl = Hx.detach().requires_grad_()
-            Wl = self.W.detach().clone().requires_grad_()
+            Wl = self.W.detach().requires_grad_()  # W changes only after autograd.grad ran
             L = self._dense(Hl, idx, T, Wl)
         return L.detach(), (L, Hl, Wl)
 
