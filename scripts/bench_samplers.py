@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import platform
-import re
-import statistics
-import time
 from pathlib import Path
 
 import matplotlib
@@ -25,34 +20,15 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from lst_lightning.benchmark import machine_name, median_seconds  # noqa: E402
 from lst_lightning.samplers import KernelSumTree  # noqa: E402
 from lst_lightning.samplers.kernels import QuadraticKernel, RandomFourierKernel  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
-def machine_name() -> str:
-    """CPU model and core count, e.g. 'AMD-EPYC-7B13-2cpu'."""
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    model = re.sub(r"\(R\)|\(TM\)|CPU|Processor|@.*", "", model)
-    return re.sub(r"[^A-Za-z0-9]+", "-", model).strip("-") + f"-{os.cpu_count()}cpu"
-
-
 def best_ms(fn, reps: int) -> float:
-    fn()  # warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(fn, warmup=1, reps=reps)
 
 
 def direct_draw(kernel, state, h, num_samples):

@@ -411,3 +411,17 @@ def test_head_configs_instantiate_and_train(name):
     loss = head(h, torch.randint(0, 60, (4,)))
     loss.backward()
     assert torch.isfinite(loss) and h.grad.abs().sum() > 0
+
+
+def test_kernel_sampler_tree_follows_accumulated_gradients():
+    """Two forwards before one optimizer step: the rows of both are updated in the tree."""
+    head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, sampler="rff", num_samples=2, resync_every=1000)
+    opt = torch.optim.SGD(head.parameters(), lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        for micro in range(2):
+            head(torch.randn(m, d), make_targets(1, seed=10 * step + micro)).backward()
+        opt.step()
+    head.sync_sampler()
+    assert head._steps_since_build == 3
+    torch.testing.assert_close(head.sampler.tree.sums, KernelTreeOf(head), rtol=1e-5, atol=1e-5)

@@ -25,9 +25,9 @@ class SampledSoftmaxHead(LinearClassHead):
     """Sampled softmax with a ``sampler=`` choice (see ``lst_lightning.samplers.SAMPLERS``).
 
     Kernel samplers (``rff``, ``quadratic``) keep a sum-tree of the class
-    embeddings: after each optimizer step the rows trained in the previous
-    step (its targets and negatives: the only rows plain SGD changes) are
-    updated in the tree, and the whole tree is rebuilt every ``resync_every``
+    embeddings: after each optimizer step the rows trained since the last sync
+    (targets and negatives: the only rows plain SGD changes) are updated in
+    the tree, and the whole tree is rebuilt every ``resync_every``
     steps to catch rows moved by momentum or weight decay. A stale tree only
     makes q a worse match of the softmax: ``log q`` is always that of the
     law actually drawn from, so the correction stays right.
@@ -74,6 +74,7 @@ class SampledSoftmaxHead(LinearClassHead):
             self.sampler.sync(self._keys(self.weight), self.bias)
             self._steps_since_build = 0
         self._synced_version = version
+        self._touched = None  # rows trained since this sync accumulate from here
 
     def _draw(self, query: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Negatives (m, S), their log q (m, S), and log q of the targets (m, K)."""
@@ -108,7 +109,9 @@ class SampledSoftmaxHead(LinearClassHead):
                 hit = torch.zeros_like(neg, dtype=torch.bool)
                 kept, log_rest = torch.full_like(neg[:, :1], self.num_samples), torch.zeros_like(log_q[:, :1])
             correction = log_q + kept.log() - log_rest
-            self._touched = torch.unique(torch.cat([idx[valid], neg.reshape(-1)]))
+            # Rows this step trains, kept (over accumulated forwards) until the next sync.
+            new_rows = [idx[valid], neg.reshape(-1)] + ([] if self._touched is None else [self._touched])
+            self._touched = torch.unique(torch.cat(new_rows))
         o_t = self.class_logits(hidden, idx)
         if neg.dim() == 2 and not self.sampler.conditional:
             # Shared negatives: one (m, S) matmul against S rows.
