@@ -425,3 +425,21 @@ def test_kernel_sampler_tree_follows_accumulated_gradients():
     head.sync_sampler()
     assert head._steps_since_build == 3
     torch.testing.assert_close(head.sampler.tree.sums, KernelTreeOf(head), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["liger", "cce"])
+def test_softmax_optional_impls_match_torch_on_cuda(impl):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        head = SoftmaxHead(num_classes=1000, hidden_dim=64, impl=impl, device="cuda")
+    except ImportError:
+        pytest.skip(f"{impl} is not installed")
+    ref = SoftmaxHead(num_classes=1000, hidden_dim=64, device="cuda")
+    ref.load_state_dict(head.state_dict())
+    h = torch.randn(64, 64, device="cuda")
+    t = torch.randint(0, 1000, (64, 2), device="cuda")
+    t[0, 1] = -1
+    for tt in (t[:, 0], t):
+        torch.testing.assert_close(head(h, tt), ref(h, tt), rtol=2e-3, atol=2e-3)
