@@ -40,11 +40,12 @@ def grads(loss, *tensors):
 
 
 # -- softmax ---------------------------------------------------------------------
-@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("chunked,chunk_elements", [(True, 1 << 24), (True, 2 * D), (False, 1)])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("K", [1, 3])
-def test_softmax_matches_dense(chunked, bias, K):
-    head = SoftmaxHead(num_classes=D, hidden_dim=d, bias=bias, chunked=chunked)
+def test_softmax_matches_dense(chunked, chunk_elements, bias, K):
+    """Against logits + log_softmax; chunk_elements = 2 D makes chunks of 2 rows."""
+    head = SoftmaxHead(num_classes=D, hidden_dim=d, bias=bias, chunked=chunked, chunk_elements=chunk_elements)
     if bias:
         torch.nn.init.normal_(head.bias)
     h = torch.randn(m, d, requires_grad=True)
