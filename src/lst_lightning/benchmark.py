@@ -44,15 +44,23 @@ def zipf_targets(m: int, D: int, generator: torch.Generator) -> torch.Tensor:
     return (torch.exp(u * torch.log(torch.tensor(D + 1.0))) - 1).long().clamp_(0, D - 1)
 
 
-def median_seconds(step: Callable[[], None], warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def interleaved_medians(steps: dict[str, tuple[Callable[[], None], int]], rounds: int,
+                        warmup: int = 2) -> dict[str, float]:
+    """Median seconds per step of each function, timed in alternation.
+
+    Each round runs every function ``inner`` times in turn, so a load that comes and
+    goes on the machine falls on all of them alike and the ratios stay fair."""
+    for fn, inner in steps.values():
+        for _ in range(min(warmup, inner)):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, (fn, inner) in steps.items():
+            for _ in range(inner):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _batches(m: int, d: int, D: int, n: int = 8):
@@ -93,24 +101,36 @@ def linear_cross_entropy_step(D: int, d: int, m: int, lr: float = 0.01) -> Calla
     return step
 
 
-def run(configs: list[dict], warmup: int, reps: int, console: Console) -> list[dict]:
+def make_step(impl: str, D: int, d: int, m: int) -> Callable[[], None]:
+    if impl == "factored":
+        return head_step(FactoredSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01), m)
+    if impl == "naive":
+        return head_step(NaiveSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01), m)
+    if impl == "linear_cross_entropy":
+        return linear_cross_entropy_step(D, d, m)
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def run(configs: list[dict], reps: int, console: Console) -> list[dict]:
+    """Time each group's implementations (or each size of a group) in alternation."""
     rows = []
-    for cfg in configs:
-        D, d, m = cfg["D"], cfg["d"], cfg["m"]
-        for impl in cfg["impls"]:
-            console.print(f"[dim]timing {impl} at D={D:,} d={d} m={m}[/dim]")
-            if impl == "factored":
-                step = head_step(FactoredSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01), m)
-            elif impl == "naive":
-                step = head_step(NaiveSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01), m)
-            elif impl == "linear_cross_entropy":
-                step = linear_cross_entropy_step(D, d, m)
-            else:
-                raise ValueError(impl)
-            slow = impl != "factored"
-            sec = median_seconds(step, warmup=1 if slow else warmup, reps=max(3, reps // 10) if slow else reps)
-            rows.append({"group": cfg["group"], "impl": impl, "D": D, "d": d, "m": m, "ms": 1e3 * sec})
-            del step
+    for group in dict.fromkeys(c["group"] for c in configs):
+        members = [(c, impl) for c in configs if c["group"] == group for impl in c["impls"]]
+        steps, keys = {}, []
+        for cfg, impl in members:
+            console.print(f"[dim]building {impl} at D={cfg['D']:,} d={cfg['d']} m={cfg['m']}[/dim]")
+            key = f"{impl}@{cfg['D']}"
+            # The explicit-W steps take seconds: one per round; the factored step: many.
+            inner = reps if impl == "factored" else 1
+            steps[key] = (make_step(impl, cfg["D"], cfg["d"], cfg["m"]), inner)
+            keys.append((key, cfg, impl))
+        slow = any(impl != "factored" for _, impl in members)
+        console.print(f"[dim]timing {group} in alternation[/dim]")
+        med = interleaved_medians(steps, rounds=3 if slow else 5, warmup=1 if slow else 3)
+        for key, cfg, impl in keys:
+            rows.append({"group": group, "impl": impl, "D": cfg["D"], "d": cfg["d"], "m": cfg["m"],
+                         "ms": 1e3 * med[key]})
+        del steps
     return rows
 
 
@@ -191,14 +211,18 @@ def plot(rows: list[dict], path: Path, machine: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--full", action="store_true", help="the paper's and the issue's sizes (minutes, ~8 GB)")
-    p.add_argument("--reps", type=int, default=30, help="timed factored steps per size (median)")
+    p.add_argument("--reps", type=int, default=10, help="factored steps per round (3 or 5 rounds; median)")
     p.add_argument("--out", type=Path, default=None, help="CSV path (default: benchmarks/results/...)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     console = Console()
     machine = machine_name()
     torch.manual_seed(0)
     cfgs = configs(args.full)
-    rows = run(cfgs, warmup=5, reps=args.reps, console=console)
+    rows = run(cfgs, reps=args.reps, console=console)
 
     table = Table(title=f"Output-layer training step (forward + backward + update), {machine}, "
                         f"torch {torch.__version__}, {torch.get_num_threads()} threads")
