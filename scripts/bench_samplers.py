@@ -20,15 +20,15 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from lst_lightning.benchmark import machine_name, median_seconds  # noqa: E402
+from lst_lightning.benchmark import interleaved_medians, machine_name  # noqa: E402
 from lst_lightning.samplers import KernelSumTree  # noqa: E402
 from lst_lightning.samplers.kernels import QuadraticKernel, RandomFourierKernel  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 
 
-def best_ms(fn, reps: int) -> float:
-    return 1e3 * median_seconds(fn, warmup=1, reps=reps)
+def build_ms(tree, C, reps: int) -> float:
+    return 1e3 * interleaved_medians({"build": (lambda: tree.build(C), 1)}, rounds=reps, warmup=0)["build"]
 
 
 def direct_draw(kernel, state, h, num_samples):
@@ -62,18 +62,20 @@ def main():
         C = torch.randn(n, d)
         h = torch.randn(m, d)
         tree = KernelSumTree(kernel, args.leaf_size)
-        build_ms = best_ms(lambda: tree.build(C), max(1, args.reps // 2))
+        tree_build_ms = build_ms(tree, C, max(1, args.reps // 2))
         state = tree.state[:n]
-        direct_ms = best_ms(lambda: direct_draw(kernel, state, h, S), args.reps)
-        tree_ms = best_ms(lambda: tree.sample(h, S), args.reps)
         # Keeping the tree in step after a step that trained the m S negatives and m targets.
         upd = torch.randint(0, n, (m * (S + 1),))
-        update_ms = best_ms(lambda: tree.update(upd, C[upd]), args.reps)
+        # In alternation, so passing load on the shared machine falls on all alike.
+        t = interleaved_medians({"direct": (lambda: direct_draw(kernel, state, h, S), 1),
+                                 "tree": (lambda: tree.sample(h, S), 1),
+                                 "update": (lambda: tree.update(upd, C[upd]), 1)}, rounds=args.reps, warmup=1)
+        direct_ms, tree_ms, update_ms = (1e3 * t[k] for k in ("direct", "tree", "update"))
         rows.append({"machine": machine, "kernel": args.kernel, "n": n, "d": d,
                      "feature_dim": kernel.feature_dim, "rows": m, "samples": S, "leaf_size": args.leaf_size,
                      "threads": args.threads, "direct_ms": round(direct_ms, 3), "tree_ms": round(tree_ms, 3),
                      "direct_over_tree": round(direct_ms / tree_ms, 3), "tree_update_ms": round(update_ms, 3),
-                     "tree_build_ms": round(build_ms, 3)})
+                     "tree_build_ms": round(tree_build_ms, 3)})
     table = Table(title=f"{args.kernel} sampling, {m} rows x {S} draws, F = {kernel.feature_dim}, {machine}, "
                         f"{args.threads} thread(s)")
     for col in ("n", "direct_ms", "tree_ms", "direct_over_tree", "tree_update_ms", "tree_build_ms"):
