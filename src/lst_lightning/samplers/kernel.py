@@ -10,14 +10,29 @@ from .kernels import Kernel, QuadraticKernel, RandomFourierKernel
 from .sum_tree import KernelSumTree
 
 
+DRAWS = ("auto", "tree", "direct")
+
+
 class KernelSampler(Sampler):
+    """``draw``: ``tree`` walks the sum-tree, O(F (2 log n + B)) per draw; ``direct``
+    computes the same law for all n classes, O(n F) per row, then draws; ``auto``
+    takes the cheaper one for S draws per row."""
+
     conditional = True
     needs_embeddings = True
 
-    def __init__(self, *, num_classes: int, kernel: Kernel, leaf_size: int = 16):
+    def __init__(self, *, num_classes: int, kernel: Kernel, leaf_size: int = 16, draw: str = "auto"):
         super().__init__()
+        if draw not in DRAWS:
+            raise ValueError(f"draw must be one of {DRAWS}, got {draw!r}")
         self.num_classes = num_classes
+        self.draw = draw
         self.tree = KernelSumTree(kernel, leaf_size)
+
+    def uses_tree(self, num_samples: int) -> bool:
+        if self.draw != "auto":
+            return self.draw == "tree"
+        return self.num_classes > num_samples * (2 * self.tree.depth + self.tree.leaf_size)
 
     def sync(self, embeddings: Tensor, bias: Tensor | None = None, rows: Tensor | None = None) -> None:
         if rows is None:
@@ -36,9 +51,15 @@ class KernelSampler(Sampler):
         return hidden.detach()
 
     def sample(self, num_samples, hidden=None, generator=None):
-        return self.tree.sample(self._check_hidden(hidden), check_num_samples(num_samples), generator)
+        hidden, S = self._check_hidden(hidden), check_num_samples(num_samples)
+        if self.uses_tree(S):
+            return self.tree.sample(hidden, S, generator)
+        probs = self.tree.direct_probs(hidden)
+        ids = torch.multinomial(probs, S, replacement=True, generator=generator)
+        return ids, probs.gather(1, ids).log().float()
 
     def log_prob(self, classes, hidden=None):
+        # The walk's law for a few classes is O(K F log n): no need for the direct way here.
         return self.tree.log_prob(self._check_hidden(hidden), classes)
 
     def direct_probs(self, hidden: Tensor) -> Tensor:
@@ -50,16 +71,17 @@ class RFFSampler(KernelSampler):
     """RF-softmax proposal: random Fourier features of unit embeddings (D_rff = num_features)."""
 
     def __init__(self, *, num_classes: int, hidden_dim: int, num_features: int = 256, nu: float = 1.0,
-                 leaf_size: int = 16, seed: int | None = 0):
-        super().__init__(num_classes=num_classes, leaf_size=leaf_size,
+                 leaf_size: int = 16, seed: int | None = 0, draw: str = "auto"):
+        super().__init__(num_classes=num_classes, leaf_size=leaf_size, draw=draw,
                          kernel=RandomFourierKernel(hidden_dim, num_features, nu, seed))
 
 
 class QuadraticSampler(KernelSampler):
     """Quadratic-kernel proposal alpha (h.c)^2 + 1; leaves of about d classes suit its O(d) leaf cost."""
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, alpha: float = 100.0, leaf_size: int | None = None):
-        super().__init__(num_classes=num_classes, kernel=QuadraticKernel(hidden_dim, alpha),
+    def __init__(self, *, num_classes: int, hidden_dim: int, alpha: float = 100.0, leaf_size: int | None = None,
+                 draw: str = "auto"):
+        super().__init__(num_classes=num_classes, kernel=QuadraticKernel(hidden_dim, alpha), draw=draw,
                          leaf_size=max(16, hidden_dim) if leaf_size is None else leaf_size)
 
 
