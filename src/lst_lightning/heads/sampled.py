@@ -89,6 +89,20 @@ class SampledSoftmaxHead(LinearClassHead):
             log_q_t = self.sampler.log_prob(idx)
         return neg, log_q, log_q_t
 
+    def _redraw_all_hit_rows(self, query, idx, neg, log_q, hit, tries: int = 8):
+        """Redraw rows whose every negative hit a target (probability q_T^S): the kept
+        draws are then those of the law given k >= 1, keeping the estimate unbiased.
+        Rows are independent under a conditional sampler, so this is plain rejection."""
+        neg, log_q, hit = neg.clone(), log_q.clone(), hit.clone()
+        for _ in range(tries):
+            rows = hit.all(1).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                break
+            n2, lq2 = self.sampler.sample(self.num_samples, query[rows])
+            neg[rows], log_q[rows] = n2, lq2
+            hit[rows] = (n2.unsqueeze(2) == idx[rows].unsqueeze(1)).any(2)
+        return neg, log_q, hit
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, valid = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         if not self.training:
@@ -102,6 +116,8 @@ class SampledSoftmaxHead(LinearClassHead):
             first = first_occurrence(idx)
             if self.remove_accidental_hits:
                 hit = (neg.unsqueeze(2) == idx.unsqueeze(1)).any(2)
+                if self.sampler.conditional:
+                    neg, log_q, hit = self._redraw_all_hit_rows(query.detach(), idx, neg, log_q, hit)
                 kept = (~hit).sum(1, keepdim=True).clamp(min=1)
                 q_t = torch.where(first, log_q_t.exp(), torch.zeros_like(log_q_t)).sum(1, keepdim=True)
                 log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
