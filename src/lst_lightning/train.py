@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
@@ -81,7 +82,7 @@ def run_name(cfg: DictConfig) -> str:
     return f"{cls.__name__}-{cfg.loss.name}" if uses_loss else cls.__name__
 
 
-def build(cfg: DictConfig, run_dir: str | Path):
+def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     """Data module, model and trainer from a composed config."""
     run_dir = Path(run_dir)
     tcfg = cfg.trainer
@@ -138,6 +139,7 @@ def build(cfg: DictConfig, run_dir: str | Path):
         callbacks.append(pl.callbacks.RichProgressBar())
     if cb.lr_monitor and loggers:
         callbacks.append(pl.callbacks.LearningRateMonitor(logging_interval="step"))
+    callbacks += list(extra_callbacks)
     trainer = pl.Trainer(
         **OmegaConf.to_container(tcfg, resolve=True), logger=loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
@@ -157,12 +159,12 @@ def unigram_metrics(dm, topk) -> dict[str, float]:
     return out
 
 
-def run(cfg: DictConfig, run_dir: str | Path) -> dict:
+def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) -> dict:
     """Train (or resume), validate, test; returns and writes the results."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    dm, module, trainer = build(cfg, run_dir)
+    dm, module, trainer = build(cfg, run_dir, extra_callbacks)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if getattr(dm, "vocab", None) is not None:
         dm.save_vocab(run_dir / "vocab.json")
