@@ -1,4 +1,7 @@
 """Output heads: the exact factored spherical head, its naive reference, and baselines."""
 from .base import OutputHead
+from .factored import FactoredSphericalHead
+from .naive import NaiveSphericalHead
+from .spherical import SphericalHeadBase
 
-__all__ = ["OutputHead"]
+__all__ = ["OutputHead", "SphericalHeadBase", "FactoredSphericalHead", "NaiveSphericalHead"]
