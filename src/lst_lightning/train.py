@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -123,7 +122,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         loggers.append(pl.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version=""))
     wb = cfg.logger.wandb
     if wb.enabled:
-        os.environ.setdefault("WANDB_MODE", wb.mode)
         tags = sorted({cls.__name__, str(cfg.loss.name), *wb.tags})
         loggers.append(pl.loggers.WandbLogger(
             save_dir=str(run_dir), project=wb.project, entity=wb.entity, name=name,
