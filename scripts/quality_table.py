@@ -74,7 +74,7 @@ class ValidationCurve(pl.Callback):
 
 
 def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
-    overrides = [*TASKS[task], *HEADS[head], f"seed={args.seed}", "logger.csv=false", "callbacks.rich_progress=false",
+    overrides = [*TASKS[task], *HEADS[head], f"seed={args.seed}", "logger=csv", "callbacks=minimal",
                  f"name={task}-{head}-{mode}"]
     if args.val_every:
         overrides.append(f"trainer.val_check_interval={args.val_every}")
