@@ -4,8 +4,9 @@ where defined, SimLex-999, step time. Writes a CSV, a markdown table and a plot 
 error against training wall-clock time under benchmarks/results/, naming the machine.
 
     uv run python scripts/quality_table.py                       # both tasks, both budgets
+    uv run python scripts/quality_table.py --preset quick --budget-s 10   # a smoke test, minutes
     uv run python scripts/quality_table.py --tasks wiki --heads softmax factored-zloss \\
-        --epochs 1 --budget-s 60 -o experiment=tiny               # a quick look
+        --epochs 1 --budget-s 60 -o trainer.limit_train_batches=500
 
 Each run is ``lst_lightning.train.run`` on a composed config (``data=<task>``, ``head=...``,
 any ``-o`` overrides), so what is measured is exactly what ``lst-train`` does.
@@ -47,6 +48,13 @@ HEADS: dict[str, list[str]] = {
     "sampled-quadratic": ["head=sampled_quadratic"],
 }
 TASKS = {"wiki": ["data=wiki"], "synthetic": ["data=synthetic"]}
+# Per-task overrides of a preset: "quick" runs in seconds per head (a smoke test of the table).
+PRESETS = {
+    "full": {"wiki": [], "synthetic": []},
+    "quick": {"wiki": ["experiment=tiny"],
+              "synthetic": ["experiment=tiny", "~data.vocab_size", "data.num_classes=3000",
+                            "data.input_vocab_size=500", "data.context_size=3"]},
+}
 
 
 class ValidationCurve(pl.Callback):
@@ -84,7 +92,7 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
         s = int(args.budget_s)
         overrides += [f"trainer.max_epochs={args.max_epochs_in_budget}",
                       f"+trainer.max_time=00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"]
-    overrides += args.override
+    overrides += PRESETS[args.preset][task] + args.override
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     curve = ValidationCurve()
@@ -134,6 +142,8 @@ def main():
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     ap.add_argument("--modes", nargs="+", default=["epochs", "budget"], choices=["epochs", "budget"])
+    ap.add_argument("--preset", choices=list(PRESETS), default="full",
+                    help="full: the configs as they are; quick: tiny sizes, seconds per run")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock budget per run (budget mode)")
     ap.add_argument("--max-epochs-in-budget", type=int, default=1000)
