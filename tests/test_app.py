@@ -13,7 +13,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 
-from lst_lightning.train import config_dir, run
+from lst_lightning.train import config_dir, run, run_name
 
 CONF = Path(config_dir())
 TOY = "toy_heads.ToySelfUpdatingHead"
@@ -73,6 +73,8 @@ def test_default_config():
     assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.1, "b": 10.0}
     assert cfg.data.source == "embedded" and cfg.trainer.accelerator == "cpu"
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
+    assert run_name(cfg) == "FactoredSphericalHead-zloss"
+    assert run_name(cfg_of("head._target_=toy_heads.ToySoftmaxHead")) == "ToySoftmaxHead"
 
 
 def _results(path):

@@ -77,8 +77,8 @@ def run_name(cfg: DictConfig) -> str:
     if cfg.get("name"):
         return str(cfg.name)
     cls = head_class(cfg)
-    uses_loss = "loss" in inspect.signature(cls).parameters
-    return f"{cls.__name__}-{cfg.loss.name}" if uses_loss else cls.__name__
+    # only the spherical (self-updating) heads read the loss group
+    return f"{cls.__name__}-{cfg.loss.name}" if getattr(cls, "self_updating", False) else cls.__name__
 
 
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
