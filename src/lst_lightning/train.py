@@ -92,6 +92,8 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if getattr(cls, "self_updating", False) and tcfg.get("accumulate_grad_batches", 1) != 1:
         raise ValueError(f"{cls.__name__} updates itself in backward: trainer.accumulate_grad_batches must be 1")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
 
     dm = instantiate(cfg.data, _convert_="all")
     dm.prepare_data()
