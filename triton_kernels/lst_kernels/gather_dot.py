@@ -8,8 +8,12 @@ from torch import Tensor
 
 from . import checks
 
-BLOCK_K = 16
+MAX_BLOCK_K = 16
 BLOCK_D = 128
+
+
+def _block_k(K: int) -> int:
+    return max(2, min(MAX_BLOCK_K, triton.next_power_of_2(K)))
 
 
 @triton.jit
@@ -45,8 +49,9 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
     if m == 0 or K == 0:
         return A
     idx, X = idx.contiguous(), X.contiguous()
-    x0 = x0.contiguous() if x0 is not None else X  # dummy pointer when absent
-    grid = (m, triton.cdiv(K, BLOCK_K))
+    has_x0 = x0 is not None
+    x0 = x0.contiguous() if has_x0 else X  # a dummy pointer, never read
+    grid = (m, triton.cdiv(K, _block_k(K)))
     _gather_dot_kernel[grid](V, idx, X, x0, A, K, V.shape[1], V.shape[0], V.stride(0), V.stride(1),
-                             HAS_X0=x0 is not X, BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D)
+                             HAS_X0=has_x0, BLOCK_K=_block_k(K), BLOCK_D=BLOCK_D)
     return A

@@ -8,8 +8,12 @@ from torch import Tensor
 
 from . import checks
 
-BLOCK_K = 16
+MAX_BLOCK_K = 16
 BLOCK_D = 128
+
+
+def _block_k(K: int) -> int:
+    return max(2, min(MAX_BLOCK_K, triton.next_power_of_2(K)))
 
 
 @triton.jit
@@ -45,5 +49,5 @@ def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     idx, G = idx.contiguous(), G.contiguous()
     grid = (m, triton.cdiv(d, BLOCK_D))
     _gather_sum_kernel[grid](V, idx, G, Y, K, d, V.shape[0], V.stride(0), V.stride(1),
-                             BLOCK_K=BLOCK_K, BLOCK_D=BLOCK_D)
+                             BLOCK_K=_block_k(K), BLOCK_D=BLOCK_D)
     return Y

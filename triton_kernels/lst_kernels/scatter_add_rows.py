@@ -18,27 +18,29 @@ BLOCK_D = 128
 
 
 @triton.jit
-def _scatter_add_rows_kernel(V, KEYS, PERM, STARTS, ENDS, G, X, ALPHA, K, d, D,
-                             stride_vr, stride_vc,
+def _scatter_add_rows_kernel(V, KEYS, PERM, G, X, ALPHA, n, K, d, D, stride_vr, stride_vc,
                              ALPHA_PTR: tl.constexpr, BLOCK_D: tl.constexpr):
     p = tl.program_id(0)
     row = tl.load(KEYS + p)
-    start = tl.load(STARTS + p)
+    prev = tl.load(KEYS + p - 1, mask=p > 0, other=-2)
     # Only the first slot of each run of equal rows does the work (one writer per row).
-    if (start == p) & (row >= 0) & (row < D):
+    if (prev != row) & (row >= 0) & (row < D):
         if ALPHA_PTR:
             alpha = tl.load(ALPHA).to(tl.float32)
         else:
             alpha = ALPHA
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         cmask = cols < d
-        end = tl.load(ENDS + p)
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for q in tl.range(start, end):
+        q = p
+        key = row
+        while key == row:  # the run, in batch order (the sort was stable)
             src = tl.load(PERM + q)  # flat position j * K + k in the batch
             g = tl.load(G + src).to(tl.float32)
             x = tl.load(X + (src // K) * d + cols, mask=cmask, other=0.0).to(tl.float32)
             acc += g * x
+            q += 1
+            key = tl.load(KEYS + q, mask=q < n, other=-2)
         ptr = V + row.to(tl.int64) * stride_vr + cols * stride_vc
         old = tl.load(ptr, mask=cmask).to(tl.float32)
         tl.store(ptr, (old + alpha * acc).to(V.dtype.element_ty), mask=cmask)
@@ -51,13 +53,11 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     D, d = V.shape
     if m * K == 0 or d == 0:
         return V
+    # One sort on the device, no host sync: a fixed grid of m*K programs finds the runs.
     keys, perm = torch.sort(idx.reshape(-1).to(torch.int64), stable=True)
-    # Run boundaries on the device: no host sync, a fixed grid of m*K programs.
-    starts = torch.searchsorted(keys, keys, right=False)
-    ends = torch.searchsorted(keys, keys, right=True)
     alpha_arg, alpha_ptr = scalar_arg(alpha)
     grid = (m * K, triton.cdiv(d, BLOCK_D))
-    _scatter_add_rows_kernel[grid](V, keys, perm, starts, ends, G.contiguous(), X.contiguous(), alpha_arg,
-                                   K, d, D, V.stride(0), V.stride(1),
+    _scatter_add_rows_kernel[grid](V, keys, perm, G.contiguous(), X.contiguous(), alpha_arg,
+                                   m * K, K, d, D, V.stride(0), V.stride(1),
                                    ALPHA_PTR=alpha_ptr, BLOCK_D=BLOCK_D)
     return V
