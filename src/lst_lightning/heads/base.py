@@ -53,13 +53,12 @@ class OutputHead(nn.Module):
 
     @torch.no_grad()
     def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
-        """The score of each row's target class, (m,). Heads override this with a gather."""
+        """The score of each row's target class, (m,). Heads may override this with a gather."""
         target_idx = target_idx.reshape(-1)
-        out = torch.empty(hidden.shape[0], device=hidden.device)
+        out = None
         for start, sc in self.score_chunks(hidden):
-            inside = (target_idx >= start) & (target_idx < start + sc.shape[1])
-            rows = inside.nonzero().squeeze(1)
-            out = out.to(sc.dtype)
+            out = sc.new_empty(hidden.shape[0]) if out is None else out
+            rows = ((target_idx >= start) & (target_idx < start + sc.shape[1])).nonzero().squeeze(1)
             out[rows] = sc[rows, target_idx[rows] - start]
         return out
 
@@ -67,11 +66,16 @@ class OutputHead(nn.Module):
     def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:
         """1-based rank of each row's target among all classes, (m,).
 
-        Ties count against the target, so a constant scorer ranks last, not first.
-        Two passes over chunks of classes: never holds (m, D) scores at once.
+        Ties count against the target (a constant scorer ranks it last, not first), and
+        the target's own column is left out, so the rounding of its score cannot move it.
+        Scores are made in chunks of classes: (m, D) is never held at once.
         """
+        target_idx = target_idx.reshape(-1)
         target = self.target_score(hidden, target_idx)
         rank = torch.ones(hidden.shape[0], dtype=torch.long, device=hidden.device)
-        for _, sc in self.score_chunks(hidden, chunk_size):
-            rank += (sc >= target[:, None].to(sc.dtype)).sum(1)
-        return rank - 1  # the target itself scored >= itself once
+        for start, sc in self.score_chunks(hidden, chunk_size):
+            ge = sc >= target[:, None].to(sc.dtype)
+            rows = ((target_idx >= start) & (target_idx < start + sc.shape[1])).nonzero().squeeze(1)
+            ge[rows, target_idx[rows] - start] = False
+            rank += ge.sum(1)
+        return rank

@@ -1,0 +1,110 @@
+"""Kernel-based negative sampling: the sum-tree (O(F log n) per draw) against the direct
+way (all n kernel values, O(n F) per row, then a multinomial draw), over n, on CPU.
+
+Prints the ratios measured side by side in one run, writes
+benchmarks/results/bench_samplers_<machine>.csv and a plot beside it.
+
+    uv run python scripts/bench_samplers.py [--kernel rff|quadratic] [--sizes 1000 4000 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from lst_lightning.benchmark import interleaved_medians, machine_name  # noqa: E402
+from lst_lightning.samplers import KernelSumTree  # noqa: E402
+from lst_lightning.samplers.kernels import QuadraticKernel, RandomFourierKernel  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def build_ms(tree, C, reps: int) -> float:
+    return 1e3 * interleaved_medians({"build": (lambda: tree.build(C), 1)}, rounds=reps, warmup=0)["build"]
+
+
+def direct_draw(kernel, state, h, num_samples):
+    """The direct way: every class's kernel value, clamped, then a multinomial draw."""
+    vals = kernel.leaf_values(kernel.query(h), h, state).clamp(min=0)
+    return torch.multinomial(vals, num_samples, replacement=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", choices=["rff", "quadratic"], default="rff")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 16000, 64000, 256000])
+    ap.add_argument("--hidden-dim", type=int, default=32)
+    ap.add_argument("--d-rff", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=16, help="hidden rows m per call")
+    ap.add_argument("--samples", type=int, default=64, help="draws S per row")
+    ap.add_argument("--leaf-size", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    d, m, S = args.hidden_dim, args.rows, args.samples
+    if args.kernel == "rff":
+        kernel = RandomFourierKernel(d, args.d_rff, nu=4.0)
+    else:
+        kernel = QuadraticKernel(d, alpha=100.0)
+    machine = machine_name()
+    rows = []
+    for n in args.sizes:
+        C = torch.randn(n, d)
+        h = torch.randn(m, d)
+        tree = KernelSumTree(kernel, args.leaf_size)
+        tree_build_ms = build_ms(tree, C, max(1, args.reps // 2))
+        state = tree.state[:n]
+        # Keeping the tree in step after a step that trained the m S negatives and m targets.
+        upd = torch.randint(0, n, (m * (S + 1),))
+        # In alternation, so passing load on the shared machine falls on all alike.
+        t = interleaved_medians({"direct": (lambda: direct_draw(kernel, state, h, S), 1),
+                                 "tree": (lambda: tree.sample(h, S), 1),
+                                 "update": (lambda: tree.update(upd, C[upd]), 1)}, rounds=args.reps, warmup=1)
+        direct_ms, tree_ms, update_ms = (1e3 * t[k] for k in ("direct", "tree", "update"))
+        rows.append({"machine": machine, "kernel": args.kernel, "n": n, "d": d,
+                     "feature_dim": kernel.feature_dim, "rows": m, "samples": S, "leaf_size": args.leaf_size,
+                     "threads": args.threads, "direct_ms": round(direct_ms, 3), "tree_ms": round(tree_ms, 3),
+                     "direct_over_tree": round(direct_ms / tree_ms, 3), "tree_update_ms": round(update_ms, 3),
+                     "tree_build_ms": round(tree_build_ms, 3)})
+    table = Table(title=f"{args.kernel} sampling, {m} rows x {S} draws, F = {kernel.feature_dim}, {machine}, "
+                        f"{args.threads} thread(s)")
+    for col in ("n", "direct_ms", "tree_ms", "direct_over_tree", "tree_update_ms", "tree_build_ms"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(*(str(r[c]) for c in ("n", "direct_ms", "tree_ms", "direct_over_tree", "tree_update_ms",
+                                            "tree_build_ms")))
+    Console().print(table)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"bench_samplers_{args.kernel}_{machine}"
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ns = [r["n"] for r in rows]
+    ax.loglog(ns, [r["direct_ms"] for r in rows], "o-", label="direct: all n kernel values + multinomial")
+    ax.loglog(ns, [r["tree_ms"] for r in rows], "s-", label="sum-tree walk")
+    ax.loglog(ns, [r["tree_update_ms"] for r in rows], "^--", label=f"tree update of {m * (S + 1)} rows")
+    ax.set_xlabel("number of classes n")
+    ax.set_ylabel(f"ms per call ({m} rows x {S} draws)")
+    ax.set_title(f"{args.kernel} sampler, F = {kernel.feature_dim}, {machine}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(stem.with_suffix(".png"), dpi=120)
+    print(f"wrote {stem.with_suffix('.csv')} and {stem.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

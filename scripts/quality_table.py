@@ -1,0 +1,192 @@
+"""The quality table: every head trained on the same data with the same body, for the same
+number of epochs and for the same wall-clock budget; top-k error rates, MRR, perplexity
+where defined, SimLex-999, step time. Writes a CSV, a markdown table and a plot of a top-k
+error against training wall-clock time under benchmarks/results/, naming the machine.
+
+    uv run python scripts/quality_table.py                       # both tasks, both budgets
+    uv run python scripts/quality_table.py --preset quick --budget-s 10   # a smoke test, minutes
+    uv run python scripts/quality_table.py --tasks wiki --heads softmax factored-zloss \\
+        --epochs 1 --budget-s 60 -o trainer.limit_train_batches=500
+
+Each run is ``lst_lightning.train.run`` on a composed config (``data=<task>``, ``head=...``,
+any ``-o`` overrides), so what is measured is exactly what ``lst-train`` does.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from lst_lightning.benchmark import machine_name  # noqa: E402
+from lst_lightning.train import config_dir, run  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+# name -> Hydra overrides. The factored head with each spherical loss, the naive spherical
+# head, and the baselines (each sampler of the sampled softmax).
+HEADS: dict[str, list[str]] = {
+    **{f"factored-{loss}": ["head=factored", f"loss={loss}"]
+       for loss in ("zloss", "spherical_softmax", "taylor_softmax", "mse")},
+    "naive-zloss": ["head=naive", "loss=zloss"],
+    "softmax": ["head=softmax"],
+    "hsoftmax": ["head=hsoftmax"],
+    "adaptive": ["head=adaptive"],
+    "sampled-uniform": ["head=sampled", "head.sampler=uniform"],
+    "sampled-log_uniform": ["head=sampled", "head.sampler=log_uniform"],
+    "sampled-unigram": ["head=sampled_unigram"],
+    "sampled-rff": ["head=sampled_rff"],
+    "sampled-quadratic": ["head=sampled_quadratic"],
+}
+TASKS = {"wiki": ["data=wiki"], "synthetic": ["data=synthetic"]}
+# Per-task overrides of a preset: "quick" runs in seconds per head (a smoke test of the table).
+PRESETS = {
+    "full": {"wiki": [], "synthetic": []},
+    "quick": {"wiki": ["experiment=tiny"],
+              "synthetic": ["experiment=tiny", "~data.vocab_size", "data.num_classes=3000",
+                            "data.input_vocab_size=500", "data.context_size=3"]},
+}
+
+
+class ValidationCurve(pl.Callback):
+    """(training seconds, step, val metrics) at every validation; validation time excluded."""
+
+    def __init__(self):
+        self.points: list[dict] = []
+        self._train_s = 0.0
+        self._since: float | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        self._since = time.perf_counter()
+
+    def on_validation_start(self, trainer, pl_module):
+        if self._since is not None:
+            self._train_s += time.perf_counter() - self._since
+            self._since = None
+
+    def on_validation_end(self, trainer, pl_module):
+        if not trainer.sanity_checking:
+            val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            self.points.append({"train_s": self._train_s, "step": trainer.global_step, **val})
+        if trainer.training:
+            self._since = time.perf_counter()
+
+
+def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
+    overrides = [*TASKS[task], *HEADS[head], f"seed={args.seed}", "logger=csv", "callbacks=minimal",
+                 f"name={task}-{head}-{mode}"]
+    if args.val_every:
+        overrides.append(f"trainer.val_check_interval={args.val_every}")
+    if mode == "epochs":
+        overrides.append(f"trainer.max_epochs={args.epochs}")
+    else:
+        s = int(args.budget_s)
+        overrides += [f"trainer.max_epochs={args.max_epochs_in_budget}",
+                      f"+trainer.max_time=00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"]
+    overrides += PRESETS[args.preset][task] + args.override
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    curve = ValidationCurve()
+    res = run(cfg, out_dir / f"{task}-{head}-{mode}", extra_callbacks=[curve])
+    test = res.get("test", res["val"])
+    row = {"task": task, "head": head, "mode": mode, "num_classes": res["num_classes"],
+           "train_steps": res["train_steps"], "step_time_ms": res.get("step_time_ms"),
+           "head_share": res.get("head_share"), "wall_s": res["wall_s"]}
+    row.update({k: test[k] for k in sorted(test) if "error" in k or k in ("mrr", "perplexity", "simlex_rho")})
+    row["curve"] = curve.points
+    return row
+
+
+def markdown(rows: list[dict], cols: list[str]) -> str:
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r.get(c)
+            cells.append("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], metric: str, path: Path, machine: str) -> None:
+    tasks = sorted({r["task"] for r in rows})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for r in rows:
+            pts = [p for p in r["curve"] if metric in p]
+            if r["task"] != task or r["mode"] != "budget" or not pts:
+                continue
+            style = "-" if r["head"].startswith(("factored", "naive")) else "--"
+            ax.plot([p["train_s"] for p in pts], [p[metric] for p in pts], style, marker=".", label=r["head"])
+        ax.set_title(f"{task}: validation {metric} vs training time", fontsize=9)
+        ax.set_xlabel("training wall-clock (s, validation excluded)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(machine, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--modes", nargs="+", default=["epochs", "budget"], choices=["epochs", "budget"])
+    ap.add_argument("--preset", choices=list(PRESETS), default="full",
+                    help="full: the configs as they are; quick: tiny sizes, seconds per run")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock budget per run (budget mode)")
+    ap.add_argument("--max-epochs-in-budget", type=int, default=1000)
+    ap.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: per epoch)")
+    ap.add_argument("--metric", default="top10_error", help="metric of the plot")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-o", "--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
+    args = ap.parse_args()
+
+    machine = machine_name()
+    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
+    rows = []
+    for task in args.tasks:
+        for mode in args.modes:
+            for head in args.heads:
+                try:
+                    rows.append(run_one(task, head, mode, args, out_dir))
+                except Exception as exc:  # one head failing must not lose the others' results
+                    print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
+                    rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
+                                 "curve": []})
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"quality_table_{machine}"
+    metric_cols = sorted({k for r in rows for k in r if "error" in k and k != "error"},
+                         key=lambda k: (len(k), k))
+    cols = ["task", "mode", "head", "num_classes", "train_steps", *metric_cols, "mrr", "perplexity",
+            "simlex_rho", "step_time_ms", "head_share", "wall_s"]
+    if any("error" in r for r in rows):
+        cols.append("error")
+    with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["machine", *cols], extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({"machine": machine, **r})
+    (stem.parent / (stem.name + "_curves.json")).write_text(
+        json.dumps([{k: r[k] for k in ("task", "head", "mode", "curve")} for r in rows], indent=1))
+    md = f"Machine: {machine}\n\n" + markdown(rows, cols) + "\n"
+    stem.with_suffix(".md").write_text(md)
+    plot(rows, args.metric, stem.with_suffix(".png"), machine)
+    print(md)
+    print(f"wrote {stem}.csv/.md/.png and the validation curves; run directories in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Lightning data modules: n-gram windows over a text corpus, or the synthetic Zipf
+task. Both expose what the model needs before training: ``num_classes``,
+``input_vocab_size``, ``class_counts`` (decreasing), ``context_size`` and ``vocab``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from .corpus import load_corpus
+from .ngram import EpochBatchSampler, NgramWindows
+from .synthetic import SyntheticZipf, zipf_counts
+from .vocab import BOS, Vocabulary, tokenize
+
+
+class _WindowDataModule(pl.LightningDataModule):
+    num_classes: int
+    input_vocab_size: int
+    class_counts: Tensor
+    vocab: Vocabulary | None = None
+
+    def __init__(self, batch_size: int, eval_batch_size: int | None, seed: int, num_workers: int,
+                 max_eval_examples: int | None):
+        super().__init__()
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.seed, self.num_workers, self.max_eval_examples = seed, num_workers, max_eval_examples
+        self.splits: dict[str, Dataset] = {}
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        if not self.splits:
+            raise RuntimeError("call setup() before asking for dataloaders")
+        ds = self.splits[split]
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        sampler = EpochBatchSampler(
+            len(ds), self.batch_size if train else self.eval_batch_size, shuffle=train, seed=self.seed,
+            drop_last=train, rank=rank, world_size=world, limit=None if train else self.max_eval_examples,
+        )
+        # batch_size=None: the sampler yields whole batches of ids, the dataset
+        # gathers them in one indexing op.
+        return DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers,
+                          persistent_workers=self.num_workers > 0)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("validation", False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", False)
+
+
+class TextDataModule(_WindowDataModule):
+    """n-gram windows over a corpus from :func:`~lst_lightning.data.corpus.load_corpus`."""
+
+    def __init__(self, source: str = "embedded", *, path=None, name: str | None = None,
+                 subset: str | None = None, text_column: str = "text", sample_by: str = "paragraph",
+                 tokenizer: str = "words", vocab_size: int | None = 10000, min_count: int = 1,
+                 context_size: int = 6, pad_start: bool = False, val_fraction: float = 0.05,
+                 test_fraction: float = 0.05, min_doc_tokens: int = 20, batch_size: int = 128,
+                 eval_batch_size: int | None = None, max_eval_examples: int | None = None,
+                 num_workers: int = 0, seed: int = 0):
+        super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples)
+        if context_size < 1:
+            raise ValueError(f"data.context_size must be >= 1, got {context_size}")
+        if vocab_size is not None and vocab_size < 2:
+            raise ValueError(f"data.vocab_size must be >= 2 (or null), got {vocab_size}")
+        tokenize("", tokenizer)  # rejects an unknown tokenizer now
+        self.corpus_args = dict(source=source, path=path, name=name, subset=subset, text_column=text_column,
+                                sample_by=sample_by, val_fraction=val_fraction, test_fraction=test_fraction,
+                                min_doc_tokens=min_doc_tokens, seed=seed)
+        self.tokenizer, self.vocab_size, self.min_count = tokenizer, vocab_size, min_count
+        self.context_size, self.pad_start = context_size, pad_start
+
+    def prepare_data(self) -> None:
+        load_corpus(**self.corpus_args)  # downloads / caches once, on rank 0
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.splits:
+            return
+        corpus = load_corpus(**self.corpus_args)
+        docs = {s: [tokenize(t, self.tokenizer) for t in corpus[s]["text"]] for s in corpus}
+        for s, d in docs.items():
+            if not any(d):
+                raise ValueError(f"the {s} split of the corpus has no words")
+        extra = (BOS,) if self.pad_start else ()
+        self.vocab = Vocabulary.build(docs["train"], self.vocab_size, self.min_count, extra)
+        bos = self.vocab.index[BOS] if self.pad_start else None
+        for s, d in docs.items():
+            w = NgramWindows([self.vocab.encode(x) for x in d], self.context_size, bos)
+            if len(w) == 0:
+                raise ValueError(
+                    f"data.context_size={self.context_size} is longer than every {s} document "
+                    f"(the longest has {w.longest_document} tokens); lower it or set data.pad_start=true"
+                )
+            self.splits[s] = w
+        self.num_classes = self.input_vocab_size = len(self.vocab)
+        self.class_counts = self.vocab.counts.clone()
+
+    def save_vocab(self, path: str | Path) -> None:
+        self.vocab.save(path)
+
+
+class SyntheticDataModule(_WindowDataModule):
+    """The synthetic Zipf task (no vocabulary, no SimLex)."""
+
+    def __init__(self, num_classes: int = 100_000, *, context_size: int = 4, p_rule: float = 0.5,
+                 train_size: int = 1_000_000, eval_size: int = 20_000, input_vocab_size: int | None = 100_000,
+                 batch_size: int = 256, eval_batch_size: int | None = None, max_eval_examples: int | None = None,
+                 num_workers: int = 0, seed: int = 0):
+        super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples)
+        self.num_classes, self.context_size = num_classes, context_size
+        self.args = dict(num_classes=num_classes, context_size=context_size, p_rule=p_rule,
+                         input_vocab_size=input_vocab_size)
+        self.sizes = {"train": train_size, "validation": eval_size, "test": eval_size}
+        self.input_vocab_size = SyntheticZipf(size=0, **self.args).input_vocab_size
+        self.class_counts = zipf_counts(num_classes)
+
+    def setup(self, stage: str | None = None) -> None:
+        # Disjoint seeds per split, so validation examples are not training examples.
+        for i, (s, n) in enumerate(self.sizes.items()):
+            self.splits[s] = SyntheticZipf(size=n, seed=self.seed * 3 + i + 1, **self.args)

@@ -1,0 +1,83 @@
+"""Input checks and target normalisation shared by the baseline heads.
+
+Every head takes ``target_idx`` (m,) or (m, K) int64 with -1 for padding and an
+optional ``target_val`` of the same shape (default 1 on each real slot). The
+per-example loss of a softmax-type head is ``-sum_k t_k log p(idx_k | h)``, the
+same convention as the normalised spherical losses, and the minibatch loss is
+the mean (or sum) over the m rows.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+REDUCTIONS = ("mean", "sum")
+
+
+def check_reduction(reduction: str) -> str:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+def check_hidden(hidden: Tensor, hidden_dim: int) -> None:
+    if not isinstance(hidden, Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_dim:
+        raise ValueError(f"hidden must have shape (m, {hidden_dim}), got {tuple(hidden.shape)}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
+    if not torch.isfinite(hidden).all():
+        raise ValueError("hidden contains non-finite values (nan or inf)")
+
+
+def check_targets(hidden: Tensor, target_idx: Tensor, target_val: Tensor | None,
+                  num_classes: int, hidden_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate the inputs; return ``idx`` (m, K), ``val`` (m, K) and ``valid`` (m, K).
+
+    ``val`` is zero on padding slots; ``idx`` keeps -1 there.
+    """
+    check_hidden(hidden, hidden_dim)
+    if not isinstance(target_idx, Tensor):
+        raise TypeError(f"target_idx must be a torch.Tensor, got {type(target_idx).__name__}")
+    if target_idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target_idx must be an int64 (or int32) tensor, got {target_idx.dtype}")
+    m = hidden.shape[0]
+    if m == 0:
+        raise ValueError("hidden has no rows: the minibatch is empty")
+    idx = (target_idx[:, None] if target_idx.dim() == 1 else target_idx).long()
+    if idx.dim() != 2 or idx.shape[0] != m or idx.shape[1] == 0:
+        raise ValueError(f"target_idx must have shape ({m},) or ({m}, K) with K >= 1, "
+                         f"got {tuple(target_idx.shape)}")
+    if idx.numel() and (idx.min() < -1 or idx.max() >= num_classes):
+        raise ValueError(f"target_idx must hold class ids in [0, {num_classes}) or -1 for padding; "
+                         f"got values in [{int(idx.min())}, {int(idx.max())}]")
+    valid = idx >= 0
+    if target_val is None:
+        val = valid.to(hidden.dtype)
+    else:
+        if not isinstance(target_val, Tensor):
+            raise TypeError(f"target_val must be a torch.Tensor or None, got {type(target_val).__name__}")
+        if target_val.shape != target_idx.shape:
+            raise ValueError(f"target_val must have the shape of target_idx {tuple(target_idx.shape)}, "
+                             f"got {tuple(target_val.shape)}")
+        if not torch.isfinite(target_val).all():
+            raise ValueError("target_val contains non-finite values (nan or inf)")
+        val = target_val.reshape(idx.shape).to(hidden.dtype)
+        val = torch.where(valid, val, torch.zeros((), dtype=val.dtype, device=val.device))
+    return idx, val, valid
+
+
+def reduce_rows(per_example: Tensor, reduction: str) -> Tensor:
+    """Mean or sum over the m rows; a non-finite loss is an error, not a silent nan."""
+    out = per_example.mean() if reduction == "mean" else per_example.sum()
+    if not torch.isfinite(out):
+        raise FloatingPointError(f"non-finite loss ({out.item()}): the head's parameters or inputs diverged")
+    return out
+
+
+def first_occurrence(idx: Tensor) -> Tensor:
+    """(m, K) bool: True on real slots whose class did not occur earlier in the same row."""
+    K = idx.shape[1]
+    same = (idx[:, :, None] == idx[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)
+    return (idx >= 0) & ~same.any(2)

@@ -1,0 +1,197 @@
+"""One LightningModule for any body and any output head.
+
+Ordinary heads are trained by the optimizer with the body. Self-updating heads (the
+factored and naive spherical heads) apply their exact SGD step inside
+``loss.backward()``; their learning rate follows the body's schedule:
+``head.lr = head_lr * current_lr / base_lr``, set before every step and logged.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from .heads.base import OutputHead
+from .metrics import TOPK, Perplexity, RankMetrics, simlex_spearman
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def lr_factor(step: int, *, name: str, warmup_steps: int, total_steps: int, min_factor: float) -> float:
+    """The schedule as a multiple of the base lr (linear warm-up, then constant,
+    linear or cosine decay to ``min_factor``)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if name == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    t = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    if name == "linear":
+        return 1.0 - (1.0 - min_factor) * t
+    if name == "cosine":
+        return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * t))
+    raise ValueError(f"scheduler.name must be constant, linear or cosine, not {name!r}")
+
+
+class LanguageModel(pl.LightningModule):
+    def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
+                 scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
+                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
+                 timing_every: int = 10):
+        super().__init__()
+        if not isinstance(head, OutputHead):
+            raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
+        if perplexity and not head.has_log_prob:
+            raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
+                             "it cannot give perplexity; set metrics.perplexity=false or auto")
+        self.body, self.head = body, head
+        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, **(optimizer or {})}
+        if self.optim_cfg["name"] not in _OPTIMIZERS:
+            raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, not {self.optim_cfg['name']!r}")
+        self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
+        lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now
+        self.head_lr = head_lr if head_lr is not None else getattr(head, "lr", None)
+        if head.self_updating and self.head_lr is None:
+            raise ValueError("a self-updating head needs a learning rate (head.lr)")
+        self.perplexity, self.score_chunk_size = perplexity, score_chunk_size
+        # simlex: {"pairs": [(a, b, score)], "index": {word: id}, "skip": [ids]}
+        self.simlex = simlex
+        self.timing_every = timing_every
+        self.val_ranks, self.test_ranks = RankMetrics(topk), RankMetrics(topk)
+        self.val_ppl, self.test_ppl = Perplexity(), Perplexity()
+        self.timing = {"steps": 0, "step_s": 0.0, "head_s": 0.0, "tokens": 0}
+        self._marks: dict[str, float] = {}
+        self._timed = False
+
+    # -- optimisation ---------------------------------------------------------------
+    def configure_optimizers(self):
+        cfg = dict(self.optim_cfg)
+        cls = _OPTIMIZERS[cfg.pop("name")]
+        if cls is not torch.optim.SGD:
+            cfg.pop("momentum", None)
+        params = [p for p in self.parameters() if p.requires_grad]
+        opt = cls(params, **cfg)
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def current_lr_factor(self) -> float:
+        opt = self.optimizers(use_pl_optimizer=False)
+        return opt.param_groups[0]["lr"] / self.optim_cfg["lr"]
+
+    # -- timing (the head's share of step time) ---------------------------------------
+    def _now(self, key: str) -> None:
+        if self._timed:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._marks[key] = time.perf_counter()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._timed = self.timing_every > 0 and self.global_step % self.timing_every == 0
+        self._now("start")
+
+    def backward(self, loss: Tensor, *args, **kwargs) -> None:
+        self._now("backward")
+        loss.backward(*args, **kwargs)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if not self._timed:
+            return
+        self._now("end")
+        m = self._marks
+        if {"hidden", "loss", "backward", "head_grad"} <= m.keys():
+            step = m["end"] - m["start"]
+            head = (m["loss"] - m["hidden"]) + (m["head_grad"] - m["backward"])
+            n = batch[1].shape[0]
+            self.log("train/tokens_per_s", n / step, prog_bar=True)
+            self.log("train/head_share", head / step)
+            self.log("train/step_ms", 1e3 * step)
+            if self.global_step >= 2 * self.timing_every:  # skip warm-up steps in the totals
+                t = self.timing
+                t["steps"] += 1
+                t["step_s"] += step
+                t["head_s"] += head
+                t["tokens"] += n
+        self._marks = {}
+
+    def _mark_head_grad(self, grad: Tensor) -> None:
+        self._now("head_grad")
+
+    # -- steps ----------------------------------------------------------------------
+    def forward(self, context: Tensor) -> Tensor:
+        return self.body(context)
+
+    def training_step(self, batch, batch_idx):
+        context, target = batch
+        if self.head.self_updating:
+            self.head.lr = self.head_lr * self.current_lr_factor()
+        hidden = self.body(context)
+        self._now("hidden")
+        loss = self.head(hidden, target)
+        self._now("loss")
+        if self._timed and hidden.requires_grad:
+            hidden.register_hook(self._mark_head_grad)
+        if not torch.isfinite(loss):
+            # Raise before backward: the self-updating head has not changed yet.
+            raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
+        self.log("train/loss", loss.detach(), prog_bar=True)
+        if self.head.self_updating and self.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
+            self.log("head/lr", float(self.head.lr))
+            stats = self.head.stats() if hasattr(self.head, "stats") else {}
+            self.log_dict({f"head/{k}": float(v) for k, v in stats.items()
+                           if isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.numel() == 1)})
+        return loss
+
+    def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, prefix: str):
+        context, target = batch
+        hidden = self.body(context)
+        loss = self.head(hidden, target)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite {prefix} loss {loss.item()}")
+        self.log(f"{prefix}/loss", loss, on_epoch=True, batch_size=len(target))
+        ranks.update(self.head.target_rank(hidden, target, self.score_chunk_size))
+        if self.perplexity:
+            ppl.update(self.head.log_prob(hidden, target))
+
+    def _eval_epoch_end(self, ranks: RankMetrics, ppl: Perplexity, prefix: str):
+        self.log_dict({f"{prefix}/{k}": v for k, v in ranks.compute().items()})
+        ranks.reset()
+        if self.perplexity:
+            self.log(f"{prefix}/perplexity", ppl.compute())
+            ppl.reset()
+        if self.simlex is not None and hasattr(self.body, "input_embedding"):
+            rho, n = simlex_spearman(self.body.input_embedding.weight, self.simlex["index"],
+                                     self.simlex["pairs"], set(self.simlex.get("skip", ())))
+            if n >= 3:
+                self.log(f"{prefix}/simlex_rho", rho)
+                self.log(f"{prefix}/simlex_pairs", float(n))
+
+    def validation_step(self, batch, batch_idx):
+        self._eval_step(batch, self.val_ranks, self.val_ppl, "val")
+
+    def on_validation_epoch_end(self):
+        self._eval_epoch_end(self.val_ranks, self.val_ppl, "val")
+
+    def test_step(self, batch, batch_idx):
+        self._eval_step(batch, self.test_ranks, self.test_ppl, "test")
+
+    def on_test_epoch_end(self):
+        self._eval_epoch_end(self.test_ranks, self.test_ppl, "test")
+
+    # -- exact resume: the global RNG (dropout) travels with the checkpoint ------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        checkpoint["rng_state"] = rng
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        rng = checkpoint.get("rng_state")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(rng["cuda"])

@@ -1,0 +1,61 @@
+"""The spherical loss family: per-example losses that read the D-wide output
+``o = W h`` only through ``q = ||o||^2``, ``s = sum(o)`` and the K target
+outputs ``a = o[idx]`` (Vincent et al., 2015).
+
+Each loss maps m-sized tensors to per-example losses; the factored head gets
+``dL/dq``, ``dL/ds`` and ``dL/dA`` by autograd on those small tensors. Each
+loss also has ``dense``, the same loss written on the full output and the
+dense target vector ``y`` (``y[idx_k] += t_k``): the naive head uses it, so
+the test of factored against naive also checks the (q, s, a) rewriting.
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class SphericalLoss(nn.Module):
+    """Base class. Subclasses set ``name`` and implement ``forward`` and ``dense``."""
+
+    name: str = ""
+    #: True when the loss defines normalised probabilities (perplexity).
+    normalised: bool = False
+
+    def forward(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, *, num_classes: int,
+                y_sq: Tensor | None = None) -> Tensor:
+        """Per-example losses (m,).
+
+        q, s: (m,); A: (m, K) target outputs; T: (m, K) target values, zero on
+        padding slots (whose A is 0). y_sq: (m,) the squared norm of the dense
+        target vector, needed by the squared error only.
+        """
+        raise NotImplementedError
+
+    def dense(self, O: Tensor, Y: Tensor) -> Tensor:
+        """The same per-example losses from the full output O (m, D) and dense targets Y (m, D)."""
+        raise NotImplementedError
+
+    def log_prob(self, q: Tensor, s: Tensor, A: Tensor, *, num_classes: int) -> Tensor:
+        """log p of each target slot (m, K), for normalised losses."""
+        raise NotImplementedError(f"the {self.name} loss defines no probabilities")
+
+    def dense_log_prob(self, O: Tensor) -> Tensor:
+        """log p of every class (m, D), for normalised losses: the reference of ``log_prob``."""
+        raise NotImplementedError(f"the {self.name} loss defines no probabilities")
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.hparams().items())
+
+    def hparams(self) -> dict:
+        return {}
+
+
+class NormalisedSphericalLoss(SphericalLoss):
+    """A loss ``-sum_k t_k log p[idx_k]`` for a normalised spherical distribution p."""
+
+    normalised = True
+
+    def forward(self, q, s, A, T, *, num_classes, y_sq=None):
+        return -(T * self.log_prob(q, s, A, num_classes=num_classes)).sum(1)
+
+    def dense(self, O, Y):
+        return -(Y * self.dense_log_prob(O)).sum(1)

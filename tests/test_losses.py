@@ -1,0 +1,57 @@
+"""Each loss's (q, s, a) form against the same loss written on the full output."""
+import pytest
+import torch
+
+from lst_lightning.losses import LOSSES, make_loss
+
+KWARGS = {"zloss": {"a": 0.3, "b": 3.0}}
+
+
+def random_batch(m=5, D=40, K=3):
+    O = torch.randn(m, D, dtype=torch.float64)
+    idx = torch.randint(0, D, (m, K))
+    idx[0, 1] = -1           # padding
+    idx[1, 2] = idx[1, 0]    # a class repeated within a row
+    idx[2, 0] = idx[3, 0]    # and across rows
+    T = torch.rand(m, K, dtype=torch.float64) * (idx >= 0)
+    return O, idx, T
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_factored_form_equals_dense_form(name):
+    loss = make_loss(name, **KWARGS.get(name, {}))
+    O, idx, T = random_batch()
+    D = O.shape[1]
+    Y = torch.zeros_like(O).scatter_add_(1, idx.clamp(min=0), T)
+    A = torch.where(idx >= 0, O.gather(1, idx.clamp(min=0)), torch.zeros((), dtype=O.dtype))
+    y_sq = (Y * Y).sum(1)
+    got = loss((O * O).sum(1), O.sum(1), A, T, num_classes=D, y_sq=y_sq)
+    want = loss.dense(O, Y)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["spherical_softmax", "taylor_softmax"])
+def test_normalised_log_prob(name):
+    loss = make_loss(name)
+    O, idx, _ = random_batch()
+    dense = loss.dense_log_prob(O)
+    torch.testing.assert_close(dense.exp().sum(1), torch.ones(O.shape[0], dtype=O.dtype))
+    A = O.gather(1, idx.clamp(min=0))
+    got = loss.log_prob((O * O).sum(1), O.sum(1), A, num_classes=O.shape[1])
+    torch.testing.assert_close(got, dense.gather(1, idx.clamp(min=0)))
+
+
+def test_unnormalised_losses_refuse_log_prob():
+    with pytest.raises(NotImplementedError, match="zloss"):
+        make_loss("zloss").log_prob(None, None, None, num_classes=3)
+
+
+def test_bad_names_and_hyperparameters():
+    with pytest.raises(ValueError, match="unknown spherical loss"):
+        make_loss("softmax")
+    with pytest.raises(ValueError, match="a > 0"):
+        make_loss("zloss", a=0.0)
+    with pytest.raises(ValueError, match="eps > 0"):
+        make_loss("spherical_softmax", eps=-1)
+    with pytest.raises(TypeError, match="zloss"):
+        make_loss("zloss", c=1.0)
