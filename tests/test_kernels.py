@@ -303,3 +303,11 @@ def test_bad_input_raises_and_leaves_v_untouched(impl):
         with pytest.raises(exc):
             call()
     assert torch.equal(V, before)
+
+
+def test_package_functions_survive_importing_the_kernels():
+    import lst_kernels
+    from lst_kernels import dispatch
+
+    for name in ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "m_matrix", "q_update"):
+        assert getattr(lst_kernels, name) is getattr(dispatch, name)
