@@ -8,6 +8,8 @@ reference otherwise (CPU, or ``LST_KERNELS=torch``).
 from __future__ import annotations
 
 from . import reference
-from .dispatch import gather_dot, gather_sum, scatter_add_rows_, sparse_gram
+from .dispatch import gather_dot, gather_sum, m_matrix, q_update, scatter_add_rows_, sparse_gram
 
-__all__ = ["gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "reference"]
+__all__ = [
+    "gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "m_matrix", "q_update", "reference",
+]

@@ -40,7 +40,7 @@ def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     return impl.gather_sum(V, idx, G)
 
 
-def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float) -> Tensor:
+def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:
     impl = _triton_ops() if _use_triton(V) else reference
     return impl.scatter_add_rows_(V, idx, G, X, alpha)
 
@@ -48,3 +48,14 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
 def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
     impl = _triton_ops() if _use_triton(idx) else reference
     return impl.sparse_gram(idx, G)
+
+
+def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
+             num_classes: int, yy: Tensor) -> Tensor:
+    impl = _triton_ops() if _use_triton(H) else reference
+    return impl.m_matrix(Hq, H, Z, gq, gs, ybar, num_classes, yy)
+
+
+def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c: float | Tensor) -> Tensor:
+    impl = _triton_ops() if _use_triton(Q) else reference
+    return impl.q_update(Q, H, dH, M, lr, c)

@@ -2,12 +2,15 @@
 
 Shapes: ``V`` (D, d); ``idx`` (m, K) int64 with -1 for padding; ``G`` (m, K);
 ``X`` (m, d). Each Triton kernel in this package has the same signature and is
-tested against the function here.
+tested against the function here. Arithmetic is done in the promoted dtype of
+the inputs, so bf16 activations meet a float32 ``V`` in float32.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from . import checks
 
 
 def _safe(idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -17,34 +20,40 @@ def _safe(idx: Tensor) -> tuple[Tensor, Tensor]:
 
 def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> Tensor:
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j]; padding slots give 0."""
+    checks.gather_dot(V, idx, X, x0)
+    ct = torch.promote_types(V.dtype, X.dtype)
     safe, valid = _safe(idx)
-    rows = V[safe].to(X.dtype)  # (m, K, d)
-    A = torch.einsum("mkd,md->mk", rows, X)
+    rows = V[safe].to(ct)  # (m, K, d)
+    A = torch.einsum("mkd,md->mk", rows, X.to(ct))
     if x0 is not None:
-        A = A + x0[:, None]
+        A = A + x0.to(ct)[:, None]
     return torch.where(valid, A, torch.zeros((), dtype=A.dtype, device=A.device))
 
 
 def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     """Y[j] = sum_k G[j, k] V[idx[j, k]] (padding ignored): Yd V."""
+    checks.gather_sum(V, idx, G)
+    ct = torch.promote_types(V.dtype, G.dtype)
     safe, valid = _safe(idx)
-    w = torch.where(valid, G, torch.zeros((), dtype=G.dtype, device=G.device))
-    return torch.einsum("mk,mkd->md", w, V[safe].to(G.dtype))
+    w = torch.where(valid, G.to(ct), torch.zeros((), dtype=ct, device=G.device))
+    return torch.einsum("mk,mkd->md", w, V[safe].to(ct))
 
 
-def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float) -> Tensor:
+def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:
     """V[idx[j, k]] += alpha * G[j, k] * X[j], in place; repeated rows accumulate.
 
     Deterministic: contributions to one row are summed in a fixed order (by
     position in the batch) before a single add into V.
     """
+    checks.scatter_add_rows(V, idx, G, X, alpha)
     m, K = idx.shape
+    ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
     flat = idx.reshape(-1)
     keep = flat >= 0
     rows = flat[keep]
-    contrib = (G.reshape(-1, 1) * X.repeat_interleave(K, dim=0))[keep]  # (n, d)
+    contrib = (G.to(ct).reshape(-1, 1) * X.to(ct).repeat_interleave(K, dim=0))[keep]  # (n, d)
     uniq, inv = torch.unique(rows, sorted=True, return_inverse=True)
-    summed = torch.zeros(uniq.numel(), X.shape[1], dtype=contrib.dtype, device=V.device)
+    summed = torch.zeros(uniq.numel(), X.shape[1], dtype=ct, device=V.device)
     # Stable order: index_add over a sorted permutation is sequential on CPU.
     order = torch.argsort(inv, stable=True)
     summed.index_add_(0, inv[order], contrib[order])
@@ -54,9 +63,41 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
 
 def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
     """The m x m Yd Yd^T: sum over k, l of G[i,k] G[j,l] [idx[i,k] == idx[j,l] != -1]."""
+    checks.sparse_gram(idx, G)
     m, K = idx.shape
     flat = idx.reshape(-1)
     g = torch.where(flat >= 0, G.reshape(-1), torch.zeros((), dtype=G.dtype, device=G.device))
     same = (flat[:, None] == flat[None, :]) & (flat[:, None] >= 0)
     P = torch.where(same, g[:, None] * g[None, :], torch.zeros((), dtype=G.dtype, device=G.device))
     return P.reshape(m, K, m, K).sum(dim=(1, 3))
+
+
+def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
+             num_classes: int, yy: Tensor) -> Tensor:
+    """M = dO dO^T (m x m) from its factors, term by term as in ALGORITHM.md.
+
+    ``Hq = H Q``, ``Z = (g_s 1^T + Yd) W``, ``ybar = rowsum(G_A)``,
+    ``yy = sparse_gram(idx, G_A)`` (= Yd Yd^T), ``num_classes = D``.
+    """
+    checks.m_matrix(Hq, H, Z, gq, gs, ybar, num_classes, yy)
+    ct = torch.promote_types(torch.promote_types(H.dtype, Hq.dtype), Z.dtype)
+    H, Hq, Z = H.to(ct), Hq.to(ct), Z.to(ct)
+    gq, gs, ybar = gq.to(ct), gs.to(ct), ybar.to(ct)
+    HQH = Hq @ H.T  # H Q H^T
+    HZ = H @ Z.T
+    return (4 * gq[:, None] * HQH * gq[None, :]
+            + num_classes * gs[:, None] * gs[None, :]
+            + yy.to(ct)
+            + gs[:, None] * ybar[None, :] + ybar[:, None] * gs[None, :]
+            + 2 * gq[:, None] * HZ + 2 * HZ.T * gq[None, :])
+
+
+def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c: float | Tensor) -> Tensor:
+    """Q_new = c^2 Q - c lr (dH^T H + H^T dH) + lr^2 H^T M H, a new (d, d) tensor.
+
+    This is W_new^T W_new for W_new = c W - lr dO^T H when Q = W^T W,
+    dH = dO W and M = dO dO^T.
+    """
+    checks.q_update(Q, H, dH, M, lr, c)
+    H, dH, M = H.to(Q.dtype), dH.to(Q.dtype), M.to(Q.dtype)
+    return c * c * Q - c * lr * (dH.T @ H + H.T @ dH) + lr * lr * (H.T @ M @ H)
