@@ -311,3 +311,20 @@ def test_package_functions_survive_importing_the_kernels():
 
     for name in ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "m_matrix", "q_update"):
         assert getattr(lst_kernels, name) is getattr(dispatch, name)
+
+
+# --- the plain-torch fast path used off CUDA ----------------------------------
+
+@pytest.mark.parametrize("shape", SHAPES + [(40, 2, 30, 5)])
+def test_torch_ops_bookkeeping_match_reference(shape):
+    from lst_kernels import torch_ops
+
+    m, K, D, d = shape
+    s = bookkeeping_inputs(m, d, K, D, "cpu", torch.float32)
+    args = (s["Hq"], s["H"], s["Z"], s["gq"], s["gs"], s["ybar"], D, s["yy"])
+    M = torch_ops.m_matrix(*args)
+    close(M, ref.m_matrix(*args), rtol=2e-5)
+    dH = torch.randn(m, d)
+    for lr, c in ((0.05, 1.0), (0.05, 0.97)):
+        close(torch_ops.q_update(s["Q"], s["H"], dH, M, lr, c), ref.q_update(s["Q"], s["H"], dH, M, lr, c),
+              rtol=2e-5)

@@ -5,7 +5,7 @@ import os
 
 from torch import Tensor
 
-from . import reference
+from . import reference, torch_ops
 
 
 def _use_triton(t: Tensor) -> bool:
@@ -52,10 +52,10 @@ def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
 
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
              num_classes: int, yy: Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(H) else reference
+    impl = _triton_ops() if _use_triton(H) else torch_ops
     return impl.m_matrix(Hq, H, Z, gq, gs, ybar, num_classes, yy)
 
 
 def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c: float | Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(Q) else reference
+    impl = _triton_ops() if _use_triton(Q) else torch_ops
     return impl.q_update(Q, H, dH, M, lr, c)

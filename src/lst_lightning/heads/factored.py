@@ -210,12 +210,11 @@ class FactoredSphericalHead(SphericalHeadBase):
         m, d = Hx.shape
         c = 1.0 - lr * self.weight_decay  # > 0: forward checked lr * weight_decay < 1
         kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
-        Pg = gq[:, None] * Hx
         use_woodbury = sv.HUinv is not None
         G = Hx @ Hx.T if use_woodbury else None
         lam_lo, lam_hi, exact = self._step_eigen_bounds(Hx, G, kappa)
         fold = exact and lam_lo < self.fold_tol
-        U_new = torch.addmm(self.U, sv.Ht.T, Pg, beta=c, alpha=-2.0 * lr)  # U B, reusing H U^T
+        U_new = torch.addmm(self.U, sv.Ht.T, gq[:, None] * Hx, beta=c, alpha=-2.0 * lr)  # U B, reusing H U^T
         omega_new = c * self.omega - lr * (Hx.T @ (2.0 * gq * sv.ht + gs))
         if fold:
             Uinv_new, HUinv_new = None, Hx  # V absorbs U B; U = U^-1 = I
@@ -229,13 +228,8 @@ class FactoredSphericalHead(SphericalHeadBase):
         else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
             Uinv_new, HUinv_new = None, torch.linalg.solve(U_new, Hx, left=False)
         # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
-        P2 = 2.0 * Pg
-        M = dH @ P2.T + P2 @ Z.T
-        M += self.num_classes * torch.outer(gs, gs) + torch.outer(gs, ybar) + torch.outer(ybar, gs)
-        M += lk.sparse_gram(sv.idx, GA)
-        R2 = torch.addmm(dH, M, Hx, beta=-c * lr, alpha=0.5 * lr * lr)
-        HtR = Hx.T @ R2
-        Q_new = c * c * self.Q + HtR + HtR.T
+        M = lk.m_matrix(sv.Hq, Hx, Z, gq, gs, ybar, self.num_classes, lk.sparse_gram(sv.idx, GA))
+        Q_new = lk.q_update(self.Q, Hx, dH, M, lr, c)
         wbar_new = c * self.wbar - lr * (Hx.T @ (2.0 * gq * sv.s + self.num_classes * gs + ybar))
         parts = [U_new, omega_new, HUinv_new, Q_new, wbar_new] + ([Uinv_new] if Uinv_new is not None else [])
         if not math.isfinite(float(sum(t.sum() for t in parts))):  # NaN and inf survive a sum
