@@ -240,7 +240,14 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     if swept:  # one W&B run per job: the run name says which point of the sweep it is
         with open_dict(cfg):
             cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
-    results = run(cfg, hc.runtime.output_dir)
+    try:
+        results = run(cfg, hc.runtime.output_dir)
+    except FloatingPointError as e:
+        if not cfg.get("objective"):
+            raise
+        # a diverged trial is a bad point of the search, not the end of it
+        log.warning("trial diverged, objective = inf: %s", e)
+        return float("inf")
     return objective(cfg, results)
 
 
