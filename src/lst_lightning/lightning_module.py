@@ -65,6 +65,7 @@ class LanguageModel(pl.LightningModule):
         self.timing = {"steps": 0, "step_s": 0.0, "head_s": 0.0, "tokens": 0}
         self._marks: dict[str, float] = {}
         self._timed = False
+        self._fit_start = time.perf_counter()  # reset in on_train_start
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
@@ -89,6 +90,9 @@ class LanguageModel(pl.LightningModule):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._marks[key] = time.perf_counter()
+
+    def on_train_start(self):
+        self._fit_start = time.perf_counter()
 
     def on_train_batch_start(self, batch, batch_idx):
         self._timed = self.timing_every > 0 and self.global_step % self.timing_every == 0
@@ -139,6 +143,8 @@ class LanguageModel(pl.LightningModule):
             # Raise before backward: the self-updating head has not changed yet.
             raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
         self.log("train/loss", loss.detach(), prog_bar=True)
+        # wall-clock since fit start: learning curves against time (lst-compare)
+        self.log("train/elapsed_s", time.perf_counter() - self._fit_start)
         if self.head.self_updating and self.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
             self.log("head/lr", float(self.head.lr))
             stats = self.head.stats() if hasattr(self.head, "stats") else {}

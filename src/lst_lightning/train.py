@@ -209,11 +209,60 @@ def print_summary(results: dict) -> None:
     Console().print(table)
 
 
-@hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+def swept_overrides(hc) -> list[str]:
+    """In a Hydra multirun, this job's values of the swept keys: those of
+    ``hydra.sweeper.params`` and the command-line overrides with several values
+    (read from the sweep's multirun.yaml)."""
+    from hydra.types import RunMode  # noqa: PLC0415
 
-    run(cfg, HydraConfig.get().runtime.output_dir)
+    if hc.mode != RunMode.MULTIRUN:
+        return []
+
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+
+    keys = {str(k).lstrip("+~") for k in (hc.sweeper.get("params") or {})}
+    multirun = Path(hc.sweep.dir) / "multirun.yaml"
+    if multirun.is_file():
+        sweep_task = OmegaConf.load(multirun).hydra.overrides.task
+        keys |= {key(o) for o in sweep_task if "," in o.split("=", 1)[-1] or "(" in o.split("=", 1)[-1]}
+    task = list(hc.overrides.task)
+    return [o for o in task if key(o) in keys] if keys else task
+
+
+@hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+    from omegaconf import open_dict  # noqa: PLC0415
+
+    hc = HydraConfig.get()
+    swept = swept_overrides(hc)
+    if swept:  # one W&B run per job: the run name says which point of the sweep it is
+        with open_dict(cfg):
+            cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+    try:
+        results = run(cfg, hc.runtime.output_dir)
+    except FloatingPointError as e:
+        if not cfg.get("objective"):
+            raise
+        # a diverged trial is a bad point of the search, not the end of it
+        log.warning("trial diverged, objective = inf: %s", e)
+        return float("inf")
+    return objective(cfg, results)
+
+
+def objective(cfg: DictConfig, results: dict) -> float | None:
+    """The number an Optuna sweep minimises: ``objective: test/top5_error`` names a
+    ``<split>/<metric>`` of results.json (null: none)."""
+    key = cfg.get("objective")
+    if not key:
+        return None
+    split, _, metric = str(key).partition("/")
+    try:
+        return float(results[split][metric])
+    except (KeyError, TypeError) as e:
+        have = sorted(f"{s}/{m}" for s in ("val", "test") for m in results.get(s, {}))
+        raise ValueError(f"objective={key!r} is not in this run's results; have {have}") from e
 
 
 def main() -> None:

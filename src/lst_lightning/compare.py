@@ -1,0 +1,272 @@
+"""``lst-compare <sweep or run directories>``: a comparison report of ``lst-train`` runs.
+
+Every directory holding a ``results.json`` (searched recursively) is a run; its
+``config.yaml`` and ``csv/metrics.csv`` (the CSV log is always written) give the swept
+values and the learning curves. Writes, into ``--out``:
+
+- ``runs.csv`` and ``runs.md``: one row per run (test top-k errors, MRR, perplexity,
+  SimLex-999, the best validation top-k errors, step time), sorted by ``--metric``;
+- ``heatmap.png``: ``--metric`` over two config keys (default the Z-loss's a and b);
+- ``curves_steps.png`` and ``curves_time.png``: learning curves against steps and
+  against wall-clock seconds of training;
+- ``report.html``: all of it in one self-contained page (images inlined as base64).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import html
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DEFAULT_METRIC = "test/top5_error"
+DEFAULT_X, DEFAULT_Y = "loss.kwargs.a", "loss.kwargs.b"
+SUMMARY_KEYS = ("mrr", "perplexity", "simlex_rho")
+
+
+@dataclass
+class Run:
+    path: Path
+    results: dict
+    config: dict
+    curves: dict[str, list[tuple[float, float, float | None]]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return str(self.results.get("name") or self.path.name)
+
+    def metric(self, key: str) -> float | None:
+        """``test/top5_error``, ``val/mrr``, ``best_val/top5_error``, ``step_time_ms`` or a
+        config key such as ``loss.kwargs.a``."""
+        split, _, m = key.partition("/")
+        if m and split == "best_val":
+            pts = self.curves.get(f"val/{m}", [])
+            return min(v for _, v, _ in pts) if pts else None
+        if m and isinstance(self.results.get(split), dict):
+            v = self.results[split].get(m)
+        elif key in self.results and not isinstance(self.results[key], dict):
+            v = self.results[key]
+        else:
+            v = config_value(self.config, key)
+        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def config_value(config: dict, key: str):
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def read_curves(path: Path) -> dict[str, list[tuple[float, float, float | None]]]:
+    """metrics.csv -> {column: [(step, value, elapsed_s or None)]}. Lightning writes one
+    row per logging call with the other columns empty; a validation row takes the
+    training time logged last before it."""
+    curves: dict[str, list] = {}
+    if not path.is_file():
+        return curves
+    t = None
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            if not row.get("step"):
+                continue
+            step = float(row["step"])
+            t = float(row["train/elapsed_s"]) if row.get("train/elapsed_s") else t
+            for k, v in row.items():
+                if k in ("step", "epoch", "train/elapsed_s") or v in (None, ""):
+                    continue
+                curves.setdefault(k, []).append((step, float(v), t))
+    return curves
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    runs = []
+    for p in map(Path, paths):
+        if not p.exists():
+            raise FileNotFoundError(f"no such run or sweep directory: {p}")
+        found = [p / "results.json"] if (p / "results.json").is_file() else sorted(p.rglob("results.json"))
+        for res in found:
+            d = res.parent
+            cfg_path = d / "config.yaml"
+            config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
+            runs.append(Run(d, json.loads(res.read_text()), config or {}, read_curves(d / "csv" / "metrics.csv")))
+    if not runs:
+        raise ValueError(f"no results.json under {[str(p) for p in paths]}: are these lst-train run directories?")
+    return runs
+
+
+def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
+    """Columns present in at least one run; rows sorted by ``metric`` (missing last)."""
+    tests = list(dict.fromkeys(k for r in runs for k in r.results.get("test", {})))
+    topk = [k for k in tests if k.startswith("top") and k.endswith("_error")]
+    swept = [k for k in (DEFAULT_X, DEFAULT_Y) if any(r.metric(k) is not None for r in runs)]
+    cols = (["run", "head", "loss", *swept, "steps"]
+            + [f"test/{k}" for k in topk + [k for k in SUMMARY_KEYS if k in tests]]
+            + [f"best_val/{k}" for k in topk]
+            + ["step_time_ms", "wall_s", "dir"])
+    if metric not in cols:
+        cols.insert(len(swept) + 4, metric)
+    def row(r: Run) -> list:
+        fixed = {"run": r.name, "head": r.results.get("head", ""), "loss": r.results.get("loss", ""),
+                 "steps": r.results.get("train_steps"), "dir": str(r.path)}
+        return [fixed[c] if c in fixed else r.metric(c) for c in cols]
+
+    def order(r: Run):
+        v = r.metric(metric)
+        return (v is None, v if v is not None else 0.0, r.name)
+    return cols, [row(r) for r in sorted(runs, key=order)]
+
+
+def fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_tables(cols, rows, out: Path) -> str:
+    with (out / "runs.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        w.writerows([["" if v is None else v for v in r] for r in rows])
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(fmt(v).replace("|", "\\|") for v in r) + " |" for r in rows]
+    text = "\n".join(md) + "\n"
+    (out / "runs.md").write_text(text)
+    return text
+
+
+def heatmap(runs: list[Run], metric: str, x: str, y: str, out: Path) -> Path | None:
+    """Mean of ``metric`` per (x, y) cell; None when fewer than two values on an axis."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    cells: dict[tuple, list[float]] = {}
+    for r in runs:
+        vx, vy, v = r.metric(x), r.metric(y), r.metric(metric)
+        if None not in (vx, vy, v) and math.isfinite(v):
+            cells.setdefault((vx, vy), []).append(v)
+    xs, ys = sorted({k[0] for k in cells}), sorted({k[1] for k in cells})
+    if len(xs) < 2 or len(ys) < 2:
+        return None
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for (vx, vy), vs in cells.items():
+        grid[ys.index(vy), xs.index(vx)] = sum(vs) / len(vs)
+    fig, ax = plt.subplots(figsize=(1.2 * len(xs) + 2.5, 0.8 * len(ys) + 2))
+    im = ax.imshow(grid, origin="lower", cmap="viridis_r" if "error" in metric else "viridis", aspect="auto")
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if np.isfinite(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=8,
+                        bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0})
+    ax.set_xticks(range(len(xs)), [fmt(v) for v in xs])
+    ax.set_yticks(range(len(ys)), [fmt(v) for v in ys])
+    ax.set_xlabel(x)
+    ax.set_ylabel(y)
+    ax.set_title(metric)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    path = out / "heatmap.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def curves(runs: list[Run], keys: list[str], against: str, out: Path) -> Path | None:
+    """One panel per curve key; x is the step or the training wall-clock seconds."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    keys = [k for k in keys if any(len(r.curves.get(k, [])) for r in runs)]
+    if not keys:
+        return None
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    drawn = False
+    for ax, k in zip(axes[0], keys):
+        for r in runs:
+            pts = r.curves.get(k, [])
+            if against == "time":
+                pts = [(t, v) for _, v, t in pts if t is not None]
+            else:
+                pts = [(s, v) for s, v, _ in pts]
+            if pts:
+                drawn = True
+                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=r.name)
+        ax.set_xlabel("training seconds (wall clock)" if against == "time" else "step")
+        ax.set_ylabel(k)
+        ax.grid(alpha=0.3)
+    if not drawn:
+        plt.close(fig)
+        return None
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / f"curves_{'time' if against == 'time' else 'steps'}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_html(cols, rows, images: list[Path], title: str, out: Path) -> Path:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(v))}</td>" for v in r) + "</tr>" for r in rows)
+    imgs = "".join(
+        f'<h2>{html.escape(p.stem)}</h2><img alt="{html.escape(p.stem)}" '
+        f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">' for p in images)
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif}table{border-collapse:collapse;font-size:12px}"
+            "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}img{max-width:100%}</style>"
+            f"</head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{body}</table>{imgs}</body></html>")
+    path = out / "report.html"
+    path.write_text(page)
+    return path
+
+
+def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METRIC,
+            x: str = DEFAULT_X, y: str = DEFAULT_Y, curve_keys: list[str] | None = None) -> dict:
+    """Writes the report; returns ``{"runs": n, "files": {name: path}}``."""
+    runs = load_runs(paths)
+    if all(r.metric(metric) is None for r in runs):
+        have = sorted({f"{s}/{k}" for r in runs for s in ("val", "test") for k in r.results.get(s, {})})
+        raise ValueError(f"--metric {metric!r} is in none of the runs; available: {have}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cols, rows = table(runs, metric)
+    write_tables(cols, rows, out)
+    if curve_keys is None:
+        split, _, m = metric.partition("/")
+        curve_keys = ["train/loss"] + ([f"val/{m}"] if m and split in ("test", "val", "best_val") else [])
+    images = [p for p in (heatmap(runs, metric, x, y, out),
+                          curves(runs, curve_keys, "steps", out), curves(runs, curve_keys, "time", out)) if p]
+    report = write_html(cols, rows, images, f"lst-compare: {len(runs)} runs, sorted by {metric}", out)
+    files = {p.name: p for p in [out / "runs.csv", out / "runs.md", *images, report]}
+    return {"runs": len(runs), "files": files}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="lst-compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument("dirs", nargs="+", help="run directories or sweep directories (searched recursively)")
+    ap.add_argument("-o", "--out", default="compare_report", help="output directory (default: %(default)s)")
+    ap.add_argument("--metric", default=DEFAULT_METRIC,
+                    help="sort key and heatmap value: test/<m>, val/<m>, best_val/<m> (default: %(default)s)")
+    ap.add_argument("--x", default=DEFAULT_X, help="heatmap x: a config key (default: %(default)s)")
+    ap.add_argument("--y", default=DEFAULT_Y, help="heatmap y: a config key (default: %(default)s)")
+    ap.add_argument("--curve", action="append", dest="curves",
+                    help="a metrics.csv column to plot (repeatable; default: train/loss and val/<metric>)")
+    args = ap.parse_args(argv)
+    try:
+        res = compare(args.dirs, args.out, args.metric, args.x, args.y, args.curves)
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
+    print(f"{res['runs']} runs -> {Path(args.out) / 'report.html'}")
+    print((Path(args.out) / "runs.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
