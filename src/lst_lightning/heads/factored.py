@@ -207,7 +207,7 @@ class FactoredSphericalHead(SphericalHeadBase):
     def _new_state(self, sv: _Saved, gq, gs, GA, ybar, Z, dH) -> dict | None:
         """Everything the step changes, computed aside so a failure leaves the head untouched."""
         Hx, lr = sv.Hx, self.lr
-        m, d = Hx.shape
+        m = Hx.shape[0]
         c = 1.0 - lr * self.weight_decay  # > 0: forward checked lr * weight_decay < 1
         kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
         use_woodbury = sv.HUinv is not None

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..losses import SphericalLoss, make_loss
 from .base import OutputHead
+from .targets import target_slots
 
 
 class _SelfUpdatingStep(torch.autograd.Function):
@@ -151,35 +152,9 @@ class SphericalHeadBase(OutputHead):
         Hx = self.augment(H)
         if target_idx is None:
             return Hx, None, None
-        if not isinstance(target_idx, Tensor) or target_idx.dtype not in (torch.int64, torch.int32):
-            raise TypeError("target_idx must be an int64 (or int32) tensor, got "
-                            f"{target_idx.dtype if isinstance(target_idx, Tensor) else type(target_idx).__name__}")
-        if target_idx.device != self.device:
-            raise ValueError(f"target_idx is on {target_idx.device} but the head is on {self.device}")
-        squeeze = target_idx.dim() == 1
-        idx = target_idx[:, None] if squeeze else target_idx
-        if idx.dim() != 2 or idx.shape[0] != H.shape[0] or idx.shape[1] == 0:
-            raise ValueError(f"target_idx must have shape ({H.shape[0]},) or ({H.shape[0]}, K) with K >= 1, "
-                             f"got {tuple(target_idx.shape)}")
-        idx = idx.long()
-        bad = (idx < -1) | (idx >= self.num_classes)
-        if bool(bad.any()):
-            first = idx[bad][0].item()
-            raise ValueError(f"target index {first} is outside [0, {self.num_classes}) and is not the "
-                             "padding index -1")
-        valid = idx >= 0
-        if target_val is None:
-            T = valid.to(self.dtype)
-        else:
-            if not isinstance(target_val, Tensor) or not target_val.is_floating_point():
-                raise TypeError("target_val must be a floating tensor")
-            if tuple(target_val.shape) != tuple(target_idx.shape):
-                raise ValueError(f"target_val has shape {tuple(target_val.shape)} but target_idx has "
-                                 f"{tuple(target_idx.shape)}")
-            if target_val.device != self.device:
-                raise ValueError(f"target_val is on {target_val.device} but the head is on {self.device}")
-            T = (target_val[:, None] if squeeze else target_val).to(self.dtype)
-            T = torch.where(valid, T, torch.zeros((), dtype=self.dtype, device=T.device))
+        # Non-finite target values pass here: the step is then skipped and counted.
+        idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
+                                 device=self.device, finite_values=False)
         return Hx, idx, T
 
     def augment(self, H: Tensor) -> Tensor:

@@ -31,41 +31,53 @@ def check_hidden(hidden: Tensor, hidden_dim: int) -> None:
         raise ValueError("hidden contains non-finite values (nan or inf)")
 
 
-def check_targets(hidden: Tensor, target_idx: Tensor, target_val: Tensor | None,
-                  num_classes: int, hidden_dim: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Validate the inputs; return ``idx`` (m, K), ``val`` (m, K) and ``valid`` (m, K).
+def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_classes: int,
+                 dtype: torch.dtype, device: torch.device | None = None,
+                 finite_values: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate targets for m rows; return ``idx`` (m, K) int64 (-1 kept on padding),
+    ``val`` (m, K) in ``dtype``, zero on padding, and ``valid`` (m, K).
 
-    ``val`` is zero on padding slots; ``idx`` keeps -1 there.
-    """
-    check_hidden(hidden, hidden_dim)
+    Every head calls this before touching its state. ``finite_values=False`` lets
+    non-finite target values through (the self-updating heads skip such a step)."""
     if not isinstance(target_idx, Tensor):
         raise TypeError(f"target_idx must be a torch.Tensor, got {type(target_idx).__name__}")
     if target_idx.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target_idx must be an int64 (or int32) tensor, got {target_idx.dtype}")
-    m = hidden.shape[0]
-    if m == 0:
-        raise ValueError("hidden has no rows: the minibatch is empty")
+    if device is not None and target_idx.device != device:
+        raise ValueError(f"target_idx is on {target_idx.device} but the head is on {device}")
     idx = (target_idx[:, None] if target_idx.dim() == 1 else target_idx).long()
     if idx.dim() != 2 or idx.shape[0] != m or idx.shape[1] == 0:
         raise ValueError(f"target_idx must have shape ({m},) or ({m}, K) with K >= 1, "
                          f"got {tuple(target_idx.shape)}")
-    if idx.numel() and (idx.min() < -1 or idx.max() >= num_classes):
-        raise ValueError(f"target_idx must hold class ids in [0, {num_classes}) or -1 for padding; "
-                         f"got values in [{int(idx.min())}, {int(idx.max())}]")
+    bad = (idx < -1) | (idx >= num_classes)
+    if bool(bad.any()):
+        raise ValueError(f"target index {int(idx[bad][0])} is outside [0, {num_classes}): class ids must be "
+                         f"in [0, {num_classes}) or -1 for padding")
     valid = idx >= 0
     if target_val is None:
-        val = valid.to(hidden.dtype)
-    else:
-        if not isinstance(target_val, Tensor):
-            raise TypeError(f"target_val must be a torch.Tensor or None, got {type(target_val).__name__}")
-        if target_val.shape != target_idx.shape:
-            raise ValueError(f"target_val must have the shape of target_idx {tuple(target_idx.shape)}, "
-                             f"got {tuple(target_val.shape)}")
-        if not torch.isfinite(target_val).all():
-            raise ValueError("target_val contains non-finite values (nan or inf)")
-        val = target_val.reshape(idx.shape).to(hidden.dtype)
-        val = torch.where(valid, val, torch.zeros((), dtype=val.dtype, device=val.device))
+        return idx, valid.to(dtype), valid
+    if not isinstance(target_val, Tensor) or not target_val.is_floating_point():
+        raise TypeError("target_val must be a floating tensor or None, got "
+                        f"{target_val.dtype if isinstance(target_val, Tensor) else type(target_val).__name__}")
+    if target_val.shape != target_idx.shape:
+        raise ValueError(f"target_val must have the shape of target_idx {tuple(target_idx.shape)}, "
+                         f"got {tuple(target_val.shape)}")
+    if device is not None and target_val.device != device:
+        raise ValueError(f"target_val is on {target_val.device} but the head is on {device}")
+    if finite_values and not torch.isfinite(target_val).all():
+        raise ValueError("target_val contains non-finite values (nan or inf)")
+    val = target_val.reshape(idx.shape).to(dtype)
+    val = torch.where(valid, val, torch.zeros((), dtype=dtype, device=val.device))
     return idx, val, valid
+
+
+def check_targets(hidden: Tensor, target_idx: Tensor, target_val: Tensor | None,
+                  num_classes: int, hidden_dim: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate hidden states and targets; return ``idx``, ``val`` and ``valid`` (m, K)."""
+    check_hidden(hidden, hidden_dim)
+    if hidden.shape[0] == 0:
+        raise ValueError("hidden has no rows: the minibatch is empty")
+    return target_slots(target_idx, target_val, hidden.shape[0], num_classes, hidden.dtype)
 
 
 def reduce_rows(per_example: Tensor, reduction: str) -> Tensor:
