@@ -20,14 +20,16 @@ CONF = Path(config_dir())
 # Seconds per job: tiny data, CSV only, no progress bar, few steps and eval examples.
 FAST = ["experiment=tiny", "logger=csv", "callbacks=minimal", "trainer.limit_train_batches=10",
         "data.max_eval_examples=128"]
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # the parent package (hydra_plugins) is absent
+
+
+def has_optuna() -> bool:
+    try:  # find_spec raises when the namespace package hydra_plugins is absent too
+        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ModuleNotFoundError:
         return False
 
 
-HAS_OPTUNA = _importable("hydra_plugins.hydra_optuna_sweeper")
+HAS_OPTUNA = has_optuna()
 
 
 def lst_train(*args, cwd):

@@ -189,8 +189,11 @@ def curves(runs: list[Run], keys: list[str], against: str, out: Path) -> Path | 
         return None
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     drawn = False
+    runs = sorted(runs, key=lambda r: r.name)
+    cmap = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20" if len(runs) <= 20 else "turbo")
+    colors = [cmap(i if len(runs) <= 20 else i / max(len(runs) - 1, 1)) for i in range(len(runs))]
     for ax, k in zip(axes[0], keys):
-        for r in runs:
+        for r, color in zip(runs, colors):
             pts = r.curves.get(k, [])
             if against == "time":
                 pts = [(t, v) for _, v, t in pts if t is not None]
@@ -198,17 +201,19 @@ def curves(runs: list[Run], keys: list[str], against: str, out: Path) -> Path | 
                 pts = [(s, v) for s, v, _ in pts]
             if pts:
                 drawn = True
-                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=r.name)
+                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, color=color, label=r.name)
         ax.set_xlabel("training seconds (wall clock)" if against == "time" else "step")
         ax.set_ylabel(k)
         ax.grid(alpha=0.3)
     if not drawn:
         plt.close(fig)
         return None
-    axes[0][0].legend(fontsize=7)
+    # one legend beside the panels: with a sweep's many runs it would hide the curves
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.tight_layout()
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     path = out / f"curves_{'time' if against == 'time' else 'steps'}.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 
