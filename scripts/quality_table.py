@@ -149,6 +149,31 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def previous_rows(machine: str, keep_tasks: set[str]) -> list[dict]:
+    """Rows of an earlier run's CSV and curves (this machine) for ``keep_tasks``: ``--merge``."""
+    stem = RESULTS / f"quality_table_{machine}"
+    curves_path = stem.parent / (stem.name + "_curves.json")
+    if not stem.with_suffix(".csv").exists() or not curves_path.exists():
+        return []
+    curves = {(c["task"], c["head"], c["mode"]): c["curve"] for c in json.loads(curves_path.read_text())}
+    rows = []
+    with open(stem.with_suffix(".csv"), newline="") as f:
+        for r in csv.DictReader(f):
+            if r["task"] not in keep_tasks:
+                continue
+            row = {}
+            for k, v in r.items():
+                if k == "machine" or v == "":
+                    continue
+                try:
+                    row[k] = int(v) if v.lstrip("-").isdigit() else float(v)
+                except ValueError:
+                    row[k] = v
+            row["curve"] = curves.get((r["task"], r["head"], r["mode"]), [])
+            rows.append(row)
+    return rows
+
+
 def write_results(rows: list[dict], metric: str, machine: str) -> tuple[str, Path]:
     """CSV, validation curves (JSON), markdown table and plot under benchmarks/results/."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -189,13 +214,15 @@ def main():
     ap.add_argument("-o", "--override", action="append", default=[], help="extra Hydra override (repeatable)")
     ap.add_argument("-t", "--task-override", action="append", default=[],
                     help="Hydra override for one task only, as TASK:OVERRIDE (repeatable)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the other tasks from this machine's previous table")
     ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
     args = ap.parse_args()
 
     machine = machine_name()
     out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
     task_overrides(args.task_override, "wiki")  # bad input fails before any run, not after an hour
-    rows = []
+    rows = previous_rows(machine, set(TASKS) - set(args.tasks)) if args.merge else []
     for task in args.tasks:
         for mode in args.modes:
             for head in args.heads:
