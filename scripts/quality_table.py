@@ -149,8 +149,8 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def previous_rows(machine: str, keep_tasks: set[str]) -> list[dict]:
-    """Rows of an earlier run's CSV and curves (this machine) for ``keep_tasks``: ``--merge``."""
+def previous_rows(machine: str, rerun: set[tuple[str, str, str]]) -> list[dict]:
+    """Rows of this machine's previous CSV and curves except the (task, mode, head) in ``rerun``: ``--merge``."""
     stem = RESULTS / f"quality_table_{machine}"
     curves_path = stem.parent / (stem.name + "_curves.json")
     if not stem.with_suffix(".csv").exists() or not curves_path.exists():
@@ -159,7 +159,7 @@ def previous_rows(machine: str, keep_tasks: set[str]) -> list[dict]:
     rows = []
     with open(stem.with_suffix(".csv"), newline="") as f:
         for r in csv.DictReader(f):
-            if r["task"] not in keep_tasks:
+            if (r["task"], r["mode"], r["head"]) in rerun:
                 continue
             row = {}
             for k, v in r.items():
@@ -215,14 +215,15 @@ def main():
     ap.add_argument("-t", "--task-override", action="append", default=[],
                     help="Hydra override for one task only, as TASK:OVERRIDE (repeatable)")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the rows of the other tasks from this machine's previous table")
+                    help="keep the rows of this machine's previous table that this run does not redo")
     ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
     args = ap.parse_args()
 
     machine = machine_name()
     out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
     task_overrides(args.task_override, "wiki")  # bad input fails before any run, not after an hour
-    rows = previous_rows(machine, set(TASKS) - set(args.tasks)) if args.merge else []
+    rerun = {(t, m, h) for t in args.tasks for m in args.modes for h in args.heads}
+    rows = previous_rows(machine, rerun) if args.merge else []
     for task in args.tasks:
         for mode in args.modes:
             for head in args.heads:

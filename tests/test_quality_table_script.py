@@ -54,7 +54,7 @@ def test_write_results_writes_every_row_and_the_failures(qt, tmp_path, monkeypat
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
-def test_merge_keeps_the_other_tasks_rows(qt, tmp_path, monkeypatch):
+def test_merge_keeps_the_rows_not_rerun(qt, tmp_path, monkeypatch):
     monkeypatch.setattr(qt, "RESULTS", tmp_path)
     curve = [{"train_s": 1.5, "step": 10, "top10_error": 0.4}]
     rows = [{"task": "wiki", "head": "adaptive", "mode": "epochs", "train_steps": 300, "top10_error": 0.614,
@@ -62,9 +62,9 @@ def test_merge_keeps_the_other_tasks_rows(qt, tmp_path, monkeypatch):
             {"task": "synthetic", "head": "adaptive", "mode": "epochs", "train_steps": 100, "top10_error": 0.9,
              "curve": []}]
     qt.write_results(rows, "top10_error", "m")
-    kept = qt.previous_rows("m", {"wiki"})
+    kept = qt.previous_rows("m", {("synthetic", "epochs", "adaptive"), ("wiki", "budget", "adaptive")})
     assert len(kept) == 1
     (row,) = kept
     assert row["task"] == "wiki" and row["train_steps"] == 300 and row["top10_error"] == pytest.approx(0.614)
     assert row["curve"] == curve and "perplexity" not in row
-    assert qt.previous_rows("other-machine", {"wiki"}) == []
+    assert qt.previous_rows("other-machine", set()) == []
