@@ -92,7 +92,7 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
         s = int(args.budget_s)
         overrides += [f"trainer.max_epochs={args.max_epochs_in_budget}",
                       f"+trainer.max_time=00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"]
-    overrides += PRESETS[args.preset][task] + args.override
+    overrides += PRESETS[args.preset][task] + args.override + task_overrides(args.task_override, task)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     curve = ValidationCurve()
@@ -104,6 +104,18 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
     row.update({k: test[k] for k in sorted(test) if "error" in k or k in ("mrr", "perplexity", "simlex_rho")})
     row["curve"] = curve.points
     return row
+
+
+def task_overrides(specs: list[str], task: str) -> list[str]:
+    """The Hydra overrides of ``--task-override TASK:OVERRIDE`` that apply to ``task``."""
+    out = []
+    for spec in specs:
+        name, sep, override = spec.partition(":")
+        if not sep or name not in TASKS or not override:
+            raise ValueError(f"--task-override wants TASK:OVERRIDE with TASK in {list(TASKS)}, got {spec!r}")
+        if name == task:
+            out.append(override)
+    return out
 
 
 def markdown(rows: list[dict], cols: list[str]) -> str:
@@ -137,35 +149,33 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
-    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
-    ap.add_argument("--modes", nargs="+", default=["epochs", "budget"], choices=["epochs", "budget"])
-    ap.add_argument("--preset", choices=list(PRESETS), default="full",
-                    help="full: the configs as they are; quick: tiny sizes, seconds per run")
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock budget per run (budget mode)")
-    ap.add_argument("--max-epochs-in-budget", type=int, default=1000)
-    ap.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: per epoch)")
-    ap.add_argument("--metric", default="top10_error", help="metric of the plot")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("-o", "--override", action="append", default=[], help="extra Hydra override (repeatable)")
-    ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
-    args = ap.parse_args()
-
-    machine = machine_name()
-    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
+def previous_rows(machine: str, rerun: set[tuple[str, str, str]]) -> list[dict]:
+    """Rows of this machine's previous CSV and curves except the (task, mode, head) in ``rerun``: ``--merge``."""
+    stem = RESULTS / f"quality_table_{machine}"
+    curves_path = stem.parent / (stem.name + "_curves.json")
+    if not stem.with_suffix(".csv").exists() or not curves_path.exists():
+        return []
+    curves = {(c["task"], c["head"], c["mode"]): c["curve"] for c in json.loads(curves_path.read_text())}
     rows = []
-    for task in args.tasks:
-        for mode in args.modes:
-            for head in args.heads:
+    with open(stem.with_suffix(".csv"), newline="") as f:
+        for r in csv.DictReader(f):
+            if (r["task"], r["mode"], r["head"]) in rerun:
+                continue
+            row = {}
+            for k, v in r.items():
+                if k == "machine" or v == "":
+                    continue
                 try:
-                    rows.append(run_one(task, head, mode, args, out_dir))
-                except Exception as exc:  # one head failing must not lose the others' results
-                    print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
-                    rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
-                                 "curve": []})
+                    row[k] = int(v) if v.lstrip("-").isdigit() else float(v)
+                except ValueError:
+                    row[k] = v
+            row["curve"] = curves.get((r["task"], r["head"], r["mode"]), [])
+            rows.append(row)
+    return rows
+
+
+def write_results(rows: list[dict], metric: str, machine: str) -> tuple[str, Path]:
+    """CSV, validation curves (JSON), markdown table and plot under benchmarks/results/."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"quality_table_{machine}"
     metric_cols = sorted({k for r in rows for k in r if "error" in k and k != "error"},
@@ -183,7 +193,48 @@ def main():
         json.dumps([{k: r[k] for k in ("task", "head", "mode", "curve")} for r in rows], indent=1))
     md = f"Machine: {machine}\n\n" + markdown(rows, cols) + "\n"
     stem.with_suffix(".md").write_text(md)
-    plot(rows, args.metric, stem.with_suffix(".png"), machine)
+    plot(rows, metric, stem.with_suffix(".png"), machine)
+    plt.close("all")
+    return md, stem
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    ap.add_argument("--modes", nargs="+", default=["epochs", "budget"], choices=["epochs", "budget"])
+    ap.add_argument("--preset", choices=list(PRESETS), default="full",
+                    help="full: the configs as they are; quick: tiny sizes, seconds per run")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock budget per run (budget mode)")
+    ap.add_argument("--max-epochs-in-budget", type=int, default=1000)
+    ap.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: per epoch)")
+    ap.add_argument("--metric", default="top10_error", help="metric of the plot")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-o", "--override", action="append", default=[], help="extra Hydra override (repeatable)")
+    ap.add_argument("-t", "--task-override", action="append", default=[],
+                    help="Hydra override for one task only, as TASK:OVERRIDE (repeatable)")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of this machine's previous table that this run does not redo")
+    ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
+    args = ap.parse_args()
+
+    machine = machine_name()
+    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
+    task_overrides(args.task_override, "wiki")  # bad input fails before any run, not after an hour
+    rerun = {(t, m, h) for t in args.tasks for m in args.modes for h in args.heads}
+    rows = previous_rows(machine, rerun) if args.merge else []
+    for task in args.tasks:
+        for mode in args.modes:
+            for head in args.heads:
+                try:
+                    rows.append(run_one(task, head, mode, args, out_dir))
+                except Exception as exc:  # one head failing must not lose the others' results
+                    print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
+                    rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
+                                 "curve": []})
+                # after every run, so that a run cut short still leaves its table
+                md, stem = write_results(rows, args.metric, machine)
     print(md)
     print(f"wrote {stem}.csv/.md/.png and the validation curves; run directories in {out_dir}")
 
