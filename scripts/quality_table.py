@@ -77,7 +77,9 @@ class ValidationCurve(pl.Callback):
         if not trainer.sanity_checking:
             val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
             self.points.append({"train_s": self._train_s, "step": trainer.global_step, **val})
-        if trainer.training:
+        # trainer.training is False here (the state is "validating"): restart the clock
+        # whenever this validation ran inside fit, or every later point froze at the first.
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
             self._since = time.perf_counter()
 
 
