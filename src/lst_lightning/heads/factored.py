@@ -10,6 +10,7 @@ names here follow it (row layout: H is m x d).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ class _Saved:
     gq: Tensor
     gs: Tensor
     GA: Tensor
+    input_ok: Tensor | None = None  # deferred checks: False when the batch had bad target ids
 
 
 class FactoredSphericalHead(SphericalHeadBase):
@@ -77,7 +79,8 @@ class FactoredSphericalHead(SphericalHeadBase):
                  sv_method: str = "power", power_iters: int = 30, cond_trigger: float = 4.0,
                  check_every: int = 100, fold_tol: float = 0.05, max_sv_fixes: int = 8,
                  uinv_refresh_every: int = 100, q_refresh_every: int = 10000,
-                 woodbury: str = "auto", parallel: str = "none", checksum_every: int = 100, **kwargs):
+                 woodbury: str = "auto", parallel: str = "none", checksum_every: int = 100,
+                 sync_every: int = 1, **kwargs):
         super().__init__(num_classes, hidden_dim, *args, **kwargs)
         if not 0 < sv_min < 1 < sv_max:
             raise ValueError(f"need 0 < sv_min < 1 < sv_max, got sv_min={sv_min}, sv_max={sv_max}")
@@ -91,6 +94,8 @@ class FactoredSphericalHead(SphericalHeadBase):
             raise ValueError(f"woodbury must be 'auto', 'always' or 'never', got {woodbury!r}")
         if parallel not in ("none", "replicated", "sharded"):
             raise ValueError(f"parallel must be 'none', 'replicated' or 'sharded', got {parallel!r}")
+        if not (isinstance(sync_every, int) and sync_every >= 1):
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         for name, v in (("check_every", check_every), ("checksum_every", checksum_every), ("uinv_refresh_every", uinv_refresh_every),
                         ("q_refresh_every", q_refresh_every), ("power_iters", power_iters),
                         ("max_sv_fixes", max_sv_fixes)):
@@ -101,6 +106,9 @@ class FactoredSphericalHead(SphericalHeadBase):
         self.fold_tol, self.max_sv_fixes, self.woodbury = float(fold_tol), max_sv_fixes, woodbury
         self.uinv_refresh_every, self.q_refresh_every = uinv_refresh_every, q_refresh_every
         self.parallel, self.checksum_every = parallel, checksum_every
+        self.sync_every = sync_every
+        self._calls = 0          # training steps run (host count: no device read)
+        self._synced = (0, 0)    # (steps, skipped) at the last host read
         self._pg = ProcessGroup()
         self._distributed = parallel == "none"
 
@@ -124,7 +132,9 @@ class FactoredSphericalHead(SphericalHeadBase):
         g = torch.Generator().manual_seed(0)
         self.register_buffer("u_max", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
         self.register_buffer("u_min", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
-        self.register_buffer("uinv_fresh", torch.ones((), dtype=torch.bool, device=fk.get("device")))
+        self._uinv_fresh = True  # host-side: the forward must not read a device flag
+        self.register_buffer("_bad_input", torch.zeros((), dtype=torch.bool, device=fk.get("device")),
+                             persistent=False)
         self.register_buffer("cond_bound", torch.ones((), **f64))     # >= cond(U), carried
         self.register_buffer("cond_estimate", torch.ones((), **f64))  # measured at the last check
         for name in ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes",
@@ -152,6 +162,25 @@ class FactoredSphericalHead(SphericalHeadBase):
     _SHARED = ("U", "Uinv", "omega", "Q", "wbar", "u_max", "u_min", "cond_bound", "cond_estimate",
                "steps", "skipped_nonfinite", "checks", "sv_fixes", "unfactorizations", "folds",
                "uinv_refreshes", "q_refreshes", "eig_checks")
+
+    @property
+    def deferred_checks(self) -> bool:
+        """True with ``sync_every > 1``: the training step never waits for the device; its
+        checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
+        return self.sync_every > 1
+
+    @property
+    def uinv_fresh(self) -> bool:
+        """Whether U^-1 is up to date (steps that solve with U leave it behind)."""
+        return self._uinv_fresh
+
+    def get_extra_state(self):
+        return {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
+
+    def set_extra_state(self, state) -> None:
+        super().set_extra_state(state)
+        self._uinv_fresh = bool(state.get("uinv_fresh", False))  # unknown: refresh when needed
+        self._synced = (int(self.steps), int(self.skipped_nonfinite))  # buffers load before extra state
 
     @property
     def sharded(self) -> bool:
@@ -272,7 +301,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         self.V.copy_(W[self.row_lo:self.row_hi])
         self.U.copy_(torch.eye(self.width, dtype=self.dtype, device=self.device))
         self.Uinv.copy_(self.U)
-        self.uinv_fresh.fill_(True)
+        self._uinv_fresh = True
         self.omega.zero_()
         self.cond_bound.fill_(1.0)
         self.cond_estimate.fill_(1.0)
@@ -324,12 +353,18 @@ class FactoredSphericalHead(SphericalHeadBase):
 
     @torch.no_grad()
     def _forward_step(self, Hx, idx, T):
+        input_ok = None
+        if self.deferred_checks:  # bad ids become padding; the step is void, the error comes later
+            bad = (idx < -1) | (idx >= self.num_classes)
+            input_ok = ~bad.any()
+            self._bad_input |= ~input_ok
+            idx, T = torch.where(bad, -1, idx), torch.where(bad, 0.0, T)
         woodbury = self._use_woodbury(Hx.shape[0])
-        if woodbury and not bool(self.uinv_fresh):
+        if woodbury and not self._uinv_fresh:
             self._refresh_uinv()  # the last steps solved with U directly and left U^-1 behind
         q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
         L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T))
-        return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA)
+        return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
 
     # -- backward and the exact update ------------------------------------------------------
     @torch.no_grad()
@@ -340,48 +375,77 @@ class FactoredSphericalHead(SphericalHeadBase):
         # dH = dO W without dO: Z = (g_s 1^T + Yd) W.
         Z = self._gather_sum(idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
         dH = torch.addcmul(Z, gq[:, None], sv.Hq, value=2.0)
-        if not math.isfinite(float(Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
+        finite = torch.isfinite(Hx.sum() + gq.sum() + gs.sum() + GA.sum())
+        if self.deferred_checks:
+            return self._deferred_update(sv, gq, gs, GA, ybar, Z, dH, finite)
+        if not bool(finite):
             self._skip("hidden states or loss gradients")
             return torch.zeros_like(dH)
         new = self._new_state(sv, gq, gs, GA, ybar, Z, dH)
-        if new is None:
+        if not bool(new["ok"]):
             self._skip("state after the step")
             return torch.zeros_like(dH)
         self._commit(sv, GA, new)
         return dH
 
-    def _new_state(self, sv: _Saved, gq, gs, GA, ybar, Z, dH) -> dict | None:
-        """Everything the step changes, computed aside so a failure leaves the head untouched."""
+    def _new_state(self, sv: _Saved, gq, gs, GA, ybar, Z, dH) -> dict:
+        """Everything the step changes, computed aside so a failure leaves the head untouched;
+        ``ok`` (a device bool) says whether all of it is finite."""
         Hx, lr = sv.Hx, self.lr
         m = Hx.shape[0]
         c = 1.0 - lr * self.weight_decay  # > 0: forward checked lr * weight_decay < 1
         kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
         use_woodbury = sv.HUinv is not None
         G = Hx @ Hx.T if use_woodbury else None
-        lam_lo, lam_hi, exact = self._step_eigen_bounds(Hx, G, kappa)
-        fold = exact and lam_lo < self.fold_tol
+        if self.deferred_checks:  # bounds stay on the device; a nearly singular B is repaired later
+            rho_pos, rho_neg = self._rho_bounds(Hx, G, kappa)
+            fold = False
+            cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
+        else:
+            lam_lo, lam_hi, exact = self._step_eigen_bounds(Hx, G, kappa)
+            fold = exact and lam_lo < self.fold_tol
+            cond_step = lam_hi / lam_lo if lam_lo > 0 else float("inf")
         U_new = torch.addmm(self.U, sv.Ht.T, gq[:, None] * Hx, beta=c, alpha=-2.0 * lr)  # U B, reusing H U^T
         omega_new = c * self.omega - lr * (Hx.T @ (2.0 * gq * sv.ht + gs))
+        info = None
         if fold:
             Uinv_new, HUinv_new = None, Hx  # V absorbs U B; U = U^-1 = I
         elif use_woodbury:
             # B^-1 = (1/c)(I - H^T C (I_m + H H^T C)^-1 H), C = -diag(kappa): no division by g_q.
             S = torch.eye(m, dtype=Hx.dtype, device=Hx.device) - G * kappa[None, :]
-            R = torch.linalg.solve(S, sv.HUinv)
+            R, info = torch.linalg.solve_ex(S, sv.HUinv)  # _ex: a singular S is a flag, not a sync
             KR = kappa[:, None] * R
             Uinv_new = (self.Uinv + Hx.T @ KR) / c
             HUinv_new = (sv.HUinv + G @ KR) / c
         else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
-            Uinv_new, HUinv_new = None, torch.linalg.solve(U_new, Hx, left=False)
+            HUinv_new, info = torch.linalg.solve_ex(U_new, Hx, left=False)
+            Uinv_new = None
         # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
         M = lk.m_matrix(sv.Hq, Hx, Z, gq, gs, ybar, self.num_classes, lk.sparse_gram(sv.idx, GA))
         Q_new = lk.q_update(self.Q, Hx, dH, M, lr, c)
         wbar_new = c * self.wbar - lr * (Hx.T @ (2.0 * gq * sv.s + self.num_classes * gs + ybar))
         parts = [U_new, omega_new, HUinv_new, Q_new, wbar_new] + ([Uinv_new] if Uinv_new is not None else [])
-        if not math.isfinite(float(sum(t.sum() for t in parts))):  # NaN and inf survive a sum
-            return None
+        ok = torch.isfinite(sum(t.sum() for t in parts))  # NaN and inf survive a sum
+        if info is not None:
+            ok &= (info == 0).all()
         return {"U": U_new, "Uinv": Uinv_new, "omega": omega_new, "Q": Q_new, "wbar": wbar_new,
-                "HUinv": HUinv_new, "fold": fold, "cond_step": lam_hi / lam_lo if lam_lo > 0 else float("inf")}
+                "HUinv": HUinv_new, "fold": fold, "cond_step": cond_step, "ok": ok}
+
+    @staticmethod
+    def _rho_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[Tensor, Tensor]:
+        """Device-side upper bounds on the largest eigenvalues of H^T diag(kappa+) H and
+        H^T diag(kappa-) H: the smaller of the trace and the Frobenius norm."""
+        sq = Hx.pow(2).sum(1) if G is None else G.diagonal()
+        out = []
+        for w in (kappa.clamp(min=0), (-kappa).clamp(min=0)):
+            if G is not None:
+                sw = w.sqrt()
+                fro = torch.linalg.matrix_norm(G * sw[:, None] * sw[None, :])
+            else:
+                X = w.sqrt()[:, None] * Hx
+                fro = torch.linalg.matrix_norm(X.T @ X)
+            out.append(torch.minimum(w @ sq, fro))
+        return out[0], out[1]
 
     def _step_eigen_bounds(self, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[float, float, bool]:
         """Bounds (lo, hi) on |eigenvalues| of B/c = I - H^T diag(kappa) H, and whether they are exact.
@@ -423,7 +487,7 @@ class FactoredSphericalHead(SphericalHeadBase):
             if new["Uinv"] is not None:
                 self.Uinv.copy_(new["Uinv"])
             else:
-                self.uinv_fresh.fill_(False)
+                self._uinv_fresh = False
         lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), GA, new["HUinv"], -self.lr)
         self.omega.copy_(new["omega"])
         self.Q.copy_(0.5 * (new["Q"] + new["Q"].T))
@@ -432,26 +496,72 @@ class FactoredSphericalHead(SphericalHeadBase):
         self._version += 1
         if not new["fold"]:
             self.cond_bound *= new["cond_step"]
-        self._maintain()
+        n = int(self.steps)
+        self._synced = (n, int(self.skipped_nonfinite))
+        self._maintain(n - 1, n)
+
+    def _deferred_update(self, sv: _Saved, gq, gs, GA, ybar, Z, dH, finite: Tensor) -> Tensor:
+        """The step with no host synchronisation: a failed step is masked out on the device
+        (every buffer keeps its value) and counted; the flags are read every ``sync_every`` steps."""
+        new = self._new_state(sv, gq, gs, GA, ybar, Z, dH)
+        ok = new["ok"] & finite & sv.input_ok
+        keep = lambda fresh, old: torch.where(ok, fresh, old)  # noqa: E731
+        self.U.copy_(keep(new["U"], self.U))
+        if new["Uinv"] is not None:
+            self.Uinv.copy_(keep(new["Uinv"], self.Uinv))
+        else:
+            self._uinv_fresh = False
+        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), keep(GA, 0.0), keep(new["HUinv"], 0.0), -self.lr)
+        self.omega.copy_(keep(new["omega"], self.omega))
+        self.Q.copy_(keep(0.5 * (new["Q"] + new["Q"].T), self.Q))
+        self.wbar.copy_(keep(new["wbar"], self.wbar))
+        self.cond_bound.copy_(keep(self.cond_bound * new["cond_step"], self.cond_bound))
+        self.steps += ok
+        self.skipped_nonfinite += ~ok
+        self._version += 1
+        self._calls += 1
+        if self._calls % self.sync_every == 0:
+            self.sync()
+        return keep(dH, 0.0)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Read the step's device flags (one host synchronisation): warn about skipped steps,
+        run the repairs that fell due, and raise if a batch since the last read had bad targets."""
+        if not self.deferred_checks:
+            return
+        steps, skipped, bad = torch.stack([self.steps, self.skipped_nonfinite, self._bad_input.long()]).tolist()
+        (n_prev, skipped_prev), self._synced = self._synced, (steps, skipped)
+        if any(k & (k - 1) == 0 for k in range(skipped_prev + 1, skipped + 1)):
+            warnings.warn(f"{type(self).__name__}: {skipped - skipped_prev} step(s) with non-finite or invalid "
+                          f"values since the last check were skipped, the head's state left untouched "
+                          f"({skipped} skipped so far)", RuntimeWarning, stacklevel=2)
+        self._maintain(n_prev, steps)
+        if bad:
+            self._bad_input.zero_()
+            raise ValueError(f"a batch since the last check (at most {self.sync_every} steps) had target ids "
+                             f"outside [0, {self.num_classes}) (class ids or -1 for padding); that step was "
+                             "skipped and left the head's state untouched")
 
     # -- stabilisation ----------------------------------------------------------------------
-    def _maintain(self) -> None:
-        n = int(self.steps)
-        if self.q_refresh_every and n % self.q_refresh_every == 0:
+    def _maintain(self, n_prev: int, n: int) -> None:
+        """The repairs that fell due between step n_prev and step n."""
+        def due(every: int) -> bool:
+            return bool(every) and n // every > n_prev // every
+        if due(self.q_refresh_every):
             self.refresh_bookkeeping()
             self.q_refreshes += 1
-        due = self.check_every and n % self.check_every == 0
-        if due or float(self.cond_bound) > self.cond_trigger:
+        if due(self.check_every) or float(self.cond_bound) > self.cond_trigger:
             self.stabilise()
-        elif self.uinv_refresh_every and n % self.uinv_refresh_every == 0 and bool(self.uinv_fresh):
+        elif due(self.uinv_refresh_every) and self._uinv_fresh:
             self._refresh_uinv()  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
-        if self.checksum_every and n % self.checksum_every == 0:
+        if due(self.checksum_every):
             self.check_replicas()
 
     @torch.no_grad()
     def _refresh_uinv(self) -> None:
         self.Uinv.copy_(torch.linalg.inv(self.U))
-        self.uinv_fresh.fill_(True)
+        self._uinv_fresh = True
         self.uinv_refreshes += 1
 
     @torch.no_grad()
@@ -462,7 +572,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         eye = torch.eye(self.width, dtype=self.dtype, device=self.device)
         self.U.copy_(eye)
         self.Uinv.copy_(eye)
-        self.uinv_fresh.fill_(True)
+        self._uinv_fresh = True
         self.cond_bound.fill_(1.0)
         self.cond_estimate.fill_(1.0)
         self._version += 1

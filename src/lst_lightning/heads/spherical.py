@@ -45,6 +45,8 @@ class SphericalHeadBase(OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
     self_updating = True
+    #: True when the training step leaves its checks on the device (read every few steps).
+    deferred_checks = False
 
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
@@ -167,7 +169,8 @@ class SphericalHeadBase(OutputHead):
             return Hx, None, None
         # Non-finite target values pass here: the step is then skipped and counted.
         idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
-                                 device=self.device, finite_values=False)
+                                 device=self.device, finite_values=False,
+                                 check_range=not (self.deferred_checks and self.training and torch.is_grad_enabled()))
         return Hx, idx, T
 
     def augment(self, H: Tensor) -> Tensor:
