@@ -154,14 +154,16 @@ class FactoredSphericalHead(SphericalHeadBase):
         return self.V.device
 
     def _init_rows(self, lo: int, hi: int, device=None) -> Tensor:
-        """Rows lo:hi of the initial V: chunk c of rows comes from seed + c."""
+        """Rows lo:hi of the initial V: chunk c of rows comes from seed + c, drawn on the
+        device itself (a GPU's generator gives other numbers than the CPU's, as it should:
+        at D = 20M, d = 512 a host draw takes a minute)."""
         out = torch.empty(hi - lo, self.width, dtype=self.dtype, device=device)
         for c in range(lo // _CHUNK, -(-hi // _CHUNK)):
             a, b = c * _CHUNK, min((c + 1) * _CHUNK, self.num_classes)
-            g = torch.Generator().manual_seed(self._init_seed + c)
-            blk = torch.randn(b - a, self.width, generator=g, dtype=self.dtype)
+            g = torch.Generator(device=out.device).manual_seed(self._init_seed + c)
+            blk = torch.randn(b - a, self.width, generator=g, dtype=self.dtype, device=out.device)
             s, e = max(a, lo), min(b, hi)
-            out[s - lo:e - lo] = (blk[s - a:e - a] * self._init_std).to(out.device)
+            out[s - lo:e - lo] = blk[s - a:e - a] * self._init_std
         return out
 
     # -- multi-process ----------------------------------------------------------------------
