@@ -152,3 +152,9 @@ def test_cuda_graph_step_equals_the_eager_step():
         torch.testing.assert_close(dH_g, dH_e)
     torch.testing.assert_close(graphed.weight(), eager.weight())
     assert int(graphed.steps) == 12 and graphed._synced[0] == 10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_buffer_is_on_the_cuda_device():
+    head = deferred(device="cuda")
+    assert {b.device.type for b in head.buffers()} == {"cuda"}

@@ -216,8 +216,10 @@ class SphericalHeadBase(OutputHead):
 
     # -- non-finite values ----------------------------------------------------------------
     def _register_buffers_common(self) -> None:
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-        self.register_buffer("skipped_nonfinite", torch.zeros((), dtype=torch.long))
+        # On the head's device: the sync-free step adds device flags to them.
+        dev = self._factory["device"]
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=dev))
+        self.register_buffer("skipped_nonfinite", torch.zeros((), dtype=torch.long, device=dev))
 
     def _skip(self, what: str) -> None:
         """Count a skipped step and warn at the 1st, 2nd, 4th, 8th... so logs are not flooded."""
