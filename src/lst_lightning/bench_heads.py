@@ -107,20 +107,31 @@ def step_bytes(spec: HeadSpec, D: int, d: int, m: int, nbytes: int, head=None) -
 
 @contextlib.contextmanager
 def draws_on(device: torch.device):
-    """Big ``torch.randn`` draws made with neither a device nor a generator land on ``device``.
+    """Big ``torch.randn`` draws made with neither a device nor a generator are drawn on ``device``.
 
     The spherical heads draw their D x d matrix on the host and copy it over: at D = 20M,
-    d = 512 that is a minute on one core, longer than all their steps together."""
+    d = 512 that is a minute on one core, longer than all their steps together. A draw that
+    the device could not hold twice (the head scales it next) is drawn there in pieces and
+    kept on the host, where the head's scaling runs on all cores before its copy."""
     if device.type == "cpu":
         yield
         return
     real = torch.randn
 
     def randn(*size, generator=None, device=None, **kw):
-        shape = size[0] if len(size) == 1 and not isinstance(size[0], int) else size
-        if generator is None and device is None and math.prod(shape) >= 1 << 20:
-            device = target
-        return real(*size, generator=generator, device=device, **kw)
+        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+        if generator is not None or device is not None or set(kw) - {"dtype"} or math.prod(shape) < 1 << 20:
+            return real(*size, generator=generator, device=device, **kw)
+        dtype = kw.get("dtype") or torch.get_default_dtype()
+        nbytes = math.prod(shape) * dtype.itemsize
+        if target.type != "cuda" or 2.2 * nbytes < torch.cuda.mem_get_info(target)[0]:
+            return real(*size, device=target, **kw)
+        host = torch.empty(shape, dtype=dtype)
+        flat = host.view(-1)
+        for a in range(0, flat.numel(), 1 << 28):
+            b = min(a + (1 << 28), flat.numel())
+            flat[a:b].copy_(real(b - a, device=target, dtype=dtype))
+        return host
 
     target = device
     torch.randn = randn
@@ -219,10 +230,12 @@ def measure(steps: dict[str, Callable[[], None]], clock, opt: TimingOptions) -> 
     live = {k: fn for k, fn in steps.items() if k not in out}
     if not live:
         return out
+    # Steps over a second need no more warming up, and their first timing is estimate enough.
+    warm = {k: fn for k, fn in live.items() if first[k] <= 1.0}
     for _ in range(opt.warmup - 1):
-        for fn in live.values():
+        for fn in warm.values():
             fn()
-    est = {k: clock(fn) for k, fn in live.items()}
+    est = {k: clock(fn) if k in warm else first[k] for k, fn in live.items()}
     n = {k: min(opt.max_steps, max(opt.min_steps, int(opt.budget_s / max(t, 1e-7) / len(live))))
          for k, t in est.items()}
     rounds = min(n.values())
@@ -273,11 +286,19 @@ class Runner:
     def __init__(self, args, device: torch.device, console: Console):
         self.args, self.device, self.console = args, device, console
         self.cuda = device.type == "cuda"
-        self.clock = cuda_clock if self.cuda else perf_clock
         self.timing = TimingOptions(args.warmup, args.budget_s, args.min_steps, args.max_steps, args.max_step_s)
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
         self.common = dict(machine=machine_name(), torch=torch.__version__, threads=torch.get_num_threads())
+
+    def timing_for(self, device: torch.device) -> tuple[Callable, TimingOptions]:
+        """The clock and step counts for a head on ``device``: the naive head on the host in a
+        GPU run (the paper's CPU figure) takes seconds a step, so a few steps do."""
+        if device.type == "cuda":
+            return cuda_clock, self.timing
+        if self.cuda:
+            return perf_clock, TimingOptions(warmup=1, budget_s=5.0, min_steps=2, max_steps=5, max_step_s=60.0)
+        return perf_clock, self.timing
 
     def out_of_time(self) -> bool:
         return self.args.deadline_s is not None and time.perf_counter() - self.t0 > self.args.deadline_s
@@ -369,12 +390,13 @@ class Runner:
             steps = {"this": step}
             if partner is not None:
                 steps["partner"] = partner["steps"][m]
-            times = measure(steps, self.clock, self.timing)
+            clock, topt = self.timing_for(device)
+            times = measure(steps, clock, topt)
             if partner is not None:
                 partner["times"][m] += times["partner"]
             extra = peak_extra_mb(step, device) if len(times["this"]) > 1 else None
-            status = "ok" if len(times["this"]) >= self.timing.min_steps else \
-                f"slow: {len(times['this'])} step(s) > --max-step-s {self.args.max_step_s}"
+            status = "ok" if len(times["this"]) >= topt.min_steps else \
+                f"slow: {len(times['this'])} step(s) > --max-step-s {topt.max_step_s}"
             self.record(spec, device, dname, D, d, m, status, times["this"], extra, param_mb)
         except torch.cuda.OutOfMemoryError as exc:
             self.record(spec, device, dname, D, d, m, f"oom: {str(exc).splitlines()[0][:80]}")
@@ -389,7 +411,9 @@ class Runner:
         """Every head at (D, d) and each m. On CPU each head is timed alongside the factored
         (zloss) head, whose row pools its timings from all pairings."""
         dev, bf = self.device, self.args.dtype
-        if self.cuda or not self.args.interleave or REFERENCE not in {s.key for s in heads}:
+        ref_need = max(param_bytes(HEADS[0], D, d, 4) + step_bytes(HEADS[0], D, d, m, 4) for m in ms)
+        if (self.cuda or not self.args.interleave or REFERENCE not in {s.key for s in heads}
+                or ref_need > memory_limit(dev, self.args.max_gb)):
             for spec in heads:
                 self.run_head(spec, D, d, ms, dev, bf)
             return
@@ -400,13 +424,12 @@ class Runner:
         others = [s for s in heads if s.key != REFERENCE]
         for spec in others:
             self.run_head(spec, D, d, ms, dev, bf, partner)
-        if not others:  # nothing to pair with: time it alone
-            for m in ms:
-                partner["times"][m] = measure({"f": partner["steps"][m]}, self.clock, self.timing)["f"]
+        for m in ms:  # nothing timed beside it at this m: time it alone
+            if not partner["times"][m]:
+                partner["times"][m] = measure({"f": partner["steps"][m]}, *self.timing_for(dev))["f"]
         pmb = param_bytes(ref, D, d, 4) / 2**20
         for m in ms:
-            self.record(ref, dev, "fp32", D, d, m, "ok" if partner["times"][m] else "skipped: no partner timed",
-                        partner["times"][m], None, pmb)
+            self.record(ref, dev, "fp32", D, d, m, "ok", partner["times"][m], None, pmb)
         del fac, partner
 
     def paper_naive_cpu(self) -> None:
@@ -627,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     Ds, ds, ms = args.D or sizes["D"], args.d or sizes["d"], args.m or sizes["m"]
     defaults = dict(dtype="bf16" if cuda else "fp32", threads=None if cuda else 1,
                     warmup=3 if cuda else 1, budget_s=0.25 if cuda else 2.0, min_steps=5 if cuda else 3,
-                    max_steps=200 if cuda else 50, max_step_s=2.0 if cuda else 20.0)
+                    max_steps=200 if cuda else 50, max_step_s=2.0 if cuda else 60.0)
     if args.smoke:
         defaults.update(warmup=1, budget_s=0.01, min_steps=2, max_steps=3)
     for k, v in defaults.items():
@@ -657,11 +680,11 @@ def main(argv: list[str] | None = None) -> int:
             runner.run_head(spec, Dp, ds[0], [ms[0]], torch.device("cpu"), "fp32")
         else:
             runner.paper_naive_cpu()
-    for d in ds:
-        for D in sorted(Ds):
-            here = [s for s in heads if s.head != "factored" or s.variant == "zloss" or D <= args.all_losses_up_to]
-            runner.run_size(D, d, ms, here)
-            write_outputs(runner.rows, stem, title, with_plot=False)
+    # Sizes up to 2M first for every d, so that a run cut short still has the targets' sizes.
+    for D, d in sorted(((D, d) for d in ds for D in Ds), key=lambda k: (k[0] > 2_000_000, ds.index(k[1]), k[0])):
+        here = [s for s in heads if s.head != "factored" or s.variant == "zloss" or D <= args.all_losses_up_to]
+        runner.run_size(D, d, ms, here)
+        write_outputs(runner.rows, stem, title, with_plot=False)
     checks = write_outputs(runner.rows, stem, title)
     print_summary(runner.rows, checks, console)
     console.print(f"wrote {stem.with_suffix('.csv')}, .md and .png ({time.perf_counter() - runner.t0:.0f} s)")
