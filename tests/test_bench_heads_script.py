@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
+import runpy
 from pathlib import Path
 
 import pytest
@@ -11,13 +11,6 @@ import torch
 from lst_lightning import bench_heads as bh
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_heads.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_heads_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -33,7 +26,7 @@ def smoke_run(tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the smoke run times the CUDA paths; this test pins the CPU run")
     out = tmp_path_factory.mktemp("smoke")
-    assert load_script().main.__module__ == "lst_lightning.bench_heads"
+    assert runpy.run_path(str(SCRIPT), run_name="bench_heads_script")["main"] is bh.main  # the script is thin
     assert bh.main(["--smoke", "--out", str(out)]) == 0
     return out
 
@@ -169,3 +162,12 @@ def test_measure_times_a_slow_step_once():
     times = bh.measure({"slow": slow, "fast": fast}, fake_clock, opt)
     assert times["slow"] == [5.0] and calls["slow"] == 1
     assert len(times["fast"]) == 10 and all(t == 0.001 for t in times["fast"])  # capped at max_steps
+
+
+def test_replot_remakes_the_markdown_from_the_csv(smoke_run, tmp_path):
+    (csv_path,) = smoke_run.glob("bench_heads_smoke_*.csv")
+    copy = tmp_path / csv_path.name
+    copy.write_text(csv_path.read_text())
+    assert bh.main(["--replot", str(copy)]) == 0
+    assert copy.with_suffix(".md").read_text() == csv_path.with_suffix(".md").read_text()
+    assert copy.with_suffix(".png").stat().st_size > 0

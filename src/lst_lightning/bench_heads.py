@@ -37,6 +37,7 @@ from .heads import (AdaptiveSoftmaxHead, FactoredSphericalHead, HierarchicalSoft
 from .losses import LOSSES
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 PAPER = {"D": 793_471, "d": 300, "m": 128, "vs_naive_cpu": 3257.0, "vs_naive_gpu": 479.0}
 TARGET = {"D": 793_471, "d": 512, "m": 1024, "max_ms": 0.2, "vs_lce_bf16": 50.0, "vs_fused": 20.0,
           "max_extra_mb": 64.0, "flat_lo": 10_000, "flat_hi": 20_000_000, "flat_tol": 0.10}
@@ -141,6 +142,18 @@ def draws_on(device: torch.device):
         torch.randn = real
 
 
+def loss_settings(loss: str) -> tuple[float, dict]:
+    """(head lr, loss kwargs) of ``conf/loss/<loss>.yaml``, as the app trains with them: a
+    step's cost depends on how often the head's repairs run, and so on the lr."""
+    try:
+        import yaml  # noqa: PLC0415
+
+        cfg = yaml.safe_load((CONF / "loss" / f"{loss}.yaml").read_text())
+        return float(cfg.get("head_lr", LR)), dict(cfg.get("kwargs") or {})
+    except (ImportError, OSError):
+        return LR, {}
+
+
 def zipf_counts(D: int) -> torch.Tensor:
     return 1e9 / torch.arange(1, D + 1, dtype=torch.float64)
 
@@ -150,12 +163,14 @@ def build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.devi
     kw = dict(num_classes=D, hidden_dim=d, device=device)
     if spec.head in ("factored", "naive"):
         cls = FactoredSphericalHead if spec.head == "factored" else NaiveSphericalHead
+        lr, loss_kwargs = loss_settings(spec.variant)
+        kw.update(loss=spec.variant, loss_kwargs=loss_kwargs, lr=lr, bias=False)
         try:
             with draws_on(device):
-                head = cls(loss=spec.variant, lr=LR, bias=False, **kw)
+                head = cls(**kw)
         except torch.cuda.OutOfMemoryError:  # drawn on the device, W and W * std were there at once
-            free_memory(device)
-            head = cls(loss=spec.variant, lr=LR, bias=False, **kw)  # drawn on the host, then copied
+            free_memory(device, collect=True)
+            head = cls(**kw)  # drawn on the host, then copied
         return head, head
     kw["dtype"] = dtype
     if spec.head in ("softmax", "logits_ce"):
@@ -174,8 +189,10 @@ def build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.devi
     return head, head
 
 
-def free_memory(device: torch.device) -> None:
-    gc.collect()
+def free_memory(device: torch.device, collect: bool = False) -> None:
+    """Hand cached GPU memory back; ``collect``: first free what only cycles hold (0.1 s)."""
+    if collect:
+        gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -380,7 +397,7 @@ class Runner:
             skip_all(f"error while building: {type(exc).__name__}: {' '.join(str(exc).split())[:120]}")
         finally:
             del head
-            free_memory(device)
+            free_memory(device, collect=device.type == "cuda")
 
     def time_one(self, spec, head, loss_of, D, d, m, dtype, dname, device, param_mb, partner) -> None:
         batches = None
@@ -547,8 +564,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     main_dev = "cuda" if any(r["device"] == "cuda" for r in rows) else "cpu"
     good = [r for r in rows if _ok(r) and r["device"] == main_dev]
     panels = sorted({(r["d"], r["m"]) for r in rows if r["device"] == main_dev}, key=lambda k: (-k[0], -k[1]))
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.5 * max(1, len(panels)), 4.6), squeeze=False,
-                             sharey=True)
+    width = 5.0 * max(1, len(panels)) + 3.2  # the legend takes 3.2 inches on the right
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(width, 4.6), squeeze=False, sharey=True)
     for ax, (d, m) in zip(axes[0], panels):
         for lab in dict.fromkeys(label(r) for r in good):
             pts = sorted((r["D"], float(r["median_ms"])) for r in good if label(r) == lab and (r["d"], r["m"]) == (d, m))
@@ -570,7 +587,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     if handles:
         fig.legend(handles, labels, loc="center right", fontsize=7)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0, 0.82, 1))
+    fig.tight_layout(rect=(0, 0, 1 - 3.2 / width, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -587,6 +604,18 @@ def write_outputs(rows: list[dict], stem: Path, title: str, with_plot: bool = Tr
     if with_plot:
         plot(rows, stem.with_suffix(".png"), title)
     return checks
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A CSV written by this benchmark, sizes as ints (as the run holds them)."""
+    with path.open(newline="") as fh:
+        return [dict(r, D=int(r["D"]), d=int(r["d"]), m=int(r["m"])) for r in csv.DictReader(fh)]
+
+
+def title_of(rows: list[dict]) -> str:
+    r = rows[0]
+    return (f"Output-head training step, {r['machine']} ({r['device']}), torch {r['torch']}, "
+            f"{r['threads']} CPU threads")
 
 
 def print_summary(rows: list[dict], checks: list[dict], console: Console) -> None:
@@ -642,7 +671,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-paper-cpu", dest="paper_cpu", action="store_false",
                    help="on a GPU, skip timing the naive head on the CPU at the paper's size")
     p.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV, markdown and plot")
+    p.add_argument("--replot", type=Path, default=None, metavar="CSV",
+                   help="measure nothing: remake the markdown and plot beside a CSV of an earlier run")
     args = p.parse_args(argv)
+    if args.replot is not None:
+        rows = read_rows(args.replot)
+        checks = write_outputs(rows, args.replot.with_suffix(""), title_of(rows))
+        print_summary(rows, checks, Console(soft_wrap=True))
+        return 0
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
@@ -670,8 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(args, device, console)
     machine = machine_name() if cuda else runner.common["machine"]
     stem = args.out / f"bench_heads_{'smoke_' if args.smoke else ''}{machine}"
-    title = (f"Output-head training step, {machine} ({device.type}), torch {torch.__version__}, "
-             f"{torch.get_num_threads()} CPU threads")
+    title = title_of([dict(runner.common, machine=machine, device=device.type)])
     console.print(f"[bold]{title}[/bold]: D={Ds} d={ds} m={ms}, baselines in {args.dtype}")
     if cuda and args.paper_cpu and any(s.key == ("naive", "zloss") for s in heads):
         Dp = PAPER["D"] if not args.smoke else Ds[0]
