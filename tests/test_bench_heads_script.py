@@ -171,3 +171,23 @@ def test_replot_remakes_the_markdown_from_the_csv(smoke_run, tmp_path):
     assert bh.main(["--replot", str(copy)]) == 0
     assert copy.with_suffix(".md").read_text() == csv_path.with_suffix(".md").read_text()
     assert copy.with_suffix(".png").stat().st_size > 0
+
+
+def test_draws_on_keeps_a_draw_too_big_for_the_device_on_the_host(monkeypatch):
+    monkeypatch.setattr(bh, "device_room", lambda device: 0.0)
+    monkeypatch.setattr(bh, "DRAW_CHUNK", 300_000)  # several pieces
+    real, calls = torch.randn, []
+
+    def spy(*size, **kw):
+        calls.append(size)
+        return real(*size, **kw)
+
+    monkeypatch.setattr(torch, "randn", spy)
+    torch.manual_seed(0)
+    with bh.draws_on(torch.device("cpu")):  # the pieces are drawn on the "device" (here the host too)
+        x = torch.randn(1200, 1000)
+    assert x.device.type == "cpu" and x.shape == (1200, 1000) and x.dtype == torch.float32
+    assert calls == [(300_000,)] * 4  # drawn in pieces, not at once
+    assert abs(x.mean().item()) < 0.01 and abs(x.std().item() - 1) < 0.01
+    pieces = x.reshape(-1)[: 4 * 300_000].reshape(4, -1)
+    assert not torch.equal(pieces[0], pieces[1])  # each piece a fresh draw

@@ -106,6 +106,14 @@ def step_bytes(spec: HeadSpec, D: int, d: int, m: int, nbytes: int, head=None) -
 
 # --- building heads -------------------------------------------------------------------------
 
+DRAW_CHUNK = 1 << 28  # numbers per piece of a draw made on the device and kept on the host
+
+
+def device_room(device: torch.device) -> float:
+    """Free bytes on ``device`` (unbounded for the host and meta)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
+
+
 @contextlib.contextmanager
 def draws_on(device: torch.device):
     """Big ``torch.randn`` draws made with neither a device nor a generator are drawn on ``device``.
@@ -114,9 +122,6 @@ def draws_on(device: torch.device):
     d = 512 that is a minute on one core, longer than all their steps together. A draw that
     the device could not hold twice (the head scales it next) is drawn there in pieces and
     kept on the host, where the head's scaling runs on all cores before its copy."""
-    if device.type == "cpu":
-        yield
-        return
     real = torch.randn
 
     def randn(*size, generator=None, device=None, **kw):
@@ -125,12 +130,12 @@ def draws_on(device: torch.device):
             return real(*size, generator=generator, device=device, **kw)
         dtype = kw.get("dtype") or torch.get_default_dtype()
         nbytes = math.prod(shape) * dtype.itemsize
-        if target.type != "cuda" or 2.2 * nbytes < torch.cuda.mem_get_info(target)[0]:
+        if 2.2 * nbytes < device_room(target):
             return real(*size, device=target, **kw)
         host = torch.empty(shape, dtype=dtype)
         flat = host.view(-1)
-        for a in range(0, flat.numel(), 1 << 28):
-            b = min(a + (1 << 28), flat.numel())
+        for a in range(0, flat.numel(), DRAW_CHUNK):
+            b = min(a + DRAW_CHUNK, flat.numel())
             flat[a:b].copy_(real(b - a, device=target, dtype=dtype))
         return host
 
