@@ -588,12 +588,19 @@ def markdown(rows: list[dict], checks: list[dict], title: str) -> str:
         lines += [f"## {dev}, d = {d}, m = {m}", "", "| head | " + " | ".join(f"D={D:,}" for D in Ds) + " |",
                   "|---|" + "---:|" * len(Ds)]
         labs = sorted(dict.fromkeys(label(r) for r in sub), key=lambda lab: not lab.startswith("factored/zloss"))
+        unmeasured = []
         for lab in labs:
+            mine = [r for r in sub if label(r) == lab]
+            if not any(_ok(r) for r in mine):  # listed below the table with its reason instead
+                unmeasured.append(f"{lab} ({mine[0]['status']})")
+                continue
             cells = []
             for D in Ds:
-                r = next((r for r in sub if label(r) == lab and r["D"] == D), None)
+                r = next((r for r in mine if r["D"] == D), None)
                 cells.append(f"{float(r['median_ms']):.4g}" if r is not None and _ok(r) else "-")
             lines.append(f"| {lab} | " + " | ".join(cells) + " |")
+        if unmeasured:
+            lines += ["", "Not measured here: " + "; ".join(unmeasured) + "."]
         lines.append("")
     lines += ["## Targets", "", "| check | result | value |", "|---|---|---|"]
     lines += [f"| {c['check']} | {c['status']} | {c['value']} |" for c in checks]
