@@ -121,17 +121,20 @@ def device_room(device: torch.device) -> float:
 
 @contextlib.contextmanager
 def draws_on(device: torch.device):
-    """Big ``torch.randn`` draws made with neither a device nor a generator are drawn on ``device``.
+    """Big ``torch.randn`` draws made without a device are drawn on ``device``.
 
-    The spherical heads draw their D x d matrix on the host and copy it over: at D = 20M,
-    d = 512 that is a minute on one core, longer than all their steps together. A draw that
-    the device could not hold twice (the head scales it next) is drawn there in pieces and
-    kept on the host, where the head's scaling runs on all cores before its copy."""
+    The spherical heads draw their D x d matrix on the host (the factored head from seeded
+    host generators, chunk by chunk) and copy it over: at D = 20M, d = 512 that is a minute
+    on one core, longer than all their steps together. A timing needs no particular values,
+    so a host generator is ignored here. A draw that the device could not hold twice (the
+    naive head scales it next) is drawn there in pieces and kept on the host, where the
+    scaling runs on all cores before the copy."""
     real = torch.randn
 
     def randn(*size, generator=None, device=None, **kw):
         shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
-        if generator is not None or device is not None or set(kw) - {"dtype"} or math.prod(shape) < 1 << 20:
+        if (device is not None or (generator is not None and generator.device.type != "cpu")
+                or set(kw) - {"dtype"} or math.prod(shape) < 1 << 20):
             return real(*size, generator=generator, device=device, **kw)
         dtype = kw.get("dtype") or torch.get_default_dtype()
         nbytes = math.prod(shape) * dtype.itemsize
@@ -192,7 +195,7 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
         lr, loss_kwargs = loss_settings(spec.variant)
         kw.update(loss=spec.variant, loss_kwargs=loss_kwargs, lr=lr, bias=False)
         try:
-            with draws_on(device):
+            with draws_on(device) if device.type == "cuda" else contextlib.nullcontext():
                 head = cls(**kw)
         except torch.cuda.OutOfMemoryError:  # drawn on the device, W and W * std were there at once
             free_memory(device, collect=True)
