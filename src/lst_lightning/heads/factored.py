@@ -270,6 +270,29 @@ class FactoredSphericalHead(SphericalHeadBase):
             return lk.gather_sum(self.V, idx, G)
         return self._pg.all_reduce_(lk.gather_sum(self.V, self._local_idx(idx), G))
 
+    @torch.no_grad()
+    def gather_v(self, dst: int = 0) -> Tensor | None:
+        """All of V on rank ``dst`` (on the host), None on the other ranks; every rank must
+        call it. A checkpoint holding it loads into a head sharded over any number of ranks."""
+        if not self.sharded or self._pg.world == 1:
+            return self.V.cpu()
+        per = -(-self.num_classes // self._pg.world)
+        out = torch.empty(self.num_classes, self.width, dtype=self.dtype) if self._pg.rank == dst else None
+        for r in range(self._pg.world):  # one shard at a time: rank dst holds V once, not twice
+            lo, hi = min(r * per, self.num_classes), min((r + 1) * per, self.num_classes)
+            buf = self.V if r == self._pg.rank else self.V.new_empty(hi - lo, self.width)
+            self._pg.broadcast_(buf, src=r)
+            if out is not None:
+                out[lo:hi] = buf.cpu()
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        V = state_dict.get(prefix + "V")
+        if self.sharded and V is not None and V.shape[0] == self.num_classes != self.V.shape[0]:
+            self._ensure_distributed()  # a whole V (from gather_v): keep this rank's rows
+            state_dict = {**state_dict, prefix + "V": V[self.row_lo:self.row_hi]}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def state_hash(self) -> int:
         """A hash of the bits of the state every rank must hold alike (V too unless sharded)."""
         names = self._SHARED + (() if self.sharded else ("V",))
