@@ -44,12 +44,20 @@ def zipf_targets(m: int, D: int, generator: torch.Generator) -> torch.Tensor:
     return (torch.exp(u * torch.log(torch.tensor(D + 1.0))) - 1).long().clamp_(0, D - 1)
 
 
-def interleaved_medians(steps: dict[str, tuple[Callable[[], None], int]], rounds: int,
-                        warmup: int = 2) -> dict[str, float]:
-    """Median seconds per step of each function, timed in alternation.
+def perf_clock(fn: Callable[[], None]) -> float:
+    """Seconds one call of ``fn`` takes on the host's clock."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_times(steps: dict[str, tuple[Callable[[], None], int]], rounds: int, warmup: int = 2,
+                      clock: Callable[[Callable[[], None]], float] = perf_clock) -> dict[str, list[float]]:
+    """Seconds per step of each function, every timing kept, timed in alternation.
 
     Each round runs every function ``inner`` times in turn, so a load that comes and
-    goes on the machine falls on all of them alike and the ratios stay fair."""
+    goes on the machine falls on all of them alike and the ratios stay fair.
+    ``clock(fn)`` times one call (the host's clock by default; CUDA events on a GPU)."""
     for fn, inner in steps.values():
         for _ in range(min(warmup, inner)):
             fn()
@@ -57,10 +65,14 @@ def interleaved_medians(steps: dict[str, tuple[Callable[[], None], int]], rounds
     for _ in range(rounds):
         for name, (fn, inner) in steps.items():
             for _ in range(inner):
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+                times[name].append(clock(fn))
+    return times
+
+
+def interleaved_medians(steps: dict[str, tuple[Callable[[], None], int]], rounds: int,
+                        warmup: int = 2) -> dict[str, float]:
+    """Median seconds per step of each function, timed in alternation (``interleaved_times``)."""
+    return {k: statistics.median(v) for k, v in interleaved_times(steps, rounds, warmup).items()}
 
 
 def _batches(m: int, d: int, D: int, n: int = 8):
