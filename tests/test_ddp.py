@@ -1,0 +1,189 @@
+"""Multi-process training on CPU (gloo, two processes): two ranks train exactly like one
+process on the same global batches, evaluate to the same metrics, keep the head's
+buffers their own (DDP must not broadcast them), and a Hydra multirun of
+multi-process jobs runs each job once.
+
+The equivalence tests use ``ddp_fork``: the same launcher as ``trainer=ddp_cpu``'s
+``ddp_spawn`` (workers started per trainer call, rank 0's state handed back) but without
+re-importing torch in every worker, which costs ~30 s per trainer call on a loaded
+2-core machine. The multirun test runs ``trainer=ddp_cpu`` as shipped (spawn)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from lst_lightning.data.datamodule import _PaddedIds
+from lst_lightning.data.ngram import EpochBatchSampler
+from lst_lightning.train import config_dir, run
+
+CONF = Path(config_dir())
+TESTS = Path(__file__).resolve().parent
+B = 8  # per-rank batch; the one-process run uses 2B
+# float64 and plain SGD: the only difference left between the runs is the order of the
+# sums (one batch of 2B rows, or two of B averaged by DDP). 101 evaluation examples: the
+# second rank's last batch is padded.
+COMMON = ["experiment=tiny", "logger=csv", "callbacks=minimal", "optimizer.name=sgd", "optimizer.lr=0.5",
+          "trainer.precision=64-true", "trainer.limit_train_batches=6", "trainer.limit_test_batches=null",
+          "data.max_eval_examples=101", "data.eval_batch_size=32", "metrics.timing_every=0", "model.dropout=0.0"]
+TWO_RANKS = ["trainer=ddp_cpu", "trainer.strategy=ddp_fork", f"data.batch_size={B}"]
+ONE_RANK = [f"data.batch_size={2 * B}"]
+
+
+def cfg_of(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def state(run_dir):
+    ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return {k: v for k, v in ckpt["state_dict"].items() if torch.is_tensor(v) and v.is_floating_point()}
+
+
+def assert_close_rel(a: dict, b: dict, skip=(), tol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        if k in skip:
+            continue
+        err = (a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-30)
+        assert err <= tol, f"{k}: relative error {err:.3g}"
+
+
+def assert_metrics_equal(r1: dict, r2: dict, splits=("val", "test"), exact_only=False):
+    for split in splits:
+        a, b = r1[split], r2[split]
+        assert a.keys() == b.keys()
+        for k in a:
+            if k.endswith("_error") or k == "mrr":  # from integer ranks: the same examples
+                assert a[k] == pytest.approx(b[k], rel=1e-6, abs=0), (split, k)
+            elif not exact_only:  # sums in another order
+                assert a[k] == pytest.approx(b[k], rel=1e-5), (split, k)
+
+
+# -- data: every rank gets the same batches of the one-process global batch -------------
+
+@pytest.mark.parametrize("size", [103, 96, 97])
+def test_train_shards_make_the_one_process_batch(size):
+    one = list(EpochBatchSampler(size, 2 * B, seed=4, drop_last=True))
+    ranks = [list(EpochBatchSampler(size, B, seed=4, drop_last=True, rank=r, world_size=2)) for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == len(one)  # equal step counts: no rank waits forever
+    for t, batch in enumerate(one):
+        both = torch.cat([ranks[0][t], ranks[1][t]])
+        assert sorted(both.tolist()) == sorted(batch.tolist())
+
+
+@pytest.mark.parametrize("size,limit,world", [(101, None, 2), (1000, 101, 2), (10, None, 3), (64, None, 2)])
+def test_eval_shards_are_equal_and_padded(size, limit, world):
+    ranks = [list(EpochBatchSampler(size, 8, shuffle=False, rank=r, world_size=world, limit=limit))
+             for r in range(world)]
+    shapes = [[len(b) for b in r] for r in ranks]
+    assert all(s == shapes[0] for s in shapes)  # same number of batches, same sizes
+    ids = torch.cat([torch.cat(r) for r in ranks])
+    real = ids[ids >= 0]
+    assert len(real) == len(set(real.tolist())) == (limit or size)  # each example once
+    assert (ids < 0).sum() == (-(limit or size)) % world  # only the padding needed
+
+
+def test_padded_ids_give_target_minus_one():
+    tokens = torch.arange(100)
+
+    class Seq(torch.utils.data.Dataset):
+        def __len__(self):
+            return 50
+
+        def __getitem__(self, ids):
+            return tokens[ids, None].repeat(1, 3), tokens[ids] + 1
+
+    ctx, tgt = _PaddedIds(Seq())[torch.tensor([5, 7, -1])]
+    assert tgt.tolist() == [6, 8, -1] and ctx.shape == (3, 3) and (ctx >= 0).all()
+
+
+# -- the app: two ranks against one --------------------------------------------------------
+
+class _ReportRanks(pl.Callback):
+    """Each rank writes its head's buffers at the end of training."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save({k: v.clone() for k, v in pl_module.head.named_buffers()},
+                   self.out / f"rank{trainer.global_rank}.pt")
+
+
+def test_two_ranks_train_like_one_softmax(tmp_path):
+    """An ordinary head: DDP averages its gradients with the body's."""
+    over = [*COMMON, "head=softmax"]
+    r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two")
+    r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
+    assert r2["world_size"] == 2 and r1["world_size"] == 1
+    assert r2["train_steps"] == r1["train_steps"] == 6
+    s1, s2 = state(tmp_path / "one"), state(tmp_path / "two")
+    assert_close_rel(s2, s1)
+    assert any(k.startswith("head.") for k in s1) and any(k.startswith("body.") for k in s1)
+    # and training moved them: the comparison is not of two initial states
+    init = run(cfg_of(*over, *ONE_RANK, "trainer.max_steps=1", "test=false"), tmp_path / "init")
+    assert init["train_steps"] == 1
+    moved = state(tmp_path / "init")
+    assert any((moved[k] - s1[k]).norm() > 1e-3 * s1[k].norm() for k in s1)
+    assert_metrics_equal(r1, r2)
+    assert r1["unigram_test"] == r2["unigram_test"]
+
+
+def test_two_ranks_train_like_one_self_updating_head(tmp_path):
+    """A self-updating head with a replicated mode: distribute() is called in setup,
+    the replicas stay bit-identical, and DDP leaves the head's buffers alone (the
+    rank_marker buffer differs between ranks on purpose and must stay so)."""
+    over = [*COMMON, "head._target_=toy_heads.ToyReplicatedHead", "head.lr=0.05", "test=false"]
+    out = tmp_path / "ranks"
+    out.mkdir()
+    r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
+    r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
+    assert r2["train_steps"] == r1["train_steps"] == 6
+    assert_close_rel(state(tmp_path / "two"), state(tmp_path / "one"))
+    b0, b1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert b0["rank_marker"] == 0 and b1["rank_marker"] == 1  # not broadcast from rank 0
+    assert torch.equal(b0["weight"], b1["weight"])  # bit-identical replicas
+    # The toy head's eval loss counts padding rows: compare the rank metrics only.
+    assert_metrics_equal(r1, r2, splits=("val",), exact_only=True)
+
+
+@pytest.mark.parametrize("head", ["naive", "toy_heads.ToySelfUpdatingHead"])
+def test_self_updating_head_without_a_parallel_mode_is_refused(tmp_path, head):
+    pick = f"head={head}" if "." not in head else f"head._target_={head}"
+    with pytest.raises(ValueError, match="multi-process mode|parallel="):
+        run(cfg_of(*COMMON, pick, *TWO_RANKS), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+# -- Hydra multirun with multi-process jobs --------------------------------------------------
+
+@pytest.mark.slow
+def test_multirun_with_spawned_workers_runs_each_job_once(tmp_path):
+    """``lst-train -m ... trainer=ddp_cpu``: the sweep's two jobs each train once with two
+    processes and write their own results (no relaunch replays the sweep)."""
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lst_lightning.train", "-m", "experiment=tiny", "logger=csv", "callbacks=minimal",
+         "head=softmax", "trainer=ddp_cpu", "trainer.limit_train_batches=4", "data.max_eval_examples=64",
+         "optimizer.lr=0.002,0.004", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert log.count("Launching 2 jobs") == 1 and log.count("#1 : ") == 1, log[-3000:]
+    results = sorted(sweep.glob("*/results.json"))
+    assert [p.parent.name for p in results] == ["0", "1"]
+    lrs = set()
+    for p in results:
+        r = json.loads(p.read_text())
+        assert r["world_size"] == 2 and r["train_steps"] == 4 and 0 <= r["test"]["top5_error"] <= 1
+        lrs.add(yaml.safe_load((p.parent / "config.yaml").read_text())["optimizer"]["lr"])
+    assert lrs == {0.002, 0.004}
+    assert not list(tmp_path.glob("outputs")) and len(list(sweep.iterdir())) == 3  # 0, 1, multirun.yaml
