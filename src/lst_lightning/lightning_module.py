@@ -159,7 +159,7 @@ class LanguageModel(pl.LightningModule):
 
     def on_train_epoch_end(self):
         # Spawned workers do not hand global_step back to the launching process: this does.
-        self.log("train/steps", float(self.global_step))
+        self.log("train/steps", float(self.global_step), sync_dist=True)  # equal on every rank
 
     def _mark_head_grad(self, grad: Tensor) -> None:
         self._now("head_grad")
@@ -224,8 +224,9 @@ class LanguageModel(pl.LightningModule):
             rho, n = simlex_spearman(self.body.input_embedding.weight, self.simlex["index"],
                                      self.simlex["pairs"], set(self.simlex.get("skip", ())))
             if n >= 3:
-                self.log(f"{prefix}/simlex_rho", rho)
-                self.log(f"{prefix}/simlex_pairs", float(n))
+                # the embeddings are equal on every rank: syncing only averages equal values
+                self.log(f"{prefix}/simlex_rho", rho, sync_dist=True)
+                self.log(f"{prefix}/simlex_pairs", float(n), sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
         self._eval_step(batch, self.val_ranks, self.val_ppl, self.val_loss, "val")
