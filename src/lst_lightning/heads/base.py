@@ -19,6 +19,18 @@ import torch
 from torch import Tensor, nn
 
 
+def topk_of_chunks(chunks: Iterator[tuple[int, Tensor]], k: int) -> tuple[Tensor, Tensor]:
+    """The k best (score, class id) of each row over chunks of scores (start, (m, n))."""
+    best = ids = None
+    for start, sc in chunks:
+        cols = torch.arange(start, start + sc.shape[1], device=sc.device).expand_as(sc)
+        if best is not None:
+            sc, cols = torch.cat([best, sc], 1), torch.cat([ids, cols], 1)
+        best, pos = sc.topk(min(k, sc.shape[1]), dim=1)
+        ids = cols.gather(1, pos)
+    return best, ids
+
+
 class OutputHead(nn.Module):
     """Base class of all output heads."""
 
@@ -61,6 +73,11 @@ class OutputHead(nn.Module):
             rows = ((target_idx >= start) & (target_idx < start + sc.shape[1])).nonzero().squeeze(1)
             out[rows] = sc[rows, target_idx[rows] - start]
         return out
+
+    @torch.no_grad()
+    def topk(self, hidden: Tensor, k: int, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
+        """The k best classes of each row, best first: (scores, class ids), (m, k) each."""
+        return topk_of_chunks(self.score_chunks(hidden, chunk_size), k)
 
     @torch.no_grad()
     def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:

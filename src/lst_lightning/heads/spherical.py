@@ -21,7 +21,8 @@ class _SelfUpdatingStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H: Tensor, head: "SphericalHeadBase", idx: Tensor, T: Tensor):
-        loss, saved = head._forward_step(head.augment(H), idx, T)
+        Hx, idx, T, ctx.rows = head._collect(head.augment(H), idx, T, training=True)
+        loss, saved = head._forward_step(Hx, idx, T)
         ctx.head, ctx.saved, ctx.version = head, saved, head._version
         ctx.in_dtype = H.dtype
         return loss
@@ -35,7 +36,7 @@ class _SelfUpdatingStep(torch.autograd.Function):
                 "(another step, a repair or a reset ran in between). The head applies its SGD step "
                 "in backward, so each forward must be followed by its own backward: no gradient "
                 "accumulation over several forwards.")
-        dH = head._backward_step(ctx.saved, grad_out.to(head.dtype))
+        dH = head._own_rows(head._backward_step(ctx.saved, grad_out.to(head.dtype)), ctx.rows)
         ctx.saved = None
         return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None
 
@@ -44,6 +45,8 @@ class SphericalHeadBase(OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
     self_updating = True
+    #: True when the training step leaves its checks on the device (read every few steps).
+    deferred_checks = False
 
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
@@ -126,6 +129,18 @@ class SphericalHeadBase(OutputHead):
     def _eval_loss(self, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
         raise NotImplementedError
 
+    # Multi-process hooks (the factored head overrides them): the one-process identity.
+    def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None):
+        """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
+        return self.prepare(H, target_idx, target_val)
+
+    def _collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):
+        """The batch the step works on (all ranks' rows) and this rank's rows in it (None: all)."""
+        return Hx, idx, T, None
+
+    def _own_rows(self, dH: Tensor, rows: slice | None) -> Tensor:
+        return dH
+
     def weight(self) -> Tensor:
         """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""
         raise NotImplementedError
@@ -154,7 +169,8 @@ class SphericalHeadBase(OutputHead):
             return Hx, None, None
         # Non-finite target values pass here: the step is then skipped and counted.
         idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
-                                 device=self.device, finite_values=False)
+                                 device=self.device, finite_values=False,
+                                 check_range=not (self.deferred_checks and self.training and torch.is_grad_enabled()))
         return Hx, idx, T
 
     def augment(self, H: Tensor) -> Tensor:
@@ -167,7 +183,7 @@ class SphericalHeadBase(OutputHead):
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head."""
-        Hx, idx, T = self.prepare(H, target_idx, target_val)
+        Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val)
         if not (self.training and torch.is_grad_enabled()):
             with torch.no_grad():
                 return self._eval_loss(Hx, idx, T)

@@ -33,12 +33,13 @@ def check_hidden(hidden: Tensor, hidden_dim: int) -> None:
 
 def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_classes: int,
                  dtype: torch.dtype, device: torch.device | None = None,
-                 finite_values: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+                 finite_values: bool = True, check_range: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """Validate targets for m rows; return ``idx`` (m, K) int64 (-1 kept on padding),
     ``val`` (m, K) in ``dtype``, zero on padding, and ``valid`` (m, K).
 
     Every head calls this before touching its state. ``finite_values=False`` lets
-    non-finite target values through (the self-updating heads skip such a step)."""
+    non-finite target values through (the self-updating heads skip such a step);
+    ``check_range=False`` leaves the range check (a host sync) to the caller."""
     if not isinstance(target_idx, Tensor):
         raise TypeError(f"target_idx must be a torch.Tensor, got {type(target_idx).__name__}")
     if target_idx.dtype not in (torch.int64, torch.int32):
@@ -50,7 +51,7 @@ def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_clas
         raise ValueError(f"target_idx must have shape ({m},) or ({m}, K) with K >= 1, "
                          f"got {tuple(target_idx.shape)}")
     bad = (idx < -1) | (idx >= num_classes)
-    if bool(bad.any()):
+    if check_range and bool(bad.any()):
         raise ValueError(f"target index {int(idx[bad][0])} is outside [0, {num_classes}): class ids must be "
                          f"in [0, {num_classes}) or -1 for padding")
     valid = idx >= 0
