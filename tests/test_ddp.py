@@ -154,11 +154,92 @@ def test_two_ranks_train_like_one_self_updating_head(tmp_path):
     assert_metrics_equal(r1, r2, splits=("val",), exact_only=True)
 
 
+FACTORED = ["head=factored", "loss=zloss", "+head.dtype._target_=hydra.utils.get_object",
+            "+head.dtype.path=torch.float64", "head.checksum_every=2"]
+
+
+def _external_rank(rank: int, world: int, port: int, overrides: list, run_dir: str, callbacks_out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                      RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    run(cfg_of(*overrides), run_dir, extra_callbacks=[_ReportRanks(callbacks_out)] if callbacks_out else [])
+
+
+def run_external(overrides: list, run_dir: Path, world: int = 2, callbacks_out: Path | None = None) -> dict:
+    """What torchrun does: start the ranks with the rendezvous variables set and run the
+    whole app on each (``strategy=ddp``: Lightning sees the environment and starts
+    nothing); rank 0 writes the results."""
+    import socket  # noqa: PLC0415
+
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    over = [*overrides, "trainer=ddp_cpu", "trainer.strategy=ddp", f"trainer.devices={world}"]
+    mp.start_processes(_external_rank, args=(world, port, over, str(run_dir), callbacks_out), nprocs=world,
+                       start_method="fork")
+    return json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.mark.parametrize("parallel,launch", [("replicated", "fork"), ("sharded", "external")])
+def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
+    """The factored head through the whole app: W (materialised) and the body after
+    two-rank training equal one-process training on the global batches; the evaluation
+    (ranks merged across shards when sharded) gives the same metrics. The sharded head
+    runs under an external launcher (spawned workers cannot hand a shard back)."""
+    over = [*COMMON, *FACTORED, f"head.parallel={parallel}"]
+    out = tmp_path / "ranks"
+    out.mkdir()
+    if launch == "fork":
+        r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
+    else:
+        r2 = run_external([*over, f"data.batch_size={B}"], tmp_path / "two", callbacks_out=out)
+    r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
+    assert (r2["world_size"], r1["world_size"]) == (2, 1)
+    assert r2["train_steps"] == r1["train_steps"] == 6
+    s1, s2 = state(tmp_path / "one"), state(tmp_path / "two")
+    body = lambda s: {k: v for k, v in s.items() if k.startswith("body.")}  # noqa: E731
+    assert_close_rel(body(s2), body(s1))
+    b0, b1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    if parallel == "replicated":
+        assert all(torch.equal(b0[k], b1[k]) for k in b0)  # bit-identical replicas
+    else:  # the shards split V; the rest is replicated bit for bit
+        assert b0["V"].shape[0] + b1["V"].shape[0] == r1["num_classes"] and b1["V"].shape[0] > 0
+        assert all(torch.equal(b0[k], b1[k]) for k in b0 if k != "V")
+    # the checkpoint holds rank 0's state: V's other rows come from rank 1
+    V = torch.cat([b0["V"], b1["V"]]) if parallel == "sharded" else None
+    assert_close_rel({"W": weight_of(tmp_path / "two", over, V)}, {"W": weight_of(tmp_path / "one", over)})
+    assert_metrics_equal(r1, r2)
+
+
+def weight_of(run_dir, over, V=None):
+    """The head's implicit W from a run's last checkpoint (V: all of it, for a shard)."""
+    from lst_lightning.train import make_head  # noqa: PLC0415
+
+    cfg = cfg_of(*over, "head.parallel=none")
+    ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    sd = {k[5:]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
+    if V is not None:
+        sd["V"] = V
+    D = sd["V"].shape[0]
+    head = make_head(cfg, D, cfg.model.hidden_dim, torch.ones(D))
+    head.load_state_dict(sd)
+    return head.weight()
+
+
 @pytest.mark.parametrize("head", ["naive", "toy_heads.ToySelfUpdatingHead"])
 def test_self_updating_head_without_a_parallel_mode_is_refused(tmp_path, head):
     pick = f"head={head}" if "." not in head else f"head._target_={head}"
     with pytest.raises(ValueError, match="multi-process mode|parallel="):
         run(cfg_of(*COMMON, pick, *TWO_RANKS), tmp_path)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("strategy", ["ddp_spawn", "ddp_fork"])
+def test_sharded_head_under_spawned_workers_is_refused(tmp_path, strategy):
+    with pytest.raises(ValueError, match="only rank 0's shard"):
+        run(cfg_of(*COMMON, *FACTORED, "head.parallel=sharded", "trainer=ddp_cpu", f"trainer.strategy={strategy}"),
+            tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
 

@@ -15,6 +15,7 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import DictConfig, OmegaConf
 
 from .lightning_module import LanguageModel, check_distributed
@@ -145,6 +146,11 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
     )
     check_distributed(head, trainer.world_size)  # before any process is started
+    if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+        # The workers hand the model back through rank 0's state_dict: one shard of V.
+        raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={tcfg.strategy}: spawned "
+                         "workers return only rank 0's shard of V to the launching process; use "
+                         "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
     return dm, module, trainer
 
 
