@@ -139,8 +139,10 @@ def test_two_ranks_train_like_one_softmax(tmp_path):
 def test_two_ranks_train_like_one_self_updating_head(tmp_path):
     """A self-updating head with a replicated mode: distribute() is called in setup,
     the replicas stay bit-identical, and DDP leaves the head's buffers alone (the
-    rank_marker buffer differs between ranks on purpose and must stay so)."""
-    over = [*COMMON, "head._target_=toy_heads.ToyReplicatedHead", "head.lr=0.05", "test=false"]
+    rank_marker buffer differs between ranks on purpose and must stay so). On the
+    synthetic data module (the others use the text one)."""
+    over = [*COMMON, "head._target_=toy_heads.ToyReplicatedHead", "head.lr=0.05", "test=false", "data=synthetic",
+            "~data.vocab_size", "data.num_classes=300", "data.input_vocab_size=100", "data.context_size=3"]
     out = tmp_path / "ranks"
     out.mkdir()
     r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
@@ -245,26 +247,68 @@ def test_sharded_head_under_spawned_workers_is_refused(tmp_path, strategy):
 
 # -- Hydra multirun with multi-process jobs --------------------------------------------------
 
+CLI = ["experiment=tiny", "logger=csv", "callbacks=minimal", "trainer.limit_train_batches=4",
+       "data.max_eval_examples=64"]
+
+
+def cli(*args, cwd, launcher=()):
+    """``lst-train`` (or a launcher running it) in a subprocess; stdout + stderr."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([*launcher, *(() if launcher else (sys.executable,)), "-m", "lst_lightning.train", *args],
+                          cwd=cwd, capture_output=True, text=True, timeout=540, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def sweep_results(sweep: Path) -> list[dict]:
+    results = sorted(sweep.glob("*/results.json"))
+    assert [p.parent.name for p in results] == ["0", "1"]
+    out = []
+    for p in results:
+        r = json.loads(p.read_text())
+        assert r["world_size"] == 2 and r["train_steps"] == 4 and 0 <= r["test"]["top5_error"] <= 1
+        r["lr"] = yaml.safe_load((p.parent / "config.yaml").read_text())["optimizer"]["lr"]
+        out.append(r)
+    assert {r["lr"] for r in out} == {0.002, 0.004}
+    return out
+
+
 @pytest.mark.slow
 def test_multirun_with_spawned_workers_runs_each_job_once(tmp_path):
     """``lst-train -m ... trainer=ddp_cpu``: the sweep's two jobs each train once with two
     processes and write their own results (no relaunch replays the sweep)."""
     sweep = tmp_path / "sweep"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "lst_lightning.train", "-m", "experiment=tiny", "logger=csv", "callbacks=minimal",
-         "head=softmax", "trainer=ddp_cpu", "trainer.limit_train_batches=4", "data.max_eval_examples=64",
-         "optimizer.lr=0.002,0.004", f"hydra.sweep.dir={sweep}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=540, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    log = proc.stdout + proc.stderr
+    log = cli("-m", *CLI, "head=softmax", "trainer=ddp_cpu", "optimizer.lr=0.002,0.004",
+              f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert log.count("Launching 2 jobs") == 1 and log.count("#1 : ") == 1, log[-3000:]
-    results = sorted(sweep.glob("*/results.json"))
-    assert [p.parent.name for p in results] == ["0", "1"]
-    lrs = set()
-    for p in results:
-        r = json.loads(p.read_text())
-        assert r["world_size"] == 2 and r["train_steps"] == 4 and 0 <= r["test"]["top5_error"] <= 1
-        lrs.add(yaml.safe_load((p.parent / "config.yaml").read_text())["optimizer"]["lr"])
-    assert lrs == {0.002, 0.004}
-    assert not list(tmp_path.glob("outputs")) and len(list(sweep.iterdir())) == 3  # 0, 1, multirun.yaml
+    sweep_results(sweep)
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+    assert not (tmp_path / "multirun").exists()
+
+
+@pytest.mark.slow
+def test_multirun_with_plain_ddp_replays_the_sweep_on_every_rank(tmp_path):
+    """What docs/multi_gpu.md warns about: Lightning starts rank 1 by re-running the
+    command line, -m and all, so rank 1 launches the whole sweep again. With the basic
+    launcher and a fixed sweep dir it walks the jobs in lockstep with rank 0 and the
+    results come out right; anything that breaks the lockstep breaks the sweep."""
+    sweep = tmp_path / "sweep"
+    log = cli("-m", *CLI, "head=softmax", "trainer=ddp_cpu", "trainer.strategy=ddp", "optimizer.lr=0.002,0.004",
+              f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert log.count("Launching 2 jobs") == 2, log[-3000:]  # once per rank: the replay
+    sweep_results(sweep)
+    assert (sweep / "0" / "train_ddp_process_1.log").exists()  # the replaying rank's job log
+
+
+@pytest.mark.slow
+def test_torchrun_runs_the_sharded_head(tmp_path):
+    """The external launcher: torchrun starts both ranks, each runs lst-train with
+    strategy=ddp (Lightning starts nothing), only rank 0 writes the run's files."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    run_dir = tmp_path / "run"
+    cli(*CLI, "head=factored", "head.parallel=sharded", "trainer=ddp_cpu", "trainer.strategy=ddp",
+        f"hydra.run.dir={run_dir}", cwd=tmp_path,
+        launcher=(str(torchrun), "--standalone", "--nproc_per_node", "2"))
+    r = json.loads((run_dir / "results.json").read_text())
+    assert r["world_size"] == 2 and r["train_steps"] == 4 and 0 <= r["test"]["mrr"] <= 1
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
