@@ -2,6 +2,7 @@
 exact against the naive head, no read of a device value inside the step, and bad or
 non-finite input still skipped, state untouched, and reported at the next read."""
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -116,3 +117,38 @@ def test_naive_head_has_no_deferred_mode():
     assert n.deferred_checks is False
     with pytest.raises(ValueError, match="sync_every"):
         deferred(sync_every=0)
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_train_step_equals_forward_and_backward(sync_every):
+    a = deferred(sync_every=sync_every, weight_decay=0.01)
+    b = copy.deepcopy(a)
+    for step in range(6):
+        a.lr = b.lr = 0.05 / (1 + step)  # a schedule: the device lr follows
+        H, idx = batch(5, d, D, 3)
+        Ha = H.clone().requires_grad_()
+        loss_a = a(Ha, idx)
+        loss_a.backward()
+        loss_b, dH_b = b.train_step(H.clone(), idx)
+        assert torch.equal(loss_a.detach(), loss_b) and torch.equal(Ha.grad, dH_b)
+    assert state(a) == state(b) and int(b.steps) == 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_step_equals_the_eager_step():
+    from lst_lightning.heads.graphed import CudaGraphStep
+
+    eager = deferred(sync_every=5, device="cuda", dtype=torch.float32)
+    graphed = copy.deepcopy(eager)
+    step = CudaGraphStep(graphed, m=16, K=2)
+    assert state(graphed) == state(eager)  # warm-up and capture change nothing
+    for i in range(12):
+        eager.lr = graphed.lr = 0.05 / (1 + i)
+        H, idx = batch(16, d, D, 2, dtype=torch.float32)
+        H, idx = H.cuda(), idx.cuda()
+        loss_e, dH_e = eager.train_step(H, idx)
+        loss_g, dH_g = step(H, idx)
+        torch.testing.assert_close(loss_g, loss_e)
+        torch.testing.assert_close(dH_g, dH_e)
+    torch.testing.assert_close(graphed.weight(), eager.weight())
+    assert int(graphed.steps) == 12 and graphed._synced[0] == 10

@@ -70,7 +70,15 @@ def worker(rank, rdv, out):
         head.distribute()
         grads = train(head, rows)
         res[mode] = {"grads": grads, "W": head.weight(), "rows": (head.row_lo, head.row_hi),
-                     "hash": head.state_hash(), "eval": evaluate(head, rows)}
+                     "hash": head.state_hash(), "eval": evaluate(head, rows), "V": head.V.clone()}
+    # A checkpoint with the whole V (gathered) loads into a fresh sharded head on each rank.
+    full = [head.gather_v(dst=r) for r in range(WORLD)][rank]
+    state = {**head.state_dict(), "V": full}
+    fresh = make_head("sharded")
+    fresh.distribute()
+    fresh.load_state_dict(state)
+    res["reloaded_equal"] = torch.equal(fresh.V, head.V) and fresh.state_hash() == head.state_hash()
+    res["full_v"] = full
     # One rank's bad target: every rank raises, no rank's state changes.
     head = make_head("replicated")
     head.distribute()
@@ -196,3 +204,9 @@ def test_topk_over_chunks_equals_full_topk():
     want = head.scores(H).topk(7, dim=1)
     assert torch.equal(ids, want.indices)
     assert torch.allclose(best, want.values, rtol=1e-12, atol=0)  # GEMMs of other widths round apart
+
+
+def test_gathered_v_is_whole_and_reloads_into_shards(ranks):
+    whole = torch.cat([r["sharded"]["V"] for r in ranks])
+    assert all(torch.equal(r["full_v"], whole) for r in ranks)
+    assert all(r["reloaded_equal"] for r in ranks)

@@ -25,6 +25,10 @@ from .spherical import SphericalHeadBase
 _CHUNK = 1 << 16  # rows of V per block in the rare O(D d^2) passes
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass
 class _Saved:
     Hx: Tensor
@@ -133,6 +137,8 @@ class FactoredSphericalHead(SphericalHeadBase):
         self.register_buffer("u_max", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
         self.register_buffer("u_min", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
+        self.register_buffer("_lr_t", torch.zeros((), **fk), persistent=False)
+        self._lr_filled = None
         self.register_buffer("_bad_input", torch.zeros((), dtype=torch.bool, device=fk.get("device")),
                              persistent=False)
         self.register_buffer("cond_bound", torch.ones((), **f64))     # >= cond(U), carried
@@ -224,13 +230,13 @@ class FactoredSphericalHead(SphericalHeadBase):
         if not self._distributed:
             self.distribute()
 
-    def _prepare_everywhere(self, H, target_idx, target_val):
+    def _prepare_everywhere(self, H, target_idx, target_val, step: bool | None = None):
         self._ensure_distributed()
-        collective = self._pg.world > 1 and (self.sharded or (self.training and torch.is_grad_enabled()))
-        if not collective:
-            return self.prepare(H, target_idx, target_val)
+        step = (self.training and torch.is_grad_enabled()) if step is None else step
+        if not (self._pg.world > 1 and (self.sharded or step)):
+            return self.prepare(H, target_idx, target_val, step=step)
         try:
-            out, err = self.prepare(H, target_idx, target_val), None
+            out, err = self.prepare(H, target_idx, target_val, step=step), None
         except (ValueError, TypeError) as e:
             out, err = None, e
         if self._pg.any(err is not None, self.device):  # all ranks raise, none has changed
@@ -263,6 +269,29 @@ class FactoredSphericalHead(SphericalHeadBase):
         if not self.sharded:
             return lk.gather_sum(self.V, idx, G)
         return self._pg.all_reduce_(lk.gather_sum(self.V, self._local_idx(idx), G))
+
+    @torch.no_grad()
+    def gather_v(self, dst: int = 0) -> Tensor | None:
+        """All of V on rank ``dst`` (on the host), None on the other ranks; every rank must
+        call it. A checkpoint holding it loads into a head sharded over any number of ranks."""
+        if not self.sharded or self._pg.world == 1:
+            return self.V.cpu()
+        per = -(-self.num_classes // self._pg.world)
+        out = torch.empty(self.num_classes, self.width, dtype=self.dtype) if self._pg.rank == dst else None
+        for r in range(self._pg.world):  # one shard at a time: rank dst holds V once, not twice
+            lo, hi = min(r * per, self.num_classes), min((r + 1) * per, self.num_classes)
+            buf = self.V if r == self._pg.rank else self.V.new_empty(hi - lo, self.width)
+            self._pg.broadcast_(buf, src=r)
+            if out is not None:
+                out[lo:hi] = buf.cpu()
+        return out
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        V = state_dict.get(prefix + "V")
+        if self.sharded and V is not None and V.shape[0] == self.num_classes != self.V.shape[0]:
+            self._ensure_distributed()  # a whole V (from gather_v): keep this rank's rows
+            state_dict = {**state_dict, prefix + "V": V[self.row_lo:self.row_hi]}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def state_hash(self) -> int:
         """A hash of the bits of the state every rank must hold alike (V too unless sharded)."""
@@ -391,7 +420,8 @@ class FactoredSphericalHead(SphericalHeadBase):
     def _new_state(self, sv: _Saved, gq, gs, GA, ybar, Z, dH) -> dict:
         """Everything the step changes, computed aside so a failure leaves the head untouched;
         ``ok`` (a device bool) says whether all of it is finite."""
-        Hx, lr = sv.Hx, self.lr
+        Hx = sv.Hx
+        lr = self._lr_device() if self.deferred_checks else self.lr  # a captured graph reads it each replay
         m = Hx.shape[0]
         c = 1.0 - lr * self.weight_decay  # > 0: forward checked lr * weight_decay < 1
         kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
@@ -405,7 +435,7 @@ class FactoredSphericalHead(SphericalHeadBase):
             lam_lo, lam_hi, exact = self._step_eigen_bounds(Hx, G, kappa)
             fold = exact and lam_lo < self.fold_tol
             cond_step = lam_hi / lam_lo if lam_lo > 0 else float("inf")
-        U_new = torch.addmm(self.U, sv.Ht.T, gq[:, None] * Hx, beta=c, alpha=-2.0 * lr)  # U B, reusing H U^T
+        U_new = torch.addmm(c * self.U, sv.Ht.T, (-2.0 * lr) * gq[:, None] * Hx)  # U B, reusing H U^T
         omega_new = c * self.omega - lr * (Hx.T @ (2.0 * gq * sv.ht + gs))
         info = None
         if fold:
@@ -429,7 +459,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         if info is not None:
             ok &= (info == 0).all()
         return {"U": U_new, "Uinv": Uinv_new, "omega": omega_new, "Q": Q_new, "wbar": wbar_new,
-                "HUinv": HUinv_new, "fold": fold, "cond_step": cond_step, "ok": ok}
+                "HUinv": HUinv_new, "fold": fold, "cond_step": cond_step, "ok": ok, "lr": lr}
 
     @staticmethod
     def _rho_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -511,7 +541,7 @@ class FactoredSphericalHead(SphericalHeadBase):
             self.Uinv.copy_(keep(new["Uinv"], self.Uinv))
         else:
             self._uinv_fresh = False
-        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), keep(GA, 0.0), keep(new["HUinv"], 0.0), -self.lr)
+        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), keep(GA, 0.0), keep(new["HUinv"], 0.0), -new["lr"])
         self.omega.copy_(keep(new["omega"], self.omega))
         self.Q.copy_(keep(0.5 * (new["Q"] + new["Q"].T), self.Q))
         self.wbar.copy_(keep(new["wbar"], self.wbar))
@@ -519,10 +549,35 @@ class FactoredSphericalHead(SphericalHeadBase):
         self.steps += ok
         self.skipped_nonfinite += ~ok
         self._version += 1
+        if not _capturing():  # a captured step is counted by its replays
+            self._count_step()
+        return keep(dH, 0.0)
+
+    def _count_step(self) -> None:
         self._calls += 1
         if self._calls % self.sync_every == 0:
             self.sync()
-        return keep(dH, 0.0)
+
+    def _lr_device(self) -> Tensor:
+        """lr as a device scalar, refilled (outside any graph capture) when lr changed."""
+        if self._lr_filled != self.lr and not _capturing():
+            self._lr_t.fill_(self.lr)
+            self._lr_filled = self.lr
+        return self._lr_t
+
+    @torch.no_grad()
+    def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Forward, backward and update in one call, without autograd: the loss and dL/dH
+        (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
+        nothing on the host: the unit that ``CudaGraphStep`` captures."""
+        Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"lr * weight_decay = {self.lr * self.weight_decay} >= 1: the decay would flip W")
+        Hx, idx, T, rows = self._collect(Hx, idx, T, training=True)
+        loss, saved = self._forward_step(Hx, idx, T)
+        self._version += 1  # a pending autograd backward from an earlier forward is now stale
+        dH = self._own_rows(self._backward_step(saved, loss.new_ones(())), rows)
+        return loss, dH[:, : self.hidden_dim].to(H.dtype)
 
     @torch.no_grad()
     def sync(self) -> None:

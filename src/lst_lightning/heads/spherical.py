@@ -130,9 +130,10 @@ class SphericalHeadBase(OutputHead):
         raise NotImplementedError
 
     # Multi-process hooks (the factored head overrides them): the one-process identity.
-    def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None):
+    def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None,
+                            step: bool | None = None):
         """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
-        return self.prepare(H, target_idx, target_val)
+        return self.prepare(H, target_idx, target_val, step=step)
 
     def _collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):
         """The batch the step works on (all ranks' rows) and this rank's rows in it (None: all)."""
@@ -149,8 +150,8 @@ class SphericalHeadBase(OutputHead):
         raise NotImplementedError
 
     # -- input handling -----------------------------------------------------------------
-    def prepare(self, H: Tensor, target_idx: Tensor | None = None,
-                target_val: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    def prepare(self, H: Tensor, target_idx: Tensor | None = None, target_val: Tensor | None = None,
+                step: bool | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Validate inputs; return H with the bias column in the head's dtype, idx as (m, K)
         int64 and target values as (m, K) with zeros on padding. Raises before any state changes."""
         if not isinstance(H, Tensor) or H.dim() != 2:
@@ -165,12 +166,13 @@ class SphericalHeadBase(OutputHead):
         if H.device != self.device:
             raise ValueError(f"H is on {H.device} but the head is on {self.device}")
         Hx = self.augment(H)
+        step = (self.training and torch.is_grad_enabled()) if step is None else step  # a training step?
         if target_idx is None:
             return Hx, None, None
         # Non-finite target values pass here: the step is then skipped and counted.
         idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
                                  device=self.device, finite_values=False,
-                                 check_range=not (self.deferred_checks and self.training and torch.is_grad_enabled()))
+                                 check_range=not (self.deferred_checks and step))
         return Hx, idx, T
 
     def augment(self, H: Tensor) -> Tensor:

@@ -1,0 +1,80 @@
+"""The factored head's whole training step captured in one CUDA graph.
+
+A step is some forty small kernels (GEMMs of m x d and d x d, the sparse
+kernels, the loss); on a GPU their launch gaps, not their work, decide the time
+at moderate m. Replaying a captured graph launches them all at once. Needs the
+step to read nothing on the host (``sync_every > 1``) and fixed shapes (m, K).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .factored import FactoredSphericalHead
+
+
+class CudaGraphStep:
+    """``step(H, target_idx) -> (loss, dL/dH)``: ``head.train_step`` replayed from a graph.
+
+    The lr is read from a device scalar at each replay (a schedule needs no new
+    capture); the head's flags are read every ``head.sync_every`` replays. The
+    returned tensors are the graph's own outputs: use them before the next call.
+    """
+
+    def __init__(self, head: FactoredSphericalHead, m: int, K: int = 1, hidden_dtype: torch.dtype | None = None,
+                 warmup: int = 3):
+        if not head.V.is_cuda:
+            raise ValueError("CUDA graphs need the head on a CUDA device")
+        if not head.deferred_checks:
+            raise ValueError("capture needs a step with no host reads: build the head with sync_every > 1")
+        if head.parallel != "none":
+            raise ValueError("a multi-process head exchanges data between ranks each step: not captured")
+        self.head, self.m, self.K = head, m, K
+        dev = head.device
+        self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)
+        self.idx = torch.zeros(m, K, dtype=torch.long, device=dev)
+        self.val = torch.zeros(m, K, dtype=head.dtype, device=dev)
+        self._warm_up(warmup)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss, self.dH = head.train_step(self.H, self.idx, self.val)
+
+    @torch.no_grad()
+    def _warm_up(self, n: int) -> None:
+        """Run the step at lr = 0 on a side stream (lazy initialisation of cuBLAS, Triton's
+        compiled kernels): W is unchanged bit for bit at lr = 0; the counters are restored."""
+        head = self.head
+        counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
+        calls, synced, lr = head._calls, head._synced, head.lr
+        head._lr_t.fill_(0.0)
+        head._lr_filled = head.lr  # keep the 0 in place during the warm-up
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(n):
+                head.train_step(self.H, self.idx, self.val)
+        torch.cuda.current_stream().wait_stream(side)
+        for k, v in counters.items():
+            head.get_buffer(k).copy_(v)
+        head._calls, head._synced, head._lr_filled = calls, synced, None
+        head.lr = lr
+
+    def __call__(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        idx = target_idx[:, None] if target_idx.dim() == 1 else target_idx
+        if tuple(H.shape) != tuple(self.H.shape) or tuple(idx.shape) != (self.m, self.K):
+            raise ValueError(f"this graph was captured for H {tuple(self.H.shape)} and targets "
+                             f"{(self.m, self.K)}, got {tuple(H.shape)} and {tuple(idx.shape)}")
+        head = self.head
+        if head.lr * head.weight_decay >= 1:
+            raise ValueError(f"lr * weight_decay = {head.lr * head.weight_decay} >= 1: the decay would flip W")
+        self.H.copy_(H)
+        self.idx.copy_(idx)
+        if target_val is None:
+            self.val.copy_(idx >= 0)
+        else:
+            self.val.copy_(target_val.reshape(idx.shape))
+        head._lr_device()  # refill lr outside the graph
+        self.graph.replay()
+        head._version += 1
+        head._count_step()
+        return self.loss, self.dH
