@@ -208,25 +208,38 @@ def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
     else:  # the shards split V; the rest is replicated bit for bit
         assert b0["V"].shape[0] + b1["V"].shape[0] == r1["num_classes"] and b1["V"].shape[0] > 0
         assert all(torch.equal(b0[k], b1[k]) for k in b0 if k != "V")
-    # the checkpoint holds rank 0's state: V's other rows come from rank 1
-    V = torch.cat([b0["V"], b1["V"]]) if parallel == "sharded" else None
-    assert_close_rel({"W": weight_of(tmp_path / "two", over, V)}, {"W": weight_of(tmp_path / "one", over)})
+    if parallel == "sharded":  # the checkpoint gathers all of V
+        saved = torch.load(tmp_path / "two" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]["head.V"]
+        assert torch.equal(saved, torch.cat([b0["V"], b1["V"]]))
+    assert_close_rel({"W": weight_of(tmp_path / "two", over)}, {"W": weight_of(tmp_path / "one", over)})
     assert_metrics_equal(r1, r2)
 
 
-def weight_of(run_dir, over, V=None):
-    """The head's implicit W from a run's last checkpoint (V: all of it, for a shard)."""
+def weight_of(run_dir, over):
+    """The head's implicit W from a run's last checkpoint."""
     from lst_lightning.train import make_head  # noqa: PLC0415
 
     cfg = cfg_of(*over, "head.parallel=none")
     ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     sd = {k[5:]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
-    if V is not None:
-        sd["V"] = V
     D = sd["V"].shape[0]
     head = make_head(cfg, D, cfg.model.hidden_dim, torch.ones(D))
     head.load_state_dict(sd)
     return head.weight()
+
+
+def test_sharded_checkpoint_resumes_on_any_number_of_ranks(tmp_path):
+    """A 2-rank sharded run's checkpoint (V gathered whole) resumes on one process and on
+    two ranks, and both continue to the same head."""
+    over = [*COMMON, *FACTORED, "head.parallel=sharded", "test=false"]
+    run_external([*over, f"data.batch_size={B}"], tmp_path / "a")
+    ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    more = ["trainer.max_epochs=2", f"ckpt_path={ckpt}"]
+    r1 = run(cfg_of(*over, *ONE_RANK, *more), tmp_path / "b1")
+    r2 = run_external([*over, f"data.batch_size={B}", *more], tmp_path / "b2")
+    assert r1["train_steps"] == r2["train_steps"] == 12
+    assert_close_rel({"W": weight_of(tmp_path / "b2", over)}, {"W": weight_of(tmp_path / "b1", over)})
+    assert_metrics_equal(r1, r2, splits=("val",))
 
 
 @pytest.mark.parametrize("head", ["naive", "toy_heads.ToySelfUpdatingHead"])

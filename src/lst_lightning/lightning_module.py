@@ -242,6 +242,12 @@ class LanguageModel(pl.LightningModule):
 
     # -- exact resume: the global RNG (dropout) travels with the checkpoint ------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Every rank dumps the checkpoint (rank 0 writes it): a sharded head's V is
+        # gathered there whole, so the checkpoint resumes on any number of ranks.
+        if getattr(self.head, "sharded", False) and hasattr(self.head, "gather_v"):
+            V = self.head.gather_v()
+            if V is not None:
+                checkpoint["state_dict"]["head.V"] = V
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
