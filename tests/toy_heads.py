@@ -65,3 +65,60 @@ class ToySelfUpdatingHead(OutputHead):
 
     def stats(self):
         return {"weight_norm": self.weight.norm().item()}
+
+
+def _all_gather_rows(x: Tensor) -> Tensor:
+    parts = [torch.empty_like(x) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+class _ReplicatedUpdate(torch.autograd.Function):
+    """The global-batch squared error: every rank gathers all rows, applies the same
+    global SGD step, and returns world x dL/dH for its own rows (DDP averages)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, head):
+        world, rank, m = head.world, head.rank, len(hidden)
+        H = _all_gather_rows(hidden) if world > 1 else hidden
+        T = _all_gather_rows(target) if world > 1 else target
+        resid = H @ weight.T
+        resid[torch.arange(len(T)), T] -= 1.0
+        ctx.save_for_backward(H, resid)
+        ctx.head, ctx.rows = head, slice(rank * m, (rank + 1) * m)
+        return (resid**2).sum(1).mean()
+
+    @staticmethod
+    def backward(ctx, g):
+        H, resid = ctx.saved_tensors
+        head = ctx.head
+        d_out = g * 2 * resid / len(H)
+        d_hidden = head.world * (d_out[ctx.rows] @ head.weight)
+        head.weight -= head.lr * d_out.T @ H
+        return d_hidden, None, None, None
+
+
+class ToyReplicatedHead(ToySelfUpdatingHead):
+    """A self-updating head with a ``replicated`` multi-process mode, to test the app's
+    plumbing (``distribute`` in setup, buffers DDP must not broadcast) apart from the
+    factored head. ``rank_marker`` is set to the rank on purpose: it must stay so."""
+
+    parallel = "replicated"
+
+    def __init__(self, num_classes: int, hidden_dim: int, lr: float = 0.01, **_):
+        super().__init__(num_classes, hidden_dim, lr)
+        self.register_buffer("rank_marker", torch.zeros(()))
+        self.world, self.rank = 1, 0
+
+    def distribute(self, process_group=None):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.world, self.rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        self.rank_marker.fill_(self.rank)
+
+    def forward(self, hidden, target_idx, target_val=None):
+        target = target_idx.reshape(-1)
+        if not torch.is_grad_enabled():  # evaluation: local rows only
+            resid = hidden @ self.weight.T
+            resid[torch.arange(len(target)), target.clamp(min=0)] -= 1.0
+            return (resid**2).sum(1).mean()
+        return _ReplicatedUpdate.apply(hidden, self.weight, target, self)

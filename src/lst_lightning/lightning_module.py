@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .heads.base import OutputHead
-from .metrics import TOPK, Perplexity, RankMetrics, simlex_spearman
+from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -34,6 +34,20 @@ def lr_factor(step: int, *, name: str, warmup_steps: int, total_steps: int, min_
     if name == "cosine":
         return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * t))
     raise ValueError(f"scheduler.name must be constant, linear or cosine, not {name!r}")
+
+
+def check_distributed(head: OutputHead, world_size: int) -> None:
+    """A self-updating head applies its own SGD step: DDP cannot average it, so with
+    several processes the head must run its own collectives (``parallel``)."""
+    if world_size <= 1 or not head.self_updating:
+        return
+    name = type(head).__name__
+    if not hasattr(head, "distribute"):
+        raise ValueError(f"{name} updates itself in backward and has no multi-process mode: "
+                         f"it cannot train with {world_size} processes; use trainer=cpu or gpu (one process)")
+    if getattr(head, "parallel", "none") == "none":
+        raise ValueError(f"{name} with parallel=none would train a different head on each of the "
+                         f"{world_size} processes: set head.parallel=replicated or sharded")
 
 
 class LanguageModel(pl.LightningModule):
@@ -62,10 +76,31 @@ class LanguageModel(pl.LightningModule):
         self.timing_every = timing_every
         self.val_ranks, self.test_ranks = RankMetrics(topk), RankMetrics(topk)
         self.val_ppl, self.test_ppl = Perplexity(), Perplexity()
+        self.val_loss, self.test_loss = WeightedMean(), WeightedMean()
+        self._head_distributed = False
         self.timing = {"steps": 0, "step_s": 0.0, "head_s": 0.0, "tokens": 0}
         self._marks: dict[str, float] = {}
         self._timed = False
         self._fit_start = time.perf_counter()  # reset in on_train_start
+
+    # -- multi-process ----------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Once torch.distributed is up (every rank): the head joins the process group,
+        and DDP is told to leave its buffers alone. By default DDP would copy rank 0's
+        buffers over every rank (at wrap time, every forward, and before validate/test):
+        for the head's V (D x d) that is huge, and wrong when V is sharded. Ignoring
+        them here, rather than ``broadcast_buffers=False`` in the strategy, covers
+        every strategy config and the validate/test sync too, and still broadcasts the
+        body's buffers."""
+        world = self._trainer.world_size if self._trainer is not None else 1
+        check_distributed(self.head, world)
+        distribute = getattr(self.head, "distribute", None)
+        if distribute is not None and not self._head_distributed:
+            distribute()  # the default group: Lightning's
+            self._head_distributed = True  # setup runs again for validate/test in the same processes
+        if self.head.self_updating or distribute is not None:
+            # the head keeps its replicas (or shards) consistent itself
+            self._ddp_params_and_buffers_to_ignore = [f"head.{n}" for n, _ in self.head.named_buffers()]
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
@@ -122,6 +157,10 @@ class LanguageModel(pl.LightningModule):
                 t["tokens"] += n
         self._marks = {}
 
+    def on_train_epoch_end(self):
+        # Spawned workers do not hand global_step back to the launching process: this does.
+        self.log("train/steps", float(self.global_step), sync_dist=True)  # equal on every rank
+
     def _mark_head_grad(self, grad: Tensor) -> None:
         self._now("head_grad")
 
@@ -152,44 +191,63 @@ class LanguageModel(pl.LightningModule):
                            if isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.numel() == 1)})
         return loss
 
-    def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, prefix: str):
+    def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
         context, target = batch
         hidden = self.body(context)
+        # Rows with target -1 pad the shorter ranks' last batch (every rank must call a
+        # distributed head equally often, with equal shapes): the metrics skip them.
+        real = target >= 0 if target.dim() == 1 else (target >= 0).any(1)
         loss = self.head(hidden, target)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {prefix} loss {loss.item()}")
-        self.log(f"{prefix}/loss", loss, on_epoch=True, batch_size=len(target))
-        ranks.update(self.head.target_rank(hidden, target, self.score_chunk_size))
+        n = int(real.sum())
+        if n:
+            # the heads' mean is over all m rows (padding adds nothing to softmax-type losses)
+            total = loss * len(target) if getattr(self.head, "reduction", "mean") == "mean" else loss
+            mean_loss.update(total.detach() / n, n)
+        safe = target.clamp(min=0)  # padded rows are scored against class 0, then dropped
+        ranks.update(self.head.target_rank(hidden, safe, self.score_chunk_size)[real])
         if self.perplexity:
-            ppl.update(self.head.log_prob(hidden, target))
+            ppl.update(self.head.log_prob(hidden, safe)[real])
 
-    def _eval_epoch_end(self, ranks: RankMetrics, ppl: Perplexity, prefix: str):
-        self.log_dict({f"{prefix}/{k}": v for k, v in ranks.compute().items()})
+    def _eval_epoch_end(self, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
+        # compute() sums the states over ranks; sync_dist then only averages equal values
+        # (and keeps Lightning from warning about unsynced epoch metrics).
+        self.log(f"{prefix}/loss", mean_loss.compute(), sync_dist=True)
+        mean_loss.reset()
+        self.log_dict({f"{prefix}/{k}": v for k, v in ranks.compute().items()}, sync_dist=True)
         ranks.reset()
         if self.perplexity:
-            self.log(f"{prefix}/perplexity", ppl.compute())
+            self.log(f"{prefix}/perplexity", ppl.compute(), sync_dist=True)
             ppl.reset()
         if self.simlex is not None and hasattr(self.body, "input_embedding"):
             rho, n = simlex_spearman(self.body.input_embedding.weight, self.simlex["index"],
                                      self.simlex["pairs"], set(self.simlex.get("skip", ())))
             if n >= 3:
-                self.log(f"{prefix}/simlex_rho", rho)
-                self.log(f"{prefix}/simlex_pairs", float(n))
+                # the embeddings are equal on every rank: syncing only averages equal values
+                self.log(f"{prefix}/simlex_rho", rho, sync_dist=True)
+                self.log(f"{prefix}/simlex_pairs", float(n), sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
-        self._eval_step(batch, self.val_ranks, self.val_ppl, "val")
+        self._eval_step(batch, self.val_ranks, self.val_ppl, self.val_loss, "val")
 
     def on_validation_epoch_end(self):
-        self._eval_epoch_end(self.val_ranks, self.val_ppl, "val")
+        self._eval_epoch_end(self.val_ranks, self.val_ppl, self.val_loss, "val")
 
     def test_step(self, batch, batch_idx):
-        self._eval_step(batch, self.test_ranks, self.test_ppl, "test")
+        self._eval_step(batch, self.test_ranks, self.test_ppl, self.test_loss, "test")
 
     def on_test_epoch_end(self):
-        self._eval_epoch_end(self.test_ranks, self.test_ppl, "test")
+        self._eval_epoch_end(self.test_ranks, self.test_ppl, self.test_loss, "test")
 
     # -- exact resume: the global RNG (dropout) travels with the checkpoint ------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Every rank dumps the checkpoint (rank 0 writes it): a sharded head's V is
+        # gathered there whole, so the checkpoint resumes on any number of ranks.
+        if getattr(self.head, "sharded", False) and hasattr(self.head, "gather_v"):
+            V = self.head.gather_v()
+            if V is not None:
+                checkpoint["state_dict"]["head.V"] = V
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()

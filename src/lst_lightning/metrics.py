@@ -39,6 +39,25 @@ class RankMetrics(Metric):
         return {k: v.float() for k, v in out.items()}
 
 
+class WeightedMean(Metric):
+    """Mean of per-batch values weighted by their example counts (float64 sums, so
+    it reduces across processes exactly like one process over all batches)."""
+
+    full_state_update = False
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("n", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, value: Tensor, weight: int | float) -> None:
+        self.total += value.double() * weight
+        self.n += weight
+
+    def compute(self) -> Tensor:
+        return (self.total / self.n).float()
+
+
 class Perplexity(Metric):
     """exp of the mean negative log-probability of the targets."""
 

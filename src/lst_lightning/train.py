@@ -15,9 +15,10 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import DictConfig, OmegaConf
 
-from .lightning_module import LanguageModel
+from .lightning_module import LanguageModel, check_distributed
 from .metrics import Perplexity, RankMetrics, read_simlex, unigram_ranks
 
 log = logging.getLogger(__name__)
@@ -144,6 +145,12 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         **OmegaConf.to_container(tcfg, resolve=True), logger=loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
     )
+    check_distributed(head, trainer.world_size)  # before any process is started
+    if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+        # The workers hand the model back through rank 0's state_dict: one shard of V.
+        raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={tcfg.strategy}: spawned "
+                         "workers return only rank 0's shard of V to the launching process; use "
+                         "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
     return dm, module, trainer
 
 
@@ -151,7 +158,7 @@ def unigram_metrics(dm, topk) -> dict[str, float]:
     """The unigram baseline on the test split (same examples as the model's test)."""
     ranks, ppl = RankMetrics(topk), Perplexity()
     logp = torch.log(dm.class_counts.double() / dm.class_counts.sum())
-    for _, target in dm.test_dataloader():
+    for _, target in dm.eval_dataloader("test"):  # all of it, on whichever rank asks
         ranks.update(unigram_ranks(dm.class_counts, target))
         ppl.update(logp[target])
     out = {k: float(v) for k, v in ranks.compute().items()}
@@ -160,21 +167,30 @@ def unigram_metrics(dm, topk) -> dict[str, float]:
 
 
 def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) -> dict:
-    """Train (or resume), validate, test; returns and writes the results."""
+    """Train (or resume), validate, test; returns and writes the results.
+
+    Multi-process: under ``ddp_spawn`` this runs in the launching process and each
+    trainer call starts the workers; under an external launcher (torchrun, SLURM with
+    ``strategy=ddp``) it runs on every rank and only global rank 0 writes files."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     dm, module, trainer = build(cfg, run_dir, extra_callbacks)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    if getattr(dm, "vocab", None) is not None:
-        dm.save_vocab(run_dir / "vocab.json")
+    writer = trainer.is_global_zero
+    if writer:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if getattr(dm, "vocab", None) is not None:
+            dm.save_vocab(run_dir / "vocab.json")
     trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+    # under ddp_spawn global_step stays 0 here (the workers trained)
+    steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     if not val:  # no validation ran at the end of training (e.g. max_steps mid-epoch)
         val = {k[4:]: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()
                if k.startswith("val/")}
     results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": str(cfg.loss.name),
-                     "num_classes": dm.num_classes, "train_steps": trainer.global_step, "val": val}
+                     "num_classes": dm.num_classes, "val": val,
+                     "train_steps": steps}
     if cfg.get("test", True):
         test = trainer.test(module, datamodule=dm, verbose=False)[0]
         results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}
@@ -186,8 +202,10 @@ def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) ->
         results["head_share"] = t["head_s"] / t["step_s"]
     results["wall_s"] = time.perf_counter() - start
     results["run_dir"] = str(run_dir)
-    (run_dir / "results.json").write_text(json.dumps(results, indent=2))
-    print_summary(results)
+    results["world_size"] = trainer.world_size
+    if writer:
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+        print_summary(results)
     return results
 
 

@@ -16,6 +16,25 @@ from .synthetic import SyntheticZipf, zipf_counts
 from .vocab import BOS, Vocabulary, tokenize
 
 
+class _PaddedIds(Dataset):
+    """``dataset[ids]`` where id ``EpochBatchSampler.PAD`` (-1) gives a filler example:
+    example 0's context and target -1 (padding), so every rank can run the same number
+    of equal-sized evaluation batches without counting an example twice."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        pad = ids == EpochBatchSampler.PAD
+        if not bool(pad.any()):
+            return self.dataset[ids]
+        context, target = self.dataset[ids.clamp(min=0)]
+        return context, target.masked_fill(pad, -1)
+
+
 class _WindowDataModule(pl.LightningDataModule):
     num_classes: int
     input_vocab_size: int
@@ -30,20 +49,26 @@ class _WindowDataModule(pl.LightningDataModule):
         self.seed, self.num_workers, self.max_eval_examples = seed, num_workers, max_eval_examples
         self.splits: dict[str, Dataset] = {}
 
-    def _loader(self, split: str, train: bool) -> DataLoader:
+    def _loader(self, split: str, train: bool, rank: int | None = None, world_size: int | None = None) -> DataLoader:
         if not self.splits:
             raise RuntimeError("call setup() before asking for dataloaders")
         ds = self.splits[split]
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        if rank is None:
+            trainer = self.trainer
+            rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         sampler = EpochBatchSampler(
             len(ds), self.batch_size if train else self.eval_batch_size, shuffle=train, seed=self.seed,
-            drop_last=train, rank=rank, world_size=world, limit=None if train else self.max_eval_examples,
+            drop_last=train, rank=rank, world_size=world_size, limit=None if train else self.max_eval_examples,
         )
         # batch_size=None: the sampler yields whole batches of ids, the dataset
         # gathers them in one indexing op.
-        return DataLoader(ds, sampler=sampler, batch_size=None, num_workers=self.num_workers,
+        return DataLoader(_PaddedIds(ds), sampler=sampler, batch_size=None, num_workers=self.num_workers,
                           persistent_workers=self.num_workers > 0)
+
+    def eval_dataloader(self, split: str, rank: int = 0, world_size: int = 1) -> DataLoader:
+        """An evaluation split as ``rank`` of ``world_size`` sees it (default: all of it,
+        whatever the trainer's world)."""
+        return self._loader(split, False, rank, world_size)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", True)

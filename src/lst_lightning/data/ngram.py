@@ -46,12 +46,24 @@ class NgramWindows(Dataset):
 
 class EpochBatchSampler(Sampler[Tensor]):
     """Batches of example ids, reshuffled each epoch from ``(seed, epoch)`` alone, and
-    sharded by rank for multi-process runs (Lightning calls ``set_epoch``)."""
+    sharded by rank for multi-process runs (Lightning calls ``set_epoch``).
+
+    Rank r takes ``ids[r::world_size]`` of the global order, so the world's batch of
+    step t holds exactly the examples of a one-process batch of size
+    ``world_size * batch_size``. Every rank gets the same number of batches of the same
+    sizes (a distributed head's collectives need that): with ``drop_last`` the global
+    order is cut to a multiple of ``world_size * batch_size``; without it the shorter
+    shards are padded with id ``PAD`` (-1), which the data module turns into examples
+    with target -1 that the metrics ignore."""
+
+    PAD = -1
 
     def __init__(self, size: int, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, rank: int = 0, world_size: int = 1, limit: int | None = None):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.limit = limit
@@ -71,14 +83,17 @@ class EpochBatchSampler(Sampler[Tensor]):
             ids = torch.arange(self.size)
         if self.limit is not None:
             ids = ids[: self.limit]
-        return ids[self.rank :: self.world_size]
+        w = self.world_size
+        if self.drop_last:
+            ids = ids[: len(ids) - len(ids) % (w * self.batch_size)]
+        elif len(ids) % w:
+            ids = torch.cat([ids, ids.new_full((w - len(ids) % w,), self.PAD)])
+        return ids[self.rank :: w]
 
     def __iter__(self) -> Iterator[Tensor]:
         ids = self._ids()
-        stop = len(ids) - len(ids) % self.batch_size if self.drop_last else len(ids)
-        for i in range(0, stop, self.batch_size):
+        for i in range(0, len(ids), self.batch_size):
             yield ids[i : i + self.batch_size]
 
     def __len__(self) -> int:
-        n = len(self._ids())
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        return -(-len(self._ids()) // self.batch_size)
