@@ -173,3 +173,24 @@ def test_console_script_from_another_directory(tmp_path):
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["head"]["_target_"].endswith("NaiveSphericalHead") and cfg["loss"]["name"] == "mse"
+
+
+@pytest.mark.parametrize("head_step,sync_every", [("fused", 1), ("fused", 4)])
+def test_fused_head_step_trains_like_autograd(tmp_path, head_step, sync_every):
+    """head.train_step in the forward gives the body and the head the same bits as the
+    update inside loss.backward() (and, with sync_every > 1, the sync-free step)."""
+    over = [*FAST, "head=factored", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "test=false",
+            "model.dropout=0.0", f"head.sync_every={sync_every}"]
+    run(cfg_of(*over), tmp_path / "autograd")
+    run(cfg_of(*over, f"head_step={head_step}"), tmp_path / head_step)
+    a = _state(tmp_path / "autograd/checkpoints/last.ckpt")
+    b = _state(tmp_path / f"{head_step}/checkpoints/last.ckpt")
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+    assert int(a["head.steps"]) == 6
+
+
+def test_cuda_graph_head_step_needs_a_gpu_and_a_sync_free_head(tmp_path):
+    over = [*FAST, "head=factored", "head_step=cuda_graph", "trainer.limit_train_batches=2", "test=false"]
+    with pytest.raises(ValueError, match="CUDA device|sync_every"):
+        run(cfg_of(*over), tmp_path)

@@ -50,11 +50,29 @@ def check_distributed(head: OutputHead, world_size: int) -> None:
                          f"{world_size} processes: set head.parallel=replicated or sharded")
 
 
+class _AppliedStep(torch.autograd.Function):
+    """The loss of a head step already applied (``train_step`` or a replayed graph):
+    backward hands the step's dL/dH on to the body."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, loss: Tensor, dH: Tensor) -> Tensor:
+        ctx.save_for_backward(dH)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (dH,) = ctx.saved_tensors
+        return dH * grad, None, None
+
+
+HEAD_STEPS = ("autograd", "fused", "cuda_graph")
+
+
 class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
                  perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
-                 timing_every: int = 10):
+                 timing_every: int = 10, head_step: str = "autograd"):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
@@ -62,6 +80,14 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
                              "it cannot give perplexity; set metrics.perplexity=false or auto")
         self.body, self.head = body, head
+        # How a self-updating head steps: in loss.backward() (autograd), or all at once in the
+        # forward (fused: head.train_step; cuda_graph: that step replayed from a CUDA graph).
+        # The last two assume the loss is backpropagated as is (gradient 1: no loss scaling).
+        if head_step not in HEAD_STEPS:
+            raise ValueError(f"head_step must be one of {HEAD_STEPS}, not {head_step!r}")
+        if head_step != "autograd" and not hasattr(head, "train_step"):
+            raise ValueError(f"head_step={head_step} needs a head with train_step (the factored head)")
+        self.head_step, self._graph = head_step, None
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, **(optimizer or {})}
         if self.optim_cfg["name"] not in _OPTIMIZERS:
             raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, not {self.optim_cfg['name']!r}")
@@ -174,11 +200,13 @@ class LanguageModel(pl.LightningModule):
             self.head.lr = self.head_lr * self.current_lr_factor()
         hidden = self.body(context)
         self._now("hidden")
-        loss = self.head(hidden, target)
+        loss = self._head_loss(hidden, target)
         self._now("loss")
         if self._timed and hidden.requires_grad:
             hidden.register_hook(self._mark_head_grad)
-        if not torch.isfinite(loss):
+        # A head with deferred checks masks a non-finite step itself; reading it here would
+        # make every step wait for the GPU.
+        if not getattr(self.head, "deferred_checks", False) and not torch.isfinite(loss):
             # Raise before backward: the self-updating head has not changed yet.
             raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
         self.log("train/loss", loss.detach(), prog_bar=True)
@@ -190,6 +218,19 @@ class LanguageModel(pl.LightningModule):
             self.log_dict({f"head/{k}": float(v) for k, v in stats.items()
                            if isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.numel() == 1)})
         return loss
+
+    def _head_loss(self, hidden: Tensor, target: Tensor) -> Tensor:
+        if self.head_step == "autograd":
+            return self.head(hidden, target)
+        if self.head_step == "cuda_graph":
+            if self._graph is None:
+                from .heads.graphed import CudaGraphStep  # noqa: PLC0415
+
+                K = 1 if target.dim() == 1 else target.shape[1]
+                self._graph = CudaGraphStep(self.head, hidden.shape[0], K, hidden_dtype=hidden.dtype)
+            if hidden.shape[0] == self._graph.m:  # another batch size runs the same step eagerly
+                return _AppliedStep.apply(hidden, *self._graph(hidden.detach(), target))
+        return _AppliedStep.apply(hidden, *self.head.train_step(hidden.detach(), target))
 
     def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
         context, target = batch

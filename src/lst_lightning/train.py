@@ -116,7 +116,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         body, head,
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
-        timing_every=m.timing_every,
+        timing_every=m.timing_every, head_step=cfg.get("head_step", "autograd"),
     )
 
     name = run_name(cfg)
