@@ -23,6 +23,13 @@ def deferred(sync_every=4, **kw):
     return FactoredSphericalHead(**args)
 
 
+def step(head, H, idx):
+    """One training step on a copy of H; returns dL/dH."""
+    Hc = H.clone().requires_grad_()
+    head(Hc, idx).backward()
+    return Hc.grad
+
+
 def state(head):
     return bit_hash([head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound])
 
@@ -72,29 +79,28 @@ def test_sync_mode_reads_the_host(monkeypatch):
 def test_bad_target_is_skipped_then_reported():
     head = deferred(sync_every=3)
     H, idx = batch(5, d, D, 3)
-    head(H.clone().requires_grad_(), idx).backward()
+    step(head, H, idx)
     before = state(head)
     bad = idx.clone()
     bad[2, 1] = D + 7
-    Hb = H.clone().requires_grad_()
-    head(Hb, bad).backward()  # no error yet: nothing is read inside the step
-    assert state(head) == before and torch.equal(Hb.grad, torch.zeros_like(Hb))
+    grad = step(head, H, bad)  # no error yet: nothing is read inside the step
+    assert state(head) == before and torch.equal(grad, torch.zeros_like(grad))
     with pytest.raises(ValueError, match=r"outside \[0, 60\)"):
-        head(H.clone().requires_grad_(), idx).backward()  # the 3rd step reads the flag
+        step(head, H, idx)  # the 3rd step reads the flag
     assert int(head.steps) == 2 and int(head.skipped_nonfinite) == 1
-    head(H.clone().requires_grad_(), idx).backward()  # the flag was cleared
+    step(head, H, idx)  # the flag was cleared
     assert int(head.steps) == 3
 
 
 def test_non_finite_step_is_skipped_counted_and_warned():
     head = deferred(sync_every=2)
     H, idx = batch(5, d, D, 1)
-    head(H.clone().requires_grad_(), idx).backward()
+    step(head, H, idx)
     before = state(head)
     H_bad = H.clone()
     H_bad[1, 3] = float("nan")
     with pytest.warns(RuntimeWarning, match="1 step"):
-        head(H_bad.requires_grad_(), idx).backward()
+        step(head, H_bad, idx)
     assert state(head) == before
     assert (int(head.steps), int(head.skipped_nonfinite)) == (1, 1)
 
