@@ -11,7 +11,8 @@ from .spherical import SphericalHeadBase
 
 # The factored head's stabilisation settings: accepted and ignored, so configs can switch heads.
 _FACTORED_ONLY = {"sv_min", "sv_max", "sv_method", "power_iters", "cond_trigger", "check_every", "fold_tol",
-                  "max_sv_fixes", "uinv_refresh_every", "q_refresh_every", "woodbury"}
+                  "max_sv_fixes", "uinv_refresh_every", "q_refresh_every", "woodbury", "sync_every",
+                  "checksum_every"}  # not "parallel": the naive head has no multi-process mode
 
 
 class NaiveSphericalHead(SphericalHeadBase):
@@ -22,7 +23,9 @@ class NaiveSphericalHead(SphericalHeadBase):
         kwargs = {k: v for k, v in kwargs.items() if k not in _FACTORED_ONLY}
         super().__init__(num_classes, hidden_dim, *args, **kwargs)
         std = init_std if init_std is not None else self.width ** -0.5
-        W = torch.randn(num_classes, self.width, generator=generator, dtype=self.dtype) * std
+        # Drawn on the head's device unless a (host) generator fixes the numbers.
+        dev = self._factory["device"] if generator is None else None
+        W = torch.randn(num_classes, self.width, generator=generator, dtype=self.dtype, device=dev) * std
         self.register_buffer("W", W.to(self._factory["device"]) if self._factory["device"] else W)
         self._register_buffers_common()
 
