@@ -45,7 +45,8 @@ class CudaGraphStep:
         compiled kernels): W is unchanged bit for bit at lr = 0; the counters are restored."""
         head = self.head
         counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
-        calls, synced, lr = head._calls, head._synced, head.lr
+        calls, synced, lr, sync_every = head._calls, head._synced, head.lr, head.sync_every
+        head.sync_every = 1 << 62  # no flag read (and no repair) during the warm-up
         head._lr_t.fill_(0.0)
         head._lr_filled = head.lr  # keep the 0 in place during the warm-up
         side = torch.cuda.Stream()
@@ -56,7 +57,7 @@ class CudaGraphStep:
         torch.cuda.current_stream().wait_stream(side)
         for k, v in counters.items():
             head.get_buffer(k).copy_(v)
-        head._calls, head._synced, head._lr_filled = calls, synced, None
+        head._calls, head._synced, head._lr_filled, head.sync_every = calls, synced, None, sync_every
         head.lr = lr
 
     def __call__(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
