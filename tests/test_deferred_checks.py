@@ -164,3 +164,19 @@ def test_cuda_graph_step_equals_the_eager_step():
 def test_every_buffer_is_on_the_cuda_device():
     head = deferred(device="cuda")
     assert {b.device.type for b in head.buffers()} == {"cuda"}
+
+
+def test_steps_at_zero_lr_change_no_bit():
+    """The CUDA graph's warm-up runs real steps at lr 0: they must leave the head as it was."""
+    from lst_lightning.heads.graphed import at_zero_lr
+
+    head = deferred(sync_every=2, weight_decay=0.01)
+    for _ in range(3):
+        step(head, *batch(16, d, D, 2))  # U away from I; U^-1 stale (2m > d)
+    before, counters = state(head), (int(head.steps), head._calls, head.lr)
+    with at_zero_lr(head):
+        for _ in range(3):
+            head.train_step(*batch(16, d, D, 2))
+    assert state(head) == before and (int(head.steps), head._calls, head.lr) == counters
+    step(head, *batch(16, d, D, 2))  # and the lr is back
+    assert state(head) != before

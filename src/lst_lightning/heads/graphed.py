@@ -7,10 +7,30 @@ step to read nothing on the host (``sync_every > 1``) and fixed shapes (m, K).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
 from .factored import FactoredSphericalHead
+
+
+@contextlib.contextmanager
+def at_zero_lr(head: FactoredSphericalHead):
+    """Steps taken inside run at lr = 0: W, U, V, Q... keep their bits (a zero step adds
+    exact zeros) and the counters are put back, with no flag read or repair meanwhile."""
+    counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
+    saved = head._calls, head._synced, head.lr, head.sync_every
+    head.sync_every = 1 << 62
+    head._lr_t.fill_(0.0)
+    head._lr_filled = head.lr  # keep the 0 in place
+    try:
+        yield
+    finally:
+        for k, v in counters.items():
+            head.get_buffer(k).copy_(v)
+        head._calls, head._synced, head.lr, head.sync_every = saved
+        head._lr_filled = None
 
 
 class CudaGraphStep:
@@ -41,24 +61,14 @@ class CudaGraphStep:
 
     @torch.no_grad()
     def _warm_up(self, n: int) -> None:
-        """Run the step at lr = 0 on a side stream (lazy initialisation of cuBLAS, Triton's
-        compiled kernels): W is unchanged bit for bit at lr = 0; the counters are restored."""
-        head = self.head
-        counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
-        calls, synced, lr, sync_every = head._calls, head._synced, head.lr, head.sync_every
-        head.sync_every = 1 << 62  # no flag read (and no repair) during the warm-up
-        head._lr_t.fill_(0.0)
-        head._lr_filled = head.lr  # keep the 0 in place during the warm-up
+        """Run the step on a side stream before capture (lazy initialisation of cuBLAS and
+        of Triton's compiled kernels), at lr = 0 so that the head keeps its state."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), at_zero_lr(self.head):
             for _ in range(n):
-                head.train_step(self.H, self.idx, self.val)
+                self.head.train_step(self.H, self.idx, self.val)
         torch.cuda.current_stream().wait_stream(side)
-        for k, v in counters.items():
-            head.get_buffer(k).copy_(v)
-        head._calls, head._synced, head._lr_filled, head.sync_every = calls, synced, None, sync_every
-        head.lr = lr
 
     def __call__(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
         idx = target_idx[:, None] if target_idx.dim() == 1 else target_idx
