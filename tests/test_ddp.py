@@ -20,6 +20,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from lst_lightning.data.datamodule import _PaddedIds
+from lst_lightning.head_shards import load_rows
 from lst_lightning.data.ngram import EpochBatchSampler
 from lst_lightning.train import config_dir, run
 
@@ -222,18 +223,25 @@ def weight_of(run_dir, over):
     cfg = cfg_of(*over, "head.parallel=none")
     ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     sd = {k[5:]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
+    if "head_shards" in ckpt:  # head_checkpoint=per_rank: V is in one file per rank
+        sd["V"] = load_rows(ckpt["head_shards"])
     D = sd["V"].shape[0]
     head = make_head(cfg, D, cfg.model.hidden_dim, torch.ones(D))
     head.load_state_dict(sd)
     return head.weight()
 
 
-def test_sharded_checkpoint_resumes_on_any_number_of_ranks(tmp_path):
-    """A 2-rank sharded run's checkpoint (V gathered whole) resumes on one process and on
-    two ranks, and both continue to the same head."""
-    over = [*COMMON, *FACTORED, "head.parallel=sharded", "test=false"]
+@pytest.mark.parametrize("head_checkpoint", ["whole", "per_rank"])
+def test_sharded_checkpoint_resumes_on_any_number_of_ranks(tmp_path, head_checkpoint):
+    """A 2-rank sharded run's checkpoint (V gathered whole, or one file per rank) resumes on
+    one process and on two ranks, and both continue to the same head."""
+    over = [*COMMON, *FACTORED, "head.parallel=sharded", "test=false", f"head_checkpoint={head_checkpoint}"]
     run_external([*over, f"data.batch_size={B}"], tmp_path / "a")
     ckpt = tmp_path / "a" / "checkpoints" / "last.ckpt"
+    if head_checkpoint == "per_rank":  # no V in the checkpoint; one file per rank beside it
+        saved = torch.load(ckpt, weights_only=True)
+        assert saved["state_dict"]["head.V"].numel() == 0
+        assert sorted(p.name for p in Path(saved["head_shards"]).iterdir()) == ["rank00000.pt", "rank00001.pt"]
     more = ["trainer.max_epochs=2", f"ckpt_path={ckpt}"]
     r1 = run(cfg_of(*over, *ONE_RANK, *more), tmp_path / "b1")
     r2 = run_external([*over, f"data.batch_size={B}", *more], tmp_path / "b2")

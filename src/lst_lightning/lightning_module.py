@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from .head_shards import load_rows, prune, save_shard
 from .heads.base import OutputHead
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 
@@ -72,7 +74,8 @@ class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
                  perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
-                 timing_every: int = 10, head_step: str = "autograd"):
+                 timing_every: int = 10, head_step: str = "autograd", head_checkpoint: str = "whole",
+                 head_shards_keep: int = 2):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
@@ -88,6 +91,14 @@ class LanguageModel(pl.LightningModule):
         if head_step != "autograd" and not hasattr(head, "train_step"):
             raise ValueError(f"head_step={head_step} needs a head with train_step (the factored head)")
         self.head_step, self._graph = head_step, None
+        # A sharded V in checkpoints: "whole" (gathered on rank 0's host: portable, D d 4
+        # bytes there) or "per_rank" (one file per rank beside the checkpoints, the newest
+        # ``head_shards_keep`` saves kept: for D too large to gather).
+        if head_checkpoint not in ("whole", "per_rank"):
+            raise ValueError(f"head_checkpoint must be 'whole' or 'per_rank', not {head_checkpoint!r}")
+        if head_shards_keep < 1:
+            raise ValueError(f"head_shards_keep must be >= 1, got {head_shards_keep}")
+        self.head_checkpoint, self.head_shards_keep = head_checkpoint, head_shards_keep
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, **(optimizer or {})}
         if self.optim_cfg["name"] not in _OPTIMIZERS:
             raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, not {self.optim_cfg['name']!r}")
@@ -285,7 +296,9 @@ class LanguageModel(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Every rank dumps the checkpoint (rank 0 writes it): a sharded head's V is
         # gathered there whole, so the checkpoint resumes on any number of ranks.
-        if getattr(self.head, "sharded", False) and hasattr(self.head, "gather_v"):
+        if getattr(self.head, "sharded", False) and self.head_checkpoint == "per_rank":
+            self._save_head_shard(checkpoint)
+        elif getattr(self.head, "sharded", False) and hasattr(self.head, "gather_v"):
             V = self.head.gather_v()
             if V is not None:
                 checkpoint["state_dict"]["head.V"] = V
@@ -294,7 +307,24 @@ class LanguageModel(pl.LightningModule):
             rng["cuda"] = torch.cuda.get_rng_state_all()
         checkpoint["rng_state"] = rng
 
+    def _save_head_shard(self, checkpoint: dict) -> None:
+        cb = self.trainer.checkpoint_callback
+        root = Path(cb.dirpath if cb is not None and cb.dirpath else self.trainer.default_root_dir) / "head_shards"
+        step_dir = root / f"step{self.global_step}"
+        head = self.head
+        save_shard(step_dir, self.global_rank, (head.row_lo, head.row_hi), head.V)
+        checkpoint["state_dict"]["head.V"] = head.V.new_empty(0, head.V.shape[1]).cpu()
+        checkpoint["head_shards"] = str(step_dir.resolve())
+        self.trainer.strategy.barrier("head_shards")  # every shard written before any is pruned
+        if self.global_rank == 0:
+            prune(root, self.head_shards_keep)
+
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        shards = checkpoint.get("head_shards")
+        if shards is not None:  # this process's rows of V, from the per-rank files
+            head = self.head
+            lo, hi = (head.row_lo, head.row_hi) if getattr(head, "sharded", False) else (0, head.num_classes)
+            checkpoint["state_dict"]["head.V"] = load_rows(shards, lo, hi)
         rng = checkpoint.get("rng_state")
         if rng is not None:
             torch.set_rng_state(rng["torch"])

@@ -117,6 +117,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
         timing_every=m.timing_every, head_step=cfg.get("head_step", "autograd"),
+        head_checkpoint=cfg.get("head_checkpoint", "whole"), head_shards_keep=cfg.get("head_shards_keep", 2),
     )
 
     name = run_name(cfg)
