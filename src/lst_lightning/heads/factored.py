@@ -210,14 +210,15 @@ class FactoredSphericalHead(SphericalHeadBase):
         for name in self._SHARED:
             pg.broadcast_(getattr(self, name))
         self._init_seed = int(pg.all_gather_ints([self._init_seed], dev)[0, 0])
-        have_all = self.V.shape[0] == D
-        same_v = have_all and bool((pg.all_gather_ints([bit_hash([self.V])], dev) == bit_hash([self.V])).all())
+        same_v = False
+        if self.V.shape[0] == D:
+            h = bit_hash([self.V])
+            same_v = bool((pg.all_gather_ints([h], dev) == h).all())
         if self.parallel == "replicated":
             if not same_v:
                 pg.broadcast_(self.V)
         else:
-            per = -(-D // pg.world)
-            lo, hi = min(pg.rank * per, D), min((pg.rank + 1) * per, D)
+            lo, hi = self._shard_rows(pg.rank, pg.world)
             if same_v:
                 self.V = self.V[lo:hi].clone()
             elif self.V.shape[0] == 0 and not int(self.steps):
@@ -227,6 +228,11 @@ class FactoredSphericalHead(SphericalHeadBase):
             self.row_lo, self.row_hi = lo, hi
         self._pg, self._distributed = pg, True
         self.refresh_bookkeeping()  # also bumps the version: no stale backward survives this
+
+    def _shard_rows(self, rank: int, world: int) -> tuple[int, int]:
+        """The classes [lo, hi) whose rows of V rank ``rank`` of ``world`` holds when sharded."""
+        per = -(-self.num_classes // world)
+        return min(rank * per, self.num_classes), min((rank + 1) * per, self.num_classes)
 
     def _ensure_distributed(self) -> None:
         if not self._distributed:
@@ -278,10 +284,9 @@ class FactoredSphericalHead(SphericalHeadBase):
         call it. A checkpoint holding it loads into a head sharded over any number of ranks."""
         if not self.sharded or self._pg.world == 1:
             return self.V.cpu()
-        per = -(-self.num_classes // self._pg.world)
         out = torch.empty(self.num_classes, self.width, dtype=self.dtype) if self._pg.rank == dst else None
         for r in range(self._pg.world):  # one shard at a time: rank dst holds V once, not twice
-            lo, hi = min(r * per, self.num_classes), min((r + 1) * per, self.num_classes)
+            lo, hi = self._shard_rows(r, self._pg.world)
             buf = self.V if r == self._pg.rank else self.V.new_empty(hi - lo, self.width)
             self._pg.broadcast_(buf, src=r)
             if out is not None:
@@ -510,24 +515,32 @@ class FactoredSphericalHead(SphericalHeadBase):
         lam = (1.0 - ev).abs()
         return float(lam.min()), float(lam.max()), True
 
-    def _commit(self, sv: _Saved, GA: Tensor, new: dict) -> None:
+    def _write(self, sv: _Saved, GA: Tensor, new: dict, ok: Tensor | None = None) -> None:
+        """Write the step's new state. With ``ok`` (the sync-free step) every buffer keeps its
+        old value where ``ok`` is false, by ``torch.where``: no host read, no branch."""
+        if ok is None:
+            keep = lambda fresh, old: fresh  # noqa: E731
+        else:
+            keep = lambda fresh, old: torch.where(ok, fresh, old)  # noqa: E731
         if new["fold"]:
             self._fold_into_v(new["U"])
             self.folds += 1
         else:
-            self.U.copy_(new["U"])
+            self.U.copy_(keep(new["U"], self.U))
             if new["Uinv"] is not None:
-                self.Uinv.copy_(new["Uinv"])
+                self.Uinv.copy_(keep(new["Uinv"], self.Uinv))
             else:
                 self._uinv_fresh = False
-        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), GA, new["HUinv"], -self.lr)
-        self.omega.copy_(new["omega"])
-        self.Q.copy_(0.5 * (new["Q"] + new["Q"].T))
-        self.wbar.copy_(new["wbar"])
-        self.steps += 1
+            self.cond_bound.copy_(keep(self.cond_bound * new["cond_step"], self.cond_bound))
+        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), keep(GA, 0.0), keep(new["HUinv"], 0.0), -new["lr"])
+        self.omega.copy_(keep(new["omega"], self.omega))
+        self.Q.copy_(keep(0.5 * (new["Q"] + new["Q"].T), self.Q))
+        self.wbar.copy_(keep(new["wbar"], self.wbar))
         self._version += 1
-        if not new["fold"]:
-            self.cond_bound *= new["cond_step"]
+
+    def _commit(self, sv: _Saved, GA: Tensor, new: dict) -> None:
+        self._write(sv, GA, new)
+        self.steps += 1
         n = int(self.steps)
         self._synced = (n, int(self.skipped_nonfinite))
         self._maintain(n - 1, n)
@@ -537,23 +550,12 @@ class FactoredSphericalHead(SphericalHeadBase):
         (every buffer keeps its value) and counted; the flags are read every ``sync_every`` steps."""
         new = self._new_state(sv, gq, gs, GA, ybar, Z, dH)
         ok = new["ok"] & finite & sv.input_ok
-        keep = lambda fresh, old: torch.where(ok, fresh, old)  # noqa: E731
-        self.U.copy_(keep(new["U"], self.U))
-        if new["Uinv"] is not None:
-            self.Uinv.copy_(keep(new["Uinv"], self.Uinv))
-        else:
-            self._uinv_fresh = False
-        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), keep(GA, 0.0), keep(new["HUinv"], 0.0), -new["lr"])
-        self.omega.copy_(keep(new["omega"], self.omega))
-        self.Q.copy_(keep(0.5 * (new["Q"] + new["Q"].T), self.Q))
-        self.wbar.copy_(keep(new["wbar"], self.wbar))
-        self.cond_bound.copy_(keep(self.cond_bound * new["cond_step"], self.cond_bound))
+        self._write(sv, GA, new, ok)
         self.steps += ok
         self.skipped_nonfinite += ~ok
-        self._version += 1
         if not _capturing():  # a captured step is counted by its replays
             self._count_step()
-        return keep(dH, 0.0)
+        return torch.where(ok, dH, 0.0)
 
     def _count_step(self) -> None:
         self._calls += 1
