@@ -180,3 +180,14 @@ def test_steps_at_zero_lr_change_no_bit():
     assert state(head) == before and (int(head.steps), head._calls, head.lr) == counters
     step(head, *batch(16, d, D, 2))  # and the lr is back
     assert state(head) != before
+
+
+@pytest.mark.parametrize("how", ["autograd", "train_step"])
+def test_decay_that_would_flip_w_is_refused_untouched(how):
+    head = deferred(sync_every=1, weight_decay=0.5)
+    head.lr = 2.0  # lr * weight_decay = 1
+    H, idx = batch(4, d, D, 1)
+    before = state(head)
+    with pytest.raises(ValueError, match="the decay would flip W"):
+        step(head, H, idx) if how == "autograd" else head.train_step(H, idx)
+    assert state(head) == before and int(head.steps) == 0

@@ -240,7 +240,7 @@ class FactoredSphericalHead(SphericalHeadBase):
 
     def _prepare_everywhere(self, H, target_idx, target_val, step: bool | None = None):
         self._ensure_distributed()
-        step = (self.training and torch.is_grad_enabled()) if step is None else step
+        step = self.in_training_step if step is None else step
         if not (self._pg.world > 1 and (self.sharded or step)):
             return self.prepare(H, target_idx, target_val, step=step)
         try:
@@ -575,8 +575,7 @@ class FactoredSphericalHead(SphericalHeadBase):
         (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
         nothing on the host: the unit that ``CudaGraphStep`` captures."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
-        if self.lr * self.weight_decay >= 1:
-            raise ValueError(f"lr * weight_decay = {self.lr * self.weight_decay} >= 1: the decay would flip W")
+        self.check_decay()
         Hx, idx, T, rows = self._collect(Hx, idx, T, training=True)
         loss, saved = self._forward_step(Hx, idx, T)
         self._version += 1  # a pending autograd backward from an earlier forward is now stale

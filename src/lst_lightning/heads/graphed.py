@@ -76,8 +76,7 @@ class CudaGraphStep:
             raise ValueError(f"this graph was captured for H {tuple(self.H.shape)} and targets "
                              f"{(self.m, self.K)}, got {tuple(H.shape)} and {tuple(idx.shape)}")
         head = self.head
-        if head.lr * head.weight_decay >= 1:
-            raise ValueError(f"lr * weight_decay = {head.lr * head.weight_decay} >= 1: the decay would flip W")
+        head.check_decay()  # the captured step checked it once, at capture
         self.H.copy_(H)
         self.idx.copy_(idx)
         if target_val is None:

@@ -149,6 +149,16 @@ class SphericalHeadBase(OutputHead):
     def reset_weight(self, W: Tensor) -> None:
         raise NotImplementedError
 
+    @property
+    def in_training_step(self) -> bool:
+        """Whether a forward now is a training step (the head updates itself in backward)."""
+        return self.training and torch.is_grad_enabled()
+
+    def check_decay(self) -> None:
+        """Refuse lr * weight_decay >= 1: the decay factor 1 - lr wd would flip or zero W."""
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"lr * weight_decay = {self.lr * self.weight_decay} >= 1: the decay would flip W")
+
     # -- input handling -----------------------------------------------------------------
     def prepare(self, H: Tensor, target_idx: Tensor | None = None, target_val: Tensor | None = None,
                 step: bool | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
@@ -166,7 +176,7 @@ class SphericalHeadBase(OutputHead):
         if H.device != self.device:
             raise ValueError(f"H is on {H.device} but the head is on {self.device}")
         Hx = self.augment(H)
-        step = (self.training and torch.is_grad_enabled()) if step is None else step  # a training step?
+        step = self.in_training_step if step is None else step
         if target_idx is None:
             return Hx, None, None
         # Non-finite target values pass here: the step is then skipped and counted.
@@ -186,11 +196,10 @@ class SphericalHeadBase(OutputHead):
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val)
-        if not (self.training and torch.is_grad_enabled()):
+        if not self.in_training_step:
             with torch.no_grad():
                 return self._eval_loss(Hx, idx, T)
-        if self.lr * self.weight_decay >= 1:
-            raise ValueError(f"lr * weight_decay = {self.lr * self.weight_decay} >= 1: the decay would flip W")
+        self.check_decay()
         if not H.requires_grad:
             H = H.detach().requires_grad_()  # a leaf of our own, so that backward reaches the head
         return _SelfUpdatingStep.apply(H, self, idx, T)
