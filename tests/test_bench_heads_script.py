@@ -147,19 +147,6 @@ def test_target_checks_say_unmeasured_rather_than_guess():
     assert {c["status"] for c in bh.target_checks(cpu_only)} == {"UNMEASURED"}
 
 
-def test_draws_on_moves_only_big_host_draws_and_restores_randn():
-    real = torch.randn
-    with bh.draws_on(torch.device("meta")):
-        assert torch.randn(2048, 1024).device.type == "meta"
-        assert torch.randn((2048, 1024), dtype=torch.float64).device.type == "meta"
-        assert torch.randn(10, 3).device.type == "cpu"
-        # A host generator is ignored (a timing needs no particular values); a device's is not.
-        assert torch.randn(2048, 1024, generator=torch.Generator().manual_seed(0)).device.type == "meta"
-        assert torch.randn(10, 3, generator=torch.Generator().manual_seed(0)).device.type == "cpu"
-        assert torch.randn(2048, 1024, device="cpu").device.type == "cpu"
-    assert torch.randn is real
-
-
 def test_measure_times_a_slow_step_once():
     calls = {"slow": 0, "fast": 0}
 
@@ -186,23 +173,3 @@ def test_replot_remakes_the_markdown_from_the_csv(smoke_run, tmp_path):
     assert bh.main(["--replot", str(copy)]) == 0
     assert copy.with_suffix(".md").read_text() == csv_path.with_suffix(".md").read_text()
     assert copy.with_suffix(".png").stat().st_size > 0
-
-
-def test_draws_on_keeps_a_draw_too_big_for_the_device_on_the_host(monkeypatch):
-    monkeypatch.setattr(bh, "device_room", lambda device: 0.0)
-    monkeypatch.setattr(bh, "DRAW_CHUNK", 300_000)  # several pieces
-    real, calls = torch.randn, []
-
-    def spy(*size, **kw):
-        calls.append(size)
-        return real(*size, **kw)
-
-    monkeypatch.setattr(torch, "randn", spy)
-    torch.manual_seed(0)
-    with bh.draws_on(torch.device("cpu")):  # the pieces are drawn on the "device" (here the host too)
-        x = torch.randn(1200, 1000)
-    assert x.device.type == "cpu" and x.shape == (1200, 1000) and x.dtype == torch.float32
-    assert calls == [(300_000,)] * 4  # drawn in pieces, not at once
-    assert abs(x.mean().item()) < 0.01 and abs(x.std().item() - 1) < 0.01
-    pieces = x.reshape(-1)[: 4 * 300_000].reshape(4, -1)
-    assert not torch.equal(pieces[0], pieces[1])  # each piece a fresh draw

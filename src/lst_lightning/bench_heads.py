@@ -16,7 +16,6 @@ rewritten after every size, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import gc
 import math
@@ -111,50 +110,6 @@ def step_bytes(spec: HeadSpec, D: int, d: int, m: int, nbytes: int, head=None) -
 
 # --- building heads -------------------------------------------------------------------------
 
-DRAW_CHUNK = 1 << 28  # numbers per piece of a draw made on the device and kept on the host
-
-
-def device_room(device: torch.device) -> float:
-    """Free bytes on ``device`` (unbounded for the host and meta)."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-
-
-@contextlib.contextmanager
-def draws_on(device: torch.device):
-    """Big ``torch.randn`` draws made without a device are drawn on ``device``.
-
-    The spherical heads draw their D x d matrix on the host (the factored head from seeded
-    host generators, chunk by chunk) and copy it over: at D = 20M, d = 512 that is a minute
-    on one core, longer than all their steps together. A timing needs no particular values,
-    so a host generator is ignored here. A draw that the device could not hold twice (the
-    naive head scales it next) is drawn there in pieces and kept on the host, where the
-    scaling runs on all cores before the copy."""
-    real = torch.randn
-
-    def randn(*size, generator=None, device=None, **kw):
-        shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
-        if (device is not None or (generator is not None and generator.device.type != "cpu")
-                or set(kw) - {"dtype"} or math.prod(shape) < 1 << 20):
-            return real(*size, generator=generator, device=device, **kw)
-        dtype = kw.get("dtype") or torch.get_default_dtype()
-        nbytes = math.prod(shape) * dtype.itemsize
-        if 2.2 * nbytes < device_room(target):
-            return real(*size, device=target, **kw)
-        host = torch.empty(shape, dtype=dtype)
-        flat = host.view(-1)
-        for a in range(0, flat.numel(), DRAW_CHUNK):
-            b = min(a + DRAW_CHUNK, flat.numel())
-            flat[a:b].copy_(real(b - a, device=target, dtype=dtype))
-        return host
-
-    target = device
-    torch.randn = randn
-    try:
-        yield
-    finally:
-        torch.randn = real
-
-
 def loss_settings(loss: str) -> tuple[float, dict]:
     """(head lr, loss kwargs) of ``conf/loss/<loss>.yaml``, as the app trains with them: a
     step's cost depends on how often the head's repairs run, and so on the lr."""
@@ -194,12 +149,7 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
             kw["sync_every"] = SYNC_EVERY
         lr, loss_kwargs = loss_settings(spec.variant)
         kw.update(loss=spec.variant, loss_kwargs=loss_kwargs, lr=lr, bias=False)
-        try:
-            with draws_on(device) if device.type == "cuda" else contextlib.nullcontext():
-                head = cls(**kw)
-        except torch.cuda.OutOfMemoryError:  # drawn on the device, W and W * std were there at once
-            free_memory(device, collect=True)
-            head = cls(**kw)  # drawn on the host, then copied
+        head = cls(**kw)  # draws its D x d matrix on the device itself
         return head, head
     kw["dtype"] = dtype
     if spec.head in ("softmax", "logits_ce"):

@@ -25,7 +25,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         std = init_std if init_std is not None else self.width ** -0.5
         # Drawn on the head's device unless a (host) generator fixes the numbers.
         dev = self._factory["device"] if generator is None else None
-        W = torch.randn(num_classes, self.width, generator=generator, dtype=self.dtype, device=dev) * std
+        W = torch.randn(num_classes, self.width, generator=generator, dtype=self.dtype, device=dev).mul_(std)
         self.register_buffer("W", W.to(self._factory["device"]) if self._factory["device"] else W)
         self._register_buffers_common()
 
