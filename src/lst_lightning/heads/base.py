@@ -31,6 +31,33 @@ def topk_of_chunks(chunks: Iterator[tuple[int, Tensor]], k: int) -> tuple[Tensor
     return best, ids
 
 
+def _in_chunk(target_idx: Tensor, start: int, width: int) -> Tensor:
+    """The rows whose target class lies in the chunk of classes [start, start + width)."""
+    return ((target_idx >= start) & (target_idx < start + width)).nonzero().squeeze(1)
+
+
+def target_scores_of_chunks(chunks: Iterator[tuple[int, Tensor]], target_idx: Tensor) -> Tensor:
+    """Each row's score of its target class (target_idx (m,)), picked from chunks of
+    scores; 0 where the target is in none of them (padding, or another shard's class)."""
+    out = None
+    for start, sc in chunks:
+        out = sc.new_zeros(target_idx.shape[0]) if out is None else out
+        rows = _in_chunk(target_idx, start, sc.shape[1])
+        out[rows] = sc[rows, target_idx[rows] - start]
+    return out
+
+
+def count_at_or_above(chunks: Iterator[tuple[int, Tensor]], target_idx: Tensor, target: Tensor) -> Tensor:
+    """Per row, the classes of the chunks scoring >= the target's score, its own column left out."""
+    count = torch.zeros(target_idx.shape[0], dtype=torch.long, device=target_idx.device)
+    for start, sc in chunks:
+        ge = sc >= target[:, None].to(sc.dtype)
+        rows = _in_chunk(target_idx, start, sc.shape[1])
+        ge[rows, target_idx[rows] - start] = False
+        count += ge.sum(1)
+    return count
+
+
 class OutputHead(nn.Module):
     """Base class of all output heads."""
 
@@ -66,13 +93,7 @@ class OutputHead(nn.Module):
     @torch.no_grad()
     def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """The score of each row's target class, (m,). Heads may override this with a gather."""
-        target_idx = target_idx.reshape(-1)
-        out = None
-        for start, sc in self.score_chunks(hidden):
-            out = sc.new_empty(hidden.shape[0]) if out is None else out
-            rows = ((target_idx >= start) & (target_idx < start + sc.shape[1])).nonzero().squeeze(1)
-            out[rows] = sc[rows, target_idx[rows] - start]
-        return out
+        return target_scores_of_chunks(self.score_chunks(hidden), target_idx.reshape(-1))
 
     @torch.no_grad()
     def topk(self, hidden: Tensor, k: int, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
@@ -89,10 +110,4 @@ class OutputHead(nn.Module):
         """
         target_idx = target_idx.reshape(-1)
         target = self.target_score(hidden, target_idx)
-        rank = torch.ones(hidden.shape[0], dtype=torch.long, device=hidden.device)
-        for start, sc in self.score_chunks(hidden, chunk_size):
-            ge = sc >= target[:, None].to(sc.dtype)
-            rows = ((target_idx >= start) & (target_idx < start + sc.shape[1])).nonzero().squeeze(1)
-            ge[rows, target_idx[rows] - start] = False
-            rank += ge.sum(1)
-        return rank
+        return 1 + count_at_or_above(self.score_chunks(hidden, chunk_size), target_idx, target)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 import lst_kernels as lk
 
-from .base import topk_of_chunks
+from .base import count_at_or_above, target_scores_of_chunks, topk_of_chunks
 from .parallel import ProcessGroup, bit_hash
 from .spherical import SphericalHeadBase
 
@@ -719,8 +719,8 @@ class FactoredSphericalHead(SphericalHeadBase):
         if not self.sharded:
             yield from super().score_chunks(hidden, chunk_size)
             return
-        for start in range(self.row_lo, self.row_hi, chunk_size):
-            yield start, self.scores(hidden, start, min(start + chunk_size, self.row_hi))
+        Hx, _, _ = self._prepare_everywhere(hidden, None, None)
+        yield from self._shard_scores(Hx, chunk_size)
 
     def _gather_eval(self, hidden: Tensor, target_idx: Tensor | None):
         """Checked inputs; a sharded head evaluates all ranks' rows together (each rank
@@ -736,7 +736,7 @@ class FactoredSphericalHead(SphericalHeadBase):
 
     def _shard_scores(self, Hx: Tensor, chunk_size: int):
         Ht, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
-        for a in range(0, self.V.shape[0], chunk_size):
+        for a in range(0, max(self.V.shape[0], 1), chunk_size):  # an empty shard: one empty chunk
             yield self.row_lo + a, torch.addmm(ht, Ht, self.V[a:a + chunk_size].T)
 
     @torch.no_grad()
@@ -745,18 +745,9 @@ class FactoredSphericalHead(SphericalHeadBase):
             return super().target_rank(hidden, target_idx, chunk_size)
         Hx, tidx, rows = self._gather_eval(hidden, target_idx.reshape(-1))
         tidx = tidx[:, 0]  # padding (-1) rows get a rank too: callers drop them
-        target = Hx.new_zeros(Hx.shape[0])
-        for start, sc in self._shard_scores(Hx, chunk_size):  # the target's score, from its owner
-            mine = ((tidx >= start) & (tidx < start + sc.shape[1])).nonzero().squeeze(1)
-            target[mine] = sc[mine, tidx[mine] - start]
-        self._pg.all_reduce_(target)
-        count = torch.zeros(Hx.shape[0], dtype=torch.long, device=Hx.device)
-        for start, sc in self._shard_scores(Hx, chunk_size):
-            ge = sc >= target[:, None]
-            mine = ((tidx >= start) & (tidx < start + sc.shape[1])).nonzero().squeeze(1)
-            ge[mine, tidx[mine] - start] = False
-            count += ge.sum(1)
-        self._pg.all_reduce_(count)
+        # The target's score from its owner shard (0 elsewhere), then the counts of every shard.
+        target = self._pg.all_reduce_(target_scores_of_chunks(self._shard_scores(Hx, chunk_size), tidx))
+        count = self._pg.all_reduce_(count_at_or_above(self._shard_scores(Hx, chunk_size), tidx, target))
         return (1 + count) if rows is None else (1 + count)[rows]
 
     @torch.no_grad()
