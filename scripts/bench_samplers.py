@@ -21,8 +21,8 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from lst_lightning.benchmark import interleaved_medians, machine_name  # noqa: E402
-from lst_lightning.samplers import KernelSumTree  # noqa: E402
-from lst_lightning.samplers.kernels import QuadraticKernel, RandomFourierKernel  # noqa: E402
+from lst_lightning.baselines.samplers import KernelSumTree  # noqa: E402
+from lst_lightning.baselines.samplers.kernel_functions import QuadraticKernel, RandomFourierKernel  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-from lst_lightning.train import config_dir, run
+from lst_lightning.app.train import config_dir, run
 
 
 def machine() -> str:

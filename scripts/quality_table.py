@@ -8,7 +8,7 @@ error against training wall-clock time under benchmarks/results/, naming the mac
     uv run python scripts/quality_table.py --tasks wiki --heads softmax factored-zloss \\
         --epochs 1 --budget-s 60 -o trainer.limit_train_batches=500
 
-Each run is ``lst_lightning.train.run`` on a composed config (``data=<task>``, ``head=...``,
+Each run is ``lst_lightning.app.train.run`` on a composed config (``data=<task>``, ``head=...``,
 any ``-o`` overrides), so what is measured is exactly what ``lst-train`` does.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from lst_lightning.benchmark import machine_name  # noqa: E402
-from lst_lightning.train import config_dir, run  # noqa: E402
+from lst_lightning.app.train import config_dir, run  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 

@@ -1,0 +1,292 @@
+"""``lst-train``: the Hydra entry point. ``build`` checks the configuration and makes
+the data module, the LightningModule and the trainer (every bad input fails here,
+before training); ``run`` trains, validates, tests, prints a summary table and writes
+``results.json`` in the run directory."""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.utils import get_class, instantiate
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from omegaconf import DictConfig, OmegaConf
+
+from .module import LanguageModel, check_distributed
+from .metrics import Perplexity, RankMetrics, read_simlex, unigram_ranks
+
+log = logging.getLogger(__name__)
+
+
+def config_dir() -> str:
+    """``conf/`` inside the installed package (wheel), else at the repository root
+    (editable install)."""
+    package = Path(__file__).resolve().parents[1]  # src/lst_lightning (or site-packages/lst_lightning)
+    for cand in (package / "conf", package.parents[1] / "conf"):
+        if (cand / "config.yaml").is_file():
+            return str(cand)
+    raise FileNotFoundError(f"lst-lightning's conf/ directory not found near {package}")
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested config -> flat ``{"a.b": v}`` (W&B shows and filters flat keys best)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_device(trainer_cfg: DictConfig) -> None:
+    acc = str(trainer_cfg.get("accelerator", "cpu"))
+    if acc in ("gpu", "cuda"):
+        n = torch.cuda.device_count()
+        if n == 0:
+            raise ValueError(f"trainer.accelerator={acc} but no CUDA device is visible; use trainer=cpu")
+        devices = trainer_cfg.get("devices", 1)
+        if isinstance(devices, int) and devices > n:
+            raise ValueError(f"trainer.devices={devices} but only {n} CUDA device(s) are visible")
+    elif acc == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("trainer.accelerator=mps but MPS is not available here")
+
+
+def head_class(cfg: DictConfig) -> type:
+    try:
+        return get_class(cfg.head._target_)
+    except Exception as e:  # hydra wraps import errors
+        raise ValueError(f"head._target_={cfg.head._target_!r} cannot be imported: {e}") from e
+
+
+def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
+    """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
+    only where the constructor takes it."""
+    params = inspect.signature(head_class(cfg)).parameters
+    extra = {"class_counts": class_counts} if "class_counts" in params else {}
+    return instantiate(cfg.head, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
+
+
+def run_name(cfg: DictConfig) -> str:
+    if cfg.get("name"):
+        return str(cfg.name)
+    cls = head_class(cfg)
+    # only the spherical (self-updating) heads read the loss group
+    return f"{cls.__name__}-{cfg.loss.name}" if getattr(cls, "self_updating", False) else cls.__name__
+
+
+def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
+    """Data module, model and trainer from a composed config."""
+    run_dir = Path(run_dir)
+    tcfg = cfg.trainer
+    check_device(tcfg)
+    if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path does not exist: {cfg.ckpt_path}")
+    cls = head_class(cfg)
+    if getattr(cls, "self_updating", False) and tcfg.get("accumulate_grad_batches", 1) != 1:
+        raise ValueError(f"{cls.__name__} updates itself in backward: trainer.accumulate_grad_batches must be 1")
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.get("cpu_threads"):
+        torch.set_num_threads(int(cfg.cpu_threads))
+
+    dm = instantiate(cfg.data, _convert_="all")
+    dm.prepare_data()
+    dm.setup("fit")
+    body = instantiate(cfg.model, vocab_size=dm.input_vocab_size, context_size=dm.context_size, _convert_="all")
+    head = make_head(cfg, dm.num_classes, body.hidden_dim, dm.class_counts)
+
+    m = cfg.metrics
+    if m.perplexity == "auto":
+        perplexity = head.has_log_prob
+    elif isinstance(m.perplexity, bool):
+        perplexity = m.perplexity
+    else:
+        raise ValueError(f"metrics.perplexity must be auto, true or false, not {m.perplexity!r}")
+    simlex = None
+    if m.simlex and getattr(dm, "vocab", None) is not None:
+        simlex = {"pairs": read_simlex(), "index": dm.vocab.index, "skip": [dm.vocab.unk_id]}
+    module = LanguageModel(
+        body, head,
+        optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
+        topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
+        timing_every=m.timing_every, head_step=cfg.get("head_step", "autograd"),
+        head_checkpoint=cfg.get("head_checkpoint", "whole"), head_shards_keep=cfg.get("head_shards_keep", 2),
+    )
+
+    name = run_name(cfg)
+    loggers: list = []
+    if cfg.logger.csv:
+        loggers.append(pl.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+    wb = cfg.logger.wandb
+    if wb.enabled:
+        tags = sorted({cls.__name__, str(cfg.loss.name), *wb.tags})
+        loggers.append(pl.loggers.WandbLogger(
+            save_dir=str(run_dir), project=wb.project, entity=wb.entity, name=name,
+            group=wb.group or name, tags=tags, mode=wb.mode,
+            config=flatten(OmegaConf.to_container(cfg, resolve=True)),
+        ))
+
+    cb = cfg.callbacks
+    callbacks: list = [pl.callbacks.ModelCheckpoint(
+        dirpath=str(run_dir / "checkpoints"), save_last=cb.checkpoint.save_last,
+        save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs)]
+    if cb.rich_progress:
+        callbacks.append(pl.callbacks.RichProgressBar())
+    if cb.lr_monitor and loggers:
+        callbacks.append(pl.callbacks.LearningRateMonitor(logging_interval="step"))
+    callbacks += list(extra_callbacks)
+    trainer = pl.Trainer(
+        **OmegaConf.to_container(tcfg, resolve=True), logger=loggers or False, callbacks=callbacks,
+        default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
+    )
+    check_distributed(head, trainer.world_size)  # before any process is started
+    if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+        # The workers hand the model back through rank 0's state_dict: one shard of V.
+        raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={tcfg.strategy}: spawned "
+                         "workers return only rank 0's shard of V to the launching process; use "
+                         "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
+    return dm, module, trainer
+
+
+def unigram_metrics(dm, topk) -> dict[str, float]:
+    """The unigram baseline on the test split (same examples as the model's test)."""
+    ranks, ppl = RankMetrics(topk), Perplexity()
+    logp = torch.log(dm.class_counts.double() / dm.class_counts.sum())
+    for _, target in dm.eval_dataloader("test"):  # all of it, on whichever rank asks
+        ranks.update(unigram_ranks(dm.class_counts, target))
+        ppl.update(logp[target])
+    out = {k: float(v) for k, v in ranks.compute().items()}
+    out["perplexity"] = float(ppl.compute())
+    return out
+
+
+def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) -> dict:
+    """Train (or resume), validate, test; returns and writes the results.
+
+    Multi-process: under ``ddp_spawn`` this runs in the launching process and each
+    trainer call starts the workers; under an external launcher (torchrun, SLURM with
+    ``strategy=ddp``) it runs on every rank and only global rank 0 writes files."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    dm, module, trainer = build(cfg, run_dir, extra_callbacks)
+    writer = trainer.is_global_zero
+    if writer:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if getattr(dm, "vocab", None) is not None:
+            dm.save_vocab(run_dir / "vocab.json")
+    trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+    # under ddp_spawn global_step stays 0 here (the workers trained)
+    steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
+    val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+    if not val:  # no validation ran at the end of training (e.g. max_steps mid-epoch)
+        val = {k[4:]: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()
+               if k.startswith("val/")}
+    results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": str(cfg.loss.name),
+                     "num_classes": dm.num_classes, "val": val,
+                     "train_steps": steps}
+    if cfg.get("test", True):
+        test = trainer.test(module, datamodule=dm, verbose=False)[0]
+        results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}
+        results["unigram_test"] = unigram_metrics(dm, list(cfg.metrics.topk))
+    t = module.timing
+    if t["steps"]:
+        results["step_time_ms"] = 1e3 * t["step_s"] / t["steps"]
+        results["tokens_per_s"] = t["tokens"] / t["step_s"]
+        results["head_share"] = t["head_s"] / t["step_s"]
+    results["wall_s"] = time.perf_counter() - start
+    results["run_dir"] = str(run_dir)
+    results["world_size"] = trainer.world_size
+    if writer:
+        (run_dir / "results.json").write_text(json.dumps(results, indent=2))
+        print_summary(results)
+    return results
+
+
+def print_summary(results: dict) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    cols = [c for c in ("val", "test", "unigram_test") if c in results]
+    table = Table(title=f"{results['name']}  (D={results['num_classes']}, {results['train_steps']} steps)")
+    table.add_column("metric")
+    for c in cols:
+        table.add_column(c, justify="right")
+    keys = list(dict.fromkeys(k for c in cols for k in results[c]))
+    for k in keys:
+        table.add_row(k, *(f"{results[c][k]:.4g}" if k in results[c] else "" for c in cols))
+    for k in ("step_time_ms", "tokens_per_s", "head_share", "wall_s"):
+        if k in results:
+            table.add_row(k, f"{results[k]:.4g}", *[""] * (len(cols) - 1))
+    Console().print(table)
+
+
+def swept_overrides(hc) -> list[str]:
+    """In a Hydra multirun, this job's values of the swept keys: those of
+    ``hydra.sweeper.params`` and the command-line overrides with several values
+    (read from the sweep's multirun.yaml)."""
+    from hydra.types import RunMode  # noqa: PLC0415
+
+    if hc.mode != RunMode.MULTIRUN:
+        return []
+
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+
+    keys = {str(k).lstrip("+~") for k in (hc.sweeper.get("params") or {})}
+    multirun = Path(hc.sweep.dir) / "multirun.yaml"
+    if multirun.is_file():
+        sweep_task = OmegaConf.load(multirun).hydra.overrides.task
+        keys |= {key(o) for o in sweep_task if "," in o.split("=", 1)[-1] or "(" in o.split("=", 1)[-1]}
+    task = list(hc.overrides.task)
+    return [o for o in task if key(o) in keys] if keys else task
+
+
+@hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float | None:
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+    from omegaconf import open_dict  # noqa: PLC0415
+
+    hc = HydraConfig.get()
+    swept = swept_overrides(hc)
+    if swept:  # one W&B run per job: the run name says which point of the sweep it is
+        with open_dict(cfg):
+            cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+    try:
+        results = run(cfg, hc.runtime.output_dir)
+    except FloatingPointError as e:
+        if not cfg.get("objective"):
+            raise
+        # a diverged trial is a bad point of the search, not the end of it
+        log.warning("trial diverged, objective = inf: %s", e)
+        return float("inf")
+    return objective(cfg, results)
+
+
+def objective(cfg: DictConfig, results: dict) -> float | None:
+    """The number an Optuna sweep minimises: ``objective: test/top5_error`` names a
+    ``<split>/<metric>`` of results.json (null: none)."""
+    key = cfg.get("objective")
+    if not key:
+        return None
+    split, _, metric = str(key).partition("/")
+    try:
+        return float(results[split][metric])
+    except (KeyError, TypeError) as e:
+        have = sorted(f"{s}/{m}" for s in ("val", "test") for m in results.get(s, {}))
+        raise ValueError(f"objective={key!r} is not in this run's results; have {have}") from e
+
+
+def main() -> None:
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

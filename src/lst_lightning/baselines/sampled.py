@@ -1,0 +1,141 @@
+"""Sampled softmax: the softmax over the targets and S sampled negatives, with
+the logit correction -log(S q) (Bengio & Senecal; Jean et al.) and accidental
+hits removed. In eval mode the loss is the exact full softmax, and scores
+cover all classes.
+
+Accidental hits (negatives equal to a target of their row) are dropped, so the
+k kept negatives of a row are i.i.d. draws from q restricted to the
+non-target classes, q / (1 - q_T); the correction uses that law and k:
+``o_s - log(k q_s / (1 - q_T))``. Then sum_s exp(o'_s) estimates the
+non-target mass without bias, and with q = the model's softmax the
+normaliser is exact and the gradient unbiased (Rawat et al. 2019, eq. 5).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .samplers import make_sampler
+from .linear import LinearClassHead
+from ..heads.targets import check_targets, first_occurrence, reduce_rows
+
+
+class SampledSoftmaxHead(LinearClassHead):
+    """Sampled softmax with a ``sampler=`` choice (see ``lst_lightning.samplers.SAMPLERS``).
+
+    Kernel samplers (``rff``, ``quadratic``) keep a sum-tree of the class
+    embeddings: after each optimizer step the rows trained since the last sync
+    (targets and negatives: the only rows plain SGD changes) are updated in
+    the tree, and the whole tree is rebuilt every ``resync_every``
+    steps to catch rows moved by momentum or weight decay. A stale tree only
+    makes q a worse match of the softmax: ``log q`` is always that of the
+    law actually drawn from, so the correction stays right.
+    """
+
+    def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int = 64,
+                 sampler: str = "log_uniform", sampler_kwargs: dict | None = None,
+                 class_counts: Tensor | None = None, remove_accidental_hits: bool = True,
+                 resync_every: int = 100, bias: bool = False, init_std: float | None = None,
+                 cosine_scale: float | None = None, reduction: str = "mean",
+                 dtype: torch.dtype | None = None, device=None):
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if not isinstance(resync_every, int) or resync_every < 1:
+            raise ValueError(f"resync_every must be a positive int, got {resync_every!r}")
+        sampler_module = make_sampler(sampler, num_classes=num_classes, hidden_dim=hidden_dim,
+                                      class_counts=class_counts, **dict(sampler_kwargs or {}))
+        super().__init__(num_classes=num_classes, hidden_dim=hidden_dim, bias=bias, init_std=init_std,
+                         cosine_scale=cosine_scale, reduction=reduction, dtype=dtype, device=device)
+        self.sampler = sampler_module.to(device) if device is not None else sampler_module
+        self.sampler_name = sampler
+        self.num_samples = num_samples
+        self.remove_accidental_hits = bool(remove_accidental_hits)
+        self.resync_every = resync_every
+        self._synced_version: int | None = None
+        self._steps_since_build = 0
+        self._touched: Tensor | None = None
+
+    # -- keeping a kernel sampler in step with W -------------------------------
+    @torch.no_grad()
+    def sync_sampler(self, full: bool = False) -> None:
+        """Hand the sampler the class embeddings that changed since it last saw them."""
+        if not self.sampler.needs_embeddings:
+            return
+        version = self.weight._version
+        if version == self._synced_version and not full:
+            return
+        partial = hasattr(self.sampler, "tree") and self._touched is not None and self._synced_version is not None
+        if partial and not full and self._steps_since_build + 1 < self.resync_every:
+            rows = self._touched
+            self.sampler.sync(self._keys(self.weight[rows]), None, rows=rows)
+            self._steps_since_build += 1
+        else:
+            self.sampler.sync(self._keys(self.weight), self.bias)
+            self._steps_since_build = 0
+        self._synced_version = version
+        self._touched = None  # rows trained since this sync accumulate from here
+
+    def _draw(self, query: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Negatives (m, S), their log q (m, S), and log q of the targets (m, K)."""
+        m = query.shape[0]
+        S = self.num_samples
+        if self.sampler.conditional:
+            neg, log_q = self.sampler.sample(S, query)
+            log_q_t = self.sampler.log_prob(idx, query)
+        else:
+            neg, log_q = self.sampler.sample(S)
+            neg, log_q = neg.expand(m, S), log_q.expand(m, S)
+            log_q_t = self.sampler.log_prob(idx)
+        return neg, log_q, log_q_t
+
+    def _redraw_all_hit_rows(self, query, idx, neg, log_q, hit, tries: int = 8):
+        """Redraw rows whose every negative hit a target (probability q_T^S): the kept
+        draws are then those of the law given k >= 1, keeping the estimate unbiased.
+        Rows are independent under a conditional sampler, so this is plain rejection."""
+        neg, log_q, hit = neg.clone(), log_q.clone(), hit.clone()
+        for _ in range(tries):
+            rows = hit.all(1).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                break
+            n2, lq2 = self.sampler.sample(self.num_samples, query[rows])
+            neg[rows], log_q[rows] = n2, lq2
+            hit[rows] = (n2.unsqueeze(2) == idx[rows].unsqueeze(1)).any(2)
+        return neg, log_q, hit
+
+    def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
+        idx, val, valid = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
+        if not self.training:
+            # Evaluation: the exact full-softmax loss, comparable across heads.
+            log_z = self.log_normaliser(hidden)[:, None]
+            return reduce_rows((val * (log_z - self.class_logits(hidden, idx).float())).sum(1), self.reduction)
+        query = self._query(hidden)
+        with torch.no_grad():
+            self.sync_sampler()
+            neg, log_q, log_q_t = self._draw(query.detach(), idx)
+            first = first_occurrence(idx)
+            if self.remove_accidental_hits:
+                hit = (neg.unsqueeze(2) == idx.unsqueeze(1)).any(2)
+                if self.sampler.conditional:
+                    neg, log_q, hit = self._redraw_all_hit_rows(query.detach(), idx, neg, log_q, hit)
+                kept = (~hit).sum(1, keepdim=True).clamp(min=1)
+                q_t = torch.where(first, log_q_t.exp(), torch.zeros_like(log_q_t)).sum(1, keepdim=True)
+                log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
+            else:
+                hit = torch.zeros_like(neg, dtype=torch.bool)
+                kept, log_rest = torch.full_like(neg[:, :1], self.num_samples), torch.zeros_like(log_q[:, :1])
+            correction = log_q + kept.log() - log_rest
+            # Rows this step trains, kept (over accumulated forwards) until the next sync.
+            new_rows = [idx[valid], neg.reshape(-1)] + ([] if self._touched is None else [self._touched])
+            self._touched = torch.unique(torch.cat(new_rows))
+        o_t = self.class_logits(hidden, idx)
+        if neg.dim() == 2 and not self.sampler.conditional:
+            # Shared negatives: one (m, S) matmul against S rows.
+            b = None if self.bias is None else self.bias[neg[0]]
+            o_n = F.linear(query, self._keys(self.weight[neg[0]]), b)
+        else:
+            o_n = self.class_logits(hidden, neg)
+        o_n = (o_n.float() - correction).masked_fill(hit, float("-inf"))
+        o_z = o_t.float().masked_fill(~first, float("-inf"))  # each target class once in Z
+        log_z = torch.logsumexp(torch.cat([o_z, o_n], 1), dim=1, keepdim=True)
+        return reduce_rows((val * (log_z - o_t.float())).sum(1), self.reduction)

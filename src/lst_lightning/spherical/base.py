@@ -1,0 +1,239 @@
+"""What the factored head and its naive reference share: the constructor, input
+validation, the loss and its gradients on m-sized tensors, the learning rate,
+and the autograd function that applies the head's own SGD step in backward.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from ..losses import SphericalLoss, make_loss
+from ..heads.base import OutputHead
+from ..heads.targets import target_slots
+
+
+class _SelfUpdatingStep(torch.autograd.Function):
+    """Returns the loss in forward; in backward, returns dL/dH and lets the head
+    apply its SGD step with the gradients of this very forward."""
+
+    @staticmethod
+    def forward(ctx, H: Tensor, head: "SphericalHeadBase", idx: Tensor, T: Tensor):
+        Hx, idx, T, ctx.rows = head._collect(head.augment(H), idx, T, training=True)
+        loss, saved = head._forward_step(Hx, idx, T)
+        ctx.head, ctx.saved, ctx.version = head, saved, head._version
+        ctx.in_dtype = H.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        head = ctx.head
+        if head._version != ctx.version:
+            raise RuntimeError(
+                f"{type(head).__name__}: its state changed between this forward and its backward "
+                "(another step, a repair or a reset ran in between). The head applies its SGD step "
+                "in backward, so each forward must be followed by its own backward: no gradient "
+                "accumulation over several forwards.")
+        dH = head._own_rows(head._backward_step(ctx.saved, grad_out.to(head.dtype)), ctx.rows)
+        ctx.saved = None
+        return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None
+
+
+class SphericalHeadBase(OutputHead):
+    """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
+
+    self_updating = True
+    #: True when the training step leaves its checks on the device (read every few steps).
+    deferred_checks = False
+
+    def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
+                 loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
+                 bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if not (isinstance(num_classes, int) and num_classes >= 1):
+            raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        if not (isinstance(hidden_dim, int) and hidden_dim >= 1):
+            raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
+        self.num_classes, self.hidden_dim = num_classes, hidden_dim
+        self.bias, self.reduction, self.dtype = bool(bias), reduction, dtype
+        #: columns of the implicit W: the hidden size, plus one constant column for the bias.
+        self.width = hidden_dim + int(self.bias)
+        self.loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
+        self.has_log_prob = self.loss_fn.normalised
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self._version = 0  # bumped by every change of state: guards stale backward calls
+        self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
+
+    # -- hyperparameters the training loop may change ---------------------------------
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"lr must be finite and positive, got {value}")
+        self._lr = value
+
+    @property
+    def weight_decay(self) -> float:
+        return self._weight_decay
+
+    @weight_decay.setter
+    def weight_decay(self, value: float) -> None:
+        value = float(value)
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"weight_decay must be finite and >= 0, got {value}")
+        self._weight_decay = value
+
+    def get_extra_state(self):
+        return {"lr": self._lr, "weight_decay": self._weight_decay,
+                "loss": {"name": self.loss_fn.name, **self.loss_fn.hparams()}}
+
+    def set_extra_state(self, state) -> None:
+        self.lr, self.weight_decay = state["lr"], state["weight_decay"]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Refuse a state saved with another loss before any buffer is overwritten.
+        saved = state_dict.get(prefix + "_extra_state", {}).get("loss")
+        mine = {"name": self.loss_fn.name, **self.loss_fn.hparams()}
+        if saved is not None and saved != mine:
+            raise ValueError(f"the state was saved with loss {saved} but this head has {mine}")
+        self._version += 1
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, loss={self.loss_fn.name}, "
+                f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}")
+
+    # -- what subclasses provide --------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    def _forward_step(self, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, object]:
+        raise NotImplementedError
+
+    def _backward_step(self, saved, grad_out: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def _eval_loss(self, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    # Multi-process hooks (the factored head overrides them): the one-process identity.
+    def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None,
+                            step: bool | None = None):
+        """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
+        return self.prepare(H, target_idx, target_val, step=step)
+
+    def _collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):
+        """The batch the step works on (all ranks' rows) and this rank's rows in it (None: all)."""
+        return Hx, idx, T, None
+
+    def _own_rows(self, dH: Tensor, rows: slice | None) -> Tensor:
+        return dH
+
+    def weight(self) -> Tensor:
+        """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""
+        raise NotImplementedError
+
+    def reset_weight(self, W: Tensor) -> None:
+        raise NotImplementedError
+
+    @property
+    def in_training_step(self) -> bool:
+        """Whether a forward now is a training step (the head updates itself in backward)."""
+        return self.training and torch.is_grad_enabled()
+
+    def check_decay(self) -> None:
+        """Refuse lr * weight_decay >= 1: the decay factor 1 - lr wd would flip or zero W."""
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"lr * weight_decay = {self.lr * self.weight_decay} >= 1: the decay would flip W")
+
+    # -- input handling -----------------------------------------------------------------
+    def prepare(self, H: Tensor, target_idx: Tensor | None = None, target_val: Tensor | None = None,
+                step: bool | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Validate inputs; return H with the bias column in the head's dtype, idx as (m, K)
+        int64 and target values as (m, K) with zeros on padding. Raises before any state changes."""
+        if not isinstance(H, Tensor) or H.dim() != 2:
+            raise ValueError(f"H must be a 2-D tensor (m, {self.hidden_dim}), got "
+                             f"{tuple(H.shape) if isinstance(H, Tensor) else type(H).__name__}")
+        if H.shape[1] != self.hidden_dim:
+            raise ValueError(f"H has {H.shape[1]} columns but the head's hidden_dim is {self.hidden_dim}")
+        if H.shape[0] == 0:
+            raise ValueError("H has no rows: the minibatch is empty")
+        if not H.is_floating_point():
+            raise TypeError(f"H must be a floating tensor, got {H.dtype}")
+        if H.device != self.device:
+            raise ValueError(f"H is on {H.device} but the head is on {self.device}")
+        Hx = self.augment(H)
+        step = self.in_training_step if step is None else step
+        if target_idx is None:
+            return Hx, None, None
+        # Non-finite target values pass here: the step is then skipped and counted.
+        idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
+                                 device=self.device, finite_values=False,
+                                 check_range=not (self.deferred_checks and step))
+        return Hx, idx, T
+
+    def augment(self, H: Tensor) -> Tensor:
+        """H in the head's dtype, with the constant bias column appended when bias=True."""
+        Hx = H.detach().to(self.dtype)
+        if self.bias:
+            Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
+        return Hx
+
+    def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
+        """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
+        gives H its gradient and applies the exact SGD step to the head."""
+        Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val)
+        if not self.in_training_step:
+            with torch.no_grad():
+                return self._eval_loss(Hx, idx, T)
+        self.check_decay()
+        if not H.requires_grad:
+            H = H.detach().requires_grad_()  # a leaf of our own, so that backward reaches the head
+        return _SelfUpdatingStep.apply(H, self, idx, T)
+
+    # -- the loss on m-sized tensors ----------------------------------------------------
+    def y_sq(self, idx: Tensor, T: Tensor) -> Tensor | None:
+        """||y||^2 per row, with repeated classes in a row summed first (squared error only)."""
+        if self.loss_fn.name != "mse":
+            return None
+        same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
+        return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
+
+    def reduce(self, per_example: Tensor) -> Tensor:
+        return per_example.mean() if self.reduction == "mean" else per_example.sum()
+
+    def loss_and_grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, y_sq: Tensor | None):
+        """The minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd."""
+        with torch.enable_grad():
+            q, s, A = (t.detach().requires_grad_() for t in (q, s, A))
+            L = self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=y_sq))
+            gq, gs, GA = torch.autograd.grad(L, (q, s, A), materialize_grads=True)  # mse ignores s
+        return L.detach(), gq, gs, GA
+
+    # -- non-finite values ----------------------------------------------------------------
+    def _register_buffers_common(self) -> None:
+        # On the head's device: the sync-free step adds device flags to them.
+        dev = self._factory["device"]
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=dev))
+        self.register_buffer("skipped_nonfinite", torch.zeros((), dtype=torch.long, device=dev))
+
+    def _skip(self, what: str) -> None:
+        """Count a skipped step and warn at the 1st, 2nd, 4th, 8th... so logs are not flooded."""
+        self.skipped_nonfinite += 1
+        n = int(self.skipped_nonfinite)
+        if n & (n - 1) == 0:
+            warnings.warn(f"{type(self).__name__}: non-finite {what}; the step was skipped and the head's "
+                          f"state left untouched ({n} skipped so far)", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,92 @@
+"""The reference: an explicit D x d weight matrix, the loss on the full output,
+autograd for every gradient, and a plain SGD step. O(m D d) per minibatch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import SphericalHeadBase
+
+
+# The factored head's stabilisation settings: accepted and ignored, so configs can switch heads.
+_FACTORED_ONLY = {"sv_min", "sv_max", "sv_method", "power_iters", "cond_trigger", "check_every", "fold_tol",
+                  "max_sv_fixes", "uinv_refresh_every", "q_refresh_every", "woodbury", "sync_every",
+                  "checksum_every"}  # not "parallel": the naive head has no multi-process mode
+
+
+class NaiveSphericalHead(SphericalHeadBase):
+    """Same constructor and API as ``FactoredSphericalHead``; W is a buffer (D, d[+1])."""
+
+    def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
+                 generator: torch.Generator | None = None, **kwargs):
+        kwargs = {k: v for k, v in kwargs.items() if k not in _FACTORED_ONLY}
+        super().__init__(num_classes, hidden_dim, *args, **kwargs)
+        std = init_std if init_std is not None else self.width ** -0.5
+        # Drawn on the head's device unless a (host) generator fixes the numbers.
+        dev = self._factory["device"] if generator is None else None
+        W = torch.randn(num_classes, self.width, generator=generator, dtype=self.dtype, device=dev).mul_(std)
+        self.register_buffer("W", W.to(self._factory["device"]) if self._factory["device"] else W)
+        self._register_buffers_common()
+
+    @property
+    def device(self) -> torch.device:
+        return self.W.device
+
+    def weight(self) -> Tensor:
+        return self.W.detach().clone()
+
+    @torch.no_grad()
+    def reset_weight(self, W: Tensor) -> None:
+        if tuple(W.shape) != (self.num_classes, self.width):
+            raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got {tuple(W.shape)}")
+        if not torch.isfinite(W).all():
+            raise ValueError("W has non-finite entries")
+        self.W.copy_(W)
+        self._version += 1
+
+    def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor):
+        O = Hx @ W.T
+        Y = torch.zeros_like(O).scatter_add_(1, idx.clamp(min=0), T)  # T is 0 on padding
+        return self.reduce(self.loss_fn.dense(O, Y))
+
+    def _eval_loss(self, Hx, idx, T):
+        return self._dense(Hx, idx, T, self.W)
+
+    def _forward_step(self, Hx, idx, T):
+        with torch.enable_grad():
+            Hl = Hx.detach().requires_grad_()
+            Wl = self.W.detach().requires_grad_()  # W changes only after autograd.grad ran
+            L = self._dense(Hl, idx, T, Wl)
+        return L.detach(), (L, Hl, Wl)
+
+    @torch.no_grad()
+    def _backward_step(self, saved, grad_out):
+        L, Hl, Wl = saved
+        dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
+        if not (torch.isfinite(dH).all() and torch.isfinite(dW).all()):
+            self._skip("hidden states or loss gradients")
+            return torch.zeros_like(dH)
+        W_new = self.W - self.lr * (dW + self.weight_decay * self.W)
+        if not torch.isfinite(W_new).all():
+            self._skip("weights after the step")
+            return torch.zeros_like(dH)
+        self.W.copy_(W_new)
+        self.steps += 1
+        self._version += 1
+        return dH
+
+    @torch.no_grad()
+    def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
+        Hx, _, _ = self.prepare(hidden)
+        return Hx @ self.W[start:end].T
+
+    @torch.no_grad()
+    def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
+        Hx, idx, _ = self.prepare(hidden, target_idx)
+        logp = self.loss_fn.dense_log_prob(Hx @ self.W.T).gather(1, idx.clamp(min=0))
+        logp = logp.masked_fill(idx < 0, 0.0)
+        return logp[:, 0] if target_idx.dim() == 1 else logp
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": int(self.steps), "skipped_nonfinite": int(self.skipped_nonfinite)}

@@ -1,0 +1,31 @@
+"""The model learns something: its test metrics beat the unigram baseline (a model
+that always predicts the training unigram distribution) on the same examples."""
+import pytest
+
+from app_configs import cfg_of
+from lst_lightning.app.train import run
+
+
+def _beats_unigram(res, margin):
+    test, uni = res["test"], res["unigram_test"]
+    assert test["mrr"] > uni["mrr"] + margin, (test, uni)
+    assert test["top1_error"] < uni["top1_error"] - margin, (test, uni)
+    assert test["top10_error"] < uni["top10_error"], (test, uni)
+
+
+def test_factored_head_learns_the_synthetic_rule(tmp_path):
+    """Fast: the default head and loss on the synthetic task, where the next token is
+    the previous one XOR 1 half of the time: the unigram baseline cannot know that."""
+    res = run(cfg_of("logger=csv", "callbacks=minimal", "data=synthetic", "data.num_classes=2000",
+                     "data.input_vocab_size=null", "data.context_size=2", "data.max_eval_examples=2000",
+                     "trainer.limit_train_batches=300", "metrics.simlex=false"), tmp_path)
+    _beats_unigram(res, 0.05)
+
+
+@pytest.mark.slow
+def test_default_run_beats_unigram(tmp_path):
+    """Slow (the whole default run, minutes): `uv run lst-train` as the README leads with."""
+    res = run(cfg_of(), tmp_path)
+    _beats_unigram(res, 0.0)
+    assert res["head"] == "FactoredSphericalHead" and res["loss"] == "zloss"
+    assert (tmp_path / "wandb").is_dir() and (tmp_path / "csv" / "metrics.csv").is_file()

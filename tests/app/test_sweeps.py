@@ -1,0 +1,161 @@
+"""Sweeps and comparison reports: the sweep configs compose and name real keys, a 2x2
+Hydra multirun makes four runs that lst-compare turns into a report, lst-compare's
+reading of the CSV logs, and a three-trial Optuna search."""
+import csv
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lst_lightning.app.compare import compare, load_runs
+from lst_lightning.app.train import config_dir
+
+CONF = Path(config_dir())
+# Seconds per job: tiny data, CSV only, no progress bar, few steps and eval examples.
+FAST = ["experiment=tiny", "logger=csv", "callbacks=minimal", "trainer.limit_train_batches=10",
+        "data.max_eval_examples=128"]
+
+
+def has_optuna() -> bool:
+    try:  # find_spec raises when the namespace package hydra_plugins is absent too
+        return importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+HAS_OPTUNA = has_optuna()
+
+
+def lst_train(*args, cwd):
+    proc = subprocess.run([sys.executable, "-m", "lst_lightning.app.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("sweep", sorted(p.stem for p in (CONF / "sweep").glob("*.yaml")))
+def test_sweep_config_names_real_keys(sweep):
+    """Every swept key exists in the composed config and every group value is a file."""
+    if sweep.startswith("optuna") and not HAS_OPTUNA:
+        pytest.skip("the optuna extra is not installed (uv sync --extra optuna)")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+sweep={sweep}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert params, f"{sweep} sweeps nothing"
+    for key, values in params.items():
+        if (CONF / key).is_dir():  # a config group: every choice must exist
+            for v in str(values).split(","):
+                assert (CONF / key / f"{v.strip()}.yaml").is_file(), f"{sweep}: {key}={v} has no config"
+        else:
+            assert OmegaConf.select(cfg, key) is not None, f"{sweep}: {key} is not a config key"
+    assert cfg.logger.wandb.group, f"{sweep}: its W&B runs need a group"
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """A 2x2 multirun over the Z-loss's a and b."""
+    root = tmp_path_factory.mktemp("grid")
+    lst_train("-m", *FAST, "loss.kwargs.a=0.1,1", "loss.kwargs.b=5,20", f"hydra.sweep.dir={root}",
+              cwd=root)
+    return root
+
+
+def test_grid_multirun_makes_four_named_runs(grid):
+    results = [json.loads(p.read_text()) for p in sorted(grid.glob("*/results.json"))]
+    assert len(results) == 4
+    names = {r["name"] for r in results}
+    # each job's name says which point of the grid it is (one W&B run per job)
+    assert names == {f"tiny[loss.kwargs.a={a},loss.kwargs.b={b}]" for a in ("0.1", "1") for b in ("5", "20")}
+    for r in results:
+        assert r["train_steps"] == 10 and 0.0 <= r["test"]["top5_error"] <= 1.0
+    configs = [yaml.safe_load(p.read_text()) for p in sorted(grid.glob("*/config.yaml"))]
+    assert {(c["loss"]["kwargs"]["a"], c["loss"]["kwargs"]["b"]) for c in configs} == {
+        (0.1, 5), (0.1, 20), (1, 5), (1, 20)}
+
+
+def test_compare_turns_the_grid_into_a_report(grid, tmp_path):
+    out = tmp_path / "report"
+    res = compare([grid], out, metric="test/top5_error")
+    assert res["runs"] == 4
+    for f in ("runs.csv", "runs.md", "heatmap.png", "curves_steps.png", "curves_time.png", "report.html"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    rows = list(csv.DictReader((out / "runs.csv").open()))
+    assert len(rows) == 4
+    errors = [float(r["test/top5_error"]) for r in rows]
+    assert errors == sorted(errors)  # sorted by the chosen metric
+    by_dir = {r["dir"]: r for r in rows}
+    for p in grid.glob("*/results.json"):
+        want = json.loads(p.read_text())
+        row = by_dir[str(p.parent)]
+        assert float(row["test/mrr"]) == pytest.approx(want["test"]["mrr"])
+        assert float(row["step_time_ms"]) == pytest.approx(want["step_time_ms"])
+    page = (out / "report.html").read_text()
+    assert page.count("data:image/png;base64,") == 3
+    assert all(r["run"] in page for r in rows)
+    assert len((out / "runs.md").read_text().strip().splitlines()) == 2 + 4
+
+
+def fake_run(root: Path, name: str, a: float, b: float, val_top5: list[float], test_top5: float) -> Path:
+    d = root / name
+    (d / "csv").mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps({
+        "name": name, "head": "FactoredSphericalHead", "loss": "zloss", "train_steps": 20,
+        "val": {"top5_error": val_top5[-1]}, "test": {"top5_error": test_top5, "mrr": 0.3},
+        "step_time_ms": 2.0}))
+    (d / "config.yaml").write_text(yaml.safe_dump({"loss": {"name": "zloss", "kwargs": {"a": a, "b": b}}}))
+    with (d / "csv" / "metrics.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["epoch", "step", "train/elapsed_s", "train/loss", "val/top5_error"])
+        for i, v in enumerate(val_top5):
+            step = 10 * (i + 1) - 1
+            w.writerow([0, step, 0.5 * (i + 1), 5.0 - i, ""])
+            w.writerow([0, step, "", "", v])  # Lightning's validation row: no elapsed time
+    return d
+
+
+def test_compare_reads_curves_best_values_and_times(tmp_path):
+    fake_run(tmp_path / "sweep", "r1", 0.1, 5, [0.6, 0.4, 0.5], 0.45)
+    fake_run(tmp_path / "sweep", "r2", 1.0, 5, [0.7, 0.65], 0.62)
+    runs = {r.name: r for r in load_runs([tmp_path / "sweep"])}
+    r1 = runs["r1"]
+    assert r1.metric("best_val/top5_error") == 0.4  # the minimum over the curve, not the last
+    assert r1.metric("val/top5_error") == 0.5
+    assert r1.metric("loss.kwargs.a") == 0.1
+    # validation points take the training time logged just before them
+    assert [t for _, _, t in r1.curves["val/top5_error"]] == [0.5, 1.0, 1.5]
+    assert [s for s, _, _ in r1.curves["train/loss"]] == [9.0, 19.0, 29.0]
+    out = tmp_path / "out"
+    res = compare([tmp_path / "sweep"], out, metric="best_val/top5_error")
+    assert "heatmap.png" not in res["files"]  # one value of b: no heatmap
+    rows = list(csv.DictReader((out / "runs.csv").open()))
+    assert [r["run"] for r in rows] == ["r1", "r2"]
+    assert float(rows[1]["best_val/top5_error"]) == 0.65
+
+
+def test_compare_bad_input(tmp_path):
+    with pytest.raises(ValueError, match="no results.json"):
+        compare([tmp_path], tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="no such run"):
+        compare([tmp_path / "missing"], tmp_path / "out")
+    fake_run(tmp_path, "r1", 0.1, 5, [0.5], 0.5)
+    with pytest.raises(ValueError, match="in none of the runs"):
+        compare([tmp_path], tmp_path / "out", metric="test/top3_error")
+    assert not (tmp_path / "out").exists()  # nothing written on bad input
+
+
+@pytest.mark.skipif(not HAS_OPTUNA, reason="the optuna extra is not installed (uv sync --extra optuna)")
+def test_optuna_search_of_three_trials(tmp_path):
+    lst_train("-m", "+sweep=optuna_zloss", *FAST, "hydra.sweeper.n_trials=3",
+              f"hydra.sweep.dir={tmp_path}", cwd=tmp_path)
+    results = [json.loads(p.read_text()) for p in tmp_path.glob("*/results.json")]
+    assert len(results) == 3
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    # the search minimised the configured objective (val/top5_error) over its trials
+    assert best["best_value"] == pytest.approx(min(r["val"]["top5_error"] for r in results))
+    assert set(best["best_params"]) == {"loss.kwargs.a", "loss.kwargs.b", "loss.head_lr"}

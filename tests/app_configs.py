@@ -1,0 +1,21 @@
+"""Composing the app's Hydra config in tests, and its fast settings."""
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from lst_lightning.app.train import config_dir
+
+CONF = Path(config_dir())
+TOY = "toy_heads.ToySelfUpdatingHead"
+TOY_SOFTMAX = "toy_heads.ToySoftmaxHead"
+# Tiny and quiet: no W&B, no progress bar.
+FAST = ["experiment=tiny", "logger=csv", "callbacks=minimal"]
+
+
+def cfg_of(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def group(name):
+    return sorted(p.stem for p in (CONF / name).glob("*.yaml"))

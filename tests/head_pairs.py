@@ -1,0 +1,56 @@
+"""The naive/factored head pair the spherical tests compare step after step, and
+their batches: padding, classes repeated within a row and across rows."""
+import torch
+
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
+
+LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}}
+
+
+def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, **kw):
+    args = dict(num_classes=D, hidden_dim=d, loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), bias=bias, **kw)
+    f = FactoredSphericalHead(dtype=dtype, **args)
+    n = NaiveSphericalHead(dtype=ref_dtype or dtype, **args)
+    W0 = torch.randn(D, d + bias, dtype=torch.float64) * scale
+    f.reset_weight(W0.to(dtype))
+    n.reset_weight(W0.to(ref_dtype or dtype))
+    return f, n
+
+
+def batch(m, d, D, K, classes=None, dtype=torch.float64):
+    """Targets with padding, a class repeated within a row and classes shared across rows."""
+    H = torch.randn(m, d, dtype=dtype)
+    idx = torch.randint(0, classes or D, (m, K))
+    if K > 1:
+        idx[0, -1] = -1
+        if m > 1:
+            idx[1, 1] = idx[1, 0]
+    if m > 2:
+        idx[2, 0] = idx[0, 0]
+    return H, idx
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def step_both(f, n, H, idx, val=None, scale=1.0):
+    Hf = H.clone().to(f.dtype).requires_grad_()
+    Hn = H.clone().to(n.dtype).requires_grad_()
+    Lf = f(Hf, idx, val)
+    Ln = n(Hn, idx, val)
+    (scale * Lf).backward()
+    (scale * Ln).backward()
+    return rel(Lf, Ln), rel(Hf.grad, Hn.grad), rel(f.weight(), n.weight())
+
+
+def run_steps(f, n, steps, m, K, classes=10, tol=1e-9, vals=False):
+    worst = [0.0, 0.0, 0.0]
+    for _ in range(steps):
+        H, idx = batch(m, f.hidden_dim, f.num_classes, K, classes)
+        val = torch.rand(idx.shape, dtype=torch.float64) + 0.5 if vals else None
+        errs = step_both(f, n, H, idx, val)
+        worst = [max(w, e) for w, e in zip(worst, errs)]
+    assert max(worst) <= tol, f"relative errors (loss, dL/dH, W) = {worst}"
+    return worst
