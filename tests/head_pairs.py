@@ -7,9 +7,10 @@ from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}}
 
 
-def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, **kw):
+def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, stabiliser=None, **kw):
+    """A factored head (with ``stabiliser`` settings) and a naive head, both at one random W."""
     args = dict(num_classes=D, hidden_dim=d, loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), bias=bias, **kw)
-    f = FactoredSphericalHead(dtype=dtype, **args)
+    f = FactoredSphericalHead(dtype=dtype, stabiliser=stabiliser, **args)
     n = NaiveSphericalHead(dtype=ref_dtype or dtype, **args)
     W0 = torch.randn(D, d + bias, dtype=torch.float64) * scale
     f.reset_weight(W0.to(dtype))

@@ -56,7 +56,7 @@ def test_lr_schedule_is_followed():
 @pytest.mark.parametrize("sv_method", ["power", "svd"])
 def test_inverse_paths_and_sv_methods(woodbury, sv_method):
     # m > d exercises the direct inverse with "auto"; here both paths are forced.
-    f, n = make_pair("mse", d=6, lr=0.03, woodbury=woodbury, sv_method=sv_method)
+    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"woodbury": woodbury, "sv_method": sv_method})
     run_steps(f, n, steps=40, m=9, K=2)
     assert int(f.checks) > 0 and int(f.sv_fixes) > 0, f.stats()  # mse shrinks U: repairs must run
 
@@ -74,17 +74,17 @@ def test_singular_step_is_folded_and_stays_exact():
 
 
 def test_large_steps_trigger_conditioning_checks_before_the_period():
-    f, n = make_pair("mse", d=8, lr=0.08, check_every=0, uinv_refresh_every=0)
+    f, n = make_pair("mse", d=8, lr=0.08, stabiliser={"check_every": 0, "uinv_refresh_every": 0})
     run_steps(f, n, steps=60, m=4, K=1)
     s = f.stats()
     assert s["checks"] > 0 and s["sv_fixes"] > 0, s  # the conditioning trigger alone fired
     sig = torch.linalg.svdvals(f.U)
-    assert float(sig.max() / sig.min()) < 4 * f.cond_trigger
+    assert float(sig.max() / sig.min()) < 4 * f.stabiliser.cond_trigger
 
 
 @pytest.mark.parametrize("sv_method", ["power", "svd"])
 def test_stabilise_repairs_an_ill_conditioned_u_without_changing_w(sv_method):
-    f, _ = make_pair("zloss", d=8, sv_method=sv_method, max_sv_fixes=2)
+    f, _ = make_pair("zloss", d=8, stabiliser={"sv_method": sv_method, "max_sv_fixes": 2})
     W = f.weight()
     S = torch.tensor([1e-3, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0, 30.0], dtype=torch.float64)
     R = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
@@ -95,13 +95,13 @@ def test_stabilise_repairs_an_ill_conditioned_u_without_changing_w(sv_method):
     f.stabilise()
     torch.testing.assert_close(f.weight(), W, rtol=1e-9, atol=1e-9)
     sig = torch.linalg.svdvals(f.U)
-    assert f.sv_min - 1e-6 <= float(sig.min()) and float(sig.max()) <= f.sv_max + 1e-6
+    assert f.stabiliser.sv_min - 1e-6 <= float(sig.min()) and float(sig.max()) <= f.stabiliser.sv_max + 1e-6
     assert int(f.unfactorizations) == 1  # three out of range > max_sv_fixes = 2
     torch.testing.assert_close(f.Uinv @ f.U, torch.eye(8, dtype=torch.float64))
 
 
 def test_bookkeeping_refresh_is_exact():
-    f, n = make_pair("zloss", lr=0.05, q_refresh_every=7)
+    f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7})
     run_steps(f, n, steps=20, m=3, K=2)
     W = f.weight()
     torch.testing.assert_close(f.Q, W.T @ W)
@@ -151,7 +151,7 @@ def test_eval_mode_and_no_grad_do_not_update():
 
 
 def test_state_dict_round_trip_is_bit_identical():
-    f, _ = make_pair("zloss", lr=0.05, check_every=3)
+    f, _ = make_pair("zloss", lr=0.05, stabiliser={"check_every": 3})
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(5, 8, generator=g, dtype=torch.float64), torch.randint(0, 60, (5, 2), generator=g))
             for _ in range(12)]
@@ -164,7 +164,7 @@ def test_state_dict_round_trip_is_bit_identical():
         other.load_state_dict(f.state_dict())
     assert_untouched(other, before)
     g2 = FactoredSphericalHead(num_classes=60, hidden_dim=8, loss="zloss", loss_kwargs=LOSS_KW["zloss"],
-                               dtype=torch.float64, check_every=3)
+                               dtype=torch.float64, stabiliser={"check_every": 3})
     g2.load_state_dict(f.state_dict())
     assert g2.lr == 0.03
     for H, idx in data[6:]:
@@ -226,9 +226,11 @@ def test_bad_input_is_refused_and_state_untouched(cls):
 
 def test_bad_constructor_arguments():
     for kw, msg in [({"num_classes": 0}, "num_classes"), ({"reduction": "max"}, "reduction"),
-                    ({"sv_min": 1.5}, "sv_min"), ({"sv_method": "eig"}, "sv_method"),
+                    ({"stabiliser": {"sv_min": 1.5}}, "sv_min"), ({"stabiliser": {"sv_method": "eig"}}, "sv_method"),
                     ({"loss": "nope"}, "unknown"), ({"dtype": torch.float16}, "float32"),
-                    ({"check_every": -1}, "check_every")]:
+                    ({"stabiliser": {"check_every": -1}}, "check_every"),
+                    ({"stabiliser": {"check_evry": 5}}, "unknown stabiliser setting"),
+                    ({"stabiliser": 5}, "stabiliser must be")]:
         args = {"num_classes": 10, "hidden_dim": 4, **kw}
         with pytest.raises((ValueError, TypeError), match=msg):
             FactoredSphericalHead(**args)

@@ -107,7 +107,7 @@ def test_non_finite_step_is_skipped_counted_and_warned():
 
 def test_repairs_fall_due_at_the_reads():
     """Periodic repairs still run when their step falls between two reads."""
-    head = deferred(sync_every=3, check_every=5, q_refresh_every=7)
+    head = deferred(sync_every=3, stabiliser={"check_every": 5, "q_refresh_every": 7})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for _ in range(15):

@@ -18,56 +18,46 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-
-def topk_of_chunks(chunks: Iterator[tuple[int, Tensor]], k: int) -> tuple[Tensor, Tensor]:
-    """The k best (score, class id) of each row over chunks of scores (start, (m, n))."""
-    best = ids = None
-    for start, sc in chunks:
-        cols = torch.arange(start, start + sc.shape[1], device=sc.device).expand_as(sc)
-        if best is not None:
-            sc, cols = torch.cat([best, sc], 1), torch.cat([ids, cols], 1)
-        best, pos = sc.topk(min(k, sc.shape[1]), dim=1)
-        ids = cols.gather(1, pos)
-    return best, ids
-
-
-def _in_chunk(target_idx: Tensor, start: int, width: int) -> Tensor:
-    """The rows whose target class lies in the chunk of classes [start, start + width)."""
-    return ((target_idx >= start) & (target_idx < start + width)).nonzero().squeeze(1)
-
-
-def target_scores_of_chunks(chunks: Iterator[tuple[int, Tensor]], target_idx: Tensor) -> Tensor:
-    """Each row's score of its target class (target_idx (m,)), picked from chunks of
-    scores; 0 where the target is in none of them (padding, or another shard's class)."""
-    out = None
-    for start, sc in chunks:
-        out = sc.new_zeros(target_idx.shape[0]) if out is None else out
-        rows = _in_chunk(target_idx, start, sc.shape[1])
-        out[rows] = sc[rows, target_idx[rows] - start]
-    return out
-
-
-def count_at_or_above(chunks: Iterator[tuple[int, Tensor]], target_idx: Tensor, target: Tensor) -> Tensor:
-    """Per row, the classes of the chunks scoring >= the target's score, its own column left out."""
-    count = torch.zeros(target_idx.shape[0], dtype=torch.long, device=target_idx.device)
-    for start, sc in chunks:
-        ge = sc >= target[:, None].to(sc.dtype)
-        rows = _in_chunk(target_idx, start, sc.shape[1])
-        ge[rows, target_idx[rows] - start] = False
-        count += ge.sum(1)
-    return count
+from .ranking import count_at_or_above, target_scores_of_chunks, topk_of_chunks
 
 
 class OutputHead(nn.Module):
-    """Base class of all output heads."""
+    """Base class of all output heads. The class attributes and the methods with a
+    default body are the capabilities a training loop may ask a head about; the
+    defaults describe an ordinary one-process head trained by an optimizer."""
 
     #: True when the head updates itself in backward (no optimizer parameters).
     self_updating: bool = False
     #: True when ``log_prob`` gives normalised log-probabilities (perplexity).
     has_log_prob: bool = False
+    #: How a training step may run: "autograd" (the loss's backward), and for the
+    #: factored head "fused" (forward, backward and update in one call) and
+    #: "cuda_graph" (that call replayed from a CUDA graph). ``step`` is the current one.
+    step_modes: tuple[str, ...] = ("autograd",)
+    step: str = "autograd"
+    #: The multi-process modes the head runs itself ("replicated", "sharded"); a
+    #: self-updating head needs one under DDP, which cannot average its update.
+    parallel_modes: tuple[str, ...] = ()
+    parallel: str = "none"
+    #: True when rank r holds only the rows ``V[row_lo:row_hi]`` of its slice of the
+    #: classes; such a head also has ``gather_v()`` (all rows, for a checkpoint).
+    sharded: bool = False
+    #: True when the training step leaves its checks on the device (read every few
+    #: steps): the loop must not read the loss on the host each step either.
+    deferred_checks: bool = False
+    #: "mean" or "sum" over the rows of a batch.
+    reduction: str = "mean"
 
     num_classes: int
     hidden_dim: int
+
+    def distribute(self, process_group=None) -> None:
+        """Join the ranks of ``process_group`` (every rank calls it once torch.distributed
+        is up). Nothing to do for a head that keeps no state of its own across ranks."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters worth logging (repairs, skipped steps...): none by default."""
+        return {}
 
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The training loss (a scalar)."""

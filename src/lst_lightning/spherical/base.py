@@ -45,8 +45,6 @@ class SphericalHeadBase(OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
     self_updating = True
-    #: True when the training step leaves its checks on the device (read every few steps).
-    deferred_checks = False
 
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
@@ -200,6 +198,10 @@ class SphericalHeadBase(OutputHead):
             with torch.no_grad():
                 return self._eval_loss(Hx, idx, T)
         self.check_decay()
+        return self._training_loss(H, idx, T)
+
+    def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:
+        """The loss of a training step on checked targets; the step is taken in its backward."""
         if not H.requires_grad:
             H = H.detach().requires_grad_()  # a leaf of our own, so that backward reaches the head
         return _SelfUpdatingStep.apply(H, self, idx, T)

@@ -9,18 +9,12 @@ from torch import Tensor
 from .base import SphericalHeadBase
 
 
-# The factored head's stabilisation settings: accepted and ignored, so configs can switch heads.
-_FACTORED_ONLY = {"sv_min", "sv_max", "sv_method", "power_iters", "cond_trigger", "check_every", "fold_tol",
-                  "max_sv_fixes", "uinv_refresh_every", "q_refresh_every", "woodbury", "sync_every",
-                  "checksum_every"}  # not "parallel": the naive head has no multi-process mode
-
-
 class NaiveSphericalHead(SphericalHeadBase):
-    """Same constructor and API as ``FactoredSphericalHead``; W is a buffer (D, d[+1])."""
+    """The constructor and API of ``FactoredSphericalHead`` without its factored-only
+    settings (stabiliser, parallel, sync_every, step); W is a buffer (D, d[+1])."""
 
     def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
                  generator: torch.Generator | None = None, **kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in _FACTORED_ONLY}
         super().__init__(num_classes, hidden_dim, *args, **kwargs)
         std = init_std if init_std is not None else self.width ** -0.5
         # Drawn on the head's device unless a (host) generator fixes the numbers.

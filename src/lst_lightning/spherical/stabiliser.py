@@ -1,0 +1,235 @@
+"""Numerical stabilisation of the factored head (section 5 of the long paper;
+docs/algorithm.md, "Stabilisation").
+
+Every repair is an exact change of (V, U, U^-1) that leaves W = V U + 1 omega^T
+unchanged:
+
+- every step bounds the eigenvalues of ``B = c I - 2 lr H^T diag(g_q) H`` cheaply;
+  when the bounds cannot rule out a nearly singular B, the eigenvalues are computed,
+  and a step with ``min |eig(B)/c| < fold_tol`` is folded into V (``V <- V U B``,
+  U = I; O(D d^2), rare) instead of ill-conditioning U;
+- an upper bound on cond(U) is carried from step to step (times cond(B)); when it
+  exceeds ``cond_trigger``, or every ``check_every`` steps, U^-1 is recomputed and
+  U's singular values are brought back into ``[sv_min, sv_max]`` (``sv_method``:
+  ``"power"`` iteration or a full ``"svd"``), each fix an O(D d) rank-one update of V;
+  more than ``max_sv_fixes`` at once fold U into V ("unfactorize");
+- U^-1 is recomputed every ``uinv_refresh_every`` steps (Woodbury updates drift), Q and
+  wbar from (V, U, omega) every ``q_refresh_every`` steps (O(D d^2); 0: never).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .blocks import row_blocks
+
+
+@dataclass(frozen=True)
+class Stabiliser:
+    """The settings of the repairs, validated on construction."""
+
+    sv_min: float = 0.5
+    sv_max: float = 2.0
+    sv_method: str = "power"
+    power_iters: int = 30
+    cond_trigger: float = 4.0
+    check_every: int = 100
+    fold_tol: float = 0.05
+    max_sv_fixes: int = 8
+    uinv_refresh_every: int = 100
+    q_refresh_every: int = 10000
+    #: U^-1 by a rank-m Woodbury update ("always"), by one solve with U ("never"), or the
+    #: cheaper of the two for the batch size ("auto": Woodbury when 2 m <= d, measured).
+    woodbury: str = "auto"
+
+    def __post_init__(self):
+        if not 0 < self.sv_min < 1 < self.sv_max:
+            raise ValueError(f"need 0 < sv_min < 1 < sv_max, got sv_min={self.sv_min}, sv_max={self.sv_max}")
+        if self.sv_method not in ("power", "svd"):
+            raise ValueError(f"sv_method must be 'power' or 'svd', got {self.sv_method!r}")
+        if not self.cond_trigger > 1:
+            raise ValueError(f"cond_trigger must be > 1, got {self.cond_trigger}")
+        if not 0 < self.fold_tol < 1:
+            raise ValueError(f"fold_tol must be in (0, 1), got {self.fold_tol}")
+        if self.woodbury not in ("auto", "always", "never"):
+            raise ValueError(f"woodbury must be 'auto', 'always' or 'never', got {self.woodbury!r}")
+        for name in ("check_every", "uinv_refresh_every", "q_refresh_every", "power_iters", "max_sv_fixes"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 0):
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+
+    @classmethod
+    def of(cls, value: "Stabiliser | dict | None") -> "Stabiliser":
+        """The settings from a Stabiliser, a dict of some of its fields (a Hydra config) or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"stabiliser must be a Stabiliser, a dict or None, got {type(value).__name__}")
+        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown stabiliser setting(s) {sorted(unknown)}; the settings are "
+                             f"{[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**value)
+
+
+#: The repair counters, beside ``steps`` and ``skipped_nonfinite``.
+REPAIR_COUNTERS = ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes", "q_refreshes", "eig_checks")
+
+
+def _frobenius(Hx: Tensor, G: Tensor | None, w: Tensor) -> Tensor:
+    """||H^T diag(w) H||_F (w >= 0): O(m^2) with G = H H^T at hand, else O(m d^2)."""
+    if G is not None:
+        sw = w.sqrt()
+        return torch.linalg.matrix_norm(G * sw[:, None] * sw[None, :])
+    X = w.sqrt()[:, None] * Hx
+    return torch.linalg.matrix_norm(X.T @ X)
+
+
+def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: bool):
+    """Upper bounds on the largest eigenvalues of H^T diag(kappa+) H and H^T diag(kappa-) H.
+
+    Each is at most its trace sum(w ||h||^2) (O(m d)) and at most its Frobenius norm.
+    ``on_host``: floats, the Frobenius norm only where the trace exceeds 0.05 (the trace
+    is loose by up to a factor min(m, d)); else device scalars, the smaller of both, with
+    no host read."""
+    sq = Hx.pow(2).sum(1) if G is None else G.diagonal()
+    out = []
+    for w in (kappa.clamp(min=0), (-kappa).clamp(min=0)):
+        trace = w @ sq
+        if on_host:
+            r = float(trace)
+            out.append(float(_frobenius(Hx, G, w)) if r > 0.05 else r)
+        else:
+            out.append(torch.minimum(trace, _frobenius(Hx, G, w)))
+    return out
+
+
+class Stabilisation:
+    """The repairs, as methods of ``FactoredSphericalHead`` (which holds the buffers)."""
+
+    stabiliser: Stabiliser
+
+    def _step_eigen_bounds(self, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[float, float, bool]:
+        """Bounds (lo, hi) on |eigenvalues| of B/c = I - H^T diag(kappa) H, and whether they are exact.
+
+        Only when the cheap bounds cannot rule out an eigenvalue of B/c below 1/2 are the
+        eigenvalues computed (O(min(m, d)^3): large steps only)."""
+        rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
+        if rho_pos <= 0.5:
+            return 1.0 - rho_pos, 1.0 + rho_neg, False
+        self.eig_checks += 1
+        m, d = Hx.shape
+        if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
+            ev = torch.linalg.eigvals(kappa[:, None] * G).real
+            ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
+        else:
+            ev = torch.linalg.eigvalsh((kappa[:, None] * Hx).T @ Hx)
+        lam = (1.0 - ev).abs()
+        return float(lam.min()), float(lam.max()), True
+
+    def _maintain(self, n_prev: int, n: int) -> None:
+        """The repairs that fell due between step n_prev and step n."""
+        st = self.stabiliser
+
+        def due(every: int) -> bool:
+            return bool(every) and n // every > n_prev // every
+        if due(st.q_refresh_every):
+            self.refresh_bookkeeping()
+            self.q_refreshes += 1
+        if due(st.check_every) or float(self.cond_bound) > st.cond_trigger:
+            self.stabilise()
+        elif due(st.uinv_refresh_every) and self._uinv_fresh:
+            self._refresh_uinv()  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
+        if due(self.checksum_every):
+            self.check_replicas()
+
+    @torch.no_grad()
+    def _refresh_uinv(self) -> None:
+        self.Uinv.copy_(torch.linalg.inv(self.U))
+        self._uinv_fresh = True
+        self.uinv_refreshes += 1
+
+    @torch.no_grad()
+    def _fold_into_v(self, U: Tensor) -> None:
+        """V <- V U, U = U^-1 = I: W unchanged, O(D d^2)."""
+        for _, blk in row_blocks(self.V):
+            blk.copy_(blk @ U)
+        eye = torch.eye(self.width, dtype=self.dtype, device=self.device)
+        self.U.copy_(eye)
+        self.Uinv.copy_(eye)
+        self._uinv_fresh = True
+        self.cond_bound.fill_(1.0)
+        self.cond_estimate.fill_(1.0)
+        self._version += 1
+
+    def _rescale_directions(self, P: Tensor, sigma: Tensor, target: Tensor) -> None:
+        """Set U's singular values ``sigma`` (left vectors: columns of P) to ``target``.
+
+        U <- (I + P diag(alpha) P^T) U, V and U^-1 <- X (I + P diag(beta) P^T), with
+        (1 + alpha)(1 + beta) = 1, so W = V U is unchanged; O(D d k) for k columns."""
+        alpha = target / sigma - 1.0
+        beta = -alpha / (1.0 + alpha)
+        self.U.add_(P @ (alpha[:, None] * (P.T @ self.U)))
+        self.Uinv.add_((self.Uinv @ P) @ (beta[:, None] * P.T))
+        for _, blk in row_blocks(self.V):
+            blk.add_((blk @ P) @ (beta[:, None] * P.T))
+        self.sv_fixes += P.shape[1]
+        self._version += 1
+
+    def _power(self, A: Tensor, v: Tensor) -> tuple[float, Tensor]:
+        """Largest singular value of A and its left singular vector, warm-started at v."""
+        v = v / v.norm().clamp_min(1e-30)
+        for _ in range(self.stabiliser.power_iters):
+            w = A @ (A.T @ v)
+            v = w / w.norm().clamp_min(1e-30)
+        return float((A.T @ v).norm()), v
+
+    @torch.no_grad()
+    def stabilise(self) -> None:
+        """Recompute U^-1, then bring U's singular values into [sv_min, sv_max] (exact, W unchanged)."""
+        st = self.stabiliser
+        self.checks += 1
+        self._refresh_uinv()
+        lo, hi = st.sv_min, st.sv_max
+        if st.sv_method == "svd":
+            P, sig, _ = torch.linalg.svd(self.U)
+            bad = (sig < lo) | (sig > hi)
+            k = int(bad.sum())
+            if k > st.max_sv_fixes:
+                self._unfactorize()
+            elif k:
+                self._rescale_directions(P[:, bad], sig[bad], torch.ones_like(sig[bad]))
+                self._refresh_uinv()
+            _, sig, _ = torch.linalg.svd(self.U)
+            smax, smin = float(sig[0]), float(sig[-1])
+        else:
+            fixes = 0
+            while True:
+                smax, u_max = self._power(self.U, self.u_max)
+                inv_smin, u_min = self._power(self.Uinv.T, self.u_min)  # left vectors of U at sigma_min
+                smin = 1.0 / inv_smin
+                self.u_max.copy_(u_max)
+                self.u_min.copy_(u_min)
+                if lo <= smin and smax <= hi:
+                    break
+                if fixes >= st.max_sv_fixes:
+                    self._unfactorize()
+                    smax = smin = 1.0
+                    break
+                u, sigma = (u_min, smin) if smin < lo else (u_max, smax)
+                one = torch.ones(1, dtype=self.dtype, device=self.device)
+                self._rescale_directions(u[:, None], one * sigma, one)
+                fixes += 1
+            if fixes:
+                self._refresh_uinv()
+        self.cond_estimate.fill_(smax / smin)
+        self.cond_bound.fill_(smax / smin)
+
+    def _unfactorize(self) -> None:
+        self._fold_into_v(self.U.clone())
+        self.unfactorizations += 1
