@@ -103,6 +103,7 @@ class ToyReplicatedHead(ToySelfUpdatingHead):
     plumbing (``distribute`` in setup, buffers DDP must not broadcast) apart from the
     factored head. ``rank_marker`` is set to the rank on purpose: it must stay so."""
 
+    parallel_modes = ("replicated",)
     parallel = "replicated"
 
     def __init__(self, num_classes: int, hidden_dim: int, lr: float = 0.01, **_):

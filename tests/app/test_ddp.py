@@ -223,9 +223,8 @@ def weight_of(run_dir, over):
     cfg = cfg_of(*over, "head.parallel=none")
     ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     sd = {k[5:]: v for k, v in ckpt["state_dict"].items() if k.startswith("head.")}
-    if "head_shards" in ckpt:  # head_checkpoint=per_rank: V is in one file per rank
-        sd["V"] = load_rows(ckpt["head_shards"])
-    D = sd["V"].shape[0]
+    files = sd["_extra_state"].get("v_files")  # head_checkpoint=per_rank: V is in one file per rank
+    D = load_rows(files).shape[0] if files else sd["V"].shape[0]  # the head reads its rows itself
     head = make_head(cfg, D, cfg.model.hidden_dim, torch.ones(D))
     head.load_state_dict(sd)
     return head.weight()
@@ -241,7 +240,8 @@ def test_sharded_checkpoint_resumes_on_any_number_of_ranks(tmp_path, head_checkp
     if head_checkpoint == "per_rank":  # no V in the checkpoint; one file per rank beside it
         saved = torch.load(ckpt, weights_only=True)
         assert saved["state_dict"]["head.V"].numel() == 0
-        assert sorted(p.name for p in Path(saved["head_shards"]).iterdir()) == ["rank00000.pt", "rank00001.pt"]
+        files = saved["state_dict"]["head._extra_state"]["v_files"]
+        assert sorted(p.name for p in Path(files).iterdir()) == ["rank00000.pt", "rank00001.pt"]
     more = ["trainer.max_epochs=2", f"ckpt_path={ckpt}"]
     r1 = run(cfg_of(*over, *ONE_RANK, *more), tmp_path / "b1")
     r2 = run_external([*over, f"data.batch_size={B}", *more], tmp_path / "b2")

@@ -62,6 +62,8 @@ def test_default_config():
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
     assert run_name(cfg) == "FactoredSphericalHead-zloss"
     assert run_name(cfg_of("head._target_=toy_heads.ToySoftmaxHead")) == "ToySoftmaxHead"
+    assert run_name(cfg_of("head=softmax")) == "SoftmaxHead"  # a head that takes no spherical loss
+    assert run_name(cfg_of("head=naive", "loss=mse")) == "NaiveSphericalHead-mse"
 
 
 def _results(path):
@@ -90,6 +92,8 @@ def test_tiny_run_every_head_and_loss(tmp_path, head, loss):
         assert 0 < res[split]["mrr"] <= 1
         assert all(v == v for v in res[split].values())  # no NaN
     assert res["train_steps"] == 20
+    spherical = head in ("factored", "naive")
+    assert res["loss"] == (loss if spherical else None)  # no loss name on a head that takes none
 
 
 def test_tiny_run_lstm_and_synthetic(tmp_path):

@@ -114,7 +114,7 @@ def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
     if metric not in cols:
         cols.insert(len(swept) + 4, metric)
     def row(r: Run) -> list:
-        fixed = {"run": r.name, "head": r.results.get("head", ""), "loss": r.results.get("loss", ""),
+        fixed = {"run": r.name, "head": r.results.get("head", ""), "loss": r.results.get("loss") or "",
                  "steps": r.results.get("train_steps"), "dir": str(r.path)}
         return [fixed[c] if c in fixed else r.metric(c) for c in cols]
 

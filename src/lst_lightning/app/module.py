@@ -7,35 +7,18 @@ factored and naive spherical heads) apply their exact SGD step inside
 """
 from __future__ import annotations
 
-import math
 import time
-from pathlib import Path
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from ..spherical.shard_files import load_rows, prune, save_shard
 from ..heads.base import OutputHead
+from .schedule import lr_factor
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
-
-def lr_factor(step: int, *, name: str, warmup_steps: int, total_steps: int, min_factor: float) -> float:
-    """The schedule as a multiple of the base lr (linear warm-up, then constant,
-    linear or cosine decay to ``min_factor``)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if name == "constant" or total_steps <= warmup_steps:
-        return 1.0
-    t = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
-    if name == "linear":
-        return 1.0 - (1.0 - min_factor) * t
-    if name == "cosine":
-        return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * t))
-    raise ValueError(f"scheduler.name must be constant, linear or cosine, not {name!r}")
 
 
 def check_distributed(head: OutputHead, world_size: int) -> None:
@@ -44,38 +27,19 @@ def check_distributed(head: OutputHead, world_size: int) -> None:
     if world_size <= 1 or not head.self_updating:
         return
     name = type(head).__name__
-    if not hasattr(head, "distribute"):
+    if not head.parallel_modes:
         raise ValueError(f"{name} updates itself in backward and has no multi-process mode: "
                          f"it cannot train with {world_size} processes; use trainer=cpu or gpu (one process)")
-    if getattr(head, "parallel", "none") == "none":
+    if head.parallel == "none":
         raise ValueError(f"{name} with parallel=none would train a different head on each of the "
-                         f"{world_size} processes: set head.parallel=replicated or sharded")
-
-
-class _AppliedStep(torch.autograd.Function):
-    """The loss of a head step already applied (``train_step`` or a replayed graph):
-    backward hands the step's dL/dH on to the body."""
-
-    @staticmethod
-    def forward(ctx, hidden: Tensor, loss: Tensor, dH: Tensor) -> Tensor:
-        ctx.save_for_backward(dH)
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (dH,) = ctx.saved_tensors
-        return dH * grad, None, None
-
-
-HEAD_STEPS = ("autograd", "fused", "cuda_graph")
+                         f"{world_size} processes: set head.parallel to one of {list(head.parallel_modes)}")
 
 
 class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
                  perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
-                 timing_every: int = 10, head_step: str = "autograd", head_checkpoint: str = "whole",
-                 head_shards_keep: int = 2):
+                 head_step: str | None = None):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
@@ -83,41 +47,30 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
                              "it cannot give perplexity; set metrics.perplexity=false or auto")
         self.body, self.head = body, head
-        # How a self-updating head steps: in loss.backward() (autograd), or all at once in the
-        # forward (fused: head.train_step; cuda_graph: that step replayed from a CUDA graph).
-        # The last two assume the loss is backpropagated as is (gradient 1: no loss scaling).
-        if head_step not in HEAD_STEPS:
-            raise ValueError(f"head_step must be one of {HEAD_STEPS}, not {head_step!r}")
-        if head_step != "autograd" and not hasattr(head, "train_step"):
-            raise ValueError(f"head_step={head_step} needs a head with train_step (the factored head)")
-        self.head_step, self._graph = head_step, None
-        # A sharded V in checkpoints: "whole" (gathered on rank 0's host: portable, D d 4
-        # bytes there) or "per_rank" (one file per rank beside the checkpoints, the newest
-        # ``head_shards_keep`` saves kept: for D too large to gather).
-        if head_checkpoint not in ("whole", "per_rank"):
-            raise ValueError(f"head_checkpoint must be 'whole' or 'per_rank', not {head_checkpoint!r}")
-        if head_shards_keep < 1:
-            raise ValueError(f"head_shards_keep must be >= 1, got {head_shards_keep}")
-        self.head_checkpoint, self.head_shards_keep = head_checkpoint, head_shards_keep
+        # How the head's training step runs (None: as the head was built): "autograd", or for
+        # the factored head all at once in the forward ("fused"), replayed from a CUDA graph
+        # ("cuda_graph"). The last two assume the loss is backpropagated unscaled.
+        if head_step is not None:
+            if head_step not in head.step_modes:
+                raise ValueError(f"head_step={head_step!r}: {type(head).__name__} runs its step by "
+                                 f"{list(head.step_modes)}")
+            if head_step != head.step:
+                head.step = head_step
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, **(optimizer or {})}
         if self.optim_cfg["name"] not in _OPTIMIZERS:
             raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, not {self.optim_cfg['name']!r}")
         self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
         lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now
-        self.head_lr = head_lr if head_lr is not None else getattr(head, "lr", None)
+        self.head_lr = head_lr if head_lr is not None or not head.self_updating else head.lr
         if head.self_updating and self.head_lr is None:
             raise ValueError("a self-updating head needs a learning rate (head.lr)")
         self.perplexity, self.score_chunk_size = perplexity, score_chunk_size
         # simlex: {"pairs": [(a, b, score)], "index": {word: id}, "skip": [ids]}
         self.simlex = simlex
-        self.timing_every = timing_every
         self.val_ranks, self.test_ranks = RankMetrics(topk), RankMetrics(topk)
         self.val_ppl, self.test_ppl = Perplexity(), Perplexity()
         self.val_loss, self.test_loss = WeightedMean(), WeightedMean()
         self._head_distributed = False
-        self.timing = {"steps": 0, "step_s": 0.0, "head_s": 0.0, "tokens": 0}
-        self._marks: dict[str, float] = {}
-        self._timed = False
         self._fit_start = time.perf_counter()  # reset in on_train_start
 
     # -- multi-process ----------------------------------------------------------------
@@ -131,11 +84,10 @@ class LanguageModel(pl.LightningModule):
         body's buffers."""
         world = self._trainer.world_size if self._trainer is not None else 1
         check_distributed(self.head, world)
-        distribute = getattr(self.head, "distribute", None)
-        if distribute is not None and not self._head_distributed:
-            distribute()  # the default group: Lightning's
+        if not self._head_distributed:
+            self.head.distribute()  # the default group: Lightning's
             self._head_distributed = True  # setup runs again for validate/test in the same processes
-        if self.head.self_updating or distribute is not None:
+        if self.head.self_updating or self.head.parallel != "none":
             # the head keeps its replicas (or shards) consistent itself
             self._ddp_params_and_buffers_to_ignore = [f"head.{n}" for n, _ in self.head.named_buffers()]
 
@@ -156,50 +108,12 @@ class LanguageModel(pl.LightningModule):
         opt = self.optimizers(use_pl_optimizer=False)
         return opt.param_groups[0]["lr"] / self.optim_cfg["lr"]
 
-    # -- timing (the head's share of step time) ---------------------------------------
-    def _now(self, key: str) -> None:
-        if self._timed:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self._marks[key] = time.perf_counter()
-
     def on_train_start(self):
         self._fit_start = time.perf_counter()
-
-    def on_train_batch_start(self, batch, batch_idx):
-        self._timed = self.timing_every > 0 and self.global_step % self.timing_every == 0
-        self._now("start")
-
-    def backward(self, loss: Tensor, *args, **kwargs) -> None:
-        self._now("backward")
-        loss.backward(*args, **kwargs)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        if not self._timed:
-            return
-        self._now("end")
-        m = self._marks
-        if {"hidden", "loss", "backward", "head_grad"} <= m.keys():
-            step = m["end"] - m["start"]
-            head = (m["loss"] - m["hidden"]) + (m["head_grad"] - m["backward"])
-            n = batch[1].shape[0]
-            self.log("train/tokens_per_s", n / step, prog_bar=True)
-            self.log("train/head_share", head / step)
-            self.log("train/step_ms", 1e3 * step)
-            if self.global_step >= 2 * self.timing_every:  # skip warm-up steps in the totals
-                t = self.timing
-                t["steps"] += 1
-                t["step_s"] += step
-                t["head_s"] += head
-                t["tokens"] += n
-        self._marks = {}
 
     def on_train_epoch_end(self):
         # Spawned workers do not hand global_step back to the launching process: this does.
         self.log("train/steps", float(self.global_step), sync_dist=True)  # equal on every rank
-
-    def _mark_head_grad(self, grad: Tensor) -> None:
-        self._now("head_grad")
 
     # -- steps ----------------------------------------------------------------------
     def forward(self, context: Tensor) -> Tensor:
@@ -209,15 +123,10 @@ class LanguageModel(pl.LightningModule):
         context, target = batch
         if self.head.self_updating:
             self.head.lr = self.head_lr * self.current_lr_factor()
-        hidden = self.body(context)
-        self._now("hidden")
-        loss = self._head_loss(hidden, target)
-        self._now("loss")
-        if self._timed and hidden.requires_grad:
-            hidden.register_hook(self._mark_head_grad)
+        loss = self.head(self.body(context), target)
         # A head with deferred checks masks a non-finite step itself; reading it here would
         # make every step wait for the GPU.
-        if not getattr(self.head, "deferred_checks", False) and not torch.isfinite(loss):
+        if not self.head.deferred_checks and not torch.isfinite(loss):
             # Raise before backward: the self-updating head has not changed yet.
             raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
         self.log("train/loss", loss.detach(), prog_bar=True)
@@ -225,23 +134,9 @@ class LanguageModel(pl.LightningModule):
         self.log("train/elapsed_s", time.perf_counter() - self._fit_start)
         if self.head.self_updating and self.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
             self.log("head/lr", float(self.head.lr))
-            stats = self.head.stats() if hasattr(self.head, "stats") else {}
-            self.log_dict({f"head/{k}": float(v) for k, v in stats.items()
+            self.log_dict({f"head/{k}": float(v) for k, v in self.head.stats().items()
                            if isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.numel() == 1)})
         return loss
-
-    def _head_loss(self, hidden: Tensor, target: Tensor) -> Tensor:
-        if self.head_step == "autograd":
-            return self.head(hidden, target)
-        if self.head_step == "cuda_graph":
-            if self._graph is None:
-                from ..spherical.graph_step import CudaGraphStep  # noqa: PLC0415
-
-                K = 1 if target.dim() == 1 else target.shape[1]
-                self._graph = CudaGraphStep(self.head, hidden.shape[0], K, hidden_dtype=hidden.dtype)
-            if hidden.shape[0] == self._graph.m:  # another batch size runs the same step eagerly
-                return _AppliedStep.apply(hidden, *self._graph(hidden.detach(), target))
-        return _AppliedStep.apply(hidden, *self.head.train_step(hidden.detach(), target))
 
     def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
         context, target = batch
@@ -255,7 +150,7 @@ class LanguageModel(pl.LightningModule):
         n = int(real.sum())
         if n:
             # the heads' mean is over all m rows (padding adds nothing to softmax-type losses)
-            total = loss * len(target) if getattr(self.head, "reduction", "mean") == "mean" else loss
+            total = loss * len(target) if self.head.reduction == "mean" else loss
             mean_loss.update(total.detach() / n, n)
         safe = target.clamp(min=0)  # padded rows are scored against class 0, then dropped
         ranks.update(self.head.target_rank(hidden, safe, self.score_chunk_size)[real])
@@ -294,37 +189,12 @@ class LanguageModel(pl.LightningModule):
 
     # -- exact resume: the global RNG (dropout) travels with the checkpoint ------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        # Every rank dumps the checkpoint (rank 0 writes it): a sharded head's V is
-        # gathered there whole, so the checkpoint resumes on any number of ranks.
-        if getattr(self.head, "sharded", False) and self.head_checkpoint == "per_rank":
-            self._save_head_shard(checkpoint)
-        elif getattr(self.head, "sharded", False) and hasattr(self.head, "gather_v"):
-            V = self.head.gather_v()
-            if V is not None:
-                checkpoint["state_dict"]["head.V"] = V
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
         checkpoint["rng_state"] = rng
 
-    def _save_head_shard(self, checkpoint: dict) -> None:
-        cb = self.trainer.checkpoint_callback
-        root = Path(cb.dirpath if cb is not None and cb.dirpath else self.trainer.default_root_dir) / "head_shards"
-        step_dir = root / f"step{self.global_step}"
-        head = self.head
-        save_shard(step_dir, self.global_rank, (head.row_lo, head.row_hi), head.V)
-        checkpoint["state_dict"]["head.V"] = head.V.new_empty(0, head.V.shape[1]).cpu()
-        checkpoint["head_shards"] = str(step_dir.resolve())
-        self.trainer.strategy.barrier("head_shards")  # every shard written before any is pruned
-        if self.global_rank == 0:
-            prune(root, self.head_shards_keep)
-
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        shards = checkpoint.get("head_shards")
-        if shards is not None:  # this process's rows of V, from the per-rank files
-            head = self.head
-            lo, hi = (head.row_lo, head.row_hi) if getattr(head, "sharded", False) else (0, head.num_classes)
-            checkpoint["state_dict"]["head.V"] = load_rows(shards, lo, hi)
         rng = checkpoint.get("rng_state")
         if rng is not None:
             torch.set_rng_state(rng["torch"])

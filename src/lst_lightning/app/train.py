@@ -18,6 +18,8 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import DictConfig, OmegaConf
 
+from ..spherical import SphericalHeadBase
+from .callbacks import HeadTiming, ShardedHeadCheckpoint
 from .module import LanguageModel, check_distributed
 from .metrics import Perplexity, RankMetrics, read_simlex, unigram_ranks
 
@@ -74,12 +76,17 @@ def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: 
     return instantiate(cfg.head, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
 
 
+def loss_name(cfg: DictConfig) -> str | None:
+    """The spherical loss the head trains with (the loss group); None for the heads
+    outside the spherical family, which take none."""
+    return str(cfg.loss.name) if issubclass(head_class(cfg), SphericalHeadBase) else None
+
+
 def run_name(cfg: DictConfig) -> str:
     if cfg.get("name"):
         return str(cfg.name)
-    cls = head_class(cfg)
-    # only the spherical (self-updating) heads read the loss group
-    return f"{cls.__name__}-{cfg.loss.name}" if getattr(cls, "self_updating", False) else cls.__name__
+    cls, loss = head_class(cfg), loss_name(cfg)
+    return f"{cls.__name__}-{loss}" if loss else cls.__name__
 
 
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
@@ -116,8 +123,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         body, head,
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
-        timing_every=m.timing_every, head_step=cfg.get("head_step", "autograd"),
-        head_checkpoint=cfg.get("head_checkpoint", "whole"), head_shards_keep=cfg.get("head_shards_keep", 2),
+        head_step=cfg.get("head_step", "autograd"),
     )
 
     name = run_name(cfg)
@@ -126,7 +132,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         loggers.append(pl.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version=""))
     wb = cfg.logger.wandb
     if wb.enabled:
-        tags = sorted({cls.__name__, str(cfg.loss.name), *wb.tags})
+        tags = sorted({cls.__name__, *([loss_name(cfg)] if loss_name(cfg) else []), *wb.tags})
         loggers.append(pl.loggers.WandbLogger(
             save_dir=str(run_dir), project=wb.project, entity=wb.entity, name=name,
             group=wb.group or name, tags=tags, mode=wb.mode,
@@ -136,7 +142,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     cb = cfg.callbacks
     callbacks: list = [pl.callbacks.ModelCheckpoint(
         dirpath=str(run_dir / "checkpoints"), save_last=cb.checkpoint.save_last,
-        save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs)]
+        save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs),
+        HeadTiming(every=m.timing_every),
+        ShardedHeadCheckpoint(mode=cfg.get("head_checkpoint", "whole"), keep=cfg.get("head_shards_keep", 2))]
     if cb.rich_progress:
         callbacks.append(pl.callbacks.RichProgressBar())
     if cb.lr_monitor and loggers:
@@ -189,14 +197,14 @@ def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) ->
     if not val:  # no validation ran at the end of training (e.g. max_steps mid-epoch)
         val = {k[4:]: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()
                if k.startswith("val/")}
-    results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": str(cfg.loss.name),
+    results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": loss_name(cfg),
                      "num_classes": dm.num_classes, "val": val,
                      "train_steps": steps}
     if cfg.get("test", True):
         test = trainer.test(module, datamodule=dm, verbose=False)[0]
         results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}
         results["unigram_test"] = unigram_metrics(dm, list(cfg.metrics.topk))
-    t = module.timing
+    t = next(c for c in trainer.callbacks if isinstance(c, HeadTiming)).totals
     if t["steps"]:
         results["step_time_ms"] = 1e3 * t["step_s"] / t["steps"]
         results["tokens_per_s"] = t["tokens"] / t["step_s"]
