@@ -19,13 +19,13 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from lst_lightning.data.datamodule import _PaddedIds
-from lst_lightning.spherical.shard_files import load_rows
-from lst_lightning.data.ngram import EpochBatchSampler
 from lst_lightning.app.train import config_dir, run
+from lst_lightning.data.datamodule import _PaddedIds
+from lst_lightning.data.ngram import EpochBatchSampler
+from lst_lightning.spherical.shard_files import load_rows
 
 CONF = Path(config_dir())
-TESTS = Path(__file__).resolve().parents[1]  # tests/: toy_heads for subprocesses
+HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # toy_heads, for subprocesses
 B = 8  # per-rank batch; the one-process run uses 2B
 # float64 and plain SGD: the only difference left between the runs is the order of the
 # sums (one batch of 2B rows, or two of B averaged by DDP). 101 evaluation examples: the
@@ -274,7 +274,7 @@ CLI = ["experiment=tiny", "logger=csv", "callbacks=minimal", "trainer.limit_trai
 
 def cli(*args, cwd, launcher=()):
     """``lst-train`` (or a launcher running it) in a subprocess; stdout + stderr."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, *(() if launcher else (sys.executable,)), "-m", "lst_lightning.app.train", *args],
                           cwd=cwd, capture_output=True, text=True, timeout=540, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

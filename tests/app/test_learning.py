@@ -2,8 +2,9 @@
 that always predicts the training unigram distribution) on the same examples."""
 import pytest
 
-from app_configs import cfg_of
 from lst_lightning.app.train import run
+
+from app_configs import cfg_of
 
 
 def _beats_unigram(res, margin):

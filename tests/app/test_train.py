@@ -10,7 +10,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
-from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 
 from lst_lightning.app.train import run, run_name

@@ -1,15 +1,25 @@
 """The factored head against the naive explicit-W head, step after step, and its safety."""
 import copy
-import warnings
 
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 from lst_lightning.losses import LOSSES
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
-from head_pairs import LOSS_KW, batch, make_pair, rel, run_steps, step_both
-
+from head_pairs import (
+    LOSS_KW,
+    D,
+    assert_untouched,
+    batch,
+    d,
+    deferred,
+    make_pair,
+    run_steps,
+    state,
+    state_of,
+    step_both,
+)
 
 
 @pytest.mark.parametrize("loss", sorted(LOSSES))
@@ -52,75 +62,16 @@ def test_lr_schedule_is_followed():
         assert max(step_both(f, n, H, idx)) < 1e-9
 
 
-@pytest.mark.parametrize("woodbury", ["always", "never"])
-@pytest.mark.parametrize("sv_method", ["power", "svd"])
-def test_inverse_paths_and_sv_methods(woodbury, sv_method):
-    # m > d exercises the direct inverse with "auto"; here both paths are forced.
-    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"woodbury": woodbury, "sv_method": sv_method})
-    run_steps(f, n, steps=40, m=9, K=2)
-    assert int(f.checks) > 0 and int(f.sv_fixes) > 0, f.stats()  # mse shrinks U: repairs must run
 
 
-def test_singular_step_is_folded_and_stays_exact():
-    # m = 1, squared error: B = I - 2 lr h h^T is exactly singular at lr = 1 / (2 ||h||^2).
-    f, n = make_pair("mse", lr=0.01)
-    for _ in range(3):
-        H, idx = batch(1, 8, 60, 1)
-        Hx = H.clone()
-        f.lr = n.lr = 1.0 / (2.0 * float(Hx.pow(2).sum()))
-        assert max(step_both(f, n, H, idx)) < 1e-9
-    assert int(f.folds) == 3 and int(f.eig_checks) == 3, f.stats()
-    torch.testing.assert_close(f.U, torch.eye(8, dtype=torch.float64))
 
 
-def test_large_steps_trigger_conditioning_checks_before_the_period():
-    f, n = make_pair("mse", d=8, lr=0.08, stabiliser={"check_every": 0, "uinv_refresh_every": 0})
-    run_steps(f, n, steps=60, m=4, K=1)
-    s = f.stats()
-    assert s["checks"] > 0 and s["sv_fixes"] > 0, s  # the conditioning trigger alone fired
-    sig = torch.linalg.svdvals(f.U)
-    assert float(sig.max() / sig.min()) < 4 * f.stabiliser.cond_trigger
 
 
-@pytest.mark.parametrize("sv_method", ["power", "svd"])
-def test_stabilise_repairs_an_ill_conditioned_u_without_changing_w(sv_method):
-    f, _ = make_pair("zloss", d=8, stabiliser={"sv_method": sv_method, "max_sv_fixes": 2})
-    W = f.weight()
-    S = torch.tensor([1e-3, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0, 30.0], dtype=torch.float64)
-    R = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
-    U = R @ torch.diag(S) @ R.T
-    f.U.copy_(U)
-    f.Uinv.copy_(torch.linalg.inv(U))
-    f.V.copy_(torch.linalg.solve(U.T, (W - f.omega).T).T)  # keeps W = V U + 1 omega^T
-    f.stabilise()
-    torch.testing.assert_close(f.weight(), W, rtol=1e-9, atol=1e-9)
-    sig = torch.linalg.svdvals(f.U)
-    assert f.stabiliser.sv_min - 1e-6 <= float(sig.min()) and float(sig.max()) <= f.stabiliser.sv_max + 1e-6
-    assert int(f.unfactorizations) == 1  # three out of range > max_sv_fixes = 2
-    torch.testing.assert_close(f.Uinv @ f.U, torch.eye(8, dtype=torch.float64))
 
 
-def test_bookkeeping_refresh_is_exact():
-    f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7})
-    run_steps(f, n, steps=20, m=3, K=2)
-    W = f.weight()
-    torch.testing.assert_close(f.Q, W.T @ W)
-    torch.testing.assert_close(f.wbar, W.sum(0))
-    assert int(f.q_refreshes) == 2
 
 
-@pytest.mark.parametrize("m", [4, 16])  # Woodbury updates of U^-1, and direct solves
-def test_long_float32_run_keeps_uinv_accurate(m):
-    f, _ = make_pair("zloss", D=500, d=16, dtype=torch.float32, lr=0.05)
-    for _ in range(400):
-        H, idx = batch(m, 16, 500, 1, dtype=torch.float32)
-        f(H.requires_grad_(), idx).backward()
-    if not bool(f.uinv_fresh):
-        f.stabilise()
-    eye = torch.eye(16)
-    assert float((f.Uinv @ f.U - eye).abs().max()) < 1e-4
-    W = f.weight().double()
-    assert rel(f.Q, W.T @ W) < 1e-4
 
 
 def test_log_prob_scores_and_rank_match_naive():
@@ -136,18 +87,6 @@ def test_log_prob_scores_and_rank_match_naive():
     assert torch.equal(f.target_rank(H, idx), want)
 
 
-def test_eval_mode_and_no_grad_do_not_update():
-    f, _ = make_pair("zloss")
-    before = copy.deepcopy(f.state_dict())
-    H, idx = batch(4, 8, 60, 1)
-    f.eval()
-    f(H.requires_grad_(), idx)
-    f.train()
-    with torch.no_grad():
-        f(H, idx)
-    for k, v in f.state_dict().items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, before[k]), k
 
 
 def test_state_dict_round_trip_is_bit_identical():
@@ -177,51 +116,10 @@ def test_state_dict_round_trip_is_bit_identical():
             assert torch.equal(v, g2.state_dict()[k]), k
 
 
-def state_of(head):
-    return {k: v.clone() for k, v in head.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def assert_untouched(head, before):
-    for k, v in head.state_dict().items():
-        if isinstance(v, torch.Tensor):
-            assert torch.equal(v, before[k]), f"{k} changed"
 
 
-@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
-def test_bad_input_is_refused_and_state_untouched(cls):
-    head = cls(num_classes=20, hidden_dim=4, loss="zloss")
-    before = state_of(head)
-    H = torch.randn(3, 4, requires_grad=True)
-    ok = torch.tensor([1, 2, 3])
-    cases = [
-        ((H, torch.tensor([1, 20, 3])), ValueError, "outside"),
-        ((H, torch.tensor([1, -2, 3])), ValueError, "outside"),
-        ((torch.randn(3, 5), ok), ValueError, "hidden_dim"),
-        ((torch.randn(3), ok), ValueError, "2-D"),
-        ((torch.randn(0, 4), torch.zeros(0, dtype=torch.long)), ValueError, "empty"),
-        ((H, ok.float()), TypeError, "int64"),
-        ((H, torch.tensor([1, 2]),), ValueError, "shape"),
-        ((H.int(), ok), TypeError, "floating"),
-        ((torch.randn(3, 4, device="meta"), ok), ValueError, "meta"),
-        ((H, ok, torch.ones(3, 2)), ValueError, "target_val"),
-        ((H, ok, torch.ones(3, dtype=torch.long)), TypeError, "target_val"),
-    ]
-    for args, exc, msg in cases:
-        with pytest.raises(exc, match=msg):
-            head(*args)
-    for bad in (float("nan"), 0.0, -1.0, float("inf")):
-        with pytest.raises(ValueError, match="lr"):
-            head.lr = bad
-    with pytest.raises(ValueError, match="weight_decay"):
-        head.weight_decay = -0.1
-    head.lr, head.weight_decay = 10.0, 0.5
-    with pytest.raises(ValueError, match="flip"):
-        head(H, ok)
-    with pytest.raises(ValueError, match="shape"):
-        head.reset_weight(torch.zeros(3, 3))
-    with pytest.raises(ValueError, match="non-finite"):
-        head.reset_weight(torch.full((20, 4), float("nan")))
-    assert_untouched(head, before)
 
 
 def test_bad_constructor_arguments():
@@ -236,42 +134,10 @@ def test_bad_constructor_arguments():
             FactoredSphericalHead(**args)
 
 
-@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
-def test_non_finite_steps_are_skipped_counted_and_warned_sparingly(cls):
-    head = cls(num_classes=20, hidden_dim=4, loss="spherical_softmax")
-    before = state_of(head)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for i in range(10):
-            H = torch.randn(3, 4)
-            H[1, 2] = float("nan") if i % 2 else float("inf")
-            H.requires_grad_()
-            head(H, torch.tensor([1, 2, 3])).backward()
-            assert torch.equal(H.grad, torch.zeros_like(H))
-        val = torch.tensor([1.0, float("inf"), 1.0])
-        head(torch.randn(3, 4, requires_grad=True), torch.tensor([1, 2, 3]), val).backward()
-    assert int(head.skipped_nonfinite) == 11
-    assert sum("non-finite" in str(w.message) for w in caught) == 4  # at 1, 2, 4, 8
-    before["skipped_nonfinite"] = head.skipped_nonfinite
-    assert_untouched(head, before)
 
 
-def test_two_forwards_before_backward_is_an_error():
-    f, _ = make_pair("zloss")
-    H, idx = batch(3, 8, 60, 1)
-    L1 = f(H.clone().requires_grad_(), idx)
-    L2 = f(H.clone().requires_grad_(), idx)
-    L2.backward()
-    with pytest.raises(RuntimeError, match="no gradient accumulation"):
-        L1.backward()
 
 
-def test_hidden_without_grad_still_updates_the_head():
-    f, n = make_pair("taylor_softmax", lr=0.05)
-    H, idx = batch(4, 8, 60, 2)
-    f(H, idx).backward()
-    n(H, idx).backward()
-    assert rel(f.weight(), n.weight()) < 1e-12 and int(f.steps) == 1
 
 
 def test_reset_weight_and_weight_round_trip():
@@ -281,3 +147,48 @@ def test_reset_weight_and_weight_round_trip():
     torch.testing.assert_close(f.weight(), W)
     torch.testing.assert_close(f.Q, W.T @ W)
     torch.testing.assert_close(f.wbar, W.sum(0))
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_train_step_equals_forward_and_backward(sync_every):
+    a = deferred(sync_every=sync_every, weight_decay=0.01)
+    b = copy.deepcopy(a)
+    for step in range(6):
+        a.lr = b.lr = 0.05 / (1 + step)  # a schedule: the device lr follows
+        H, idx = batch(5, d, D, 3)
+        Ha = H.clone().requires_grad_()
+        loss_a = a(Ha, idx)
+        loss_a.backward()
+        loss_b, dH_b = b.train_step(H.clone(), idx)
+        assert torch.equal(loss_a.detach(), loss_b) and torch.equal(Ha.grad, dH_b)
+    assert state(a) == state(b) and int(b.steps) == 6
+
+
+@pytest.mark.parametrize("sync_every", [1, 4])
+def test_fused_step_mode_trains_like_autograd(sync_every):
+    """step="fused": the update runs in the forward, backward only hands dL/dH on, and the
+    head ends bit-identical to the autograd step."""
+    a = deferred(sync_every=sync_every, weight_decay=0.01)
+    b = copy.deepcopy(a)
+    b.step = "fused"
+    for i in range(6):
+        H, idx = batch(5, d, D, 3)
+        Ha, Hb = H.clone().requires_grad_(), H.clone().requires_grad_()
+        loss_a, loss_b = a(Ha, idx), b(Hb, idx)
+        assert int(b.steps) == i + 1 and int(a.steps) == i  # b stepped already
+        loss_a.backward()
+        loss_b.backward()
+        assert torch.equal(loss_a.detach(), loss_b.detach()) and torch.equal(Ha.grad, Hb.grad)
+    assert state(a) == state(b)
+
+
+def test_step_modes_are_checked():
+    head = deferred()
+    with pytest.raises(ValueError, match="step must be one of"):
+        head.step = "eager"
+    head.step = "cuda_graph"  # on a CPU head the first training step refuses, untouched
+    before = state(head)
+    with pytest.raises(ValueError, match="CUDA device"):
+        head(*batch(5, d, D, 3)[:1], batch(5, d, D, 3)[1])
+    assert state(head) == before and int(head.steps) == 0
+    assert NaiveSphericalHead.step_modes == ("autograd",)

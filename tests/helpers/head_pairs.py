@@ -3,8 +3,10 @@ their batches: padding, classes repeated within a row and across rows."""
 import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
+from lst_lightning.spherical.collectives import bit_hash
 
 LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}}
+D, d = 60, 8  # the sizes of ``deferred`` heads
 
 
 def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, stabiliser=None, **kw):
@@ -55,3 +57,31 @@ def run_steps(f, n, steps, m, K, classes=10, tol=1e-9, vals=False):
         worst = [max(w, e) for w, e in zip(worst, errs)]
     assert max(worst) <= tol, f"relative errors (loss, dL/dH, W) = {worst}"
     return worst
+
+
+def deferred(sync_every=4, **kw):
+    args = dict(num_classes=D, hidden_dim=d, loss="zloss", loss_kwargs={"a": 0.5, "b": 2.0}, lr=0.05,
+                bias=True, dtype=torch.float64, sync_every=sync_every)
+    args.update(kw)
+    return FactoredSphericalHead(**args)
+
+
+def step(head, H, idx):
+    """One training step on a copy of H; returns dL/dH."""
+    Hc = H.clone().requires_grad_()
+    head(Hc, idx).backward()
+    return Hc.grad
+
+
+def state(head):
+    return bit_hash([head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound])
+
+
+def state_of(head):
+    return {k: v.clone() for k, v in head.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def assert_untouched(head, before):
+    for k, v in head.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, before[k]), f"{k} changed"

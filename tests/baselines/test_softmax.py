@@ -1,0 +1,83 @@
+"""The full softmax head (softmax.py) against a dense log-softmax reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lst_lightning.baselines import SoftmaxHead
+
+from baseline_cases import D, d, dense_loss, grads, m, make_targets
+
+
+@pytest.mark.parametrize("chunked,chunk_elements", [(True, 1 << 24), (True, 2 * D), (False, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("K", [1, 3])
+def test_softmax_matches_dense(chunked, chunk_elements, bias, K):
+    """Against logits + log_softmax; chunk_elements = 2 D makes chunks of 2 rows."""
+    head = SoftmaxHead(num_classes=D, hidden_dim=d, bias=bias, chunked=chunked, chunk_elements=chunk_elements)
+    if bias:
+        torch.nn.init.normal_(head.bias)
+    h = torch.randn(m, d, requires_grad=True)
+    t = make_targets(K)[:, 0] if K == 1 else make_targets(K)
+    params = [h, *head.parameters()]
+    got = head(h, t)
+    ref = dense_loss(F.log_softmax(F.linear(h, head.weight, head.bias), 1), t)
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(grads(got, *params), grads(ref, *params)):
+        torch.testing.assert_close(a, b)
+
+
+def test_softmax_weighted_targets_and_cosine():
+    head = SoftmaxHead(num_classes=D, hidden_dim=d, cosine_scale=3.0)
+    h = torch.randn(m, d, requires_grad=True)
+    t = make_targets(2)
+    val = torch.rand(m, 2)
+    got = head(h, t, val)
+    logits = 3.0 * F.normalize(h, dim=1) @ F.normalize(head.weight, dim=1).T
+    ref = dense_loss(F.log_softmax(logits, 1), t, val)
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(grads(got, h, head.weight), grads(ref, h, head.weight)):
+        torch.testing.assert_close(a, b)
+
+
+def test_softmax_scores_log_prob_and_rank():
+    head = SoftmaxHead(num_classes=D, hidden_dim=d, bias=True)
+    h = torch.randn(m, d)
+    full = torch.cat([s for _, s in head.score_chunks(h, chunk_size=4)], 1)
+    torch.testing.assert_close(full, F.linear(h, head.weight, head.bias))
+    t = make_targets(1)[:, 0].clamp(min=0)
+    torch.testing.assert_close(head.log_prob(h, t), F.log_softmax(full, 1).gather(1, t[:, None])[:, 0])
+    rank = 1 + (full > full.gather(1, t[:, None])).sum(1)
+    assert torch.equal(head.target_rank(h, t), rank)  # no ties with random floats
+
+
+def test_softmax_optional_impls_fail_clearly():
+    for impl in ("liger", "cce"):
+        try:
+            head = SoftmaxHead(num_classes=D, hidden_dim=d, impl=impl)
+        except ImportError as exc:
+            assert "optional package" in str(exc)
+            continue
+        with pytest.raises(ValueError, match="CUDA"):  # installed, but this is a CPU tensor
+            head(torch.randn(m, d), make_targets(1)[:, 0])
+    with pytest.raises(ValueError, match="impl"):
+        SoftmaxHead(num_classes=D, hidden_dim=d, impl="fast")
+
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["liger", "cce"])
+def test_softmax_optional_impls_match_torch_on_cuda(impl):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    try:
+        head = SoftmaxHead(num_classes=1000, hidden_dim=64, impl=impl, device="cuda")
+    except ImportError:
+        pytest.skip(f"{impl} is not installed")
+    ref = SoftmaxHead(num_classes=1000, hidden_dim=64, device="cuda")
+    ref.load_state_dict(head.state_dict())
+    h = torch.randn(64, 64, device="cuda")
+    t = torch.randint(0, 1000, (64, 2), device="cuda")
+    t[0, 1] = -1
+    for tt in (t[:, 0], t):
+        torch.testing.assert_close(head(h, tt), ref(h, tt), rtol=2e-3, atol=2e-3)

@@ -1,0 +1,54 @@
+"""The data modules (datamodule.py): the embedded corpus split by article, the synthetic
+splits, and clear errors for missing, empty or too short text."""
+import pytest
+import torch
+
+from lst_lightning.data import SyntheticDataModule, TextDataModule
+from lst_lightning.data.vocab import UNK
+
+
+def test_synthetic_datamodule_splits_differ():
+    dm = SyntheticDataModule(num_classes=1000, train_size=100, eval_size=50, input_vocab_size=None)
+    dm.setup()
+    a = dm.splits["train"][torch.arange(50)][1]
+    b = dm.splits["validation"][torch.arange(50)][1]
+    assert not torch.equal(a, b) and dm.input_vocab_size == 1000
+
+
+def test_embedded_corpus_split_by_article():
+    dm = TextDataModule(vocab_size=2000, context_size=4)
+    dm.setup()
+    from lst_lightning.data.corpus import load_corpus
+
+    c = load_corpus()
+    titles = {s: set(c[s]["title"]) for s in ("train", "validation", "test")}
+    assert not titles["train"] & titles["validation"] and not titles["train"] & titles["test"]
+    n = {s: len(dm.splits[s]) for s in dm.splits}
+    assert n["train"] > 300_000 and 5_000 < n["validation"] < 60_000 and 5_000 < n["test"] < 60_000
+    assert dm.num_classes == 2000 and (dm.class_counts[:-1] >= dm.class_counts[1:]).all()
+    assert dm.vocab.words[:3] == [UNK, "the", "of"]  # <unk> sorts by its count
+
+
+def _write(tmp_path, text, name="c.txt"):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_missing_and_empty_files_are_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        TextDataModule("files", path=str(tmp_path / "nope.txt")).setup()
+    with pytest.raises(ValueError, match="empty"):
+        TextDataModule("files", path=_write(tmp_path, "  \n")).setup()
+
+
+def test_context_longer_than_any_document_is_an_error(tmp_path):
+    text = "\n\n".join("the cat sat on a mat today" for _ in range(40))
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match="longer than every"):
+        TextDataModule("files", path=path, vocab_size=None, context_size=7, min_doc_tokens=1,
+                       val_fraction=0.2, test_fraction=0.2).setup()
+    dm = TextDataModule("files", path=path, vocab_size=None, context_size=7, pad_start=True,
+                        min_doc_tokens=1, val_fraction=0.2, test_fraction=0.2)
+    dm.setup()
+    assert len(dm.splits["train"]) > 0

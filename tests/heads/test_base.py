@@ -1,0 +1,19 @@
+"""The interface's default evaluation (heads/base.py): target scores, ranks and
+log-probabilities of every baseline head agree with its full scores."""
+import pytest
+import torch
+
+from baseline_cases import HEADS, D, d, m
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_target_score_and_rank_agree_with_full_scores(name):
+    head = HEADS[name]()
+    h, t = torch.randn(m, d), torch.randint(0, D, (m,))
+    with torch.no_grad():
+        full = torch.cat([s for _, s in head.score_chunks(h, chunk_size=5)], 1)
+    target = head.target_score(h, t)
+    torch.testing.assert_close(target, full.gather(1, t[:, None])[:, 0])
+    assert torch.equal(head.target_rank(h, t, chunk_size=5), 1 + (full > target[:, None]).sum(1))
+    if head.has_log_prob:
+        torch.testing.assert_close(head.log_prob(h, t), torch.log_softmax(full, 1).gather(1, t[:, None])[:, 0])

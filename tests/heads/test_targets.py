@@ -1,0 +1,62 @@
+"""Input checks shared by the baseline heads (heads/targets.py): a clear error and no
+change of state for every kind of bad input; non-finite losses detected."""
+import pytest
+import torch
+
+from lst_lightning.baselines import HierarchicalSoftmaxHead, SampledSoftmaxHead, SoftmaxHead
+
+from baseline_cases import HEADS, D, d, m
+
+BAD = [
+    (lambda h, t: (h[:, :-1], t, None), ValueError, "shape"),
+    (lambda h, t: (h, t.float(), None), TypeError, "int64"),
+    (lambda h, t: (h[:0], t[:0], None), ValueError, "empty"),
+    (lambda h, t: (h, t[:, None][:, :0], None), ValueError, "K >= 1"),
+    (lambda h, t: (h, t + D, None), ValueError, "class ids"),
+    (lambda h, t: (h, t - 2, None), ValueError, "class ids"),
+    (lambda h, t: (h, t[:-1], None), ValueError, "shape"),
+    (lambda h, t: (h, t, torch.ones(m + 1)), ValueError, "target_val"),
+    (lambda h, t: (h, t, torch.full((m,), float("nan"))), ValueError, "non-finite"),
+    (lambda h, t: (h.masked_fill(torch.eye(m, d, dtype=torch.bool), float("nan")), t, None), ValueError, "non-finite"),
+    (lambda h, t: (h.long(), t, None), TypeError, "floating"),
+]
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+@pytest.mark.parametrize("bad", range(len(BAD)))
+def test_bad_input_is_rejected_without_side_effects(name, bad):
+    head = HEADS[name]()
+    head.train()
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    h, t = torch.randn(m, d), torch.arange(m)  # includes class 0, so t - 2 reaches -2
+    make, exc, match = BAD[bad]
+    with pytest.raises(exc, match=match):
+        head(*make(h, t))
+    after = head.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in head.parameters())
+    if name.startswith("sampled"):
+        assert head._touched is None and head._synced_version is None
+
+
+def test_non_finite_loss_is_detected():
+    head = SoftmaxHead(num_classes=D, hidden_dim=d)
+    with torch.no_grad():
+        head.weight[0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        head(torch.randn(m, d), torch.randint(0, D, (m,)))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="reduction"):
+        SoftmaxHead(num_classes=D, hidden_dim=d, reduction="avg")
+    with pytest.raises(ValueError, match="num_classes"):
+        HierarchicalSoftmaxHead(num_classes=1, hidden_dim=d)
+    with pytest.raises(ValueError, match="sampler"):
+        SampledSoftmaxHead(num_classes=D, hidden_dim=d, sampler="zipf")
+    with pytest.raises(TypeError, match="takes no argument"):
+        SampledSoftmaxHead(num_classes=D, hidden_dim=d, sampler="uniform", sampler_kwargs={"power": 1.0})
+    with pytest.raises(ValueError, match="class_counts"):
+        SampledSoftmaxHead(num_classes=D, hidden_dim=d, sampler="unigram")
+    with pytest.raises(ValueError, match="num_samples"):
+        SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=0)

@@ -1,0 +1,111 @@
+"""Two gloo processes (CPU) training the multi-process factored head on the same global
+batches as one process, and what each rank saw: the shared run behind
+test_multi_process.py and test_sharded_eval.py (fixtures in conftest.py)."""
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from lst_lightning.spherical import FactoredSphericalHead
+
+WORLD, D, d, K, STEPS = 2, 50, 6, 3, 8
+ROWS = [5, 3]  # ranks hold different numbers of rows
+
+
+def make_head(mode, **kw):
+    args = dict(num_classes=D, hidden_dim=d, loss="taylor_softmax", lr=0.05, weight_decay=0.01, bias=True,
+                dtype=torch.float64, generator=torch.Generator().manual_seed(1), parallel=mode)
+    args.update(kw)
+    return FactoredSphericalHead(**args)
+
+
+def global_batch(step):
+    """Padding, a class repeated within a row and classes shared across rows (and ranks)."""
+    g = torch.Generator().manual_seed(100 + step)
+    M = sum(ROWS)
+    H = torch.randn(M, d, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, D, (M, K), generator=g)
+    idx[0, -1] = -1
+    idx[1, 1] = idx[1, 0]
+    idx[6, 0] = idx[0, 0]  # rank 1 shares a class with rank 0
+    return H, idx
+
+
+def eval_batch():
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(sum(ROWS), d, generator=g, dtype=torch.float64), torch.randint(0, D, (sum(ROWS),), generator=g)
+
+
+def train(head, rows):
+    """STEPS steps on rows ``rows`` of each global batch: the gradients of H and the state."""
+    grads = []
+    for step in range(STEPS):
+        H, idx = global_batch(step)
+        Hr = H[rows].clone().requires_grad_()
+        head(Hr, idx[rows]).backward()
+        grads.append(Hr.grad)
+    return grads
+
+
+def evaluate(head, rows):
+    H, t = eval_batch()
+    head.eval()
+    out = {"rank": head.target_rank(H[rows], t[rows]), "topk": head.topk(H[rows], 4),
+           "log_prob": head.log_prob(H[rows], t[rows]), "loss": head(H[rows], t[rows])}
+    head.train()
+    return out
+
+
+def worker(rank, rdv, out):
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    lo = sum(ROWS[:rank])
+    rows = slice(lo, lo + ROWS[rank])
+    res = {}
+    for mode in ("replicated", "sharded", "sharded_sync_free"):
+        head = make_head("sharded", sync_every=3) if mode == "sharded_sync_free" else make_head(mode)
+        head.distribute()
+        grads = train(head, rows)
+        res[mode] = {"grads": grads, "W": head.weight(), "rows": (head.row_lo, head.row_hi),
+                     "hash": head.state_hash(), "eval": evaluate(head, rows), "V": head.V.clone()}
+    # A checkpoint with the whole V (gathered) loads into a fresh sharded head on each rank.
+    full = [head.gather_v(dst=r) for r in range(WORLD)][rank]
+    state = {**head.state_dict(), "V": full}
+    fresh = make_head("sharded")
+    fresh.distribute()
+    fresh.load_state_dict(state)
+    res["reloaded_equal"] = torch.equal(fresh.V, head.V) and fresh.state_hash() == head.state_hash()
+    res["full_v"] = full
+    # One rank's bad target: every rank raises, no rank's state changes.
+    head = make_head("replicated")
+    head.distribute()
+    before = head.state_hash()
+    H, idx = global_batch(0)
+    idx = idx[rows].clone()
+    if rank == 1:
+        idx[0, 0] = D
+    try:
+        head(H[rows].clone().requires_grad_(), idx).backward()
+        res["bad_input"] = None
+    except ValueError as e:
+        res["bad_input"] = str(e)
+    res["bad_input_untouched"] = head.state_hash() == before
+    # A replica that drifts by one bit is caught at the next checksum, on every rank.
+    head = make_head("replicated", checksum_every=2)
+    head.distribute()
+    H, idx = global_batch(0)
+    head(H[rows].clone().requires_grad_(), idx[rows]).backward()
+    if rank == 1:
+        head.U[0, 0] = torch.nextafter(head.U[0, 0], torch.tensor(math.inf, dtype=torch.float64))
+    try:
+        head(H[rows].clone().requires_grad_(), idx[rows]).backward()
+        res["diverged"] = None
+    except RuntimeError as e:
+        res["diverged"] = str(e)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())

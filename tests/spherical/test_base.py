@@ -1,0 +1,115 @@
+"""What both spherical heads share (base.py): input checks before any change, the
+training-step semantics of forward and backward, skipped non-finite steps."""
+import copy
+import warnings
+
+import pytest
+import torch
+
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
+
+from head_pairs import D, assert_untouched, batch, d, deferred, make_pair, rel, state, state_of, step
+
+
+def test_eval_mode_and_no_grad_do_not_update():
+    f, _ = make_pair("zloss")
+    before = copy.deepcopy(f.state_dict())
+    H, idx = batch(4, 8, 60, 1)
+    f.eval()
+    f(H.requires_grad_(), idx)
+    f.train()
+    with torch.no_grad():
+        f(H, idx)
+    for k, v in f.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, before[k]), k
+
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+def test_bad_input_is_refused_and_state_untouched(cls):
+    head = cls(num_classes=20, hidden_dim=4, loss="zloss")
+    before = state_of(head)
+    H = torch.randn(3, 4, requires_grad=True)
+    ok = torch.tensor([1, 2, 3])
+    cases = [
+        ((H, torch.tensor([1, 20, 3])), ValueError, "outside"),
+        ((H, torch.tensor([1, -2, 3])), ValueError, "outside"),
+        ((torch.randn(3, 5), ok), ValueError, "hidden_dim"),
+        ((torch.randn(3), ok), ValueError, "2-D"),
+        ((torch.randn(0, 4), torch.zeros(0, dtype=torch.long)), ValueError, "empty"),
+        ((H, ok.float()), TypeError, "int64"),
+        ((H, torch.tensor([1, 2]),), ValueError, "shape"),
+        ((H.int(), ok), TypeError, "floating"),
+        ((torch.randn(3, 4, device="meta"), ok), ValueError, "meta"),
+        ((H, ok, torch.ones(3, 2)), ValueError, "target_val"),
+        ((H, ok, torch.ones(3, dtype=torch.long)), TypeError, "target_val"),
+    ]
+    for args, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            head(*args)
+    for bad in (float("nan"), 0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="lr"):
+            head.lr = bad
+    with pytest.raises(ValueError, match="weight_decay"):
+        head.weight_decay = -0.1
+    head.lr, head.weight_decay = 10.0, 0.5
+    with pytest.raises(ValueError, match="flip"):
+        head(H, ok)
+    with pytest.raises(ValueError, match="shape"):
+        head.reset_weight(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="non-finite"):
+        head.reset_weight(torch.full((20, 4), float("nan")))
+    assert_untouched(head, before)
+
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+def test_non_finite_steps_are_skipped_counted_and_warned_sparingly(cls):
+    head = cls(num_classes=20, hidden_dim=4, loss="spherical_softmax")
+    before = state_of(head)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(10):
+            H = torch.randn(3, 4)
+            H[1, 2] = float("nan") if i % 2 else float("inf")
+            H.requires_grad_()
+            head(H, torch.tensor([1, 2, 3])).backward()
+            assert torch.equal(H.grad, torch.zeros_like(H))
+        val = torch.tensor([1.0, float("inf"), 1.0])
+        head(torch.randn(3, 4, requires_grad=True), torch.tensor([1, 2, 3]), val).backward()
+    assert int(head.skipped_nonfinite) == 11
+    assert sum("non-finite" in str(w.message) for w in caught) == 4  # at 1, 2, 4, 8
+    before["skipped_nonfinite"] = head.skipped_nonfinite
+    assert_untouched(head, before)
+
+
+
+def test_two_forwards_before_backward_is_an_error():
+    f, _ = make_pair("zloss")
+    H, idx = batch(3, 8, 60, 1)
+    L1 = f(H.clone().requires_grad_(), idx)
+    L2 = f(H.clone().requires_grad_(), idx)
+    L2.backward()
+    with pytest.raises(RuntimeError, match="no gradient accumulation"):
+        L1.backward()
+
+
+
+def test_hidden_without_grad_still_updates_the_head():
+    f, n = make_pair("taylor_softmax", lr=0.05)
+    H, idx = batch(4, 8, 60, 2)
+    f(H, idx).backward()
+    n(H, idx).backward()
+    assert rel(f.weight(), n.weight()) < 1e-12 and int(f.steps) == 1
+
+
+@pytest.mark.parametrize("how", ["autograd", "train_step"])
+def test_decay_that_would_flip_w_is_refused_untouched(how):
+    head = deferred(sync_every=1, weight_decay=0.5)
+    head.lr = 2.0  # lr * weight_decay = 1
+    H, idx = batch(4, d, D, 1)
+    before = state(head)
+    with pytest.raises(ValueError, match="the decay would flip W"):
+        step(head, H, idx) if how == "autograd" else head.train_step(H, idx)
+    assert state(head) == before and int(head.steps) == 0

@@ -1,0 +1,51 @@
+"""The factored head's step replayed from a CUDA graph (graph_step.py), and its lr-0 warm-up."""
+import copy
+
+import pytest
+import torch
+
+from head_pairs import D, batch, d, deferred, state, step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_step_equals_the_eager_step():
+    from lst_lightning.spherical.graph_step import CudaGraphStep
+
+    eager = deferred(sync_every=5, device="cuda", dtype=torch.float32)
+    graphed = copy.deepcopy(eager)
+    step = CudaGraphStep(graphed, m=16, K=2)
+    assert state(graphed) == state(eager)  # warm-up and capture change nothing
+    for i in range(12):
+        eager.lr = graphed.lr = 0.05 / (1 + i)
+        H, idx = batch(16, d, D, 2, dtype=torch.float32)
+        H, idx = H.cuda(), idx.cuda()
+        loss_e, dH_e = eager.train_step(H, idx)
+        loss_g, dH_g = step(H, idx)
+        torch.testing.assert_close(loss_g, loss_e)
+        torch.testing.assert_close(dH_g, dH_e)
+    torch.testing.assert_close(graphed.weight(), eager.weight())
+    assert int(graphed.steps) == 12 and graphed._synced[0] == 10
+
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_buffer_is_on_the_cuda_device():
+    head = deferred(device="cuda")
+    assert {b.device.type for b in head.buffers()} == {"cuda"}
+
+
+
+def test_steps_at_zero_lr_change_no_bit():
+    """The CUDA graph's warm-up runs real steps at lr 0: they must leave the head as it was."""
+    from lst_lightning.spherical.graph_step import at_zero_lr
+
+    head = deferred(sync_every=2, weight_decay=0.01)
+    for _ in range(3):
+        step(head, *batch(16, d, D, 2))  # U away from I; U^-1 stale (2m > d)
+    before, counters = state(head), (int(head.steps), head._calls, head.lr)
+    with at_zero_lr(head):
+        for _ in range(3):
+            head.train_step(*batch(16, d, D, 2))
+    assert state(head) == before and (int(head.steps), head._calls, head.lr) == counters
+    step(head, *batch(16, d, D, 2))  # and the lr is back
+    assert state(head) != before

@@ -1,0 +1,68 @@
+"""Multi-process training of the factored head (multi_process.py) on two gloo processes:
+equal to one process on the global batch, bit-identical replicas, sharded equals
+replicated, agreed input errors, divergence caught, a gathered V reloads into shards."""
+
+import pytest
+import torch
+
+from two_ranks import ROWS, STEPS, WORLD, D, d, make_head, rel, train
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded", "sharded_sync_free"])
+def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, mode):
+    W = torch.cat([r[mode]["W"] for r in ranks]) if mode.startswith("sharded") else ranks[0][mode]["W"]
+    assert W.shape == (D, d + 1)
+    assert rel(W, single["W"]) < 1e-12
+    for step in range(STEPS):
+        for r, res in enumerate(ranks):
+            lo = sum(ROWS[:r])
+            want = WORLD * single["grads"][step][lo:lo + ROWS[r]]  # DDP then averages over ranks
+            assert rel(res[mode]["grads"][step], want) < 1e-12
+
+
+def test_replicas_are_bit_identical(ranks):
+    assert ranks[0]["replicated"]["hash"] == ranks[1]["replicated"]["hash"]
+    assert torch.equal(ranks[0]["replicated"]["W"], ranks[1]["replicated"]["W"])
+    assert ranks[0]["sharded"]["hash"] == ranks[1]["sharded"]["hash"]  # U, Q, ... shared
+
+
+def test_sharded_equals_replicated(ranks):
+    assert [r["sharded"]["rows"] for r in ranks] == [(0, 25), (25, 50)]
+    W = torch.cat([r["sharded"]["W"] for r in ranks])
+    assert rel(W, ranks[0]["replicated"]["W"]) < 1e-12
+
+
+
+
+def test_one_ranks_bad_input_raises_on_every_rank_and_changes_nothing(ranks):
+    assert "outside [0, 50)" in ranks[1]["bad_input"]
+    assert "another rank" in ranks[0]["bad_input"]
+    assert all(r["bad_input_untouched"] for r in ranks)
+
+
+def test_a_diverged_replica_fails_loudly_on_every_rank(ranks):
+    for r in ranks:
+        assert r["diverged"] is not None and "replicas diverged" in r["diverged"]
+
+
+def test_sharded_head_alone_is_the_whole_head():
+    """Without a process group a sharded head holds every row and trains as one process."""
+    a, b = make_head("sharded"), make_head("none")
+    assert a.V.shape[0] == 0  # nothing is allocated before distribute()
+    train(a, slice(0, 8))
+    train(b, slice(0, 8))
+    assert (a.row_lo, a.row_hi) == (0, D)
+    assert torch.equal(a.weight(), b.weight())
+
+
+def test_initial_rows_do_not_depend_on_the_split():
+    head = make_head("none", num_classes=200_000, hidden_dim=2)
+    assert torch.equal(head._init_rows(65_000, 140_000), head.V[65_000:140_000])
+
+
+
+
+def test_gathered_v_is_whole_and_reloads_into_shards(ranks):
+    whole = torch.cat([r["sharded_sync_free"]["V"] for r in ranks])  # the last head the worker built
+    assert all(torch.equal(r["full_v"], whole) for r in ranks)
+    assert all(r["reloaded_equal"] for r in ranks)

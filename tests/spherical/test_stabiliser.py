@@ -1,0 +1,114 @@
+"""The exact repairs of the factored head (stabiliser.py): each keeps W, and the head
+stays exact against the naive head through them."""
+import dataclasses
+
+import pytest
+import torch
+
+from lst_lightning.spherical.stabiliser import Stabiliser, largest_eig_bounds
+
+from head_pairs import batch, make_pair, rel, run_steps, step_both
+
+
+@pytest.mark.parametrize("woodbury", ["always", "never"])
+@pytest.mark.parametrize("sv_method", ["power", "svd"])
+def test_inverse_paths_and_sv_methods(woodbury, sv_method):
+    # m > d exercises the direct inverse with "auto"; here both paths are forced.
+    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"woodbury": woodbury, "sv_method": sv_method})
+    run_steps(f, n, steps=40, m=9, K=2)
+    assert int(f.checks) > 0 and int(f.sv_fixes) > 0, f.stats()  # mse shrinks U: repairs must run
+
+
+
+def test_singular_step_is_folded_and_stays_exact():
+    # m = 1, squared error: B = I - 2 lr h h^T is exactly singular at lr = 1 / (2 ||h||^2).
+    f, n = make_pair("mse", lr=0.01)
+    for _ in range(3):
+        H, idx = batch(1, 8, 60, 1)
+        Hx = H.clone()
+        f.lr = n.lr = 1.0 / (2.0 * float(Hx.pow(2).sum()))
+        assert max(step_both(f, n, H, idx)) < 1e-9
+    assert int(f.folds) == 3 and int(f.eig_checks) == 3, f.stats()
+    torch.testing.assert_close(f.U, torch.eye(8, dtype=torch.float64))
+
+
+
+def test_large_steps_trigger_conditioning_checks_before_the_period():
+    f, n = make_pair("mse", d=8, lr=0.08, stabiliser={"check_every": 0, "uinv_refresh_every": 0})
+    run_steps(f, n, steps=60, m=4, K=1)
+    s = f.stats()
+    assert s["checks"] > 0 and s["sv_fixes"] > 0, s  # the conditioning trigger alone fired
+    sig = torch.linalg.svdvals(f.U)
+    assert float(sig.max() / sig.min()) < 4 * f.stabiliser.cond_trigger
+
+
+
+@pytest.mark.parametrize("sv_method", ["power", "svd"])
+def test_stabilise_repairs_an_ill_conditioned_u_without_changing_w(sv_method):
+    f, _ = make_pair("zloss", d=8, stabiliser={"sv_method": sv_method, "max_sv_fixes": 2})
+    W = f.weight()
+    S = torch.tensor([1e-3, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0, 30.0], dtype=torch.float64)
+    R = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
+    U = R @ torch.diag(S) @ R.T
+    f.U.copy_(U)
+    f.Uinv.copy_(torch.linalg.inv(U))
+    f.V.copy_(torch.linalg.solve(U.T, (W - f.omega).T).T)  # keeps W = V U + 1 omega^T
+    f.stabilise()
+    torch.testing.assert_close(f.weight(), W, rtol=1e-9, atol=1e-9)
+    sig = torch.linalg.svdvals(f.U)
+    assert f.stabiliser.sv_min - 1e-6 <= float(sig.min()) and float(sig.max()) <= f.stabiliser.sv_max + 1e-6
+    assert int(f.unfactorizations) == 1  # three out of range > max_sv_fixes = 2
+    torch.testing.assert_close(f.Uinv @ f.U, torch.eye(8, dtype=torch.float64))
+
+
+
+def test_bookkeeping_refresh_is_exact():
+    f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7})
+    run_steps(f, n, steps=20, m=3, K=2)
+    W = f.weight()
+    torch.testing.assert_close(f.Q, W.T @ W)
+    torch.testing.assert_close(f.wbar, W.sum(0))
+    assert int(f.q_refreshes) == 2
+
+
+
+@pytest.mark.parametrize("m", [4, 16])  # Woodbury updates of U^-1, and direct solves
+def test_long_float32_run_keeps_uinv_accurate(m):
+    f, _ = make_pair("zloss", D=500, d=16, dtype=torch.float32, lr=0.05)
+    for _ in range(400):
+        H, idx = batch(m, 16, 500, 1, dtype=torch.float32)
+        f(H.requires_grad_(), idx).backward()
+    if not bool(f.uinv_fresh):
+        f.stabilise()
+    eye = torch.eye(16)
+    assert float((f.Uinv @ f.U - eye).abs().max()) < 1e-4
+    W = f.weight().double()
+    assert rel(f.Q, W.T @ W) < 1e-4
+
+
+@pytest.mark.parametrize("on_host", [True, False])
+@pytest.mark.parametrize("m,d,woodbury", [(3, 8, True), (12, 5, False)])
+def test_eigen_bounds_bound_the_eigenvalues(on_host, m, d, woodbury):
+    """Both step kinds' bounds are upper bounds on the largest eigenvalue of
+    H^T diag(kappa+) H and of H^T diag(kappa-) H, on fresh random inputs of both signs."""
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        H = torch.randn(m, d, generator=g, dtype=torch.float64)
+        kappa = torch.randn(m, generator=g, dtype=torch.float64) * 10 ** (seed % 5 - 3)
+        G = H @ H.T if woodbury else None
+        bounds = largest_eig_bounds(H, G, kappa, on_host=on_host)
+        for w, bound in zip((kappa.clamp(min=0), (-kappa).clamp(min=0)), bounds):
+            top = float(torch.linalg.eigvalsh((w[:, None] * H).T @ H).max())
+            assert top <= float(bound) * (1 + 1e-12) + 1e-300
+
+
+def test_stabiliser_settings_from_a_config_dict():
+    assert Stabiliser.of(None) == Stabiliser() and Stabiliser.of({"check_every": 5}).check_every == 5
+    s = Stabiliser(sv_method="svd")
+    assert Stabiliser.of(s) is s
+    with pytest.raises(ValueError, match="fold_tol"):
+        Stabiliser(fold_tol=1.0)
+    with pytest.raises(ValueError, match=r"unknown stabiliser setting\(s\) \['sync_every'\]"):
+        Stabiliser.of({"sync_every": 4})  # a head setting, not a repair's
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.sv_min = 0.1  # a head's settings change only by a new Stabiliser

@@ -1,0 +1,81 @@
+"""The import rules of docs/architecture.md, read from the source (every import statement,
+top-level or inside a function): what each part of the package must never import."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "lst_lightning"
+KERNELS = ROOT / "triton_kernels" / "lst_kernels"
+FRAMEWORKS = {"lightning", "hydra", "omegaconf", "wandb", "datasets"}
+
+# part -> the top-level names (third-party packages, or lst_lightning.<part>) it must never import
+NEVER = {
+    "heads": FRAMEWORKS | {"lst_lightning." + p for p in ("spherical", "baselines", "losses", "data", "models", "app")},
+    "losses": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "data", "models", "app")},
+    "spherical": FRAMEWORKS | {"lst_lightning." + p for p in ("baselines", "data", "models", "app")},
+    "baselines": FRAMEWORKS | {"lst_lightning." + p for p in ("spherical", "losses", "data", "models", "app")},
+    "models": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data", "app")},
+    "data": {"hydra", "omegaconf", "wandb"} | {"lst_lightning." + p for p in ("heads", "spherical", "baselines",
+                                                                            "losses", "models", "app")},
+}
+
+
+def imports_of(path: Path, package: str) -> set[str]:
+    """Absolute dotted names imported by a module of ``package`` (relative imports resolved)."""
+    here = package.split(".") + ([] if path.name == "__init__.py" else [])
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module
+            out.add(name)
+            out |= {f"{name}.{a.name}" for a in node.names}
+    return out
+
+
+def modules(root: Path, top: str):
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).with_suffix("")
+        parts = [top, *rel.parts]
+        package = ".".join(parts[:-1]) if path.name != "__init__.py" else ".".join(parts[:-1])
+        yield path, package, parts
+
+
+def forbidden(name: str, banned: set[str]) -> bool:
+    return any(name == b or name.startswith(b + ".") for b in banned)
+
+
+@pytest.mark.parametrize("part", sorted(NEVER))
+def test_part_never_imports_what_it_must_not(part):
+    bad = []
+    for path, package, parts in modules(PACKAGE / part, f"lst_lightning.{part}"):
+        for name in imports_of(path, package):
+            if forbidden(name, NEVER[part]):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_kernels_import_only_torch_triton_and_the_standard_library():
+    allowed = {"torch", "triton", "numpy", "lst_kernels", "__future__"}
+    bad = []
+    for path, package, _ in modules(KERNELS, "lst_kernels"):
+        for name in imports_of(path, package):
+            top = name.split(".")[0]
+            if top not in allowed and top not in __import__("sys").stdlib_module_names:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_installable_imports_the_scripts_or_the_tests():
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    for root, top in ((PACKAGE, "lst_lightning"), (KERNELS, "lst_kernels")):
+        for path, package, _ in modules(root, top):
+            names = {n.split(".")[0] for n in imports_of(path, package)}
+            assert not names & (scripts | {"scripts", "tests"}), path
