@@ -17,25 +17,40 @@ SHAPES = [(1, 1, 4, 1), (1, 3, 4, 37), (6, 1, 3, 133), (7, 3, 5, 37), (9, 4, 3, 
 # m = 40: more than one 32-wide tile of m x m outputs.
 TILED_SHAPE = (40, 2, 30, 5)
 
-X_DTYPES = [torch.float32, torch.bfloat16]
+# (state: V, Q, M; activations: X, H; ids) as the head passes them. Its state is float32
+# or float64; activations may come in bf16; ids in int64 or int32.
+F32 = (torch.float32, torch.float32, torch.int64)
+FLOAT_DTYPES = [F32, (torch.float32, torch.bfloat16, torch.int64), (torch.float64, torch.float64, torch.int64)]
+DTYPES = FLOAT_DTYPES + [(torch.float32, torch.float32, torch.int32)]
 
 
-def make_idx(m: int, K: int, D: int, device: str) -> torch.Tensor:
-    """Random targets from few classes (repeats across and within rows), about 1/4 padding."""
+def dtypes_id(dtypes: tuple) -> str:
+    return "-".join(str(t).removeprefix("torch.") for t in dtypes)
+
+
+def make_idx(m: int, K: int, D: int, device: str, ids=torch.int64) -> torch.Tensor:
+    """Random targets from few classes, about 1/4 padding; and always, where the shape allows:
+    a class repeated within a row and across rows, a padding slot beside a target, a row all padding."""
     idx = torch.randint(0, D, (m, K), device=device)
     idx[torch.rand(m, K, device=device) < 0.25] = -1
     if K > 1:
         idx[0, 1] = idx[0, 0] = D - 1  # a class repeated within a row
+    if m > 1:
+        idx[1, 0] = D - 1  # the same class in another row
+        if K > 1:
+            idx[1, -1] = -1
     if m > 2:
         idx[-1] = -1  # an all-padding row
-    return idx
+    return idx.to(ids)
 
 
-def make_case(m, K, D, d, device, x_dtype=torch.float32):
-    V = torch.randn(D, d, device=device)
-    idx = make_idx(m, K, D, device)
-    G = torch.randn(m, K, device=device)
-    X = torch.randn(m, d, device=device).to(x_dtype)
+def make_case(m, K, D, d, device, dtypes=F32):
+    """V (D, d) and G (m, K) in the state dtype, X (m, d) in the activation dtype, idx (m, K)."""
+    state, act, ids = dtypes
+    V = torch.randn(D, d, device=device).to(state)
+    idx = make_idx(m, K, D, device, ids)
+    G = torch.randn(m, K, device=device).to(state)
+    X = torch.randn(m, d, device=device).to(act)
     return V, idx, G, X
 
 
@@ -72,11 +87,12 @@ def factored_state(m, K, D, d, seed_scale=0.5):
     return dict(W=W, H=H, idx=idx, G=G, gq=gq, gs=gs, Q=Q, Yd=Yd, dO=dO, Z=Z, ybar=G.sum(1))
 
 
-def bookkeeping_inputs(m, d, K, D, device, h_dtype):
-    s = factored_state(m, K, D, d)
-    f32 = {k: v.to(device=device, dtype=torch.float32) if v.is_floating_point() else v.to(device)
-           for k, v in s.items()}
-    f32["H"] = f32["H"].to(h_dtype)
-    f32["yy"] = ref.sparse_gram(f32["idx"], f32["G"])
-    f32["Hq"] = f32["H"].float() @ f32["Q"]
-    return f32
+def bookkeeping_inputs(m, d, K, D, device, dtypes=F32):
+    """factored_state in the state dtype, H in the activation dtype, with yy and Hq."""
+    state, act, _ = dtypes
+    s = {k: v.to(device=device, dtype=state) if v.is_floating_point() else v.to(device)
+         for k, v in factored_state(m, K, D, d).items()}
+    s["H"] = s["H"].to(act)
+    s["yy"] = ref.sparse_gram(s["idx"], s["G"])
+    s["Hq"] = s["H"].to(state) @ s["Q"]
+    return s

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import KERNEL_DEVICES, SHAPES, X_DTYPES, close, make_case
+from kernel_cases import DTYPES, KERNEL_DEVICES, SHAPES, close, dtypes_id, make_case
 
 from lst_kernels import reference as ref
 
@@ -12,10 +12,10 @@ from lst_kernels.scatter_add_rows_kernel import scatter_add_rows_  # noqa: E402
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("x_dtype", X_DTYPES)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=dtypes_id)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_scatter_add_rows(shape, x_dtype, device):
-    V, idx, G, X = make_case(*shape, device, x_dtype)
+def test_triton_scatter_add_rows(shape, dtypes, device):
+    V, idx, G, X = make_case(*shape, device, dtypes)
     V_tri, V_ref = V.clone(), V.clone()
     out = scatter_add_rows_(V_tri, idx, G, X, 0.3)
     ref.scatter_add_rows_(V_ref, idx, G, X, 0.3)

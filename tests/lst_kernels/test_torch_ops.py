@@ -12,7 +12,7 @@ from lst_kernels import torch_ops
 @pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])
 def test_torch_ops_bookkeeping_match_reference(shape):
     m, K, D, d = shape
-    s = bookkeeping_inputs(m, d, K, D, "cpu", torch.float32)
+    s = bookkeeping_inputs(m, d, K, D, "cpu")
     args = (s["Hq"], s["H"], s["Z"], s["gq"], s["gs"], s["ybar"], D, s["yy"])
     M = torch_ops.m_matrix(*args)
     close(M, ref.m_matrix(*args), rtol=2e-5)
