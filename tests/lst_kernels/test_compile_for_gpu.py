@@ -29,14 +29,14 @@ _FB = _F | {"*bf16"}  # activations and loss gradients may also be bf16
 _IDS = {"*i64", "*i32"}
 # What the recorded launches must include: each dtype the head passes, and each block
 # size the launchers can choose (taken from the launchers themselves).
-_BLOCK_K = {gather_dot_kernel._block_k(K) for K in range(1, 65)} | {gather_sum_kernel._block_k(K) for K in range(1, 65)}
+_BLOCK_K = {mod._block_k(K) for mod in (gather_dot_kernel, gather_sum_kernel) for K in range(1, 65)}
+_TILES = {bookkeeping_kernels._tile(m, itemsize) for m in (1, 4096) for itemsize in (2, 4, 8)}
 COVERAGE = {
     "_gather_dot_kernel": {"V": _F, "X": _FB, "IDX": _IDS, "HAS_X0": {True, False}, "BLOCK_K": _BLOCK_K},
     "_gather_sum_kernel": {"V": _F, "G": _FB, "IDX": _IDS, "BLOCK_K": _BLOCK_K},
     "_scatter_add_rows_kernel": {"V": _F, "G": _FB, "X": _FB, "ALPHA_PTR": {True, False}},
     "_sparse_gram_kernel": {"IDX": _IDS, "G": _FB},
-    "_m_matrix_kernel": {"H": _FB, "M": _F, "BLOCK": {bookkeeping_kernels._tile(m, size)
-                                                      for m in (1, 4096) for size in (2, 4)}},
+    "_m_matrix_kernel": {"H": _FB, "M": _F, "BLOCK": _TILES},
     "_q_update_kernel": {"Q": _F, "C_PTR": {True, False}},
 }
 
