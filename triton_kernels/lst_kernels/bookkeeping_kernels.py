@@ -22,9 +22,11 @@ from . import checks
 from ._launch import scalar_arg
 
 
-def _tile(n: int) -> int:
-    # Smaller tiles for small outputs, so that enough programs run at once.
-    return 64 if n >= 1024 else 32
+def _tile(n: int, itemsize: int) -> int:
+    # Smaller tiles for small outputs, so that enough programs run at once; and for
+    # float64 inputs, whose 64-wide tiles need 192 KiB of shared memory (the pipelined
+    # loads), more than an A100 has (163 KiB).
+    return 64 if n >= 1024 and itemsize <= 4 else 32
 
 
 @triton.jit
@@ -87,7 +89,7 @@ def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Ten
     M = torch.empty(m, m, dtype=ct, device=H.device)
     if m == 0:
         return M
-    block = _tile(m)
+    block = _tile(m, max(H.element_size(), Hq.element_size(), Z.element_size()))
     grid = (triton.cdiv(m, block), triton.cdiv(m, block))
     _m_matrix_kernel[grid](Hq.contiguous(), H.contiguous(), Z.contiguous(), gq.contiguous(), gs.contiguous(),
                            ybar.contiguous(), yy.contiguous(), M, m, d, float(num_classes),
