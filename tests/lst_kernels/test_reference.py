@@ -77,7 +77,7 @@ def test_reference_sparse_gram_is_yd_yd_t(shape):
 def test_reference_m_matrix_is_dense_dO_dO_t(shape):
     m, K, D, d = shape
     s = factored_state(m, K, D, d)
-    torch.testing.assert_close(s["Z"], (s["gs"][:, None] + s["Yd"]) @ s["W"])  # Z as in ALGORITHM.md
+    torch.testing.assert_close(s["Z"], (s["gs"][:, None] + s["Yd"]) @ s["W"])  # Z as in docs/algorithm.md
     yy = ref.sparse_gram(s["idx"], s["G"])
     M = ref.m_matrix(s["H"] @ s["Q"], s["H"], s["Z"], s["gq"], s["gs"], s["ybar"], D, yy)
     torch.testing.assert_close(M, s["dO"] @ s["dO"].T)

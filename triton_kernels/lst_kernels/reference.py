@@ -74,7 +74,7 @@ def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
 
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
              num_classes: int, yy: Tensor) -> Tensor:
-    """M = dO dO^T (m x m) from its factors, term by term as in ALGORITHM.md.
+    """M = dO dO^T (m x m) from its factors, term by term as in docs/algorithm.md.
 
     ``Hq = H Q``, ``Z = (g_s 1^T + Yd) W``, ``ybar = rowsum(G_A)``,
     ``yy = sparse_gram(idx, G_A)`` (= Yd Yd^T), ``num_classes = D``.
