@@ -3,12 +3,17 @@ loss settings it reads, and the ratio and target arithmetic."""
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
 from pathlib import Path
 
 import bench_heads as bh
 import pytest
 import torch
-from conftest import make_sandbox
+from conftest import SCRIPTS, make_sandbox
+
+# The GPU machine has torch, matplotlib, PyYAML and rich but not the app's other packages.
+NOT_ON_THE_GPU_MACHINE = ("hydra", "omegaconf", "datasets", "gensim", "wandb")
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -61,6 +66,20 @@ def test_smoke_writes_every_head_at_every_size(smoke_run):
     assert "## Targets" in md and "| factored/zloss fp32 |" in md
     assert md.count("UNMEASURED") == 6  # no GPU rows: every target unmeasured, none invented
     assert next(smoke_run.glob("bench_heads_smoke_*.png")).stat().st_size > 0
+
+
+def test_imports_without_the_apps_packages():
+    block = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_ON_THE_GPU_MACHINE!r}:
+            raise ImportError(name)
+sys.meta_path.insert(0, Block())
+import bench_heads
+assert bench_heads.loss_settings("zloss")[0] == 1.0
+"""
+    subprocess.run([sys.executable, "-c", block], cwd=SCRIPTS, check=True)
 
 
 def test_loss_settings_are_the_configs(tmp_path, monkeypatch):
