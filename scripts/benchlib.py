@@ -162,9 +162,13 @@ def write_csv(path: Path, rows: list[dict], columns: Iterable[str] | None = None
     ``append`` adds to an existing file (its header is kept); keys not in ``columns`` are left out."""
     name = machine or machine_name()
     rows = [{"machine": name, **r} for r in rows]
-    columns = list(dict.fromkeys(["machine", *(columns or rows[0])]))
-    path.parent.mkdir(parents=True, exist_ok=True)
     fresh = not (append and path.exists())
+    if fresh:
+        columns = list(dict.fromkeys(["machine", *(columns or rows[0])]))
+    else:
+        with path.open(newline="") as fh:
+            columns = next(csv.reader(fh))
+    path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w" if fresh else "a", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
         if fresh:
