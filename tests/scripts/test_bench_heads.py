@@ -10,7 +10,7 @@ from pathlib import Path
 import bench_heads as bh
 import pytest
 import torch
-from conftest import SCRIPTS, make_sandbox
+from output_sandbox import make_sandbox
 
 # The GPU machine has torch, matplotlib, PyYAML and rich but not the app's other packages.
 NOT_ON_THE_GPU_MACHINE = ("hydra", "omegaconf", "datasets", "gensim", "wandb")
@@ -79,7 +79,7 @@ sys.meta_path.insert(0, Block())
 import bench_heads
 assert bench_heads.loss_settings("zloss")[0] == 1.0
 """
-    subprocess.run([sys.executable, "-c", block], cwd=SCRIPTS, check=True)
+    subprocess.run([sys.executable, "-c", block], cwd=Path(bh.__file__).parent, check=True)
 
 
 def test_loss_settings_are_the_configs(tmp_path, monkeypatch):
