@@ -1,8 +1,11 @@
 """Time each Triton kernel of lst_kernels against its torch reference, side by side.
 
+    uv run python scripts/bench_kernels.py [--smoke] [--out DIR | --update-results]
+
 On a CUDA GPU: sizes of issue 5 (D = 793 471, d in {300, 512}, m in {128, 1024},
-K = 1), median of CUDA-event timings after warm-up, ratios printed, a CSV
-``benchmarks/results/kernels_<gpu>.csv`` and a plot beside it. Every
+K = 1), median of CUDA-event timings after warm-up, the implementations of an op
+timed in alternation, ratios printed, a CSV ``kernels_<gpu>.csv`` and a plot beside it
+in a fresh run directory (``--update-results``: in benchmarks/results/). Every
 implementation is checked against the reference before it is timed.
 
 Besides the reference, some ops have a plain-torch competitor that a fused
@@ -17,15 +20,14 @@ script can be tested without a GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import platform
-import re
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
+
+# benchlib first: in a bare checkout (the GPU machine) it puts the kernels on the path.
+from benchlib import (add_output_args, clock_for, interleaved_medians, machine_name, output_dir, pyplot,
+                      save_figure, write_csv, wrote, zipf_targets)
 
 import torch
 
@@ -33,8 +35,6 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from lst_kernels import reference as ref  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 ISSUE_SIZES = dict(D=793_471, ds=(300, 512), ms=(128, 1024), K=1)
 SMOKE_SIZES = dict(D=50, ds=(37,), ms=(6,), K=2)
 
@@ -65,39 +65,12 @@ def scatter_atomic_(V, idx, G, X, alpha):
     return V.index_add_(0, flat[keep], (alpha * contrib).to(V.dtype))
 
 
-# --- timing ---------------------------------------------------------------------
-
-def median_ms(fn: Callable[[], object], warmup: int, iters: int, cuda: bool) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def zipf_targets(m: int, K: int, D: int, device) -> torch.Tensor:
-    """Class ids drawn with Zipf(1) frequencies (id 0 most frequent), as in text: rows repeat."""
-    w = 1.0 / torch.arange(1, D + 1, dtype=torch.float64, device=device)
-    return torch.multinomial(w, m * K, replacement=True).reshape(m, K)
-
-
 def cases(D: int, d: int, m: int, K: int, device) -> dict[str, tuple[Callable, dict[str, Callable]]]:
     """op -> (make fresh args, {impl name: function})."""
     from lst_kernels import triton_ops as tri
 
     V = torch.randn(D, d, device=device) * 0.01
-    idx = zipf_targets(m, K, D, device)
+    idx = zipf_targets((m, K), D, device=device)
     H = torch.randn(m, d, device=device).to(torch.bfloat16)  # the body's activations arrive in bf16
     G = torch.randn(m, K, device=device)
     x0 = torch.randn(m, device=device)
@@ -136,20 +109,10 @@ def check_against_reference(op: str, make_args, impls: dict[str, Callable]) -> N
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * scale, msg=lambda s: f"{op}/{name}: {s}")
 
 
-def machine_name(cuda: bool) -> str:
-    raw = torch.cuda.get_device_name() if cuda else f"{platform.processor() or platform.machine()}_{os.cpu_count()}cpu"
-    return re.sub(r"[^a-z0-9]+", "_", raw.lower()).strip("_")
-
-
-def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], path: Path, title: str) -> Path:
     configs = sorted({(r["m"], r["d"]) for r in rows})
     ops = list(dict.fromkeys(r["op"] for r in rows))
-    fig, axes = plt.subplots(1, len(configs), figsize=(4.5 * len(configs), 4), squeeze=False, sharey=True)
+    fig, axes = pyplot().subplots(1, len(configs), figsize=(4.5 * len(configs), 4), squeeze=False, sharey=True)
     for ax, (m, d) in zip(axes[0], configs):
         sub = [r for r in rows if (r["m"], r["d"]) == (m, d) and r["impl"] != "reference"]
         impls = list(dict.fromkeys(r["impl"] for r in sub))
@@ -166,8 +129,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     axes[0][-1].legend()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in the Triton interpreter (tests only)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=100)
-    p.add_argument("--out", type=Path, default=RESULTS, help="folder for the CSV and the plot")
+    add_output_args(p)
     args = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -186,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.warmup, args.iters = 1, 2
     device = "cuda" if cuda else "cpu"
-    machine = machine_name(cuda)
+    machine = machine_name()
+    out = output_dir(args, "bench_kernels")
     rows: list[dict] = []
     for d in sizes["ds"]:
         for m in sizes["ms"]:
@@ -194,26 +157,24 @@ def main(argv: list[str] | None = None) -> int:
             for op, (make_args, impls) in cases(sizes["D"], d, m, sizes["K"], device).items():
                 check_against_reference(op, make_args, impls)
                 args_now = make_args()
-                times = {name: median_ms(lambda fn=fn: fn(*args_now), args.warmup, args.iters, cuda)
-                         for name, fn in impls.items()}
+                calls = {name: (lambda fn=fn, a=args_now: fn(*a), 1) for name, fn in impls.items()}
+                for call, _ in calls.values():
+                    for _ in range(args.warmup):
+                        call()
+                times = {name: 1e3 * t for name, t in
+                         interleaved_medians(calls, args.iters, warmup=0, clock=clock_for(device)).items()}
                 for name, ms in times.items():
                     rows.append(dict(machine=machine, op=op, impl=name, D=sizes["D"], d=d, m=m, K=sizes["K"],
                                      median_ms=round(ms, 5), speedup_vs_reference=round(times["reference"] / ms, 3)))
                 summary = "  ".join(f"{n} {ms:.4f} ms ({times['reference'] / ms:.2f}x)" for n, ms in times.items())
                 print(f"m={m:5d} d={d:4d} {op:18s} {summary}", flush=True)
-                del args_now
+                del args_now, calls
             if cuda:
                 torch.cuda.empty_cache()
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"kernels_{'smoke_' if args.smoke else ''}{machine}"
-    csv_path = args.out / f"{stem}.csv"
-    with csv_path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    plot(rows, args.out / f"{stem}.png", f"lst_kernels on {machine} (D={sizes['D']}, K={sizes['K']})")
-    print(f"wrote {csv_path} and {csv_path.with_suffix('.png')}")
+    stem = out / f"kernels_{'smoke_' if args.smoke else ''}{machine}"
+    wrote(write_csv(stem.with_suffix(".csv"), rows),
+          plot(rows, stem.with_suffix(".png"), f"lst_kernels on {machine} (D={sizes['D']}, K={sizes['K']})"))
     return 0
 
 

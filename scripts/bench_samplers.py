@@ -2,29 +2,25 @@
 way (all n kernel values, O(n F) per row, then a multinomial draw), over n, on CPU.
 
 Prints the ratios measured side by side in one run, writes
-benchmarks/results/bench_samplers_<machine>.csv and a plot beside it.
+bench_samplers_<kernel>_<machine>.csv and a plot beside it into a fresh run directory
+(``--out DIR``; ``--update-results``: into benchmarks/results/).
 
     uv run python scripts/bench_samplers.py [--kernel rff|quadratic] [--sizes 1000 4000 ...]
 """
 from __future__ import annotations
 
 import argparse
-import csv
-from pathlib import Path
 
-import matplotlib
+# benchlib first: in a bare checkout it puts the package on the path.
+from benchlib import (add_output_args, interleaved_medians, machine_name, output_dir, pyplot, save_figure,
+                      write_csv, wrote)
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import torch
+from rich.console import Console
+from rich.table import Table
 
-from lst_lightning.benchmark import interleaved_medians, machine_name  # noqa: E402
-from lst_lightning.baselines.samplers import KernelSumTree  # noqa: E402
-from lst_lightning.baselines.samplers.kernel_functions import QuadraticKernel, RandomFourierKernel  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+from lst_lightning.baselines.samplers import KernelSumTree
+from lst_lightning.baselines.samplers.kernel_functions import QuadraticKernel, RandomFourierKernel
 
 
 def build_ms(tree, C, reps: int) -> float:
@@ -37,7 +33,7 @@ def direct_draw(kernel, state, h, num_samples):
     return torch.multinomial(vals, num_samples, replacement=True)
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernel", choices=["rff", "quadratic"], default="rff")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 16000, 64000, 256000])
@@ -48,7 +44,9 @@ def main():
     ap.add_argument("--leaf-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    out = output_dir(args, "bench_samplers")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     d, m, S = args.hidden_dim, args.rows, args.samples
@@ -71,7 +69,7 @@ def main():
                                  "tree": (lambda: tree.sample(h, S), 1),
                                  "update": (lambda: tree.update(upd, C[upd]), 1)}, rounds=args.reps, warmup=1)
         direct_ms, tree_ms, update_ms = (1e3 * t[k] for k in ("direct", "tree", "update"))
-        rows.append({"machine": machine, "kernel": args.kernel, "n": n, "d": d,
+        rows.append({"kernel": args.kernel, "n": n, "d": d,
                      "feature_dim": kernel.feature_dim, "rows": m, "samples": S, "leaf_size": args.leaf_size,
                      "threads": args.threads, "direct_ms": round(direct_ms, 3), "tree_ms": round(tree_ms, 3),
                      "direct_over_tree": round(direct_ms / tree_ms, 3), "tree_update_ms": round(update_ms, 3),
@@ -85,13 +83,8 @@ def main():
                                             "tree_build_ms")))
     Console().print(table)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"bench_samplers_{args.kernel}_{machine}"
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    stem = out / f"bench_samplers_{args.kernel}_{machine}"
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     ns = [r["n"] for r in rows]
     ax.loglog(ns, [r["direct_ms"] for r in rows], "o-", label="direct: all n kernel values + multinomial")
     ax.loglog(ns, [r["tree_ms"] for r in rows], "s-", label="sum-tree walk")
@@ -102,8 +95,7 @@ def main():
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(stem.with_suffix(".png"), dpi=120)
-    print(f"wrote {stem.with_suffix('.csv')} and {stem.with_suffix('.png')}")
+    wrote(write_csv(stem.with_suffix(".csv"), rows, machine=machine), save_figure(fig, stem.with_suffix(".png")))
 
 
 if __name__ == "__main__":

@@ -4,24 +4,25 @@ step time, V memory per rank and bytes exchanged per step, against one process.
     uv run python scripts/bench_sharded.py --D 10000000 --d 128 --m 256 --world 2
 
 One process per rank (rank r holds V's rows of classes [r D/N, (r+1) D/N)); every
-rank runs the same global batches. Prints the ratios measured in this run and
-writes benchmarks/results/bench_sharded_<machine>.csv.
+rank runs the same global batches. Prints the ratios measured in this run and adds
+its rows to bench_sharded_<machine>.csv in a fresh run directory (``--out DIR``: that
+folder's file; ``--update-results``: benchmarks/results/'s).
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import tempfile
 import time
-from pathlib import Path
+
+# benchlib first: in a bare checkout it puts the package on the path.
+from benchlib import add_output_args, machine_name, output_dir, write_csv, wrote, zipf_targets
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lst_lightning.benchmark import machine_name, zipf_targets
 from lst_lightning.heads import FactoredSphericalHead
 
 
@@ -39,7 +40,7 @@ def run(rank: int, world: int, rdv: str, args, out: str) -> None:
     t0 = time.perf_counter()
     head = FactoredSphericalHead(num_classes=args.D, hidden_dim=args.d, loss="zloss", lr=0.01, bias=True,
                                  generator=torch.Generator().manual_seed(0), parallel="sharded",
-                                 q_refresh_every=0)
+                                 stabiliser={"q_refresh_every": 0})
     head.distribute()
     setup_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(1)
@@ -71,7 +72,7 @@ def measure(world: int, args) -> list[dict]:
         return [torch.load(os.path.join(tmp, f"{world}_{r}.pt")) for r in range(world)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--D", type=int, default=10_000_000)
     p.add_argument("--d", type=int, default=128)
@@ -81,14 +82,15 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--single", action="store_true", help="also time one process on the global batch")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
+    add_output_args(p)
+    args = p.parse_args(argv)
+    out = output_dir(args, "bench_sharded")
     rows = []
     for world in ([1] if args.single else []) + [args.world]:
         res = measure(world, args)
         step = max(r["median_ms"] for r in res)
         M = args.m * world
-        rows.append({"machine": machine_name(), "D": args.D, "d": args.d, "m_per_rank": args.m, "world": world,
+        rows.append({"D": args.D, "d": args.d, "m_per_rank": args.m, "world": world,
                      "global_batch": M, "step_ms": round(step, 3),
                      "v_gb_per_rank": round(max(r["v_gb"] for r in res), 3),
                      "comm_mb_per_step": round(comm_bytes(M, args.d + 1, 1, 4, True) / 1e6, 3) if world > 1 else 0.0,
@@ -98,16 +100,8 @@ def main() -> None:
         print(f"step time, {args.world} ranks (global batch {args.m * args.world}) / one process (global batch "
               f"{args.m}): {rows[1]['step_ms'] / rows[0]['step_ms']:.2f}; V per rank "
               f"{rows[1]['v_gb_per_rank']} GB vs {rows[0]['v_gb_per_rank']} GB")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_sharded_{machine_name()}.csv"
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        if new:
-            w.writeheader()
-        w.writerows(rows)
-    print(f"wrote {path}")
+    # Appended: the file collects the sizes measured so far.
+    wrote(write_csv(out / f"bench_sharded_{machine_name()}.csv", rows, append=True))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,17 @@
 """The quality table: every head trained on the same data with the same body, for the same
 number of epochs and for the same wall-clock budget; top-k error rates, MRR, perplexity
 where defined, SimLex-999, step time. Writes a CSV, a markdown table and a plot of a top-k
-error against training wall-clock time under benchmarks/results/, naming the machine.
+error against training wall-clock time, named after the machine, into a fresh run
+directory (``--out DIR``; ``--update-results``: into benchmarks/results/).
 
     uv run python scripts/quality_table.py                       # both tasks, both budgets
     uv run python scripts/quality_table.py --preset quick --budget-s 10   # a smoke test, minutes
     uv run python scripts/quality_table.py --tasks wiki --heads softmax factored-zloss \\
         --epochs 1 --budget-s 60 -o trainer.limit_train_batches=500
 
-Each run is ``lst_lightning.app.train.run`` on a composed config (``data=<task>``, ``head=...``,
+``--merge`` keeps the rows of the table already in the output folder that this run does
+not redo (with ``--update-results``: the committed table; with ``--out DIR``: an earlier
+run's). Each run is ``lst_lightning.app.train.run`` on a composed config (``data=<task>``, ``head=...``,
 any ``-o`` overrides), so what is measured is exactly what ``lst-train`` does.
 """
 from __future__ import annotations
@@ -20,17 +23,15 @@ import tempfile
 import time
 from pathlib import Path
 
+# benchlib first: in a bare checkout it puts the package on the path.
+from benchlib import (add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure, write_csv,
+                      wrote)
+
 import lightning.pytorch as pl
-import matplotlib
+from hydra import compose, initialize_config_dir
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from lst_lightning.benchmark import machine_name  # noqa: E402
-from lst_lightning.app.train import config_dir, run  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+from lst_lightning.app.configs import config_dir
+from lst_lightning.app.train import run
 
 # name -> Hydra overrides. The factored head with each spherical loss, the naive spherical
 # head, and the baselines (each sampler of the sampled softmax).
@@ -120,20 +121,9 @@ def task_overrides(specs: list[str], task: str) -> list[str]:
     return out
 
 
-def markdown(rows: list[dict], cols: list[str]) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = []
-        for c in cols:
-            v = r.get(c)
-            cells.append("" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v))
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict], metric: str, path: Path, machine: str) -> None:
+def plot(rows: list[dict], metric: str, path: Path, machine: str) -> Path:
     tasks = sorted({r["task"] for r in rows})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(tasks), figsize=(6 * len(tasks), 4.5), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for r in rows:
             pts = [p for p in r["curve"] if metric in p]
@@ -148,12 +138,13 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(machine, fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return save_figure(fig, path)
 
 
-def previous_rows(machine: str, rerun: set[tuple[str, str, str]]) -> list[dict]:
-    """Rows of this machine's previous CSV and curves except the (task, mode, head) in ``rerun``: ``--merge``."""
-    stem = RESULTS / f"quality_table_{machine}"
+def previous_rows(folder: Path, machine: str, rerun: set[tuple[str, str, str]]) -> list[dict]:
+    """Rows of this machine's table (CSV and curves) in ``folder`` except the (task, mode, head)
+    in ``rerun``: ``--merge``."""
+    stem = folder / f"quality_table_{machine}"
     curves_path = stem.parent / (stem.name + "_curves.json")
     if not stem.with_suffix(".csv").exists() or not curves_path.exists():
         return []
@@ -176,31 +167,25 @@ def previous_rows(machine: str, rerun: set[tuple[str, str, str]]) -> list[dict]:
     return rows
 
 
-def write_results(rows: list[dict], metric: str, machine: str) -> tuple[str, Path]:
-    """CSV, validation curves (JSON), markdown table and plot under benchmarks/results/."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"quality_table_{machine}"
+def write_results(rows: list[dict], metric: str, machine: str, folder: Path) -> tuple[str, Path]:
+    """CSV, validation curves (JSON), markdown table and plot in ``folder``."""
+    stem = folder / f"quality_table_{machine}"
     metric_cols = sorted({k for r in rows for k in r if "error" in k and k != "error"},
                          key=lambda k: (len(k), k))
     cols = ["task", "mode", "head", "num_classes", "train_steps", *metric_cols, "mrr", "perplexity",
             "simlex_rho", "step_time_ms", "head_share", "wall_s"]
     if any("error" in r for r in rows):
         cols.append("error")
-    with open(stem.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["machine", *cols], extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({"machine": machine, **r})
+    write_csv(stem.with_suffix(".csv"), rows, cols, machine=machine)
     (stem.parent / (stem.name + "_curves.json")).write_text(
         json.dumps([{k: r[k] for k in ("task", "head", "mode", "curve")} for r in rows], indent=1))
-    md = f"Machine: {machine}\n\n" + markdown(rows, cols) + "\n"
+    md = f"Machine: {machine}\n\n" + markdown_table(rows, cols) + "\n"
     stem.with_suffix(".md").write_text(md)
     plot(rows, metric, stem.with_suffix(".png"), machine)
-    plt.close("all")
     return md, stem
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
@@ -217,15 +202,21 @@ def main():
     ap.add_argument("-t", "--task-override", action="append", default=[],
                     help="Hydra override for one task only, as TASK:OVERRIDE (repeatable)")
     ap.add_argument("--merge", action="store_true",
-                    help="keep the rows of this machine's previous table that this run does not redo")
+                    help="keep the rows of this machine's table in the output folder (--out DIR, or the "
+                         "committed one with --update-results) that this run does not redo")
     ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
-    args = ap.parse_args()
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    if args.merge and not (args.out or args.update_results):
+        ap.error("--merge keeps the rows of an earlier table: name its folder with --out DIR, "
+                 "or merge into the committed table with --update-results")
 
     machine = machine_name()
-    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
     task_overrides(args.task_override, "wiki")  # bad input fails before any run, not after an hour
+    folder = output_dir(args, "quality_table")
+    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
     rerun = {(t, m, h) for t in args.tasks for m in args.modes for h in args.heads}
-    rows = previous_rows(machine, rerun) if args.merge else []
+    rows = previous_rows(folder, machine, rerun) if args.merge else []
     for task in args.tasks:
         for mode in args.modes:
             for head in args.heads:
@@ -236,9 +227,10 @@ def main():
                     rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
                                  "curve": []})
                 # after every run, so that a run cut short still leaves its table
-                md, stem = write_results(rows, args.metric, machine)
+                md, stem = write_results(rows, args.metric, machine, folder)
     print(md)
-    print(f"wrote {stem}.csv/.md/.png and the validation curves; run directories in {out_dir}")
+    wrote(*(stem.with_suffix(s) for s in (".csv", ".md", ".png")), stem.parent / (stem.name + "_curves.json"))
+    print(f"run directories in {out_dir}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
-from lst_lightning.app.train import config_dir, run
+from lst_lightning.app.configs import config_dir
+from lst_lightning.app.train import run
 from lst_lightning.data.datamodule import _PaddedIds
 from lst_lightning.data.ngram import EpochBatchSampler
 from lst_lightning.spherical.shard_files import load_rows

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lst_lightning.app.compare import compare
-from lst_lightning.app.train import config_dir
+from lst_lightning.app.configs import config_dir
 
 CONF = Path(config_dir())
 # Seconds per job: tiny data, CSV only, no progress bar, few steps and eval examples.

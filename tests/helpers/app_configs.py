@@ -3,7 +3,7 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-from lst_lightning.app.train import config_dir
+from lst_lightning.app.configs import config_dir
 
 CONF = Path(config_dir())
 TOY = "toy_heads.ToySelfUpdatingHead"

@@ -1,16 +1,19 @@
-"""scripts/bench_heads.py: the smoke run's outputs, skip reasons, and the ratio and target arithmetic."""
+"""scripts/bench_heads.py: the smoke run's outputs and where they go, skip reasons, the
+loss settings it reads, and the ratio and target arithmetic."""
 from __future__ import annotations
 
 import csv
-import runpy
+import subprocess
+import sys
 from pathlib import Path
 
+import bench_heads as bh
 import pytest
 import torch
+from output_sandbox import make_sandbox
 
-from lst_lightning import bench_heads as bh
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_heads.py"
+# The GPU machine has torch, matplotlib, PyYAML and rich but not the app's other packages.
+NOT_ON_THE_GPU_MACHINE = ("hydra", "omegaconf", "datasets", "gensim", "wandb")
 
 
 def read_rows(folder: Path) -> list[dict]:
@@ -23,12 +26,24 @@ def read_rows(folder: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
+    """The smoke run with no output option, from a temporary current directory: its run
+    directory (the sandbox checks that no results folder changed)."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU the smoke run times the CUDA paths; this test pins the CPU run")
-    out = tmp_path_factory.mktemp("smoke")
-    assert runpy.run_path(str(SCRIPT), run_name="bench_heads_script")["main"] is bh.main  # the script is thin
-    assert bh.main(["--smoke", "--out", str(out)]) == 0
-    return out
+    with pytest.MonkeyPatch.context() as mp:
+        box = make_sandbox(tmp_path_factory.mktemp("smoke"), mp)
+        return box.run_default(bh.main, ["--smoke"], "bench_heads")
+
+
+def test_default_run_writes_its_run_directory_only(smoke_run):
+    assert smoke_run.parent.name == "bench_heads" and smoke_run.parent.parent.name == "bench"
+    assert sorted(p.suffix for p in smoke_run.iterdir()) == [".csv", ".md", ".png"]
+
+
+def test_update_results_writes_the_results_folder(sandbox):
+    changed = sandbox.run_update(bh.main, ["--smoke", "--cpu", "--heads", "factored/zloss"])
+    machine = bh.machine_name()
+    assert changed == {f"bench_heads_smoke_{machine}{s}" for s in (".csv", ".md", ".png")}
 
 
 def test_smoke_writes_every_head_at_every_size(smoke_run):
@@ -51,6 +66,33 @@ def test_smoke_writes_every_head_at_every_size(smoke_run):
     assert "## Targets" in md and "| factored/zloss fp32 |" in md
     assert md.count("UNMEASURED") == 6  # no GPU rows: every target unmeasured, none invented
     assert next(smoke_run.glob("bench_heads_smoke_*.png")).stat().st_size > 0
+
+
+def test_imports_without_the_apps_packages():
+    block = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {NOT_ON_THE_GPU_MACHINE!r}:
+            raise ImportError(name)
+sys.meta_path.insert(0, Block())
+import bench_heads
+assert bench_heads.loss_settings("zloss")[0] == 1.0
+"""
+    subprocess.run([sys.executable, "-c", block], cwd=Path(bh.__file__).parent, check=True)
+
+
+def test_loss_settings_are_the_configs(tmp_path, monkeypatch):
+    assert bh.loss_settings("zloss") == (1.0, {"a": 0.1, "b": 10.0})
+    assert bh.loss_settings("spherical_softmax") == (0.01, {"eps": 0.01})
+    # A config that cannot be read stops the run rather than timing other settings.
+    monkeypatch.setattr(bh, "config_dir", lambda: str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        bh.loss_settings("zloss")
+    (tmp_path / "loss").mkdir()
+    (tmp_path / "loss" / "zloss.yaml").write_text("name: zloss\nkwargs: {}\n")
+    with pytest.raises(ValueError, match="head_lr"):
+        bh.loss_settings("zloss")
 
 
 def test_tiny_memory_limit_records_skip_reasons(tmp_path):
@@ -168,8 +210,10 @@ def test_measure_times_a_slow_step_once():
 
 def test_replot_remakes_the_markdown_from_the_csv(smoke_run, tmp_path):
     (csv_path,) = smoke_run.glob("bench_heads_smoke_*.csv")
+    before = csv_path.read_bytes()
+    assert bh.main(["--replot", str(csv_path), "--out", str(tmp_path)]) == 0
+    assert csv_path.read_bytes() == before  # the source is read, not rewritten
     copy = tmp_path / csv_path.name
-    copy.write_text(csv_path.read_text())
-    assert bh.main(["--replot", str(copy)]) == 0
+    assert copy.read_bytes() == before
     assert copy.with_suffix(".md").read_text() == csv_path.with_suffix(".md").read_text()
     assert copy.with_suffix(".png").stat().st_size > 0

@@ -1,25 +1,62 @@
-"""scripts/quality_table.py: per-task overrides and the table it writes (no training here:
-the runs themselves are lst-train runs, tested in test_app.py)."""
+"""scripts/quality_table.py: per-task overrides, the table it writes, where it writes it,
+and --merge (tiny lst-train runs: the app itself is tested in tests/app)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "quality_table.py"
-
-
-@pytest.fixture(scope="module")
-def qt():
-    spec = importlib.util.spec_from_file_location("quality_table", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+import quality_table as qt
 
 
-def test_task_overrides_pick_the_task(qt):
+def tiny(head: str = "adaptive") -> list[str]:
+    """One head, one task, one mode, a few steps: seconds."""
+    return ["--preset", "quick", "--tasks", "wiki", "--heads", head, "--modes", "epochs",
+            "-o", "trainer.limit_train_batches=3", "-o", "data.max_eval_examples=64"]
+
+
+def read(path):
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_default_run_writes_its_run_directory_only(sandbox):
+    run_dir = sandbox.run_default(qt.main, tiny(), "quality_table")
+    stem = run_dir / f"quality_table_{qt.machine_name()}"
+    (row,) = read(stem.with_suffix(".csv"))  # no committed rows merged in
+    assert (row["task"], row["mode"], row["head"], row["train_steps"]) == ("wiki", "epochs", "adaptive", "3")
+    assert "| wiki | epochs | adaptive |" in stem.with_suffix(".md").read_text()
+    assert stem.with_suffix(".png").stat().st_size > 0
+    assert (stem.parent / (stem.name + "_curves.json")).exists()
+
+
+def test_merge_needs_a_folder_to_merge_with(sandbox):
+    with pytest.raises(SystemExit):
+        qt.main([*tiny(), "--merge"])
+    assert not (sandbox.cwd / "outputs").exists()
+
+
+def test_update_results_merge_replaces_only_the_rows_rerun(sandbox):
+    csv_name = f"quality_table_{qt.machine_name()}.csv"
+    committed = read(sandbox.results / csv_name)
+    changed = sandbox.run_update(qt.main, [*tiny(), "--merge"])
+    assert csv_name in changed
+    rows = read(sandbox.results / csv_name)
+    key = lambda r: (r["task"], r["mode"], r["head"])  # noqa: E731
+    rerun = ("wiki", "epochs", "adaptive")
+    assert sorted(map(key, rows)) == sorted(map(key, committed))
+    assert [r for r in rows if key(r) != rerun] == [r for r in committed if key(r) != rerun]
+    assert next(r for r in rows if key(r) == rerun)["train_steps"] == "3"
+
+
+def test_merge_with_an_earlier_run_in_out(sandbox, tmp_path):
+    out = ["--out", str(tmp_path / "table")]
+    qt.main([*tiny(), *out])
+    qt.main([*tiny("softmax"), *out, "--merge"])
+    rows = read(tmp_path / "table" / f"quality_table_{qt.machine_name()}.csv")
+    assert [r["head"] for r in rows] == ["adaptive", "softmax"]
+
+
+def test_task_overrides_pick_the_task():
     specs = ["wiki:trainer.limit_train_batches=150", "synthetic:data.num_classes=3000",
              "synthetic:trainer.check_val_every_n_epoch=2"]
     assert qt.task_overrides(specs, "wiki") == ["trainer.limit_train_batches=150"]
@@ -28,20 +65,19 @@ def test_task_overrides_pick_the_task(qt):
 
 
 @pytest.mark.parametrize("bad", ["trainer.max_epochs=1", "lm1b:data.x=1", "wiki:"])
-def test_task_overrides_reject_bad_specs(qt, bad):
+def test_task_overrides_reject_bad_specs(bad):
     with pytest.raises(ValueError, match="TASK:OVERRIDE"):
         qt.task_overrides([bad], "wiki")
 
 
-def test_write_results_writes_every_row_and_the_failures(qt, tmp_path, monkeypatch):
-    monkeypatch.setattr(qt, "RESULTS", tmp_path)
+def test_write_results_writes_every_row_and_the_failures(tmp_path):
     rows = [
         {"task": "wiki", "head": "softmax", "mode": "budget", "num_classes": 10, "train_steps": 5,
          "top10_error": 0.5, "top1_error": 0.9, "mrr": 0.2, "perplexity": 40.0, "wall_s": 1.0,
          "curve": [{"train_s": 0.5, "step": 2, "top10_error": 0.7}, {"train_s": 1.0, "step": 5, "top10_error": 0.5}]},
         {"task": "wiki", "head": "hsoftmax", "mode": "budget", "error": "RuntimeError: boom", "curve": []},
     ]
-    md, stem = qt.write_results(rows, "top10_error", "test-machine")
+    md, stem = qt.write_results(rows, "top10_error", "test-machine", tmp_path)
     with open(stem.with_suffix(".csv")) as f:
         got = list(csv.DictReader(f))
     assert [r["head"] for r in got] == ["softmax", "hsoftmax"]
@@ -54,17 +90,16 @@ def test_write_results_writes_every_row_and_the_failures(qt, tmp_path, monkeypat
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
-def test_merge_keeps_the_rows_not_rerun(qt, tmp_path, monkeypatch):
-    monkeypatch.setattr(qt, "RESULTS", tmp_path)
+def test_previous_rows_keep_the_rows_not_rerun(tmp_path):
     curve = [{"train_s": 1.5, "step": 10, "top10_error": 0.4}]
     rows = [{"task": "wiki", "head": "adaptive", "mode": "epochs", "train_steps": 300, "top10_error": 0.614,
              "mrr": 0.24, "curve": curve},
             {"task": "synthetic", "head": "adaptive", "mode": "epochs", "train_steps": 100, "top10_error": 0.9,
              "curve": []}]
-    qt.write_results(rows, "top10_error", "m")
-    kept = qt.previous_rows("m", {("synthetic", "epochs", "adaptive"), ("wiki", "budget", "adaptive")})
+    qt.write_results(rows, "top10_error", "m", tmp_path)
+    kept = qt.previous_rows(tmp_path, "m", {("synthetic", "epochs", "adaptive"), ("wiki", "budget", "adaptive")})
     assert len(kept) == 1
     (row,) = kept
     assert row["task"] == "wiki" and row["train_steps"] == 300 and row["top10_error"] == pytest.approx(0.614)
     assert row["curve"] == curve and "perplexity" not in row
-    assert qt.previous_rows("other-machine", set()) == []
+    assert qt.previous_rows(tmp_path, "other-machine", set()) == []

@@ -20,20 +20,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..spherical import SphericalHeadBase
 from .callbacks import HeadTiming, ShardedHeadCheckpoint
+from .configs import config_dir
 from .module import LanguageModel, check_distributed
 from .metrics import Perplexity, RankMetrics, read_simlex, unigram_ranks
 
 log = logging.getLogger(__name__)
-
-
-def config_dir() -> str:
-    """``conf/`` inside the installed package (wheel), else at the repository root
-    (editable install)."""
-    package = Path(__file__).resolve().parents[1]  # src/lst_lightning (or site-packages/lst_lightning)
-    for cand in (package / "conf", package.parents[1] / "conf"):
-        if (cand / "config.yaml").is_file():
-            return str(cand)
-    raise FileNotFoundError(f"lst-lightning's conf/ directory not found near {package}")
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

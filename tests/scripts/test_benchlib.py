@@ -1,0 +1,61 @@
+"""scripts/benchlib.py: output folders, CSV, markdown, timing in alternation, targets."""
+from __future__ import annotations
+
+import argparse
+import csv
+
+import benchlib
+import pytest
+import torch
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    benchlib.add_output_args(p)
+    return p.parse_args(argv)
+
+
+def test_default_output_folders_are_fresh_even_within_a_second(sandbox):
+    first, second = (benchlib.output_dir(parse(), "x") for _ in range(2))
+    assert first != second
+    assert first.resolve().parent == second.resolve().parent == sandbox.cwd / "outputs" / "bench" / "x"
+    assert not any(first.iterdir()) and not any(second.iterdir())
+
+
+def test_out_and_update_results(sandbox, tmp_path):
+    assert benchlib.output_dir(parse("--out", str(tmp_path / "o")), "x") == tmp_path / "o"
+    assert benchlib.output_dir(parse("--update-results"), "x") == sandbox.results
+    with pytest.raises(SystemExit):
+        parse("--out", "o", "--update-results")
+
+
+def test_csv_names_the_machine_and_appends_under_one_header(tmp_path):
+    path = tmp_path / "t.csv"
+    benchlib.write_csv(path, [{"a": 1, "b": 2}])
+    benchlib.write_csv(path, [{"a": 3, "b": 4, "extra": 5}], append=True)
+    benchlib.write_csv(path.with_name("u.csv"), [{"machine": "elsewhere", "a": 1}])
+    rows = list(csv.DictReader(path.open()))
+    assert rows == [{"machine": benchlib.machine_name(), "a": "1", "b": "2"},
+                    {"machine": benchlib.machine_name(), "a": "3", "b": "4"}]
+    assert next(csv.DictReader(path.with_name("u.csv").open()))["machine"] == "elsewhere"
+
+
+def test_markdown_table():
+    md = benchlib.markdown_table([{"h": "x", "v": 1 / 3, "n": None}], ["h", "v", "n"], right=["v"])
+    assert md == "| h | v | n |\n|---|---:|---|\n| x | 0.3333 |  |"
+
+
+def test_interleaved_times_alternate_and_keep_every_timing():
+    calls = []
+    steps = {"a": (lambda: calls.append("a"), 2), "b": (lambda: calls.append("b"), 1)}
+    times = benchlib.interleaved_times(steps, rounds=2, warmup=1)
+    assert calls == ["a", "b"] + ["a", "a", "b"] * 2
+    assert [len(times["a"]), len(times["b"])] == [4, 2]
+    assert benchlib.quantile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+
+
+def test_zipf_targets_follow_the_synthetic_tasks_law():
+    y = benchlib.zipf_targets((4000, 2), 1000, torch.Generator().manual_seed(0))
+    assert y.shape == (4000, 2) and y.dtype == torch.long and 0 <= y.min() and y.max() < 1000
+    # P(r) ~ log((r + 2) / (r + 1)): class 0 takes log 2 / log 1001 of the draws, about 10 %.
+    assert (y == 0).float().mean().item() == pytest.approx(0.1003, abs=0.015)
