@@ -17,7 +17,6 @@ import csv
 import datetime
 import importlib.util
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ if importlib.util.find_spec("lst_lightning") is None:  # a bare checkout, not in
 
 import torch  # noqa: E402
 
+from lst_lightning.app.machine import machine_name  # noqa: E402,F401  (the scripts' machine name)
 from lst_lightning.data.synthetic import zipf_ranks  # noqa: E402
 
 RESULTS_ENV = "LST_RESULTS_DIR"
@@ -76,21 +76,6 @@ def output_dir(args: argparse.Namespace, script: str) -> Path:
 
 
 # --- the machine and its clocks ---------------------------------------------------------
-
-def machine_name(gpu: bool | None = None) -> str:
-    """The GPU's name, or the CPU's model and core count, for result files and rows."""
-    if gpu if gpu is not None else torch.cuda.is_available():
-        return torch.cuda.get_device_name().replace(" ", "-")
-    model = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model.replace(' ', '-')}-{os.cpu_count()}cores"
-
 
 def perf_clock(fn: Step) -> float:
     """Seconds one call of ``fn`` takes on the host's clock."""

@@ -4,8 +4,6 @@ reading of the CSV logs, and a three-trial Optuna search."""
 import csv
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,8 @@ from omegaconf import OmegaConf
 
 from lst_lightning.app.compare import compare
 from lst_lightning.app.configs import config_dir
+
+from app_configs import lst_train
 
 CONF = Path(config_dir())
 # Seconds per job: tiny data, CSV only, no progress bar, few steps and eval examples.
@@ -30,13 +30,6 @@ def has_optuna() -> bool:
 
 
 HAS_OPTUNA = has_optuna()
-
-
-def lst_train(*args, cwd):
-    proc = subprocess.run([sys.executable, "-m", "lst_lightning.app.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
 
 
 @pytest.mark.parametrize("sweep", sorted(p.stem for p in (CONF / "sweep").glob("*.yaml")))

@@ -1,4 +1,6 @@
-"""Composing the app's Hydra config in tests, and its fast settings."""
+"""Composing the app's Hydra config in tests, its fast settings, and lst-train in a subprocess."""
+import subprocess
+import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -19,3 +21,11 @@ def cfg_of(*overrides):
 
 def group(name):
     return sorted(p.stem for p in (CONF / name).glob("*.yaml"))
+
+
+def lst_train(*args, cwd):
+    """``lst-train ARGS`` in a fresh process (a Hydra multirun needs one), which must succeed."""
+    proc = subprocess.run([sys.executable, "-m", "lst_lightning.app.train", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc

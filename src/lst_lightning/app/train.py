@@ -19,7 +19,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from omegaconf import DictConfig, OmegaConf
 
 from ..spherical import SphericalHeadBase
-from .callbacks import HeadTiming, ShardedHeadCheckpoint
+from .callbacks import HeadTiming, RunRecord, ShardedHeadCheckpoint, run_facts
 from .configs import config_dir
 from .module import LanguageModel, check_distributed
 from .metrics import Perplexity, RankMetrics, read_simlex, unigram_ranks
@@ -135,7 +135,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         dirpath=str(run_dir / "checkpoints"), save_last=cb.checkpoint.save_last,
         save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs),
         HeadTiming(every=m.timing_every),
-        ShardedHeadCheckpoint(mode=cfg.get("head_checkpoint", "whole"), keep=cfg.get("head_shards_keep", 2))]
+        ShardedHeadCheckpoint(mode=cfg.get("head_checkpoint", "whole"), keep=cfg.get("head_shards_keep", 2)),
+        RunRecord(run_facts(head, body, dm.batch_size, loss_name(cfg), OmegaConf.to_container(cfg.loss.kwargs),
+                            cfg.optimizer.lr, gpu=tcfg.get("accelerator", "cpu") in ("gpu", "cuda")))]
     if cb.rich_progress:
         callbacks.append(pl.callbacks.RichProgressBar())
     if cb.lr_monitor and loggers:
@@ -203,6 +205,10 @@ def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) ->
     results["wall_s"] = time.perf_counter() - start
     results["run_dir"] = str(run_dir)
     results["world_size"] = trainer.world_size
+    record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
+    results.update(record.facts)
+    results.update({f"head/{k}": float(v) for k, v in module.head.stats().items()})  # final counters
+    record.finish(trainer, results)  # the W&B summary, under results.json's names
     if writer:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2))
         print_summary(results)

@@ -1,0 +1,18 @@
+"""A small sweep logged to W&B offline (and to the CSV log), made once per session: the
+W&B reader, lst-compare, the dashboards and the run record are tested on what W&B wrote."""
+import pytest
+
+from app_configs import lst_train
+
+WANDB_GROUP = "sweep-test"
+
+
+@pytest.fixture(scope="session")
+def wandb_sweep(tmp_path_factory):
+    """Two jobs of a multirun over the Z-loss's a, each its own W&B offline run: 10
+    steps, validation every 5, tiny data."""
+    root = tmp_path_factory.mktemp("wandb_sweep")
+    lst_train("-m", "experiment=tiny", "callbacks=minimal", "trainer.limit_train_batches=10",
+              "trainer.val_check_interval=5", "data.max_eval_examples=128", "loss.kwargs.a=0.1,1",
+              f"logger.wandb.group={WANDB_GROUP}", f"hydra.sweep.dir={root}", cwd=root)
+    return root
