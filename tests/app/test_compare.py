@@ -1,6 +1,8 @@
-"""lst-compare's reading of run directories (compare.py): curves, best values, times, and clear errors."""
+"""lst-compare's reading of run directories (compare.py): curves, best values, times, clear errors, and
+runs known only from W&B's offline files."""
 import csv
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,49 @@ def test_compare_bad_input(tmp_path):
     with pytest.raises(ValueError, match="in none of the runs"):
         compare([tmp_path], tmp_path / "out", metric="test/top3_error")
     assert not (tmp_path / "out").exists()  # nothing written on bad input
+
+
+def strip(sweep: Path, dest: Path, *names: str) -> Path:
+    """A copy of ``sweep`` without each job's ``names`` (results.json, csv)."""
+    shutil.copytree(sweep, dest, symlinks=True)
+    for job in dest.glob("*/wandb"):
+        for name in names:
+            p = job.parent / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return dest
+
+
+def cells(rows: list[dict]) -> list:
+    """runs.csv rows but the directory, numbers as numbers (W&B keeps 10.0 as 10)."""
+    def value(v: str):
+        try:
+            return float(v)
+        except ValueError:
+            return v
+    return [[(k, value(v)) for k, v in r.items() if k != "dir"] for r in rows]
+
+
+def same_runs(a: list, b: list) -> None:
+    by_name = {r.name: r for r in b}
+    assert sorted(by_name) == sorted(r.name for r in a)
+    for r in a:
+        assert by_name[r.name].curves == r.curves
+        for key in ("test/top5_error", "best_val/top5_error", "val/mrr", "loss.kwargs.a", "step_time_ms", "wall_s"):
+            assert by_name[r.name].metric(key) == pytest.approx(r.metric(key)), key
+
+
+def test_a_sweep_logged_only_to_wandb_gets_the_same_report(wandb_sweep, tmp_path):
+    only_wandb = strip(wandb_sweep, tmp_path / "only_wandb", "results.json", "csv")
+    same_runs(load_runs([wandb_sweep]), load_runs([only_wandb]))
+    res = compare([only_wandb], tmp_path / "out", metric="best_val/top5_error", x="a", y="loss.kwargs.a")
+    assert res["runs"] == 2 and "curves_time.png" in res["files"]
+    ours = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))
+    theirs = compare([wandb_sweep], tmp_path / "out2", metric="best_val/top5_error")
+    want = list(csv.DictReader((tmp_path / "out2" / "runs.csv").open()))
+    assert theirs["runs"] == 2
+    assert cells(ours) == cells(want)  # same columns in the same order, same values
+
+
+def test_a_run_without_its_csv_log_takes_wandb_history(wandb_sweep, tmp_path):
+    no_csv = strip(wandb_sweep, tmp_path / "no_csv", "csv")
+    same_runs(load_runs([wandb_sweep]), load_runs([no_csv]))

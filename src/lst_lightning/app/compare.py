@@ -1,8 +1,11 @@
 """``lst-compare <sweep or run directories>``: a comparison report of ``lst-train`` runs.
 
 Every directory holding a ``results.json`` (searched recursively) is a run; its
-``config.yaml`` and ``csv/metrics.csv`` (the CSV log is always written) give the swept
-values and the learning curves. Writes, into ``--out``:
+``config.yaml`` and ``csv/metrics.csv`` give the swept values and the learning curves.
+A W&B offline run (``wandb/offline-run-*``) whose directory holds no results.json is a
+run too, read with W&B's own reader (results from its summary, values from its config,
+curves from its history), and so are the curves of a run logged without the CSV log.
+Writes, into ``--out``:
 
 - ``runs.csv`` and ``runs.md``: one row per run (test top-k errors, MRR, perplexity,
   SimLex-999, the best validation top-k errors, step time), sorted by ``--metric``;
@@ -24,9 +27,13 @@ from pathlib import Path
 
 import yaml
 
+from .run_keys import is_number, results_of
+from .wandb_files import find_run_files, read_run
+
 DEFAULT_METRIC = "test/top5_error"
 DEFAULT_X, DEFAULT_Y = "loss.kwargs.a", "loss.kwargs.b"
 SUMMARY_KEYS = ("mrr", "perplexity", "simlex_rho")
+STEP_KEY = "trainer/global_step"  # the training step in W&B's history (its own _step counts log calls)
 
 
 @dataclass
@@ -57,6 +64,8 @@ class Run:
 
 
 def config_value(config: dict, key: str):
+    if key in config:  # a flat config (W&B's): {"loss.kwargs.a": 0.1}
+        return config[key]
     node = config
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
@@ -66,27 +75,36 @@ def config_value(config: dict, key: str):
 
 
 def read_curves(path: Path) -> dict[str, list[tuple[float, float, float | None]]]:
-    """metrics.csv -> {column: [(step, value, elapsed_s or None)]}. Lightning writes one
-    row per logging call with the other columns empty; a validation row takes the
-    training time logged last before it."""
-    curves: dict[str, list] = {}
+    """metrics.csv -> {column: [(step, value, elapsed_s or None)]}."""
     if not path.is_file():
-        return curves
-    t = None
+        return {}
     with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            if not row.get("step"):
+        return curves_of(csv.DictReader(f), "step")
+
+
+def curves_of(rows, step_key: str) -> dict[str, list[tuple[float, float, float | None]]]:
+    """Logged rows (the CSV's, or W&B's history) -> {key: [(step, value, elapsed_s or None)]}.
+    Lightning writes one row per logging call with the other keys empty; a row without
+    a time takes the training time logged last before it."""
+    curves: dict[str, list] = {}
+    t = None
+    for row in rows:
+        if row.get(step_key) in (None, ""):
+            continue
+        step = float(row[step_key])
+        t = float(row["train/elapsed_s"]) if row.get("train/elapsed_s") not in (None, "") else t
+        for k, v in row.items():
+            if k in (step_key, "epoch", "train/elapsed_s") or k.startswith("_") or v in (None, ""):
                 continue
-            step = float(row["step"])
-            t = float(row["train/elapsed_s"]) if row.get("train/elapsed_s") else t
-            for k, v in row.items():
-                if k in ("step", "epoch", "train/elapsed_s") or v in (None, ""):
-                    continue
+            if isinstance(v, str) or is_number(v):
                 curves.setdefault(k, []).append((step, float(v), t))
     return curves
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
+    """The runs under ``paths``: each ``results.json`` (with the CSV log's curves, or W&B's
+    history where there is no CSV log), then each W&B offline run without a results.json,
+    read with W&B's own reader (app/wandb_files.py)."""
     runs = []
     for p in map(Path, paths):
         if not p.exists():
@@ -96,9 +114,20 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
             d = res.parent
             cfg_path = d / "config.yaml"
             config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
-            runs.append(Run(d, json.loads(res.read_text()), config or {}, read_curves(d / "csv" / "metrics.csv")))
+            curves = read_curves(d / "csv" / "metrics.csv")
+            logged = [] if curves else find_run_files(d / "wandb")
+            if logged:  # no CSV log (logger.csv=false): W&B's history
+                curves = curves_of(read_run(logged[-1]).history, STEP_KEY)
+            runs.append(Run(d, json.loads(res.read_text()), config or {}, curves))
+        done = {r.path.resolve() for r in runs}
+        for f in find_run_files(p):
+            wb = read_run(f)
+            if wb.run_dir.resolve() not in done:
+                results = {"name": wb.name, **results_of(wb.summary, wb.config)}
+                runs.append(Run(wb.run_dir, results, wb.config, curves_of(wb.history, STEP_KEY)))
     if not runs:
-        raise ValueError(f"no results.json under {[str(p) for p in paths]}: are these lst-train run directories?")
+        raise ValueError(f"no results.json and no W&B offline run under {[str(p) for p in paths]}: "
+                         "are these lst-train run directories?")
     return runs
 
 
