@@ -1,0 +1,158 @@
+"""``lst-dashboard``: a sweep's W&B workspace (a saved view of its project), and with
+``--report`` the report template of the papers' comparisons (report.py), both defined
+with W&B's own library (``wandb-workspaces``: ``uv sync --extra dashboard``).
+
+The workspace shows the runs of one W&B group (a sweep's ``logger.wandb.group``) in four
+sections: the a/b study, learning curves, cost and the head's health (wandb_panels.py).
+Given a sweep directory it reads the entity, project and group from the sweep's W&B
+offline runs (W&B's own reader) and checks that every key a panel names was logged by
+some run. Online it saves the view and prints its address; ``--dry-run`` (offline)
+writes the definition W&B would receive as JSON, beside the sweep, and prints what it
+would create.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import yaml
+
+from .wandb_files import read_runs
+from .wandb_panels import (DEFAULT_METRIC, DEFAULT_TOPK, STEP, ab_panels, cost_panels, group_filter, health_panels,
+                           learning_curve_panels, libraries, missing_keys)
+
+SECTIONS = ("a/b study", "learning curves", "cost", "head health")
+
+
+def workspace(entity: str, project: str, group: str, metric: str = DEFAULT_METRIC, topk=DEFAULT_TOPK,
+              name: str | None = None):
+    """The workspace (``wandb_workspaces.workspaces.Workspace``) of one group's runs."""
+    ws, _ = libraries()
+    panels = {"a/b study": ab_panels(metric, topk), "learning curves": learning_curve_panels(topk),
+              "cost": cost_panels(), "head health": health_panels()}
+    columns = ["config:head.value", "config:loss.value", "config:a.value", "config:b.value", "config:D.value",
+               *[f"summary:test/top{k}_error" for k in topk], "summary:test/mrr", "summary:step_time_ms",
+               "summary:wall_s"]
+    return ws.Workspace(
+        entity=entity, project=project, name=name or f"lst-lightning {group}",
+        sections=[ws.Section(name=s, panels=panels[s], is_open=True, panel_settings=ws.SectionPanelSettings(x_axis=STEP))
+                  for s in SECTIONS],
+        settings=ws.WorkspaceSettings(x_axis=STEP, max_runs=100),
+        runset_settings=ws.RunsetSettings(filters=group_filter(group), pinned_columns=columns))
+
+
+def workspace_definition(w) -> dict:
+    """What ``Workspace.save()`` sends W&B (the view's spec), with where it would go."""
+    view = w._to_model()  # save() serialises this model; wandb-workspaces has no public form of it
+    return {"kind": "workspace", "entity": w.entity, "project": w.project, "name": w.name,
+            "spec": json.loads(view.spec.model_dump_json(by_alias=True, exclude_none=True))}
+
+
+def panels_of(w) -> list:
+    return [p for s in w.sections for p in s.panels]
+
+
+def outline(w, group: str) -> str:
+    lines = [f"W&B workspace {w.name!r} in {w.entity or '<your default entity>'}/{w.project}, runs of group {group!r}:"]
+    for s in w.sections:
+        lines.append(f"  {s.name}:")
+        lines += [f"    {type(p).__name__}: {p.title}" for p in s.panels]
+    return "\n".join(lines)
+
+
+def sweep_target(sweep: Path) -> tuple[str | None, str | None, str | None, list]:
+    """(entity, project, group, W&B runs) of a sweep directory: from its W&B offline runs,
+    else from its runs' config.yaml (``logger.wandb``; the group defaults to the run name)."""
+    runs = read_runs(sweep)
+    if runs:
+        targets = {(r.config.get("logger.wandb.entity"), r.project, r.group) for r in runs}
+    else:
+        targets = set()
+        for path in sweep.rglob("config.yaml"):
+            cfg = yaml.safe_load(path.read_text()) or {}
+            wb = (cfg.get("logger") or {}).get("wandb") or {}
+            if wb:
+                targets.add((wb.get("entity"), wb.get("project"), wb.get("group") or cfg.get("name")))
+    if not targets:
+        raise ValueError(f"{sweep} holds no W&B offline run and no lst-train config.yaml")
+    if len(targets) > 1:
+        raise ValueError(f"the runs under {sweep} go to several W&B places (entity, project, group): "
+                         f"{sorted(targets, key=str)}; give --entity, --project and --group")
+    return (*targets.pop(), runs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="lst-dashboard", description=__doc__.split("\n\n")[0])
+    ap.add_argument("sweep", nargs="?", type=Path, help="a sweep (multirun) directory: entity, project and group "
+                    "come from its runs, and the dry-run JSON goes beside it")
+    ap.add_argument("--entity", help="W&B entity (default: the sweep's, else your default entity)")
+    ap.add_argument("--project", help="W&B project (default: the sweep's)")
+    ap.add_argument("--group", help="W&B run group (default: the sweep's)")
+    ap.add_argument("--metric", default=DEFAULT_METRIC, help="the metric shown over a and b (default: %(default)s)")
+    ap.add_argument("--topk", default=",".join(map(str, DEFAULT_TOPK)),
+                    help="the top-k errors in the panels (default: %(default)s)")
+    ap.add_argument("--name", help="the workspace's (or report's) name")
+    ap.add_argument("--report", action="store_true", help="the report template of the papers' comparisons "
+                    "instead (report.py; its groups are those conf/ gives the sweeps)")
+    ap.add_argument("--dry-run", action="store_true", help="offline: write the definition as JSON and print it")
+    ap.add_argument("-o", "--out", type=Path, help="the dry run's JSON file (default: wandb_workspace.json "
+                    "or wandb_report.json, in the sweep directory or here)")
+    args = ap.parse_args(argv)
+    import wandb  # noqa: PLC0415
+
+    try:
+        built, definition, text, missing = build(args)
+        if missing:
+            print(f"warning: no run under {args.sweep} logged {', '.join(missing)}: those panels will be empty")
+        if args.dry_run:
+            out = args.out or (args.sweep or Path(".")) / f"wandb_{definition['kind']}.json"
+            out.write_text(json.dumps(definition, indent=1))
+            print(f"dry run: would create {text}\ndefinition: {out}")
+        else:
+            built.save()  # W&B prints the address
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        ap.error(str(e))
+    except wandb.errors.Error as e:
+        ap.error(f"W&B: {e} (log in with `wandb login` or WANDB_API_KEY; --dry-run works offline)")
+
+
+def build(args):
+    """(the W&B object, its JSON definition, its outline, panel keys no run logged)."""
+    topk = tuple(int(k) for k in args.topk.split(","))
+    entity, project, group, runs = args.entity, args.project, args.group, []
+    if args.sweep is not None:
+        if not args.sweep.is_dir():
+            raise FileNotFoundError(f"no such sweep directory: {args.sweep}")
+        s_entity, s_project, s_group, runs = sweep_target(args.sweep)
+        entity, project, group = entity or s_entity, project or s_project, group or s_group
+    if not project:
+        raise ValueError("give a sweep directory or --project (and --group)")
+    if not args.dry_run and not entity:
+        import wandb  # noqa: PLC0415
+
+        entity = wandb.Api().default_entity
+    if args.report:
+        from .report import report, report_definition, report_outline, report_panels  # noqa: PLC0415
+
+        built = report(entity or "", project, metric=args.metric, topk=topk, title=args.name)
+        definition, text, panels = report_definition(built), report_outline(built), report_panels(built)
+    else:
+        if not group:
+            raise ValueError("give a sweep directory or --group")
+        built = workspace(entity or "", project, group, args.metric, topk, args.name)
+        definition, text, panels = workspace_definition(built), outline(built, group), panels_of(built)
+    return built, definition, text, missing_keys(panels, keys_of(runs)) if runs else []
+
+
+def keys_of(runs) -> dict[str, set[str]]:
+    """What any of ``runs`` (wandb_files.WandbRun) logged, by section."""
+    logged: dict[str, set[str]] = {"config": set(), "summary": set(), "history": set()}
+    for r in runs:
+        for section, keys in r.keys().items():
+            logged[section] |= keys
+    return logged
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""lst-dashboard (dashboard.py, wandb_panels.py): the sweep's workspace, defined with
+wandb-workspaces, written offline as the spec W&B would receive; every key a panel
+names is one the runs logged (read from W&B's own files); clear errors."""
+import json
+import sys
+
+import pytest
+
+from lst_lightning.app import wandb_panels
+from lst_lightning.app.dashboard import SECTIONS, keys_of, main, panels_of, workspace
+from lst_lightning.app.wandb_files import read_runs
+from lst_lightning.app.wandb_panels import TIME, missing_keys, named_keys
+
+ws = pytest.importorskip("wandb_workspaces.workspaces")
+
+
+def test_every_panel_names_a_key_the_runs_logged(wandb_sweep):
+    logged = keys_of(read_runs(wandb_sweep))
+    w = workspace("me", "lst-lightning", "sweep-test")
+    named = {key for p in panels_of(w) for key in named_keys(p)}
+    assert {("config", "a"), ("config", "head_loss"), ("summary", "test/top50_error"), ("history", TIME),
+            ("history", "head/folds"), ("summary", "step_time_ms")} <= named
+    assert missing_keys(panels_of(w), logged) == []
+    # the check can fail: a metric no run logged
+    assert missing_keys(panels_of(workspace("me", "p", "g", metric="test/top3_error")), logged) == [
+        "summary:test/top3_error"]
+
+
+def test_the_time_axis_has_every_validation_point(wandb_sweep):
+    for run in read_runs(wandb_sweep):
+        val_rows = [row for row in run.history if "val/top5_error" in row]
+        assert val_rows and all(TIME in row for row in val_rows)
+
+
+def test_dry_run_writes_the_spec_beside_the_sweep(wandb_sweep, capsys):
+    main([str(wandb_sweep), "--dry-run"])
+    out = capsys.readouterr().out
+    assert "warning" not in out and all(s in out for s in SECTIONS)
+    d = json.loads((wandb_sweep / "wandb_workspace.json").read_text())
+    assert (d["kind"], d["project"], d["name"]) == ("workspace", "lst-lightning", "lst-lightning sweep-test")
+    # W&B's own library reads the spec back into the same workspace
+    from wandb_workspaces.workspaces import internal
+
+    view = internal.View(entity=d["entity"], project=d["project"], display_name=d["name"], name="", id="",
+                         spec=internal.WorkspaceViewspec.model_validate(d["spec"]))
+    back = ws.Workspace._from_model(view)
+    assert [s.name for s in back.sections] == list(SECTIONS)
+    assert back.runset_settings.filters == "Metric(\"Group\") == 'sweep-test'"
+    built = workspace("", "lst-lightning", "sweep-test")
+    assert [named_keys(p) for p in panels_of(back)] == [named_keys(p) for p in panels_of(built)]
+    assert back.auto_generate_panels is False  # only these panels, not every key in alphabetical order
+
+
+def test_a_panel_key_no_run_logged_is_reported(wandb_sweep, tmp_path, capsys):
+    main([str(wandb_sweep), "--dry-run", "--metric", "test/top3_error", "-o", str(tmp_path / "w.json")])
+    out = capsys.readouterr().out
+    assert "warning: no run under" in out and "summary:test/top3_error" in out
+    assert (tmp_path / "w.json").is_file()
+
+
+def test_bad_input(tmp_path, capsys):
+    for argv, message in [([str(tmp_path / "missing"), "--dry-run"], "no such sweep directory"),
+                          ([str(tmp_path), "--dry-run"], "holds no W&B offline run"),
+                          (["--dry-run", "--group", "g"], "give a sweep directory or --project"),
+                          (["--dry-run", "--project", "p"], "give a sweep directory or --group")]:
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert message in capsys.readouterr().err
+    for job, group in (("0", "g1"), ("1", "g2")):  # runs of two groups: which one?
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "config.yaml").write_text(f"logger:\n  wandb:\n    project: p\n    group: {group}\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dry-run"])
+    assert "several W&B places" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_without_wandb_workspaces_it_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
+    monkeypatch.setitem(sys.modules, "wandb_workspaces.workspaces", None)
+    with pytest.raises(ImportError, match="uv sync --extra dashboard"):
+        wandb_panels.libraries()
+    with pytest.raises(SystemExit):
+        main(["--project", "p", "--group", "g", "--dry-run"])
+    assert "wandb-workspaces" in capsys.readouterr().err
+
+
+def test_online_without_a_login_is_one_clear_line(monkeypatch, tmp_path, capsys):
+    for var in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path))
+    with pytest.raises(SystemExit):
+        main(["--entity", "me", "--project", "p", "--group", "g"])
+    err = capsys.readouterr().err
+    assert "wandb login" in err and "--dry-run works offline" in err and "Traceback" not in err
