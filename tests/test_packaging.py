@@ -56,7 +56,8 @@ def test_wheel_has_the_configs_and_no_benchmark_code(wheel):
     assert not [n for n in names if "bench" in n.split("/")[-1] or n.startswith(("scripts/", "benchmarks/"))]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "lst-train" in scripts and "lst-compare" in scripts and "lst-bench-head" not in scripts
+    assert all(f"{c} =" in scripts for c in ("lst-train", "lst-compare", "lst-dashboard"))
+    assert "lst-bench-head" not in scripts
 
 
 def test_installed_lst_train_runs_from_the_wheel(venv, tmp_path):
@@ -76,5 +77,6 @@ def test_installed_lst_train_runs_from_the_wheel(venv, tmp_path):
     assert not (cwd / "outputs").exists()
 
 
-def test_installed_lst_compare_answers_help(venv, tmp_path):
-    assert "lst-compare" in run([venv / "bin" / "lst-compare", "--help"], cwd=tmp_path)
+def test_installed_report_commands_answer_help(venv, tmp_path):
+    for command in ("lst-compare", "lst-dashboard"):
+        assert command in run([venv / "bin" / command, "--help"], cwd=tmp_path)
