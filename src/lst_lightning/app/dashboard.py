@@ -19,8 +19,18 @@ from pathlib import Path
 import yaml
 
 from .wandb_files import read_runs
-from .wandb_panels import (DEFAULT_METRIC, DEFAULT_TOPK, STEP, ab_panels, cost_panels, group_filter, health_panels,
-                           learning_curve_panels, libraries, missing_keys)
+from .wandb_panels import (
+    DEFAULT_METRIC,
+    DEFAULT_TOPK,
+    STEP,
+    ab_panels,
+    cost_panels,
+    group_filter,
+    health_panels,
+    learning_curve_panels,
+    libraries,
+    missing_keys,
+)
 
 SECTIONS = ("a/b study", "learning curves", "cost", "head health")
 

@@ -40,10 +40,10 @@ def curve(y: list[str], x: str = STEP, title: str | None = None, grouped: bool =
     """A line plot of history keys against the training step or wall-clock seconds;
     ``grouped``: one line per head and loss (mean, with the min-max band over runs)."""
     _, wr = libraries()
-    group = dict(groupby=wr.Config(GROUP_CURVES), groupby_aggfunc="mean", groupby_rangefunc="minmax") if grouped else {}
+    group = {"groupby": wr.Config(GROUP_CURVES), "groupby_aggfunc": "mean", "groupby_rangefunc": "minmax"}
     return wr.LinePlot(title=title or f"{', '.join(y)} against {'wall-clock s' if x == TIME else 'step'}", x=x, y=y,
                        title_x="training seconds (wall clock)" if x == TIME else "step", log_y=log_y or None,
-                       **group)
+                       **(group if grouped else {}))
 
 
 def ab_panels(metric: str = DEFAULT_METRIC, topk=DEFAULT_TOPK) -> list:
