@@ -34,7 +34,7 @@ HAS_OPTUNA = has_optuna()
 
 def lst_train(*args, cwd):
     proc = subprocess.run([sys.executable, "-m", "lst_lightning.app.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
