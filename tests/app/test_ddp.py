@@ -277,7 +277,7 @@ def cli(*args, cwd, launcher=()):
     """``lst-train`` (or a launcher running it) in a subprocess; stdout + stderr."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([*launcher, *(() if launcher else (sys.executable,)), "-m", "lst_lightning.app.train", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=540, env=env)
+                          cwd=cwd, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 

@@ -159,7 +159,7 @@ def test_bad_input_fails_before_training(tmp_path, overrides, error, match):
 def test_console_script_from_another_directory(tmp_path):
     exe = Path(sys.executable).parent / "lst-train"
     out = subprocess.run([str(exe), "--cfg", "job", "head=naive", "loss=mse"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "WANDB_MODE": "disabled"})
+                         capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"})
     assert out.returncode == 0, out.stderr
     cfg = yaml.safe_load(out.stdout)
     assert cfg["head"]["_target_"].endswith("NaiveSphericalHead") and cfg["loss"]["name"] == "mse"

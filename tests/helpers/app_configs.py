@@ -26,6 +26,6 @@ def group(name):
 def lst_train(*args, cwd):
     """``lst-train ARGS`` in a fresh process (a Hydra multirun needs one), which must succeed."""
     proc = subprocess.run([sys.executable, "-m", "lst_lightning.app.train", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -1,28 +1,32 @@
 """``lst-train``: the Hydra entry point. ``build`` checks the configuration and makes
 the data module, the LightningModule and the trainer (every bad input fails here,
 before training); ``run`` trains, validates, tests, prints a summary table and writes
-``results.json`` in the run directory."""
+``results.json`` in the run directory.
+
+This module imports neither torch nor Lightning at the top: ``--help``, ``--cfg`` and
+the configuration checks of ``checks.py`` answer before those ~20 s of imports, and bad
+input ends the console script with one line and exit code 2 (``errors.py``)."""
 from __future__ import annotations
 
 import inspect
 import json
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
-import lightning.pytorch as pl
-import torch
 from hydra.utils import get_class, instantiate
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import DictConfig, OmegaConf
 
-from ..spherical import SphericalHeadBase
-from .callbacks import HeadTiming, RunRecord, ShardedHeadCheckpoint, run_facts
+from .checks import check_config, check_overrides
 from .configs import config_dir
-from .module import LanguageModel, check_distributed
-from .metrics import Perplexity, RankMetrics, read_simlex, unigram_ranks
+from .errors import exit_on_bad_input
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 
 def check_device(trainer_cfg: DictConfig) -> None:
+    import torch  # noqa: PLC0415
+
     acc = str(trainer_cfg.get("accelerator", "cpu"))
     if acc in ("gpu", "cuda"):
         n = torch.cuda.device_count()
@@ -70,6 +76,8 @@ def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: 
 def loss_name(cfg: DictConfig) -> str | None:
     """The spherical loss the head trains with (the loss group); None for the heads
     outside the spherical family, which take none."""
+    from ..spherical import SphericalHeadBase  # noqa: PLC0415
+
     return str(cfg.loss.name) if issubclass(head_class(cfg), SphericalHeadBase) else None
 
 
@@ -82,11 +90,18 @@ def run_name(cfg: DictConfig) -> str:
 
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     """Data module, model and trainer from a composed config."""
+    check_config(cfg)  # the checks that need no torch, before its import and Lightning's
+    import lightning.pytorch as pl  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
+
+    from .callbacks import HeadTiming, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
+    from .metrics import read_simlex  # noqa: PLC0415
+    from .module import LanguageModel, check_distributed  # noqa: PLC0415
+
     run_dir = Path(run_dir)
     tcfg = cfg.trainer
     check_device(tcfg)
-    if cfg.get("ckpt_path") and not Path(cfg.ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path does not exist: {cfg.ckpt_path}")
     cls = head_class(cfg)
     if getattr(cls, "self_updating", False) and tcfg.get("accumulate_grad_batches", 1) != 1:
         raise ValueError(f"{cls.__name__} updates itself in backward: trainer.accumulate_grad_batches must be 1")
@@ -158,6 +173,10 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
 
 def unigram_metrics(dm, topk) -> dict[str, float]:
     """The unigram baseline on the test split (same examples as the model's test)."""
+    import torch  # noqa: PLC0415
+
+    from .metrics import Perplexity, RankMetrics, unigram_ranks  # noqa: PLC0415
+
     ranks, ppl = RankMetrics(topk), Perplexity()
     logp = torch.log(dm.class_counts.double() / dm.class_counts.sum())
     for _, target in dm.eval_dataloader("test"):  # all of it, on whichever rank asks
@@ -174,10 +193,18 @@ def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) ->
     Multi-process: under ``ddp_spawn`` this runs in the launching process and each
     trainer call starts the workers; under an external launcher (torchrun, SLURM with
     ``strategy=ddp``) it runs on every rank and only global rank 0 writes files."""
+    start = time.perf_counter()
+    return fit_and_test(cfg, run_dir, build(cfg, run_dir, extra_callbacks), start)
+
+
+def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: float) -> dict:
+    """``run`` after ``build``: ``built`` is its (data module, model, trainer); ``start``
+    the ``time.perf_counter()`` the run's wall time counts from."""
+    from .callbacks import HeadTiming, RunRecord  # noqa: PLC0415
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    dm, module, trainer = build(cfg, run_dir, extra_callbacks)
+    dm, module, trainer = built
     writer = trainer.is_global_zero
     if writer:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
@@ -260,12 +287,16 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     from omegaconf import open_dict  # noqa: PLC0415
 
     hc = HydraConfig.get()
-    swept = swept_overrides(hc)
-    if swept:  # one W&B run per job: the run name says which point of the sweep it is
-        with open_dict(cfg):
-            cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+    start = time.perf_counter()
+    with exit_on_bad_input("lst-train"):  # bad input: one line, exit code 2
+        check_config(cfg)  # in a second, before the heavy imports of build()
+        swept = swept_overrides(hc)
+        if swept:  # one W&B run per job: the run name says which point of the sweep it is
+            with open_dict(cfg):
+                cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+        built = build(cfg, hc.runtime.output_dir)
     try:
-        results = run(cfg, hc.runtime.output_dir)
+        results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
     except FloatingPointError as e:
         if not cfg.get("objective"):
             raise
@@ -290,6 +321,8 @@ def objective(cfg: DictConfig, results: dict) -> float | None:
 
 
 def main() -> None:
+    with exit_on_bad_input("lst-train"):
+        check_overrides(sys.argv[1:])  # before Hydra, whose hint for loss.a=1 is +loss.a=1
     _hydra_main()
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import datasets
 
+from .files import text_files
+
 EMBEDDED_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 SPLITS = ("train", "validation", "test")
 
@@ -92,7 +94,14 @@ def load_corpus(
     if source == "hub":
         if not name:
             raise ValueError("data.name must name a hub dataset when data.source=hub")
-        dd = datasets.load_dataset(name, subset, cache_dir=cache)
+        try:
+            dd = datasets.load_dataset(name, subset, cache_dir=cache)
+        except ConnectionError as e:  # offline, or the hub unreachable, and nothing cached
+            raise ConnectionError(
+                f"data.name={name!r} (data.source=hub) is not cached and the Hugging Face hub cannot be reached "
+                f"({e}): run once with the network to cache it in {cache}, or train offline on data=wiki "
+                "(embedded) or data=text_files data.path=..."
+            ) from e
         if text_column != "text":
             dd = dd.rename_column(text_column, "text")
         if "validation" not in dd and "train" in dd:
@@ -107,29 +116,7 @@ def load_corpus(
 
 
 def _load_files(path, sample_by, val_fraction, test_fraction, seed, cache) -> datasets.DatasetDict:
-    if path is None:
-        raise ValueError("data.path must name text files when data.source=files")
-    if isinstance(path, dict):  # explicit {train: ..., validation: ..., test: ...}
-        files = {k: [str(v)] if isinstance(v, str) else list(v) for k, v in path.items()}
-    else:
-        paths = [path] if isinstance(path, (str, Path)) else list(path)
-        found: list[str] = []
-        for p in map(Path, paths):
-            if p.is_dir():
-                found += sorted(str(f) for f in p.rglob("*.txt"))
-            elif p.is_file():
-                found.append(str(p))
-            else:
-                raise FileNotFoundError(f"data file not found: {p}")
-        files = {"train": found}
-    for split, fs in files.items():
-        if not fs:
-            raise FileNotFoundError(f"no .txt files for split {split!r} in {path}")
-        for f in fs:
-            if not Path(f).is_file():
-                raise FileNotFoundError(f"data file not found: {f}")
-            if Path(f).stat().st_size == 0 or not Path(f).read_text(errors="replace").strip():
-                raise ValueError(f"data file is empty: {f}")
+    files = text_files(path)
     dd = datasets.load_dataset("text", data_files=files, sample_by=sample_by, cache_dir=cache)
     dd = dd.filter(lambda r: bool(r["text"].strip()))
     if set(SPLITS) <= set(dd):

@@ -1,0 +1,111 @@
+"""The checks of ``lst-train``'s configuration that need neither torch nor Lightning, so
+that a typo is answered in a second rather than after the ~20 s of their imports: the
+trainer's numbers, the checkpoint to resume from, local data files, and the keys of
+the loss group. Each error names the setting and says what to do."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from .configs import config_dir
+
+
+def _whole(v, lo: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def _fraction(v) -> bool:
+    return isinstance(v, float) and 0.0 <= v <= 1.0
+
+
+# trainer.<key>: (accepts the value?, what it must be). Lightning checks these too, after its import.
+TRAINER_NUMBERS = {
+    "max_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for no limit"),
+    "max_epochs": (lambda v: v is None or _whole(v, -1), "a whole number >= 0, -1 for no limit, or null"),
+    "min_steps": (lambda v: v is None or _whole(v, 0), "a whole number >= 0, or null"),
+    "min_epochs": (lambda v: v is None or _whole(v, 0), "a whole number >= 0, or null"),
+    "limit_train_batches": (lambda v: v is None or _whole(v, 0) or _fraction(v),
+                            "a number of batches (>= 0), a fraction in [0.0, 1.0], or null for all"),
+    "limit_val_batches": (lambda v: v is None or _whole(v, 0) or _fraction(v),
+                          "a number of batches (>= 0), a fraction in [0.0, 1.0], or null for all"),
+    "limit_test_batches": (lambda v: v is None or _whole(v, 0) or _fraction(v),
+                           "a number of batches (>= 0), a fraction in [0.0, 1.0], or null for all"),
+    "val_check_interval": (lambda v: v is None or _whole(v, 1) or (_fraction(v) and v > 0),
+                           "a number of steps (>= 1), a fraction of an epoch in (0.0, 1.0], or null"),
+    "check_val_every_n_epoch": (lambda v: v is None or _whole(v, 1), "a whole number >= 1, or null"),
+    "accumulate_grad_batches": (lambda v: _whole(v, 1), "a whole number >= 1"),
+    "log_every_n_steps": (lambda v: _whole(v, 1), "a whole number >= 1"),
+    "num_sanity_val_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for all"),
+    "gradient_clip_val": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0),
+                          "a number >= 0, or null for no clipping"),
+}
+
+
+def check_trainer(trainer: DictConfig) -> None:
+    for key, (ok, want) in TRAINER_NUMBERS.items():
+        if key in trainer and not ok(trainer[key]):
+            raise ValueError(f"trainer.{key}={trainer[key]!r}: must be {want}")
+
+
+def check_ckpt_path(ckpt_path) -> None:
+    if ckpt_path and not Path(ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file; give a run's "
+                                "checkpoints/last.ckpt, or ckpt_path=null to start afresh")
+
+
+def loss_settings() -> set[str]:
+    """The keys of the loss group (``name``, ``kwargs``, ``head_lr``), from its config files."""
+    return {k for f in (Path(config_dir()) / "loss").glob("*.yaml") for k in OmegaConf.load(f)}
+
+
+def loss_parameters() -> set[str]:
+    """The parameters some loss takes under ``loss.kwargs`` (a, b, eps...)."""
+    out: set[str] = set()
+    for f in (Path(config_dir()) / "loss").glob("*.yaml"):
+        out |= set(OmegaConf.load(f).get("kwargs") or {})
+    return out
+
+
+def check_loss_key(key: str, value: str = "...") -> None:
+    """``loss.<key>`` must be a setting of the loss group: a loss's parameter is
+    ``loss.kwargs.<key>`` (Hydra would suggest ``+loss.<key>``, a key nothing reads)."""
+    name = key.split(".", 1)[0]
+    if name in loss_settings():
+        return
+    if name in loss_parameters():
+        raise ValueError(f"loss.{key} is not a setting: the loss's parameters are under loss.kwargs; "
+                         f"write loss.kwargs.{key}={value}")
+    raise ValueError(f"loss.{key} is not a setting of the loss group (it has {', '.join(sorted(loss_settings()))}; "
+                     "the loss's parameters are loss.kwargs.<name>)")
+
+
+def check_overrides(args: Iterable[str]) -> None:
+    """Command-line overrides, before Hydra composes them: ``loss.a=-1`` names the right key."""
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        key = key.lstrip("+~")
+        if key.startswith("loss."):
+            check_loss_key(key[len("loss."):], value)
+
+
+def check_data(data: DictConfig) -> None:
+    if data.get("source") == "files":
+        from ..data.files import text_files  # noqa: PLC0415  (pathlib only)
+
+        text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
+    check_trainer(cfg.trainer)
+    check_ckpt_path(cfg.get("ckpt_path"))
+    for key in cfg.get("loss") or {}:
+        check_loss_key(str(key))
+    threads = cfg.get("cpu_threads")
+    if threads is not None and not _whole(threads, 1):
+        raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
+    check_data(cfg.data)

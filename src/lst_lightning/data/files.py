@@ -1,0 +1,49 @@
+"""The local text files that ``data.path`` names, found and checked with pathlib only
+(no ``datasets``), so that ``lst-train`` answers a wrong path before its heavy imports."""
+from __future__ import annotations
+
+from pathlib import Path
+
+HOW = "give a text file, a directory of .txt files, a list of them, or {train: .., validation: .., test: ..}"
+
+
+def _has_text(path: Path, chunk: int = 1 << 20) -> bool:
+    """Whether the file holds anything but whitespace (read until the first such byte)."""
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            if block.strip():
+                return True
+    return False
+
+
+def _check(f: Path) -> str:
+    if not f.is_file():
+        raise FileNotFoundError(f"data.path: {f} not found; {HOW}")
+    if not _has_text(f):
+        raise ValueError(f"data.path: {f} is empty; give files with text in them")
+    return str(f)
+
+
+def text_files(path) -> dict[str, list[str]]:
+    """``data.path`` -> ``{split: [files]}``: ``{"train": [...]}`` for a file, a directory
+    (its ``*.txt``, recursively) or a list; the given splits for a mapping. Raises
+    FileNotFoundError for a missing path or a directory without .txt files, ValueError for
+    an empty file, each naming ``data.path``."""
+    if path is None or path == "":
+        raise ValueError(f"data.path is not set: {HOW} (data=text_files data.path=my.txt)")
+    if isinstance(path, dict):
+        given = {split: [p] if isinstance(p, (str, Path)) else list(p) for split, p in path.items()}
+        for split, ps in given.items():
+            if not ps:
+                raise FileNotFoundError(f"data.path.{split} names no files; {HOW}")
+        return {split: [_check(Path(p)) for p in ps] for split, ps in given.items()}
+    found: list[Path] = []
+    for p in map(Path, [path] if isinstance(path, (str, Path)) else list(path)):
+        if p.is_dir():
+            txt = sorted(p.rglob("*.txt"))
+            if not txt:
+                raise FileNotFoundError(f"data.path: the directory {p} holds no .txt files; {HOW}")
+            found += txt
+        else:
+            found.append(p)
+    return {"train": [_check(p) for p in found]}

@@ -1,0 +1,55 @@
+"""The configuration checks that run before torch and Lightning are imported: each bad
+value is refused with its key named, each good one passes (the defaults and every
+trainer config among them)."""
+import pytest
+
+from lst_lightning.app.checks import check_config, check_overrides
+
+from app_configs import cfg_of, group
+
+
+@pytest.mark.parametrize("trainer", group("trainer"))
+def test_every_trainer_config_passes(trainer):
+    check_config(cfg_of(f"trainer={trainer}"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("trainer.max_steps=-5", "trainer.max_steps=-5: must be"),
+    ("trainer.max_epochs=-2", "trainer.max_epochs"),
+    ("trainer.limit_train_batches=1.5", "trainer.limit_train_batches"),
+    ("trainer.limit_val_batches=-1", "trainer.limit_val_batches"),
+    ("trainer.val_check_interval=0", "trainer.val_check_interval"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),
+    ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
+    ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val"),
+    ("cpu_threads=0", "cpu_threads=0"),
+    ("+loss.a=1", "loss.kwargs.a"),
+])
+def test_bad_values_are_refused_with_their_key(override, match):
+    with pytest.raises(ValueError, match=match):
+        check_config(cfg_of(override))
+
+
+@pytest.mark.parametrize("override", ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_epochs=null",
+                                      "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
+                                      "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=null"])
+def test_good_values_pass(override):
+    check_config(cfg_of(override))
+
+
+def test_missing_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="ckpt_path="):
+        check_config(cfg_of(f"ckpt_path={tmp_path}/last.ckpt"))
+    (tmp_path / "last.ckpt").write_bytes(b"x")
+    check_config(cfg_of(f"ckpt_path={tmp_path}/last.ckpt"))
+
+
+@pytest.mark.parametrize("arg,match", [("loss.a=-1", "write loss.kwargs.a=-1"), ("+loss.eps=0.1", "loss.kwargs.eps"),
+                                       ("loss.kwargs_a=1", "not a setting of the loss group")])
+def test_loss_parameters_are_named_under_kwargs(arg, match):
+    with pytest.raises(ValueError, match=match):
+        check_overrides([arg])
+
+
+def test_loss_settings_and_other_overrides_pass():
+    check_overrides(["loss.kwargs.a=-1", "loss.head_lr=0.5", "loss=mse", "trainer.max_steps=3", "-m", "--cfg"])

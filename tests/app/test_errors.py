@@ -1,0 +1,72 @@
+"""Bad input through the console script: one line naming the setting, exit code 2, no
+traceback; the configuration's errors come before torch and Lightning are imported
+(``-X importtime`` lists every module the process imported), and HYDRA_FULL_ERROR=1
+shows the whole trace."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LST_TRAIN = Path(sys.executable).parent / "lst-train"
+HEAVY = ("torch", "lightning", "datasets")
+
+
+def lst_train(*args, cwd, env=()):
+    """stdout, the stderr lines that are not import times, the modules imported, the exit code."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "PYTHONPROFILEIMPORTTIME": "1", **dict(env)}
+    proc = subprocess.run([str(LST_TRAIN), *args, f"hydra.run.dir={cwd}/run"], cwd=cwd, capture_output=True,
+                          text=True, env=env)
+    lines = proc.stderr.splitlines()
+    modules = {ln.rsplit("|", 1)[1].strip() for ln in lines if ln.startswith("import time:") and "|" in ln}
+    rest = [ln for ln in lines if not ln.startswith("import time:")]
+    return proc.stdout, rest, modules, proc.returncode
+
+
+def assert_one_line(rest, code, match):
+    assert code == 2, rest
+    assert len(rest) == 1 and rest[0].startswith("lst-train: error: "), rest
+    assert match in rest[0], rest[0]
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args,match", [
+    (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
+    (["loss.a=-1"], "write loss.kwargs.a=-1"),
+    (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt"),
+    (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),
+    (["data=text_files", "data.path=empty.txt"], "is empty"),
+])
+def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, match):
+    out, rest, modules, code = lst_train(*args, cwd=files)
+    assert_one_line(rest, code, match)
+    assert "Traceback" not in out and not any(m.split(".")[0] in HEAVY for m in modules)
+    assert "lst_lightning.app.train" in modules  # the listing works: the app itself is in it
+
+
+def test_full_error_shows_the_traceback(tmp_path):
+    _, rest, _, code = lst_train("trainer.max_steps=-5", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert code != 0 and any("Traceback" in ln for ln in rest) and "trainer.max_steps=-5" in rest[-1]
+
+
+def test_help_says_what_the_app_is_and_where_the_docs_are(tmp_path):
+    out, rest, modules, code = lst_train("--help", cwd=tmp_path)
+    assert code == 0, rest
+    assert out.startswith("lst-train: trains a language model") and "docs/app.md" in out
+    assert "loss: mse, spherical_softmax, taylor_softmax, zloss" in out  # the groups, from conf/
+    assert not any(m.split(".")[0] in HEAVY for m in modules)
+
+
+def test_offline_hub_dataset_is_one_line(tmp_path):
+    """An error found after the heavy imports (loading the data) is one line too."""
+    out, rest, _, code = lst_train("data=wikitext103", cwd=tmp_path,
+                                   env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                                        "LST_CACHE_DIR": str(tmp_path / "cache")})
+    assert_one_line(rest, code, "data.name='wikitext' (data.source=hub) is not cached")
+    assert "Traceback" not in out
