@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from lst_lightning.app import wandb_panels
-from lst_lightning.app.dashboard import SECTIONS, keys_of, main, panels_of, workspace
+from lst_lightning.app.dashboard import SECTIONS, keys_of, main, panels_of, workspace, workspace_keys
 from lst_lightning.app.wandb_files import read_runs
 from lst_lightning.app.wandb_panels import TIME, missing_keys, named_keys
 
@@ -17,13 +17,15 @@ ws = pytest.importorskip("wandb_workspaces.workspaces")
 def test_every_panel_names_a_key_the_runs_logged(wandb_sweep):
     logged = keys_of(read_runs(wandb_sweep))
     w = workspace("me", "lst-lightning", "sweep-test")
-    named = {key for p in panels_of(w) for key in named_keys(p)}
+    named = set(workspace_keys(w))
     assert {("config", "a"), ("config", "head_loss"), ("summary", "test/top50_error"), ("history", TIME),
-            ("history", "head/folds"), ("summary", "step_time_ms")} <= named
-    assert missing_keys(panels_of(w), logged) == []
-    # the check can fail: a metric no run logged
-    assert missing_keys(panels_of(workspace("me", "p", "g", metric="test/top3_error")), logged) == [
+            ("history", "head/folds"), ("summary", "step_time_ms"), ("config", "D"), ("summary", "wall_s")} <= named
+    assert missing_keys(workspace_keys(w), logged) == []
+    # the check can fail: a metric no run logged, a top-k error not in the runs' metrics.topk
+    assert missing_keys(workspace_keys(workspace("me", "p", "g", metric="test/top3_error")), logged) == [
         "summary:test/top3_error"]
+    assert missing_keys(workspace_keys(workspace("me", "p", "g", topk=(1, 2))), logged) == [
+        "summary:test/top2_error", "history:val/top2_error"]
 
 
 def test_the_time_axis_has_every_validation_point(wandb_sweep):
@@ -48,6 +50,7 @@ def test_dry_run_writes_the_spec_beside_the_sweep(wandb_sweep, capsys):
     assert back.runset_settings.filters == "Metric(\"Group\") == 'sweep-test'"
     built = workspace("", "lst-lightning", "sweep-test")
     assert [named_keys(p) for p in panels_of(back)] == [named_keys(p) for p in panels_of(built)]
+    assert workspace_keys(back) == workspace_keys(built)  # the runs table's columns too
     assert back.auto_generate_panels is False  # only these panels, not every key in alphabetical order
 
 
@@ -62,7 +65,8 @@ def test_bad_input(tmp_path, capsys):
     for argv, message in [([str(tmp_path / "missing"), "--dry-run"], "no such sweep directory"),
                           ([str(tmp_path), "--dry-run"], "holds no W&B offline run"),
                           (["--dry-run", "--group", "g"], "give a sweep directory or --project"),
-                          (["--dry-run", "--project", "p"], "give a sweep directory or --group")]:
+                          (["--dry-run", "--project", "p"], "give a sweep directory or --group"),
+                          (["--report", "--dry-run", "--project", "p", "--group", "g"], "--group is the workspace's")]:
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err

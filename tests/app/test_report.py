@@ -8,7 +8,7 @@ import pytest
 from lst_lightning.app.dashboard import keys_of, main
 from lst_lightning.app.report import default_groups, report, report_panels
 from lst_lightning.app.wandb_files import read_runs
-from lst_lightning.app.wandb_panels import STEP, TIME, missing_keys, named_keys
+from lst_lightning.app.wandb_panels import STEP, TIME, missing_keys, named_keys, panel_keys
 
 from app_configs import cfg_of
 
@@ -25,7 +25,7 @@ def test_groups_are_those_the_sweeps_log_to():
 
 def test_every_panel_names_a_key_the_runs_logged(wandb_sweep):
     panels = report_panels(report("me", "lst-lightning"))
-    assert missing_keys(panels, keys_of(read_runs(wandb_sweep))) == []
+    assert missing_keys(panel_keys(panels), keys_of(read_runs(wandb_sweep))) == []
     xs = {p.x for p in panels if isinstance(p, wr.LinePlot)}
     assert xs == {STEP, TIME}  # steps (factored vs naive, a/b) and wall-clock (vs softmax)
 

@@ -29,7 +29,9 @@ from .wandb_panels import (
     health_panels,
     learning_curve_panels,
     libraries,
+    column_key,
     missing_keys,
+    panel_keys,
 )
 
 SECTIONS = ("a/b study", "learning curves", "cost", "head health")
@@ -61,6 +63,13 @@ def workspace_definition(w) -> dict:
 
 def panels_of(w) -> list:
     return [p for s in w.sections for p in s.panels]
+
+
+def workspace_keys(w) -> list[tuple[str, str]]:
+    """``(section, key)`` of every run key the workspace names: its panels' and its runs
+    table's pinned columns (W&B's own run attributes left out)."""
+    columns = [column_key(c) for c in w.runset_settings.pinned_columns if not c.startswith("run:")]
+    return panel_keys(panels_of(w)) + columns
 
 
 def outline(w, group: str) -> str:
@@ -143,16 +152,18 @@ def build(args):
 
         entity = wandb.Api().default_entity
     if args.report:
+        if args.group:
+            raise ValueError("--report shows the groups conf/ gives its sweeps; --group is the workspace's")
         from .report import report, report_definition, report_outline, report_panels  # noqa: PLC0415
 
         built = report(entity or "", project, metric=args.metric, topk=topk, title=args.name)
-        definition, text, panels = report_definition(built), report_outline(built), report_panels(built)
+        definition, text, named = report_definition(built), report_outline(built), panel_keys(report_panels(built))
     else:
         if not group:
             raise ValueError("give a sweep directory or --group")
         built = workspace(entity or "", project, group, args.metric, topk, args.name)
-        definition, text, panels = workspace_definition(built), outline(built, group), panels_of(built)
-    return built, definition, text, missing_keys(panels, keys_of(runs)) if runs else []
+        definition, text, named = workspace_definition(built), outline(built, group), workspace_keys(built)
+    return built, definition, text, missing_keys(named, keys_of(runs)) if runs else []
 
 
 def keys_of(runs) -> dict[str, set[str]]:

@@ -118,12 +118,22 @@ def named_keys(panel) -> list[tuple[str, str]]:
     raise TypeError(f"named_keys does not know {type(panel).__name__}")
 
 
-def missing_keys(panels: list, logged: dict[str, set[str]]) -> list[str]:
-    """The keys ``panels`` name that no run logged: ``logged`` is ``{"config": keys,
-    "summary": keys, "history": keys}`` over the runs (wandb_files.WandbRun.keys)."""
+def panel_keys(panels: list) -> list[tuple[str, str]]:
+    return [key for p in panels for key in named_keys(p)]
+
+
+def column_key(column: str) -> tuple[str, str]:
+    """``(section, key)`` of a runs-table column (``config:a.value``, ``summary:wall_s``)."""
+    section, _, name = column.partition(":")
+    return section, name.removesuffix(".value") if section == "config" else name
+
+
+def missing_keys(named: list[tuple[str, str]], logged: dict[str, set[str]]) -> list[str]:
+    """The ``(section, key)`` of ``named`` that no run logged, as ``section:key``;
+    ``logged`` is ``{"config": keys, "summary": keys, "history": keys}`` over the runs
+    (wandb_files.WandbRun.keys)."""
     missing = []
-    for p in panels:
-        for section, key in named_keys(p):
-            if key not in logged.get(section, ()) and f"{section}:{key}" not in missing:
-                missing.append(f"{section}:{key}")
+    for section, key in named:
+        if key not in logged.get(section, ()) and f"{section}:{key}" not in missing:
+            missing.append(f"{section}:{key}")
     return missing
