@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> None:
             built.save()  # W&B prints the address
     except (ValueError, FileNotFoundError, ImportError) as e:
         ap.error(str(e))
-    except wandb.errors.Error as e:
-        ap.error(f"W&B: {e} (log in with `wandb login` or WANDB_API_KEY; --dry-run works offline)")
+    except wandb.errors.UsageError as e:  # not logged in
+        ap.error(f"W&B: {e} (or set WANDB_API_KEY; --dry-run works offline)")
+    except wandb.errors.Error as e:  # W&B unreachable, or refused
+        ap.error(f"W&B: {e} (--dry-run works offline)")
 
 
 def build(args):
