@@ -102,6 +102,13 @@ def test_tiny_run_lstm_and_synthetic(tmp_path):
     assert (tmp_path / "vocab.json").exists() is False
 
 
+def test_no_validation_batches(tmp_path):
+    """trainer.limit_val_batches=0: no validation, an empty val in the results, and the test split still runs."""
+    res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "trainer.limit_val_batches=0",
+                     "trainer.max_steps=7"), tmp_path)  # max_steps mid-epoch: the case that validated at the end
+    assert res["val"] == {} and res["train_steps"] == 7 and 0 < res["test"]["mrr"] <= 1
+
+
 class _StopAfterFirstEpoch(pl.Callback):
     def on_train_epoch_end(self, trainer, pl_module):
         trainer.should_stop = True
@@ -111,13 +118,16 @@ def _state(path):
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
-@pytest.mark.parametrize("head", [TOY, TOY_SOFTMAX, "factored"])
-def test_resume_is_bit_identical(tmp_path, head):
+@pytest.mark.parametrize("head,embedding", [(TOY, "sparse_adam"), (TOY_SOFTMAX, "sparse_adam"),
+                                            (TOY_SOFTMAX, "adagrad"), (TOY_SOFTMAX, "dense"),
+                                            ("factored", "sparse_adam")])
+def test_resume_is_bit_identical(tmp_path, head, embedding):
+    """The row-sparse optimiser's state (and the dense one's) travels with the checkpoint."""
     if head == "factored" and "factored" not in dict(importable_heads()):
         pytest.skip("the factored head is not on this branch yet")
     pick = f"head={head}" if head == "factored" else f"head._target_={head}"
     over = [*FAST, pick, "trainer.max_epochs=2", "trainer.limit_train_batches=6", "model.dropout=0.2",
-            "test=false"]
+            "test=false", f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     full = run(cfg_of(*over), tmp_path / "full")
     run(cfg_of(*over), tmp_path / "part", extra_callbacks=[_StopAfterFirstEpoch()])
     assert _results(tmp_path / "part")["train_steps"] == 6
@@ -146,6 +156,8 @@ def test_resume_is_bit_identical(tmp_path, head):
         (["data=text_files", "data.path=/nonexistent.txt"], FileNotFoundError, "not found"),
         (["head._target_=lst_lightning.heads.NoSuchHead"], ValueError, "cannot be imported"),
         (["optimizer.name=lbfgs"], ValueError, "optimizer.name"),
+        (["optimizer.embedding=dense"], ValueError, "model.sparse_embedding=false"),
+        (["optimizer.embedding=lazy_adam"], ValueError, "optimizer.embedding must be"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path, overrides, error, match):

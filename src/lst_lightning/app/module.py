@@ -15,10 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from .schedule import lr_factor
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
-
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+from .optimizers import check_optimizer_config, clip_gradients, make_optimizer
+from .schedule import lr_factor
 
 
 def check_distributed(head: OutputHead, world_size: int) -> None:
@@ -56,9 +55,9 @@ class LanguageModel(pl.LightningModule):
                                  f"{list(head.step_modes)}")
             if head_step != head.step:
                 head.step = head_step
-        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, **(optimizer or {})}
-        if self.optim_cfg["name"] not in _OPTIMIZERS:
-            raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, not {self.optim_cfg['name']!r}")
+        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
+                          "embedding_lr": None, **(optimizer or {})}
+        check_optimizer_config(self.optim_cfg, body)
         self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
         lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now
         self.head_lr = head_lr if head_lr is not None or not head.self_updating else head.lr
@@ -93,16 +92,20 @@ class LanguageModel(pl.LightningModule):
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
-        cfg = dict(self.optim_cfg)
-        cls = _OPTIMIZERS[cfg.pop("name")]
-        if cls is not torch.optim.SGD:
-            cfg.pop("momentum", None)
-        params = [p for p in self.parameters() if p.requires_grad]
-        opt = cls(params, **cfg)
+        # the parameters of sparse embeddings go to a row-sparse optimiser (optimizer.embedding)
+        opt = make_optimizer(self, self.optim_cfg)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # torch's clip_grad_norm_ refuses row-sparse gradients: clip them with the dense ones
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if gradient_clip_val and any(p.grad is not None and p.grad.is_sparse for p in params):
+            clip_gradients(params, float(gradient_clip_val), gradient_clip_algorithm or "norm")
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)

@@ -214,9 +214,9 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    if not val:  # no validation ran at the end of training (e.g. max_steps mid-epoch)
-        val = {k[4:]: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()
-               if k.startswith("val/")}
+    if not val and trainer.limit_val_batches != 0:  # none ran at the end of training (e.g. max_steps mid-epoch)
+        out = trainer.validate(module, datamodule=dm, verbose=False)  # [] when no batch is run
+        val = {k[4:]: float(v) for k, v in (out[0] if out else {}).items() if k.startswith("val/")}
     results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": loss_name(cfg),
                      "num_classes": dm.num_classes, "val": val,
                      "train_steps": steps}
