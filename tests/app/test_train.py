@@ -196,3 +196,15 @@ def test_cuda_graph_head_step_needs_a_gpu_and_a_sync_free_head(tmp_path):
     over = [*FAST, "head=factored", "head_step=cuda_graph", "trainer.limit_train_batches=2", "test=false"]
     with pytest.raises(ValueError, match="CUDA device|sync_every"):
         run(cfg_of(*over), tmp_path)
+
+
+def test_sequence_rows_flatten_and_check_shapes():
+    from lst_lightning.app.module import as_rows  # noqa: PLC0415
+
+    h, y = torch.randn(2, 3, 4), torch.tensor([[1, 2, -1], [3, -1, -1]])
+    rows, targets = as_rows(h, y)
+    assert torch.equal(rows[4], h[1, 1]) and targets.tolist() == [1, 2, -1, 3, -1, -1]
+    h2, y2 = torch.randn(5, 4), torch.randint(0, 9, (5, 2))  # an n-gram body with K = 2 targets
+    assert as_rows(h2, y2)[1] is y2
+    with pytest.raises(ValueError, match="targets of shape"):
+        as_rows(h, y[:, :2])

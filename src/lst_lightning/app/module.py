@@ -34,6 +34,17 @@ def check_distributed(head: OutputHead, world_size: int) -> None:
                          f"{world_size} processes: set head.parallel to one of {list(head.parallel_modes)}")
 
 
+def as_rows(hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """A sequence body's (b, T, d) hidden states and (b, T) targets as the head's rows
+    (b*T, d) and (b*T,); an n-gram body's (m, d) and (m,) or (m, K) pass through."""
+    if hidden.dim() == 3:
+        if target.shape != hidden.shape[:2]:
+            raise ValueError(f"a sequence body's hidden states {tuple(hidden.shape)} need targets of shape "
+                             f"{tuple(hidden.shape[:2])}, got {tuple(target.shape)}")
+        return hidden.flatten(0, 1), target.reshape(-1)
+    return hidden, target
+
+
 class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
@@ -126,7 +137,7 @@ class LanguageModel(pl.LightningModule):
         context, target = batch
         if self.head.self_updating:
             self.head.lr = self.head_lr * self.current_lr_factor()
-        loss = self.head(self.body(context), target)
+        loss = self.head(*as_rows(self.body(context), target))
         # A head with deferred checks masks a non-finite step itself; reading it here would
         # make every step wait for the GPU.
         if not self.head.deferred_checks and not torch.isfinite(loss):
@@ -143,9 +154,10 @@ class LanguageModel(pl.LightningModule):
 
     def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
         context, target = batch
-        hidden = self.body(context)
+        hidden, target = as_rows(self.body(context), target)
         # Rows with target -1 pad the shorter ranks' last batch (every rank must call a
-        # distributed head equally often, with equal shapes): the metrics skip them.
+        # distributed head equally often, with equal shapes), or a sequence past its
+        # document's end: the metrics skip them.
         real = target >= 0 if target.dim() == 1 else (target >= 0).any(1)
         loss = self.head(hidden, target)
         if not torch.isfinite(loss):

@@ -65,6 +65,13 @@ def head_class(cfg: DictConfig) -> type:
         raise ValueError(f"head._target_={cfg.head._target_!r} cannot be imported: {e}") from e
 
 
+def model_class(cfg: DictConfig) -> type:
+    try:
+        return get_class(cfg.model._target_)
+    except Exception as e:  # hydra wraps import errors
+        raise ValueError(f"model._target_={cfg.model._target_!r} cannot be imported: {e}") from e
+
+
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
     """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
     only where the constructor takes it."""
@@ -109,7 +116,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
 
-    dm = instantiate(cfg.data, _convert_="all")
+    # A body that reads whole sequences (the transformer) gets them from the data module.
+    sequences = bool(getattr(model_class(cfg), "reads_sequences", False))
+    dm = instantiate(cfg.data, _convert_="all", **({"sequences": True} if sequences else {}))
     dm.prepare_data()
     dm.setup("fit")
     body = instantiate(cfg.model, vocab_size=dm.input_vocab_size, context_size=dm.context_size, _convert_="all")
@@ -180,6 +189,7 @@ def unigram_metrics(dm, topk) -> dict[str, float]:
     ranks, ppl = RankMetrics(topk), Perplexity()
     logp = torch.log(dm.class_counts.double() / dm.class_counts.sum())
     for _, target in dm.eval_dataloader("test"):  # all of it, on whichever rank asks
+        target = target[target >= 0]  # sequences: the padding past a document's end
         ranks.update(unigram_ranks(dm.class_counts, target))
         ppl.update(logp[target])
     out = {k: float(v) for k, v in ranks.compute().items()}
