@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
+from .callbacks.head_steps import HeadSteps
 from .schedule import lr_factor
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 
@@ -103,6 +104,10 @@ class LanguageModel(pl.LightningModule):
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_callbacks(self):
+        # A self-updating head steps at the optimizer's step under accumulation or a loss scaler.
+        return [HeadSteps()] if self.head.self_updating else []
 
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)
