@@ -149,7 +149,7 @@ def test_resume_is_bit_identical(tmp_path, head, embedding):
     [
         (["trainer=gpu"], ValueError, "no CUDA device"),
         (["metrics.perplexity=true"], ValueError, "cannot give perplexity"),
-        (["trainer.accumulate_grad_batches=2"], ValueError, "accumulate_grad_batches must be 1"),
+        (["trainer.accumulate_grad_batches=2"], ValueError, "cannot wait for the optimizer's step"),
         (["ckpt_path=/nonexistent/last.ckpt"], FileNotFoundError, "ckpt_path"),
         (["data.vocab_size=10000000"], ValueError, "larger than the corpus"),
         (["data.context_size=100000"], ValueError, "longer than every"),

@@ -85,14 +85,28 @@ def test_non_finite_steps_are_skipped_counted_and_warned_sparingly(cls):
 
 
 
-def test_two_forwards_before_backward_is_an_error():
+def test_two_forwards_before_backward_is_an_error_before_any_change():
     f, _ = make_pair("zloss")
     H, idx = batch(3, 8, 60, 1)
+    W0 = f.weight()
     L1 = f(H.clone().requires_grad_(), idx)
-    L2 = f(H.clone().requires_grad_(), idx)
-    L2.backward()
-    with pytest.raises(RuntimeError, match="no gradient accumulation"):
-        L1.backward()
+    with pytest.raises(RuntimeError, match="second training forward"):
+        f(H.clone().requires_grad_(), idx)
+    assert torch.equal(f.weight(), W0) and int(f.steps) == 0
+    L1.backward()  # the first forward still steps
+    assert int(f.steps) == 1
+    del L1
+    f(H.clone().requires_grad_(), idx)  # a dropped loss, never backpropagated, does not block
+    f(H.clone().requires_grad_(), idx)
+
+
+def test_state_changed_between_forward_and_backward_is_an_error():
+    f, _ = make_pair("zloss")
+    H, idx = batch(3, 8, 60, 1)
+    L = f(H.clone().requires_grad_(), idx)
+    f.reset_weight(f.weight())
+    with pytest.raises(RuntimeError, match="state changed"):
+        L.backward()
 
 
 

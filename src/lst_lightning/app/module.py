@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
+from .callbacks.head_steps import HeadSteps
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 from .optimizers import check_optimizer_config, clip_gradients, make_optimizer
 from .schedule import lr_factor
@@ -117,6 +118,10 @@ class LanguageModel(pl.LightningModule):
             clip_gradients(params, float(gradient_clip_val), gradient_clip_algorithm or "norm")
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_callbacks(self):
+        # A self-updating head steps at the optimizer's step under accumulation or a loss scaler.
+        return [HeadSteps()] if self.head.self_updating else []
 
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)

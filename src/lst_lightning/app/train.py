@@ -95,6 +95,24 @@ def run_name(cfg: DictConfig) -> str:
     return f"{cls.__name__}-{loss}" if loss else cls.__name__
 
 
+def check_accumulation(cfg: DictConfig, cls: type) -> None:
+    """A self-updating head accumulates exactly only when it can wait for the optimizer's
+    step (the HeadSteps callback): a spherical head with step=autograd, sync_every=1, one process."""
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if accumulate == 1 or not getattr(cls, "self_updating", False):
+        return
+    from ..spherical import SphericalHeadBase  # noqa: PLC0415
+
+    step = cfg.get("head_step") or cfg.head.get("step", "autograd")
+    why = ("it cannot wait for the optimizer's step" if not issubclass(cls, SphericalHeadBase)
+           else f"head_step={step} steps in the forward" if step != "autograd"
+           else f"head.sync_every={cfg.head.sync_every} defers its checks" if cfg.head.get("sync_every", 1) != 1
+           else f"head.parallel={cfg.head.parallel}: no accumulation across processes"
+           if cfg.head.get("parallel", "none") != "none" else None)
+    if why:
+        raise ValueError(f"{cls.__name__} updates itself and {why}: trainer.accumulate_grad_batches must be 1")
+
+
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     """Data module, model and trainer from a composed config."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
@@ -110,8 +128,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     tcfg = cfg.trainer
     check_device(tcfg)
     cls = head_class(cfg)
-    if getattr(cls, "self_updating", False) and tcfg.get("accumulate_grad_batches", 1) != 1:
-        raise ValueError(f"{cls.__name__} updates itself in backward: trainer.accumulate_grad_batches must be 1")
+    check_accumulation(cfg, cls)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))

@@ -13,6 +13,7 @@ from torch import Tensor
 from ..losses import SphericalLoss, make_loss
 from ..heads.base import OutputHead
 from ..heads.targets import target_slots
+from .pending_step import PendingSteps
 
 
 class _SelfUpdatingStep(torch.autograd.Function):
@@ -20,28 +21,24 @@ class _SelfUpdatingStep(torch.autograd.Function):
     apply its SGD step with the gradients of this very forward."""
 
     @staticmethod
-    def forward(ctx, H: Tensor, head: "SphericalHeadBase", idx: Tensor, T: Tensor):
+    def forward(ctx, H: Tensor, head: "SphericalHeadBase", idx: Tensor, T: Tensor, token):
         Hx, idx, T, ctx.rows = head._collect(head.augment(H), idx, T, training=True)
         loss, saved = head._forward_step(Hx, idx, T)
-        ctx.head, ctx.saved, ctx.version = head, saved, head._version
+        # token None: a frozen head (eval mode), which hands dL/dH on and never steps.
+        ctx.head, ctx.saved, ctx.version, ctx.token = head, saved, head._version, token
         ctx.in_dtype = H.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         head = ctx.head
-        if head._version != ctx.version:
-            raise RuntimeError(
-                f"{type(head).__name__}: its state changed between this forward and its backward "
-                "(another step, a repair or a reset ran in between). The head applies its SGD step "
-                "in backward, so each forward must be followed by its own backward: no gradient "
-                "accumulation over several forwards.")
-        dH = head._own_rows(head._backward_step(ctx.saved, grad_out.to(head.dtype)), ctx.rows)
-        ctx.saved = None
-        return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None
+        dH = head._own_rows(head._backward_of(ctx.saved, ctx.token, ctx.version, grad_out.to(head.dtype)), ctx.rows)
+        if ctx.token is not None:
+            ctx.saved = None  # a second backward reuses the token's dL/dH
+        return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None
 
 
-class SphericalHeadBase(OutputHead):
+class SphericalHeadBase(PendingSteps, OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
     self_updating = True
@@ -69,6 +66,7 @@ class SphericalHeadBase(OutputHead):
         self.weight_decay = weight_decay
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
+        self._init_pending_steps()
 
     # -- hyperparameters the training loop may change ---------------------------------
     @property
@@ -122,6 +120,19 @@ class SphericalHeadBase(OutputHead):
         raise NotImplementedError
 
     def _backward_step(self, saved, grad_out: Tensor) -> Tensor:
+        """dL/dH, and the step taken with the gradients scaled by ``grad_out``."""
+        raise NotImplementedError
+
+    def _hidden_grad(self, saved, grad_out: Tensor) -> Tensor:
+        """dL/dH alone: the head does not change."""
+        raise NotImplementedError
+
+    def _pending_record(self, saved, weight: Tensor):
+        """What a micro-batch keeps for the optimizer's step, its loss gradients scaled by ``weight``."""
+        raise NotImplementedError
+
+    def _apply_records(self, records: list) -> None:
+        """One exact step on the rows of all ``records`` (made with the current state)."""
         raise NotImplementedError
 
     def _eval_loss(self, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
@@ -195,6 +206,8 @@ class SphericalHeadBase(OutputHead):
         gives H its gradient and applies the exact SGD step to the head."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val)
         if not self.in_training_step:
+            if torch.is_grad_enabled() and H.requires_grad and self.parallel == "none":
+                return _SelfUpdatingStep.apply(H, self, idx, T, None)  # eval mode: a frozen head
             with torch.no_grad():
                 return self._eval_loss(Hx, idx, T)
         self.check_decay()
@@ -202,9 +215,10 @@ class SphericalHeadBase(OutputHead):
 
     def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:
         """The loss of a training step on checked targets; the step is taken in its backward."""
+        token = self._open_forward(H.shape[0])
         if not H.requires_grad:
             H = H.detach().requires_grad_()  # a leaf of our own, so that backward reaches the head
-        return _SelfUpdatingStep.apply(H, self, idx, T)
+        return _SelfUpdatingStep.apply(H, self, idx, T, token)
 
     # -- the loss on m-sized tensors ----------------------------------------------------
     def y_sq(self, idx: Tensor, T: Tensor) -> Tensor | None:

@@ -257,13 +257,36 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
 
     # -- backward and the exact update ------------------------------------------------------
     @torch.no_grad()
-    def _backward_step(self, sv: _Saved, grad_out: Tensor) -> Tensor:
-        Hx, idx = sv.Hx, sv.idx
+    def _hidden_grad(self, sv: _Saved, grad_out: Tensor, parts: bool = False):
+        """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
         gq, gs, GA = sv.gq * grad_out, sv.gs * grad_out, sv.GA * grad_out
         ybar = GA.sum(1)
-        # dH = dO W without dO: Z = (g_s 1^T + Yd) W.
-        Z = self._gather_sum(idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
+        Z = self._gather_sum(sv.idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
         dH = torch.addcmul(Z, gq[:, None], sv.Hq, value=2.0)
+        return (dH, gq, gs, GA, ybar, Z) if parts else dH
+
+    def _pending_record(self, sv: _Saved, weight: Tensor):
+        return sv.Hx, sv.idx, sv.gq * weight, sv.gs * weight, sv.GA * weight
+
+    @torch.no_grad()
+    def _apply_records(self, records: list) -> None:
+        """The step on the union of the micro-batches: their rows, targets padded to one K."""
+        K = max(r[1].shape[1] for r in records)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, K - t.shape[1]), value=v)  # noqa: E731
+        Hx = torch.cat([r[0] for r in records])
+        idx = torch.cat([pad(r[1], -1) for r in records])
+        gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
+        GA = torch.cat([pad(r[4], 0.0) for r in records])
+        woodbury = self._use_woodbury(Hx.shape[0])
+        if woodbury and not self._uinv_fresh:
+            self._refresh_uinv()
+        _, s, _, Hq, Ht, HUinv, ht = self._outputs(Hx, None, with_uinv=woodbury)
+        self._backward_step(_Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))
+
+    @torch.no_grad()
+    def _backward_step(self, sv: _Saved, grad_out: Tensor) -> Tensor:
+        Hx = sv.Hx
+        dH, gq, gs, GA, ybar, Z = self._hidden_grad(sv, grad_out, parts=True)
         finite = torch.isfinite(Hx.sum() + gq.sum() + gs.sum() + GA.sum())
         if self.deferred_checks:
             return self._masked_write(sv, self._new_state(sv, gq, gs, GA, ybar, Z, dH), finite, dH)

@@ -55,9 +55,28 @@ class NaiveSphericalHead(SphericalHeadBase):
         return L.detach(), (L, Hl, Wl)
 
     @torch.no_grad()
+    def _hidden_grad(self, saved, grad_out):
+        L, Hl, _ = saved
+        return torch.autograd.grad(L, Hl, grad_out, retain_graph=True)[0]
+
+    @torch.no_grad()
+    def _pending_record(self, saved, weight):
+        L, _, Wl = saved
+        return torch.autograd.grad(L, Wl, weight, retain_graph=True)[0]
+
+    @torch.no_grad()
+    def _apply_records(self, records: list) -> None:
+        dW = sum(records)
+        self._apply_dW(torch.zeros(()), dW)
+
+    @torch.no_grad()
     def _backward_step(self, saved, grad_out):
         L, Hl, Wl = saved
         dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
+        return self._apply_dW(dH, dW)
+
+    def _apply_dW(self, dH: Tensor, dW: Tensor) -> Tensor:
+        """The SGD step with dL/dW, unless something is non-finite; dL/dH (zeros when skipped)."""
         if not (torch.isfinite(dH).all() and torch.isfinite(dW).all()):
             self._skip("hidden states or loss gradients")
             return torch.zeros_like(dH)

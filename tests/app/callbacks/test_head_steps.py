@@ -1,0 +1,105 @@
+"""HeadSteps: a spherical head in a plain LightningModule steps at Lightning's optimizer
+step: exact gradient accumulation, and the unscaled step under a GradScaler (16-mixed)."""
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lst_lightning.app.callbacks import HeadSteps
+from lst_lightning.app.train import run
+
+from app_configs import FAST, cfg_of
+from head_pairs import deferred, make_pair, rel
+
+IN, D, d = 6, 40, 8
+
+
+class Plain(pl.LightningModule):
+    """A user's module: a linear body, a spherical head, SGD on the body."""
+
+    def __init__(self, head):
+        super().__init__()
+        torch.manual_seed(7)
+        self.body = torch.nn.Linear(IN, d, dtype=torch.float64)
+        self.head = head
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.autocast("cpu", enabled=False):  # the scaler's path alone, in float64
+            return self.head(self.body(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.body.parameters(), lr=0.05)
+
+
+def data(n=6, m=4, K=2):
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(n * m, IN, generator=g, dtype=torch.float64)
+    y = torch.randint(0, D, (n * m, K), generator=g)
+    y[0, 1] = -1  # padding
+    y[1, 1] = y[1, 0]  # a class repeated in a row
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=m)
+
+
+def fit(module, **trainer_kw):
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[HeadSteps()],
+                         **trainer_kw)
+    trainer.fit(module, data())
+    return trainer
+
+
+def by_hand(head, group):
+    """The reference: per optimizer step, one forward and backward on the union of ``group`` batches."""
+    module = Plain(head)
+    opt = torch.optim.SGD(module.body.parameters(), lr=0.05)
+    batches = list(data())
+    for i in range(0, len(batches), group):
+        x, y = (torch.cat(t) for t in zip(*batches[i:i + group]))
+        opt.zero_grad()
+        head(module.body(x), y).backward()
+        opt.step()
+    return module
+
+
+@pytest.mark.parametrize("which", [0, 1])  # factored, naive
+def test_accumulate_grad_batches_is_one_step_on_the_union(which):
+    heads = make_pair("spherical_softmax", D=D, d=d, lr=0.3, weight_decay=0.01)
+    ref_heads = make_pair("spherical_softmax", D=D, d=d, lr=0.3, weight_decay=0.01)
+    head, ref = heads[which], ref_heads[which]
+    ref.reset_weight(head.weight())
+    module = Plain(head)
+    trainer = fit(module, accumulate_grad_batches=2)
+    reference = by_hand(ref, 2)
+    assert trainer.global_step == 3 and int(head.steps) == 3 and not head.attached
+    assert rel(head.weight(), ref.weight()) < 1e-12
+    assert rel(module.body.weight, reference.body.weight) < 1e-12
+
+
+def test_16_mixed_grad_scaler_step_is_unscaled():
+    head, _ = make_pair("zloss", D=D, d=d, lr=0.3)
+    ref, _ = make_pair("zloss", D=D, d=d, lr=0.3)
+    ref.reset_weight(head.weight())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    module = Plain(head)
+    fit(module, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])  # Trainer(precision=) says bf16 on CPU
+    reference = by_hand(ref, 1)
+    assert scaler.get_scale() == 2.0 ** 16 and int(head.steps) == 6  # it scaled and skipped nothing
+    assert rel(head.weight(), ref.weight()) < 1e-12  # not a 65536x step
+    assert rel(module.body.weight, reference.body.weight) < 1e-12
+
+
+def test_heads_that_cannot_wait_are_refused_before_any_step():
+    head = deferred(num_classes=D, hidden_dim=d, sync_every=4, bias=False)
+    W0 = head.weight()
+    with pytest.raises(ValueError, match="accumulate_grad_batches=2 needs the head to step"):
+        fit(Plain(head), accumulate_grad_batches=2)
+    assert torch.equal(head.weight(), W0) and int(head.steps) == 0
+
+
+def test_lst_train_accumulates_exactly(tmp_path):
+    """lst-train trainer.accumulate_grad_batches=2: one head step per optimizer step."""
+    over = [*FAST, "head=factored", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "test=false"]
+    res = run(cfg_of(*over, "trainer.accumulate_grad_batches=2"), tmp_path)
+    state = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert res["train_steps"] == 3 and int(state["head.steps"]) == 3

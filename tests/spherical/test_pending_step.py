@@ -1,0 +1,243 @@
+"""When the spherical heads step: at the optimizer's step once attached (exact gradient
+accumulation, the loss scale divided out, no step when the GradScaler skips), once per
+forward, and never in eval mode."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from head_pairs import batch, deferred, make_pair, rel
+
+SIZES, KS = (5, 3, 7), (2, 1, 3)  # micro-batches of different sizes and numbers of targets
+
+
+def micro_batches(D=60, d=8):
+    return [batch(m, d, D, K, classes=10) for m, K in zip(SIZES, KS)]
+
+
+def union(batches):
+    K = max(idx.shape[1] for _, idx in batches)
+    H = torch.cat([H for H, _ in batches])
+    idx = torch.cat([F.pad(idx, (0, K - idx.shape[1]), value=-1) for _, idx in batches])
+    return H, idx
+
+
+def dummy_optimizer():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+
+
+def twins(loss, **kw):
+    """A factored/naive pair and a second pair at the same W (the reference)."""
+    f, n = make_pair(loss, **kw)
+    ref_f, ref_n = make_pair(loss, **kw)
+    ref_f.reset_weight(f.weight())
+    ref_n.reset_weight(n.weight())
+    return (f, ref_f), (n, ref_n)
+
+
+@pytest.mark.parametrize("loss", ["zloss", "mse", "spherical_softmax", "taylor_softmax"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_accumulated_micro_batches_equal_one_step_on_their_union(loss, bias):
+    pairs = twins(loss, bias=bias, lr=0.2, weight_decay=0.01)
+    batches = micro_batches()
+    M = sum(SIZES)
+    Hu, idxu = union(batches)
+    for head, ref in pairs:
+        Hr = Hu.clone().requires_grad_()
+        ref(Hr, idxu).backward()
+        opt = dummy_optimizer()
+        head.attach(opt)
+        dHs = []
+        for H, idx in batches:  # weights m_i / M: the union's mean over its rows
+            Hc = H.clone().requires_grad_()
+            (head(Hc, idx) * (H.shape[0] / M)).backward()
+            dHs.append(Hc.grad)
+        assert int(head.steps) == 0 and head.pending_rows == M
+        assert rel(torch.cat(dHs), Hr.grad) < 1e-12  # W has not changed between micro-batches
+        opt.step()
+        assert int(head.steps) == 1 and head.pending_rows == 0
+        assert rel(head.weight(), ref.weight()) < 1e-12
+        opt.step()  # nothing kept: no step
+        assert int(head.steps) == 1
+    assert rel(pairs[0][0].weight(), pairs[1][0].weight()) < 1e-10  # factored == naive
+
+
+def test_attached_forwards_may_precede_their_backwards():
+    """Two forwards, then one backward of their sum == forward, backward, forward, backward."""
+    pairs = twins("zloss", lr=0.2)
+    (H1, i1), (H2, i2), _ = micro_batches()
+    for head, ref in pairs:
+        for h, together in ((head, True), (ref, False)):
+            opt = dummy_optimizer()
+            h.attach(opt)
+            if together:
+                (h(H1, i1) + h(H2, i2)).backward()
+            else:
+                h(H1, i1).backward()
+                h(H2, i2).backward()
+            opt.step()
+        assert int(head.steps) == 1 and rel(head.weight(), ref.weight()) < 1e-13
+    assert rel(pairs[0][0].weight(), pairs[1][0].weight()) < 1e-10
+
+
+def test_too_many_kept_rows_are_refused_before_any_change():
+    f, _ = make_pair("zloss")
+    f.attach(dummy_optimizer(), max_pending_rows=6)
+    (H1, i1), (H2, i2), _ = micro_batches()
+    f(H1, i1).backward()
+    W0 = f.weight()
+    with pytest.raises(ValueError, match="max_pending_rows=6"):
+        f(H2, i2)
+    assert f.pending_rows == 5 and torch.equal(f.weight(), W0)
+
+
+def test_attach_refuses_heads_that_step_in_their_forward():
+    f = deferred(sync_every=1, step="fused")
+    with pytest.raises(ValueError, match="step='fused'"):
+        f.attach(dummy_optimizer())
+    f = deferred(sync_every=4)
+    with pytest.raises(ValueError, match="sync_every"):
+        f.attach(dummy_optimizer())
+    with pytest.raises(TypeError, match="Optimizer"):
+        f.attach(object())
+
+
+def test_detach_steps_in_backward_again():
+    f, _ = make_pair("zloss")
+    opt = dummy_optimizer()
+    f.attach(opt)
+    (H1, i1), *_ = micro_batches()
+    f(H1, i1).backward()
+    f.detach()
+    assert not f.attached and f.pending_rows == 0
+    opt.step()
+    assert int(f.steps) == 0
+    f(H1, i1).backward()
+    assert int(f.steps) == 1
+
+
+# -- loss scaling -----------------------------------------------------------------------------
+def body_and_head(loss="zloss"):
+    torch.manual_seed(3)
+    body = torch.nn.Linear(6, 8, dtype=torch.float64)
+    head, _ = make_pair(loss, lr=0.1)
+    return body, head
+
+
+def train(body, head, batches, scaler=None, attach=True, poison=()):
+    """SGD on the body; the head attached (or told the scale by hand). ``poison``: the steps
+    whose body gradient is made non-finite, so that the scaler skips them."""
+    opt = torch.optim.SGD(body.parameters(), lr=0.05)
+    if attach:
+        head.attach(opt, scaler)
+    for i, (x, idx) in enumerate(batches):
+        opt.zero_grad()
+        loss = head(body(x), idx)
+        if i in poison:
+            loss = loss + body.bias.sum() * torch.tensor(float("inf"), dtype=torch.float64)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+            continue
+        if not attach:
+            head.loss_scale = scaler.get_scale()  # the one-line way without attach
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return opt
+
+
+def scaled_batches(n=4):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randint(0, 60, (5, 2), generator=g))
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("attach", [True, False])
+def test_grad_scaler_scale_is_divided_out_of_the_head_step(attach):
+    batches = scaled_batches()
+    body0, head0 = body_and_head()
+    train(body0, head0, batches)
+    body, head = body_and_head()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    train(body, head, batches, scaler, attach=attach)
+    assert int(head.steps) == len(batches)
+    assert rel(head.weight(), head0.weight()) < 1e-12  # a power-of-two scale: exact up to rounding
+    assert rel(body.weight, body0.weight) < 1e-12
+
+
+def test_head_skips_its_step_when_the_scaler_skips():
+    batches = scaled_batches()
+    body0, head0 = body_and_head()
+    train(body0, head0, batches[1:])  # the reference never sees the poisoned first batch
+    body, head = body_and_head()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    train(body, head, batches, scaler, poison=(0,))
+    assert scaler.get_scale() == 2.0 ** 15  # it skipped once
+    assert head.scaler_skips == 1 and int(head.steps) == len(batches) - 1
+    assert rel(head.weight(), head0.weight()) < 1e-12
+    assert rel(body.weight, body0.weight) < 1e-12
+
+
+def test_loss_scale_is_validated():
+    _, head = body_and_head()
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="loss_scale"):
+            head.loss_scale = bad
+
+
+# -- one step per forward; eval mode -----------------------------------------------------------
+@pytest.mark.parametrize("which", [0, 1])
+def test_gradient_norm_by_autograd_grad_then_backward_steps_once(which):
+    (f, ref_f), (n, ref_n) = twins("spherical_softmax", lr=0.2)
+    head, ref = ((f, ref_f), (n, ref_n))[which]
+    torch.manual_seed(4)
+    body = torch.nn.Linear(6, 8, dtype=torch.float64)
+    x, idx = torch.randn(4, 6, dtype=torch.float64), torch.randint(0, 60, (4, 2))
+    ref(body(x), idx).backward()  # the reference: one plain training step
+    g_ref = body.weight.grad.clone()
+    body.zero_grad()
+    loss = head(body(x), idx)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (g,) = torch.autograd.grad(loss, [body.weight], retain_graph=True)  # a gradient norm
+        loss.backward()
+        loss2 = head(body(x), idx)  # a second iteration: warned about once only
+        torch.autograd.grad(loss2, [body.weight], retain_graph=True)
+        loss2.backward()
+    assert sum("second backward" in str(w.message) for w in caught) == 1
+    assert int(head.steps) == 2
+    assert rel(g, g_ref) < 1e-12
+    ref(body(x), idx).backward()  # the reference's second step
+    assert rel(head.weight(), ref.weight()) < 1e-12
+
+
+def test_a_second_backward_hands_on_the_same_gradient():
+    f, _ = make_pair("zloss", lr=0.2)
+    H, idx = batch(4, 8, 60, 2)
+    Hc = H.clone().requires_grad_()
+    loss = f(Hc, idx)
+    (g1,) = torch.autograd.grad(loss, Hc, retain_graph=True)
+    W1 = f.weight()
+    with pytest.warns(UserWarning, match="second backward"):
+        (g2,) = torch.autograd.grad(3.0 * loss, Hc)
+    assert torch.allclose(g2, 3.0 * g1, rtol=1e-13) and torch.equal(f.weight(), W1) and int(f.steps) == 1
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_eval_mode_hands_the_body_its_gradient_and_freezes_the_head(which):
+    (f, ref_f), (n, ref_n) = twins("taylor_softmax", lr=0.2)
+    head, probe = ((f, ref_f), (n, ref_n))[which]
+    H, idx = batch(4, 8, 60, 2)
+    Ht = H.clone().requires_grad_()
+    probe(Ht, idx).backward()  # the gradient a training step hands on
+    W0 = head.weight()
+    head.eval()
+    He = H.clone().requires_grad_()
+    with pytest.warns(UserWarning, match="eval mode"):
+        head(He, idx).backward()
+    assert rel(He.grad, Ht.grad) < 1e-12
+    assert torch.equal(head.weight(), W0) and int(head.steps) == 0
+    with torch.no_grad():  # evaluation as before: no graph
+        assert not head(H, idx).requires_grad
