@@ -121,6 +121,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
     from .callbacks import HeadTiming, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
+    from .csv_log import AppendingCSVLogger  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel, check_distributed  # noqa: PLC0415
 
@@ -161,7 +162,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     name = run_name(cfg)
     loggers: list = []
     if cfg.logger.csv:
-        loggers.append(pl.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        loggers.append(AppendingCSVLogger(save_dir=str(run_dir), name="csv", version=""))
     wb = cfg.logger.wandb
     if wb.enabled:
         tags = sorted({cls.__name__, *([loss_name(cfg)] if loss_name(cfg) else []), *wb.tags})
