@@ -378,14 +378,15 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
     @own_precision
     @torch.no_grad()
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
-        """O[:, start:end] = (H U^T) V[start:end]^T + H omega: O(m (end - start) d).
+        """The loss's score (``loss_fn.score``: the model's own ranking) of the outputs
+        O[:, start:end] = (H U^T) V[start:end]^T + H omega: O(m (end - start) d).
         A sharded head scores only its own classes (start:end within row_lo:row_hi)."""
         Hx, _, _ = self._prepare_everywhere(hidden, None, None)
         end = self.num_classes if end is None else end
         if self.sharded and not self.row_lo <= start <= end <= self.row_hi:
             raise ValueError(f"this shard holds classes {self.row_lo}:{self.row_hi}, not {start}:{end}")
         rows = self.V[start - self.row_lo:end - self.row_lo]
-        return torch.addmm((Hx @ self.omega)[:, None], Hx @ self.U.T, rows.T)
+        return self.loss_fn.score(torch.addmm((Hx @ self.omega)[:, None], Hx @ self.U.T, rows.T))
 
     @own_precision
     @torch.no_grad()

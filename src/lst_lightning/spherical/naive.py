@@ -74,7 +74,7 @@ class NaiveSphericalHead(SphericalHeadBase):
     @torch.no_grad()
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         Hx, _, _ = self.prepare(hidden)
-        return Hx @ self.W[start:end].T
+        return self.loss_fn.score(Hx @ self.W[start:end].T)
 
     @own_precision
     @torch.no_grad()

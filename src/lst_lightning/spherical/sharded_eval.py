@@ -41,7 +41,7 @@ class ShardedEvaluation:
         blocks = row_blocks(self.V, chunk_size) if self.V.shape[0] else [(0, self.V)]  # empty shard: one empty chunk
         for a, blk in blocks:
             with torch.autocast(self.device.type, enabled=False):
-                sc = torch.addmm(ht, Ht, blk.T)
+                sc = self.loss_fn.score(torch.addmm(ht, Ht, blk.T))  # the loss's own score
             yield self.row_lo + a, sc
 
     @torch.no_grad()
