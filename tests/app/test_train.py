@@ -95,6 +95,16 @@ def test_tiny_run_every_head_and_loss(tmp_path, head, loss):
     assert res["loss"] == (loss if spherical else None)  # no loss name on a head that takes none
 
 
+@pytest.mark.parametrize("head,precision", [("factored", "bf16-mixed"), ("naive", "bf16-mixed"),
+                                            ("sampled_quadratic", "bf16-mixed"), ("factored", "64-true"),
+                                            ("factored", "bf16-true")])
+def test_tiny_run_under_lightning_precisions(tmp_path, head, precision):
+    res = run(cfg_of(*FAST, f"head={head}", f"trainer.precision={precision}"), tmp_path)
+    assert res["train_steps"] == 20
+    for split in ("val", "test"):
+        assert 0 < res[split]["mrr"] <= 1 and all(v == v for v in res[split].values())
+
+
 def test_tiny_run_lstm_and_synthetic(tmp_path):
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "model=lstm", "data=synthetic", "~data.vocab_size",
                      "data.num_classes=3000", "data.input_vocab_size=500", "data.context_size=3"), tmp_path)

@@ -4,16 +4,30 @@ and the autograd function that applies the head's own SGD step in backward.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import torch
 from torch import Tensor
 
-from ..losses import SphericalLoss, make_loss
 from ..heads.base import OutputHead
 from ..heads.targets import target_slots
+from ..losses import SphericalLoss, make_loss
+from .blocks import BLOCK
 from .pending_step import PendingSteps
+
+STATE_DTYPES = (torch.float32, torch.float64)
+
+
+def own_precision(method):
+    """Run a head method with autocast off on the head's device: the head does its math in
+    its state dtype whatever autocast context (bf16/fp16 mixed precision) the caller is in."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with torch.autocast(self.device.type, enabled=False):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 class _SelfUpdatingStep(torch.autograd.Function):
@@ -31,11 +45,21 @@ class _SelfUpdatingStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        with torch.autocast(ctx.head.device.type, enabled=False):
+            return _SelfUpdatingStep._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor):
         head = ctx.head
         dH = head._own_rows(head._backward_of(ctx.saved, ctx.token, ctx.version, grad_out.to(head.dtype)), ctx.rows)
         if ctx.token is not None:
             ctx.saved = None  # a second backward reuses the token's dL/dH
         return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None
+
+
+def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
+    """``fn``'s move of a tensor with its device change only, for floating tensors."""
+    return t.to(device=device) if t.is_floating_point() else fn(t)
 
 
 class SphericalHeadBase(PendingSteps, OutputHead):
@@ -46,7 +70,8 @@ class SphericalHeadBase(PendingSteps, OutputHead):
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
                  bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, init_std: float | None = None,
+                 generator: torch.Generator | None = None):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -54,10 +79,10 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if dtype not in (torch.float32, torch.float64):
+        if dtype not in STATE_DTYPES:
             raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
-        self.bias, self.reduction, self.dtype = bool(bias), reduction, dtype
+        self.bias, self.reduction = bool(bias), reduction
         #: columns of the implicit W: the hidden size, plus one constant column for the bias.
         self.width = hidden_dim + int(self.bias)
         self.loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
@@ -67,7 +92,34 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
         self._init_pending_steps()
+        # The seed of the initial W (drawn on the host, so that a head built on the meta
+        # device has one too): ``reset_weight()`` redraws the same W from it.
+        self._init_std = init_std if init_std is not None else self.width ** -0.5
+        self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator,
+                                            device=generator.device if generator is not None else "cpu"))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's state (float32 or float64): it follows ``.double()``, ``.float()``
+        and ``.to(dtype)``; the head computes in it whatever the dtype of H or the autocast context."""
+        return self._factory["dtype"]
+
+    def _apply(self, fn, recurse=True):
+        # Every dtype/device move (.double(), .to(), .half(), .cuda(), to_empty()) comes here.
+        # The state follows a move to float32/float64; half precision would make the exact
+        # step too coarse, so the state stays as it is then (moved to the new device only).
+        probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
+        if probe.dtype not in STATE_DTYPES:
+            warnings.warn(f"{type(self).__name__} keeps its state in {self.dtype}, not {probe.dtype}: it takes "
+                          "H in any float dtype and returns dL/dH in H's dtype (docs/factored_head.md, "
+                          "'Precision, padding and dtype')", UserWarning, stacklevel=3)
+            fn = functools.partial(_move_keeping_dtype, fn, probe.device)
+        out = super()._apply(fn, recurse)
+        self._factory["dtype"], self._factory["device"] = probe.dtype if probe.dtype in STATE_DTYPES \
+            else self.dtype, probe.device
+        self._graph = None  # a captured CUDA graph holds the old tensors
+        self._version += 1  # a pending backward from before the move is stale
+        return out
     # -- hyperparameters the training loop may change ---------------------------------
     @property
     def lr(self) -> float:
@@ -155,8 +207,26 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""
         raise NotImplementedError
 
-    def reset_weight(self, W: Tensor) -> None:
+    def reset_weight(self, W: Tensor | None = None) -> None:
+        """Make the implicit W equal to W; without W, the head as constructed (its initial W
+        from its seed, every counter zero): the way to finish a head built on the meta
+        device, after ``to_empty()``."""
         raise NotImplementedError
+
+    def _init_rows(self, lo: int, hi: int, device=None) -> Tensor:
+        """Rows lo:hi of the initial W: block c of rows comes from seed + c, drawn on the
+        device itself (a GPU's generator gives other numbers than the CPU's, as it should:
+        at D = 20M, d = 512 a host draw takes a minute)."""
+        out = torch.empty(hi - lo, self.width, dtype=self.dtype, device=device)
+        if out.device.type == "meta":
+            return out
+        for c in range(lo // BLOCK, -(-hi // BLOCK)):
+            a, b = c * BLOCK, min((c + 1) * BLOCK, self.num_classes)
+            g = torch.Generator(device=out.device).manual_seed(self._init_seed + c)
+            blk = torch.randn(b - a, self.width, generator=g, dtype=self.dtype, device=out.device)
+            s, e = max(a, lo), min(b, hi)
+            out[s - lo:e - lo] = blk[s - a:e - a] * self._init_std
+        return out
 
     @property
     def in_training_step(self) -> bool:
@@ -201,6 +271,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         return Hx
 
+    @own_precision
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head."""
@@ -245,6 +316,12 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         dev = self._factory["device"]
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=dev))
         self.register_buffer("skipped_nonfinite", torch.zeros((), dtype=torch.long, device=dev))
+
+    def _zero_counters(self) -> None:
+        """Every long counter buffer (steps, skips, repairs) back to 0."""
+        for buf in self.buffers(recurse=False):
+            if buf.dtype == torch.long:
+                buf.zero_()
 
     def _skip(self, what: str) -> None:
         """Count a skipped step and warn at the 1st, 2nd, 4th, 8th... so logs are not flooded."""

@@ -36,10 +36,13 @@ class ShardedEvaluation:
         return Hx, idx, rows
 
     def _shard_scores(self, Hx: Tensor, chunk_size: int):
-        Ht, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
+        with torch.autocast(self.device.type, enabled=False):  # not across the yield: the caller's own
+            Ht, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
         blocks = row_blocks(self.V, chunk_size) if self.V.shape[0] else [(0, self.V)]  # empty shard: one empty chunk
         for a, blk in blocks:
-            yield self.row_lo + a, torch.addmm(ht, Ht, blk.T)
+            with torch.autocast(self.device.type, enabled=False):
+                sc = self.loss_fn.score(torch.addmm(ht, Ht, blk.T))  # the loss's own score
+            yield self.row_lo + a, sc
 
     @torch.no_grad()
     def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:
