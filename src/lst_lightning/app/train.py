@@ -190,12 +190,28 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
     )
     check_distributed(head, trainer.world_size)  # before any process is started
+    check_sparse_backend(body, trainer)
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
         raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={tcfg.strategy}: spawned "
                          "workers return only rank 0's shard of V to the launching process; use "
                          "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
     return dm, module, trainer
+
+
+def check_sparse_backend(body, trainer) -> None:
+    """DDP all-reduces the sparse input embedding's row-sparse gradients over gloo; NCCL
+    refuses sparse tensors (torch 2.13), so multi-GPU runs need the dense embedding."""
+    from .optimizers import sparse_embedding_params  # noqa: PLC0415
+
+    if trainer.world_size <= 1 or not sparse_embedding_params(body):
+        return
+    backend = getattr(trainer.strategy, "_process_group_backend", None)
+    if backend is None and trainer.strategy.root_device.type == "cuda":
+        backend = "nccl"
+    if backend is not None and "nccl" in str(backend):
+        raise ValueError(f"model.sparse_embedding=true cannot train on {trainer.world_size} GPUs: NCCL does not "
+                         "all-reduce sparse gradients; set model.sparse_embedding=false (or run on CPU over gloo)")
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:
