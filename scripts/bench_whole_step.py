@@ -72,7 +72,7 @@ def model_config(name: str) -> dict:
 def body_width(name: str) -> int:
     """The input embedding's width (its D x e rows are what grows with D)."""
     cfg = model_config(name)
-    return int(cfg.get("embed_dim") or cfg.get("width"))
+    return int(cfg["embed_dim"])
 
 
 def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
@@ -80,8 +80,8 @@ def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
     module, cls_name = cfg.pop("_target_").rsplit(".", 1)
     cls = getattr(importlib.import_module(module), cls_name)
     if smoke:  # every code path, tiny widths
-        cfg = {k: v for k, v in cfg.items() if k not in ("embed_dim", "width", "hidden_sizes", "hidden_dim")}
-        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp" else {"width": 16, "num_heads": 2})
+        cfg = {k: v for k, v in cfg.items() if k not in ("embed_dim", "hidden_sizes", "hidden_dim")}
+        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp" else {"embed_dim": 16, "num_heads": 2})
         cfg["hidden_dim"] = 16
     if "sparse_embedding" in inspect.signature(cls).parameters:
         cfg["sparse_embedding"] = sparse
