@@ -24,6 +24,7 @@ step time against D) in a fresh run directory, ``--out DIR``, or ``--update-resu
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 import inspect
 import statistics
@@ -53,6 +54,9 @@ PAPER_D = 793_471
 TARGETS = {"flat_lo": 10_000, "flat_hi": 1_000_000, "flat_max": 1.3, "vs_softmax": 40.0, "vs_hsoftmax": 4.0}
 REFERENCE = ("factored", "zloss")
 WHOLE_HEADS = [s for s in HEADS if not s.cuda_only and s.head != "logits_ce"]
+# The factored zloss model at D = 10k, timed beside the one at each larger D (its row's D):
+# ratio = step at 10k / step at D, measured side by side.
+FLAT_PAIR = HeadSpec("factored_at_10k", "zloss", self_updating=True)
 COLUMNS = ["machine", "device", "torch", "threads", "body", "embedding", "optimizers", "head", "variant", "D", "d",
            "tokens", "median_ms", "p10_ms", "p90_ms", "steps", "factored_ms", "ratio", "tokens_per_s", "est_gb",
            "status"]
@@ -68,7 +72,7 @@ def model_config(name: str) -> dict:
 def body_width(name: str) -> int:
     """The input embedding's width (its D x e rows are what grows with D)."""
     cfg = model_config(name)
-    return int(cfg.get("embed_dim") or cfg.get("width"))
+    return int(cfg["embed_dim"])
 
 
 def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
@@ -76,8 +80,8 @@ def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
     module, cls_name = cfg.pop("_target_").rsplit(".", 1)
     cls = getattr(importlib.import_module(module), cls_name)
     if smoke:  # every code path, tiny widths
-        cfg = {k: v for k, v in cfg.items() if k not in ("embed_dim", "width", "hidden_sizes", "hidden_dim")}
-        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp" else {"width": 16, "num_heads": 2})
+        cfg = {k: v for k, v in cfg.items() if k not in ("embed_dim", "hidden_sizes", "hidden_dim")}
+        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp" else {"embed_dim": 16, "num_heads": 2})
         cfg["hidden_dim"] = 16
     if "sparse_embedding" in inspect.signature(cls).parameters:
         cfg["sparse_embedding"] = sparse
@@ -236,6 +240,13 @@ class Runner:
             ref_times += t["ref"]
             self.record(body_name, spec, D, d, "ok", t["head"], t["ref"], step.optimizer_names, est)
             del step
+        if D > TARGETS["flat_lo"] and not self.out_of_time():
+            # Flat in D: the same model at D = 10k timed in alternation with this one.
+            lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke)
+            first = perf_clock(lo) + perf_clock(ref)
+            t = interleaved_times({"lo": (lo, 1), "ref": (ref, 1)}, self.steps_for(first), warmup=0)
+            ref_times += t["ref"]
+            self.record(body_name, FLAT_PAIR, D, d, "ok", t["lo"], t["ref"], lo.optimizer_names, ref_est)
         if not ref_times:  # the factored head alone
             perf_clock(ref)
             ref_times = interleaved_times({"ref": (ref, 1)}, self.steps_for(perf_clock(ref)), warmup=0)["ref"]
@@ -268,13 +279,12 @@ def _find(rows: list[dict], **want) -> dict | None:
 def target_checks(rows: list[dict]) -> list[dict]:
     checks = []
     for body in dict.fromkeys(r["body"] for r in rows):
-        lo = _find(rows, body=body, head="factored", variant="zloss", D=TARGETS["flat_lo"])
-        hi = _find(rows, body=body, head="factored", variant="zloss", D=TARGETS["flat_hi"])
-        top = max((r for r in rows if _ok(r) and r["body"] == body and (r["head"], r["variant"]) == REFERENCE),
-                  key=lambda r: int(r["D"]), default=None)
-        note = (f"; D={int(top['D']):,}: {float(top['median_ms']) / float(lo['median_ms']):.3g}x"
-                if lo and top and int(top["D"]) > TARGETS["flat_hi"] else "")
-        ratio = float(hi["median_ms"]) / float(lo["median_ms"]) if lo and hi else None
+        # the step at D over the step at 10k, from the pair timed side by side
+        pairs = {int(r["D"]): 1.0 / float(r["ratio"]) for r in rows
+                 if _ok(r) and r["body"] == body and r["head"] == FLAT_PAIR.head and r["ratio"] not in ("", None)}
+        top = max(pairs, default=0)
+        note = f"; D={top:,}: {pairs[top]:.3g}x" if top > TARGETS["flat_hi"] else ""
+        ratio = pairs.get(TARGETS["flat_hi"])
         checks.append(_check(f"{body}: factored zloss step, D=1M / D=10k <= {TARGETS['flat_max']}x", ratio,
                              lambda x: x <= TARGETS["flat_max"], note))
         for head, key in (("softmax", "vs_softmax"), ("hsoftmax", "vs_hsoftmax")):
@@ -355,6 +365,18 @@ def write_outputs(rows: list[dict], stem: Path, title: str, with_plot: bool = Tr
     return checks
 
 
+def read_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows``, and the ``kept`` rows of what they do not measure, ordered by D."""
+    key = lambda r: (r["body"], r["head"], r["variant"], int(r["D"]))  # noqa: E731
+    new = {key(r) for r in rows}
+    return sorted([r for r in kept if key(r) not in new] + rows, key=lambda r: int(r["D"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
@@ -374,8 +396,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--max-step-s", type=float, default=20.0, help="skip a head whose step would take longer")
     p.add_argument("--deadline-s", type=float, default=None, help="stop starting new heads after this long")
+    p.add_argument("--merge", type=Path, default=None, metavar="CSV",
+                   help="keep the rows of an earlier run's CSV that this run does not measure (same body, "
+                        "head, variant and D), e.g. to add the slow heads at large D with a longer --max-step-s")
     add_output_args(p)
     args = p.parse_args(argv)
+    kept = read_rows(args.merge) if args.merge is not None else []
     defaults = dict(budget_s=0.05, min_steps=2, max_steps=3) if args.smoke else dict(budget_s=3.0, min_steps=3,
                                                                                       max_steps=20)
     for k, v in defaults.items():
@@ -401,8 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         for body in bodies:
             here = [s for s in heads if s.head != "factored" or s.variant == "zloss" or D <= args.all_losses_up_to]
             runner.run_size(body, D, here)
-        write_outputs(runner.rows, stem, title, with_plot=False)
-    checks = write_outputs(runner.rows, stem, title)
+        write_outputs(merged(kept, runner.rows), stem, title, with_plot=False)
+    checks = write_outputs(merged(kept, runner.rows), stem, title)
     for c in checks:
         print(f"{c['status']:10s} {c['check']}: {c['value']}")
     print(f"{time.perf_counter() - runner.t0:.0f} s")

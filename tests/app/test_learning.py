@@ -39,7 +39,7 @@ def test_transformer_learns_the_synthetic_rule(tmp_path):
     metrics, over every position of every sequence, beat the unigram baseline."""
     res = run(cfg_of("logger=csv", "callbacks=minimal", "model=gpt", "data=synthetic", "data.num_classes=2000",
                      "data.input_vocab_size=null", "data.sequence_length=8", "data.batch_size=64",
-                     "data.max_eval_examples=2000", "model.width=32", "model.num_layers=1", "model.num_heads=2",
+                     "data.max_eval_examples=2000", "model.embed_dim=32", "model.num_layers=1", "model.num_heads=2",
                      "model.hidden_dim=16", "trainer.max_epochs=1", "trainer.limit_train_batches=250",
                      "trainer.log_every_n_steps=10", "metrics.simlex=false"), tmp_path)
     _beats_unigram(res, 0.01)

@@ -68,3 +68,24 @@ def test_datamodule_batches_count_tokens_and_pad_ranks():
     assert (batches[0][1] >= 0).all() and (batches[1][1] == -1).all()
     x, y = _PaddedIds(dm.splits["test"])[torch.tensor([2, -1])]
     assert (y[0] >= 0).all() and (y[1] == -1).all()
+
+
+def test_text_datamodule_serves_each_document_as_padded_sequences(tmp_path):
+    from lst_lightning.data.datamodule import TextDataModule  # noqa: PLC0415
+
+    docs = [" ".join(f"w{(i * 7 + j) % 23}" for j in range(5 + i % 9)) for i in range(40)]
+    path = tmp_path / "c.txt"
+    path.write_text("\n\n".join(docs))
+    dm = TextDataModule("files", path=str(path), vocab_size=None, min_doc_tokens=1, val_fraction=0.2,
+                        test_fraction=0.2, batch_size=12, sequences=True, sequence_length=6, pad_start=True)
+    dm.setup()
+    assert dm.context_size == 6
+    x, y = next(iter(dm._loader("train", True, 0, 1)))
+    assert x.shape == y.shape == (2, 6)
+    ds = dm.splits["test"]
+    _, y = ds[torch.arange(len(ds))]
+    # every token of every test document but its leading <s> is a target exactly once
+    bos = dm.vocab.index["<s>"]
+    documents = int((ds.tokens == bos).sum())
+    assert documents > 0 and int((y >= 0).sum()) == len(ds.tokens) - (6 + 1) - documents  # less the trailing room
+    assert (y == -1).any()  # some document ends inside a sequence

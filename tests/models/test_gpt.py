@@ -7,7 +7,7 @@ from lst_lightning.models import GPT
 
 def _body(**kw):
     torch.manual_seed(0)
-    return GPT(vocab_size=50, context_size=12, width=16, num_layers=2, num_heads=4, hidden_dim=8, **kw).double()
+    return GPT(vocab_size=50, context_size=12, embed_dim=16, num_layers=2, num_heads=4, hidden_dim=8, **kw).double()
 
 
 def test_shapes_and_shorter_sequences():
@@ -50,6 +50,6 @@ def test_sparse_embedding_gives_row_sparse_gradients():
 
 def test_bad_settings():
     with pytest.raises(ValueError, match="num_heads"):
-        GPT(vocab_size=10, context_size=4, width=10, num_heads=4)
+        GPT(vocab_size=10, context_size=4, embed_dim=10, num_heads=4)
     with pytest.raises(ValueError, match="context_size"):
         _body()(torch.zeros(1, 13, dtype=torch.long))

@@ -13,6 +13,7 @@ import torch
 def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
     folder = sandbox.run_default(bw.main, ["--smoke", "--D", "50", "--heads", "softmax,hsoftmax,naive"],
                                  "bench_whole_step")
+    # (no D above 10k: no factored_at_10k pair)
     (path,) = folder.glob("whole_step_smoke_*.csv")
     with path.open() as fh:
         reader = csv.DictReader(fh)
@@ -54,12 +55,37 @@ def test_target_checks():
     def row(body, head, variant, D, ms, ratio=""):
         return dict(body=body, head=head, variant=variant, D=D, median_ms=ms, ratio=ratio, status="ok")
 
-    rows = [row("gpt", "factored", "zloss", 10_000, 10.0), row("gpt", "factored", "zloss", 1_000_000, 12.0),
-            row("gpt", "factored", "zloss", 10_000_000, 30.0), row("gpt", "softmax", "torch", 793_471, 500.0, 50.0),
+    rows = [row("gpt", "factored_at_10k", "zloss", 1_000_000, 10.0, 1 / 1.2),
+            row("gpt", "factored_at_10k", "zloss", 10_000_000, 10.0, 1 / 3),
+            row("gpt", "softmax", "torch", 793_471, 500.0, 50.0),
             row("gpt", "hsoftmax", "sqrt_mass", 793_471, 30.0, 3.0)]
     got = {c["check"]: (c["status"], c["value"]) for c in bw.target_checks(rows)}
     assert got["gpt: factored zloss step, D=1M / D=10k <= 1.3x"] == ("PASS", "1.2x; D=10,000,000: 3x")
     assert got["gpt: D=793,471, softmax step / factored zloss step >= 40x"] == ("PASS", "50x")
     assert got["gpt: D=793,471, hsoftmax step / factored zloss step >= 4x"] == ("FAIL", "3x")
-    rows[1]["status"] = "skipped: ~9 GB"
+    rows[0]["status"] = "skipped: ~9 GB"
     assert bw.target_checks(rows)[0]["status"] == "UNMEASURED"
+
+
+def test_merge_keeps_only_what_the_new_run_does_not_measure():
+    def row(head, D, ms):
+        return {"body": "gpt", "head": head, "variant": "v", "D": str(D), "median_ms": ms}
+
+    old = [row("softmax", 10, "1"), row("softmax", 99, "2"), row("factored", 99, "3")]
+    new = [row("factored", 99, "4")]
+    got = bw.merged(old, new)
+    assert [(r["head"], r["D"], r["median_ms"]) for r in got] == [("softmax", "10", "1"), ("softmax", "99", "2"),
+                                                                   ("factored", "99", "4")]
+
+
+def test_flatness_pair_is_timed_side_by_side(sandbox, monkeypatch):
+    monkeypatch.setitem(bw.TARGETS, "flat_lo", 40)  # the smoke sizes stand in for 10k and 1M
+    monkeypatch.setitem(bw.TARGETS, "flat_hi", 90)
+    folder = sandbox.run_default(bw.main, ["--smoke", "--D", "90", "--bodies", "ngram_mlp", "--heads", "factored/zloss"],
+                                 "bench_whole_step")
+    (path,) = folder.glob("whole_step_smoke_*.csv")
+    rows = {r["head"]: r for r in csv.DictReader(path.open())}
+    pair = rows["factored_at_10k"]
+    assert pair["D"] == "90" and float(pair["ratio"]) == pytest.approx(
+        float(pair["median_ms"]) / float(pair["factored_ms"]), rel=1e-3)
+    assert "PASS" in path.with_suffix(".md").read_text() or "FAIL" in path.with_suffix(".md").read_text()

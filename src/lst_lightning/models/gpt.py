@@ -12,11 +12,11 @@ from torch import Tensor, nn
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, num_heads: int, dropout: float):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float):
         super().__init__()
         self.num_heads, self.dropout = num_heads, dropout
-        self.qkv = nn.Linear(width, 3 * width)
-        self.out = nn.Linear(width, width)
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.out = nn.Linear(embed_dim, embed_dim)
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, w = x.shape
@@ -28,11 +28,11 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
 
-    def __init__(self, width: int, num_heads: int, mlp_ratio: int, dropout: float):
+    def __init__(self, embed_dim: int, num_heads: int, mlp_ratio: int, dropout: float):
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, num_heads, dropout)
-        self.mlp = nn.Sequential(nn.Linear(width, mlp_ratio * width), nn.GELU(), nn.Linear(mlp_ratio * width, width),
+        self.ln1, self.ln2 = nn.LayerNorm(embed_dim), nn.LayerNorm(embed_dim)
+        self.attn = CausalSelfAttention(embed_dim, num_heads, dropout)
+        self.mlp = nn.Sequential(nn.Linear(embed_dim, mlp_ratio * embed_dim), nn.GELU(), nn.Linear(mlp_ratio * embed_dim, embed_dim),
                                  nn.Dropout(dropout))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -45,21 +45,21 @@ class GPT(nn.Module):
 
     reads_sequences = True  # the data module serves (batch, T) sequences, every position a target
 
-    def __init__(self, vocab_size: int, context_size: int, width: int = 128, num_layers: int = 2,
+    def __init__(self, vocab_size: int, context_size: int, embed_dim: int = 128, num_layers: int = 2,
                  num_heads: int = 4, mlp_ratio: int = 4, hidden_dim: int = 128, dropout: float = 0.0,
                  sparse_embedding: bool = False):
         super().__init__()
-        if width % num_heads:
-            raise ValueError(f"model.width={width} must be a multiple of model.num_heads={num_heads}")
+        if embed_dim % num_heads:
+            raise ValueError(f"model.embed_dim={embed_dim} must be a multiple of model.num_heads={num_heads}")
         if context_size < 1:
             raise ValueError(f"the sequence length (data.sequence_length) must be >= 1, got {context_size}")
         self.context_size, self.hidden_dim = context_size, hidden_dim
-        self.input_embedding = nn.Embedding(vocab_size, width, sparse=sparse_embedding)
-        self.position_embedding = nn.Embedding(context_size, width)
+        self.input_embedding = nn.Embedding(vocab_size, embed_dim, sparse=sparse_embedding)
+        self.position_embedding = nn.Embedding(context_size, embed_dim)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(width, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
-        self.ln_f = nn.LayerNorm(width)
-        self.proj = nn.Linear(width, hidden_dim)
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, mlp_ratio, dropout) for _ in range(num_layers))
+        self.ln_f = nn.LayerNorm(embed_dim)
+        self.proj = nn.Linear(embed_dim, hidden_dim)
         nn.init.normal_(self.input_embedding.weight, std=0.02)
         nn.init.normal_(self.position_embedding.weight, std=0.02)
 
