@@ -169,8 +169,9 @@ class LanguageModel(pl.LightningModule):
             raise FloatingPointError(f"non-finite {prefix} loss {loss.item()}")
         n = int(real.sum())
         if n:
-            # the heads' mean is over all m rows (padding adds nothing to softmax-type losses)
-            total = loss * len(target) if self.head.reduction == "mean" else loss
+            # the heads' mean is over all m rows (padding adds nothing), mean_real over the real ones
+            scale = {"mean": len(target), "mean_real": n}.get(self.head.reduction, 1)
+            total = loss * scale
             mean_loss.update(total.detach() / n, n)
         safe = target.clamp(min=0)  # padded rows are scored against class 0, then dropped
         ranks.update(self.head.target_rank(hidden, safe, self.score_chunk_size)[real])

@@ -12,12 +12,15 @@ import torch
 from torch import Tensor
 
 from ..heads.base import OutputHead
-from ..heads.targets import target_slots
+from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from .blocks import BLOCK
 from .pending_step import PendingSteps
 
 STATE_DTYPES = (torch.float32, torch.float64)
+#: "mean": over all m rows (padded rows count, adding 0); "mean_real": over the rows with at
+#: least one real target (as F.cross_entropy with ignore_index); "sum".
+REDUCTIONS = ("mean", "mean_real", "sum")
 
 
 def own_precision(method):
@@ -71,14 +74,18 @@ class SphericalHeadBase(PendingSteps, OutputHead):
                  loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
                  bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         if not (isinstance(hidden_dim, int) and hidden_dim >= 1):
             raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or 0 <= ignore_index < num_classes:
+            raise ValueError(f"ignore_index must be an int outside the class ids [0, {num_classes}) "
+                             f"(default {IGNORE_INDEX}), got {ignore_index!r}")
+        self.ignore_index = ignore_index
         if dtype not in STATE_DTYPES:
             raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
@@ -161,7 +168,8 @@ class SphericalHeadBase(PendingSteps, OutputHead):
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, loss={self.loss_fn.name}, "
-                f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}")
+                f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}, "
+                f"ignore_index={self.ignore_index}")
 
     # -- what subclasses provide --------------------------------------------------------
     @property
@@ -260,7 +268,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             return Hx, None, None
         # Non-finite target values pass here: the step is then skipped and counted.
         idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
-                                 device=self.device, finite_values=False,
+                                 device=self.device, finite_values=False, ignore_index=self.ignore_index,
                                  check_range=not (self.deferred_checks and step))
         return Hx, idx, T
 
@@ -299,14 +307,21 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
         return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
-    def reduce(self, per_example: Tensor) -> Tensor:
-        return per_example.mean() if self.reduction == "mean" else per_example.sum()
+    def reduce(self, per_example: Tensor, idx: Tensor) -> Tensor:
+        """The minibatch loss from per-example losses; a fully padded row (every slot -1)
+        contributes nothing, for every loss (the squared error would see a zero target)."""
+        real = (idx >= 0).any(1)
+        total = torch.where(real, per_example, torch.zeros((), dtype=per_example.dtype, device=real.device)).sum()
+        if self.reduction == "sum":
+            return total
+        n = real.sum().clamp_min(1) if self.reduction == "mean_real" else per_example.shape[0]
+        return total / n
 
-    def loss_and_grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, y_sq: Tensor | None):
+    def loss_and_grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, y_sq: Tensor | None, idx: Tensor):
         """The minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd."""
         with torch.enable_grad():
             q, s, A = (t.detach().requires_grad_() for t in (q, s, A))
-            L = self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=y_sq))
+            L = self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=y_sq), idx)
             gq, gs, GA = torch.autograd.grad(L, (q, s, A), materialize_grads=True)  # mse ignores s
         return L.detach(), gq, gs, GA
 

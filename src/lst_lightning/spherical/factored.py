@@ -232,7 +232,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         Hx, idx, T, rows = self._collect(Hx, idx, T, training=False)
         q, s, A, *_ = self._outputs(Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
-        return self.reduce(per_example if rows is None else per_example[rows])
+        return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
 
     def _use_woodbury(self, m: int) -> bool:
         # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
@@ -248,7 +248,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         if woodbury and not self._uinv_fresh:
             self._refresh_uinv()  # the last steps solved with U directly and left U^-1 behind
         q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
-        L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T))
+        L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T), idx)
         return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
 
     def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:

@@ -42,7 +42,7 @@ class NaiveSphericalHead(SphericalHeadBase):
     def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor):
         O = Hx @ W.T
         Y = torch.zeros_like(O).scatter_add_(1, idx.clamp(min=0), T)  # T is 0 on padding
-        return self.reduce(self.loss_fn.dense(O, Y))
+        return self.reduce(self.loss_fn.dense(O, Y), idx)
 
     def _eval_loss(self, Hx, idx, T):
         return self._dense(Hx, idx, T, self.W)
