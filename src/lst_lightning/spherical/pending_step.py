@@ -190,6 +190,12 @@ class PendingSteps:
             self._records_scale = scale
             self._pending_rows += dH.shape[0]
         else:
+            if not self.deferred_checks and "weight" not in self._warned and grad.numel() == 1 \
+                    and float(grad) != scale:
+                self._warn_once("weight", f"{name}: the loss reached the head multiplied by {float(grad) / scale:g} "
+                                          "and the head stepped with that factor. If this is gradient accumulation "
+                                          "or a loss scaler, attach the head to the optimizer (head.attach(optimizer, "
+                                          "scaler); Lightning: the HeadSteps callback) for one exact step")
             dH = self._backward_step(saved, grad / scale)
             if scale != 1.0:
                 dH = dH * scale

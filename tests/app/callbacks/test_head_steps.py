@@ -103,3 +103,13 @@ def test_lst_train_accumulates_exactly(tmp_path):
     res = run(cfg_of(*over, "trainer.accumulate_grad_batches=2"), tmp_path)
     state = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     assert res["train_steps"] == 3 and int(state["head.steps"]) == 3
+
+
+def test_accumulation_without_the_callback_warns_once():
+    head, _ = make_pair("zloss", D=D, d=d, lr=0.3)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2)
+    with pytest.warns(UserWarning, match="multiplied by 0.5.*HeadSteps") as caught:
+        trainer.fit(Plain(head), data())
+    assert sum("multiplied by" in str(w.message) for w in caught) == 1
+    assert int(head.steps) == 6  # half steps, as warned
