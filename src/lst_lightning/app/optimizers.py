@@ -66,7 +66,11 @@ def make_optimizer(module: nn.Module, cfg: dict) -> torch.optim.Optimizer:
     if not sparse:
         return _dense_optimizer(dense, cfg)
     lr = cfg.get("embedding_lr") or cfg["lr"]
-    return PairedOptimizer(_dense_optimizer(dense, cfg) if dense else None, _sparse_optimizer(sparse, name, lr))
+    parts = (_dense_optimizer(dense, cfg) if dense else None, _sparse_optimizer(sparse, name, lr))
+    for part, group_name in zip(parts, ("dense", "embedding")):
+        if part is not None:  # LearningRateMonitor logs lr-PairedOptimizer/<name>
+            part.param_groups[0]["name"] = group_name
+    return PairedOptimizer(*parts)
 
 
 class PairedOptimizer(torch.optim.Optimizer):
