@@ -339,7 +339,9 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
     bodies = list(dict.fromkeys(r["body"] for r in rows))
     fig, axes = plt.subplots(1, len(bodies), figsize=(6.5 * len(bodies), 5), squeeze=False)
     for ax, body in zip(axes[0], bodies):
-        for h in dict.fromkeys((r["head"], r["variant"]) for r in rows if r["body"] == body):
+        # the flatness pairs' D = 10k model is not a point at their D
+        for h in dict.fromkeys((r["head"], r["variant"]) for r in rows
+                               if r["body"] == body and r["head"] != FLAT_PAIR.head):
             pts = sorted((int(r["D"]), float(r["median_ms"]), float(r["p10_ms"]), float(r["p90_ms"]))
                          for r in rows if r["body"] == body and (r["head"], r["variant"]) == h and _ok(r))
             if pts:
@@ -372,7 +374,9 @@ def read_rows(path: Path) -> list[dict]:
 
 def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
     """``rows``, and the ``kept`` rows of what they do not measure, ordered by D."""
-    key = lambda r: (r["body"], r["head"], r["variant"], int(r["D"]))  # noqa: E731
+    def key(r: dict) -> tuple:
+        return (r["body"], r["head"], r["variant"], int(r["D"]))
+
     new = {key(r) for r in rows}
     return sorted([r for r in kept if key(r) not in new] + rows, key=lambda r: int(r["D"]))
 
