@@ -1,9 +1,10 @@
 """Lightning callbacks of the app: the head's share of the step time, checkpoints of a
-head whose rows are sharded over ranks, and the run's record (facts as hyperparameters,
-results as the W&B summary). All work with any LightningModule that holds an
+head whose rows are sharded over ranks, a progress line every few steps, and the run's
+record (facts as hyperparameters, results as the W&B summary). All work with any LightningModule that holds an
 ``OutputHead``."""
 from .head_timing import HeadTiming
+from .progress_log import ProgressLog
 from .run_record import RunRecord, run_facts
 from .sharded_head_checkpoint import ShardedHeadCheckpoint
 
-__all__ = ["HeadTiming", "RunRecord", "ShardedHeadCheckpoint", "run_facts"]
+__all__ = ["HeadTiming", "ProgressLog", "RunRecord", "ShardedHeadCheckpoint", "run_facts"]
