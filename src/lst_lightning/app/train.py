@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import check_config, check_overrides
 from .configs import config_dir
 from .errors import exit_on_bad_input
+from .quiet import one_handler_for_lightning, quiet_libraries
 
 if TYPE_CHECKING:
     import torch
@@ -116,15 +117,17 @@ def check_accumulation(cfg: DictConfig, cls: type) -> None:
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     """Data module, model and trainer from a composed config."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
+    quiet_libraries()
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
-    from .callbacks import HeadTiming, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
+    from .callbacks import HeadTiming, ProgressLog, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
     from .csv_log import AppendingCSVLogger  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel, check_distributed  # noqa: PLC0415
 
+    one_handler_for_lightning()
     run_dir = Path(run_dir)
     tcfg = cfg.trainer
     check_device(tcfg)
@@ -177,6 +180,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         dirpath=str(run_dir / "checkpoints"), save_last=cb.checkpoint.save_last,
         save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs),
         HeadTiming(every=m.timing_every),
+        ProgressLog(every=cb.get("progress_every", 100), log_file=run_dir / "train.log"),
         ShardedHeadCheckpoint(mode=cfg.get("head_checkpoint", "whole"), keep=cfg.get("head_shards_keep", 2)),
         RunRecord(run_facts(head, body, dm.batch_size, loss_name(cfg), OmegaConf.to_container(cfg.loss.kwargs),
                             cfg.optimizer.lr, gpu=tcfg.get("accelerator", "cpu") in ("gpu", "cuda")))]
@@ -301,7 +305,10 @@ def print_summary(results: dict) -> None:
     for k in ("step_time_ms", "tokens_per_s", "head_share", "wall_s"):
         if k in results:
             table.add_row(k, f"{results[k]:.4g}", *[""] * (len(cols) - 1))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    run_dir = Path(results["run_dir"]).resolve()
+    console.print(f"Run directory: {run_dir}\nResults: {run_dir / 'results.json'}", soft_wrap=True)
 
 
 def swept_overrides(hc) -> list[str]:
