@@ -104,6 +104,15 @@ def test_tiny_run_under_lightning_precisions(tmp_path, head, precision):
         assert 0 < res[split]["mrr"] <= 1 and all(v == v for v in res[split].values())
 
 
+def test_tiny_run_with_mean_over_real_rows(tmp_path):
+    """head.reduction=mean_real: the logged eval loss is still the mean over real rows."""
+    over = [*FAST, "head=factored", "loss=mse"]
+    mean = run(cfg_of(*over), tmp_path / "mean")
+    real = run(cfg_of(*over, "head.reduction=mean_real"), tmp_path / "real")
+    assert real["train_steps"] == 20
+    assert abs(real["val"]["loss"] - mean["val"]["loss"]) <= 1e-3 * abs(mean["val"]["loss"])
+
+
 def test_tiny_run_lstm_and_synthetic(tmp_path):
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "model=lstm", "data=synthetic", "~data.vocab_size",
                      "data.num_classes=3000", "data.input_vocab_size=500", "data.context_size=3"), tmp_path)
