@@ -28,10 +28,11 @@ from lst_lightning.spherical.shard_files import load_rows
 CONF = Path(config_dir())
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # toy_heads, for subprocesses
 B = 8  # per-rank batch; the one-process run uses 2B
-# float64 and plain SGD: the only difference left between the runs is the order of the
-# sums (one batch of 2B rows, or two of B averaged by DDP). 101 evaluation examples: the
-# second rank's last batch is padded.
+# float64 and plain SGD (the sparse input embedding's rows too): the only difference left
+# between the runs is the order of the sums (one batch of 2B rows, or two of B averaged by
+# DDP). 101 evaluation examples: the second rank's last batch is padded.
 COMMON = ["experiment=tiny", "logger=csv", "callbacks=minimal", "optimizer.name=sgd", "optimizer.lr=0.5",
+          "optimizer.embedding=sparse_sgd",
           "trainer.precision=64-true", "trainer.limit_train_batches=6", "trainer.limit_test_batches=null",
           "data.max_eval_examples=101", "data.eval_batch_size=32", "metrics.timing_every=0", "model.dropout=0.0"]
 TWO_RANKS = ["trainer=ddp_cpu", "trainer.strategy=ddp_fork", f"data.batch_size={B}"]
@@ -119,9 +120,12 @@ class _ReportRanks(pl.Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-def test_two_ranks_train_like_one_softmax(tmp_path):
-    """An ordinary head: DDP averages its gradients with the body's."""
-    over = [*COMMON, "head=softmax"]
+@pytest.mark.parametrize("embedding", ["sparse_sgd", "sparse_adam", "dense"])
+def test_two_ranks_train_like_one_softmax(tmp_path, embedding):
+    """An ordinary head: DDP averages its gradients with the body's, the input
+    embedding's row-sparse ones too (gloo all-reduces sparse tensors)."""
+    over = [*(o for o in COMMON if not o.startswith("optimizer.embedding=")), "head=softmax",
+            f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two")
     r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
     assert r2["world_size"] == 2 and r1["world_size"] == 1

@@ -14,7 +14,7 @@ from hydra.utils import get_class
 
 from lst_lightning.app.train import run, run_name
 
-from app_configs import CONF, FAST, TOY, TOY_SOFTMAX, cfg_of, group
+from app_configs import CONF, FAST, TOY, TOY_SOFTMAX, cfg_of, cfgs_of, group
 
 
 def importable_heads():
@@ -41,16 +41,15 @@ def head_loss_cases():
 
 
 @pytest.mark.parametrize("experiment", [None, *group("experiment")])
-@pytest.mark.parametrize("trainer", group("trainer"))
-def test_every_config_composes(trainer, experiment):
-    for data in group("data"):
-        for model in group("model"):
-            over = [f"trainer={trainer}", f"data={data}", f"model={model}"]
-            if experiment:
-                over.append(f"experiment={experiment}")
-            cfg = cfg_of(*over)
-            assert cfg.trainer.accumulate_grad_batches == 1
-            assert cfg.data._target_.startswith("lst_lightning.data.")
+def test_every_config_composes(experiment):
+    # Every option of these groups on top of each experiment, one group at a time: their
+    # full product (700 composes) took 14 min on a busy 2-core machine.
+    base = [f"experiment={experiment}"] if experiment else []
+    options = [(g, o) for g in ("trainer", "data", "model") for o in group(g)]
+    for (g, o), cfg in zip(options, cfgs_of(*([f"{g}={o}", *base] for g, o in options))):
+        assert cfg.trainer.accumulate_grad_batches == 1
+        assert cfg.data._target_.startswith("lst_lightning.data.")
+        assert cfg[g]._target_ if g != "trainer" else cfg.trainer.accelerator
 
 
 def test_default_config():
@@ -95,11 +94,56 @@ def test_tiny_run_every_head_and_loss(tmp_path, head, loss):
     assert res["loss"] == (loss if spherical else None)  # no loss name on a head that takes none
 
 
+@pytest.mark.parametrize("head,precision", [("factored", "bf16-mixed"), ("naive", "bf16-mixed"),
+                                            ("sampled_quadratic", "bf16-mixed"), ("factored", "64-true"),
+                                            ("factored", "bf16-true")])
+def test_tiny_run_under_lightning_precisions(tmp_path, head, precision):
+    res = run(cfg_of(*FAST, f"head={head}", f"trainer.precision={precision}"), tmp_path)
+    assert res["train_steps"] == 20
+    for split in ("val", "test"):
+        assert 0 < res[split]["mrr"] <= 1 and all(v == v for v in res[split].values())
+
+
+def test_tiny_run_with_mean_over_real_rows(tmp_path):
+    """head.reduction=mean_real: the logged eval loss is still the mean over real rows."""
+    over = [*FAST, "head=factored", "loss=mse"]
+    mean = run(cfg_of(*over), tmp_path / "mean")
+    real = run(cfg_of(*over, "head.reduction=mean_real"), tmp_path / "real")
+    assert real["train_steps"] == 20
+    assert abs(real["val"]["loss"] - mean["val"]["loss"]) <= 1e-3 * abs(mean["val"]["loss"])
+
+
 def test_tiny_run_lstm_and_synthetic(tmp_path):
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "model=lstm", "data=synthetic", "~data.vocab_size",
                      "data.num_classes=3000", "data.input_vocab_size=500", "data.context_size=3"), tmp_path)
     assert res["num_classes"] == 3000 and "simlex_rho" not in res["val"]
     assert (tmp_path / "vocab.json").exists() is False
+
+
+@pytest.mark.parametrize("backend,device,world,sparse,refused", [
+    (None, "cuda", 2, True, True), ("nccl", "cuda", 2, True, True), ("gloo", "cpu", 2, True, False),
+    (None, "cuda", 1, True, False), (None, "cuda", 2, False, False)])
+def test_sparse_embedding_on_nccl_is_refused(backend, device, world, sparse, refused):
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from lst_lightning.app.train import check_sparse_backend  # noqa: PLC0415
+    from lst_lightning.models import NgramMLP  # noqa: PLC0415
+
+    strategy = SimpleNamespace(_process_group_backend=backend, root_device=torch.device(device))
+    trainer = SimpleNamespace(world_size=world, strategy=strategy)
+    body = NgramMLP(20, 2, 4, [4], 4, sparse_embedding=sparse)
+    if refused:
+        with pytest.raises(ValueError, match="model.sparse_embedding=false"):
+            check_sparse_backend(body, trainer)
+    else:
+        check_sparse_backend(body, trainer)
+
+
+def test_no_validation_batches(tmp_path):
+    """trainer.limit_val_batches=0: no validation, an empty val in the results, and the test split still runs."""
+    res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "trainer.limit_val_batches=0",
+                     "trainer.max_steps=7"), tmp_path)  # max_steps mid-epoch: the case that validated at the end
+    assert res["val"] == {} and res["train_steps"] == 7 and 0 < res["test"]["mrr"] <= 1
 
 
 class _StopAfterFirstEpoch(pl.Callback):
@@ -111,13 +155,16 @@ def _state(path):
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
-@pytest.mark.parametrize("head", [TOY, TOY_SOFTMAX, "factored"])
-def test_resume_is_bit_identical(tmp_path, head):
+@pytest.mark.parametrize("head,embedding", [(TOY, "sparse_adam"), (TOY_SOFTMAX, "sparse_adam"),
+                                            (TOY_SOFTMAX, "adagrad"), (TOY_SOFTMAX, "dense"),
+                                            ("factored", "sparse_adam")])
+def test_resume_is_bit_identical(tmp_path, head, embedding):
+    """The row-sparse optimiser's state (and the dense one's) travels with the checkpoint."""
     if head == "factored" and "factored" not in dict(importable_heads()):
         pytest.skip("the factored head is not on this branch yet")
     pick = f"head={head}" if head == "factored" else f"head._target_={head}"
     over = [*FAST, pick, "trainer.max_epochs=2", "trainer.limit_train_batches=6", "model.dropout=0.2",
-            "test=false"]
+            "test=false", f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     full = run(cfg_of(*over), tmp_path / "full")
     run(cfg_of(*over), tmp_path / "part", extra_callbacks=[_StopAfterFirstEpoch()])
     assert _results(tmp_path / "part")["train_steps"] == 6
@@ -146,6 +193,8 @@ def test_resume_is_bit_identical(tmp_path, head):
         (["data=text_files", "data.path=/nonexistent.txt"], FileNotFoundError, "not found"),
         (["head._target_=lst_lightning.heads.NoSuchHead"], ValueError, "cannot be imported"),
         (["optimizer.name=lbfgs"], ValueError, "optimizer.name"),
+        (["optimizer.embedding=dense"], ValueError, "model.sparse_embedding=false"),
+        (["optimizer.embedding=lazy_adam"], ValueError, "optimizer.embedding must be"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path, overrides, error, match):
@@ -184,3 +233,15 @@ def test_cuda_graph_head_step_needs_a_gpu_and_a_sync_free_head(tmp_path):
     over = [*FAST, "head=factored", "head_step=cuda_graph", "trainer.limit_train_batches=2", "test=false"]
     with pytest.raises(ValueError, match="CUDA device|sync_every"):
         run(cfg_of(*over), tmp_path)
+
+
+def test_sequence_rows_flatten_and_check_shapes():
+    from lst_lightning.app.module import as_rows  # noqa: PLC0415
+
+    h, y = torch.randn(2, 3, 4), torch.tensor([[1, 2, -1], [3, -1, -1]])
+    rows, targets = as_rows(h, y)
+    assert torch.equal(rows[4], h[1, 1]) and targets.tolist() == [1, 2, -1, 3, -1, -1]
+    h2, y2 = torch.randn(5, 4), torch.randint(0, 9, (5, 2))  # an n-gram body with K = 2 targets
+    assert as_rows(h2, y2)[1] is y2
+    with pytest.raises(ValueError, match="targets of shape"):
+        as_rows(h, y[:, :2])

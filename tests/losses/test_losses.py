@@ -55,3 +55,16 @@ def test_bad_names_and_hyperparameters():
         make_loss("spherical_softmax", eps=-1)
     with pytest.raises(TypeError, match="zloss"):
         make_loss("zloss", c=1.0)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_score_orders_classes_as_the_loss_does(name):
+    O = torch.randn(6, 50, dtype=torch.float64) * 3  # many outputs below -1
+    loss = make_loss(name, **KWARGS.get(name, {}))
+    sc = loss.score(O)
+    if loss.normalised:  # the score is increasing in p: same order as log p
+        lp = loss.dense_log_prob(O)
+        assert torch.equal(sc.argsort(1), lp.argsort(1))
+        assert not torch.equal(O.argmax(1), lp.argmax(1))  # ranking by o would be wrong here
+    else:  # Z-loss and squared error: larger o, smaller loss for a target class
+        assert torch.equal(sc, O)

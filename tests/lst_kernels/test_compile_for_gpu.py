@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
+# Minutes of compiling on a loaded 2-core machine: with the slow tests (-m slow). The
+# kernels' results are checked in the interpreter by the fast suite.
+pytestmark = pytest.mark.slow
 from lst_kernels import bookkeeping_kernels, gather_dot_kernel, gather_sum_kernel  # noqa: E402
 
 CCS = [80, 90]

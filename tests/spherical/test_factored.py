@@ -89,6 +89,23 @@ def test_log_prob_scores_and_rank_match_naive():
 
 
 
+@pytest.mark.parametrize("loss", ["spherical_softmax", "taylor_softmax", "zloss", "mse"])
+def test_ranking_is_by_the_loss_own_score(loss):
+    f, n = make_pair(loss, scale=1.5)  # outputs far below -1 and above 1
+    H, idx = batch(40, 8, 60, 1)
+    idx = idx[:, 0]
+    O = H @ n.weight().T
+    want_top = n.loss_fn.score(O).topk(5, dim=1).indices
+    for head in (f, n):
+        assert torch.equal(head.topk(H, 5, chunk_size=7)[1], want_top)
+    if n.has_log_prob:  # the argmax of the head's own probabilities is its top-1
+        p = n.loss_fn.dense_log_prob(O)
+        assert torch.equal(f.topk(H, 1)[1][:, 0], p.argmax(1))
+        assert (O.argmax(1) != p.argmax(1)).any()  # ranking by o would not be
+        assert torch.equal(f.target_rank(H, idx), (p >= p.gather(1, idx[:, None])).sum(1))
+    assert torch.equal(f.target_rank(H, idx, chunk_size=7), n.target_rank(H, idx, chunk_size=13))
+
+
 def test_state_dict_round_trip_is_bit_identical():
     f, _ = make_pair("zloss", lr=0.05, stabiliser={"check_every": 3})
     g = torch.Generator().manual_seed(1)

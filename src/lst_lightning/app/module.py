@@ -16,10 +16,9 @@ from torch import Tensor, nn
 
 from ..heads.base import OutputHead
 from .callbacks.head_steps import HeadSteps
-from .schedule import lr_factor
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
-
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+from .optimizers import check_optimizer_config, clip_gradients, make_optimizer
+from .schedule import lr_factor
 
 
 def check_distributed(head: OutputHead, world_size: int) -> None:
@@ -34,6 +33,17 @@ def check_distributed(head: OutputHead, world_size: int) -> None:
     if head.parallel == "none":
         raise ValueError(f"{name} with parallel=none would train a different head on each of the "
                          f"{world_size} processes: set head.parallel to one of {list(head.parallel_modes)}")
+
+
+def as_rows(hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """A sequence body's (b, T, d) hidden states and (b, T) targets as the head's rows
+    (b*T, d) and (b*T,); an n-gram body's (m, d) and (m,) or (m, K) pass through."""
+    if hidden.dim() == 3:
+        if target.shape != hidden.shape[:2]:
+            raise ValueError(f"a sequence body's hidden states {tuple(hidden.shape)} need targets of shape "
+                             f"{tuple(hidden.shape[:2])}, got {tuple(target.shape)}")
+        return hidden.flatten(0, 1), target.reshape(-1)
+    return hidden, target
 
 
 class LanguageModel(pl.LightningModule):
@@ -57,9 +67,9 @@ class LanguageModel(pl.LightningModule):
                                  f"{list(head.step_modes)}")
             if head_step != head.step:
                 head.step = head_step
-        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, **(optimizer or {})}
-        if self.optim_cfg["name"] not in _OPTIMIZERS:
-            raise ValueError(f"optimizer.name must be one of {sorted(_OPTIMIZERS)}, not {self.optim_cfg['name']!r}")
+        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
+                          "embedding_lr": None, **(optimizer or {})}
+        check_optimizer_config(self.optim_cfg, body)
         self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
         lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now
         self.head_lr = head_lr if head_lr is not None or not head.self_updating else head.lr
@@ -94,16 +104,20 @@ class LanguageModel(pl.LightningModule):
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
-        cfg = dict(self.optim_cfg)
-        cls = _OPTIMIZERS[cfg.pop("name")]
-        if cls is not torch.optim.SGD:
-            cfg.pop("momentum", None)
-        params = [p for p in self.parameters() if p.requires_grad]
-        opt = cls(params, **cfg)
+        # the parameters of sparse embeddings go to a row-sparse optimiser (optimizer.embedding)
+        opt = make_optimizer(self, self.optim_cfg)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # torch's clip_grad_norm_ refuses row-sparse gradients: clip them with the dense ones
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if gradient_clip_val and any(p.grad is not None and p.grad.is_sparse for p in params):
+            clip_gradients(params, float(gradient_clip_val), gradient_clip_algorithm or "norm")
+        else:
+            super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_callbacks(self):
         # A self-updating head steps at the optimizer's step under accumulation or a loss scaler.
@@ -128,7 +142,7 @@ class LanguageModel(pl.LightningModule):
         context, target = batch
         if self.head.self_updating:
             self.head.lr = self.head_lr * self.current_lr_factor()
-        loss = self.head(self.body(context), target)
+        loss = self.head(*as_rows(self.body(context), target))
         # A head with deferred checks masks a non-finite step itself; reading it here would
         # make every step wait for the GPU.
         if not self.head.deferred_checks and not torch.isfinite(loss):
@@ -145,17 +159,19 @@ class LanguageModel(pl.LightningModule):
 
     def _eval_step(self, batch, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
         context, target = batch
-        hidden = self.body(context)
+        hidden, target = as_rows(self.body(context), target)
         # Rows with target -1 pad the shorter ranks' last batch (every rank must call a
-        # distributed head equally often, with equal shapes): the metrics skip them.
+        # distributed head equally often, with equal shapes), or a sequence past its
+        # document's end: the metrics skip them.
         real = target >= 0 if target.dim() == 1 else (target >= 0).any(1)
         loss = self.head(hidden, target)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite {prefix} loss {loss.item()}")
         n = int(real.sum())
         if n:
-            # the heads' mean is over all m rows (padding adds nothing to softmax-type losses)
-            total = loss * len(target) if self.head.reduction == "mean" else loss
+            # the heads' mean is over all m rows (padding adds nothing), mean_real over the real ones
+            scale = {"mean": len(target), "mean_real": n}.get(self.head.reduction, 1)
+            total = loss * scale
             mean_loss.update(total.detach() / n, n)
         safe = target.clamp(min=0)  # padded rows are scored against class 0, then dropped
         ranks.update(self.head.target_rank(hidden, safe, self.score_chunk_size)[real])

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import check_config, check_overrides
 from .configs import config_dir
 from .errors import exit_on_bad_input
+from .quiet import one_handler_for_lightning, quiet_libraries
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +64,13 @@ def head_class(cfg: DictConfig) -> type:
         return get_class(cfg.head._target_)
     except Exception as e:  # hydra wraps import errors
         raise ValueError(f"head._target_={cfg.head._target_!r} cannot be imported: {e}") from e
+
+
+def model_class(cfg: DictConfig) -> type:
+    try:
+        return get_class(cfg.model._target_)
+    except Exception as e:  # hydra wraps import errors
+        raise ValueError(f"model._target_={cfg.model._target_!r} cannot be imported: {e}") from e
 
 
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
@@ -109,14 +117,17 @@ def check_accumulation(cfg: DictConfig, cls: type) -> None:
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     """Data module, model and trainer from a composed config."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
+    quiet_libraries()
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
-    from .callbacks import HeadTiming, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
+    from .callbacks import HeadTiming, ProgressLog, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
+    from .csv_log import AppendingCSVLogger  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel, check_distributed  # noqa: PLC0415
 
+    one_handler_for_lightning()
     run_dir = Path(run_dir)
     tcfg = cfg.trainer
     check_device(tcfg)
@@ -126,7 +137,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
 
-    dm = instantiate(cfg.data, _convert_="all")
+    # A body that reads whole sequences (the transformer) gets them from the data module.
+    sequences = bool(getattr(model_class(cfg), "reads_sequences", False))
+    dm = instantiate(cfg.data, _convert_="all", **({"sequences": True} if sequences else {}))
     dm.prepare_data()
     dm.setup("fit")
     body = instantiate(cfg.model, vocab_size=dm.input_vocab_size, context_size=dm.context_size, _convert_="all")
@@ -152,7 +165,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     name = run_name(cfg)
     loggers: list = []
     if cfg.logger.csv:
-        loggers.append(pl.loggers.CSVLogger(save_dir=str(run_dir), name="csv", version=""))
+        loggers.append(AppendingCSVLogger(save_dir=str(run_dir), name="csv", version=""))
     wb = cfg.logger.wandb
     if wb.enabled:
         tags = sorted({cls.__name__, *([loss_name(cfg)] if loss_name(cfg) else []), *wb.tags})
@@ -167,6 +180,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         dirpath=str(run_dir / "checkpoints"), save_last=cb.checkpoint.save_last,
         save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs),
         HeadTiming(every=m.timing_every),
+        ProgressLog(every=cb.get("progress_every", 100), log_file=run_dir / "train.log"),
         ShardedHeadCheckpoint(mode=cfg.get("head_checkpoint", "whole"), keep=cfg.get("head_shards_keep", 2)),
         RunRecord(run_facts(head, body, dm.batch_size, loss_name(cfg), OmegaConf.to_container(cfg.loss.kwargs),
                             cfg.optimizer.lr, gpu=tcfg.get("accelerator", "cpu") in ("gpu", "cuda")))]
@@ -180,12 +194,28 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
     )
     check_distributed(head, trainer.world_size)  # before any process is started
+    check_sparse_backend(body, trainer)
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
         raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={tcfg.strategy}: spawned "
                          "workers return only rank 0's shard of V to the launching process; use "
                          "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
     return dm, module, trainer
+
+
+def check_sparse_backend(body, trainer) -> None:
+    """DDP all-reduces the sparse input embedding's row-sparse gradients over gloo; NCCL
+    refuses sparse tensors (torch 2.13), so multi-GPU runs need the dense embedding."""
+    from .optimizers import sparse_embedding_params  # noqa: PLC0415
+
+    if trainer.world_size <= 1 or not sparse_embedding_params(body):
+        return
+    backend = getattr(trainer.strategy, "_process_group_backend", None)
+    if backend is None and trainer.strategy.root_device.type == "cuda":
+        backend = "nccl"
+    if backend is not None and "nccl" in str(backend):
+        raise ValueError(f"model.sparse_embedding=true cannot train on {trainer.world_size} GPUs: NCCL does not "
+                         "all-reduce sparse gradients; set model.sparse_embedding=false (or run on CPU over gloo)")
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:
@@ -197,6 +227,7 @@ def unigram_metrics(dm, topk) -> dict[str, float]:
     ranks, ppl = RankMetrics(topk), Perplexity()
     logp = torch.log(dm.class_counts.double() / dm.class_counts.sum())
     for _, target in dm.eval_dataloader("test"):  # all of it, on whichever rank asks
+        target = target[target >= 0]  # sequences: the padding past a document's end
         ranks.update(unigram_ranks(dm.class_counts, target))
         ppl.update(logp[target])
     out = {k: float(v) for k, v in ranks.compute().items()}
@@ -231,9 +262,9 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    if not val:  # no validation ran at the end of training (e.g. max_steps mid-epoch)
-        val = {k[4:]: float(v) for k, v in trainer.validate(module, datamodule=dm, verbose=False)[0].items()
-               if k.startswith("val/")}
+    if not val and trainer.limit_val_batches != 0:  # none ran at the end of training (e.g. max_steps mid-epoch)
+        out = trainer.validate(module, datamodule=dm, verbose=False)  # [] when no batch is run
+        val = {k[4:]: float(v) for k, v in (out[0] if out else {}).items() if k.startswith("val/")}
     results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": loss_name(cfg),
                      "num_classes": dm.num_classes, "val": val,
                      "train_steps": steps}
@@ -274,7 +305,10 @@ def print_summary(results: dict) -> None:
     for k in ("step_time_ms", "tokens_per_s", "head_share", "wall_s"):
         if k in results:
             table.add_row(k, f"{results[k]:.4g}", *[""] * (len(cols) - 1))
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    run_dir = Path(results["run_dir"]).resolve()
+    console.print(f"Run directory: {run_dir}\nResults: {run_dir / 'results.json'}", soft_wrap=True)
 
 
 def swept_overrides(hc) -> list[str]:

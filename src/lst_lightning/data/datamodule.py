@@ -1,6 +1,13 @@
 """Lightning data modules: n-gram windows over a text corpus, or the synthetic Zipf
 task. Both expose what the model needs before training: ``num_classes``,
-``input_vocab_size``, ``class_counts`` (decreasing), ``context_size`` and ``vocab``."""
+``input_vocab_size``, ``class_counts`` (decreasing), ``context_size`` and ``vocab``.
+
+With ``sequences=True`` (``lst-train`` sets it for a body that ``reads_sequences``)
+they serve contiguous sequences of ``sequence_length`` tokens instead, every position a
+target, and ``context_size`` is that length. ``batch_size``, ``eval_batch_size`` and
+``max_eval_examples`` count target tokens either way: a batch holds
+``batch_size // sequence_length`` sequences (at least one), so the head sees about as
+many rows per step from either kind of body."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .corpus import load_corpus
 from .ngram import EpochBatchSampler, NgramWindows
+from .sequences import TokenSequences
 from .synthetic import SyntheticZipf, zipf_counts
 from .vocab import BOS, Vocabulary, tokenize
 
@@ -32,7 +40,7 @@ class _PaddedIds(Dataset):
         if not bool(pad.any()):
             return self.dataset[ids]
         context, target = self.dataset[ids.clamp(min=0)]
-        return context, target.masked_fill(pad, -1)
+        return context, target.masked_fill(pad.view(-1, *[1] * (target.dim() - 1)), -1)
 
 
 class _WindowDataModule(pl.LightningDataModule):
@@ -42,12 +50,19 @@ class _WindowDataModule(pl.LightningDataModule):
     vocab: Vocabulary | None = None
 
     def __init__(self, batch_size: int, eval_batch_size: int | None, seed: int, num_workers: int,
-                 max_eval_examples: int | None):
+                 max_eval_examples: int | None, sequences: bool = False, sequence_length: int = 32):
         super().__init__()
+        if sequences and sequence_length < 1:
+            raise ValueError(f"data.sequence_length must be >= 1, got {sequence_length}")
+        self.sequences, self.sequence_length = sequences, sequence_length
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.seed, self.num_workers, self.max_eval_examples = seed, num_workers, max_eval_examples
         self.splits: dict[str, Dataset] = {}
+
+    def _examples(self, tokens: int) -> int:
+        """Examples (windows, or sequences) that hold about ``tokens`` targets."""
+        return max(1, tokens // self.sequence_length) if self.sequences else tokens
 
     def _loader(self, split: str, train: bool, rank: int | None = None, world_size: int | None = None) -> DataLoader:
         if not self.splits:
@@ -56,9 +71,10 @@ class _WindowDataModule(pl.LightningDataModule):
         if rank is None:
             trainer = self.trainer
             rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        limit = None if train or self.max_eval_examples is None else self._examples(self.max_eval_examples)
         sampler = EpochBatchSampler(
-            len(ds), self.batch_size if train else self.eval_batch_size, shuffle=train, seed=self.seed,
-            drop_last=train, rank=rank, world_size=world_size, limit=None if train else self.max_eval_examples,
+            len(ds), self._examples(self.batch_size if train else self.eval_batch_size), shuffle=train,
+            seed=self.seed, drop_last=train, rank=rank, world_size=world_size, limit=limit,
         )
         # batch_size=None: the sampler yields whole batches of ids, the dataset
         # gathers them in one indexing op.
@@ -81,7 +97,7 @@ class _WindowDataModule(pl.LightningDataModule):
 
 
 class TextDataModule(_WindowDataModule):
-    """n-gram windows over a corpus from :func:`~lst_lightning.data.corpus.load_corpus`."""
+    """n-gram windows (or sequences) over a corpus from :func:`~lst_lightning.data.corpus.load_corpus`."""
 
     def __init__(self, source: str = "embedded", *, path=None, name: str | None = None,
                  subset: str | None = None, text_column: str = "text", sample_by: str = "paragraph",
@@ -89,8 +105,9 @@ class TextDataModule(_WindowDataModule):
                  context_size: int = 6, pad_start: bool = False, val_fraction: float = 0.05,
                  test_fraction: float = 0.05, min_doc_tokens: int = 20, batch_size: int = 128,
                  eval_batch_size: int | None = None, max_eval_examples: int | None = None,
-                 num_workers: int = 0, seed: int = 0):
-        super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples)
+                 num_workers: int = 0, seed: int = 0, sequences: bool = False, sequence_length: int = 32):
+        super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples, sequences,
+                         sequence_length)
         if context_size < 1:
             raise ValueError(f"data.context_size must be >= 1, got {context_size}")
         if vocab_size is not None and vocab_size < 2:
@@ -100,7 +117,8 @@ class TextDataModule(_WindowDataModule):
                                 sample_by=sample_by, val_fraction=val_fraction, test_fraction=test_fraction,
                                 min_doc_tokens=min_doc_tokens, seed=seed)
         self.tokenizer, self.vocab_size, self.min_count = tokenizer, vocab_size, min_count
-        self.context_size, self.pad_start = context_size, pad_start
+        self.context_size = sequence_length if sequences else context_size
+        self.pad_start = pad_start
 
     def prepare_data(self) -> None:
         load_corpus(**self.corpus_args)  # downloads / caches once, on rank 0
@@ -117,7 +135,13 @@ class TextDataModule(_WindowDataModule):
         self.vocab = Vocabulary.build(docs["train"], self.vocab_size, self.min_count, extra)
         bos = self.vocab.index[BOS] if self.pad_start else None
         for s, d in docs.items():
-            w = NgramWindows([self.vocab.encode(x) for x in d], self.context_size, bos)
+            encoded = [self.vocab.encode(x) for x in d]
+            if self.sequences:
+                self.splits[s] = TokenSequences(encoded, self.sequence_length, bos)
+                if len(self.splits[s]) == 0:
+                    raise ValueError(f"no {s} document has two tokens: nothing to predict")
+                continue
+            w = NgramWindows(encoded, self.context_size, bos)
             if len(w) == 0:
                 raise ValueError(
                     f"data.context_size={self.context_size} is longer than every {s} document "
@@ -132,16 +156,19 @@ class TextDataModule(_WindowDataModule):
 
 
 class SyntheticDataModule(_WindowDataModule):
-    """The synthetic Zipf task (no vocabulary, no SimLex)."""
+    """The synthetic Zipf task (no vocabulary, no SimLex). As sequences, each example is
+    one chain of ``sequence_length`` + 1 tokens (``train_size``/``eval_size`` count chains)."""
 
     def __init__(self, num_classes: int = 100_000, *, context_size: int = 4, p_rule: float = 0.5,
                  train_size: int = 1_000_000, eval_size: int = 20_000, input_vocab_size: int | None = 100_000,
                  batch_size: int = 256, eval_batch_size: int | None = None, max_eval_examples: int | None = None,
-                 num_workers: int = 0, seed: int = 0):
-        super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples)
-        self.num_classes, self.context_size = num_classes, context_size
-        self.args = dict(num_classes=num_classes, context_size=context_size, p_rule=p_rule,
-                         input_vocab_size=input_vocab_size)
+                 num_workers: int = 0, seed: int = 0, sequences: bool = False, sequence_length: int = 32):
+        super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples, sequences,
+                         sequence_length)
+        self.num_classes = num_classes
+        self.context_size = sequence_length if sequences else context_size
+        self.args = dict(num_classes=num_classes, context_size=self.context_size, p_rule=p_rule,
+                         input_vocab_size=input_vocab_size, sequences=sequences)
         self.sizes = {"train": train_size, "validation": eval_size, "test": eval_size}
         self.input_vocab_size = SyntheticZipf(size=0, **self.args).input_vocab_size
         self.class_counts = zipf_counts(num_classes)

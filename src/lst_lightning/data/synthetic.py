@@ -39,17 +39,19 @@ def zipf_counts(num_classes: int, total: float = 1e9) -> Tensor:
 
 
 class SyntheticZipf(Dataset):
-    """``size`` examples; ``dataset[ids]`` -> ``(context (b, n), target (b,))``. The
-    context ids are reduced modulo ``input_vocab_size`` (the body's embedding rows)."""
+    """``size`` examples; ``dataset[ids]`` -> ``(context (b, n), target (b,))``, or with
+    ``sequences`` the chain as a sequence, every position a target: ``(x_0..x_{n-1},
+    x_1..x_n)``, both (b, n). The input ids are reduced modulo ``input_vocab_size`` (the
+    body's embedding rows)."""
 
     def __init__(self, num_classes: int, context_size: int, size: int, *, p_rule: float = 0.5,
-                 seed: int = 0, input_vocab_size: int | None = None):
+                 seed: int = 0, input_vocab_size: int | None = None, sequences: bool = False):
         if num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {num_classes}")
         if not 0.0 <= p_rule <= 1.0:
             raise ValueError(f"p_rule must be in [0, 1], got {p_rule}")
         self.num_classes, self.context_size, self.size = num_classes, context_size, size
-        self.p_rule, self.seed = p_rule, seed
+        self.p_rule, self.seed, self.sequences = p_rule, seed, sequences
         self.input_vocab_size = min(num_classes, input_vocab_size or num_classes)
 
     def __len__(self) -> int:
@@ -72,4 +74,4 @@ class SyntheticZipf(Dataset):
             x = torch.where(follow, nxt, fresh)
             chain.append(x)
         seq = torch.stack(chain, 1)
-        return seq[:, :n] % self.input_vocab_size, seq[:, n]
+        return seq[:, :n] % self.input_vocab_size, seq[:, 1:] if self.sequences else seq[:, n]

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .ranking import count_at_or_above, target_scores_of_chunks, topk_of_chunks
+from .targets import check_class_ids, check_k
 
 
 class OutputHead(nn.Module):
@@ -83,12 +84,13 @@ class OutputHead(nn.Module):
     @torch.no_grad()
     def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """The score of each row's target class, (m,). Heads may override this with a gather."""
-        return target_scores_of_chunks(self.score_chunks(hidden), target_idx.reshape(-1))
+        target_idx = check_class_ids(target_idx, hidden.shape[0], self.num_classes, "target_score")
+        return target_scores_of_chunks(self.score_chunks(hidden), target_idx)
 
     @torch.no_grad()
     def topk(self, hidden: Tensor, k: int, chunk_size: int = 65536) -> tuple[Tensor, Tensor]:
-        """The k best classes of each row, best first: (scores, class ids), (m, k) each."""
-        return topk_of_chunks(self.score_chunks(hidden, chunk_size), k)
+        """The k best classes of each row, best first: (scores, class ids), (m, min(k, D)) each."""
+        return topk_of_chunks(self.score_chunks(hidden, chunk_size), check_k(k))
 
     @torch.no_grad()
     def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:
@@ -96,8 +98,9 @@ class OutputHead(nn.Module):
 
         Ties count against the target (a constant scorer ranks it last, not first), and
         the target's own column is left out, so the rounding of its score cannot move it.
-        Scores are made in chunks of classes: (m, D) is never held at once.
+        Scores are made in chunks of classes: (m, D) is never held at once. Every target
+        must be a class id (ValueError for padding or out-of-range ids).
         """
-        target_idx = target_idx.reshape(-1)
+        target_idx = check_class_ids(target_idx, hidden.shape[0], self.num_classes)
         target = self.target_score(hidden, target_idx)
         return 1 + count_at_or_above(self.score_chunks(hidden, chunk_size), target_idx, target)

@@ -1,10 +1,10 @@
 """Input checks and target normalisation shared by the baseline heads.
 
-Every head takes ``target_idx`` (m,) or (m, K) int64 with -1 for padding and an
-optional ``target_val`` of the same shape (default 1 on each real slot). The
-per-example loss of a softmax-type head is ``-sum_k t_k log p(idx_k | h)``, the
-same convention as the normalised spherical losses, and the minibatch loss is
-the mean (or sum) over the m rows.
+Every head takes ``target_idx`` (m,) or (m, K) int64 with -1 for padding (and
+``ignore_index``, -100 by default, PyTorch's convention) and an optional
+``target_val`` of the same shape (default 1 on each real slot). The loss of a
+softmax-type head is ``-sum_k t_k log p(idx_k | h)``, the same convention as the
+normalised spherical losses, and the minibatch loss is the mean (or sum) over the m rows.
 """
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 
 REDUCTIONS = ("mean", "sum")
+#: PyTorch's default ``ignore_index``: a padding id beside -1.
+IGNORE_INDEX = -100
 
 
 def check_reduction(reduction: str) -> str:
@@ -33,8 +35,9 @@ def check_hidden(hidden: Tensor, hidden_dim: int) -> None:
 
 def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_classes: int,
                  dtype: torch.dtype, device: torch.device | None = None,
-                 finite_values: bool = True, check_range: bool = True) -> tuple[Tensor, Tensor, Tensor]:
-    """Validate targets for m rows; return ``idx`` (m, K) int64 (-1 kept on padding),
+                 finite_values: bool = True, check_range: bool = True,
+                 ignore_index: int = IGNORE_INDEX) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate targets for m rows; return ``idx`` (m, K) int64 (-1 on padding: -1 or ``ignore_index``),
     ``val`` (m, K) in ``dtype``, zero on padding, and ``valid`` (m, K).
 
     Every head calls this before touching its state. ``finite_values=False`` lets
@@ -47,13 +50,15 @@ def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_clas
     if device is not None and target_idx.device != device:
         raise ValueError(f"target_idx is on {target_idx.device} but the head is on {device}")
     idx = (target_idx[:, None] if target_idx.dim() == 1 else target_idx).long()
+    if ignore_index != -1:
+        idx = idx.masked_fill(idx == ignore_index, -1)
     if idx.dim() != 2 or idx.shape[0] != m or idx.shape[1] == 0:
         raise ValueError(f"target_idx must have shape ({m},) or ({m}, K) with K >= 1, "
                          f"got {tuple(target_idx.shape)}")
     bad = (idx < -1) | (idx >= num_classes)
     if check_range and bool(bad.any()):
         raise ValueError(f"target index {int(idx[bad][0])} is outside [0, {num_classes}): class ids must be "
-                         f"in [0, {num_classes}) or -1 for padding")
+                         f"in [0, {num_classes}), or -1 or ignore_index ({ignore_index}) for padding")
     valid = idx >= 0
     if target_val is None:
         return idx, valid.to(dtype), valid
@@ -70,6 +75,29 @@ def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_clas
     val = target_val.reshape(idx.shape).to(dtype)
     val = torch.where(valid, val, torch.zeros((), dtype=dtype, device=val.device))
     return idx, val, valid
+
+
+def check_class_ids(target_idx: Tensor, m: int, num_classes: int, what: str = "target_rank") -> Tensor:
+    """``target_idx`` (m,) or (m, 1) of class ids in [0, num_classes), flattened: a rank or a
+    target score is undefined for padding, so the caller drops padded rows first."""
+    if not isinstance(target_idx, Tensor) or target_idx.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{what}: target_idx must be an int64 (or int32) tensor, got "
+                        f"{target_idx.dtype if isinstance(target_idx, Tensor) else type(target_idx).__name__}")
+    if target_idx.numel() != m or (target_idx.dim() == 2 and target_idx.shape[1] != 1) or target_idx.dim() > 2:
+        raise ValueError(f"{what}: target_idx must have shape ({m},) (one class per row of hidden), "
+                         f"got {tuple(target_idx.shape)}")
+    flat = target_idx.reshape(-1).long()
+    bad = (flat < 0) | (flat >= num_classes)
+    if bool(bad.any()):
+        raise ValueError(f"{what}: target index {int(flat[bad][0])} is not a class id in [0, {num_classes}); "
+                         "a rank is undefined for padding: drop padded rows (-1, ignore_index) first")
+    return flat
+
+
+def check_k(k: int, what: str = "topk") -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{what}: k must be an int >= 1, got {k!r}")
+    return k
 
 
 def check_targets(hidden: Tensor, target_idx: Tensor, target_val: Tensor | None,

@@ -34,6 +34,12 @@ class SphericalLoss(nn.Module):
         """The same per-example losses from the full output O (m, D) and dense targets Y (m, D)."""
         raise NotImplementedError
 
+    def score(self, O: Tensor) -> Tensor:
+        """The model's own score of each class from its outputs O (any shape): higher is more
+        likely under this loss. Ranking (top-k, target ranks, every metric) uses it; the plain
+        output ``o`` unless the loss's probability is not increasing in o."""
+        return O
+
     def log_prob(self, q: Tensor, s: Tensor, A: Tensor, *, num_classes: int) -> Tensor:
         """log p of each target slot (m, K), for normalised losses."""
         raise NotImplementedError(f"the {self.name} loss defines no probabilities")

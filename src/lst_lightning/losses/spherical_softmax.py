@@ -26,6 +26,10 @@ class SphericalSoftmaxLoss(NormalisedSphericalLoss):
     def hparams(self):
         return {"eps": self.eps}
 
+    def score(self, O):
+        # p grows with o^2: a large negative output is as likely as a large positive one.
+        return O * O + self.eps
+
     def log_prob(self, q, s, A, *, num_classes):
         return torch.log(A * A + self.eps) - torch.log(q + num_classes * self.eps)[:, None]
 

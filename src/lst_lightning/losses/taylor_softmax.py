@@ -14,6 +14,10 @@ class TaylorSoftmaxLoss(NormalisedSphericalLoss):
 
     name = "taylor_softmax"
 
+    def score(self, O):
+        # p's numerator: not monotone in o (it falls for o < -1).
+        return 1.0 + O + 0.5 * O * O
+
     def log_prob(self, q, s, A, *, num_classes):
         return torch.log(1.0 + A + 0.5 * A * A) - torch.log(num_classes + s + 0.5 * q)[:, None]
 

@@ -8,10 +8,11 @@ from torch import Tensor, nn
 
 class LSTMBody(nn.Module):
     def __init__(self, vocab_size: int, context_size: int, embed_dim: int = 64, lstm_size: int = 128,
-                 num_layers: int = 1, hidden_dim: int = 128, dropout: float = 0.0):
+                 num_layers: int = 1, hidden_dim: int = 128, dropout: float = 0.0, sparse_embedding: bool = False):
         super().__init__()
         self.context_size, self.hidden_dim = context_size, hidden_dim
-        self.input_embedding = nn.Embedding(vocab_size, embed_dim)
+        # sparse: row-sparse gradients, stepped by the row-sparse optimiser (app/optimizers.py)
+        self.input_embedding = nn.Embedding(vocab_size, embed_dim, sparse=sparse_embedding)
         self.lstm = nn.LSTM(embed_dim, lstm_size, num_layers, batch_first=True,
                             dropout=dropout if num_layers > 1 else 0.0)
         self.proj = nn.Linear(lstm_size, hidden_dim)

@@ -16,12 +16,13 @@ class NgramMLP(nn.Module):
 
     def __init__(self, vocab_size: int, context_size: int, embed_dim: int = 64,
                  hidden_sizes: Sequence[int] = (256,), hidden_dim: int = 128, activation: str = "relu",
-                 dropout: float = 0.0, final_activation: bool = True):
+                 dropout: float = 0.0, final_activation: bool = True, sparse_embedding: bool = False):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, not {activation!r}")
         self.context_size, self.hidden_dim = context_size, hidden_dim
-        self.input_embedding = nn.Embedding(vocab_size, embed_dim)
+        # sparse: row-sparse gradients, stepped by the row-sparse optimiser (app/optimizers.py)
+        self.input_embedding = nn.Embedding(vocab_size, embed_dim, sparse=sparse_embedding)
         sizes = [context_size * embed_dim, *hidden_sizes, hidden_dim]
         layers: list[nn.Module] = []
         for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):

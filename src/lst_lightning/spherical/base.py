@@ -4,16 +4,33 @@ and the autograd function that applies the head's own SGD step in backward.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
 import torch
 from torch import Tensor
 
-from ..losses import SphericalLoss, make_loss
 from ..heads.base import OutputHead
-from ..heads.targets import target_slots
+from ..heads.targets import IGNORE_INDEX, target_slots
+from ..losses import SphericalLoss, make_loss
+from .blocks import BLOCK
 from .pending_step import PendingSteps
+
+STATE_DTYPES = (torch.float32, torch.float64)
+#: "mean": over all m rows (padded rows count, adding 0); "mean_real": over the rows with at
+#: least one real target (as F.cross_entropy with ignore_index); "sum".
+REDUCTIONS = ("mean", "mean_real", "sum")
+
+
+def own_precision(method):
+    """Run a head method with autocast off on the head's device: the head does its math in
+    its state dtype whatever autocast context (bf16/fp16 mixed precision) the caller is in."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with torch.autocast(self.device.type, enabled=False):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 class _SelfUpdatingStep(torch.autograd.Function):
@@ -31,11 +48,21 @@ class _SelfUpdatingStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
+        with torch.autocast(ctx.head.device.type, enabled=False):
+            return _SelfUpdatingStep._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: Tensor):
         head = ctx.head
         dH = head._own_rows(head._backward_of(ctx.saved, ctx.token, ctx.version, grad_out.to(head.dtype)), ctx.rows)
         if ctx.token is not None:
             ctx.saved = None  # a second backward reuses the token's dL/dH
         return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None
+
+
+def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
+    """``fn``'s move of a tensor with its device change only, for floating tensors."""
+    return t.to(device=device) if t.is_floating_point() else fn(t)
 
 
 class SphericalHeadBase(PendingSteps, OutputHead):
@@ -46,18 +73,23 @@ class SphericalHeadBase(PendingSteps, OutputHead):
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
                  bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, init_std: float | None = None,
+                 generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         if not (isinstance(hidden_dim, int) and hidden_dim >= 1):
             raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-        if dtype not in (torch.float32, torch.float64):
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or 0 <= ignore_index < num_classes:
+            raise ValueError(f"ignore_index must be an int outside the class ids [0, {num_classes}) "
+                             f"(default {IGNORE_INDEX}), got {ignore_index!r}")
+        self.ignore_index = ignore_index
+        if dtype not in STATE_DTYPES:
             raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
-        self.bias, self.reduction, self.dtype = bool(bias), reduction, dtype
+        self.bias, self.reduction = bool(bias), reduction
         #: columns of the implicit W: the hidden size, plus one constant column for the bias.
         self.width = hidden_dim + int(self.bias)
         self.loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
@@ -65,9 +97,39 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self.lr = lr
         self.weight_decay = weight_decay
         self._version = 0  # bumped by every change of state: guards stale backward calls
+        self._uninitialised = False  # moved off the meta device: no state until reset_weight()
         self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
         self._init_pending_steps()
+        # The seed of the initial W (drawn on the host, so that a head built on the meta
+        # device has one too): ``reset_weight()`` redraws the same W from it.
+        self._init_std = init_std if init_std is not None else self.width ** -0.5
+        self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator,
+                                            device=generator.device if generator is not None else "cpu"))
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the head's state (float32 or float64): it follows ``.double()``, ``.float()``
+        and ``.to(dtype)``; the head computes in it whatever the dtype of H or the autocast context."""
+        return self._factory["dtype"]
+
+    def _apply(self, fn, recurse=True):
+        # Every dtype/device move (.double(), .to(), .half(), .cuda(), to_empty()) comes here.
+        # The state follows a move to float32/float64; half precision would make the exact
+        # step too coarse, so the state stays as it is then (moved to the new device only).
+        was_meta = self.device.type == "meta"
+        probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
+        if probe.dtype not in STATE_DTYPES:
+            warnings.warn(f"{type(self).__name__} keeps its state in {self.dtype}, not {probe.dtype}: it takes "
+                          "H in any float dtype and returns dL/dH in H's dtype (docs/factored_head.md, "
+                          "'Precision, padding and dtype')", UserWarning, stacklevel=3)
+            fn = functools.partial(_move_keeping_dtype, fn, probe.device)
+        out = super()._apply(fn, recurse)
+        self._factory["dtype"], self._factory["device"] = probe.dtype if probe.dtype in STATE_DTYPES \
+            else self.dtype, probe.device
+        self._uninitialised |= was_meta and probe.device.type != "meta"  # to_empty(): uninitialised memory
+        self._graph = None  # a captured CUDA graph holds the old tensors
+        self._version += 1  # a pending backward from before the move is stale
+        return out
     # -- hyperparameters the training loop may change ---------------------------------
     @property
     def lr(self) -> float:
@@ -105,11 +167,13 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         if saved is not None and saved != mine:
             raise ValueError(f"the state was saved with loss {saved} but this head has {mine}")
         self._version += 1
+        self._uninitialised = False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, loss={self.loss_fn.name}, "
-                f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}")
+                f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}, "
+                f"ignore_index={self.ignore_index}")
 
     # -- what subclasses provide --------------------------------------------------------
     @property
@@ -155,8 +219,26 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""
         raise NotImplementedError
 
-    def reset_weight(self, W: Tensor) -> None:
+    def reset_weight(self, W: Tensor | None = None) -> None:
+        """Make the implicit W equal to W; without W, the head as constructed (its initial W
+        from its seed, every counter zero): the way to finish a head built on the meta
+        device, after ``to_empty()``."""
         raise NotImplementedError
+
+    def _init_rows(self, lo: int, hi: int, device=None) -> Tensor:
+        """Rows lo:hi of the initial W: block c of rows comes from seed + c, drawn on the
+        device itself (a GPU's generator gives other numbers than the CPU's, as it should:
+        at D = 20M, d = 512 a host draw takes a minute)."""
+        out = torch.empty(hi - lo, self.width, dtype=self.dtype, device=device)
+        if out.device.type == "meta":
+            return out
+        for c in range(lo // BLOCK, -(-hi // BLOCK)):
+            a, b = c * BLOCK, min((c + 1) * BLOCK, self.num_classes)
+            g = torch.Generator(device=out.device).manual_seed(self._init_seed + c)
+            blk = torch.randn(b - a, self.width, generator=g, dtype=self.dtype, device=out.device)
+            s, e = max(a, lo), min(b, hi)
+            out[s - lo:e - lo] = blk[s - a:e - a] * self._init_std
+        return out
 
     @property
     def in_training_step(self) -> bool:
@@ -173,6 +255,9 @@ class SphericalHeadBase(PendingSteps, OutputHead):
                 step: bool | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Validate inputs; return H with the bias column in the head's dtype, idx as (m, K)
         int64 and target values as (m, K) with zeros on padding. Raises before any state changes."""
+        if self._uninitialised:
+            raise RuntimeError(f"{type(self).__name__} was built on the meta device and moved with to_empty(): "
+                               "its state is uninitialised memory; call head.reset_weight() or load a state dict first")
         if not isinstance(H, Tensor) or H.dim() != 2:
             raise ValueError(f"H must be a 2-D tensor (m, {self.hidden_dim}), got "
                              f"{tuple(H.shape) if isinstance(H, Tensor) else type(H).__name__}")
@@ -190,7 +275,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             return Hx, None, None
         # Non-finite target values pass here: the step is then skipped and counted.
         idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
-                                 device=self.device, finite_values=False,
+                                 device=self.device, finite_values=False, ignore_index=self.ignore_index,
                                  check_range=not (self.deferred_checks and step))
         return Hx, idx, T
 
@@ -201,6 +286,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         return Hx
 
+    @own_precision
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head."""
@@ -228,14 +314,21 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
         return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
-    def reduce(self, per_example: Tensor) -> Tensor:
-        return per_example.mean() if self.reduction == "mean" else per_example.sum()
+    def reduce(self, per_example: Tensor, idx: Tensor) -> Tensor:
+        """The minibatch loss from per-example losses; a fully padded row (every slot -1)
+        contributes nothing, for every loss (the squared error would see a zero target)."""
+        real = (idx >= 0).any(1)
+        total = torch.where(real, per_example, torch.zeros((), dtype=per_example.dtype, device=real.device)).sum()
+        if self.reduction == "sum":
+            return total
+        n = real.sum().clamp_min(1) if self.reduction == "mean_real" else per_example.shape[0]
+        return total / n
 
-    def loss_and_grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, y_sq: Tensor | None):
+    def loss_and_grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, y_sq: Tensor | None, idx: Tensor):
         """The minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd."""
         with torch.enable_grad():
             q, s, A = (t.detach().requires_grad_() for t in (q, s, A))
-            L = self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=y_sq))
+            L = self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=y_sq), idx)
             gq, gs, GA = torch.autograd.grad(L, (q, s, A), materialize_grads=True)  # mse ignores s
         return L.detach(), gq, gs, GA
 
@@ -245,6 +338,12 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         dev = self._factory["device"]
         self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=dev))
         self.register_buffer("skipped_nonfinite", torch.zeros((), dtype=torch.long, device=dev))
+
+    def _zero_counters(self) -> None:
+        """Every long counter buffer (steps, skips, repairs) back to 0."""
+        for buf in self.buffers(recurse=False):
+            if buf.dtype == torch.long:
+                buf.zero_()
 
     def _skip(self, what: str) -> None:
         """Count a skipped step and warn at the 1st, 2nd, 4th, 8th... so logs are not flooded."""

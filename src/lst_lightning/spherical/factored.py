@@ -23,8 +23,8 @@ from torch import Tensor
 import lst_kernels as lk
 
 from .applied_step import AppliedStep
-from .base import SphericalHeadBase
-from .blocks import BLOCK, row_blocks
+from .base import SphericalHeadBase, own_precision
+from .blocks import row_blocks
 from .multi_process import MultiProcess
 from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser, largest_eig_bounds
@@ -83,7 +83,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
                  generator: torch.Generator | None = None, stabiliser: Stabiliser | dict | None = None,
                  parallel: str = "none", checksum_every: int = 100, sync_every: int = 1,
                  step: str = "autograd", **kwargs):
-        super().__init__(num_classes, hidden_dim, *args, **kwargs)
+        super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
         self.stabiliser = Stabiliser.of(stabiliser)
         self._init_multi_process(parallel, checksum_every)
         self.step = step
@@ -93,8 +93,6 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         dev = fk.get("device")
         # V's rows are drawn block by block from one seed, so that a shard can be made
         # alone (a sharded head never holds all of V) and equals the same rows unsharded.
-        self._init_std = init_std if init_std is not None else d ** -0.5
-        self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator))
         #: V holds the rows of classes [row_lo, row_hi): all of them unless sharded.
         self.row_lo, self.row_hi = 0, (0 if parallel == "sharded" else D)
         self.register_buffer("V", self._init_rows(self.row_lo, self.row_hi, dev).to(**fk))
@@ -105,9 +103,9 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         self.register_buffer("wbar", torch.zeros(d, **fk))
         self._register_buffers_common()
         # Warm starts of the power iterations for U's largest and smallest singular values.
-        g = torch.Generator().manual_seed(0)
-        self.register_buffer("u_max", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
-        self.register_buffer("u_min", torch.randn(d, generator=g, dtype=self.dtype).to(**fk))
+        self.register_buffer("u_max", torch.empty(d, **fk))
+        self.register_buffer("u_min", torch.empty(d, **fk))
+        self._init_power_starts()
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
         self._init_sync_free(sync_every, dev)
         f64 = {"dtype": torch.float64, "device": dev}
@@ -133,18 +131,12 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
             raise ValueError(f"step must be one of {STEP_MODES}, not {value!r}")
         self._step, self._graph = value, None
 
-    def _init_rows(self, lo: int, hi: int, device=None) -> Tensor:
-        """Rows lo:hi of the initial V: block c of rows comes from seed + c, drawn on the
-        device itself (a GPU's generator gives other numbers than the CPU's, as it should:
-        at D = 20M, d = 512 a host draw takes a minute)."""
-        out = torch.empty(hi - lo, self.width, dtype=self.dtype, device=device)
-        for c in range(lo // BLOCK, -(-hi // BLOCK)):
-            a, b = c * BLOCK, min((c + 1) * BLOCK, self.num_classes)
-            g = torch.Generator(device=out.device).manual_seed(self._init_seed + c)
-            blk = torch.randn(b - a, self.width, generator=g, dtype=self.dtype, device=out.device)
-            s, e = max(a, lo), min(b, hi)
-            out[s - lo:e - lo] = blk[s - a:e - a] * self._init_std
-        return out
+    @torch.no_grad()
+    def _init_power_starts(self) -> None:
+        g = torch.Generator().manual_seed(0)  # on the host: the same starts on every device
+        for buf in (self.u_max, self.u_min):
+            if buf.device.type != "meta":
+                buf.copy_(torch.randn(self.width, generator=g, dtype=self.dtype, device="cpu"))
 
     @property
     def uinv_fresh(self) -> bool:
@@ -170,8 +162,20 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         return W
 
     @torch.no_grad()
-    def reset_weight(self, W: Tensor) -> None:
-        """Make the implicit W equal to W: V = W, U = U^-1 = I, omega = 0, O(D d^2) bookkeeping."""
+    def reset_weight(self, W: Tensor | None = None) -> None:
+        """Make the implicit W equal to W: V = W, U = U^-1 = I, omega = 0, O(D d^2) bookkeeping.
+        Without W: the head as constructed (initial W from its seed, counters zero), e.g.
+        after ``to_empty()`` of a head built on the meta device."""
+        if W is None:
+            self._ensure_distributed()
+            self.V.copy_(self._init_rows(self.row_lo, self.row_hi, self.device))
+            self._zero_counters()
+            self._init_power_starts()
+            self._lr_t.zero_()
+            self._bad_input.zero_()
+            self._calls, self._synced, self._lr_filled = 0, (0, 0), None
+            self._reset_factors()
+            return
         if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
             raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got "
                              f"{tuple(W.shape) if isinstance(W, Tensor) else type(W).__name__}")
@@ -179,6 +183,11 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
             raise ValueError("W has non-finite entries")
         self._ensure_distributed()
         self.V.copy_(W[self.row_lo:self.row_hi])
+        self._reset_factors()
+
+    def _reset_factors(self) -> None:
+        """U = U^-1 = I, omega = 0, then Q and wbar from V: W = V."""
+        self._uninitialised = False
         self.U.copy_(torch.eye(self.width, dtype=self.dtype, device=self.device))
         self.Uinv.copy_(self.U)
         self._uinv_fresh = True
@@ -224,7 +233,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         Hx, idx, T, rows = self._collect(Hx, idx, T, training=False)
         q, s, A, *_ = self._outputs(Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
-        return self.reduce(per_example if rows is None else per_example[rows])
+        return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
 
     def _use_woodbury(self, m: int) -> bool:
         # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
@@ -240,7 +249,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         if woodbury and not self._uinv_fresh:
             self._refresh_uinv()  # the last steps solved with U directly and left U^-1 behind
         q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
-        L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T))
+        L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T), idx)
         return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
 
     def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:
@@ -370,6 +379,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         self.wbar.copy_(keep(new.wbar, self.wbar))
         self._version += 1
 
+    @own_precision
     @torch.no_grad()
     def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Forward, backward and update in one call, without autograd: the loss and dL/dH
@@ -389,17 +399,20 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         return loss, dH[:, : self.hidden_dim].to(H.dtype)
 
     # -- evaluation -------------------------------------------------------------------------
+    @own_precision
     @torch.no_grad()
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
-        """O[:, start:end] = (H U^T) V[start:end]^T + H omega: O(m (end - start) d).
+        """The loss's score (``loss_fn.score``: the model's own ranking) of the outputs
+        O[:, start:end] = (H U^T) V[start:end]^T + H omega: O(m (end - start) d).
         A sharded head scores only its own classes (start:end within row_lo:row_hi)."""
         Hx, _, _ = self._prepare_everywhere(hidden, None, None)
         end = self.num_classes if end is None else end
         if self.sharded and not self.row_lo <= start <= end <= self.row_hi:
             raise ValueError(f"this shard holds classes {self.row_lo}:{self.row_hi}, not {start}:{end}")
         rows = self.V[start - self.row_lo:end - self.row_lo]
-        return torch.addmm((Hx @ self.omega)[:, None], Hx @ self.U.T, rows.T)
+        return self.loss_fn.score(torch.addmm((Hx @ self.omega)[:, None], Hx @ self.U.T, rows.T))
 
+    @own_precision
     @torch.no_grad()
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """log p(target) in O(d^2) per example (spherical and Taylor softmax)."""

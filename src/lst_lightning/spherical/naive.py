@@ -6,21 +6,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import SphericalHeadBase
+from .base import SphericalHeadBase, own_precision
 
 
 class NaiveSphericalHead(SphericalHeadBase):
     """The constructor and API of ``FactoredSphericalHead`` without its factored-only
     settings (stabiliser, parallel, sync_every, step); W is a buffer (D, d[+1])."""
 
-    def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
-                 generator: torch.Generator | None = None, **kwargs):
+    def __init__(self, num_classes: int, hidden_dim: int, *args, **kwargs):
         super().__init__(num_classes, hidden_dim, *args, **kwargs)
-        std = init_std if init_std is not None else self.width ** -0.5
-        # Drawn on the head's device unless a (host) generator fixes the numbers.
-        dev = self._factory["device"] if generator is None else None
-        W = torch.randn(num_classes, self.width, generator=generator, dtype=self.dtype, device=dev).mul_(std)
-        self.register_buffer("W", W.to(self._factory["device"]) if self._factory["device"] else W)
+        # The factored head's initial W for the same seed (drawn in blocks on the head's device).
+        self.register_buffer("W", self._init_rows(0, num_classes, self._factory["device"]))
         self._register_buffers_common()
 
     @property
@@ -31,18 +27,23 @@ class NaiveSphericalHead(SphericalHeadBase):
         return self.W.detach().clone()
 
     @torch.no_grad()
-    def reset_weight(self, W: Tensor) -> None:
-        if tuple(W.shape) != (self.num_classes, self.width):
-            raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got {tuple(W.shape)}")
+    def reset_weight(self, W: Tensor | None = None) -> None:
+        if W is None:  # the head as constructed
+            self._zero_counters()
+            W = self._init_rows(0, self.num_classes, self.device)
+        if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
+            raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got "
+                             f"{tuple(W.shape) if isinstance(W, Tensor) else type(W).__name__}")
         if not torch.isfinite(W).all():
             raise ValueError("W has non-finite entries")
         self.W.copy_(W)
+        self._uninitialised = False
         self._version += 1
 
     def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor):
         O = Hx @ W.T
         Y = torch.zeros_like(O).scatter_add_(1, idx.clamp(min=0), T)  # T is 0 on padding
-        return self.reduce(self.loss_fn.dense(O, Y))
+        return self.reduce(self.loss_fn.dense(O, Y), idx)
 
     def _eval_loss(self, Hx, idx, T):
         return self._dense(Hx, idx, T, self.W)
@@ -89,11 +90,13 @@ class NaiveSphericalHead(SphericalHeadBase):
         self._version += 1
         return dH
 
+    @own_precision
     @torch.no_grad()
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         Hx, _, _ = self.prepare(hidden)
-        return Hx @ self.W[start:end].T
+        return self.loss_fn.score(Hx @ self.W[start:end].T)
 
+    @own_precision
     @torch.no_grad()
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         Hx, idx, _ = self.prepare(hidden, target_idx)

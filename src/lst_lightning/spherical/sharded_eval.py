@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..heads.ranking import count_at_or_above, target_scores_of_chunks, topk_of_chunks
+from ..heads.targets import check_class_ids, check_k
 from .blocks import row_blocks
 
 
@@ -36,16 +37,20 @@ class ShardedEvaluation:
         return Hx, idx, rows
 
     def _shard_scores(self, Hx: Tensor, chunk_size: int):
-        Ht, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
+        with torch.autocast(self.device.type, enabled=False):  # not across the yield: the caller's own
+            Ht, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
         blocks = row_blocks(self.V, chunk_size) if self.V.shape[0] else [(0, self.V)]  # empty shard: one empty chunk
         for a, blk in blocks:
-            yield self.row_lo + a, torch.addmm(ht, Ht, blk.T)
+            with torch.autocast(self.device.type, enabled=False):
+                sc = self.loss_fn.score(torch.addmm(ht, Ht, blk.T))  # the loss's own score
+            yield self.row_lo + a, sc
 
     @torch.no_grad()
     def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:
         if not self.sharded:
             return super().target_rank(hidden, target_idx, chunk_size)
-        Hx, tidx, rows = self._gather_eval(hidden, target_idx.reshape(-1))
+        target_idx = check_class_ids(target_idx, hidden.shape[0], self.num_classes)
+        Hx, tidx, rows = self._gather_eval(hidden, target_idx)
         tidx = tidx[:, 0]  # padding (-1) rows get a rank too: callers drop them
         # The target's score from its owner shard (0 elsewhere), then the counts of every shard.
         target = self._pg.all_reduce_(target_scores_of_chunks(self._shard_scores(Hx, chunk_size), tidx))
@@ -58,6 +63,7 @@ class ShardedEvaluation:
         A sharded head merges every shard's own top k."""
         if not self.sharded:
             return super().topk(hidden, k, chunk_size)
+        check_k(k)
         Hx, _, rows = self._gather_eval(hidden, None)
         best, ids = topk_of_chunks(self._shard_scores(Hx, chunk_size), k)
         k_local = best.shape[1]

@@ -33,6 +33,7 @@ class HeadTiming(pl.Callback):
         self.totals = {"steps": 0, "step_s": 0.0, "head_s": 0.0, "tokens": 0}
         self._marks: dict[str, float] = {}
         self._timed = False
+        self._rows = 0
         self._device = torch.device("cpu")
         self._hooks: list = []
 
@@ -58,6 +59,7 @@ class HeadTiming(pl.Callback):
             return
         self._now("hidden")
         hidden = args[0]
+        self._rows = hidden.shape[0]  # the tokens of the step (a sequence body's positions too)
         if torch.is_grad_enabled() and hidden.requires_grad:
             hidden.register_hook(self._at_head_grad)
 
@@ -85,7 +87,7 @@ class HeadTiming(pl.Callback):
             return
         step = m["end"] - m["start"]
         head = (m["loss"] - m["hidden"]) + (m["head_grad"] - m["backward"])
-        n = batch[1].shape[0]
+        n = self._rows
         pl_module.log("train/tokens_per_s", n / step, prog_bar=True)
         pl_module.log("train/head_share", head / step)
         pl_module.log("train/step_ms", 1e3 * step)

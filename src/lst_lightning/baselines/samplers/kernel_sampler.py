@@ -2,6 +2,8 @@
 K(h, c), drawn through a sum-tree kept in step with the class embeddings."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -9,8 +11,18 @@ from .base import Sampler, check_num_samples
 from .kernel_functions import Kernel, QuadraticKernel, RandomFourierKernel
 from .sum_tree import KernelSumTree
 
-
 DRAWS = ("auto", "tree", "direct")
+
+
+def _full_precision(method):
+    """Autocast off on the device of the first tensor argument (positional or keyword): the sum-tree's sums and
+    the kernel's features stay in the tree's dtype under bf16/fp16 mixed precision."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        dev = next((a.device.type for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), "cpu")
+        with torch.autocast(dev, enabled=False):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 class KernelSampler(Sampler):
@@ -34,6 +46,7 @@ class KernelSampler(Sampler):
             return self.draw == "tree"
         return self.num_classes > num_samples * (2 * self.tree.depth + self.tree.leaf_size)
 
+    @_full_precision
     def sync(self, embeddings: Tensor, bias: Tensor | None = None, rows: Tensor | None = None) -> None:
         if rows is None:
             if embeddings.shape[0] != self.num_classes:
@@ -50,6 +63,7 @@ class KernelSampler(Sampler):
             raise RuntimeError("the sampler has no class embeddings yet: call sync(embeddings) first")
         return hidden.detach()
 
+    @_full_precision
     def sample(self, num_samples, hidden=None, generator=None):
         hidden, S = self._check_hidden(hidden), check_num_samples(num_samples)
         if self.uses_tree(S):
@@ -58,10 +72,12 @@ class KernelSampler(Sampler):
         ids = torch.multinomial(probs, S, replacement=True, generator=generator)
         return ids, probs.gather(1, ids).log().float()
 
+    @_full_precision
     def log_prob(self, classes, hidden=None):
         # The walk's law for a few classes is O(K F log n): no need for the direct way here.
         return self.tree.log_prob(self._check_hidden(hidden), classes)
 
+    @_full_precision
     def direct_probs(self, hidden: Tensor) -> Tensor:
         """The same law computed the direct O(n F) way (reference and benchmark)."""
         return self.tree.direct_probs(self._check_hidden(hidden))

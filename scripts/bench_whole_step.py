@@ -1,0 +1,444 @@
+"""The whole training step (body forward + backward + optimizer + head) against D (issue 13).
+
+    uv run python scripts/bench_whole_step.py [--smoke] [--out DIR | --update-results]
+
+Input vocabulary = output vocabulary = D, as in a language model, for D in {10k, 100k,
+793 471, 1M, 10M} as far as each fits (its memory is estimated first; a size that would
+not fit is recorded with the reason), for the n-gram MLP and the transformer body
+(``conf/model/ngram_mlp.yaml``, ``conf/model/gpt.yaml``) and every head: the factored
+head (each loss), the naive explicit-W head, the full softmax (``F.linear_cross_entropy``),
+the hierarchical, adaptive and sampled softmax. Each head is timed in alternation with
+the factored Z-loss head on the same body, batch and D, so that the machine's load falls
+on both alike and the ratio is fair. A step is what ``lst-train`` does: the body and the
+ordinary heads under the app's optimizer (``LanguageModel.configure_optimizers`` with
+``conf/config.yaml``'s ``optimizer``), the self-updating heads inside backward.
+
+The input embedding is row-sparse by default (``--embedding sparse``: ``nn.Embedding(sparse=True)``;
+dense rows of Adam would read and write all D x e of it every step). Where the app's
+optimizer does not yet route sparse parameters to a row-sparse optimizer, the script
+stands in with ``torch.optim.SparseAdam`` for them and says so in the ``optimizers`` column.
+
+Outputs (CSV naming the machine, markdown tables with the target checks, log-log plot of
+step time against D) in a fresh run directory, ``--out DIR``, or ``--update-results``.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import inspect
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# benchlib first: in a bare checkout it puts the package on the path.
+from benchlib import (add_output_args, interleaved_times, machine_name, markdown_table, output_dir, perf_clock,
+                      pyplot, quantile, save_figure, write_csv, wrote)
+
+import torch
+import yaml
+from bench_heads import HEADS, HeadSpec, _build, memory_limit, param_bytes, parse_ints, step_bytes
+from torch import nn
+
+from lst_lightning.app.configs import config_dir
+from lst_lightning.app.module import LanguageModel, as_rows
+from lst_lightning.data.synthetic import SyntheticZipf
+
+SIZES = {"cpu": [10_000, 100_000, 793_471, 1_000_000, 10_000_000], "smoke": [60, 400]}
+BODIES = ("ngram_mlp", "gpt")
+TOKENS = 256            # target tokens per step, both bodies: n-gram windows, or gpt's sequences
+SEQUENCE_LENGTH = 32    # gpt: TOKENS // SEQUENCE_LENGTH sequences a step
+NGRAM_CONTEXT = 4       # the synthetic data's default
+PAPER_D = 793_471
+TARGETS = {"flat_lo": 10_000, "flat_hi": 1_000_000, "flat_max": 1.3, "vs_softmax": 40.0, "vs_hsoftmax": 4.0}
+REFERENCE = ("factored", "zloss")
+WHOLE_HEADS = [s for s in HEADS if not s.cuda_only and s.head != "logits_ce"]
+# The factored zloss model at D = 10k, timed beside the one at each larger D (its row's D):
+# ratio = step at 10k / step at D, measured side by side.
+FLAT_PAIR = HeadSpec("factored_at_10k", "zloss", self_updating=True)
+COLUMNS = ["machine", "device", "torch", "threads", "body", "embedding", "optimizers", "head", "variant", "D", "d",
+           "tokens", "median_ms", "p10_ms", "p90_ms", "steps", "factored_ms", "ratio", "tokens_per_s", "est_gb",
+           "status"]
+_ROW_SPARSE = (torch.optim.SparseAdam, torch.optim.Adagrad, torch.optim.SGD)
+
+
+# --- bodies, data and the app's optimizer ----------------------------------------------------
+
+def model_config(name: str) -> dict:
+    return yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
+
+
+def body_width(name: str) -> int:
+    """The input embedding's width (its D x e rows are what grows with D)."""
+    cfg = model_config(name)
+    return int(cfg["embed_dim"])
+
+
+def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
+    cfg = model_config(name)
+    module, cls_name = cfg.pop("_target_").rsplit(".", 1)
+    cls = getattr(importlib.import_module(module), cls_name)
+    if smoke:  # every code path, tiny widths
+        cfg = {k: v for k, v in cfg.items() if k not in ("embed_dim", "hidden_sizes", "hidden_dim")}
+        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp" else {"embed_dim": 16, "num_heads": 2})
+        cfg["hidden_dim"] = 16
+    if "sparse_embedding" in inspect.signature(cls).parameters:
+        cfg["sparse_embedding"] = sparse
+    else:
+        cfg.pop("sparse_embedding", None)
+    context = SEQUENCE_LENGTH if getattr(cls, "reads_sequences", False) else NGRAM_CONTEXT
+    body = cls(vocab_size=D, context_size=context, **cfg)
+    body.input_embedding.sparse = sparse  # bodies that do not take the argument yet
+    return body
+
+
+def make_batches(body: nn.Module, D: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of the synthetic Zipf task, input vocabulary = output vocabulary = D."""
+    sequences = bool(getattr(body, "reads_sequences", False))
+    length = SEQUENCE_LENGTH if sequences else NGRAM_CONTEXT
+    per_batch = TOKENS // SEQUENCE_LENGTH if sequences else TOKENS
+    data = SyntheticZipf(num_classes=D, context_size=length, size=n * per_batch, seed=D, input_vocab_size=D,
+                         sequences=sequences)
+    return [data[torch.arange(i * per_batch, (i + 1) * per_batch)] for i in range(n)]
+
+
+def app_optimizer_config() -> dict:
+    return dict(yaml.safe_load((Path(config_dir()) / "config.yaml").read_text())["optimizer"])
+
+
+def optimizers_of(module: LanguageModel) -> tuple[list[torch.optim.Optimizer], str]:
+    """The app's optimizers for ``module``, and their names. A sparse embedding under an
+    optimizer that cannot take row-sparse gradients (the app before it routes them) gets
+    ``SparseAdam`` for it instead, the other parameters keep the app's choice."""
+    found: list[torch.optim.Optimizer] = []
+
+    def walk(o) -> None:
+        if isinstance(o, torch.optim.Optimizer):
+            found.append(o)
+        elif isinstance(o, dict):
+            walk(o.get("optimizer"))
+        elif isinstance(o, (list, tuple)):
+            for x in o:
+                walk(x)
+
+    walk(module.configure_optimizers())
+    sparse = {id(m.weight) for m in module.body.modules() if isinstance(m, nn.Embedding) and m.sparse}
+    held = {id(p) for o in found if not isinstance(o, _ROW_SPARSE) for g in o.param_groups for p in g["params"]}
+    if sparse & held:
+        cfg = app_optimizer_config()
+        dense = [p for p in module.parameters() if p.requires_grad and id(p) not in sparse]
+        cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[cfg["name"]]
+        found = [cls(dense, lr=cfg["lr"])] if dense else []
+        found.append(torch.optim.SparseAdam([p for p in module.parameters() if id(p) in sparse], lr=cfg["lr"]))
+        return found, "+".join(type(o).__name__ for o in found) + " (stand-in)"
+    return found, "+".join(type(o).__name__ for o in found)
+
+
+class WholeStep:
+    """One model (body + head) and its training step over a few fixed batches."""
+
+    def __init__(self, body_name: str, spec: HeadSpec, D: int, sparse: bool, smoke: bool, batches=None):
+        torch.manual_seed(0)
+        self.body = make_body(body_name, D, sparse, smoke)
+        head, _ = _build(spec, D, self.body.hidden_dim, torch.float32, torch.device("cpu"))
+        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config())
+        self.head = head
+        self.optimizers, self.optimizer_names = optimizers_of(self.module)
+        self.batches = batches if batches is not None else make_batches(self.body, D)
+        self.i = 0
+
+    def __call__(self) -> None:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        loss = self.head(*as_rows(self.body(x), y))
+        loss.backward()
+        for o in self.optimizers:
+            o.step()
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+
+def estimate_bytes(body_name: str, spec: HeadSpec, D: int, d: int, sparse: bool) -> int:
+    """Memory of one model and its step, on the high side: the embedding with its gradient
+    (dense) and Adam's two moments; the head, its step and (ordinary heads) Adam's moments."""
+    emb = 4 * D * body_width(body_name) * (3 if sparse else 4)
+    head = param_bytes(spec, D, d, 4) + step_bytes(spec, D, d, TOKENS, 4)
+    if not spec.self_updating:
+        head += 2 * param_bytes(spec, D, d, 4)
+    return emb + head + (64 << 20)
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+class Runner:
+    def __init__(self, args):
+        self.args = args
+        self.rows: list[dict] = []
+        self.t0 = time.perf_counter()
+        self.common = dict(machine=machine_name(), device="cpu", torch=torch.__version__,
+                           threads=torch.get_num_threads(), embedding=args.embedding, tokens=TOKENS)
+
+    def record(self, body: str, spec: HeadSpec, D: int, d: int, status: str, times=None, partner=None,
+               optimizers: str = "", est: int = 0) -> None:
+        ms = [1e3 * t for t in times or []]
+        med = statistics.median(ms) if ms else None
+        ref = 1e3 * statistics.median(partner) if partner else None
+        row = dict(self.common, body=body, optimizers=optimizers, head=spec.head, variant=spec.variant, D=D, d=d,
+                   median_ms=round(med, 4) if ms else "", p10_ms=round(quantile(ms, 0.1), 4) if ms else "",
+                   p90_ms=round(quantile(ms, 0.9), 4) if ms else "", steps=len(ms),
+                   factored_ms=round(ref, 4) if ref else "", ratio=round(med / ref, 4) if ms and ref else "",
+                   tokens_per_s=round(TOKENS / med * 1e3, 1) if ms else "", est_gb=round(est / 2**30, 3),
+                   status=status)
+        self.rows.append(row)
+        shown = f"{med:.4g} ms" if ms else ""
+        ratio = f"x{row['ratio']:.3g}" if row["ratio"] else ""
+        print(f"{body:9s} {spec.head + '/' + spec.variant:28s} D={D:>11,} {shown:>12s} {ratio:>9s}  {status}", flush=True)
+
+    def steps_for(self, first: float) -> int:
+        a = self.args
+        return max(a.min_steps, min(a.max_steps, int(a.budget_s / max(first, 1e-6))))
+
+    def run_size(self, body_name: str, D: int, heads: list[HeadSpec]) -> None:
+        a = self.args
+        sparse = a.embedding == "sparse"
+        ref_spec = next(s for s in WHOLE_HEADS if s.key == REFERENCE)
+        limit = memory_limit(torch.device("cpu"), a.max_gb)
+        d = model_config(body_name)["hidden_dim"] if not a.smoke else 16
+        ref_est = estimate_bytes(body_name, ref_spec, D, d, sparse)
+        if ref_est > limit:
+            for spec in heads:
+                self.record(body_name, spec, D, d, f"skipped: ~{ref_est / 2**30:.1f} GB with the factored head "
+                            f"> {limit / 2**30:.1f} GB allowed (--max-gb)", est=ref_est)
+            return
+        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke)
+        ref_times: list[float] = []
+        for spec in heads:
+            if spec.key == REFERENCE:
+                continue
+            est = estimate_bytes(body_name, spec, D, d, sparse)
+            if self.out_of_time():
+                self.record(body_name, spec, D, d, "skipped: past --deadline-s", est=est)
+                continue
+            if est + ref_est > limit:
+                self.record(body_name, spec, D, d, f"skipped: ~{est / 2**30:.1f} GB beside the factored head's "
+                            f"{ref_est / 2**30:.1f} GB > {limit / 2**30:.1f} GB allowed (--max-gb)", est=est)
+                continue
+            guess = self.guess_s(body_name, spec, D)
+            if guess is not None and guess > a.max_step_s:
+                self.record(body_name, spec, D, d, f"skipped: ~{guess:.3g} s/step from a smaller D "
+                            f"> --max-step-s {a.max_step_s}", est=est)
+                continue
+            try:
+                step = WholeStep(body_name, spec, D, sparse, a.smoke, batches=ref.batches)
+            except ImportError as exc:
+                self.record(body_name, spec, D, d, f"skipped: {exc}", est=est)
+                continue
+            first = perf_clock(step) + perf_clock(ref)  # also the warm-up
+            rounds = self.steps_for(first)
+            t = interleaved_times({"head": (step, 1), "ref": (ref, 1)}, rounds, warmup=0)
+            ref_times += t["ref"]
+            self.record(body_name, spec, D, d, "ok", t["head"], t["ref"], step.optimizer_names, est)
+            del step
+        if D > TARGETS["flat_lo"] and not self.out_of_time():
+            # Flat in D: the same model at D = 10k timed in alternation with this one.
+            lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke)
+            first = perf_clock(lo) + perf_clock(ref)
+            t = interleaved_times({"lo": (lo, 1), "ref": (ref, 1)}, self.steps_for(first), warmup=0)
+            ref_times += t["ref"]
+            self.record(body_name, FLAT_PAIR, D, d, "ok", t["lo"], t["ref"], lo.optimizer_names, ref_est)
+        if not ref_times:  # the factored head alone
+            perf_clock(ref)
+            ref_times = interleaved_times({"ref": (ref, 1)}, self.steps_for(perf_clock(ref)), warmup=0)["ref"]
+        self.record(body_name, ref_spec, D, d, "ok", ref_times, ref_times, ref.optimizer_names, ref_est)
+
+    def guess_s(self, body: str, spec: HeadSpec, D: int) -> float | None:
+        """Seconds a step would take here, from this head's time at the largest smaller D (linear in D)."""
+        for r in reversed(self.rows):
+            if (r["body"], r["head"], r["variant"]) == (body, spec.head, spec.variant) and r["median_ms"] != "":
+                return r["median_ms"] / 1e3 * D / r["D"] if spec.head != "factored" else None
+        return None
+
+    def out_of_time(self) -> bool:
+        return self.args.deadline_s is not None and time.perf_counter() - self.t0 > self.args.deadline_s
+
+
+# --- ratios, checks and outputs ---------------------------------------------------------------
+
+def _ok(r: dict) -> bool:
+    return r["status"] == "ok" and r["median_ms"] not in ("", None)
+
+
+def _find(rows: list[dict], **want) -> dict | None:
+    for r in rows:
+        if _ok(r) and all(str(r[k]) == str(v) for k, v in want.items()):
+            return r
+    return None
+
+
+def target_checks(rows: list[dict]) -> list[dict]:
+    checks = []
+    for body in dict.fromkeys(r["body"] for r in rows):
+        # the step at D over the step at 10k, from the pair timed side by side
+        pairs = {int(r["D"]): 1.0 / float(r["ratio"]) for r in rows
+                 if _ok(r) and r["body"] == body and r["head"] == FLAT_PAIR.head and r["ratio"] not in ("", None)}
+        top = max(pairs, default=0)
+        note = f"; D={top:,}: {pairs[top]:.3g}x" if top > TARGETS["flat_hi"] else ""
+        ratio = pairs.get(TARGETS["flat_hi"])
+        checks.append(_check(f"{body}: factored zloss step, D=1M / D=10k <= {TARGETS['flat_max']}x", ratio,
+                             lambda x: x <= TARGETS["flat_max"], note))
+        for head, key in (("softmax", "vs_softmax"), ("hsoftmax", "vs_hsoftmax")):
+            r = _find(rows, body=body, head=head, D=PAPER_D)
+            value = float(r["ratio"]) if r and r["ratio"] not in ("", None) else None
+            checks.append(_check(f"{body}: D={PAPER_D:,}, {head} step / factored zloss step >= {TARGETS[key]:g}x",
+                                 value, lambda x, k=key: x >= TARGETS[k]))
+    return checks
+
+
+def _check(name: str, value: float | None, ok, note: str = "") -> dict:
+    status = "UNMEASURED" if value is None else "PASS" if ok(value) else "FAIL"
+    return {"check": name, "value": "" if value is None else f"{value:.3g}x{note}", "status": status}
+
+
+def pivot(rows: list[dict], body: str) -> str:
+    """Step time per head (rows) and D (columns), with the ratio to the factored zloss step beside it."""
+    Ds = sorted({int(r["D"]) for r in rows if r["body"] == body})
+    heads = list(dict.fromkeys(f"{r['head']}/{r['variant']}" for r in rows if r["body"] == body))
+    out = []
+    for h in heads:
+        line = {"head": h}
+        for D in Ds:
+            r = next((r for r in rows if r["body"] == body and f"{r['head']}/{r['variant']}" == h
+                      and int(r["D"]) == D), None)
+            if r is None:
+                continue
+            if not _ok(r):
+                line[f"D={D:,}"] = "skipped"
+                continue
+            ratio = "" if (r["head"], r["variant"]) == REFERENCE else f" ({float(r['ratio']):.3g}x)"
+            line[f"D={D:,}"] = f"{float(r['median_ms']):.4g} ms{ratio}"
+        out.append(line)
+    return markdown_table(out, ["head", *(f"D={D:,}" for D in Ds)], right=[f"D={D:,}" for D in Ds])
+
+
+def markdown(rows: list[dict], checks: list[dict], title: str) -> str:
+    parts = [f"# {title}", "", "Targets (issue 13):", "",
+             markdown_table(checks, ["check", "value", "status"]), ""]
+    for body in dict.fromkeys(r["body"] for r in rows):
+        parts += [f"## {body}: median whole step (x the factored zloss step timed beside it)", "", pivot(rows, body), ""]
+    parts += ["## Every row", "", markdown_table(rows, [c for c in COLUMNS if c not in ("machine", "device", "torch")],
+                                                 right=["D", "median_ms", "ratio", "tokens_per_s"]), ""]
+    skipped = sorted({r["status"] for r in rows if r["status"] != "ok"})
+    if skipped:
+        parts += ["Skipped:", "", *(f"- {s}" for s in skipped), ""]
+    return "\n".join(parts)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path:
+    plt = pyplot()
+    bodies = list(dict.fromkeys(r["body"] for r in rows))
+    fig, axes = plt.subplots(1, len(bodies), figsize=(6.5 * len(bodies), 5), squeeze=False)
+    for ax, body in zip(axes[0], bodies):
+        # the flatness pairs' D = 10k model is not a point at their D
+        for h in dict.fromkeys((r["head"], r["variant"]) for r in rows
+                               if r["body"] == body and r["head"] != FLAT_PAIR.head):
+            pts = sorted((int(r["D"]), float(r["median_ms"]), float(r["p10_ms"]), float(r["p90_ms"]))
+                         for r in rows if r["body"] == body and (r["head"], r["variant"]) == h and _ok(r))
+            if pts:
+                x, y, lo, hi = zip(*pts)
+                ax.errorbar(x, y, yerr=[[a - b for a, b in zip(y, lo)], [b - a for a, b in zip(y, hi)]], marker="o",
+                            lw=2.5 if h == REFERENCE else 1.2, capsize=2, label=f"{h[0]}/{h[1]}")
+        ax.set(xscale="log", yscale="log", xlabel="D (input vocabulary = output vocabulary)",
+               ylabel="whole training step, ms (median, p10-p90)", title=body)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def write_outputs(rows: list[dict], stem: Path, title: str, with_plot: bool = True) -> list[dict]:
+    write_csv(stem.with_suffix(".csv"), rows, COLUMNS)
+    checks = target_checks(rows)
+    stem.with_suffix(".md").write_text(markdown(rows, checks, title))
+    if with_plot:
+        plot(rows, stem.with_suffix(".png"), title)
+    return checks
+
+
+def read_rows(path: Path) -> list[dict]:
+    with path.open(newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows``, and the ``kept`` rows of what they do not measure, ordered by D."""
+    def key(r: dict) -> tuple:
+        return (r["body"], r["head"], r["variant"], int(r["D"]))
+
+    new = {key(r) for r in rows}
+    return sorted([r for r in kept if key(r) not in new] + rows, key=lambda r: int(r["D"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
+    p.add_argument("--D", type=parse_ints, help=f"vocabulary sizes (default: {SIZES['cpu']})")
+    p.add_argument("--bodies", default=",".join(BODIES), help="comma-separated: " + ",".join(BODIES))
+    p.add_argument("--heads", default=None, help="comma-separated head or head/variant names (default: all): "
+                   + ",".join(f"{s.head}/{s.variant}" for s in WHOLE_HEADS))
+    p.add_argument("--all-losses-up-to", type=int, default=100_000,
+                   help="the factored head's other losses only up to this D (zloss at every D)")
+    p.add_argument("--embedding", choices=["sparse", "dense"], default="sparse",
+                   help="the body's input embedding: row-sparse gradients (SparseAdam) or dense (Adam)")
+    p.add_argument("--max-gb", type=float, default=None, help="memory a pair of models may use (default: half "
+                   "of MemAvailable; this machine is shared)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--budget-s", type=float, default=None, help="timed seconds per head and size, about")
+    p.add_argument("--min-steps", type=int, default=None)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--max-step-s", type=float, default=20.0, help="skip a head whose step would take longer")
+    p.add_argument("--deadline-s", type=float, default=None, help="stop starting new heads after this long")
+    p.add_argument("--merge", type=Path, default=None, metavar="CSV",
+                   help="keep the rows of an earlier run's CSV that this run does not measure (same body, "
+                        "head, variant and D), e.g. to add the slow heads at large D with a longer --max-step-s")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    kept = read_rows(args.merge) if args.merge is not None else []
+    defaults = dict(budget_s=0.05, min_steps=2, max_steps=3) if args.smoke else dict(budget_s=3.0, min_steps=3,
+                                                                                      max_steps=20)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    torch.set_num_threads(args.threads)
+    bodies = [b.strip() for b in args.bodies.split(",") if b.strip()]
+    if set(bodies) - set(BODIES):
+        p.error(f"unknown bodies {sorted(set(bodies) - set(BODIES))}; choose from {list(BODIES)}")
+    heads = WHOLE_HEADS
+    if args.heads:
+        want = {h.strip() for h in args.heads.split(",") if h.strip()} | {"factored/zloss"}
+        heads = [s for s in WHOLE_HEADS if s.head in want or f"{s.head}/{s.variant}" in want]
+    Ds = args.D or SIZES["smoke" if args.smoke else "cpu"]
+
+    runner = Runner(args)
+    machine = runner.common["machine"]
+    stem = output_dir(args, "bench_whole_step") / f"whole_step_{'smoke_' if args.smoke else ''}{machine}"
+    title = (f"Whole training step (body + head + optimizer), {machine}, torch {torch.__version__}, "
+             f"{args.threads} CPU thread(s), {TOKENS} tokens a step, {args.embedding} input embedding")
+    print(title, flush=True)
+    for D in Ds:
+        for body in bodies:
+            here = [s for s in heads if s.head != "factored" or s.variant == "zloss" or D <= args.all_losses_up_to]
+            runner.run_size(body, D, here)
+        write_outputs(merged(kept, runner.rows), stem, title, with_plot=False)
+    checks = write_outputs(merged(kept, runner.rows), stem, title)
+    for c in checks:
+        print(f"{c['status']:10s} {c['check']}: {c['value']}")
+    print(f"{time.perf_counter() - runner.t0:.0f} s")
+    wrote(*(stem.with_suffix(s) for s in (".csv", ".md", ".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

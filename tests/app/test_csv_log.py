@@ -1,0 +1,59 @@
+"""No run loses its CSV log: every trainer config that runs on CPU keeps the train,
+validation and test rows in csv/metrics.csv (trainer=ddp_cpu starts new workers, and
+so a new writer, for every trainer call)."""
+import csv
+
+import pytest
+
+from lst_lightning.app.csv_log import AppendingCSVLogger
+from lst_lightning.app.train import run
+
+from app_configs import FAST, cfg_of, group
+
+CPU_TRAINERS = [t for t in group("trainer") if cfg_of(f"trainer={t}").trainer.accelerator == "cpu"]
+
+
+def rows(path):
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_new_writer_keeps_the_rows_of_the_last_one(tmp_path):
+    first = AppendingCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    first.log_metrics({"train/loss": 2.5}, step=3)
+    first.save()
+    second = AppendingCSVLogger(save_dir=str(tmp_path), name="csv", version="")  # a new process's logger
+    second.log_metrics({"train/loss": 2.0}, step=5)
+    second.log_metrics({"test/mrr": 0.25}, step=5)  # a new column: the file is rewritten
+    second.save()
+    got = rows(tmp_path / "csv" / "metrics.csv")
+    assert [(r["step"], r["train/loss"], r["test/mrr"]) for r in got] == [("3", "2.5", ""), ("5", "2.0", ""),
+                                                                         ("5", "", "0.25")]
+
+
+def test_the_cpu_trainers_are_found():
+    assert {"cpu", "ddp_cpu"} <= set(CPU_TRAINERS)
+
+
+def run_keeps_its_rows(tmp_path, *overrides):
+    """Tiny run: 8 steps, validation at the end of the epoch, the test split."""
+    run(cfg_of(*FAST, "head=softmax", "trainer.limit_train_batches=8", "trainer.log_every_n_steps=2",
+               "data.max_eval_examples=64", "metrics.timing_every=0", *overrides), tmp_path)
+    got = rows(tmp_path / "csv" / "metrics.csv")
+    train = [r for r in got if r.get("train/loss")]
+    assert len(train) >= 2, got  # a curve, not a point
+    assert any(r.get("val/top5_error") for r in got), got
+    assert any(r.get("test/top5_error") for r in got), got
+
+
+# ddp_cpu's spawned workers re-import torch for each trainer call (minutes on a loaded
+# 2-core machine): the shipped config runs with the slow tests; ddp_fork starts its workers
+# the same way, a new logger writer per trainer call, in seconds.
+@pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.slow) if t == "ddp_cpu" else t
+                                     for t in CPU_TRAINERS])
+def test_every_cpu_trainer_keeps_train_val_and_test_rows(tmp_path, trainer):
+    run_keeps_its_rows(tmp_path, f"trainer={trainer}")
+
+
+def test_workers_started_per_trainer_call_keep_the_rows(tmp_path):
+    run_keeps_its_rows(tmp_path, "trainer=ddp_cpu", "trainer.strategy=ddp_fork")

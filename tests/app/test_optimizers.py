@@ -1,0 +1,158 @@
+"""The row-sparse input side: PairedOptimizer against dense references (float64), the
+rows it touches, its state across a save and load, and sparse-aware gradient clipping."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lst_lightning.app.optimizers import PairedOptimizer, clip_gradients, make_optimizer
+from lst_lightning.models import NgramMLP
+
+V, N = 50, 3
+CFG = {"name": "sgd", "lr": 0.3, "momentum": 0.0, "weight_decay": 0.0, "embedding_lr": None}
+
+
+def body(sparse: bool, seed: int = 0) -> NgramMLP:
+    torch.manual_seed(seed)
+    return NgramMLP(V, N, embed_dim=4, hidden_sizes=[8], hidden_dim=5, sparse_embedding=sparse).double()
+
+
+def batches(steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    # ids from the first 20 rows only, repeated within a batch: rows 20.. are never used
+    return [(torch.randint(0, 20, (6, N), generator=g), torch.randn(6, 5, generator=g, dtype=torch.float64))
+            for _ in range(steps)]
+
+
+def train(model, opt, data, clip=None):
+    for ctx, y in data:
+        opt.zero_grad()
+        ((model(ctx) - y) ** 2).sum().backward()
+        if clip is not None:
+            clip(list(model.parameters()))
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_sparse_sgd_equals_dense_sgd(clip):
+    dense, sparse = body(False), body(True)
+    assert torch.equal(dense.input_embedding.weight, sparse.input_embedding.weight)
+    opt_d = make_optimizer(dense, {**CFG, "embedding": "dense"})
+    opt_s = make_optimizer(sparse, {**CFG, "embedding": "sparse_sgd"})
+    assert isinstance(opt_s, PairedOptimizer) and not isinstance(opt_d, PairedOptimizer)
+    ref_clip = {"norm": lambda ps: torch.nn.utils.clip_grad_norm_(ps, 0.05),
+                "value": lambda ps: torch.nn.utils.clip_grad_value_(ps, 0.01), None: None}[clip]
+    our_clip = None if clip is None else (lambda ps: clip_gradients(ps, 0.05 if clip == "norm" else 0.01, clip))
+    data = batches(5)
+    train(dense, opt_d, data, ref_clip)
+    train(sparse, opt_s, data, our_clip)
+    assert sparse.input_embedding.weight.grad.is_sparse
+    for (k, a), b in zip(dense.state_dict().items(), sparse.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=k)
+    assert not torch.equal(dense.input_embedding.weight, body(False).input_embedding.weight)  # it moved
+
+
+@pytest.mark.parametrize("name", ["sparse_adam", "adagrad", "sparse_sgd"])
+def test_only_the_batch_rows_are_touched(name):
+    model = body(True)
+    before = model.input_embedding.weight.detach().clone()
+    opt = make_optimizer(model, {**CFG, "name": "adam", "embedding": name})
+    train(model, opt, batches(4))
+    after = model.input_embedding.weight.detach()
+    assert torch.equal(after[20:], before[20:])  # never in a batch
+    assert not torch.equal(after[:20], before[:20])
+    emb_state = opt.parts[1].state[model.input_embedding.weight]
+    for buf in emb_state.values():  # moments / sums: zero outside the rows used
+        if torch.is_tensor(buf) and buf.shape == after.shape:
+            assert not buf[20:].any() and buf[:20].any()
+
+
+def test_sparse_adam_is_lazy_adam():
+    """SparseAdam against the obvious reference: the rows of the batch take Adam's step
+    (bias correction by the parameter's step count, as torch's), the others keep their
+    weights and moments."""
+    model = body(True)
+    w0 = model.input_embedding.weight.detach().clone()
+    lr, b1, b2, eps = 0.01, 0.9, 0.999, 1e-8
+    opt = make_optimizer(model, {**CFG, "name": "adam", "lr": 0.5, "embedding": "sparse_adam", "embedding_lr": lr})
+    assert opt.parts[1].param_groups[0]["lr"] == lr and opt.parts[0].param_groups[0]["lr"] == 0.5
+    m, v, w = torch.zeros_like(w0), torch.zeros_like(w0), w0.clone()
+    for t, (ctx, y) in enumerate(batches(4), start=1):
+        opt.zero_grad()
+        ((model(ctx) - y) ** 2).sum().backward()
+        g = model.input_embedding.weight.grad.to_dense()
+        opt.step()
+        rows = ctx.unique()
+        m[rows] = b1 * m[rows] + (1 - b1) * g[rows]
+        v[rows] = b2 * v[rows] + (1 - b2) * g[rows] ** 2
+        w[rows] -= lr * (1 - b2**t) ** 0.5 / (1 - b1**t) * m[rows] / (v[rows].sqrt() + eps)
+    torch.testing.assert_close(model.input_embedding.weight.detach(), w, rtol=1e-9, atol=1e-12)
+
+
+def test_state_dict_resumes_exactly_and_the_schedule_sets_both_parts():
+    data = batches(6)
+    cfg = {**CFG, "name": "adam", "embedding": "sparse_adam"}
+    full = body(True)
+    opt = make_optimizer(full, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for batch in data:
+        train(full, opt, [batch])
+        sched.step()
+    assert [g["lr"] for o in opt.parts for g in o.param_groups] == pytest.approx([0.3 / 7] * 2, rel=1e-12)
+
+    part = body(True)
+    opt = make_optimizer(part, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for batch in data[:3]:
+        train(part, opt, [batch])
+        sched.step()
+    saved = copy.deepcopy((part.state_dict(), opt.state_dict(), sched.state_dict()))
+    resumed = body(True, seed=5)  # different weights: all must come from the checkpoint
+    resumed.load_state_dict(saved[0])
+    opt = make_optimizer(resumed, cfg)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    opt.load_state_dict(saved[1])  # Lightning's order: optimisers, then schedulers
+    sched.load_state_dict(saved[2])
+    for batch in data[3:]:
+        train(resumed, opt, [batch])
+        sched.step()
+    for k, a in full.state_dict().items():
+        assert torch.equal(a, resumed.state_dict()[k]), k
+
+
+def test_clip_gradients_matches_torch_on_the_dense_gradients():
+    torch.manual_seed(0)
+    emb = nn.Parameter(torch.randn(30, 4, dtype=torch.float64))
+    lin = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    idx = torch.tensor([3, 7, 3, 3, 29])  # repeated rows: an uncoalesced sparse gradient
+    for algorithm, value in [("norm", 0.5), ("norm", 1e6), ("value", 0.3)]:
+        g_rows = torch.randn(5, 4, dtype=torch.float64)
+        emb.grad = torch.sparse_coo_tensor(idx[None], g_rows, (30, 4))
+        lin.grad = torch.randn(4, 3, dtype=torch.float64)
+        dense = [emb.grad.to_dense(), lin.grad.clone()]
+        ref = [nn.Parameter(torch.zeros_like(d)) for d in dense]
+        for r, d in zip(ref, dense):
+            r.grad = d
+        (torch.nn.utils.clip_grad_norm_ if algorithm == "norm" else torch.nn.utils.clip_grad_value_)(ref, value)
+        clip_gradients([emb, lin], value, algorithm)
+        assert emb.grad.is_sparse
+        torch.testing.assert_close(emb.grad.to_dense(), ref[0].grad, rtol=1e-12, atol=0)
+        torch.testing.assert_close(lin.grad, ref[1].grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("cfg,match", [
+    ({"embedding": "dense"}, "optimizer.embedding=dense"),
+    ({"embedding": "lazy"}, "optimizer.embedding must be"),
+    ({"name": "rmsprop"}, "optimizer.name"),
+    ({"embedding_lr": -1.0}, "optimizer.embedding_lr"),
+])
+def test_bad_settings_are_refused(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        make_optimizer(body(True), {**CFG, "embedding": "sparse_adam", **cfg})
+
+
+def test_a_dense_body_gets_one_dense_optimizer_whatever_embedding_says():
+    opt = make_optimizer(body(False), {**CFG, "name": "adam", "embedding": "sparse_adam"})
+    assert type(opt) is torch.optim.Adam

@@ -1,0 +1,91 @@
+"""scripts/bench_whole_step.py: the smoke run's outputs, the step it times (the app's
+optimizers, a sparse embedding touching only its batch's rows), memory skips and the
+target arithmetic."""
+from __future__ import annotations
+
+import csv
+
+import bench_whole_step as bw
+import pytest
+import torch
+
+
+def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
+    folder = sandbox.run_default(bw.main, ["--smoke", "--D", "50", "--heads", "softmax,hsoftmax,naive"],
+                                 "bench_whole_step")
+    # (no D above 10k: no factored_at_10k pair)
+    (path,) = folder.glob("whole_step_smoke_*.csv")
+    with path.open() as fh:
+        reader = csv.DictReader(fh)
+        assert reader.fieldnames == bw.COLUMNS
+        rows = list(reader)
+    assert {(r["body"], r["head"]) for r in rows} == {(b, h) for b in bw.BODIES
+                                                      for h in ("factored", "softmax", "hsoftmax", "naive")}
+    for r in rows:
+        assert r["status"] == "ok" and float(r["median_ms"]) > 0 and int(r["steps"]) >= 2, r
+        assert float(r["ratio"]) == pytest.approx(float(r["median_ms"]) / float(r["factored_ms"]), rel=1e-3)
+    assert sorted(p.suffix for p in folder.iterdir()) == [".csv", ".md", ".png"]
+    assert "| check | value | status |" in path.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("body", bw.BODIES)
+def test_a_step_moves_only_the_batch_rows_of_a_sparse_embedding(body):
+    spec = next(s for s in bw.WHOLE_HEADS if s.key == ("softmax", "torch"))
+    step = bw.WholeStep(body, spec, 300, sparse=True, smoke=True)
+    emb = step.body.input_embedding.weight
+    before, head_before = emb.detach().clone(), step.head.weight.detach().clone()
+    x, _ = step.batches[0]
+    step()
+    moved = (emb.detach() != before).any(1).nonzero().flatten()
+    assert set(moved.tolist()) == set(x.unique().tolist())
+    assert not torch.equal(step.head.weight, head_before)  # the ordinary head is in an optimizer too
+    assert "SparseAdam" in step.optimizer_names or "Sparse" in step.optimizer_names
+
+
+def test_memory_estimate_skips_what_does_not_fit(sandbox):
+    folder = sandbox.run_default(bw.main, ["--smoke", "--D", "2000", "--bodies", "gpt", "--heads", "softmax",
+                                           "--max-gb", "0.07"], "bench_whole_step")
+    (path,) = folder.glob("whole_step_smoke_*.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert {r["head"] for r in rows} == {"factored", "softmax"}
+    assert all(r["status"].startswith("skipped: ~") and "--max-gb" in r["status"] for r in rows), rows
+
+
+def test_target_checks():
+    def row(body, head, variant, D, ms, ratio=""):
+        return dict(body=body, head=head, variant=variant, D=D, median_ms=ms, ratio=ratio, status="ok")
+
+    rows = [row("gpt", "factored_at_10k", "zloss", 1_000_000, 10.0, 1 / 1.2),
+            row("gpt", "factored_at_10k", "zloss", 10_000_000, 10.0, 1 / 3),
+            row("gpt", "softmax", "torch", 793_471, 500.0, 50.0),
+            row("gpt", "hsoftmax", "sqrt_mass", 793_471, 30.0, 3.0)]
+    got = {c["check"]: (c["status"], c["value"]) for c in bw.target_checks(rows)}
+    assert got["gpt: factored zloss step, D=1M / D=10k <= 1.3x"] == ("PASS", "1.2x; D=10,000,000: 3x")
+    assert got["gpt: D=793,471, softmax step / factored zloss step >= 40x"] == ("PASS", "50x")
+    assert got["gpt: D=793,471, hsoftmax step / factored zloss step >= 4x"] == ("FAIL", "3x")
+    rows[0]["status"] = "skipped: ~9 GB"
+    assert bw.target_checks(rows)[0]["status"] == "UNMEASURED"
+
+
+def test_merge_keeps_only_what_the_new_run_does_not_measure():
+    def row(head, D, ms):
+        return {"body": "gpt", "head": head, "variant": "v", "D": str(D), "median_ms": ms}
+
+    old = [row("softmax", 10, "1"), row("softmax", 99, "2"), row("factored", 99, "3")]
+    new = [row("factored", 99, "4")]
+    got = bw.merged(old, new)
+    assert [(r["head"], r["D"], r["median_ms"]) for r in got] == [("softmax", "10", "1"), ("softmax", "99", "2"),
+                                                                   ("factored", "99", "4")]
+
+
+def test_flatness_pair_is_timed_side_by_side(sandbox, monkeypatch):
+    monkeypatch.setitem(bw.TARGETS, "flat_lo", 40)  # the smoke sizes stand in for 10k and 1M
+    monkeypatch.setitem(bw.TARGETS, "flat_hi", 90)
+    folder = sandbox.run_default(bw.main, ["--smoke", "--D", "90", "--bodies", "ngram_mlp", "--heads", "factored/zloss"],
+                                 "bench_whole_step")
+    (path,) = folder.glob("whole_step_smoke_*.csv")
+    rows = {r["head"]: r for r in csv.DictReader(path.open())}
+    pair = rows["factored_at_10k"]
+    assert pair["D"] == "90" and float(pair["ratio"]) == pytest.approx(
+        float(pair["median_ms"]) / float(pair["factored_ms"]), rel=1e-3)
+    assert "PASS" in path.with_suffix(".md").read_text() or "FAIL" in path.with_suffix(".md").read_text()
