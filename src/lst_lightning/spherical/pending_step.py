@@ -139,7 +139,8 @@ class PendingSteps:
             return
         records = self._records
         self.discard_pending_step()
-        self._apply_records(records)
+        with torch.autocast(self.device.type, enabled=False):  # the head's math in its own dtype
+            self._apply_records(records)
 
     # -- the hooks of forward and backward ------------------------------------------------
     def _open_forward(self, rows: int) -> _ForwardToken:
