@@ -121,7 +121,9 @@ class LanguageModel(pl.LightningModule):
 
     def configure_callbacks(self):
         # A self-updating head steps at the optimizer's step under accumulation or a loss scaler.
-        return [HeadSteps()] if self.head.self_updating else []
+        # Lightning asks again at test/validate: a second one would only be announced as a replacement.
+        have = self._trainer is not None and any(isinstance(c, HeadSteps) for c in self.trainer.callbacks)
+        return [HeadSteps()] if self.head.self_updating and not have else []
 
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)
