@@ -62,7 +62,8 @@ PRESETS = {
                             "data.input_vocab_size=500", "data.context_size=3"]},
     # D = 10^6 classes and input tokens: evaluation scores every example against all D
     # classes, so it runs on a small fixed held-out set, in batches whose D-wide scores fit.
-    "large_D": {"wiki": [],
+    # The real corpus at its own D (every word of the embedded extract: ~32k).
+    "large_D": {"wiki": ["data.vocab_size=null", "data.max_eval_examples=2048", "test=false"],
                 "synthetic": ["data.num_classes=1000000", "data.input_vocab_size=1000000",
                               "data.max_eval_examples=512", "data.eval_batch_size=128", "test=false"]},
 }
