@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lst_lightning.app.compare import compare, load_runs
+from lst_lightning.app.compare import compare, facet_groups, highlighted, load_runs, natural_key, ranked
 
 
 def fake_run(root: Path, name: str, a: float, b: float, val_top5: list[float], test_top5: float) -> Path:
@@ -105,3 +105,41 @@ def test_a_sweep_logged_only_to_wandb_gets_the_same_report(wandb_sweep, tmp_path
 def test_a_run_without_its_csv_log_takes_wandb_history(wandb_sweep, tmp_path):
     no_csv = strip(wandb_sweep, tmp_path / "no_csv", "csv")
     same_runs(load_runs([wandb_sweep]), load_runs([no_csv]))
+
+
+def test_names_sort_by_their_numbers():
+    names = ["r[b=10]", "r[b=2]", "r[a=0.5]", "r[a=0.05]", "r[b=1e-3]", "r[b=20]"]
+    assert sorted(names, key=natural_key) == ["r[a=0.05]", "r[a=0.5]", "r[b=1e-3]", "r[b=2]", "r[b=10]", "r[b=20]"]
+
+
+def sweep_of(root: Path, a_values, b_values) -> list:
+    """A fake a x b sweep whose test error falls with b and rises with a."""
+    for a in a_values:
+        for b in b_values:
+            err = 0.5 + a / 10 - b / 1000
+            fake_run(root, f"zloss[a={a},b={b}]", a, b, [err + 0.1, err], err)
+    return load_runs([root])
+
+
+def test_a_sweep_shows_its_best_runs_in_numeric_order_and_a_faceted_view(tmp_path):
+    runs = sweep_of(tmp_path / "sweep", [0.05, 0.5, 1], [2, 5, 10, 20])
+    shown, rest = highlighted(runs, "test/top5_error", best=3)
+    assert [r.name for r in shown] == ["zloss[a=0.05,b=5]", "zloss[a=0.05,b=10]", "zloss[a=0.05,b=20]"]
+    assert len(rest) == 9 and rest[0].name == "zloss[a=0.05,b=2]"  # the next best first
+    few, none = highlighted(runs[:3], "test/top5_error", best=3)
+    assert len(few) == 3 and not none
+    for r, mrr in zip(runs, range(len(runs))):  # a metric where higher is better
+        r.results["test"]["mrr"] = mrr / 100
+    assert ranked(runs, "test/mrr")[0] is runs[-1]
+    by, panels = facet_groups(runs, "loss.kwargs.a", "loss.kwargs.b")
+    assert by == "loss.kwargs.a" and [t for t, _ in panels] == ["loss.kwargs.a=0.05", "loss.kwargs.a=0.5",
+                                                                  "loss.kwargs.a=1"]
+    assert [label for label, _ in panels[0][1]] == [f"loss.kwargs.b={b}" for b in (2, 5, 10, 20)]
+    by, panels = facet_groups(runs[:4], "loss.kwargs.a", "loss.kwargs.b")  # one value of a: panels by b
+    assert by == "loss.kwargs.b" and len(panels) == 4
+    res = compare([tmp_path / "sweep"], tmp_path / "out", best=3)
+    assert {"curves_steps.png", "curves_time.png", "curves_facets.png", "heatmap.png"} <= set(res["files"])
+    rows = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))
+    assert rows[0]["run"] == "zloss[a=0.05,b=20]"  # best first
+    small = compare([tmp_path / "sweep" / "zloss[a=1,b=2]"], tmp_path / "one")
+    assert "curves_facets.png" not in small["files"]  # a few runs: every curve in colour, no facets

@@ -63,6 +63,7 @@ def test_help_says_what_the_app_is_and_where_the_docs_are(tmp_path):
     assert not any(m.split(".")[0] in HEAVY for m in modules)
 
 
+@pytest.mark.slow  # minutes on a loaded machine: lst-train's heavy imports, then datasets' offline lookups
 def test_offline_hub_dataset_is_one_line(tmp_path):
     """An error found after the heavy imports (loading the data) is one line too."""
     out, rest, _, code = lst_train("data=wikitext103", cwd=tmp_path,

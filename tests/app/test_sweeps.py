@@ -94,6 +94,7 @@ def test_compare_turns_the_grid_into_a_report(grid, tmp_path):
     assert len((out / "runs.md").read_text().strip().splitlines()) == 2 + 4
 
 
+@pytest.mark.slow  # three trials in a subprocess; the grid multirun covers sweeps in the fast suite
 @pytest.mark.skipif(not HAS_OPTUNA, reason="the optuna extra is not installed (uv sync --extra optuna)")
 def test_optuna_search_of_three_trials(tmp_path):
     lst_train("-m", "+sweep=optuna_zloss", *FAST, "hydra.sweeper.n_trials=3",

@@ -26,3 +26,14 @@ def test_synthetic_scales_to_ten_million_classes():
     assert ctx.max() < 1000 and tgt.max() < 10**7
     c = zipf_counts(10**7)
     assert len(c) == 10**7 and (c[:-1] >= c[1:]).all() and c.min() >= 1
+
+
+def test_a_batch_costs_nothing_in_D():
+    """A batch is drawn from the example ids alone: at D = 10^15 no O(D) array could be
+    allocated, yet the batch comes, in range, with both the head and the far tail drawn."""
+    ids = torch.arange(4096)
+    for D in (100, 10**15):
+        ctx, tgt = SyntheticZipf(num_classes=D, context_size=3, size=10**6, input_vocab_size=D)[ids]
+        assert ctx.shape == (4096, 3) and tgt.shape == (4096,)
+        assert 0 <= ctx.min() and ctx.max() < D and 0 <= tgt.min() and tgt.max() < D
+        assert (tgt == 0).any() and tgt.max() > D**0.5  # Zipf: the head and the far tail

@@ -19,6 +19,12 @@ def cfg_of(*overrides):
         return compose("config", overrides=list(overrides))
 
 
+def cfgs_of(*override_lists):
+    """Several configs composed under one Hydra initialisation."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return [compose("config", overrides=list(o)) for o in override_lists]
+
+
 def group(name):
     return sorted(p.stem for p in (CONF / name).glob("*.yaml"))
 

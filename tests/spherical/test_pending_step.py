@@ -241,3 +241,21 @@ def test_eval_mode_hands_the_body_its_gradient_and_freezes_the_head(which):
     assert torch.equal(head.weight(), W0) and int(head.steps) == 0
     with torch.no_grad():  # evaluation as before: no graph
         assert not head(H, idx).requires_grad
+
+
+def test_scaled_and_accumulated_is_one_unscaled_step_on_the_union():
+    pairs = twins("spherical_softmax", lr=0.2)
+    (H1, i1), (H2, i2), _ = micro_batches()
+    Hu, iu = union([(H1, i1), (H2, i2)])
+    M = len(Hu)
+    for head, ref in pairs:
+        ref(Hu, iu).backward()
+        param = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+        opt = torch.optim.SGD([param], lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+        head.attach(opt, scaler)
+        for H, idx in ((H1, i1), (H2, i2)):
+            scaler.scale(head(H, idx) * (len(H) / M) + 0 * param.sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert int(head.steps) == 1 and rel(head.weight(), ref.weight()) < 1e-12

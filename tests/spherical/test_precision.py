@@ -89,6 +89,8 @@ def test_built_on_meta_then_to_empty_and_reset_is_the_normal_head(cls):
         head = cls(50, 8, loss="taylor_softmax", bias=True, generator=torch.Generator().manual_seed(7))
     assert head.device.type == "meta"
     head.to_empty(device="cpu")
+    with pytest.raises(RuntimeError, match="reset_weight"):  # uninitialised memory is refused
+        head(torch.randn(2, 8, requires_grad=True), torch.tensor([1, 2]))
     head.reset_weight()
     assert head.device.type == "cpu"
     assert_same_state(head, normal)

@@ -11,7 +11,10 @@ Writes, into ``--out``:
   SimLex-999, the best validation top-k errors, step time), sorted by ``--metric``;
 - ``heatmap.png``: ``--metric`` over two config keys (default the Z-loss's a and b);
 - ``curves_steps.png`` and ``curves_time.png``: learning curves against steps and
-  against wall-clock seconds of training;
+  against wall-clock seconds of training; of a sweep (more than ``--best`` runs) the best
+  few in colour over the others in grey, legends in numeric order (b=2 before b=10);
+- ``curves_facets.png`` (sweeps): one panel per value of ``--x`` (else of ``--y``, else
+  per run), a line per run inside it;
 - ``report.html``: all of it in one self-contained page (images inlined as base64).
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import csv
 import html
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +37,7 @@ from .wandb_files import find_run_files, read_run
 DEFAULT_METRIC = "test/top5_error"
 DEFAULT_X, DEFAULT_Y = "loss.kwargs.a", "loss.kwargs.b"
 SUMMARY_KEYS = ("mrr", "perplexity", "simlex_rho")
+DEFAULT_BEST = 5  # a sweep's curves: the best few in colour
 STEP_KEY = "trainer/global_step"  # the training step in W&B's history (its own _step counts log calls)
 
 
@@ -61,6 +66,12 @@ class Run:
         else:
             v = config_value(self.config, key)
         return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def natural_key(text: str) -> tuple:
+    """Sorts names with numbers by their values: ``b=2`` before ``b=10``, ``a=0.05`` before ``a=0.5``."""
+    parts = re.split(r"(\d+(?:\.\d+)?(?:[eE][-+]?\d+)?)", text)
+    return tuple((0, float(p), "") if i % 2 else (1, 0.0, p) for i, p in enumerate(parts) if p)
 
 
 def config_value(config: dict, key: str):
@@ -132,7 +143,7 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 
 def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
-    """Columns present in at least one run; rows sorted by ``metric`` (missing last)."""
+    """Columns present in at least one run; rows best first by ``metric`` (missing last)."""
     tests = list(dict.fromkeys(k for r in runs for k in r.results.get("test", {})))
     topk = [k for k in tests if k.startswith("top") and k.endswith("_error")]
     swept = [k for k in (DEFAULT_X, DEFAULT_Y) if any(r.metric(k) is not None for r in runs)]
@@ -147,10 +158,7 @@ def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
                  "steps": r.results.get("train_steps"), "dir": str(r.path)}
         return [fixed[c] if c in fixed else r.metric(c) for c in cols]
 
-    def order(r: Run):
-        v = r.metric(metric)
-        return (v is None, v if v is not None else 0.0, r.name)
-    return cols, [row(r) for r in sorted(runs, key=order)]
+    return cols, [row(r) for r in ranked(runs, metric)]
 
 
 def fmt(v) -> str:
@@ -209,40 +217,122 @@ def heatmap(runs: list[Run], metric: str, x: str, y: str, out: Path) -> Path | N
     return path
 
 
-def curves(runs: list[Run], keys: list[str], against: str, out: Path) -> Path | None:
-    """One panel per curve key; x is the step or the training wall-clock seconds."""
+def ranked(runs: list[Run], metric: str) -> list[Run]:
+    """Best first by ``metric`` (lower is better for errors, losses and perplexity); runs
+    without it last."""
+    lower = any(w in metric for w in ("error", "loss", "perplexity", "time", "wall"))
+
+    def key(r: Run):
+        v = r.metric(metric)
+        ok = v is not None and math.isfinite(v)
+        return (not ok, (v if lower else -v) if ok else 0.0, natural_key(r.name))
+    return sorted(runs, key=key)
+
+
+def highlighted(runs: list[Run], metric: str, best: int) -> tuple[list[Run], list[Run]]:
+    """(the runs drawn in colour, in numeric name order; the rest, drawn in grey): all of
+    them when there are at most ``best``."""
+    if len(runs) <= best:
+        return sorted(runs, key=lambda r: natural_key(r.name)), []
+    order = ranked(runs, metric)
+    return sorted(order[:best], key=lambda r: natural_key(r.name)), order[best:]
+
+
+def points(r: Run, key: str, against: str) -> list[tuple[float, float]]:
+    pts = r.curves.get(key, [])
+    return [(t, v) for _, v, t in pts if t is not None] if against == "time" else [(s, v) for s, v, _ in pts]
+
+
+def curves(runs: list[Run], keys: list[str], against: str, out: Path, metric: str = DEFAULT_METRIC,
+           best: int = DEFAULT_BEST) -> Path | None:
+    """One panel per curve key; x is the step or the training wall-clock seconds. More than
+    ``best`` runs: the best by ``metric`` in colour, the others thin and grey behind them."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     keys = [k for k in keys if any(len(r.curves.get(k, [])) for r in runs)]
     if not keys:
         return None
+    shown, rest = highlighted(runs, metric, best)
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     drawn = False
-    runs = sorted(runs, key=lambda r: r.name)
-    cmap = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20" if len(runs) <= 20 else "turbo")
-    colors = [cmap(i if len(runs) <= 20 else i / max(len(runs) - 1, 1)) for i in range(len(runs))]
+    cmap = plt.get_cmap("tab10" if len(shown) <= 10 else "tab20" if len(shown) <= 20 else "turbo")
+    colors = [cmap(i if len(shown) <= 20 else i / max(len(shown) - 1, 1)) for i in range(len(shown))]
     for ax, k in zip(axes[0], keys):
-        for r, color in zip(runs, colors):
-            pts = r.curves.get(k, [])
-            if against == "time":
-                pts = [(t, v) for _, v, t in pts if t is not None]
-            else:
-                pts = [(s, v) for s, v, _ in pts]
+        for r in rest:
+            pts = points(r, k, against)
+            if pts:
+                ax.plot(*zip(*pts), color="0.8", linewidth=0.7, zorder=1)
+        for r, color in zip(shown, colors):
+            pts = points(r, k, against)
             if pts:
                 drawn = True
-                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, color=color, label=r.name)
+                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, color=color, label=r.name, zorder=2)
         ax.set_xlabel("training seconds (wall clock)" if against == "time" else "step")
         ax.set_ylabel(k)
         ax.grid(alpha=0.3)
     if not drawn:
         plt.close(fig)
         return None
+    if rest:
+        fig.suptitle(f"the best {len(shown)} of {len(runs)} runs by {metric} (the others in grey)")
     # one legend beside the panels: with a sweep's many runs it would hide the curves
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.tight_layout()
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     path = out / f"curves_{'time' if against == 'time' else 'steps'}.png"
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def facet_groups(runs: list[Run], x: str, y: str) -> tuple[str, list[tuple[str, list[tuple[str, Run]]]]]:
+    """How a sweep's curves are split into panels: by the values of ``x`` (a line per
+    value of ``y`` inside, or per run), else of ``y``, else one panel per run; values and
+    labels in numeric order. Returns (what a panel is, [(panel title, [(label, run)])])."""
+    def values(key):
+        return sorted({r.metric(key) for r in runs if r.metric(key) is not None})
+
+    for outer, inner in ((x, y), (y, None)):
+        if len(values(outer)) >= 2:
+            panels = []
+            by_inner = inner is not None and len(values(inner)) >= 2
+            for v in values(outer):
+                members = [r for r in runs if r.metric(outer) == v]
+                lines = [(f"{inner}={fmt(r.metric(inner))}" if by_inner else r.name, r) for r in members]
+                panels.append((f"{outer}={fmt(v)}", sorted(lines, key=lambda lr: natural_key(lr[0]))))
+            return outer, panels
+    return "run", [(r.name, [(r.name, r)]) for r in sorted(runs, key=lambda r: natural_key(r.name))]
+
+
+def facets(runs: list[Run], key: str, x: str, y: str, out: Path) -> Path | None:
+    """``key`` against steps, one small panel per group of ``facet_groups`` (same y axis)."""
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    if not any(r.curves.get(key) for r in runs):
+        return None
+    by, panels = facet_groups(runs, x, y)
+    ncols = min(len(panels), 5)
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), squeeze=False, sharex=True,
+                             sharey=True)
+    for ax, (title, lines) in zip(axes.flat, panels):
+        cmap = plt.get_cmap("viridis")
+        for i, (label, r) in enumerate(lines):
+            pts = points(r, key, "steps")
+            if pts:
+                ax.plot(*zip(*pts), color=cmap(i / max(len(lines) - 1, 1)), label=label)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        if 1 < len(lines) <= 8:
+            ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.supxlabel("step")
+    fig.supylabel(key)
+    fig.suptitle(f"{key}, one panel per {by}")
+    fig.tight_layout()
+    path = out / "curves_facets.png"
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
@@ -263,7 +353,8 @@ def write_html(cols, rows, images: list[Path], title: str, out: Path) -> Path:
 
 
 def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METRIC,
-            x: str = DEFAULT_X, y: str = DEFAULT_Y, curve_keys: list[str] | None = None) -> dict:
+            x: str = DEFAULT_X, y: str = DEFAULT_Y, curve_keys: list[str] | None = None,
+            best: int = DEFAULT_BEST) -> dict:
     """Writes the report; returns ``{"runs": n, "files": {name: path}}``."""
     runs = load_runs(paths)
     if all(r.metric(metric) is None for r in runs):
@@ -276,8 +367,12 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
     if curve_keys is None:
         split, _, m = metric.partition("/")
         curve_keys = ["train/loss"] + ([f"val/{m}"] if m and split in ("test", "val", "best_val") else [])
+    if best < 1:
+        raise ValueError(f"--best must be at least 1, not {best}")
     images = [p for p in (heatmap(runs, metric, x, y, out),
-                          curves(runs, curve_keys, "steps", out), curves(runs, curve_keys, "time", out)) if p]
+                          curves(runs, curve_keys, "steps", out, metric, best),
+                          curves(runs, curve_keys, "time", out, metric, best),
+                          facets(runs, curve_keys[-1], x, y, out) if len(runs) > best else None) if p]
     report = write_html(cols, rows, images, f"lst-compare: {len(runs)} runs, sorted by {metric}", out)
     files = {p.name: p for p in [out / "runs.csv", out / "runs.md", *images, report]}
     return {"runs": len(runs), "files": files}
@@ -293,9 +388,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--y", default=DEFAULT_Y, help="heatmap y: a config key (default: %(default)s)")
     ap.add_argument("--curve", action="append", dest="curves",
                     help="a metrics.csv column to plot (repeatable; default: train/loss and val/<metric>)")
+    ap.add_argument("--best", type=int, default=DEFAULT_BEST,
+                    help="a sweep's curves: the best N runs in colour, and a faceted view (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
-        res = compare(args.dirs, args.out, args.metric, args.x, args.y, args.curves)
+        res = compare(args.dirs, args.out, args.metric, args.x, args.y, args.curves, args.best)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     print(f"{res['runs']} runs -> {Path(args.out) / 'report.html'}")

@@ -97,6 +97,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self.lr = lr
         self.weight_decay = weight_decay
         self._version = 0  # bumped by every change of state: guards stale backward calls
+        self._uninitialised = False  # moved off the meta device: no state until reset_weight()
         self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
         self._init_pending_steps()
         # The seed of the initial W (drawn on the host, so that a head built on the meta
@@ -115,6 +116,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         # Every dtype/device move (.double(), .to(), .half(), .cuda(), to_empty()) comes here.
         # The state follows a move to float32/float64; half precision would make the exact
         # step too coarse, so the state stays as it is then (moved to the new device only).
+        was_meta = self.device.type == "meta"
         probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
         if probe.dtype not in STATE_DTYPES:
             warnings.warn(f"{type(self).__name__} keeps its state in {self.dtype}, not {probe.dtype}: it takes "
@@ -124,6 +126,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         out = super()._apply(fn, recurse)
         self._factory["dtype"], self._factory["device"] = probe.dtype if probe.dtype in STATE_DTYPES \
             else self.dtype, probe.device
+        self._uninitialised |= was_meta and probe.device.type != "meta"  # to_empty(): uninitialised memory
         self._graph = None  # a captured CUDA graph holds the old tensors
         self._version += 1  # a pending backward from before the move is stale
         return out
@@ -164,6 +167,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         if saved is not None and saved != mine:
             raise ValueError(f"the state was saved with loss {saved} but this head has {mine}")
         self._version += 1
+        self._uninitialised = False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -251,6 +255,9 @@ class SphericalHeadBase(PendingSteps, OutputHead):
                 step: bool | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """Validate inputs; return H with the bias column in the head's dtype, idx as (m, K)
         int64 and target values as (m, K) with zeros on padding. Raises before any state changes."""
+        if self._uninitialised:
+            raise RuntimeError(f"{type(self).__name__} was built on the meta device and moved with to_empty(): "
+                               "its state is uninitialised memory; call head.reset_weight() or load a state dict first")
         if not isinstance(H, Tensor) or H.dim() != 2:
             raise ValueError(f"H must be a 2-D tensor (m, {self.hidden_dim}), got "
                              f"{tuple(H.shape) if isinstance(H, Tensor) else type(H).__name__}")

@@ -187,6 +187,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
 
     def _reset_factors(self) -> None:
         """U = U^-1 = I, omega = 0, then Q and wbar from V: W = V."""
+        self._uninitialised = False
         self.U.copy_(torch.eye(self.width, dtype=self.dtype, device=self.device))
         self.Uinv.copy_(self.U)
         self._uinv_fresh = True

@@ -37,6 +37,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         if not torch.isfinite(W).all():
             raise ValueError("W has non-finite entries")
         self.W.copy_(W)
+        self._uninitialised = False
         self._version += 1
 
     def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor):

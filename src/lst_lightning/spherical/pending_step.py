@@ -139,7 +139,8 @@ class PendingSteps:
             return
         records = self._records
         self.discard_pending_step()
-        self._apply_records(records)
+        with torch.autocast(self.device.type, enabled=False):  # the head's math in its own dtype
+            self._apply_records(records)
 
     # -- the hooks of forward and backward ------------------------------------------------
     def _open_forward(self, rows: int) -> _ForwardToken:
@@ -180,7 +181,7 @@ class PendingSteps:
                 "in backward, so each forward must be followed by its own backward.")
         scale = self.current_loss_scale()
         if self.attached:
-            if self._records and scale != self._records_scale:
+            if self._records and self._scaler is not None and scale != self._records_scale:
                 # the scaler lowered its scale: it skipped the optimizer's step these rows waited for
                 self.scaler_skips += 1
                 self.discard_pending_step()
