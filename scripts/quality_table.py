@@ -160,7 +160,9 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> Path:
                 continue
             style = "-" if r["head"].startswith(("factored", "naive")) else "--"
             ax.plot([p["train_s"] for p in pts], [p[metric] for p in pts], style, marker=".", label=r["head"])
-        ax.set_title(f"{task}: validation {metric} vs training time", fontsize=9)
+        sizes = sorted({r["num_classes"] for r in rows if r["task"] == task and r.get("num_classes")})
+        d = f" (D = {', '.join(f'{n:,}' for n in sizes)})" if sizes else ""
+        ax.set_title(f"{task}{d}: validation {metric} vs training time", fontsize=9)
         ax.set_xlabel("training wall-clock (s, validation excluded)")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
