@@ -8,6 +8,11 @@ directory (``--out DIR``; ``--update-results``: into benchmarks/results/).
     uv run python scripts/quality_table.py --preset quick --budget-s 10   # a smoke test, minutes
     uv run python scripts/quality_table.py --tasks wiki --heads softmax factored-zloss \\
         --epochs 1 --budget-s 60 -o trainer.limit_train_batches=500
+    # quality at large D: synthetic D = 1 000 000, 150 s of training per head (evaluation
+    # excluded), a validation on 512 fixed held-out examples every 30 s of it
+    uv run python scripts/quality_table.py --preset large_D --tasks synthetic --modes budget \
+        --budget-s 150 --budget-clock train --val-every-s 30 --stem quality_large_D \
+        --heads factored-zloss softmax hsoftmax adaptive sampled-log_uniform
 
 ``--merge`` keeps the rows of the table already in the output folder that this run does
 not redo (with ``--update-results``: the committed table; with ``--out DIR``: an earlier
@@ -55,16 +60,32 @@ PRESETS = {
     "quick": {"wiki": ["experiment=tiny"],
               "synthetic": ["experiment=tiny", "~data.vocab_size", "data.num_classes=3000",
                             "data.input_vocab_size=500", "data.context_size=3"]},
+    # D = 10^6 classes and input tokens: evaluation scores every example against all D
+    # classes, so it runs on a small fixed held-out set, in batches whose D-wide scores fit.
+    # The real corpus at its own D (every word of the embedded extract: ~32k).
+    "large_D": {"wiki": ["data.vocab_size=null", "data.max_eval_examples=2048", "test=false"],
+                "synthetic": ["data.num_classes=1000000", "data.input_vocab_size=1000000",
+                              "data.max_eval_examples=512", "data.eval_batch_size=128", "test=false"]},
 }
 
 
 class ValidationCurve(pl.Callback):
-    """(training seconds, step, val metrics) at every validation; validation time excluded."""
+    """(training seconds, step, val metrics) at every validation; validation time excluded.
+    With ``budget_s``: stops training once that many training seconds have passed (so
+    that a head whose evaluation is slow gets the same training time as the others)."""
 
-    def __init__(self):
+    def __init__(self, budget_s: float | None = None):
         self.points: list[dict] = []
+        self.budget_s = budget_s
         self._train_s = 0.0
         self._since: float | None = None
+
+    def train_seconds(self) -> float:
+        return self._train_s + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.budget_s is not None and self.train_seconds() >= self.budget_s:
+            trainer.should_stop = True  # Lightning validates once more before it stops
 
     def on_train_start(self, trainer, pl_module):
         self._since = time.perf_counter()
@@ -89,16 +110,18 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
                  f"name={task}-{head}-{mode}"]
     if args.val_every:
         overrides.append(f"trainer.val_check_interval={args.val_every}")
+    elif args.val_every_s:  # Lightning's clock here excludes validation too
+        overrides.append(f"trainer.val_check_interval={duration(args.val_every_s)}")
     if mode == "epochs":
         overrides.append(f"trainer.max_epochs={args.epochs}")
     else:
-        s = int(args.budget_s)
-        overrides += [f"trainer.max_epochs={args.max_epochs_in_budget}",
-                      f"+trainer.max_time=00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"]
+        overrides += [f"trainer.max_epochs={args.max_epochs_in_budget}"]
+        if args.budget_clock == "wall":
+            overrides.append(f"+trainer.max_time={duration(args.budget_s)}")
     overrides += PRESETS[args.preset][task] + args.override + task_overrides(args.task_override, task)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    curve = ValidationCurve()
+    curve = ValidationCurve(args.budget_s if mode == "budget" and args.budget_clock == "train" else None)
     res = run(cfg, out_dir / f"{task}-{head}-{mode}", extra_callbacks=[curve])
     test = res.get("test", res["val"])
     row = {"task": task, "head": head, "mode": mode, "num_classes": res["num_classes"],
@@ -107,6 +130,12 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
     row.update({k: test[k] for k in sorted(test) if "error" in k or k in ("mrr", "perplexity", "simlex_rho")})
     row["curve"] = curve.points
     return row
+
+
+def duration(seconds: float) -> str:
+    """Lightning's DD:HH:MM:SS for a number of seconds (at least 1)."""
+    s = max(1, int(seconds))
+    return f"00:{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def task_overrides(specs: list[str], task: str) -> list[str]:
@@ -131,7 +160,9 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> Path:
                 continue
             style = "-" if r["head"].startswith(("factored", "naive")) else "--"
             ax.plot([p["train_s"] for p in pts], [p[metric] for p in pts], style, marker=".", label=r["head"])
-        ax.set_title(f"{task}: validation {metric} vs training time", fontsize=9)
+        sizes = sorted({r["num_classes"] for r in rows if r["task"] == task and r.get("num_classes")})
+        d = f" (D = {', '.join(f'{n:,}' for n in sizes)})" if sizes else ""
+        ax.set_title(f"{task}{d}: validation {metric} vs training time", fontsize=9)
         ax.set_xlabel("training wall-clock (s, validation excluded)")
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
@@ -141,10 +172,11 @@ def plot(rows: list[dict], metric: str, path: Path, machine: str) -> Path:
     return save_figure(fig, path)
 
 
-def previous_rows(folder: Path, machine: str, rerun: set[tuple[str, str, str]]) -> list[dict]:
+def previous_rows(folder: Path, machine: str, rerun: set[tuple[str, str, str]],
+                  name: str = "quality_table") -> list[dict]:
     """Rows of this machine's table (CSV and curves) in ``folder`` except the (task, mode, head)
     in ``rerun``: ``--merge``."""
-    stem = folder / f"quality_table_{machine}"
+    stem = folder / f"{name}_{machine}"
     curves_path = stem.parent / (stem.name + "_curves.json")
     if not stem.with_suffix(".csv").exists() or not curves_path.exists():
         return []
@@ -167,9 +199,10 @@ def previous_rows(folder: Path, machine: str, rerun: set[tuple[str, str, str]]) 
     return rows
 
 
-def write_results(rows: list[dict], metric: str, machine: str, folder: Path) -> tuple[str, Path]:
+def write_results(rows: list[dict], metric: str, machine: str, folder: Path,
+                  name: str = "quality_table") -> tuple[str, Path]:
     """CSV, validation curves (JSON), markdown table and plot in ``folder``."""
-    stem = folder / f"quality_table_{machine}"
+    stem = folder / f"{name}_{machine}"
     metric_cols = sorted({k for r in rows for k in r if "error" in k and k != "error"},
                          key=lambda k: (len(k), k))
     cols = ["task", "mode", "head", "num_classes", "train_steps", *metric_cols, "mrr", "perplexity",
@@ -196,6 +229,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget-s", type=float, default=120.0, help="wall-clock budget per run (budget mode)")
     ap.add_argument("--max-epochs-in-budget", type=int, default=1000)
     ap.add_argument("--val-every", type=int, default=0, help="validate every N training batches (0: per epoch)")
+    ap.add_argument("--val-every-s", type=float, default=0.0,
+                    help="validate every S seconds of training (validation excluded; 0: per epoch)")
+    ap.add_argument("--budget-clock", choices=["wall", "train"], default="wall",
+                    help="budget mode: wall: Lightning's max_time (validation included); train: training "
+                         "time only, validation excluded (fair when evaluation is slow, e.g. at large D)")
+    ap.add_argument("--stem", default="quality_table", help="file names: <stem>_<machine>.{csv,md,png}")
     ap.add_argument("--metric", default="top10_error", help="metric of the plot")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-o", "--override", action="append", default=[], help="extra Hydra override (repeatable)")
@@ -216,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     folder = output_dir(args, "quality_table")
     out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
     rerun = {(t, m, h) for t in args.tasks for m in args.modes for h in args.heads}
-    rows = previous_rows(folder, machine, rerun) if args.merge else []
+    rows = previous_rows(folder, machine, rerun, args.stem) if args.merge else []
     for task in args.tasks:
         for mode in args.modes:
             for head in args.heads:
@@ -227,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
                                  "curve": []})
                 # after every run, so that a run cut short still leaves its table
-                md, stem = write_results(rows, args.metric, machine, folder)
+                md, stem = write_results(rows, args.metric, machine, folder, args.stem)
     print(md)
     wrote(*(stem.with_suffix(s) for s in (".csv", ".md", ".png")), stem.parent / (stem.name + "_curves.json"))
     print(f"run directories in {out_dir}")

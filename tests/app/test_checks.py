@@ -19,6 +19,8 @@ def test_every_trainer_config_passes(trainer):
     ("trainer.limit_train_batches=1.5", "trainer.limit_train_batches"),
     ("trainer.limit_val_batches=-1", "trainer.limit_val_batches"),
     ("trainer.val_check_interval=0", "trainer.val_check_interval"),
+    ("trainer.val_check_interval=00:00:00:00", "trainer.val_check_interval"),
+    ("trainer.val_check_interval=00:00:30", "trainer.val_check_interval"),
     ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches"),
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
     ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val"),
@@ -32,7 +34,8 @@ def test_bad_values_are_refused_with_their_key(override, match):
 
 @pytest.mark.parametrize("override", ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_epochs=null",
                                       "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
-                                      "trainer.val_check_interval=0.5", "trainer.gradient_clip_val=null"])
+                                      "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",
+                                      "trainer.gradient_clip_val=null"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 

@@ -3,6 +3,8 @@ and --merge (tiny lst-train runs: the app itself is tested in tests/app)."""
 from __future__ import annotations
 
 import csv
+import json
+from types import SimpleNamespace
 
 import pytest
 import quality_table as qt
@@ -103,3 +105,42 @@ def test_previous_rows_keep_the_rows_not_rerun(tmp_path):
     assert row["task"] == "wiki" and row["train_steps"] == 300 and row["top10_error"] == pytest.approx(0.614)
     assert row["curve"] == curve and "perplexity" not in row
     assert qt.previous_rows(tmp_path, "other-machine", set()) == []
+
+
+def test_duration_is_lightnings_time_string():
+    assert qt.duration(30) == "00:00:00:30"
+    assert qt.duration(3725.9) == "00:01:02:05"
+    assert qt.duration(0.2) == "00:00:00:01"  # Lightning refuses a zero interval
+
+
+def test_train_clock_budget_stops_after_training_time_only(monkeypatch):
+    """--budget-clock train: validation time does not count against the budget."""
+    now = [0.0]
+    monkeypatch.setattr(qt.time, "perf_counter", lambda: now[0])
+
+    trainer = SimpleNamespace(should_stop=False, sanity_checking=False, callback_metrics={}, global_step=0,
+                              state=SimpleNamespace(fn="fit"))
+    curve = qt.ValidationCurve(budget_s=10.0)
+    curve.on_train_start(trainer, None)
+    now[0] = 6.0
+    curve.on_train_batch_end(trainer, None, None, None, 0)
+    curve.on_validation_start(trainer, None)
+    now[0] = 106.0  # a slow validation
+    curve.on_validation_end(trainer, None)
+    curve.on_train_batch_end(trainer, None, None, None, 1)
+    assert not trainer.should_stop and curve.points[0]["train_s"] == 6.0
+    now[0] = 110.0
+    curve.on_train_batch_end(trainer, None, None, None, 2)
+    assert trainer.should_stop
+
+
+def test_budget_on_the_train_clock_with_timed_validation(sandbox, tmp_path):
+    out = tmp_path / "large"
+    qt.main(["--preset", "quick", "--tasks", "wiki", "--heads", "softmax", "--modes", "budget", "--budget-s", "2",
+             "--budget-clock", "train", "--val-every-s", "1", "--stem", "quality_large_D", "-o",
+             "data.max_eval_examples=64", "--out", str(out)])
+    (row,) = read(out / f"quality_large_D_{qt.machine_name()}.csv")
+    assert row["mode"] == "budget" and not row.get("error") and int(row["train_steps"]) > 0
+    curve = json.loads((out / f"quality_large_D_{qt.machine_name()}_curves.json").read_text())[0]
+    times = [p["train_s"] for p in curve["curve"]]
+    assert len(times) >= 2 and times == sorted(times) and times[-1] >= 2.0

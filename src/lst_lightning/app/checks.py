@@ -20,6 +20,12 @@ def _fraction(v) -> bool:
     return isinstance(v, float) and 0.0 <= v <= 1.0
 
 
+def _duration(v) -> bool:
+    """Lightning's time-based form "DD:HH:MM:SS" (training time between validations)."""
+    parts = v.split(":") if isinstance(v, str) else []
+    return len(parts) == 4 and all(p.isdigit() for p in parts) and any(int(p) for p in parts)
+
+
 # trainer.<key>: (accepts the value?, what it must be). Lightning checks these too, after its import.
 TRAINER_NUMBERS = {
     "max_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for no limit"),
@@ -32,8 +38,9 @@ TRAINER_NUMBERS = {
                           "a number of batches (>= 0), a fraction in [0.0, 1.0], or null for all"),
     "limit_test_batches": (lambda v: v is None or _whole(v, 0) or _fraction(v),
                            "a number of batches (>= 0), a fraction in [0.0, 1.0], or null for all"),
-    "val_check_interval": (lambda v: v is None or _whole(v, 1) or (_fraction(v) and v > 0),
-                           "a number of steps (>= 1), a fraction of an epoch in (0.0, 1.0], or null"),
+    "val_check_interval": (lambda v: v is None or _whole(v, 1) or (_fraction(v) and v > 0) or _duration(v),
+                           ("a number of steps (>= 1), a fraction of an epoch in (0.0, 1.0], "
+                            "a training time DD:HH:MM:SS, or null")),
     "check_val_every_n_epoch": (lambda v: v is None or _whole(v, 1), "a whole number >= 1, or null"),
     "accumulate_grad_batches": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "log_every_n_steps": (lambda v: _whole(v, 1), "a whole number >= 1"),
