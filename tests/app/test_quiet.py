@@ -5,9 +5,15 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from app_configs import FAST
 
 
+# A whole CLI run on a fresh datasets cache (about a minute on a loaded 2-core machine): with
+# -m slow, to keep the default suite within 15 min there; tests/app/callbacks/test_progress_log.py
+# checks the progress lines in the fast suite.
+@pytest.mark.slow
 def test_redirected_output_shows_progress_and_no_chatter(tmp_path):
     rng = random.Random(0)
     words = sorted({"".join(rng.choices("abcdefghij", k=5)) for _ in range(1000)})  # ~1000 distinct words
