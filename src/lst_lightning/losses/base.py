@@ -40,6 +40,14 @@ class SphericalLoss(nn.Module):
         output ``o`` unless the loss's probability is not increasing in o."""
         return O
 
+    def init_std(self, num_classes: int, width: int) -> float:
+        """The std of the initial W's entries (``width`` columns, the bias column included)
+        that this loss learns from at ``num_classes`` = D: ``min(1/sqrt(width), 1/sqrt(D))``,
+        so that the initial outputs' squared norm stays about ``||h||^2`` at every D. A random
+        part that grows with D would make the Z-loss's spread sigma (removed only at 1/D per
+        row) and the squared error's ``||o||^2`` at large D (docs/learning_at_scale.md)."""
+        return min(width, num_classes) ** -0.5
+
     def log_prob(self, q: Tensor, s: Tensor, A: Tensor, *, num_classes: int) -> Tensor:
         """log p of each target slot (m, K), for normalised losses."""
         raise NotImplementedError(f"the {self.name} loss defines no probabilities")

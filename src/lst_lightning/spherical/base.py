@@ -102,7 +102,8 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self._init_pending_steps()
         # The seed of the initial W (drawn on the host, so that a head built on the meta
         # device has one too): ``reset_weight()`` redraws the same W from it.
-        self._init_std = init_std if init_std is not None else self.width ** -0.5
+        # the loss's choice by default (docs/learning_at_scale.md)
+        self._init_std = init_std if init_std is not None else self.loss_fn.init_std(num_classes, self.width)
         self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator,
                                             device=generator.device if generator is not None else "cpu"))
 
