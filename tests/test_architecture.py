@@ -24,7 +24,7 @@ NEVER = {
 
 def imports_of(path: Path, package: str) -> set[str]:
     """Absolute dotted names imported by a module of ``package`` (relative imports resolved)."""
-    here = package.split(".") + ([] if path.name == "__init__.py" else [])
+    here = package.split(".")
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -44,8 +44,7 @@ def modules(root: Path, top: str):
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).with_suffix("")
         parts = [top, *rel.parts]
-        package = ".".join(parts[:-1]) if path.name != "__init__.py" else ".".join(parts[:-1])
-        yield path, package, parts
+        yield path, ".".join(parts[:-1]), parts
 
 
 def forbidden(name: str, banned: set[str]) -> bool:
