@@ -14,6 +14,7 @@ evaluation (``sharded_eval.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,9 +29,8 @@ from .blocks import row_blocks
 from .multi_process import MultiProcess
 from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser, largest_eig_bounds
+from .step_mode import STEP_MODES, StepMode
 from .sync_free import SyncFreeSteps
-
-STEP_MODES = ("autograd", "fused", "cuda_graph")
 
 
 @dataclass
@@ -85,8 +85,10 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
                  step: str = "autograd", **kwargs):
         super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
         self.stabiliser = Stabiliser.of(stabiliser)
-        self._init_multi_process(parallel, checksum_every)
-        self.step = step
+        #: step, sync_every and parallel, validated together once (step_mode.py).
+        self.mode = StepMode(step, sync_every, parallel)
+        self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
+        self._init_multi_process(checksum_every)
 
         D, d = num_classes, self.width
         fk = {k: v for k, v in self._factory.items() if v is not None}
@@ -107,13 +109,12 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         self.register_buffer("u_min", torch.empty(d, **fk))
         self._init_power_starts()
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
-        self._init_sync_free(sync_every, dev)
+        self._init_sync_free(dev)
         f64 = {"dtype": torch.float64, "device": dev}
         self.register_buffer("cond_bound", torch.ones((), **f64))     # >= cond(U), carried
         self.register_buffer("cond_estimate", torch.ones((), **f64))  # measured at the last check
         for name in REPAIR_COUNTERS:
             self.register_buffer(name, torch.zeros((), dtype=torch.long, device=dev))
-        self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
         if self._distributed:
             self.refresh_bookkeeping()
 
@@ -123,13 +124,33 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
 
     @property
     def step(self) -> str:
-        return self._step
+        return self.mode.step
 
     @step.setter
     def step(self, value: str) -> None:
-        if value not in STEP_MODES:
-            raise ValueError(f"step must be one of {STEP_MODES}, not {value!r}")
-        self._step, self._graph = value, None
+        self.mode = dataclasses.replace(self.mode, step=value)  # validated with sync_every and parallel
+        self._graph = None
+
+    @property
+    def sync_every(self) -> int:
+        return self.mode.sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        self.mode = dataclasses.replace(self.mode, sync_every=value)
+
+    @property
+    def parallel(self) -> str:
+        return self.mode.parallel
+
+    @property
+    def deferred_checks(self) -> bool:
+        """True with ``sync_every > 1``: the training step never waits for the device; its
+        checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
+        return self.mode.deferred_checks
+
+    def cannot_accumulate(self) -> str | None:
+        return self.mode.cannot_accumulate()
 
     @torch.no_grad()
     def _init_power_starts(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .factored import FactoredSphericalHead
+from .step_mode import StepMode
 
 
 @contextlib.contextmanager
@@ -45,10 +46,7 @@ class CudaGraphStep:
                  warmup: int = 3):
         if not head.V.is_cuda:
             raise ValueError("CUDA graphs need the head on a CUDA device")
-        if not head.deferred_checks:
-            raise ValueError("capture needs a step with no host reads: build the head with sync_every > 1")
-        if head.parallel != "none":
-            raise ValueError("a multi-process head exchanges data between ranks each step: not captured")
+        StepMode("cuda_graph", head.sync_every, head.parallel)  # the rules of capture: sync_every > 1, one process
         self.head, self.m, self.K = head, m, K
         dev = head.device
         self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)
