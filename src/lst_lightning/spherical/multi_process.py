@@ -21,11 +21,8 @@ import lst_kernels as lk
 
 from .collectives import ProcessGroup, bit_hash
 from .shard_files import load_rows
-from .stabiliser import REPAIR_COUNTERS
+from .state import REPLICATED_STATE
 from .step_mode import PARALLEL_MODES  # noqa: F401  (re-exported: its old home)
-#: What every rank holds alike (V too, unless sharded).
-REPLICATED_STATE = ("U", "Uinv", "omega", "Q", "wbar", "u_max", "u_min", "cond_bound", "cond_estimate",
-                    "steps", "skipped_nonfinite", *REPAIR_COUNTERS)
 
 
 class MultiProcess:
