@@ -26,6 +26,7 @@ import lst_kernels as lk
 from .applied_step import AppliedStep
 from .base import SphericalHeadBase, own_precision
 from .blocks import row_blocks
+from .graph_step import CudaGraphStep
 from .multi_process import MultiProcess
 from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser, largest_eig_bounds
@@ -251,8 +252,6 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         if self.step == "autograd":
             return super()._training_loss(H, idx, T)
         if self.step == "cuda_graph":
-            from .graph_step import CudaGraphStep  # noqa: PLC0415  (it imports this module)
-
             if self._graph is None:
                 self._graph = CudaGraphStep(self, H.shape[0], idx.shape[1], hidden_dtype=H.dtype)
             if H.shape[0] == self._graph.m:  # another batch size runs the same step eagerly
