@@ -13,6 +13,17 @@ if not torch.cuda.is_available():
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` marks every CUDA-only test (``-m gpu`` selects them all); without a
+    CUDA device they are skipped here, with one reason, instead of each test skipping itself."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (marked gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -24,7 +24,7 @@ NEVER = {
 
 def imports_of(path: Path, package: str) -> set[str]:
     """Absolute dotted names imported by a module of ``package`` (relative imports resolved)."""
-    here = package.split(".") + ([] if path.name == "__init__.py" else [])
+    here = package.split(".")
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -44,8 +44,7 @@ def modules(root: Path, top: str):
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).with_suffix("")
         parts = [top, *rel.parts]
-        package = ".".join(parts[:-1]) if path.name != "__init__.py" else ".".join(parts[:-1])
-        yield path, package, parts
+        yield path, ".".join(parts[:-1]), parts
 
 
 def forbidden(name: str, banned: set[str]) -> bool:
@@ -79,3 +78,32 @@ def test_nothing_installable_imports_the_scripts_or_the_tests():
         for path, package, _ in modules(root, top):
             names = {n.split(".")[0] for n in imports_of(path, package)}
             assert not names & (scripts | {"scripts", "tests"}), path
+
+
+
+def runtime_imports_of(path: Path, package: str) -> set[str]:
+    """``imports_of`` less the imports under ``if TYPE_CHECKING:`` (annotations only)."""
+    tree = ast.parse(path.read_text())
+    typing_only = [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    for node in typing_only:
+        node.body = []
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            out.add(".".join(base + ([node.module] if node.module else [])))
+        elif isinstance(node, ast.ImportFrom):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+    return out
+
+
+def test_no_two_modules_of_the_exact_head_import_each_other():
+    """One step reads top to bottom: no module of lst_lightning.spherical imports one that
+    imports it (the package's __init__, which names them all, aside)."""
+    deps = {".".join(parts): runtime_imports_of(path, package)
+            for path, package, parts in modules(PACKAGE / "spherical", "lst_lightning.spherical")
+            if path.name != "__init__.py"}
+    mutual = sorted((a, b) for a in deps for b in deps if a < b and b in deps[a] and a in deps[b])
+    assert not mutual, mutual

@@ -4,6 +4,7 @@ import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 from lst_lightning.spherical.collectives import bit_hash
+from lst_lightning.spherical.state import EXACT_STATE
 
 LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}}
 D, d = 60, 8  # the sizes of ``deferred`` heads
@@ -74,7 +75,8 @@ def step(head, H, idx):
 
 
 def state(head):
-    return bit_hash([head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound])
+    """A hash of the head's exact state (V, U, U^-1, omega, Q, wbar, the carried bound: state.py)."""
+    return bit_hash([getattr(head, n) for n in EXACT_STATE])
 
 
 def state_of(head):

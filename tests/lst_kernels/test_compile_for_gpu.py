@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("triton")
 # In the default suite: it is what makes CI fail on a kernel the GPU compiler rejects
 # (1.5 min of compiling with an empty Triton cache on the 2-core machine, lightly loaded).
-from lst_kernels import bookkeeping_kernels, gather_dot_kernel, gather_sum_kernel  # noqa: E402
+from lst_kernels._launch import block_k, tile  # noqa: E402
 
 CCS = [80, 90]
 # Opt-in shared memory per block and registers per block of the A100 (8.0) and H100 (9.0);
@@ -30,9 +30,9 @@ _F = {"*fp32", "*fp64"}  # the head's state: float32 or float64
 _FB = _F | {"*bf16"}  # activations and loss gradients may also be bf16
 _IDS = {"*i64", "*i32"}
 # What the recorded launches must include: each dtype the head passes, and each block
-# size the launchers can choose (taken from the launchers themselves).
-_BLOCK_K = {mod._block_k(K) for mod in (gather_dot_kernel, gather_sum_kernel) for K in range(1, 65)}
-_TILES = {bookkeeping_kernels._tile(m, itemsize) for m in (1, 4096) for itemsize in (2, 4, 8)}
+# size the launchers can choose (from their shared launch constants, _launch.py).
+_BLOCK_K = {block_k(K) for K in range(1, 65)}
+_TILES = {tile(m, itemsize) for m in (1, 4096) for itemsize in (2, 4, 8)}
 COVERAGE = {
     "_gather_dot_kernel": {"V": _F, "X": _FB, "IDX": _IDS, "HAS_X0": {True, False}, "BLOCK_K": _BLOCK_K},
     "_gather_sum_kernel": {"V": _F, "G": _FB, "IDX": _IDS, "BLOCK_K": _BLOCK_K},

@@ -7,7 +7,7 @@ import torch
 from head_pairs import D, batch, d, deferred, state, step
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_graph_step_equals_the_eager_step():
     from lst_lightning.spherical.graph_step import CudaGraphStep
 
@@ -28,7 +28,7 @@ def test_cuda_graph_step_equals_the_eager_step():
 
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_every_buffer_is_on_the_cuda_device():
     head = deferred(device="cuda")
     assert {b.device.type for b in head.buffers()} == {"cuda"}

@@ -1,4 +1,4 @@
-"""Argument checks shared by the torch references and the Triton wrappers.
+"""Argument checks of the ops, applied once per call by the table (ops.py) before any implementation.
 
 The kernels read raw memory, so shapes and dtypes are checked before any
 launch; a bad call raises TypeError/ValueError and touches nothing. Index
@@ -68,7 +68,7 @@ def _scalar(name: str, x: object) -> None:
         raise TypeError(f"{name} must be a number or a one-element tensor, got {type(x).__name__}")
 
 
-def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None) -> None:
+def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> None:
     _, d = _table(V)
     m, _ = _index(idx)
     _floating("X", X, (m, d))

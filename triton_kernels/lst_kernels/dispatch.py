@@ -1,61 +1,44 @@
-"""Choose the implementation of each sparse op per call."""
+"""The public ops, made from the table (ops.py): Triton on CUDA tensors when Triton is
+importable, the torch implementation elsewhere (or everywhere with ``LST_KERNELS=torch``)."""
 from __future__ import annotations
 
 import os
 
 from torch import Tensor
 
-from . import reference, torch_ops
+from .ops import OPS, Op, checked
+
+_TRITON_OK: bool | None = None
 
 
-def _use_triton(t: Tensor) -> bool:
-    if os.environ.get("LST_KERNELS", "auto") == "torch":
-        return False
-    return t.is_cuda and _triton_ops() is not None
-
-
-_TRITON = None
-
-
-def _triton_ops():
-    """The Triton implementations, or None when they cannot be used here."""
-    global _TRITON
-    if _TRITON is None:
+def _triton_ok() -> bool:
+    """Whether the Triton launchers can be imported here (once)."""
+    global _TRITON_OK
+    if _TRITON_OK is None:
         try:
-            from . import triton_ops  # noqa: PLC0415
-
-            _TRITON = triton_ops
+            import triton  # noqa: F401, PLC0415
+            _TRITON_OK = True
         except ImportError:
-            _TRITON = False
-    return _TRITON or None
+            _TRITON_OK = False
+    return _TRITON_OK
 
 
-def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> Tensor:
-    impl = _triton_ops() if _use_triton(V) else reference
-    return impl.gather_dot(V, idx, X, x0)
+def _chooser(op: Op):
+    launcher = None
+
+    def pick(t: Tensor):
+        nonlocal launcher
+        if t.is_cuda and os.environ.get("LST_KERNELS", "auto") != "torch" and _triton_ok():
+            if launcher is None:
+                launcher = op.triton()
+            return launcher
+        return op.torch
+    return pick
 
 
-def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(V) else reference
-    return impl.gather_sum(V, idx, G)
-
-
-def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(V) else reference
-    return impl.scatter_add_rows_(V, idx, G, X, alpha)
-
-
-def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(idx) else reference
-    return impl.sparse_gram(idx, G)
-
-
-def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
-             num_classes: int, yy: Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(H) else torch_ops
-    return impl.m_matrix(Hq, H, Z, gq, gs, ybar, num_classes, yy)
-
-
-def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c: float | Tensor) -> Tensor:
-    impl = _triton_ops() if _use_triton(Q) else torch_ops
-    return impl.q_update(Q, H, dH, M, lr, c)
+gather_dot = checked(OPS["gather_dot"], _chooser(OPS["gather_dot"]))
+gather_sum = checked(OPS["gather_sum"], _chooser(OPS["gather_sum"]))
+scatter_add_rows_ = checked(OPS["scatter_add_rows_"], _chooser(OPS["scatter_add_rows_"]))
+sparse_gram = checked(OPS["sparse_gram"], _chooser(OPS["sparse_gram"]))
+m_matrix = checked(OPS["m_matrix"], _chooser(OPS["m_matrix"]))
+q_update = checked(OPS["q_update"], _chooser(OPS["q_update"]))

@@ -6,14 +6,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import checks
-
-MAX_BLOCK_K = 16
-BLOCK_D = 128
-
-
-def _block_k(K: int) -> int:
-    return max(2, min(MAX_BLOCK_K, triton.next_power_of_2(K)))
+from ._launch import BLOCK_D, block_k
 
 
 @triton.jit
@@ -42,7 +35,6 @@ def _gather_dot_kernel(V, IDX, X, X0, A, K, d, D, stride_vr, stride_vc,
 
 def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> Tensor:
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j] in the promoted dtype; padding slots give 0."""
-    checks.gather_dot(V, idx, X, x0)
     m, K = idx.shape
     ct = torch.promote_types(V.dtype, X.dtype)
     A = torch.empty(m, K, dtype=ct, device=V.device)
@@ -51,7 +43,7 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
     idx, X = idx.contiguous(), X.contiguous()
     has_x0 = x0 is not None
     x0 = x0.contiguous() if has_x0 else X  # a dummy pointer, never read
-    grid = (m, triton.cdiv(K, _block_k(K)))
+    grid = (m, triton.cdiv(K, block_k(K)))
     _gather_dot_kernel[grid](V, idx, X, x0, A, K, V.shape[1], V.shape[0], V.stride(0), V.stride(1),
-                             HAS_X0=has_x0, BLOCK_K=_block_k(K), BLOCK_D=BLOCK_D)
+                             HAS_X0=has_x0, BLOCK_K=block_k(K), BLOCK_D=BLOCK_D)
     return A

@@ -6,14 +6,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import checks
-
-MAX_BLOCK_K = 16
-BLOCK_D = 128
-
-
-def _block_k(K: int) -> int:
-    return max(2, min(MAX_BLOCK_K, triton.next_power_of_2(K)))
+from ._launch import BLOCK_D, block_k
 
 
 @triton.jit
@@ -38,7 +31,6 @@ def _gather_sum_kernel(V, IDX, G, Y, K, d, D, stride_vr, stride_vc,
 
 def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     """Y[j] = sum_k G[j, k] V[idx[j, k]] in the promoted dtype; padding ignored."""
-    checks.gather_sum(V, idx, G)
     m, K = idx.shape
     d = V.shape[1]
     Y = torch.empty(m, d, dtype=torch.promote_types(V.dtype, G.dtype), device=V.device)
@@ -49,5 +41,5 @@ def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     idx, G = idx.contiguous(), G.contiguous()
     grid = (m, triton.cdiv(d, BLOCK_D))
     _gather_sum_kernel[grid](V, idx, G, Y, K, d, V.shape[0], V.stride(0), V.stride(1),
-                             BLOCK_K=_block_k(K), BLOCK_D=BLOCK_D)
+                             BLOCK_K=block_k(K), BLOCK_D=BLOCK_D)
     return Y

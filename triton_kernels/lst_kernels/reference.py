@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import checks
 
 
 def _safe(idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -20,7 +19,6 @@ def _safe(idx: Tensor) -> tuple[Tensor, Tensor]:
 
 def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> Tensor:
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j]; padding slots give 0."""
-    checks.gather_dot(V, idx, X, x0)
     ct = torch.promote_types(V.dtype, X.dtype)
     safe, valid = _safe(idx)
     rows = V[safe].to(ct)  # (m, K, d)
@@ -32,7 +30,6 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
 
 def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     """Y[j] = sum_k G[j, k] V[idx[j, k]] (padding ignored): Yd V."""
-    checks.gather_sum(V, idx, G)
     ct = torch.promote_types(V.dtype, G.dtype)
     safe, valid = _safe(idx)
     w = torch.where(valid, G.to(ct), torch.zeros((), dtype=ct, device=G.device))
@@ -45,7 +42,6 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     Deterministic: contributions to one row are summed in a fixed order (by
     position in the batch) before a single add into V.
     """
-    checks.scatter_add_rows(V, idx, G, X, alpha)
     m, K = idx.shape
     ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
     flat = idx.reshape(-1)
@@ -63,7 +59,6 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
 
 def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
     """The m x m Yd Yd^T: sum over k, l of G[i,k] G[j,l] [idx[i,k] == idx[j,l] != -1]."""
-    checks.sparse_gram(idx, G)
     m, K = idx.shape
     flat = idx.reshape(-1)
     g = torch.where(flat >= 0, G.reshape(-1), torch.zeros((), dtype=G.dtype, device=G.device))
@@ -79,7 +74,6 @@ def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Ten
     ``Hq = H Q``, ``Z = (g_s 1^T + Yd) W``, ``ybar = rowsum(G_A)``,
     ``yy = sparse_gram(idx, G_A)`` (= Yd Yd^T), ``num_classes = D``.
     """
-    checks.m_matrix(Hq, H, Z, gq, gs, ybar, num_classes, yy)
     ct = torch.promote_types(torch.promote_types(H.dtype, Hq.dtype), Z.dtype)
     H, Hq, Z = H.to(ct), Hq.to(ct), Z.to(ct)
     gq, gs, ybar = gq.to(ct), gs.to(ct), ybar.to(ct)
@@ -98,6 +92,5 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
     This is W_new^T W_new for W_new = c W - lr dO^T H when Q = W^T W,
     dH = dO W and M = dO dO^T.
     """
-    checks.q_update(Q, H, dH, M, lr, c)
     H, dH, M = H.to(Q.dtype), dH.to(Q.dtype), M.to(Q.dtype)
     return c * c * Q - c * lr * (dH.T @ H + H.T @ dH) + lr * lr * (H.T @ M @ H)

@@ -4,10 +4,11 @@ trainer's numbers, the checkpoint to resume from, local data files, and the keys
 the loss group. Each error names the setting and says what to do."""
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .configs import config_dir
 
@@ -104,6 +105,24 @@ def check_data(data: DictConfig) -> None:
         from ..data.files import text_files  # noqa: PLC0415  (pathlib only)
 
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
+
+
+def resolve_aliases(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with the deprecated keys moved to their place (in place: the run directory's
+    config.yaml says what ran): the top-level ``head_step`` (until 0.2) is ``head.step``,
+    beside ``head.sync_every``."""
+    step = cfg.get("head_step")
+    if step is None:
+        return cfg
+    with open_dict(cfg):
+        cfg.head_step = None
+        if "step" in cfg.head:
+            warnings.warn(f"head_step={step} is deprecated: write head.step={step}", DeprecationWarning, stacklevel=2)
+            cfg.head.step = step
+        elif step != "autograd":
+            raise ValueError(f"head_step={step}: head {cfg.head.get('_target_')} has no step setting; only the "
+                             "factored head steps otherwise than in backward (head=factored head.step=...)")
+    return cfg
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -58,9 +58,9 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
                              "it cannot give perplexity; set metrics.perplexity=false or auto")
         self.body, self.head = body, head
-        # How the head's training step runs (None: as the head was built): "autograd", or for
-        # the factored head all at once in the forward ("fused"), replayed from a CUDA graph
-        # ("cuda_graph"). The last two assume the loss is backpropagated unscaled.
+        # How the head's training step runs (None: as the head was built, the app's way:
+        # head.step in the config): "autograd", or for the factored head all at once in the
+        # forward ("fused"), replayed from a CUDA graph ("cuda_graph"); the head validates it.
         if head_step is not None:
             if head_step not in head.step_modes:
                 raise ValueError(f"head_step={head_step!r}: {type(head).__name__} runs its step by "

@@ -21,7 +21,7 @@ import hydra
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from .checks import check_config, check_overrides
+from .checks import check_config, check_overrides, resolve_aliases
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .quiet import one_handler_for_lightning, quiet_libraries
@@ -96,27 +96,20 @@ def run_name(cfg: DictConfig) -> str:
     return f"{cls.__name__}-{loss}" if loss else cls.__name__
 
 
-def check_accumulation(cfg: DictConfig, cls: type) -> None:
-    """A self-updating head accumulates exactly only when it can wait for the optimizer's
-    step (the HeadSteps callback): a spherical head with step=autograd, sync_every=1, one process."""
+def check_accumulation(cfg: DictConfig, head) -> None:
+    """Gradient accumulation needs a head that can take one exact step for all the micro-batches
+    at the optimizer's step (the HeadSteps callback): the head says whether it can."""
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
-    if accumulate == 1 or not getattr(cls, "self_updating", False):
-        return
-    from ..spherical import SphericalHeadBase  # noqa: PLC0415
-
-    step = cfg.get("head_step") or cfg.head.get("step", "autograd")
-    why = ("it cannot wait for the optimizer's step" if not issubclass(cls, SphericalHeadBase)
-           else f"head_step={step} steps in the forward" if step != "autograd"
-           else f"head.sync_every={cfg.head.sync_every} defers its checks" if cfg.head.get("sync_every", 1) != 1
-           else f"head.parallel={cfg.head.parallel}: no accumulation across processes"
-           if cfg.head.get("parallel", "none") != "none" else None)
+    why = head.cannot_accumulate() if accumulate != 1 else None
     if why:
-        raise ValueError(f"{cls.__name__} updates itself and {why}: trainer.accumulate_grad_batches must be 1")
+        raise ValueError(f"{type(head).__name__} cannot wait for the optimizer's step: {why}; "
+                         f"trainer.accumulate_grad_batches={accumulate} must be 1")
 
 
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     """Data module, model and trainer from a composed config."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
+    cfg = resolve_aliases(cfg)
     quiet_libraries()
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -132,7 +125,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     tcfg = cfg.trainer
     check_device(tcfg)
     cls = head_class(cfg)
-    check_accumulation(cfg, cls)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
@@ -144,6 +136,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     dm.setup("fit")
     body = instantiate(cfg.model, vocab_size=dm.input_vocab_size, context_size=dm.context_size, _convert_="all")
     head = make_head(cfg, dm.num_classes, body.hidden_dim, dm.class_counts)
+    check_accumulation(cfg, head)
 
     m = cfg.metrics
     if m.perplexity == "auto":
@@ -159,7 +152,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         body, head,
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
-        head_step=cfg.get("head_step", "autograd"),
     )
 
     name = run_name(cfg)

@@ -28,14 +28,24 @@ def _load_impl(impl: str):
     return mod.liger_fused_linear_cross_entropy if impl == "liger" else mod.linear_cross_entropy
 
 
+def _cce(x: Tensor, W: Tensor, bias: Tensor | None, target: Tensor, reduction: str) -> Tensor:
+    """Cut cross-entropy: its Triton kernels on CUDA, its torch path elsewhere. It takes no
+    bias: a bias joins W as one more column, against a constant column of ones in x."""
+    if bias is not None:
+        x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
+        W = torch.cat([W, bias[:, None].to(W.dtype)], 1)
+    return _load_impl("cce")(x, W, target, ignore_index=-1, reduction=reduction,
+                             impl="cce" if x.is_cuda else "torch_compile")
+
+
 class SoftmaxHead(LinearClassHead):
     """Softmax cross-entropy over all classes.
 
     ``impl``: ``torch`` (``F.linear_cross_entropy``; ``chunked=True`` passes
     ``LinearCrossEntropyOptions`` so the batch is processed in chunks of rows
     whose logits hold at most ``chunk_elements`` numbers), or on
-    CUDA ``liger`` (Liger-Kernel's fused linear cross-entropy) or ``cce``
-    (Apple's cut cross-entropy), both optional installs.
+    CUDA ``liger`` (Liger-Kernel's fused linear cross-entropy), or ``cce`` (Apple's cut
+    cross-entropy: its Triton kernels on CUDA, its torch path elsewhere), both optional installs.
     """
 
     def __init__(self, *, num_classes: int, hidden_dim: int, impl: str = "torch", chunked: bool = True,
@@ -65,9 +75,10 @@ class SoftmaxHead(LinearClassHead):
                 options = nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=rows)
             return F.linear_cross_entropy(x, W, target, linear_bias=self.bias, ignore_index=-1,
                                           reduction=reduction, options=options)
+        if self.impl == "cce":
+            return _cce(x, W, self.bias, target, reduction)
         if not x.is_cuda:
             raise ValueError(f"SoftmaxHead(impl={self.impl!r}) runs on CUDA only; hidden is on {x.device}")
-        # Both optional libraries share this call signature.
         return _load_impl(self.impl)(x, W, target, bias=self.bias, ignore_index=-1, reduction=reduction)
 
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:

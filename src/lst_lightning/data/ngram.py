@@ -40,9 +40,6 @@ class NgramWindows(Dataset):
         pos = self.targets_at[torch.as_tensor(idx)]
         return self.tokens[pos[:, None] + self._offsets], self.tokens[pos]
 
-    def target_counts(self, num_classes: int) -> Tensor:
-        return torch.bincount(self.tokens[self.targets_at], minlength=num_classes)
-
 
 class EpochBatchSampler(Sampler[Tensor]):
     """Batches of example ids, reshuffled each epoch from ``(seed, epoch)`` alone, and

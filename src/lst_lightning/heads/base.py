@@ -56,6 +56,12 @@ class OutputHead(nn.Module):
         """Join the ranks of ``process_group`` (every rank calls it once torch.distributed
         is up). Nothing to do for a head that keeps no state of its own across ranks."""
 
+    def cannot_accumulate(self) -> str | None:
+        """Why this head cannot take one exact step for several micro-batches at the optimizer's
+        step (gradient accumulation, a loss scaler), or None when it can. An ordinary head can:
+        the optimizer accumulates its gradients."""
+        return "it updates itself in backward" if self.self_updating else None
+
     def stats(self) -> dict[str, float]:
         """Counters worth logging (repairs, skipped steps...): none by default."""
         return {}

@@ -241,6 +241,9 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             out[s - lo:e - lo] = blk[s - a:e - a] * self._init_std
         return out
 
+    def cannot_accumulate(self) -> str | None:
+        return None  # attach() makes it step at the optimizer's step (pending_step.py)
+
     @property
     def in_training_step(self) -> bool:
         """Whether a forward now is a training step (the head updates itself in backward)."""

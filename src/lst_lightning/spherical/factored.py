@@ -14,6 +14,7 @@ evaluation (``sharded_eval.py``).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -25,12 +26,13 @@ import lst_kernels as lk
 from .applied_step import AppliedStep
 from .base import SphericalHeadBase, own_precision
 from .blocks import row_blocks
+from .graph_step import CudaGraphStep
 from .multi_process import MultiProcess
 from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser, largest_eig_bounds
+from .state import STATE
+from .step_mode import STEP_MODES, StepMode
 from .sync_free import SyncFreeSteps
-
-STEP_MODES = ("autograd", "fused", "cuda_graph")
 
 
 @dataclass
@@ -85,35 +87,19 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
                  step: str = "autograd", **kwargs):
         super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
         self.stabiliser = Stabiliser.of(stabiliser)
-        self._init_multi_process(parallel, checksum_every)
-        self.step = step
+        #: step, sync_every and parallel, validated together once (step_mode.py).
+        self.mode = StepMode(step, sync_every, parallel)
+        self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
+        self._init_multi_process(checksum_every)
 
-        D, d = num_classes, self.width
-        fk = {k: v for k, v in self._factory.items() if v is not None}
-        dev = fk.get("device")
         # V's rows are drawn block by block from one seed, so that a shard can be made
         # alone (a sharded head never holds all of V) and equals the same rows unsharded.
         #: V holds the rows of classes [row_lo, row_hi): all of them unless sharded.
-        self.row_lo, self.row_hi = 0, (0 if parallel == "sharded" else D)
-        self.register_buffer("V", self._init_rows(self.row_lo, self.row_hi, dev).to(**fk))
-        self.register_buffer("U", torch.eye(d, **fk))
-        self.register_buffer("Uinv", torch.eye(d, **fk))
-        self.register_buffer("omega", torch.zeros(d, **fk))
-        self.register_buffer("Q", torch.zeros(d, d, **fk))
-        self.register_buffer("wbar", torch.zeros(d, **fk))
-        self._register_buffers_common()
-        # Warm starts of the power iterations for U's largest and smallest singular values.
-        self.register_buffer("u_max", torch.empty(d, **fk))
-        self.register_buffer("u_min", torch.empty(d, **fk))
-        self._init_power_starts()
+        self.row_lo, self.row_hi = 0, (0 if parallel == "sharded" else num_classes)
+        for buf in STATE:  # every buffer, as state.py declares it
+            self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
-        self._init_sync_free(sync_every, dev)
-        f64 = {"dtype": torch.float64, "device": dev}
-        self.register_buffer("cond_bound", torch.ones((), **f64))     # >= cond(U), carried
-        self.register_buffer("cond_estimate", torch.ones((), **f64))  # measured at the last check
-        for name in REPAIR_COUNTERS:
-            self.register_buffer(name, torch.zeros((), dtype=torch.long, device=dev))
-        self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
+        self._init_sync_free()
         if self._distributed:
             self.refresh_bookkeeping()
 
@@ -123,20 +109,33 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
 
     @property
     def step(self) -> str:
-        return self._step
+        return self.mode.step
 
     @step.setter
     def step(self, value: str) -> None:
-        if value not in STEP_MODES:
-            raise ValueError(f"step must be one of {STEP_MODES}, not {value!r}")
-        self._step, self._graph = value, None
+        self.mode = dataclasses.replace(self.mode, step=value)  # validated with sync_every and parallel
+        self._graph = None
 
-    @torch.no_grad()
-    def _init_power_starts(self) -> None:
-        g = torch.Generator().manual_seed(0)  # on the host: the same starts on every device
-        for buf in (self.u_max, self.u_min):
-            if buf.device.type != "meta":
-                buf.copy_(torch.randn(self.width, generator=g, dtype=self.dtype, device="cpu"))
+    @property
+    def sync_every(self) -> int:
+        return self.mode.sync_every
+
+    @sync_every.setter
+    def sync_every(self, value: int) -> None:
+        self.mode = dataclasses.replace(self.mode, sync_every=value)
+
+    @property
+    def parallel(self) -> str:
+        return self.mode.parallel
+
+    @property
+    def deferred_checks(self) -> bool:
+        """True with ``sync_every > 1``: the training step never waits for the device; its
+        checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
+        return self.mode.deferred_checks
+
+    def cannot_accumulate(self) -> str | None:
+        return self.mode.cannot_accumulate()
 
     @property
     def uinv_fresh(self) -> bool:
@@ -168,12 +167,9 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         after ``to_empty()`` of a head built on the meta device."""
         if W is None:
             self._ensure_distributed()
-            self.V.copy_(self._init_rows(self.row_lo, self.row_hi, self.device))
-            self._zero_counters()
-            self._init_power_starts()
-            self._lr_t.zero_()
-            self._bad_input.zero_()
-            self._calls, self._synced, self._lr_filled = 0, (0, 0), None
+            for buf in STATE:  # every buffer as constructed (state.py)
+                getattr(self, buf.name).copy_(buf.initial(self, self.device))
+            self._init_sync_free()
             self._reset_factors()
             return
         if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
@@ -256,8 +252,6 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         if self.step == "autograd":
             return super()._training_loss(H, idx, T)
         if self.step == "cuda_graph":
-            from .graph_step import CudaGraphStep  # noqa: PLC0415  (it imports this module)
-
             if self._graph is None:
                 self._graph = CudaGraphStep(self, H.shape[0], idx.shape[1], hidden_dtype=H.dtype)
             if H.shape[0] == self._graph.m:  # another batch size runs the same step eagerly

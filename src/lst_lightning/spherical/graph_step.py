@@ -8,15 +8,19 @@ step to read nothing on the host (``sync_every > 1``) and fixed shapes (m, K).
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .factored import FactoredSphericalHead
+from .step_mode import StepMode
+
+if TYPE_CHECKING:  # the head imports this module, not the other way round
+    from .factored import FactoredSphericalHead
 
 
 @contextlib.contextmanager
-def at_zero_lr(head: FactoredSphericalHead):
+def at_zero_lr(head: "FactoredSphericalHead"):
     """Steps taken inside run at lr = 0: W, U, V, Q... keep their bits (a zero step adds
     exact zeros) and the counters are put back, with no flag read or repair meanwhile."""
     counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
@@ -41,14 +45,11 @@ class CudaGraphStep:
     returned tensors are the graph's own outputs: use them before the next call.
     """
 
-    def __init__(self, head: FactoredSphericalHead, m: int, K: int = 1, hidden_dtype: torch.dtype | None = None,
+    def __init__(self, head: "FactoredSphericalHead", m: int, K: int = 1, hidden_dtype: torch.dtype | None = None,
                  warmup: int = 3):
         if not head.V.is_cuda:
             raise ValueError("CUDA graphs need the head on a CUDA device")
-        if not head.deferred_checks:
-            raise ValueError("capture needs a step with no host reads: build the head with sync_every > 1")
-        if head.parallel != "none":
-            raise ValueError("a multi-process head exchanges data between ranks each step: not captured")
+        StepMode("cuda_graph", head.sync_every, head.parallel)  # the rules of capture: sync_every > 1, one process
         self.head, self.m, self.K = head, m, K
         dev = head.device
         self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)

@@ -21,12 +21,8 @@ import lst_kernels as lk
 
 from .collectives import ProcessGroup, bit_hash
 from .shard_files import load_rows
-from .stabiliser import REPAIR_COUNTERS
-
-PARALLEL_MODES = ("none", "replicated", "sharded")
-#: What every rank holds alike (V too, unless sharded).
-REPLICATED_STATE = ("U", "Uinv", "omega", "Q", "wbar", "u_max", "u_min", "cond_bound", "cond_estimate",
-                    "steps", "skipped_nonfinite", *REPAIR_COUNTERS)
+from .state import REPLICATED_STATE
+from .step_mode import PARALLEL_MODES  # noqa: F401  (re-exported: its old home)
 
 
 class MultiProcess:
@@ -34,14 +30,12 @@ class MultiProcess:
 
     parallel_modes = ("replicated", "sharded")
 
-    def _init_multi_process(self, parallel: str, checksum_every: int) -> None:
-        if parallel not in PARALLEL_MODES:
-            raise ValueError(f"parallel must be 'none', 'replicated' or 'sharded', got {parallel!r}")
+    def _init_multi_process(self, checksum_every: int) -> None:
         if not (isinstance(checksum_every, int) and checksum_every >= 0):
             raise ValueError(f"checksum_every must be an int >= 0, got {checksum_every!r}")
-        self.parallel, self.checksum_every = parallel, checksum_every
+        self.checksum_every = checksum_every
         self._pg = ProcessGroup()
-        self._distributed = parallel == "none"
+        self._distributed = self.parallel == "none"
 
     @property
     def sharded(self) -> bool:

@@ -100,15 +100,9 @@ class PendingSteps:
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        name = type(self).__name__
-        if getattr(self, "step", "autograd") != "autograd":
-            raise ValueError(f"{name} with step={self.step!r} steps in its forward: it cannot wait for the "
-                             "optimizer's step; use step='autograd'")
-        if self.deferred_checks:
-            raise ValueError(f"{name} with sync_every > 1 cannot wait for the optimizer's step; use sync_every=1")
-        if self.parallel != "none":
-            raise ValueError(f"{name} with parallel={self.parallel!r} cannot wait for the optimizer's step "
-                             "(no accumulation across processes yet); use one process, or no accumulation")
+        why = self.cannot_accumulate()
+        if why:
+            raise ValueError(f"{type(self).__name__} cannot wait for the optimizer's step: {why}")
         if max_pending_rows is not None:
             self.max_pending_rows = max_pending_rows
         self.detach()

@@ -23,21 +23,11 @@ def capturing() -> bool:
 class SyncFreeSteps:
     """The device-flag side of the step, as methods of ``FactoredSphericalHead``."""
 
-    def _init_sync_free(self, sync_every: int, device) -> None:
-        if not (isinstance(sync_every, int) and sync_every >= 1):
-            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        self.sync_every = sync_every
+    def _init_sync_free(self) -> None:
+        """The host-side counts (the device buffers _lr_t and _bad_input are declared in state.py)."""
         self._calls = 0          # training steps run (host count: no device read)
         self._synced = (0, 0)    # (steps, skipped) at the last host read
-        self.register_buffer("_lr_t", torch.zeros((), dtype=self.dtype, device=device), persistent=False)
         self._lr_filled = None
-        self.register_buffer("_bad_input", torch.zeros((), dtype=torch.bool, device=device), persistent=False)
-
-    @property
-    def deferred_checks(self) -> bool:
-        """True with ``sync_every > 1``: the training step never waits for the device; its
-        checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
-        return self.sync_every > 1
 
     def _screen_targets(self, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Bad ids become padding and raise the flag; the step is void (``input_ok`` False)."""

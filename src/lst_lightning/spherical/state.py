@@ -1,0 +1,85 @@
+"""The factored head's buffers, each declared once: its shape, dtype, initial value (which
+is also its value after ``reset_weight()``), whether every rank holds it alike, and
+whether it is part of the exact state a step changes.
+
+``FactoredSphericalHead`` registers its buffers from this table, ``reset_weight()``
+restores them from it, the multi-process code broadcasts and hashes the replicated
+ones, and the tests compare heads by the exact ones: a new buffer is one new row here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .stabiliser import REPAIR_COUNTERS
+
+SHAPES = ("rows", "square", "vector", "scalar")
+DTYPES = ("state", "float64", "long", "bool")
+INITS = ("rows", "eye", "zeros", "ones", "power")
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    #: rows: V's rows held here (row_hi - row_lo) x width; square: width x width; vector: width.
+    shape: str
+    #: state: the head's dtype (float32 or float64); float64, long, bool: always those.
+    dtype: str
+    #: rows: the initial W's rows (from the head's seed); eye, zeros, ones; power: a fixed
+    #: random start of the power iterations (the same on every device).
+    init: str
+    #: every rank holds it alike (broadcast by distribute(), hashed by check_replicas()).
+    replicated: bool = True
+    #: in the state dict; the step's device inputs (lr, the bad-input flag) are not.
+    persistent: bool = True
+    #: W's factors, their bookkeeping and the carried bound: what a step changes exactly.
+    exact: bool = False
+
+    def __post_init__(self):
+        if self.shape not in SHAPES or self.dtype not in DTYPES or self.init not in INITS:
+            raise ValueError(f"buffer {self.name}: shape, dtype or init unknown: {self}")
+
+    def initial(self, head, device=None) -> Tensor:
+        """This buffer's initial value for ``head`` (on ``device``, default the head's)."""
+        device = head._factory["device"] if device is None else device
+        dtype = {"state": head.dtype, "float64": torch.float64, "long": torch.long, "bool": torch.bool}[self.dtype]
+        w = head.width
+        shape = {"rows": (head.row_hi - head.row_lo, w), "square": (w, w), "vector": (w,), "scalar": ()}[self.shape]
+        if self.init == "rows":
+            return head._init_rows(head.row_lo, head.row_hi, device).to(dtype)
+        if self.init == "eye":
+            return torch.eye(w, dtype=dtype, device=device)
+        if self.init == "power":
+            g = torch.Generator().manual_seed(0)  # on the host: the same starts on every device
+            draws = [torch.randn(w, generator=g, dtype=dtype, device="cpu") for _ in range(POWER_STARTS.index(self.name) + 1)]
+            return draws[-1].to(device)
+        fill = 1 if self.init == "ones" else 0
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+#: The warm starts of the power iterations for U's largest and smallest singular values, drawn in this order.
+POWER_STARTS = ("u_max", "u_min")
+
+STATE: tuple[Buffer, ...] = (
+    Buffer("V", "rows", "state", "rows", replicated=False, exact=True),  # replicated unless sharded
+    Buffer("U", "square", "state", "eye", exact=True),
+    Buffer("Uinv", "square", "state", "eye", exact=True),
+    Buffer("omega", "vector", "state", "zeros", exact=True),
+    Buffer("Q", "square", "state", "zeros", exact=True),      # W^T W: refresh_bookkeeping() fills it
+    Buffer("wbar", "vector", "state", "zeros", exact=True),   # W^T 1: likewise
+    Buffer("steps", "scalar", "long", "zeros"),
+    Buffer("skipped_nonfinite", "scalar", "long", "zeros"),
+    *(Buffer(n, "vector", "state", "power") for n in POWER_STARTS),
+    Buffer("_lr_t", "scalar", "state", "zeros", replicated=False, persistent=False),       # lr on the device
+    Buffer("_bad_input", "scalar", "bool", "zeros", replicated=False, persistent=False),   # a bad target id
+    Buffer("cond_bound", "scalar", "float64", "ones", exact=True),   # >= cond(U), carried from step to step
+    Buffer("cond_estimate", "scalar", "float64", "ones"),            # measured at the last check
+    *(Buffer(n, "scalar", "long", "zeros") for n in REPAIR_COUNTERS),
+)
+
+#: What every rank holds alike (V too, unless sharded).
+REPLICATED_STATE = tuple(b.name for b in STATE if b.replicated)
+#: The exact state: equal bits here mean the same W, bookkeeping and conditioning bound.
+EXACT_STATE = tuple(b.name for b in STATE if b.exact)

@@ -1,0 +1,52 @@
+"""How the factored head takes a training step: one validated value, checked once.
+
+``step`` says where the update runs ("autograd": inside ``loss.backward()``; "fused":
+forward, backward and update in the forward; "cuda_graph": that fused step replayed from
+one CUDA graph), ``sync_every`` how often the step's device flags are read on the host
+(1: at once; N > 1: every N steps, the step never waits for the GPU), ``parallel`` how
+many processes share the head. Their combinations are ruled on here and nowhere else:
+the head, ``CudaGraphStep``, ``attach`` and the app ask this value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STEP_MODES = ("autograd", "fused", "cuda_graph")
+PARALLEL_MODES = ("none", "replicated", "sharded")
+
+
+@dataclass(frozen=True)
+class StepMode:
+    step: str = "autograd"
+    sync_every: int = 1
+    parallel: str = "none"
+
+    def __post_init__(self):
+        if self.step not in STEP_MODES:
+            raise ValueError(f"step must be one of {STEP_MODES}, not {self.step!r}")
+        if isinstance(self.sync_every, bool) or not (isinstance(self.sync_every, int) and self.sync_every >= 1):
+            raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel must be 'none', 'replicated' or 'sharded', got {self.parallel!r}")
+        if self.step == "cuda_graph" and self.sync_every == 1:
+            raise ValueError("step='cuda_graph' replays a step that reads nothing on the host: it needs "
+                             "sync_every > 1 (the device flags read every sync_every steps), got sync_every=1")
+        if self.step == "cuda_graph" and self.parallel != "none":
+            raise ValueError(f"step='cuda_graph' with parallel={self.parallel!r}: a multi-process head "
+                             "exchanges data between ranks each step, which is not captured; use step='fused'")
+
+    @property
+    def deferred_checks(self) -> bool:
+        """The step leaves its checks on the device, read every ``sync_every`` steps."""
+        return self.sync_every > 1
+
+    def cannot_accumulate(self) -> str | None:
+        """Why a head in this mode cannot wait for the optimizer's step (exact accumulation
+        over micro-batches, a loss scaler's unscaled step), or None when it can."""
+        if self.step != "autograd":
+            return f"step={self.step!r} steps in the forward (use step='autograd')"
+        if self.deferred_checks:
+            return f"sync_every={self.sync_every} defers its checks (use sync_every=1)"
+        if self.parallel != "none":
+            return f"parallel={self.parallel!r}: no accumulation across processes yet (use one process)"
+        return None

@@ -1,0 +1,47 @@
+"""StepMode: the factored head's step, sync_every and parallel, ruled on together once."""
+import pytest
+
+from lst_lightning.spherical.step_mode import StepMode
+
+from head_pairs import deferred, make_pair
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"step": "eager"}, "step must be one of"),
+    ({"sync_every": 0}, "sync_every must be an int >= 1"),
+    ({"sync_every": True}, "sync_every must be an int >= 1"),
+    ({"parallel": "both"}, "parallel must be"),
+    ({"step": "cuda_graph"}, r"needs sync_every > 1"),
+    ({"step": "cuda_graph", "sync_every": 4, "parallel": "sharded"}, "not captured"),
+])
+def test_bad_combinations_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StepMode(**kw)
+
+
+def test_what_can_accumulate():
+    assert StepMode().cannot_accumulate() is None
+    assert "step='fused'" in StepMode("fused").cannot_accumulate()
+    assert "sync_every=4" in StepMode(sync_every=4).cannot_accumulate()
+    assert "parallel='replicated'" in StepMode(parallel="replicated").cannot_accumulate()
+    assert StepMode(sync_every=2).deferred_checks and not StepMode().deferred_checks
+
+
+def test_the_head_checks_its_mode_at_construction_and_on_change():
+    with pytest.raises(ValueError, match=r"needs sync_every > 1"):
+        deferred(sync_every=1, step="cuda_graph")
+    head = deferred(sync_every=1)
+    with pytest.raises(ValueError, match=r"needs sync_every > 1"):
+        head.step = "cuda_graph"
+    assert head.step == "autograd" and head.mode == StepMode("autograd", 1, "none")  # unchanged
+    head.sync_every = 3
+    head.step = "cuda_graph"
+    with pytest.raises(ValueError, match=r"needs sync_every > 1"):
+        head.sync_every = 1
+    assert (head.step, head.sync_every, head.deferred_checks) == ("cuda_graph", 3, True)
+    assert "step='cuda_graph'" in head.cannot_accumulate()
+
+
+def test_the_naive_head_always_accumulates():
+    _, naive = make_pair("zloss")
+    assert naive.cannot_accumulate() is None and naive.step == "autograd"
