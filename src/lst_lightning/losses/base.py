@@ -46,7 +46,7 @@ class SphericalLoss(nn.Module):
         so that the initial outputs' squared norm stays about ``||h||^2`` at every D. A random
         part that grows with D would make the Z-loss's spread sigma (removed only at 1/D per
         row) and the squared error's ``||o||^2`` at large D (docs/learning_at_scale.md)."""
-        return min(width, num_classes) ** -0.5
+        return max(width, num_classes) ** -0.5
 
     def log_prob(self, q: Tensor, s: Tensor, A: Tensor, *, num_classes: int) -> Tensor:
         """log p of each target slot (m, K), for normalised losses."""
