@@ -19,6 +19,8 @@ class SphericalLoss(nn.Module):
     name: str = ""
     #: True when the loss defines normalised probabilities (perplexity).
     normalised: bool = False
+    #: The head's SGD lr when none is given (conf/loss/*.yaml's head_lr says the same).
+    default_lr: float = 0.01
 
     def forward(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, *, num_classes: int,
                 y_sq: Tensor | None = None) -> Tensor:

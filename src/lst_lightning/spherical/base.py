@@ -71,7 +71,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
     self_updating = True
 
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
-                 loss_kwargs: dict | None = None, lr: float = 0.01, weight_decay: float = 0.0,
+                 loss_kwargs: dict | None = None, lr: float | None = None, weight_decay: float = 0.0,
                  bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX):
@@ -94,7 +94,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self.width = hidden_dim + int(self.bias)
         self.loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
         self.has_log_prob = self.loss_fn.normalised
-        self.lr = lr
+        self.lr = lr if lr is not None else self.loss_fn.default_lr  # the loss's own (Z-loss: 1.0)
         self.weight_decay = weight_decay
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()
