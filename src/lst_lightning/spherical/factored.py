@@ -15,7 +15,6 @@ evaluation (``sharded_eval.py``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +28,10 @@ from .blocks import row_blocks
 from .graph_step import CudaGraphStep
 from .multi_process import MultiProcess
 from .sharded_eval import ShardedEvaluation
-from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser, largest_eig_bounds
+from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser
 from .state import STATE
 from .step_mode import STEP_MODES, StepMode
-from .sync_free import SyncFreeSteps
+from .sync_free import checks_for
 
 
 @dataclass
@@ -48,7 +47,7 @@ class _Saved:
     gq: Tensor
     gs: Tensor
     GA: Tensor
-    input_ok: Tensor | None = None  # sync-free step: False when the batch had bad target ids
+    input_ok: Tensor | bool = True  # DeviceFlags: a device flag, False when the batch had bad target ids
 
 
 @dataclass
@@ -62,12 +61,14 @@ class _Update:
     wbar: Tensor
     HUinv: Tensor            # H U_new^-1: the rows scattered into V
     fold: bool               # a nearly singular step: U B is folded into V
-    cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
     ok: Tensor               # device bool: all of it finite, every solve regular
+    # The checker's scalars (sync_free.py): floats under HostChecks, device tensors under
+    # DeviceFlags, which never reads them on the host.
+    cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor | float
 
 
-class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stabilisation, SphericalHeadBase):
+class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, SphericalHeadBase):
     """Exact O(m d^2) training of a D-class output layer with a spherical loss.
 
     ``stabiliser``: the settings of the exact repairs (a ``Stabiliser`` or a dict of its
@@ -99,7 +100,8 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
-        self._init_sync_free()
+        #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (sync_free.py)
+        self.checker = checks_for(self.mode.deferred_checks)
         if self._distributed:
             self.refresh_bookkeeping()
 
@@ -123,6 +125,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
     @sync_every.setter
     def sync_every(self, value: int) -> None:
         self.mode = dataclasses.replace(self.mode, sync_every=value)
+        self.checker = checks_for(self.mode.deferred_checks, self.checker)
 
     @property
     def parallel(self) -> str:
@@ -132,7 +135,17 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
     def deferred_checks(self) -> bool:
         """True with ``sync_every > 1``: the training step never waits for the device; its
         checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
-        return self.mode.deferred_checks
+        return self.checker.deferred
+
+    @property
+    def _calls(self) -> int:
+        """Training steps run since the checks were made (host count; DeviceFlags)."""
+        return self.checker.calls
+
+    @property
+    def _synced(self) -> tuple[int, int]:
+        """(steps, skipped) at the last read of the checks."""
+        return self.checker.synced
 
     def cannot_accumulate(self) -> str | None:
         return self.mode.cannot_accumulate()
@@ -148,7 +161,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
     def set_extra_state(self, state) -> None:
         super().set_extra_state(state)
         self._uinv_fresh = bool(state.get("uinv_fresh", False))  # unknown: refresh when needed
-        self._synced = (int(self.steps), int(self.skipped_nonfinite))  # buffers load before extra state
+        self.checker.synced = (int(self.steps), int(self.skipped_nonfinite))  # buffers load before extra state
 
     # -- the implicit W -------------------------------------------------------------------
     @torch.no_grad()
@@ -169,7 +182,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
             self._ensure_distributed()
             for buf in STATE:  # every buffer as constructed (state.py)
                 getattr(self, buf.name).copy_(buf.initial(self, self.device))
-            self._init_sync_free()
+            self.checker = checks_for(self.mode.deferred_checks)
             self._reset_factors()
             return
         if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
@@ -238,9 +251,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
 
     @torch.no_grad()
     def _forward_step(self, Hx, idx, T):
-        input_ok = None
-        if self.deferred_checks:
-            idx, T, input_ok = self._screen_targets(idx, T)
+        idx, T, input_ok = self.checker.screen(self, idx, T)  # DeviceFlags: bad ids become a flag
         woodbury = self._use_woodbury(Hx.shape[0])
         if woodbury and not self._uinv_fresh:
             self._refresh_uinv()  # the last steps solved with U directly and left U^-1 behind
@@ -289,41 +300,31 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
     @torch.no_grad()
     def _backward_step(self, sv: _Saved, grad_out: Tensor) -> Tensor:
         Hx = sv.Hx
+        checker = self.checker  # HostChecks: each verdict read at once; DeviceFlags: device flags
         dH, gq, gs, GA, ybar, Z = self._hidden_grad(sv, grad_out, parts=True)
         finite = torch.isfinite(Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-        if self.deferred_checks:
-            return self._masked_write(sv, self._new_state(sv, gq, gs, GA, ybar, Z, dH), finite, dH)
-        if not bool(finite):
-            self._skip("hidden states or loss gradients")
+        ok = checker.verdict(self, True, sv.input_ok & finite, "hidden states or loss gradients")
+        if ok is False:  # skipped on the host: nothing changes
             return torch.zeros_like(dH)
         update = self._new_state(sv, gq, gs, GA, ybar, Z, dH)
-        if not bool(update.ok):
-            self._skip("state after the step")
+        ok = checker.verdict(self, ok, update.ok, "state after the step")
+        if ok is False:
             return torch.zeros_like(dH)
-        self._write(sv, update)
-        self.steps += 1
-        n = int(self.steps)
-        self._synced = (n, int(self.skipped_nonfinite))
-        self._maintain(n - 1, n)
-        return dH
+        self._write(sv, update, ok)
+        if checker.count(self, ok):  # every step (HostChecks) or every sync_every steps (DeviceFlags)
+            self.sync()  # the repairs that fell due
+        return checker.where(ok, dH, 0.0)
 
     def _new_state(self, sv: _Saved, gq, gs, GA, ybar, Z, dH) -> _Update:
         """The step's new state, computed aside: nothing of the head changes here."""
         Hx = sv.Hx
-        lr = self._lr_device() if self.deferred_checks else self.lr  # a captured graph reads it each replay
+        lr = self.checker.lr(self)  # DeviceFlags: a device scalar (a captured graph reads it each replay)
         m = Hx.shape[0]
         c = 1.0 - lr * self.weight_decay  # > 0: forward checked lr * weight_decay < 1
         kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
         use_woodbury = sv.HUinv is not None
         G = Hx @ Hx.T if use_woodbury else None
-        if self.deferred_checks:  # bounds stay on the device; a nearly singular B is repaired later
-            rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=False)
-            fold = False
-            cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
-        else:
-            lam_lo, lam_hi, exact = self._step_eigen_bounds(Hx, G, kappa)
-            fold = exact and lam_lo < self.stabiliser.fold_tol
-            cond_step = lam_hi / lam_lo if lam_lo > 0 else float("inf")
+        fold, cond_step = self.checker.step_bounds(self, Hx, G, kappa)  # fold: a nearly singular B
         U_new = torch.addmm(c * self.U, sv.Ht.T, (-2.0 * lr) * gq[:, None] * Hx)  # U B, reusing H U^T
         omega_new = c * self.omega - lr * (Hx.T @ (2.0 * gq * sv.ht + gs))
         info = None
@@ -350,13 +351,10 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         return _Update(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
                        fold=fold, cond_step=cond_step, ok=ok, lr=lr)
 
-    def _write(self, sv: _Saved, new: _Update, ok: Tensor | None = None) -> None:
-        """Write the step's new state. With ``ok`` (the sync-free step) every buffer keeps its
-        old value where ``ok`` is false, by ``torch.where``: no host read, no branch."""
-        if ok is None:
-            keep = lambda fresh, old: fresh  # noqa: E731
-        else:
-            keep = lambda fresh, old: torch.where(ok, fresh, old)  # noqa: E731
+    def _write(self, sv: _Saved, new: _Update, ok: Tensor | bool = True) -> None:
+        """Write the step's new state. Under DeviceFlags every buffer keeps its old value
+        where the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
+        keep = lambda fresh, old: self.checker.where(ok, fresh, old)  # noqa: E731
         if new.fold:
             self._fold_into_v(new.U)
             self.folds += 1
@@ -391,6 +389,19 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, SyncFreeSteps, Stab
         self._version += 1  # a pending autograd backward from an earlier forward is now stale
         dH = self._own_rows(self._backward_step(saved, loss.new_ones(())), rows)
         return loss, dH[:, : self.hidden_dim].to(H.dtype)
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Read the step's checks (DeviceFlags: one host synchronisation; it warns about
+        skipped steps), run the repairs that fell due since the last read, and raise if a
+        batch since then had bad targets. Nothing to read: nothing happens."""
+        read = self.checker.read(self)
+        if read is None:
+            return
+        n_prev, n, bad_input = read
+        self._maintain(n_prev, n)
+        if bad_input:
+            self.checker.raise_bad_input(self)
 
     # -- evaluation -------------------------------------------------------------------------
     @own_precision
