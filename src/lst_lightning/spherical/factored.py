@@ -7,10 +7,13 @@ step ``W <- (1 - lr wd) W - lr dO^T H`` becomes a d x d update of U plus a
 sparse update of the target rows of V. The derivation, with this file's names
 (row layout: H is m x d), is docs/algorithm.md.
 
-This file holds the state and the step; its other jobs live beside it, as
-mixins of the one class: the repairs (``stabiliser.py``), the sync-free step
-(``sync_free.py``), multi-process training (``multi_process.py``) and sharded
-evaluation (``sharded_eval.py``).
+This file holds the step, read top to bottom (forward, backward, the exact update,
+the checks, the repairs). The head is made of parts it holds and calls: its buffers
+as ``state.py`` declares them, ``self.checker`` (how the step checks itself: at once on
+the host, or device flags read every ``sync_every`` steps; ``sync_free.py``),
+``self.repairs`` (``stabiliser.py``) and ``self.sharding`` (the process-group work;
+``multi_process.py``). Sharded evaluation is a mixin (``sharded_eval.py``): it
+overrides the interface's chunked evaluation.
 """
 from __future__ import annotations
 
@@ -26,10 +29,12 @@ from .applied_step import AppliedStep
 from .base import SphericalHeadBase, own_precision
 from .blocks import row_blocks
 from .graph_step import CudaGraphStep
-from .multi_process import MultiProcess
+from .collectives import ProcessGroup, bit_hash
+from .multi_process import sharding_for
+from .shard_files import load_rows
 from .sharded_eval import ShardedEvaluation
-from .stabiliser import REPAIR_COUNTERS, Stabilisation, Stabiliser
-from .state import STATE
+from .stabiliser import REPAIR_COUNTERS, Repairs, Stabiliser, fell_due
+from .state import REPLICATED_STATE, STATE
 from .step_mode import STEP_MODES, StepMode
 from .sync_free import checks_for
 
@@ -68,7 +73,7 @@ class _Update:
     lr: Tensor | float
 
 
-class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, SphericalHeadBase):
+class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     """Exact O(m d^2) training of a D-class output layer with a spherical loss.
 
     ``stabiliser``: the settings of the exact repairs (a ``Stabiliser`` or a dict of its
@@ -81,33 +86,54 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
     """
 
     step_modes = STEP_MODES
+    parallel_modes = ("replicated", "sharded")
 
     def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
                  generator: torch.Generator | None = None, stabiliser: Stabiliser | dict | None = None,
                  parallel: str = "none", checksum_every: int = 100, sync_every: int = 1,
                  step: str = "autograd", **kwargs):
         super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
-        self.stabiliser = Stabiliser.of(stabiliser)
+        #: the repairs, with their settings (stabiliser.py)
+        self.repairs = Repairs(Stabiliser.of(stabiliser))
         #: step, sync_every and parallel, validated together once (step_mode.py).
         self.mode = StepMode(step, sync_every, parallel)
         self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
-        self._init_multi_process(checksum_every)
-
-        # V's rows are drawn block by block from one seed, so that a shard can be made
-        # alone (a sharded head never holds all of V) and equals the same rows unsharded.
-        #: V holds the rows of classes [row_lo, row_hi): all of them unless sharded.
-        self.row_lo, self.row_hi = 0, (0 if parallel == "sharded" else num_classes)
+        if not (isinstance(checksum_every, int) and checksum_every >= 0):
+            raise ValueError(f"checksum_every must be an int >= 0, got {checksum_every!r}")
+        self.checksum_every = checksum_every
+        #: the process-group work (multi_process.py): which rows of V are here, the collectives.
+        #: V's rows are drawn block by block from one seed, so that a shard can be made
+        #: alone (a sharded head never holds all of V) and equals the same rows unsharded.
+        self.sharding = sharding_for(parallel, num_classes)
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
         #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (sync_free.py)
         self.checker = checks_for(self.mode.deferred_checks)
-        if self._distributed:
+        if self.sharding.joined:
             self.refresh_bookkeeping()
 
     @property
     def device(self) -> torch.device:
         return self.V.device
+
+    @property
+    def stabiliser(self) -> Stabiliser:
+        """The repairs' settings."""
+        return self.repairs.settings
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding.sharded
+
+    @property
+    def row_lo(self) -> int:
+        """V holds the rows of classes [row_lo, row_hi): all of them unless sharded."""
+        return self.sharding.lo
+
+    @property
+    def row_hi(self) -> int:
+        return self.sharding.hi
 
     @property
     def step(self) -> str:
@@ -213,9 +239,8 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         for _, blk in row_blocks(self.V):
             VtV.addmm_(blk.T, blk)
             v1 += blk.sum(0)
-        if self.sharded:
-            self._pg.all_reduce_(VtV)
-            self._pg.all_reduce_(v1)
+        self.sharding.all_reduce_(VtV)  # sharded: V^T V over every rank's rows
+        self.sharding.all_reduce_(v1)
         U, w = self.U, self.omega
         Utv = U.T @ v1
         Q = U.T @ VtV @ U + torch.outer(Utv, w) + torch.outer(w, Utv) + self.num_classes * torch.outer(w, w)
@@ -234,12 +259,12 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         q = (Hx * Hq).sum(1)
         s = Hx @ self.wbar
         ht = Hx @ self.omega
-        A = self._gather_dot(idx, Ht, ht) if idx is not None else None
+        A = self.sharding.gather_dot(self.V, idx, Ht, ht) if idx is not None else None
         return q, s, A, Hq, Ht, HUinv, ht
 
     @torch.no_grad()
     def _eval_loss(self, Hx, idx, T):
-        Hx, idx, T, rows = self._collect(Hx, idx, T, training=False)
+        Hx, idx, T, rows = self.sharding.collect(Hx, idx, T, training=False)
         q, s, A, *_ = self._outputs(Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
         return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
@@ -254,7 +279,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         idx, T, input_ok = self.checker.screen(self, idx, T)  # DeviceFlags: bad ids become a flag
         woodbury = self._use_woodbury(Hx.shape[0])
         if woodbury and not self._uinv_fresh:
-            self._refresh_uinv()  # the last steps solved with U directly and left U^-1 behind
+            self.repairs.refresh_uinv(self)  # the last steps solved with U directly and left U^-1 behind
         q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
         L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T), idx)
         return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
@@ -275,7 +300,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
         gq, gs, GA = sv.gq * grad_out, sv.gs * grad_out, sv.GA * grad_out
         ybar = GA.sum(1)
-        Z = self._gather_sum(sv.idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
+        Z = self.sharding.gather_sum(self.V, sv.idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
         dH = torch.addcmul(Z, gq[:, None], sv.Hq, value=2.0)
         return (dH, gq, gs, GA, ybar, Z) if parts else dH
 
@@ -293,7 +318,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         GA = torch.cat([pad(r[4], 0.0) for r in records])
         woodbury = self._use_woodbury(Hx.shape[0])
         if woodbury and not self._uinv_fresh:
-            self._refresh_uinv()
+            self.repairs.refresh_uinv(self)
         _, s, _, Hq, Ht, HUinv, ht = self._outputs(Hx, None, with_uinv=woodbury)
         self._backward_step(_Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))
 
@@ -356,7 +381,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         where the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
         keep = lambda fresh, old: self.checker.where(ok, fresh, old)  # noqa: E731
         if new.fold:
-            self._fold_into_v(new.U)
+            self.repairs.fold_into_v(self, new.U)
             self.folds += 1
         else:
             self.U.copy_(keep(new.U, self.U))
@@ -365,7 +390,7 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
             else:
                 self._uinv_fresh = False
             self.cond_bound.copy_(keep(self.cond_bound * new.cond_step, self.cond_bound))
-        lk.scatter_add_rows_(self.V, self._local_idx(sv.idx), keep(new.GA, 0.0), keep(new.HUinv, 0.0), -new.lr)
+        lk.scatter_add_rows_(self.V, self.sharding.local_idx(sv.idx), keep(new.GA, 0.0), keep(new.HUinv, 0.0), -new.lr)
         self.omega.copy_(keep(new.omega, self.omega))
         self.Q.copy_(keep(0.5 * (new.Q + new.Q.T), self.Q))
         self.wbar.copy_(keep(new.wbar, self.wbar))
@@ -384,10 +409,10 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
     @torch.no_grad()
     def _fused_step(self, H: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
         """``train_step`` on checked targets."""
-        Hx, idx, T, rows = self._collect(self.augment(H), idx, T, training=True)
+        Hx, idx, T, rows = self.sharding.collect(self.augment(H), idx, T, training=True)
         loss, saved = self._forward_step(Hx, idx, T)
         self._version += 1  # a pending autograd backward from an earlier forward is now stale
-        dH = self._own_rows(self._backward_step(saved, loss.new_ones(())), rows)
+        dH = self.sharding.own_rows(self._backward_step(saved, loss.new_ones(())), rows)
         return loss, dH[:, : self.hidden_dim].to(H.dtype)
 
     @torch.no_grad()
@@ -399,9 +424,73 @@ class FactoredSphericalHead(ShardedEvaluation, MultiProcess, Stabilisation, Sphe
         if read is None:
             return
         n_prev, n, bad_input = read
-        self._maintain(n_prev, n)
+        self.repairs.run_due(self, n_prev, n)
+        if fell_due(self.checksum_every, n_prev, n):
+            self.check_replicas()
         if bad_input:
             self.checker.raise_bad_input(self)
+
+    @torch.no_grad()
+    def stabilise(self) -> None:
+        """Recompute U^-1, then bring U's singular values into [sv_min, sv_max] (exact, W unchanged)."""
+        self.repairs.stabilise(self)
+
+    # -- more than one process (multi_process.py; docs/multi_gpu.md) ------------------------
+    @torch.no_grad()
+    def distribute(self, process_group=None) -> None:
+        """Join the ranks of ``process_group`` (default: the whole world; alone when
+        torch.distributed is not initialised). Every rank must call it: rank 0's state
+        is taken by all (its V rows, for a shard); a sharded head makes its own rows."""
+        if self.parallel == "none":
+            return
+        pg, old = ProcessGroup.current(process_group), self.sharding
+        if old.joined and (pg.rank, pg.world) == (old.pg.rank, old.pg.world):
+            return
+        if old.joined and self.sharded and old.world > 1:
+            raise RuntimeError("a sharded head cannot be re-distributed over another group")
+        new, dev = old.joined_to(pg), self.device
+        for name in REPLICATED_STATE:
+            pg.broadcast_(getattr(self, name))
+        self._init_seed = int(pg.all_gather_ints([self._init_seed], dev)[0, 0])
+        same_v = False
+        if self.V.shape[0] == self.num_classes:
+            h = bit_hash([self.V])
+            same_v = bool((pg.all_gather_ints([h], dev) == h).all())
+        if not self.sharded:
+            if not same_v:
+                pg.broadcast_(self.V)
+        elif same_v:
+            self.V = self.V[new.lo:new.hi].clone()
+        elif self.V.shape[0] == 0 and not int(self.steps):
+            self.V = self._init_rows(new.lo, new.hi, dev)
+        else:
+            raise RuntimeError("the ranks hold different V: distribute() a sharded head before training it")
+        self.sharding = new
+        self.refresh_bookkeeping()  # also bumps the version: no stale backward survives this
+
+    @torch.no_grad()
+    def gather_v(self, dst: int = 0) -> Tensor | None:
+        """All of V on rank ``dst`` (on the host), None on the other ranks; every rank must
+        call it. A checkpoint holding it loads into a head sharded over any number of ranks."""
+        return self.sharding.gather_v(self.V, dst)
+
+    def state_hash(self) -> int:
+        """A hash of the bits of the state every rank must hold alike (V too unless sharded)."""
+        return bit_hash([getattr(self, n) for n in self.sharding.hashed_state()])
+
+    def check_replicas(self) -> None:
+        """Raise on every rank when the ranks' shared state differs in any bit."""
+        self.sharding.check_replicas(self)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        V = state_dict.get(prefix + "V")
+        files = (state_dict.get(prefix + "_extra_state") or {}).get("v_files")
+        if V is not None and (files is not None or (self.sharded and V.shape[0] == self.num_classes != self.V.shape[0])):
+            self._ensure_distributed()
+            # A whole V (from gather_v), or one file per rank (shard_files): keep this rank's rows.
+            mine = load_rows(files, self.row_lo, self.row_hi) if files is not None else V[self.row_lo:self.row_hi]
+            state_dict = {**state_dict, prefix + "V": mine}
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     # -- evaluation -------------------------------------------------------------------------
     @own_precision

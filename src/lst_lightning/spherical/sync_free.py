@@ -51,7 +51,7 @@ class HostChecks:
 
     def step_bounds(self, head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float]:
         """Whether to fold this step into V, and a bound on cond(B), read on the host."""
-        lam_lo, lam_hi, exact = head._step_eigen_bounds(Hx, G, kappa)
+        lam_lo, lam_hi, exact = head.repairs.step_eigen_bounds(head, Hx, G, kappa)
         fold = exact and lam_lo < head.stabiliser.fold_tol
         return fold, (lam_hi / lam_lo if lam_lo > 0 else float("inf"))
 
