@@ -189,7 +189,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self._uinv_fresh = bool(state.get("uinv_fresh", False))  # unknown: refresh when needed
         self.checker.synced = (int(self.steps), int(self.skipped_nonfinite))  # buffers load before extra state
 
-    # -- the implicit W -------------------------------------------------------------------
+    # -- the implicit W -----------------------------------------------------------------
     @torch.no_grad()
     def weight(self) -> Tensor:
         """The implicit W: its rows row_lo:row_hi when sharded."""
@@ -248,7 +248,55 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self.wbar.copy_(Utv + self.num_classes * w)
         self._version += 1
 
-    # -- forward ----------------------------------------------------------------------------
+    # -- one training step, top to bottom: forward, backward, exact update, checks, repairs --
+    # train_step (and step="fused"/"cuda_graph") runs _fused_step; step="autograd" runs the
+    # same two halves, _forward_step in forward() and _backward_step in loss.backward()
+    # (base.py's _SelfUpdatingStep, pending_step.py: when the step is taken).
+    @own_precision
+    @torch.no_grad()
+    def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Forward, backward and update in one call, without autograd: the loss and dL/dH
+        (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
+        nothing on the host: the unit that ``CudaGraphStep`` captures."""
+        _, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
+        self.check_decay()
+        return self._fused_step(H, idx, T)
+
+    @torch.no_grad()
+    def _fused_step(self, H: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
+        """``train_step`` on checked targets."""
+        Hx, idx, T, rows = self.sharding.collect(self.augment(H), idx, T, training=True)
+        loss, saved = self._forward_step(Hx, idx, T)
+        self._version += 1  # a pending autograd backward from an earlier forward is now stale
+        dH = self.sharding.own_rows(self._backward_step(saved, loss.new_ones(())), rows)
+        return loss, dH[:, : self.hidden_dim].to(H.dtype)
+
+    def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:
+        if self.step == "autograd":
+            return super()._training_loss(H, idx, T)
+        if self.step == "cuda_graph":
+            if self._graph is None:
+                self._graph = CudaGraphStep(self, H.shape[0], idx.shape[1], hidden_dtype=H.dtype)
+            if H.shape[0] == self._graph.m:  # another batch size runs the same step eagerly
+                return AppliedStep.apply(H, *self._graph(H.detach(), idx, T))
+        return AppliedStep.apply(H, *self._fused_step(H, idx, T))
+
+    @torch.no_grad()
+    def _forward_step(self, Hx, idx, T):
+        """The loss and what the backward reuses: q, s, A and the products with H."""
+        idx, T, input_ok = self.checker.screen(self, idx, T)  # DeviceFlags: bad ids become a flag
+        woodbury = self._use_woodbury(Hx.shape[0])
+        if woodbury and not self._uinv_fresh:
+            self.repairs.refresh_uinv(self)  # the last steps solved with U directly and left U^-1 behind
+        q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
+        L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T), idx)
+        return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
+
+    def _use_woodbury(self, m: int) -> bool:
+        # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
+        woodbury = self.stabiliser.woodbury
+        return woodbury == "always" or (woodbury == "auto" and 2 * m <= self.width)
+
     def _outputs(self, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
         """q, s, the target outputs A and the products reused by backward."""
         d = self.width
@@ -263,67 +311,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return q, s, A, Hq, Ht, HUinv, ht
 
     @torch.no_grad()
-    def _eval_loss(self, Hx, idx, T):
-        Hx, idx, T, rows = self.sharding.collect(Hx, idx, T, training=False)
-        q, s, A, *_ = self._outputs(Hx, idx)
-        per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
-        return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
-
-    def _use_woodbury(self, m: int) -> bool:
-        # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
-        woodbury = self.stabiliser.woodbury
-        return woodbury == "always" or (woodbury == "auto" and 2 * m <= self.width)
-
-    @torch.no_grad()
-    def _forward_step(self, Hx, idx, T):
-        idx, T, input_ok = self.checker.screen(self, idx, T)  # DeviceFlags: bad ids become a flag
-        woodbury = self._use_woodbury(Hx.shape[0])
-        if woodbury and not self._uinv_fresh:
-            self.repairs.refresh_uinv(self)  # the last steps solved with U directly and left U^-1 behind
-        q, s, A, Hq, Ht, HUinv, ht = self._outputs(Hx, idx, with_uinv=woodbury)
-        L, gq, gs, GA = self.loss_and_grads(q, s, A, T, self.y_sq(idx, T), idx)
-        return L, _Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
-
-    def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:
-        if self.step == "autograd":
-            return super()._training_loss(H, idx, T)
-        if self.step == "cuda_graph":
-            if self._graph is None:
-                self._graph = CudaGraphStep(self, H.shape[0], idx.shape[1], hidden_dtype=H.dtype)
-            if H.shape[0] == self._graph.m:  # another batch size runs the same step eagerly
-                return AppliedStep.apply(H, *self._graph(H.detach(), idx, T))
-        return AppliedStep.apply(H, *self._fused_step(H, idx, T))
-
-    # -- backward and the exact update ------------------------------------------------------
-    @torch.no_grad()
-    def _hidden_grad(self, sv: _Saved, grad_out: Tensor, parts: bool = False):
-        """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
-        gq, gs, GA = sv.gq * grad_out, sv.gs * grad_out, sv.GA * grad_out
-        ybar = GA.sum(1)
-        Z = self.sharding.gather_sum(self.V, sv.idx, GA) @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
-        dH = torch.addcmul(Z, gq[:, None], sv.Hq, value=2.0)
-        return (dH, gq, gs, GA, ybar, Z) if parts else dH
-
-    def _pending_record(self, sv: _Saved, weight: Tensor):
-        return sv.Hx, sv.idx, sv.gq * weight, sv.gs * weight, sv.GA * weight
-
-    @torch.no_grad()
-    def _apply_records(self, records: list) -> None:
-        """The step on the union of the micro-batches: their rows, targets padded to one K."""
-        K = max(r[1].shape[1] for r in records)
-        pad = lambda t, v: torch.nn.functional.pad(t, (0, K - t.shape[1]), value=v)  # noqa: E731
-        Hx = torch.cat([r[0] for r in records])
-        idx = torch.cat([pad(r[1], -1) for r in records])
-        gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
-        GA = torch.cat([pad(r[4], 0.0) for r in records])
-        woodbury = self._use_woodbury(Hx.shape[0])
-        if woodbury and not self._uinv_fresh:
-            self.repairs.refresh_uinv(self)
-        _, s, _, Hq, Ht, HUinv, ht = self._outputs(Hx, None, with_uinv=woodbury)
-        self._backward_step(_Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))
-
-    @torch.no_grad()
     def _backward_step(self, sv: _Saved, grad_out: Tensor) -> Tensor:
+        """dL/dH, then the exact update written if its checks pass, then the repairs due."""
         Hx = sv.Hx
         checker = self.checker  # HostChecks: each verdict read at once; DeviceFlags: device flags
         dH, gq, gs, GA, ybar, Z = self._hidden_grad(sv, grad_out, parts=True)
@@ -339,6 +328,16 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         if checker.count(self, ok):  # every step (HostChecks) or every sync_every steps (DeviceFlags)
             self.sync()  # the repairs that fell due
         return checker.where(ok, dH, 0.0)
+
+    @torch.no_grad()
+    def _hidden_grad(self, sv: _Saved, grad_out: Tensor, parts: bool = False):
+        """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
+        gq, gs, GA = sv.gq * grad_out, sv.gs * grad_out, sv.GA * grad_out
+        ybar = GA.sum(1)
+        YV = self.sharding.gather_sum(self.V, sv.idx, GA)  # Yd V: K rows of V per example
+        Z = YV @ self.U + torch.outer(ybar, self.omega) + torch.outer(gs, self.wbar)
+        dH = torch.addcmul(Z, gq[:, None], sv.Hq, value=2.0)
+        return (dH, gq, gs, GA, ybar, Z) if parts else dH
 
     def _new_state(self, sv: _Saved, gq, gs, GA, ybar, Z, dH) -> _Update:
         """The step's new state, computed aside: nothing of the head changes here."""
@@ -390,30 +389,12 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             else:
                 self._uinv_fresh = False
             self.cond_bound.copy_(keep(self.cond_bound * new.cond_step, self.cond_bound))
-        lk.scatter_add_rows_(self.V, self.sharding.local_idx(sv.idx), keep(new.GA, 0.0), keep(new.HUinv, 0.0), -new.lr)
+        rows = self.sharding.local_idx(sv.idx)  # sharded: only this rank's rows of V
+        lk.scatter_add_rows_(self.V, rows, keep(new.GA, 0.0), keep(new.HUinv, 0.0), -new.lr)
         self.omega.copy_(keep(new.omega, self.omega))
         self.Q.copy_(keep(0.5 * (new.Q + new.Q.T), self.Q))
         self.wbar.copy_(keep(new.wbar, self.wbar))
         self._version += 1
-
-    @own_precision
-    @torch.no_grad()
-    def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Forward, backward and update in one call, without autograd: the loss and dL/dH
-        (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
-        nothing on the host: the unit that ``CudaGraphStep`` captures."""
-        _, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
-        self.check_decay()
-        return self._fused_step(H, idx, T)
-
-    @torch.no_grad()
-    def _fused_step(self, H: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
-        """``train_step`` on checked targets."""
-        Hx, idx, T, rows = self.sharding.collect(self.augment(H), idx, T, training=True)
-        loss, saved = self._forward_step(Hx, idx, T)
-        self._version += 1  # a pending autograd backward from an earlier forward is now stale
-        dH = self.sharding.own_rows(self._backward_step(saved, loss.new_ones(())), rows)
-        return loss, dH[:, : self.hidden_dim].to(H.dtype)
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -435,7 +416,26 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """Recompute U^-1, then bring U's singular values into [sv_min, sv_max] (exact, W unchanged)."""
         self.repairs.stabilise(self)
 
-    # -- more than one process (multi_process.py; docs/multi_gpu.md) ------------------------
+    # -- exact accumulation: one step on the rows of several backward passes (pending_step.py)
+    def _pending_record(self, sv: _Saved, weight: Tensor):
+        return sv.Hx, sv.idx, sv.gq * weight, sv.gs * weight, sv.GA * weight
+
+    @torch.no_grad()
+    def _apply_records(self, records: list) -> None:
+        """The step on the union of the micro-batches: their rows, targets padded to one K."""
+        K = max(r[1].shape[1] for r in records)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, K - t.shape[1]), value=v)  # noqa: E731
+        Hx = torch.cat([r[0] for r in records])
+        idx = torch.cat([pad(r[1], -1) for r in records])
+        gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
+        GA = torch.cat([pad(r[4], 0.0) for r in records])
+        woodbury = self._use_woodbury(Hx.shape[0])
+        if woodbury and not self._uinv_fresh:
+            self.repairs.refresh_uinv(self)
+        _, s, _, Hq, Ht, HUinv, ht = self._outputs(Hx, None, with_uinv=woodbury)
+        self._backward_step(_Saved(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))
+
+    # -- more than one process (head.sharding: multi_process.py; docs/multi_gpu.md) -----
     @torch.no_grad()
     def distribute(self, process_group=None) -> None:
         """Join the ranks of ``process_group`` (default: the whole world; alone when
@@ -492,7 +492,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             state_dict = {**state_dict, prefix + "V": mine}
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    # -- evaluation -------------------------------------------------------------------------
+    # -- evaluation ---------------------------------------------------------------------
+    @torch.no_grad()
+    def _eval_loss(self, Hx, idx, T):
+        Hx, idx, T, rows = self.sharding.collect(Hx, idx, T, training=False)
+        q, s, A, *_ = self._outputs(Hx, idx)
+        per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
+        return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
+
     @own_precision
     @torch.no_grad()
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
