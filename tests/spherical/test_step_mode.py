@@ -45,3 +45,19 @@ def test_the_head_checks_its_mode_at_construction_and_on_change():
 def test_the_naive_head_always_accumulates():
     _, naive = make_pair("zloss")
     assert naive.cannot_accumulate() is None and naive.step == "autograd"
+
+
+def test_the_checker_follows_sync_every_and_keeps_its_counts():
+    """One checking strategy, chosen from sync_every: HostChecks reads each check at once,
+    DeviceFlags leaves them on the device; a change between two sync_every > 1 keeps it."""
+    from lst_lightning.spherical.sync_free import DeviceFlags, HostChecks
+
+    head = deferred(sync_every=1)
+    assert type(head.checker) is HostChecks and not head.deferred_checks
+    head.sync_every = 3
+    flags = head.checker
+    assert type(flags) is DeviceFlags and head.deferred_checks
+    head.sync_every = 5
+    assert head.checker is flags
+    head.sync_every = 1
+    assert type(head.checker) is HostChecks

@@ -25,23 +25,12 @@ from .checks import check_config, check_overrides, resolve_aliases
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .quiet import one_handler_for_lightning, quiet_libraries
+from .wiring import flatten  # noqa: F401  (its old home)
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    """Nested config -> flat ``{"a.b": v}`` (W&B shows and filters flat keys best)."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def check_device(trainer_cfg: DictConfig) -> None:
@@ -106,25 +95,43 @@ def check_accumulation(cfg: DictConfig, head) -> None:
                          f"trainer.accumulate_grad_batches={accumulate} must be 1")
 
 
+def check_built(cfg: DictConfig, head, body, trainer) -> None:
+    """Every check of the built run that needs the objects themselves, in one place, before
+    any process is started: the head with accumulation, the head and the processes, the
+    sparse input embedding and the process group's backend, a sharded head and spawn."""
+    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
+
+    from .module import check_distributed  # noqa: PLC0415
+
+    check_accumulation(cfg, head)
+    check_distributed(head, trainer.world_size)
+    check_sparse_backend(body, trainer)
+    if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
+        # The workers hand the model back through rank 0's state_dict: one shard of V.
+        raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={cfg.trainer.strategy}: spawned "
+                         "workers return only rank 0's shard of V to the launching process; use "
+                         "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
+
+
 def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
-    """Data module, model and trainer from a composed config."""
+    """Data module, model and trainer from a composed config: the loggers and callbacks are
+    the ``_target_`` entries of the ``logger`` and ``callbacks`` groups (wiring.py); the
+    built run is checked by ``check_built``."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
     cfg = resolve_aliases(cfg)
     quiet_libraries()
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
-    from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
-    from .callbacks import HeadTiming, ProgressLog, RunRecord, ShardedHeadCheckpoint, run_facts  # noqa: PLC0415
-    from .csv_log import AppendingCSVLogger  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
-    from .module import LanguageModel, check_distributed  # noqa: PLC0415
+    from .module import LanguageModel  # noqa: PLC0415
+    from .wiring import Run, instantiate_group  # noqa: PLC0415
 
     one_handler_for_lightning()
     run_dir = Path(run_dir)
     tcfg = cfg.trainer
     check_device(tcfg)
-    cls = head_class(cfg)
+    head_class(cfg)  # a bad _target_ fails here, before the data is read
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
@@ -136,7 +143,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     dm.setup("fit")
     body = instantiate(cfg.model, vocab_size=dm.input_vocab_size, context_size=dm.context_size, _convert_="all")
     head = make_head(cfg, dm.num_classes, body.hidden_dim, dm.class_counts)
-    check_accumulation(cfg, head)
 
     m = cfg.metrics
     if m.perplexity == "auto":
@@ -154,44 +160,14 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
     )
 
-    name = run_name(cfg)
-    loggers: list = []
-    if cfg.logger.csv:
-        loggers.append(AppendingCSVLogger(save_dir=str(run_dir), name="csv", version=""))
-    wb = cfg.logger.wandb
-    if wb.enabled:
-        tags = sorted({cls.__name__, *([loss_name(cfg)] if loss_name(cfg) else []), *wb.tags})
-        loggers.append(pl.loggers.WandbLogger(
-            save_dir=str(run_dir), project=wb.project, entity=wb.entity, name=name,
-            group=wb.group or name, tags=tags, mode=wb.mode,
-            config=flatten(OmegaConf.to_container(cfg, resolve=True)),
-        ))
-
-    cb = cfg.callbacks
-    callbacks: list = [pl.callbacks.ModelCheckpoint(
-        dirpath=str(run_dir / "checkpoints"), save_last=cb.checkpoint.save_last,
-        save_top_k=cb.checkpoint.save_top_k, every_n_epochs=cb.checkpoint.every_n_epochs),
-        HeadTiming(every=m.timing_every),
-        ProgressLog(every=cb.get("progress_every", 100), log_file=run_dir / "train.log"),
-        ShardedHeadCheckpoint(mode=cfg.get("head_checkpoint", "whole"), keep=cfg.get("head_shards_keep", 2)),
-        RunRecord(run_facts(head, body, dm.batch_size, loss_name(cfg), OmegaConf.to_container(cfg.loss.kwargs),
-                            cfg.optimizer.lr, gpu=tcfg.get("accelerator", "cpu") in ("gpu", "cuda")))]
-    if cb.rich_progress:
-        callbacks.append(pl.callbacks.RichProgressBar())
-    if cb.lr_monitor and loggers:
-        callbacks.append(pl.callbacks.LearningRateMonitor(logging_interval="step"))
-    callbacks += list(extra_callbacks)
+    run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
+    run.loggers = instantiate_group(cfg.logger, run)
+    callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
     trainer = pl.Trainer(
-        **OmegaConf.to_container(tcfg, resolve=True), logger=loggers or False, callbacks=callbacks,
-        default_root_dir=str(run_dir), enable_progress_bar=bool(cb.rich_progress),
+        **OmegaConf.to_container(tcfg, resolve=True), logger=run.loggers or False, callbacks=callbacks,
+        default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
     )
-    check_distributed(head, trainer.world_size)  # before any process is started
-    check_sparse_backend(body, trainer)
-    if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
-        # The workers hand the model back through rank 0's state_dict: one shard of V.
-        raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={tcfg.strategy}: spawned "
-                         "workers return only rank 0's shard of V to the launching process; use "
-                         "trainer.strategy=ddp (trainer=ddp on one node, or torchrun/srun: docs/multi_gpu.md)")
+    check_built(cfg, head, body, trainer)
     return dm, module, trainer
 
 
@@ -264,7 +240,8 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
         test = trainer.test(module, datamodule=dm, verbose=False)[0]
         results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}
         results["unigram_test"] = unigram_metrics(dm, list(cfg.metrics.topk))
-    t = next(c for c in trainer.callbacks if isinstance(c, HeadTiming)).totals
+    timing = next((c for c in trainer.callbacks if isinstance(c, HeadTiming)), None)  # callbacks.head_timing
+    t = timing.totals if timing is not None else {"steps": 0}
     if t["steps"]:
         results["step_time_ms"] = 1e3 * t["step_s"] / t["steps"]
         results["tokens_per_s"] = t["tokens"] / t["step_s"]
@@ -272,10 +249,11 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     results["wall_s"] = time.perf_counter() - start
     results["run_dir"] = str(run_dir)
     results["world_size"] = trainer.world_size
-    record = next(c for c in trainer.callbacks if isinstance(c, RunRecord))
-    results.update(record.facts)
+    record = next((c for c in trainer.callbacks if isinstance(c, RunRecord)), None)  # callbacks.run_record
+    results.update(record.facts if record is not None else {})
     results.update({f"head/{k}": float(v) for k, v in module.head.stats().items()})  # final counters
-    record.finish(trainer, results)  # the W&B summary, under results.json's names
+    if record is not None:
+        record.finish(trainer, results)  # the W&B summary, under results.json's names
     if writer:
         (run_dir / "results.json").write_text(json.dumps(results, indent=2))
         print_summary(results)

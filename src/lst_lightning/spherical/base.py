@@ -15,6 +15,7 @@ from ..heads.base import OutputHead
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from .blocks import BLOCK
+from .multi_process import Sharding
 from .pending_step import PendingSteps
 
 STATE_DTYPES = (torch.float32, torch.float64)
@@ -39,7 +40,7 @@ class _SelfUpdatingStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, H: Tensor, head: "SphericalHeadBase", idx: Tensor, T: Tensor, token):
-        Hx, idx, T, ctx.rows = head._collect(head.augment(H), idx, T, training=True)
+        Hx, idx, T, ctx.rows = head.sharding.collect(head.augment(H), idx, T, training=True)
         loss, saved = head._forward_step(Hx, idx, T)
         # token None: a frozen head (eval mode), which hands dL/dH on and never steps.
         ctx.head, ctx.saved, ctx.version, ctx.token = head, saved, head._version, token
@@ -54,7 +55,8 @@ class _SelfUpdatingStep(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out: Tensor):
         head = ctx.head
-        dH = head._own_rows(head._backward_of(ctx.saved, ctx.token, ctx.version, grad_out.to(head.dtype)), ctx.rows)
+        dH = head.sharding.own_rows(head._backward_of(ctx.saved, ctx.token, ctx.version, grad_out.to(head.dtype)),
+                                    ctx.rows)
         if ctx.token is not None:
             ctx.saved = None  # a second backward reuses the token's dL/dH
         return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None
@@ -100,6 +102,9 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()
         self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
         self._init_pending_steps()
+        #: the process-group work (multi_process.py): one process, every collective the
+        #: identity (the factored head holds a replicated or sharded one with ``parallel``)
+        self.sharding = Sharding(num_classes)
         # The seed of the initial W (drawn on the host, so that a head built on the meta
         # device has one too): ``reset_weight()`` redraws the same W from it.
         # the loss's choice by default (docs/learning_at_scale.md)
@@ -203,18 +208,16 @@ class SphericalHeadBase(PendingSteps, OutputHead):
     def _eval_loss(self, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
         raise NotImplementedError
 
-    # Multi-process hooks (the factored head overrides them): the one-process identity.
+    def _ensure_distributed(self) -> None:
+        if not self.sharding.joined:
+            self.distribute()
+
     def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None,
                             step: bool | None = None):
         """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
-        return self.prepare(H, target_idx, target_val, step=step)
-
-    def _collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):
-        """The batch the step works on (all ranks' rows) and this rank's rows in it (None: all)."""
-        return Hx, idx, T, None
-
-    def _own_rows(self, dH: Tensor, rows: slice | None) -> Tensor:
-        return dH
+        self._ensure_distributed()
+        step = self.in_training_step if step is None else step
+        return self.sharding.agree(lambda: self.prepare(H, target_idx, target_val, step=step), step, self.device)
 
     def weight(self) -> Tensor:
         """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""

@@ -24,17 +24,18 @@ def at_zero_lr(head: "FactoredSphericalHead"):
     """Steps taken inside run at lr = 0: W, U, V, Q... keep their bits (a zero step adds
     exact zeros) and the counters are put back, with no flag read or repair meanwhile."""
     counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
-    saved = head._calls, head._synced, head.lr, head.sync_every
+    checker = head.checker  # DeviceFlags: StepMode("cuda_graph", ...) needs sync_every > 1
+    saved = checker.calls, checker.synced, head.lr, head.sync_every
     head.sync_every = 1 << 62
     head._lr_t.fill_(0.0)
-    head._lr_filled = head.lr  # keep the 0 in place
+    checker.lr_filled = head.lr  # keep the 0 in place
     try:
         yield
     finally:
         for k, v in counters.items():
             head.get_buffer(k).copy_(v)
-        head._calls, head._synced, head.lr, head.sync_every = saved
-        head._lr_filled = None
+        checker.calls, checker.synced, head.lr, head.sync_every = saved
+        checker.lr_filled = None
 
 
 class CudaGraphStep:
@@ -84,8 +85,9 @@ class CudaGraphStep:
             self.val.copy_(idx >= 0)
         else:
             self.val.copy_(target_val.reshape(idx.shape))
-        head._lr_device()  # refill lr outside the graph
+        head.checker.lr(head)  # refill lr outside the graph
         self.graph.replay()
         head._version += 1
-        head._count_step()
+        if head.checker.tick(head):  # the replay counted on the host: the flags read every sync_every
+            head.sync()
         return self.loss, self.dH

@@ -109,12 +109,20 @@ def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: boo
     return out
 
 
-class Stabilisation:
-    """The repairs, as methods of ``FactoredSphericalHead`` (which holds the buffers)."""
+def fell_due(every: int, n_prev: int, n: int) -> bool:
+    """Whether a job done every ``every`` steps (0: never) fell due between step n_prev and step n."""
+    return bool(every) and n // every > n_prev // every
 
-    stabiliser: Stabiliser
 
-    def _step_eigen_bounds(self, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[float, float, bool]:
+class Repairs:
+    """The repairs of a factored head: their settings (``Stabiliser``) and their logic. The
+    head holds one and calls it; the repairs change the head's buffers (V, U, U^-1, the
+    conditioning bound and estimate, the warm starts) and count themselves in its counters."""
+
+    def __init__(self, settings: Stabiliser):
+        self.settings = settings
+
+    def step_eigen_bounds(self, head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[float, float, bool]:
         """Bounds (lo, hi) on |eigenvalues| of B/c = I - H^T diag(kappa) H, and whether they are exact.
 
         Only when the cheap bounds cannot rule out an eigenvalue of B/c below 1/2 are the
@@ -122,7 +130,7 @@ class Stabilisation:
         rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
         if rho_pos <= 0.5:
             return 1.0 - rho_pos, 1.0 + rho_neg, False
-        self.eig_checks += 1
+        head.eig_checks += 1
         m, d = Hx.shape
         if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
             ev = torch.linalg.eigvals(kappa[:, None] * G).real
@@ -132,104 +140,99 @@ class Stabilisation:
         lam = (1.0 - ev).abs()
         return float(lam.min()), float(lam.max()), True
 
-    def _maintain(self, n_prev: int, n: int) -> None:
+    def run_due(self, head, n_prev: int, n: int) -> None:
         """The repairs that fell due between step n_prev and step n."""
-        st = self.stabiliser
-
-        def due(every: int) -> bool:
-            return bool(every) and n // every > n_prev // every
-        if due(st.q_refresh_every):
-            self.refresh_bookkeeping()
-            self.q_refreshes += 1
-        if due(st.check_every) or float(self.cond_bound) > st.cond_trigger:
-            self.stabilise()
-        elif due(st.uinv_refresh_every) and self._uinv_fresh:
-            self._refresh_uinv()  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
-        if due(self.checksum_every):
-            self.check_replicas()
+        st = self.settings
+        if fell_due(st.q_refresh_every, n_prev, n):
+            head.refresh_bookkeeping()
+            head.q_refreshes += 1
+        if fell_due(st.check_every, n_prev, n) or float(head.cond_bound) > st.cond_trigger:
+            self.stabilise(head)
+        elif fell_due(st.uinv_refresh_every, n_prev, n) and head._uinv_fresh:
+            self.refresh_uinv(head)  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
 
     @torch.no_grad()
-    def _refresh_uinv(self) -> None:
-        self.Uinv.copy_(torch.linalg.inv(self.U))
-        self._uinv_fresh = True
-        self.uinv_refreshes += 1
+    def refresh_uinv(self, head) -> None:
+        head.Uinv.copy_(torch.linalg.inv(head.U))
+        head._uinv_fresh = True
+        head.uinv_refreshes += 1
 
     @torch.no_grad()
-    def _fold_into_v(self, U: Tensor) -> None:
+    def fold_into_v(self, head, U: Tensor) -> None:
         """V <- V U, U = U^-1 = I: W unchanged, O(D d^2)."""
-        for _, blk in row_blocks(self.V):
+        for _, blk in row_blocks(head.V):
             blk.copy_(blk @ U)
-        eye = torch.eye(self.width, dtype=self.dtype, device=self.device)
-        self.U.copy_(eye)
-        self.Uinv.copy_(eye)
-        self._uinv_fresh = True
-        self.cond_bound.fill_(1.0)
-        self.cond_estimate.fill_(1.0)
-        self._version += 1
+        eye = torch.eye(head.width, dtype=head.dtype, device=head.device)
+        head.U.copy_(eye)
+        head.Uinv.copy_(eye)
+        head._uinv_fresh = True
+        head.cond_bound.fill_(1.0)
+        head.cond_estimate.fill_(1.0)
+        head._version += 1
 
-    def _rescale_directions(self, P: Tensor, sigma: Tensor, target: Tensor) -> None:
+    def _rescale_directions(self, head, P: Tensor, sigma: Tensor, target: Tensor) -> None:
         """Set U's singular values ``sigma`` (left vectors: columns of P) to ``target``.
 
         U <- (I + P diag(alpha) P^T) U, V and U^-1 <- X (I + P diag(beta) P^T), with
         (1 + alpha)(1 + beta) = 1, so W = V U is unchanged; O(D d k) for k columns."""
         alpha = target / sigma - 1.0
         beta = -alpha / (1.0 + alpha)
-        self.U.add_(P @ (alpha[:, None] * (P.T @ self.U)))
-        self.Uinv.add_((self.Uinv @ P) @ (beta[:, None] * P.T))
-        for _, blk in row_blocks(self.V):
+        head.U.add_(P @ (alpha[:, None] * (P.T @ head.U)))
+        head.Uinv.add_((head.Uinv @ P) @ (beta[:, None] * P.T))
+        for _, blk in row_blocks(head.V):
             blk.add_((blk @ P) @ (beta[:, None] * P.T))
-        self.sv_fixes += P.shape[1]
-        self._version += 1
+        head.sv_fixes += P.shape[1]
+        head._version += 1
 
     def _power(self, A: Tensor, v: Tensor) -> tuple[float, Tensor]:
         """Largest singular value of A and its left singular vector, warm-started at v."""
         v = v / v.norm().clamp_min(1e-30)
-        for _ in range(self.stabiliser.power_iters):
+        for _ in range(self.settings.power_iters):
             w = A @ (A.T @ v)
             v = w / w.norm().clamp_min(1e-30)
         return float((A.T @ v).norm()), v
 
     @torch.no_grad()
-    def stabilise(self) -> None:
+    def stabilise(self, head) -> None:
         """Recompute U^-1, then bring U's singular values into [sv_min, sv_max] (exact, W unchanged)."""
-        st = self.stabiliser
-        self.checks += 1
-        self._refresh_uinv()
+        st = self.settings
+        head.checks += 1
+        self.refresh_uinv(head)
         lo, hi = st.sv_min, st.sv_max
         if st.sv_method == "svd":
-            P, sig, _ = torch.linalg.svd(self.U)
+            P, sig, _ = torch.linalg.svd(head.U)
             bad = (sig < lo) | (sig > hi)
             k = int(bad.sum())
             if k > st.max_sv_fixes:
-                self._unfactorize()
+                self.unfactorize(head)
             elif k:
-                self._rescale_directions(P[:, bad], sig[bad], torch.ones_like(sig[bad]))
-                self._refresh_uinv()
-            _, sig, _ = torch.linalg.svd(self.U)
+                self._rescale_directions(head, P[:, bad], sig[bad], torch.ones_like(sig[bad]))
+                self.refresh_uinv(head)
+            _, sig, _ = torch.linalg.svd(head.U)
             smax, smin = float(sig[0]), float(sig[-1])
         else:
             fixes = 0
             while True:
-                smax, u_max = self._power(self.U, self.u_max)
-                inv_smin, u_min = self._power(self.Uinv.T, self.u_min)  # left vectors of U at sigma_min
+                smax, u_max = self._power(head.U, head.u_max)
+                inv_smin, u_min = self._power(head.Uinv.T, head.u_min)  # left vectors of U at sigma_min
                 smin = 1.0 / inv_smin
-                self.u_max.copy_(u_max)
-                self.u_min.copy_(u_min)
+                head.u_max.copy_(u_max)
+                head.u_min.copy_(u_min)
                 if lo <= smin and smax <= hi:
                     break
                 if fixes >= st.max_sv_fixes:
-                    self._unfactorize()
+                    self.unfactorize(head)
                     smax = smin = 1.0
                     break
                 u, sigma = (u_min, smin) if smin < lo else (u_max, smax)
-                one = torch.ones(1, dtype=self.dtype, device=self.device)
-                self._rescale_directions(u[:, None], one * sigma, one)
+                one = torch.ones(1, dtype=head.dtype, device=head.device)
+                self._rescale_directions(head, u[:, None], one * sigma, one)
                 fixes += 1
             if fixes:
-                self._refresh_uinv()
-        self.cond_estimate.fill_(smax / smin)
-        self.cond_bound.fill_(smax / smin)
+                self.refresh_uinv(head)
+        head.cond_estimate.fill_(smax / smin)
+        head.cond_bound.fill_(smax / smin)
 
-    def _unfactorize(self) -> None:
-        self._fold_into_v(self.U.clone())
-        self.unfactorizations += 1
+    def unfactorize(self, head) -> None:
+        self.fold_into_v(head, head.U.clone())
+        head.unfactorizations += 1

@@ -1,18 +1,31 @@
-"""The sync-free training step (``sync_every > 1``): the step reads nothing on the host,
-so a GPU never waits for it and it can be captured in a CUDA graph.
+"""How the factored step checks itself: one strategy, chosen from ``sync_every`` when the
+head is built (or ``sync_every`` changes), with one small interface.
 
-Every check of the synchronous step becomes a device flag: bad target ids turn into
-padding and void the step; a non-finite or singular step is masked out with
-``torch.where`` (every buffer keeps its value) and counted; lr is a device scalar.
-``sync()`` reads the flags every ``sync_every`` steps: it warns about skipped steps,
-runs the repairs that fell due, and raises for the bad ids.
+- ``HostChecks`` (``sync_every == 1``): every check is read on the host at once; a bad
+  target id raises before anything changes, a non-finite or singular step is skipped
+  and counted at once, the repairs run after each step.
+- ``DeviceFlags`` (``sync_every > 1``): the step reads nothing on the host, so a GPU
+  never waits for it and it can be captured in a CUDA graph. Every check becomes a device
+  flag: bad target ids turn into padding and void the step; a non-finite or singular
+  step is masked out with ``torch.where`` (every buffer keeps its value) and counted; lr
+  is a device scalar. ``head.sync()`` reads the flags every ``sync_every`` steps: it warns
+  about skipped steps, runs the repairs that fell due, and raises for the bad ids.
+
+The interface, as the head's step calls it (``factored.py``): ``screen`` (targets),
+``lr``, ``step_bounds`` (the eigenvalue bounds of B and the fold decision), ``verdict``
+(a check: a host bool, or a device flag), ``where`` (a masked write), ``count`` (the step
+counted; whether the flags are read now) and ``read`` (the read itself, for ``sync()``).
+A verdict of ``False`` (a Python bool) is a step already skipped on the host.
 """
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 from torch import Tensor
+
+from .stabiliser import largest_eig_bounds
 
 
 def capturing() -> bool:
@@ -20,60 +33,129 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class SyncFreeSteps:
-    """The device-flag side of the step, as methods of ``FactoredSphericalHead``."""
+class HostChecks:
+    """``sync_every == 1``: each check read on the host when it is made."""
 
-    def _init_sync_free(self) -> None:
-        """The host-side counts (the device buffers _lr_t and _bad_input are declared in state.py)."""
-        self._calls = 0          # training steps run (host count: no device read)
-        self._synced = (0, 0)    # (steps, skipped) at the last host read
-        self._lr_filled = None
+    deferred = False
 
-    def _screen_targets(self, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def __init__(self):
+        self.calls = 0           # training steps run (host count)
+        self.synced = (0, 0)     # (steps, skipped) at the last host read
+
+    def screen(self, head, idx: Tensor, T: Tensor):
+        """Targets as checked by ``prepare`` (bad ids raised there): nothing to flag."""
+        return idx, T, True
+
+    def lr(self, head) -> float:
+        return head.lr
+
+    def step_bounds(self, head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float]:
+        """Whether to fold this step into V, and a bound on cond(B), read on the host."""
+        lam_lo, lam_hi, exact = head.repairs.step_eigen_bounds(head, Hx, G, kappa)
+        fold = exact and lam_lo < head.stabiliser.fold_tol
+        return fold, (lam_hi / lam_lo if lam_lo > 0 else float("inf"))
+
+    def verdict(self, head, ok, flag: Tensor, what: str):
+        """``ok and flag``, read now; a failed check skips the step and counts it."""
+        if ok is False:
+            return False
+        if not bool(flag):
+            head._skip(what)
+            return False
+        return True
+
+    @staticmethod
+    def where(ok, fresh, old):
+        return fresh  # only a step that passed its checks is written
+
+    def count(self, head, ok) -> bool:
+        """The step counted; whether the flags are read now (here: after every step)."""
+        head.steps += 1
+        return True
+
+    def read(self, head):
+        """(steps at the last read, steps now, bad input) or None when no step ran since."""
+        n = int(head.steps)
+        n_prev = self.synced[0]
+        if n == n_prev:
+            return None
+        self.synced = (n, int(head.skipped_nonfinite))
+        return n_prev, n, False
+
+
+class DeviceFlags(HostChecks):
+    """``sync_every > 1``: each check a device flag, read every ``sync_every`` steps."""
+
+    deferred = True
+
+    def __init__(self):
+        super().__init__()
+        self.lr_filled = None    # the lr held in the device scalar head._lr_t
+
+    def screen(self, head, idx: Tensor, T: Tensor):
         """Bad ids become padding and raise the flag; the step is void (``input_ok`` False)."""
-        bad = (idx < -1) | (idx >= self.num_classes)
+        bad = (idx < -1) | (idx >= head.num_classes)
         input_ok = ~bad.any()
-        self._bad_input |= ~input_ok
+        head._bad_input |= ~input_ok
         return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
 
-    def _masked_write(self, sv, update, finite: Tensor, dH: Tensor) -> Tensor:
-        """Apply the step where it is valid, keep every buffer where it is not: no host
-        read, no branch. Returns dL/dH (zero for a voided step)."""
-        ok = update.ok & finite & sv.input_ok
-        self._write(sv, update, ok)
-        self.steps += ok
-        self.skipped_nonfinite += ~ok
-        if not capturing():  # a captured step is counted by its replays
-            self._count_step()
-        return torch.where(ok, dH, 0.0)
+    def lr(self, head) -> Tensor:
+        """lr as a device scalar, refilled (outside any graph capture) when lr changed: a
+        captured graph reads it at each replay."""
+        if self.lr_filled != head.lr and not capturing():
+            head._lr_t.fill_(head.lr)
+            self.lr_filled = head.lr
+        return head._lr_t
 
-    def _count_step(self) -> None:
-        self._calls += 1
-        if self._calls % self.sync_every == 0:
-            self.sync()
+    def step_bounds(self, head, Hx, G, kappa) -> tuple[bool, Tensor]:
+        """The bounds stay on the device; a nearly singular B is not folded here (the next
+        read of the flags repairs U: its conditioning bound went up)."""
+        rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=False)
+        return False, torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
 
-    def _lr_device(self) -> Tensor:
-        """lr as a device scalar, refilled (outside any graph capture) when lr changed."""
-        if self._lr_filled != self.lr and not capturing():
-            self._lr_t.fill_(self.lr)
-            self._lr_filled = self.lr
-        return self._lr_t
+    def verdict(self, head, ok, flag: Tensor, what: str) -> Tensor:
+        return flag if ok is True else ok & flag
 
-    @torch.no_grad()
-    def sync(self) -> None:
-        """Read the step's device flags (one host synchronisation): warn about skipped steps,
-        run the repairs that fell due, and raise if a batch since the last read had bad targets."""
-        if not self.deferred_checks:
-            return
-        steps, skipped, bad = torch.stack([self.steps, self.skipped_nonfinite, self._bad_input.long()]).tolist()
-        (n_prev, skipped_prev), self._synced = self._synced, (steps, skipped)
+    @staticmethod
+    def where(ok, fresh, old):
+        return torch.where(ok, fresh, old)
+
+    def count(self, head, ok: Tensor) -> bool:
+        head.steps += ok
+        head.skipped_nonfinite += ~ok
+        if capturing():  # a captured step is counted by its replays (CudaGraphStep calls tick)
+            return False
+        return self.tick(head)
+
+    def tick(self, head) -> bool:
+        """One more step run; whether the flags are due to be read (every ``sync_every``)."""
+        self.calls += 1
+        return self.calls % head.sync_every == 0
+
+    def read(self, head):
+        """Read the flags (one host synchronisation) and warn about skipped steps."""
+        steps, skipped, bad = torch.stack([head.steps, head.skipped_nonfinite, head._bad_input.long()]).tolist()
+        (n_prev, skipped_prev), self.synced = self.synced, (steps, skipped)
         if any(k & (k - 1) == 0 for k in range(skipped_prev + 1, skipped + 1)):
-            warnings.warn(f"{type(self).__name__}: {skipped - skipped_prev} step(s) with non-finite or invalid "
+            warnings.warn(f"{type(head).__name__}: {skipped - skipped_prev} step(s) with non-finite or invalid "
                           f"values since the last check were skipped, the head's state left untouched "
-                          f"({skipped} skipped so far)", RuntimeWarning, stacklevel=2)
-        self._maintain(n_prev, steps)
-        if bad:
-            self._bad_input.zero_()
-            raise ValueError(f"a batch since the last check (at most {self.sync_every} steps) had target ids "
-                             f"outside [0, {self.num_classes}) (class ids or -1 for padding); that step was "
-                             "skipped and left the head's state untouched")
+                          f"({skipped} skipped so far)", RuntimeWarning, stacklevel=3)
+        return n_prev, steps, bool(bad)
+
+    def raise_bad_input(self, head) -> None:
+        head._bad_input.zero_()
+        raise ValueError(f"a batch since the last check (at most {head.sync_every} steps) had target ids "
+                         f"outside [0, {head.num_classes}) (class ids or -1 for padding); that step was "
+                         "skipped and left the head's state untouched")
+
+
+def checks_for(deferred: bool, old: HostChecks | None = None) -> HostChecks:
+    """The strategy for a step mode; ``old`` is kept when it is already of that kind (its
+    host counts carry over a change of ``sync_every``)."""
+    cls = DeviceFlags if deferred else HostChecks
+    if type(old) is cls:
+        return old
+    new = cls()
+    if old is not None:
+        new.calls, new.synced = old.calls, old.synced
+    return new

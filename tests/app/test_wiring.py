@@ -1,0 +1,35 @@
+"""The loggers and callbacks from config (wiring.py): the _target_ entries of the logger and
+callbacks groups, made in order by one loop; the keys users type still switch them."""
+import lightning.pytorch as pl
+import pytest
+
+from lst_lightning.app.callbacks import HeadTiming, ProgressLog, ShardedHeadCheckpoint
+from lst_lightning.app.csv_log import AppendingCSVLogger
+from lst_lightning.app.wiring import Run, instantiate_group
+
+from app_configs import cfgs_of
+
+
+def made(group, tmp_path, cfg, loggers=()):
+    return instantiate_group(cfg[group], Run(cfg, tmp_path, "run", "zloss", object(), None, None, list(loggers)))
+
+
+def test_logger_keys_switch_the_loggers(tmp_path):
+    csv, no_csv, offline = cfgs_of(["logger=csv"], ["logger=csv", "logger.csv=false"],
+                                   ["logger=offline", "logger.wandb.group=g"])
+    assert [type(x) for x in made("logger", tmp_path, csv)] == [AppendingCSVLogger]
+    assert made("logger", tmp_path, no_csv) == []
+    loggers = made("logger", tmp_path, offline)
+    assert [type(x) for x in loggers] == [AppendingCSVLogger, pl.loggers.WandbLogger]
+
+
+@pytest.mark.parametrize("name", ["default", "minimal"])
+def test_callback_keys_reach_the_callbacks(tmp_path, name):
+    (cfg,) = cfgs_of([f"callbacks={name}", "callbacks.progress_every=7", "~callbacks.run_record",
+                      "metrics.timing_every=3", "head_checkpoint=per_rank"])
+    cbs = made("callbacks", tmp_path, cfg, loggers=[object()])
+    kinds = [type(c) for c in cbs]
+    assert kinds[:4] == [pl.callbacks.ModelCheckpoint, HeadTiming, ProgressLog, ShardedHeadCheckpoint]
+    assert cbs[0].dirpath == str(tmp_path / "checkpoints") and cbs[1].every == 3 and cbs[2].every == 7
+    assert (pl.callbacks.RichProgressBar in kinds) == (pl.callbacks.LearningRateMonitor in kinds) == (name == "default")
+    assert made("callbacks", tmp_path, cfg, loggers=[])[-1].__class__ is not pl.callbacks.LearningRateMonitor
