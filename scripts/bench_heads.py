@@ -88,6 +88,10 @@ SYNC_EVERY = 64
 HEADS += [HeadSpec("naive", "zloss", self_updating=True), HeadSpec("softmax", "torch"), HeadSpec("logits_ce", "torch"),
           HeadSpec("softmax", "liger", cuda_only=True), HeadSpec("softmax", "cce", cuda_only=True),
           HeadSpec("hsoftmax", "sqrt_mass"), HeadSpec("adaptive", "0.05,0.25"), HeadSpec("sampled", "log_uniform")]
+# The app's default for these two (head.sparse=true): row-sparse W and b, stepped by a row-sparse
+# optimiser (the variants above are the dense form, head.sparse=false).
+SPARSE = ",sparse"
+HEADS += [HeadSpec("hsoftmax", "sqrt_mass" + SPARSE), HeadSpec("sampled", "log_uniform" + SPARSE)]
 
 
 def label(row: dict) -> str:
@@ -168,12 +172,13 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
         if spec.head == "logits_ce":
             return head, lambda H, y: F.cross_entropy(head.scores(H).float(), y)
         return head, head
+    variant, sparse = spec.variant.removesuffix(SPARSE), spec.variant.endswith(SPARSE)
     if spec.head == "hsoftmax":
-        head = HierarchicalSoftmaxHead(class_counts=zipf_counts(D), binning=spec.variant, bias=False, **kw)
+        head = HierarchicalSoftmaxHead(class_counts=zipf_counts(D), binning=variant, bias=False, sparse=sparse, **kw)
     elif spec.head == "adaptive":
         head = AdaptiveSoftmaxHead(cutoffs=[float(c) for c in spec.variant.split(",")], div_value=4.0, **kw)
     elif spec.head == "sampled":
-        head = SampledSoftmaxHead(num_samples=64, sampler=spec.variant, bias=False, **kw)
+        head = SampledSoftmaxHead(num_samples=64, sampler=variant, bias=False, sparse=sparse, **kw)
     else:
         raise ValueError(f"unknown head {spec.head!r}")
     return head, head

@@ -156,3 +156,45 @@ def test_bad_settings_are_refused(cfg, match):
 def test_a_dense_body_gets_one_dense_optimizer_whatever_embedding_says():
     opt = make_optimizer(body(False), {**CFG, "name": "adam", "embedding": "sparse_adam"})
     assert type(opt) is torch.optim.Adam
+
+
+def _with_head(sparse_head: bool):
+    from lst_lightning.baselines import SampledSoftmaxHead  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    return nn.ModuleDict({"body": body(True), "head": SampledSoftmaxHead(num_classes=V, hidden_dim=5, bias=True,
+                                                                         sparse=sparse_head).double()})
+
+
+@pytest.mark.parametrize("sparse_head", [True, False])
+@pytest.mark.parametrize("head_lr", [None, 0.01])
+def test_a_heads_rows_and_lr_get_groups_of_their_own(sparse_head, head_lr):
+    """head.sparse rows join the row-sparse half at the head's lr (never embedding_lr);
+    head.lr gives the head's parameters groups of their own; the body's group comes first."""
+    model = _with_head(sparse_head)
+    head = model["head"]
+    opt = make_optimizer(model, {**CFG, "name": "adam", "embedding": "sparse_adam", "embedding_lr": 0.07},
+                         head=head, head_lr=head_lr)
+    lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    own = 0.3 if head_lr is None else head_lr
+    assert lr_of[id(head.weight)] == lr_of[id(head.bias)] == own
+    assert lr_of[id(model["body"].input_embedding.weight)] == 0.07
+    assert opt.param_groups[0]["name"] == "dense" and opt.param_groups[0]["lr"] == 0.3
+    sparse_part = opt.parts[1]
+    assert isinstance(sparse_part, torch.optim.SparseAdam)
+    assert (id(head.weight) in {id(p) for g in sparse_part.param_groups for p in g["params"]}) == sparse_head
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+def test_decay_warns_that_sparse_head_rows_take_none():
+    model = _with_head(True)
+    with pytest.warns(UserWarning, match="head.sparse=true"):
+        make_optimizer(model, {**CFG, "name": "adamw", "weight_decay": 0.1, "embedding": "sparse_adam"},
+                       head=model["head"])
+
+
+def test_sparse_head_rows_need_a_row_sparse_optimiser():
+    with pytest.raises(ValueError, match="head.sparse=true"):
+        make_optimizer(_with_head(True), {**CFG, "embedding": "dense"})
+    with pytest.raises(ValueError, match="head.lr must be"):
+        make_optimizer(_with_head(True), {**CFG, "embedding": "sparse_adam"}, head=None, head_lr=-1.0)

@@ -51,7 +51,7 @@ def test_every_config_composes(experiment):
 def test_default_config():
     cfg = cfg_of()
     assert cfg.head._target_ == "lst_lightning.spherical.FactoredSphericalHead"
-    assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.1, "b": 10.0}
+    assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.03, "b": 10.0}
     assert cfg.data.source == "embedded" and cfg.trainer.accelerator == "cpu"
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
     assert run_name(cfg) == "FactoredSphericalHead-zloss"
@@ -153,10 +153,12 @@ def _state(path):
 
 @pytest.mark.parametrize("head,embedding", [(TOY, "sparse_adam"), (TOY_SOFTMAX, "sparse_adam"),
                                             (TOY_SOFTMAX, "adagrad"), (TOY_SOFTMAX, "dense"),
-                                            ("factored", "sparse_adam")])
+                                            ("factored", "sparse_adam"), ("sampled", "sparse_adam"),
+                                            ("hsoftmax", "adagrad")])
 def test_resume_is_bit_identical(tmp_path, head, embedding):
-    """The row-sparse optimiser's state (and the dense one's) travels with the checkpoint."""
-    pick = f"head={head}" if head == "factored" else f"head._target_={head}"
+    """The row-sparse optimiser's state (and the dense one's) travels with the checkpoint;
+    the sampled and hierarchical softmax's row-sparse class rows (head.sparse=true) with it."""
+    pick = f"head={head}" if "." not in head else f"head._target_={head}"
     over = [*FAST, pick, "trainer.max_epochs=2", "trainer.limit_train_batches=6", "model.dropout=0.2",
             "test=false", f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     full = run(cfg_of(*over), tmp_path / "full")
@@ -255,3 +257,18 @@ def test_sequence_rows_flatten_and_check_shapes():
     assert as_rows(h2, y2)[1] is y2
     with pytest.raises(ValueError, match="targets of shape"):
         as_rows(h, y[:, :2])
+
+
+def test_an_ordinary_heads_own_lr(tmp_path):
+    """head.lr of an ordinary head is its parameters' lr in the optimizer (the body keeps
+    optimizer.lr) and is recorded as head_lr; a bad one is refused at start-up."""
+    from lst_lightning.app.train import build  # noqa: PLC0415
+
+    _, module, _ = build(cfg_of(*FAST, "head=hsoftmax", "head.lr=0.008", "optimizer.lr=0.002"), tmp_path)
+    opt = module.configure_optimizers()["optimizer"]
+    lr_of = {id(p): g["initial_lr"] for g in opt.param_groups for p in g["params"]}  # before the warm-up
+    assert {lr_of[id(p)] for p in module.head.parameters()} == {0.008}
+    assert {lr_of[id(p)] for p in module.body.parameters()} == {0.002}
+    assert module.head.weight in module.head.sparse_parameters()  # head.sparse=true by default
+    with pytest.raises(ValueError, match="head.lr must be"):
+        run(cfg_of(*FAST, "head=sampled", "head.lr=-1"), tmp_path / "bad")

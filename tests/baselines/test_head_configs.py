@@ -18,6 +18,10 @@ def test_head_configs_instantiate_and_train(name):
     conf = Path(__file__).resolve().parents[2] / "conf" / "head"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = compose(config_name=name)
+    from omegaconf import OmegaConf
+
+    # the head's own optimiser lr: the app hands it to the optimizer (train.make_head)
+    cfg = OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items() if k != "lr"})
     target = hydra.utils.get_class(cfg._target_)
     extra = {"class_counts": zipf_counts(60)} if "class_counts" in inspect.signature(target).parameters else {}
     head = hydra.utils.instantiate(cfg, num_classes=60, hidden_dim=16, **extra)

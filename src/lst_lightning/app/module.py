@@ -69,12 +69,17 @@ class LanguageModel(pl.LightningModule):
                 head.step = head_step
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
                           "embedding_lr": None, **(optimizer or {})}
-        check_optimizer_config(self.optim_cfg, body)
+        check_optimizer_config(self.optim_cfg, self)  # the body's sparse embedding, the head's sparse rows
         self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
         lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now
+        # A self-updating head's own SGD lr; an ordinary head's parameters' lr in the optimizer
+        # (None: optimizer.lr). Both follow the schedule.
         self.head_lr = head_lr if head_lr is not None or not head.self_updating else head.lr
         if head.self_updating and self.head_lr is None:
             raise ValueError("a self-updating head needs a learning rate (head.lr)")
+        if self.head_lr is not None and (isinstance(self.head_lr, bool) or not isinstance(self.head_lr, (int, float))
+                                         or not self.head_lr > 0):
+            raise ValueError(f"head.lr must be a number > 0 or null (optimizer.lr), not {self.head_lr!r}")
         self.perplexity, self.score_chunk_size = perplexity, score_chunk_size
         # simlex: {"pairs": [(a, b, score)], "index": {word: id}, "skip": [ids]}
         self.simlex = simlex
@@ -104,8 +109,10 @@ class LanguageModel(pl.LightningModule):
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
-        # the parameters of sparse embeddings go to a row-sparse optimiser (optimizer.embedding)
-        opt = make_optimizer(self, self.optim_cfg)
+        # row-sparse parameters (sparse embeddings, head.sparse rows) go to a row-sparse
+        # optimiser (optimizer.embedding); an ordinary head's own lr gives it groups of its own
+        own_lr = None if self.head.self_updating else self.head_lr
+        opt = make_optimizer(self, self.optim_cfg, head=self.head, head_lr=own_lr)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))

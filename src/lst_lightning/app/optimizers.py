@@ -1,6 +1,9 @@
 """The body's optimisers: a dense one for the ordinary parameters, and a row-sparse one
 for the parameters of sparse ``nn.Embedding`` modules (the body's input embedding with
-``model.sparse_embedding=true``), which reads and writes only the rows of the batch.
+``model.sparse_embedding=true``) and the row-sparse parameters a head declares
+(``OutputHead.sparse_parameters()``: the sampled and hierarchical softmax's class rows
+with ``head.sparse=true``), which reads and writes only the rows a step touched.
+An ordinary head's parameters may have their own lr (``head.lr``): their own groups.
 
 Lightning's automatic optimisation drives one optimiser, so ``PairedOptimizer`` presents
 the two as one: its ``param_groups`` are the two optimisers' own group dicts (the lr
@@ -9,8 +12,12 @@ both (exact resume). ``clip_gradients`` clips dense and row-sparse gradients tog
 (torch's ``clip_grad_norm_`` refuses sparse gradients)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor, nn
+
+from ..heads.base import OutputHead
 
 DENSE = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 # optimizer.embedding: the optimiser of sparse embeddings' rows (dense: none may be sparse)
@@ -18,9 +25,11 @@ EMBEDDING = ("sparse_adam", "sparse_sgd", "adagrad", "dense")
 
 
 def sparse_embedding_params(module: nn.Module) -> list[nn.Parameter]:
-    """The weights of the sparse ``nn.Embedding`` modules (their gradients are row-sparse)."""
-    return [m.weight for m in module.modules()
-            if isinstance(m, nn.Embedding) and m.sparse and m.weight.requires_grad]
+    """The parameters with row-sparse gradients: the weights of the sparse ``nn.Embedding``
+    modules and the heads' ``sparse_parameters()``."""
+    found = [m.weight for m in module.modules() if isinstance(m, nn.Embedding) and m.sparse]
+    found += [p for m in module.modules() if isinstance(m, OutputHead) for p in m.sparse_parameters()]
+    return list({id(p): p for p in found if p.requires_grad}.values())
 
 
 def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
@@ -33,43 +42,62 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
     if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"optimizer.embedding_lr must be a number > 0 or null (optimizer.lr), not {lr!r}")
     if module is not None and cfg.get("embedding", "dense") == "dense" and sparse_embedding_params(module):
-        raise ValueError("the body has a sparse input embedding (model.sparse_embedding=true) but "
-                         "optimizer.embedding=dense: set optimizer.embedding to one of "
-                         f"{list(EMBEDDING[:-1])}, or model.sparse_embedding=false")
+        raise ValueError("the model has row-sparse parameters (model.sparse_embedding=true or head.sparse=true) "
+                         "but optimizer.embedding=dense: set optimizer.embedding to one of "
+                         f"{list(EMBEDDING[:-1])}, or model.sparse_embedding=false and head.sparse=false")
 
 
-def _dense_optimizer(params: list, cfg: dict) -> torch.optim.Optimizer:
+def _dense_optimizer(groups: list, cfg: dict) -> torch.optim.Optimizer:
     kw = {"lr": cfg["lr"], "weight_decay": cfg.get("weight_decay", 0.0)}
     if cfg["name"] == "sgd":
         kw["momentum"] = cfg.get("momentum", 0.0)
-    return DENSE[cfg["name"]](params, **kw)
+    return DENSE[cfg["name"]](groups, **kw)
 
 
-def _sparse_optimizer(params: list, name: str, lr: float) -> torch.optim.Optimizer:
+def _sparse_optimizer(groups: list, name: str, lr: float) -> torch.optim.Optimizer:
     # No weight decay and no momentum: both would touch all D rows every step.
     if name == "sparse_adam":
-        return torch.optim.SparseAdam(params, lr=lr)
+        return torch.optim.SparseAdam(groups, lr=lr)
     if name == "sparse_sgd":
-        return torch.optim.SGD(params, lr=lr)
-    return torch.optim.Adagrad(params, lr=lr)  # its sparse path updates only the rows given
+        return torch.optim.SGD(groups, lr=lr)
+    return torch.optim.Adagrad(groups, lr=lr)  # its sparse path updates only the rows given
 
 
-def make_optimizer(module: nn.Module, cfg: dict) -> torch.optim.Optimizer:
-    """The dense optimiser of ``cfg`` over the trainable parameters; with sparse
-    embeddings in ``module``, a ``PairedOptimizer`` whose second half (``cfg['embedding']``,
-    lr ``cfg['embedding_lr']`` or ``cfg['lr']``) steps their rows."""
+def _groups(params: list, own: set[int], lr: float, own_lr: float, name: str) -> list[dict]:
+    """The body's parameters first (group 0 is the schedule's reference), then the head's own."""
+    groups = [{"params": [p for p in params if id(p) not in own], "lr": lr, "name": name},
+              {"params": [p for p in params if id(p) in own], "lr": own_lr, "name": f"head_{name}"}]
+    return [g for g in groups if g["params"]]
+
+
+def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None,
+                   head_lr: float | None = None) -> torch.optim.Optimizer:
+    """The dense optimiser of ``cfg`` over the trainable parameters; with row-sparse
+    parameters in ``module`` (sparse embeddings, a head's ``sparse_parameters()``), a
+    ``PairedOptimizer`` whose second half (``cfg['embedding']``) steps their rows: the
+    embedding's at lr ``cfg['embedding_lr']`` or ``cfg['lr']``, the head's at ``cfg['lr']``.
+    ``head_lr`` (with ``head``): the head's parameters' lr, in groups of their own."""
     check_optimizer_config(cfg, module)
+    if head_lr is not None and not (isinstance(head_lr, (int, float)) and head_lr > 0):
+        raise ValueError(f"head.lr must be a number > 0 or null (optimizer.lr), not {head_lr!r}")
     sparse = sparse_embedding_params(module)
     name = cfg.get("embedding", "dense")
     ids = {id(p) for p in sparse}
     dense = [p for p in module.parameters() if p.requires_grad and id(p) not in ids]
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    if cfg.get("weight_decay", 0.0) and head_ids & ids:
+        warnings.warn(f"optimizer.weight_decay={cfg['weight_decay']} applies to the dense parameters only: the "
+                      "head's row-sparse rows (head.sparse=true) take none (head.sparse=false decays them)",
+                      stacklevel=2)
+    own = head_ids if head_lr is not None else set()
+    lr, own_lr = cfg["lr"], cfg["lr"] if head_lr is None else head_lr
     if not sparse:
-        return _dense_optimizer(dense, cfg)
-    lr = cfg.get("embedding_lr") or cfg["lr"]
-    parts = (_dense_optimizer(dense, cfg) if dense else None, _sparse_optimizer(sparse, name, lr))
-    for part, group_name in zip(parts, ("dense", "embedding")):
-        if part is not None:  # LearningRateMonitor logs lr-PairedOptimizer/<name>
-            part.param_groups[0]["name"] = group_name
+        groups = _groups(dense, own, lr, own_lr, "dense")
+        return _dense_optimizer(groups if len(groups) > 1 else dense, cfg)
+    # the head's rows never take optimizer.embedding_lr (the input embedding's)
+    sparse_groups = _groups(sparse, head_ids, cfg.get("embedding_lr") or lr, own_lr, "embedding")
+    parts = (_dense_optimizer(_groups(dense, own, lr, own_lr, "dense"), cfg) if dense else None,
+             _sparse_optimizer(sparse_groups, name, lr))
     return PairedOptimizer(*parts)
 
 

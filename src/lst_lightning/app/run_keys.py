@@ -27,7 +27,7 @@ FACTS = {
     "a": "the Z-loss's a (null for other losses and heads)",
     "b": "the Z-loss's b (null for other losses and heads)",
     "lr": "the body's (and ordinary heads') optimiser learning rate",
-    "head_lr": "a self-updating head's own base learning rate (null for the others)",
+    "head_lr": "the head's own base learning rate: a self-updating head's SGD lr, an ordinary head's optimiser lr (head.lr; null: lr)",
     "D": "the number of classes (output vocabulary)",
     "d": "the hidden size the head reads (the body's output)",
     "m": "the training batch size per process",

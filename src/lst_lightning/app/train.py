@@ -62,12 +62,25 @@ def model_class(cfg: DictConfig) -> type:
         raise ValueError(f"model._target_={cfg.model._target_!r} cannot be imported: {e}") from e
 
 
+def ordinary_head_lr(cfg: DictConfig) -> float | None:
+    """An ordinary head's ``head.lr``: its parameters' lr in the optimizer (null or absent:
+    optimizer.lr). A self-updating head takes ``lr`` itself (its own SGD step): None here."""
+    if getattr(head_class(cfg), "self_updating", False):
+        return None
+    return cfg.head.get("lr")  # checked by LanguageModel
+
+
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
     """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
-    only where the constructor takes it."""
-    params = inspect.signature(head_class(cfg)).parameters
+    only where the constructor takes it; an ordinary head's ``lr`` is the optimizer's
+    (``ordinary_head_lr``), not the constructor's."""
+    cls = head_class(cfg)
+    params = inspect.signature(cls).parameters
     extra = {"class_counts": class_counts} if "class_counts" in params else {}
-    return instantiate(cfg.head, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
+    head_cfg = cfg.head
+    if not getattr(cls, "self_updating", False) and "lr" in head_cfg:
+        head_cfg = {k: v for k, v in OmegaConf.to_container(head_cfg, resolve=True).items() if k != "lr"}
+    return instantiate(head_cfg, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
 
 
 def loss_name(cfg: DictConfig) -> str | None:
@@ -95,7 +108,7 @@ def check_accumulation(cfg: DictConfig, head) -> None:
                          f"trainer.accumulate_grad_batches={accumulate} must be 1")
 
 
-def check_built(cfg: DictConfig, head, body, trainer) -> None:
+def check_built(cfg: DictConfig, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
     any process is started: the head with accumulation, the head and the processes, the
     sparse input embedding and the process group's backend, a sharded head and spawn."""
@@ -103,9 +116,10 @@ def check_built(cfg: DictConfig, head, body, trainer) -> None:
 
     from .module import check_distributed  # noqa: PLC0415
 
+    head = module.head
     check_accumulation(cfg, head)
     check_distributed(head, trainer.world_size)
-    check_sparse_backend(body, trainer)
+    check_sparse_backend(module, trainer)  # the body's sparse embedding and a head.sparse head's rows
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
         raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={cfg.trainer.strategy}: spawned "
@@ -158,6 +172,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         body, head,
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
+        head_lr=ordinary_head_lr(cfg),
     )
 
     run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
@@ -167,23 +182,25 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         **OmegaConf.to_container(tcfg, resolve=True), logger=run.loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
     )
-    check_built(cfg, head, body, trainer)
+    check_built(cfg, module, trainer)
     return dm, module, trainer
 
 
-def check_sparse_backend(body, trainer) -> None:
-    """DDP all-reduces the sparse input embedding's row-sparse gradients over gloo; NCCL
-    refuses sparse tensors (torch 2.13), so multi-GPU runs need the dense embedding."""
+def check_sparse_backend(module, trainer) -> None:
+    """DDP all-reduces row-sparse gradients (the sparse input embedding's, a head.sparse
+    head's) over gloo; NCCL refuses sparse tensors (torch 2.13), so multi-GPU runs need
+    the dense forms."""
     from .optimizers import sparse_embedding_params  # noqa: PLC0415
 
-    if trainer.world_size <= 1 or not sparse_embedding_params(body):
+    if trainer.world_size <= 1 or not sparse_embedding_params(module):
         return
     backend = getattr(trainer.strategy, "_process_group_backend", None)
     if backend is None and trainer.strategy.root_device.type == "cuda":
         backend = "nccl"
     if backend is not None and "nccl" in str(backend):
-        raise ValueError(f"model.sparse_embedding=true cannot train on {trainer.world_size} GPUs: NCCL does not "
-                         "all-reduce sparse gradients; set model.sparse_embedding=false (or run on CPU over gloo)")
+        raise ValueError(f"model.sparse_embedding=true or head.sparse=true cannot train on {trainer.world_size} GPUs: "
+                         "NCCL does not all-reduce sparse gradients; set model.sparse_embedding=false and "
+                         "head.sparse=false (or run on CPU over gloo)")
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:

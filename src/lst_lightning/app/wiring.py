@@ -104,10 +104,12 @@ def progress_log(run: Run, every: int = 100):
 def run_record(run: Run):
     """The run's facts as hyperparameters, its results as the W&B summary."""
     from .callbacks import RunRecord, run_facts  # noqa: PLC0415
+    from .train import ordinary_head_lr  # noqa: PLC0415
 
     cfg = run.cfg
     return RunRecord(run_facts(run.head, run.body, run.dm.batch_size, run.loss, OmegaConf.to_container(cfg.loss.kwargs),
-                               cfg.optimizer.lr, gpu=cfg.trainer.get("accelerator", "cpu") in ("gpu", "cuda")))
+                               cfg.optimizer.lr, gpu=cfg.trainer.get("accelerator", "cpu") in ("gpu", "cuda"),
+                               head_lr=ordinary_head_lr(cfg)))
 
 
 def lr_monitor(run: Run, logging_interval: str = "step"):

@@ -2,8 +2,15 @@
 
 Classes (ids sorted by decreasing frequency) are cut into contiguous clusters
 by frequency. Training reads, for each target, the cluster softmax (nc
-logits) and the softmax inside the target's cluster (gathered rows of W, one
-batched matmul): O(m (nc + S) d) with S the largest cluster, against O(m D d).
+logits) and the softmax inside the target's cluster: O(m (nc + S) d) with S the
+largest cluster, against O(m D d).
+
+With ``sparse=True`` (the app's default) training groups the target slots by cluster
+and runs one (slots x S_c) matmul per cluster the batch touched, on the rows of those
+clusters gathered once; W's and b's gradients hold only those rows (row-sparse, for
+``SparseAdam``). ``sparse=False`` is the padded form below (every slot's cluster
+gathered to the largest cluster's width, one batched matrix-vector product) with
+dense gradients; evaluation and ``log_prob`` use that form in both cases.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from torch import Tensor, nn
 
 from ..heads.base import OutputHead
 from .class_counts import check_class_counts
+from .row_sparse import row_gather
 from ..heads.targets import check_hidden, check_reduction, check_targets, reduce_rows
 
 BINNINGS = ("equal_size", "equal_mass", "sqrt_mass")
@@ -57,9 +65,11 @@ class HierarchicalSoftmaxHead(OutputHead):
 
     def __init__(self, *, num_classes: int, hidden_dim: int, class_counts: Tensor | None = None,
                  num_clusters: int | None = None, binning: str = "sqrt_mass", bias: bool = False,
-                 init_std: float | None = None, reduction: str = "mean",
+                 init_std: float | None = None, reduction: str = "mean", sparse: bool = False,
                  dtype: torch.dtype | None = None, device=None):
         super().__init__()
+        if not isinstance(sparse, bool):
+            raise ValueError(f"sparse must be true or false, got {sparse!r}")
         if not isinstance(num_classes, int) or num_classes < 2:
             raise ValueError(f"num_classes must be an int >= 2, got {num_classes!r}")
         if not isinstance(hidden_dim, int) or hidden_dim < 1:
@@ -68,6 +78,7 @@ class HierarchicalSoftmaxHead(OutputHead):
         bounds = frequency_bins(num_classes, nc, binning, class_counts)
         self.num_classes, self.hidden_dim, self.num_clusters = num_classes, hidden_dim, nc
         self.binning = binning
+        self.sparse = sparse
         self.reduction = check_reduction(reduction)
         sizes = bounds[1:] - bounds[:-1]
         self.max_cluster = int(sizes.max())
@@ -79,6 +90,10 @@ class HierarchicalSoftmaxHead(OutputHead):
         self.weight = nn.Parameter(torch.randn(num_classes, hidden_dim, **kw) * std)
         self.cluster_bias = nn.Parameter(torch.zeros(nc, **kw)) if bias else None
         self.bias = nn.Parameter(torch.zeros(num_classes, **kw)) if bias else None
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """W and b (their rows): the cluster layer (nc x d) is read whole every step."""
+        return [p for p in (self.weight, self.bias) if p is not None] if self.sparse else []
 
     def cluster_log_prob(self, hidden: Tensor) -> Tensor:
         """log p(cluster | h): (m, nc)."""
@@ -105,9 +120,39 @@ class HierarchicalSoftmaxHead(OutputHead):
         lp_within = (logits.gather(1, pos) - torch.logsumexp(logits, dim=1, keepdim=True)).reshape(m, K)
         return lp_cluster + lp_within
 
+    def _grouped_log_prob(self, hidden: Tensor, idx: Tensor) -> Tensor:
+        """log p(idx | h) for (m, K) class ids, 0 on padding, by cluster: the real slots
+        sorted by their cluster, the rows of the clusters touched gathered once (row-sparse
+        gradient with ``sparse``), one matmul and logsumexp per cluster. The work is the
+        slots' clusters' rows (O(m S d)), never all D: no padding to the largest cluster."""
+        m, K = idx.shape
+        flat = idx.reshape(-1)
+        slots = (flat >= 0).nonzero().squeeze(1)
+        c = self.cluster_of[flat[slots]]
+        order = torch.argsort(c, stable=True)
+        slots, c = slots[order], c[order]
+        touched, per_cluster = torch.unique_consecutive(c, return_counts=True)
+        lo = self.bounds[touched]
+        sizes = self.bounds[touched + 1] - lo
+        offsets = torch.cumsum(sizes, 0) - sizes
+        members = torch.repeat_interleave(lo - offsets, sizes) + torch.arange(int(sizes.sum()), device=idx.device)
+        w = row_gather(self.weight, members, self.sparse).split(sizes.tolist())
+        b = [None] * len(w) if self.bias is None else row_gather(self.bias, members, self.sparse).split(sizes.tolist())
+        rows = slots // K
+        pos = flat[slots] - torch.repeat_interleave(lo, per_cluster)
+        counts = per_cluster.tolist()
+        within = [(lg.gather(1, p[:, None])[:, 0] - torch.logsumexp(lg, 1))
+                  for lg, p in ((F.linear(h, wc, bc).float(), p)
+                                for h, wc, bc, p in zip(hidden[rows].split(counts), w, b, pos.split(counts)))]
+        lp = self.cluster_log_prob(hidden)[rows, c]
+        if within:
+            lp = lp + torch.cat(within)
+        return lp.new_zeros(m * K).index_put((slots,), lp).reshape(m, K)
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
-        return reduce_rows(-(val * self._slot_log_prob(hidden, idx)).sum(1), self.reduction)
+        lp = self._grouped_log_prob(hidden, idx) if self.sparse and self.training else self._slot_log_prob(hidden, idx)
+        return reduce_rows(-(val * lp).sum(1), self.reduction)
 
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """Exact log p(target | h); same shape as target_idx, 0 on padding slots."""

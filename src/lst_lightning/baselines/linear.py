@@ -54,12 +54,16 @@ class LinearClassHead(OutputHead):
         """Class vectors as they enter the dot product (rows of W, any leading shape)."""
         return rows if self.cosine_scale is None else F.normalize(rows, dim=-1)
 
+    def _rows(self, table: Tensor, idx: Tensor) -> Tensor:
+        """``table[idx]`` for W or b (padding ids read class 0); heads with row-sparse
+        gradients gather through ``row_gather`` here."""
+        return table[idx.clamp(min=0)]
+
     def class_logits(self, hidden: Tensor, idx: Tensor) -> Tensor:
         """Logits of the classes ``idx`` (m, K) for each row: (m, K); padding reads class 0."""
-        safe = idx.clamp(min=0)
-        out = torch.einsum("mkd,md->mk", self._keys(self.weight[safe]), self._query(hidden))
+        out = torch.einsum("mkd,md->mk", self._keys(self._rows(self.weight, idx)), self._query(hidden))
         if self.bias is not None:
-            out = out + self.bias[safe]
+            out = out + self._rows(self.bias, idx)
         return out
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from .samplers import make_sampler
 from .linear import LinearClassHead
+from .row_sparse import row_gather
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
 
@@ -31,14 +32,21 @@ class SampledSoftmaxHead(LinearClassHead):
     steps to catch rows moved by momentum or weight decay. A stale tree only
     makes q a worse match of the softmax: ``log q`` is always that of the
     law actually drawn from, so the correction stays right.
+
+    ``sparse``: the training step's gradient of W and b holds only the rows it read
+    (targets and negatives; ``sparse_parameters()``), for a row-sparse optimiser
+    (``torch.optim.SparseAdam``): the step then costs O(m S d) whatever D. False: dense
+    gradients (D x d), for any optimiser. Evaluation is the same either way.
     """
 
     def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int = 64,
                  sampler: str = "log_uniform", sampler_kwargs: dict | None = None,
                  class_counts: Tensor | None = None, remove_accidental_hits: bool = True,
                  resync_every: int = 100, bias: bool = False, init_std: float | None = None,
-                 cosine_scale: float | None = None, reduction: str = "mean",
+                 cosine_scale: float | None = None, reduction: str = "mean", sparse: bool = False,
                  dtype: torch.dtype | None = None, device=None):
+        if not isinstance(sparse, bool):
+            raise ValueError(f"sparse must be true or false, got {sparse!r}")
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
         if not isinstance(resync_every, int) or resync_every < 1:
@@ -49,12 +57,19 @@ class SampledSoftmaxHead(LinearClassHead):
                          cosine_scale=cosine_scale, reduction=reduction, dtype=dtype, device=device)
         self.sampler = sampler_module.to(device) if device is not None else sampler_module
         self.sampler_name = sampler
+        self.sparse = sparse
         self.num_samples = num_samples
         self.remove_accidental_hits = bool(remove_accidental_hits)
         self.resync_every = resync_every
         self._synced_version: int | None = None
         self._steps_since_build = 0
         self._touched: Tensor | None = None
+
+    def sparse_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in (self.weight, self.bias) if p is not None] if self.sparse else []
+
+    def _rows(self, table: Tensor, idx: Tensor) -> Tensor:
+        return row_gather(table, idx, self.sparse and self.training)
 
     # -- keeping a kernel sampler in step with W -------------------------------
     @torch.no_grad()
@@ -131,8 +146,8 @@ class SampledSoftmaxHead(LinearClassHead):
         o_t = self.class_logits(hidden, idx)
         if neg.dim() == 2 and not self.sampler.conditional:
             # Shared negatives: one (m, S) matmul against S rows.
-            b = None if self.bias is None else self.bias[neg[0]]
-            o_n = F.linear(query, self._keys(self.weight[neg[0]]), b)
+            b = None if self.bias is None else self._rows(self.bias, neg[0])
+            o_n = F.linear(query, self._keys(self._rows(self.weight, neg[0])), b)
         else:
             o_n = self.class_logits(hidden, neg)
         o_n = (o_n.float() - correction).masked_fill(hit, float("-inf"))

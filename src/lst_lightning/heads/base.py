@@ -66,6 +66,12 @@ class OutputHead(nn.Module):
         """Counters worth logging (repairs, skipped steps...): none by default."""
         return {}
 
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients are row-sparse (torch sparse COO tensors holding
+        only the rows a step read): a training loop steps them with a row-sparse optimiser
+        (``torch.optim.SparseAdam``), as it does a sparse ``nn.Embedding``. None by default."""
+        return []
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The training loss (a scalar)."""
         raise NotImplementedError

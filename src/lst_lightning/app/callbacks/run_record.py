@@ -18,14 +18,15 @@ from ..run_keys import FACTS, summary_of
 
 
 def run_facts(head: OutputHead, body: torch.nn.Module, batch_size: int, loss: str | None, loss_kwargs: dict,
-              lr: float, gpu: bool) -> dict:
-    """The facts of ``run_keys.FACTS`` for a run of ``head`` on ``body``."""
+              lr: float, gpu: bool, head_lr: float | None = None) -> dict:
+    """The facts of ``run_keys.FACTS`` for a run of ``head`` on ``body`` (``head_lr``: an
+    ordinary head's own optimiser lr, when it has one)."""
     name = type(head).__name__
     zloss = loss == "zloss"
     facts = {
         "head": name, "loss": loss, "head_loss": f"{name}-{loss}" if loss else name,
         "a": loss_kwargs.get("a") if zloss else None, "b": loss_kwargs.get("b") if zloss else None,
-        "lr": lr, "head_lr": float(head.lr) if head.self_updating else None,
+        "lr": lr, "head_lr": float(head.lr) if head.self_updating else head_lr,
         "D": int(head.num_classes), "d": int(head.hidden_dim), "m": int(batch_size),
         "body": type(body).__name__, "machine": machine_name(gpu),
     }
