@@ -75,8 +75,9 @@ def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None,
     """The dense optimiser of ``cfg`` over the trainable parameters; with row-sparse
     parameters in ``module`` (sparse embeddings, a head's ``sparse_parameters()``), a
     ``PairedOptimizer`` whose second half (``cfg['embedding']``) steps their rows: the
-    embedding's at lr ``cfg['embedding_lr']`` or ``cfg['lr']``, the head's at ``cfg['lr']``.
-    ``head_lr`` (with ``head``): the head's parameters' lr, in groups of their own."""
+    embedding's at lr ``cfg['embedding_lr']`` or ``cfg['lr']``, those of ``head`` (when
+    given) in a group of their own at ``head_lr`` or ``cfg['lr']``. ``head_lr``: the
+    head's dense parameters get a group of their own too."""
     check_optimizer_config(cfg, module)
     if head_lr is not None and not (isinstance(head_lr, (int, float)) and head_lr > 0):
         raise ValueError(f"head.lr must be a number > 0 or null (optimizer.lr), not {head_lr!r}")
