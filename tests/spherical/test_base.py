@@ -131,14 +131,15 @@ def test_decay_that_would_flip_w_is_refused_untouched(how):
 
 @pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
 def test_default_init_std_is_the_losss_rule_at_every_D(cls):
-    """The initial W's std: min(1/sqrt(d + 1), 1/sqrt(D)) for the Z-loss (and mse, Taylor),
-    1/sqrt(d + 1) for the spherical softmax; an explicit init_std wins
+    """The initial W's std: min(1/sqrt(d + 1), 1/sqrt(D)) for the Z-loss and mse,
+    1/sqrt(d + 1) for the spherical and Taylor softmax; an explicit init_std wins
     (docs/learning_at_scale.md: the old 1/sqrt(d + 1) for every loss kept the Z-loss at the
     class frequencies at large D)."""
     torch.manual_seed(0)
     width = 16  # 15 hidden units + the bias column
     cases = [(20_000, "zloss", None, 20_000 ** -0.5), (8, "zloss", None, width ** -0.5),
-             (20_000, "spherical_softmax", None, width ** -0.5), (20_000, "zloss", 0.5, 0.5)]
+             (20_000, "mse", None, 20_000 ** -0.5), (20_000, "spherical_softmax", None, width ** -0.5),
+             (20_000, "taylor_softmax", None, width ** -0.5), (20_000, "zloss", 0.5, 0.5)]
     for D, loss, given, want in cases:
         head = cls(D, width - 1, loss=loss, bias=True, init_std=given)
         got = head.weight().std().item() if D > 100 else head._init_std

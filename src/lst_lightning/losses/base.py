@@ -44,10 +44,11 @@ class SphericalLoss(nn.Module):
 
     def init_std(self, num_classes: int, width: int) -> float:
         """The std of the initial W's entries (``width`` columns, the bias column included)
-        that this loss learns from at ``num_classes`` = D: ``min(1/sqrt(width), 1/sqrt(D))``,
-        so that the initial outputs' squared norm stays about ``||h||^2`` at every D. A random
-        part that grows with D would make the Z-loss's spread sigma (removed only at 1/D per
-        row) and the squared error's ``||o||^2`` at large D (docs/learning_at_scale.md)."""
+        that this loss learns from at ``num_classes`` = D: ``min(1/sqrt(width), 1/sqrt(D))``
+        for the Z-loss and the squared error, so that the initial outputs' squared norm stays
+        about ``||h||^2`` at every D. A random part that grows with D would make the Z-loss's
+        spread sigma (removed only at 1/D per row) and dominate the squared error's
+        ``||o||^2`` at large D (docs/learning_at_scale.md)."""
         return max(width, num_classes) ** -0.5
 
     def log_prob(self, q: Tensor, s: Tensor, A: Tensor, *, num_classes: int) -> Tensor:
@@ -69,6 +70,15 @@ class NormalisedSphericalLoss(SphericalLoss):
     """A loss ``-sum_k t_k log p[idx_k]`` for a normalised spherical distribution p."""
 
     normalised = True
+
+    def init_std(self, num_classes: int, width: int) -> float:
+        # 1/sqrt(width) at every D: the normaliser has a floor per class (D eps for the
+        # spherical softmax, D for Taylor), to which the random part adds a share that does
+        # not grow with D; and these losses' gradients vanish with the outputs (the spherical
+        # softmax's 2 o / (o^2 + eps)) or hand the body only as much as W holds, so a W
+        # started at 1/sqrt(D) left both at the class frequencies at D = 10^6 (measured:
+        # docs/learning_at_scale.md).
+        return width ** -0.5
 
     def forward(self, q, s, A, T, *, num_classes, y_sq=None):
         return -(T * self.log_prob(q, s, A, num_classes=num_classes)).sum(1)

@@ -26,13 +26,6 @@ class SphericalSoftmaxLoss(NormalisedSphericalLoss):
     def hparams(self):
         return {"eps": self.eps}
 
-    def init_std(self, num_classes, width):
-        # eps, not D, sets the scale: the target's gradient 2 o / (o^2 + eps) vanishes for
-        # o^2 << eps, so outputs started much smaller than sqrt(eps) barely move (measured:
-        # at D = 10^6 an init of 1/sqrt(D) left the head at the class frequencies). The
-        # random part adds about eps-sized terms per class to q + D eps at every D.
-        return width ** -0.5
-
     def score(self, O):
         # p grows with o^2: a large negative output is as likely as a large positive one.
         return O * O + self.eps
