@@ -13,7 +13,7 @@ the target's rank. The validation MRR after training comes from the run itself.
     uv run python scripts/learning_diagnostics.py --sizes 1000000 --losses zloss \\
         -o loss.kwargs.b=100 --tag b100        # any lst-train override
 
-Writes ``learning_diagnostics_<machine>.csv`` (a row per probe) and ``.md`` into a run
+Writes ``learning_diagnostics_<tag>_<machine>.csv`` (a row per probe) and ``.md`` into a run
 directory (``--out``; ``--update-results``: benchmarks/results/). docs/learning_at_scale.md
 reads them.
 """
@@ -128,10 +128,10 @@ def main(argv=None) -> None:
         for D in args.sizes:
             for loss in args.losses:
                 rows += run_one(loss, D, args, Path(runs))
-                csv_path = out / f"learning_diagnostics_{machine}.csv"
+                csv_path = out / f"learning_diagnostics_{args.tag}_{machine}.csv"
                 write_csv(csv_path, rows, COLUMNS, append=False)
     fmt = [{k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
-    md = out / f"learning_diagnostics_{machine}.md"
+    md = out / f"learning_diagnostics_{args.tag}_{machine}.md"
     md.write_text(f"Machine: {machine}\n\n" + markdown_table(fmt, COLUMNS, right=COLUMNS[2:]) + "\n")
     wrote(csv_path, md)
 
