@@ -107,8 +107,10 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self.sharding = Sharding(num_classes)
         # The seed of the initial W (drawn on the host, so that a head built on the meta
         # device has one too): ``reset_weight()`` redraws the same W from it.
+        if init_std is not None and not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std > 0):
+            raise ValueError(f"init_std must be a finite number > 0 or None (the loss's rule), got {init_std!r}")
         # the loss's choice by default (docs/learning_at_scale.md)
-        self._init_std = init_std if init_std is not None else self.loss_fn.init_std(num_classes, self.width)
+        self._init_std = float(init_std) if init_std is not None else self.loss_fn.init_std(num_classes, self.width)
         self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator,
                                             device=generator.device if generator is not None else "cpu"))
 
