@@ -68,3 +68,22 @@ def test_score_orders_classes_as_the_loss_does(name):
         assert not torch.equal(O.argmax(1), lp.argmax(1))  # ranking by o would be wrong here
     else:  # Z-loss and squared error: larger o, smaller loss for a target class
         assert torch.equal(sc, O)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_config_defaults_are_the_losss_own(name):
+    """conf/loss/<name>.yaml's head_lr and kwargs are what the Python API gives by default
+    (a head built without lr takes the loss's default_lr), so both routes train alike."""
+    import inspect  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from omegaconf import OmegaConf  # noqa: PLC0415
+
+    from lst_lightning.app.configs import config_dir  # noqa: PLC0415
+
+    cfg = OmegaConf.load(Path(config_dir()) / "loss" / f"{name}.yaml")
+    loss = make_loss(name)
+    assert cfg.head_lr == loss.default_lr, (cfg.head_lr, loss.default_lr)
+    params = inspect.signature(type(loss)).parameters
+    for key, value in cfg.kwargs.items():
+        assert params[key].default == value, (key, value, params[key].default)
