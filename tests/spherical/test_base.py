@@ -84,6 +84,25 @@ def test_non_finite_steps_are_skipped_counted_and_warned_sparingly(cls):
     assert_untouched(head, before)
 
 
+@pytest.mark.parametrize("cls,scale", [(FactoredSphericalHead, 1e12), (FactoredSphericalHead, 1e20),
+                                       (NaiveSphericalHead, 1e20)])
+def test_an_overflowing_step_is_skipped_not_raised(cls, scale):
+    """Finite but huge hidden rows (a diverging body): the step's products overflow (the
+    factored head's d x d bookkeeping, fourth powers of H, already at 1e12; the naive head's
+    outputs squared at 1e20). The step is skipped and counted like a non-finite one, the
+    state untouched; before, the factored head's eigenvalue check handed LAPACK an inf
+    matrix and raised LinAlgError."""
+    torch.manual_seed(0)
+    head = cls(num_classes=50, hidden_dim=4, loss="mse", lr=1.0, bias=True)
+    before = state_of(head)
+    H = (torch.randn(8, 4) * scale).requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        head(H, torch.randint(0, 50, (8,))).backward()
+    assert int(head.skipped_nonfinite) == 1 and int(head.steps) == 0
+    before["skipped_nonfinite"] = head.skipped_nonfinite
+    assert_untouched(head, before)
+
 
 def test_two_forwards_before_backward_is_an_error_before_any_change():
     f, _ = make_pair("zloss")

@@ -19,6 +19,7 @@ unchanged:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -130,13 +131,18 @@ class Repairs:
         rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
         if rho_pos <= 0.5:
             return 1.0 - rho_pos, 1.0 + rho_neg, False
-        head.eig_checks += 1
         m, d = Hx.shape
+        A = kappa[:, None] * G if G is not None else (kappa[:, None] * Hx).T @ Hx
+        if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
+            # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
+            # would raise); the step's own finiteness check skips it and counts it
+            return math.nan, math.nan, False
+        head.eig_checks += 1
         if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
-            ev = torch.linalg.eigvals(kappa[:, None] * G).real
+            ev = torch.linalg.eigvals(A).real
             ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
         else:
-            ev = torch.linalg.eigvalsh((kappa[:, None] * Hx).T @ Hx)
+            ev = torch.linalg.eigvalsh(A)
         lam = (1.0 - ev).abs()
         return float(lam.min()), float(lam.max()), True
 
