@@ -165,7 +165,7 @@ def test_default_init_std_is_the_losss_rule_at_every_D(cls):
         assert abs(got / want - 1) < 0.03, (D, loss, given, got, want)
 
 
-@pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), float("inf"), "0.1"])
+@pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), float("inf"), "0.1", True])
 def test_bad_init_std_is_refused(bad):
     with pytest.raises(ValueError, match="init_std must be a finite number > 0"):
         FactoredSphericalHead(100, 8, init_std=bad)

@@ -107,7 +107,8 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self.sharding = Sharding(num_classes)
         # The seed of the initial W (drawn on the host, so that a head built on the meta
         # device has one too): ``reset_weight()`` redraws the same W from it.
-        if init_std is not None and not (isinstance(init_std, (int, float)) and math.isfinite(init_std) and init_std > 0):
+        number = isinstance(init_std, (int, float)) and not isinstance(init_std, bool)
+        if init_std is not None and not (number and math.isfinite(init_std) and init_std > 0):
             raise ValueError(f"init_std must be a finite number > 0 or None (the loss's rule), got {init_std!r}")
         # the loss's choice by default (docs/learning_at_scale.md)
         self._init_std = float(init_std) if init_std is not None else self.loss_fn.init_std(num_classes, self.width)
