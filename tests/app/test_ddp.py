@@ -7,6 +7,7 @@ The equivalence tests use ``ddp_fork``: the same launcher as ``trainer=ddp_cpu``
 ``ddp_spawn`` (workers started per trainer call, rank 0's state handed back) but without
 re-importing torch in every worker, which costs ~30 s per trainer call on a loaded
 2-core machine. The multirun test runs ``trainer=ddp_cpu`` as shipped (spawn)."""
+import csv
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from lst_lightning.app.callbacks.sparse_gradients import BYTES_KEY
 from lst_lightning.app.configs import config_dir
 from lst_lightning.app.train import run
 from lst_lightning.data.datamodule import _PaddedIds
@@ -47,6 +49,12 @@ def cfg_of(*overrides):
 def state(run_dir):
     ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     return {k: v for k, v in ckpt["state_dict"].items() if torch.is_tensor(v) and v.is_floating_point()}
+
+
+def logged(run_dir, key) -> list[float]:
+    """The values of ``key`` in a run's CSV log."""
+    with (Path(run_dir) / "csv" / "metrics.csv").open(newline="") as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key) not in (None, "")]
 
 
 def assert_close_rel(a: dict, b: dict, skip=(), tol=1e-6):
@@ -122,8 +130,9 @@ class _ReportRanks(pl.Callback):
 
 @pytest.mark.parametrize("embedding", ["sparse_sgd", "sparse_adam", "dense"])
 def test_two_ranks_train_like_one_softmax(tmp_path, embedding):
-    """An ordinary head: DDP averages its gradients with the body's, the input
-    embedding's row-sparse ones too (gloo all-reduces sparse tensors)."""
+    """An ordinary head: DDP averages its gradients with the body's; the input
+    embedding's row-sparse ones are kept out of DDP and averaged by the app's all-gather
+    exchange (callbacks.SparseGradients, the path NCCL takes too), which logs its bytes."""
     over = [*(o for o in COMMON if not o.startswith("optimizer.embedding=")), "head=softmax",
             f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two")
@@ -133,6 +142,8 @@ def test_two_ranks_train_like_one_softmax(tmp_path, embedding):
     s1, s2 = state(tmp_path / "one"), state(tmp_path / "two")
     assert_close_rel(s2, s1)
     assert any(k.startswith("head.") for k in s1) and any(k.startswith("body.") for k in s1)
+    exchanged = logged(tmp_path / "two", BYTES_KEY)
+    assert (min(exchanged) > 0) if embedding != "dense" else not exchanged, exchanged
     # and training moved them: the comparison is not of two initial states
     init = run(cfg_of(*over, *ONE_RANK, "trainer.max_steps=1", "test=false"), tmp_path / "init")
     assert init["train_steps"] == 1

@@ -116,25 +116,6 @@ def test_tiny_run_lstm_and_synthetic(tmp_path):
     assert (tmp_path / "vocab.json").exists() is False
 
 
-@pytest.mark.parametrize("backend,device,world,sparse,refused", [
-    (None, "cuda", 2, True, True), ("nccl", "cuda", 2, True, True), ("gloo", "cpu", 2, True, False),
-    (None, "cuda", 1, True, False), (None, "cuda", 2, False, False)])
-def test_sparse_embedding_on_nccl_is_refused(backend, device, world, sparse, refused):
-    from types import SimpleNamespace  # noqa: PLC0415
-
-    from lst_lightning.app.train import check_sparse_backend  # noqa: PLC0415
-    from lst_lightning.models import NgramMLP  # noqa: PLC0415
-
-    strategy = SimpleNamespace(_process_group_backend=backend, root_device=torch.device(device))
-    trainer = SimpleNamespace(world_size=world, strategy=strategy)
-    body = NgramMLP(20, 2, 4, [4], 4, sparse_embedding=sparse)
-    if refused:
-        with pytest.raises(ValueError, match="model.sparse_embedding=false"):
-            check_sparse_backend(body, trainer)
-    else:
-        check_sparse_backend(body, trainer)
-
-
 def test_no_validation_batches(tmp_path):
     """trainer.limit_val_batches=0: no validation, an empty val in the results, and the test split still runs."""
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "trainer.limit_val_batches=0",

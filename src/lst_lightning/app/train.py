@@ -110,8 +110,8 @@ def check_accumulation(cfg: DictConfig, head) -> None:
 
 def check_built(cfg: DictConfig, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
-    any process is started: the head with accumulation, the head and the processes, the
-    sparse input embedding and the process group's backend, a sharded head and spawn."""
+    any process is started: the head with accumulation, the head and the processes, a
+    sharded head and spawn."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
     from .module import check_distributed  # noqa: PLC0415
@@ -119,7 +119,6 @@ def check_built(cfg: DictConfig, module, trainer) -> None:
     head = module.head
     check_accumulation(cfg, head)
     check_distributed(head, trainer.world_size)
-    check_sparse_backend(module, trainer)  # the body's sparse embedding and a head.sparse head's rows
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
         raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={cfg.trainer.strategy}: spawned "
@@ -184,23 +183,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     )
     check_built(cfg, module, trainer)
     return dm, module, trainer
-
-
-def check_sparse_backend(module, trainer) -> None:
-    """DDP all-reduces row-sparse gradients (the sparse input embedding's, a head.sparse
-    head's) over gloo; NCCL refuses sparse tensors (torch 2.13), so multi-GPU runs need
-    the dense forms."""
-    from .optimizers import sparse_embedding_params  # noqa: PLC0415
-
-    if trainer.world_size <= 1 or not sparse_embedding_params(module):
-        return
-    backend = getattr(trainer.strategy, "_process_group_backend", None)
-    if backend is None and trainer.strategy.root_device.type == "cuda":
-        backend = "nccl"
-    if backend is not None and "nccl" in str(backend):
-        raise ValueError(f"model.sparse_embedding=true or head.sparse=true cannot train on {trainer.world_size} GPUs: "
-                         "NCCL does not all-reduce sparse gradients; set model.sparse_embedding=false and "
-                         "head.sparse=false (or run on CPU over gloo)")
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:
