@@ -304,7 +304,10 @@ def swept_overrides(hc) -> list[str]:
 @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+    from hydra.types import RunMode  # noqa: PLC0415
     from omegaconf import open_dict  # noqa: PLC0415
+
+    from .sweep_group import group_the_sweep  # noqa: PLC0415
 
     hc = HydraConfig.get()
     start = time.perf_counter()
@@ -314,6 +317,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         if swept:  # one W&B run per job: the run name says which point of the sweep it is
             with open_dict(cfg):
                 cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+        group_the_sweep(cfg, hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None)  # one W&B group per sweep
         built = build(cfg, hc.runtime.output_dir)
     try:
         results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
