@@ -116,6 +116,24 @@ def test_tiny_run_lstm_and_synthetic(tmp_path):
     assert (tmp_path / "vocab.json").exists() is False
 
 
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy", "DDPStrategy"])
+def test_a_strategy_that_shards_the_parameters_is_refused(strategy):
+    """FSDP (Lightning refuses it on CPU itself; on GPUs the app does, before any process
+    starts) and the other sharding strategies; DDP passes."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    import lightning.pytorch.strategies as strategies  # noqa: PLC0415
+
+    from lst_lightning.app.train import check_strategy  # noqa: PLC0415
+
+    trainer = SimpleNamespace(strategy=getattr(strategies, strategy)())
+    if strategy == "DDPStrategy":
+        check_strategy(trainer)
+    else:
+        with pytest.raises(ValueError, match=f"^{strategy} is not supported: .*head.parallel=sharded"):
+            check_strategy(trainer)
+
+
 def test_no_validation_batches(tmp_path):
     """trainer.limit_val_batches=0: no validation, an empty val in the results, and the test split still runs."""
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "trainer.limit_val_batches=0",

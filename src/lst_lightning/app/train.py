@@ -108,15 +108,28 @@ def check_accumulation(cfg: DictConfig, head) -> None:
                          f"trainer.accumulate_grad_batches={accumulate} must be 1")
 
 
+def check_strategy(trainer) -> None:
+    """Several processes train under DDP only (ddp, ddp_spawn, ddp_fork; docs/multi_gpu.md):
+    a strategy that shards the parameters (FSDP, DeepSpeed, model parallel) is refused."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ParallelStrategy  # noqa: PLC0415
+
+    s = trainer.strategy
+    if isinstance(s, ParallelStrategy) and (not isinstance(s, DDPStrategy) or isinstance(s, DeepSpeedStrategy)):
+        raise ValueError(f"{type(s).__name__} is not supported: lst-train runs several processes under DDP only "
+                         "(the sparse embedding's all-gathered gradients, the head's own collectives and buffers); "
+                         "for a head too large for one GPU use trainer=ddp head.parallel=sharded (docs/multi_gpu.md)")
+
+
 def check_built(cfg: DictConfig, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
-    any process is started: the head with accumulation, the head and the processes, a
-    sharded head and spawn."""
+    any process is started: the strategy, the head with accumulation, the head and the
+    processes, a sharded head and spawn."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
     from .module import check_distributed  # noqa: PLC0415
 
     head = module.head
+    check_strategy(trainer)
     check_accumulation(cfg, head)
     check_distributed(head, trainer.world_size)
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
