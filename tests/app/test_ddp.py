@@ -234,6 +234,27 @@ def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
     assert_metrics_equal(r1, r2)
 
 
+@pytest.mark.parametrize("parallel,launch", [("replicated", "fork"), ("sharded", "external")])
+def test_two_ranks_accumulating_train_like_one_factored_head(tmp_path, parallel, launch):
+    """Gradient accumulation across processes: two ranks with micro-batches of B/2,
+    accumulating 2 per optimizer step, take the steps of one process with 2B rows (one
+    exact step of the head on the union of every rank's micro-batches; the sparse
+    embedding's gradients accumulate on each rank and are averaged once per step)."""
+    over = [*COMMON, *FACTORED, f"head.parallel={parallel}", "test=false"]
+    two = [f"data.batch_size={B // 2}", "trainer.accumulate_grad_batches=2", "trainer.limit_train_batches=12"]
+    if launch == "fork":
+        r2 = run(cfg_of(*over, *(o for o in TWO_RANKS if not o.startswith("data.batch_size=")), *two), tmp_path / "two")
+    else:
+        r2 = run_external([*over, *two], tmp_path / "two")
+    r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
+    assert (r2["world_size"], r1["world_size"]) == (2, 1)
+    assert r2["train_steps"] == r1["train_steps"] == 6
+    body = lambda s: {k: v for k, v in s.items() if k.startswith("body.")}  # noqa: E731
+    assert_close_rel(body(state(tmp_path / "two")), body(state(tmp_path / "one")))
+    assert_close_rel({"W": weight_of(tmp_path / "two", over)}, {"W": weight_of(tmp_path / "one", over)})
+    assert_metrics_equal(r1, r2, splits=("val",))
+
+
 def weight_of(run_dir, over):
     """The head's implicit W from a run's last checkpoint."""
     from lst_lightning.app.train import make_head  # noqa: PLC0415
