@@ -27,3 +27,11 @@ def test_bytes_do_not_change_with_D(sandbox):
 def test_one_process_is_refused(sandbox):
     with pytest.raises(SystemExit):
         bse.main([*TINY, "--world", "1"])
+
+
+def test_update_results_adds_to_the_committed_csv(sandbox):
+    name = f"bench_sparse_exchange_{bse.machine_name()}.csv"
+    before = (sandbox.results / name).read_text().splitlines() if (sandbox.results / name).exists() else []
+    assert sandbox.run_update(bse.main, TINY) == {name}
+    after = (sandbox.results / name).read_text().splitlines()
+    assert after[:len(before)] == before and len(after) == max(len(before), 1) + 2  # a header, two rows
