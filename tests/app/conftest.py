@@ -2,17 +2,24 @@
 W&B reader, lst-compare, the dashboards and the run record are tested on what W&B wrote."""
 import pytest
 
-from app_configs import lst_train
+from lst_lightning.app.sweep_group import sweep_group
 
-WANDB_GROUP = "sweep-test"
+from app_configs import lst_train
 
 
 @pytest.fixture(scope="session")
 def wandb_sweep(tmp_path_factory):
     """Two jobs of a multirun over the Z-loss's a, each its own W&B offline run: 10
-    steps, validation every 5, tiny data."""
+    steps, validation every 5, tiny data. Started as a new user would, with ``-m`` and
+    no group given: the jobs share the sweep's group (``wandb_group``)."""
     root = tmp_path_factory.mktemp("wandb_sweep")
     lst_train("-m", "experiment=tiny", "callbacks=minimal", "trainer.limit_train_batches=10",
               "trainer.val_check_interval=5", "data.max_eval_examples=128", "loss.kwargs.a=0.1,1",
-              f"logger.wandb.group={WANDB_GROUP}", f"hydra.sweep.dir={root}", cwd=root)
+              f"hydra.sweep.dir={root}", cwd=root)
     return root
+
+
+@pytest.fixture(scope="session")
+def wandb_group(wandb_sweep):
+    """The W&B group of ``wandb_sweep``'s jobs: named after its directory."""
+    return sweep_group(wandb_sweep)

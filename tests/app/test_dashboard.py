@@ -14,9 +14,9 @@ from lst_lightning.app.wandb_panels import TIME, missing_keys, named_keys
 ws = pytest.importorskip("wandb_workspaces.workspaces")
 
 
-def test_every_panel_names_a_key_the_runs_logged(wandb_sweep):
+def test_every_panel_names_a_key_the_runs_logged(wandb_sweep, wandb_group):
     logged = keys_of(read_runs(wandb_sweep))
-    w = workspace("me", "lst-lightning", "sweep-test")
+    w = workspace("me", "lst-lightning", wandb_group)
     named = set(workspace_keys(w))
     assert {("config", "a"), ("config", "head_loss"), ("summary", "test/top50_error"), ("history", TIME),
             ("history", "head/folds"), ("summary", "step_time_ms"), ("config", "D"), ("summary", "wall_s")} <= named
@@ -34,12 +34,13 @@ def test_the_time_axis_has_every_validation_point(wandb_sweep):
         assert val_rows and all(TIME in row for row in val_rows)
 
 
-def test_dry_run_writes_the_spec_beside_the_sweep(wandb_sweep, capsys):
+def test_dry_run_writes_the_spec_beside_the_sweep(wandb_sweep, wandb_group, capsys):
+    """A sweep started with -m and no group: its jobs share one group, the dashboard finds it."""
     main([str(wandb_sweep), "--dry-run"])
     out = capsys.readouterr().out
     assert "warning" not in out and all(s in out for s in SECTIONS)
     d = json.loads((wandb_sweep / "wandb_workspace.json").read_text())
-    assert (d["kind"], d["project"], d["name"]) == ("workspace", "lst-lightning", "lst-lightning sweep-test")
+    assert (d["kind"], d["project"], d["name"]) == ("workspace", "lst-lightning", f"lst-lightning {wandb_group}")
     # W&B's own library reads the spec back into the same workspace
     from wandb_workspaces.workspaces import internal
 
@@ -47,8 +48,8 @@ def test_dry_run_writes_the_spec_beside_the_sweep(wandb_sweep, capsys):
                          spec=internal.WorkspaceViewspec.model_validate(d["spec"]))
     back = ws.Workspace._from_model(view)
     assert [s.name for s in back.sections] == list(SECTIONS)
-    assert back.runset_settings.filters == "Metric(\"Group\") == 'sweep-test'"
-    built = workspace("", "lst-lightning", "sweep-test")
+    assert back.runset_settings.filters == f"Metric(\"Group\") == '{wandb_group}'"
+    built = workspace("", "lst-lightning", wandb_group)
     assert [named_keys(p) for p in panels_of(back)] == [named_keys(p) for p in panels_of(built)]
     assert workspace_keys(back) == workspace_keys(built)  # the runs table's columns too
     assert back.auto_generate_panels is False  # only these panels, not every key in alphabetical order

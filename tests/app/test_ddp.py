@@ -7,6 +7,7 @@ The equivalence tests use ``ddp_fork``: the same launcher as ``trainer=ddp_cpu``
 ``ddp_spawn`` (workers started per trainer call, rank 0's state handed back) but without
 re-importing torch in every worker, which costs ~30 s per trainer call on a loaded
 2-core machine. The multirun test runs ``trainer=ddp_cpu`` as shipped (spawn)."""
+import csv
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import torch
 import yaml
 from hydra import compose, initialize_config_dir
 
+from lst_lightning.app.callbacks.sparse_gradients import BYTES_KEY
 from lst_lightning.app.configs import config_dir
 from lst_lightning.app.train import run
 from lst_lightning.data.datamodule import _PaddedIds
@@ -47,6 +49,12 @@ def cfg_of(*overrides):
 def state(run_dir):
     ckpt = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     return {k: v for k, v in ckpt["state_dict"].items() if torch.is_tensor(v) and v.is_floating_point()}
+
+
+def logged(run_dir, key) -> list[float]:
+    """The values of ``key`` in a run's CSV log."""
+    with (Path(run_dir) / "csv" / "metrics.csv").open(newline="") as f:
+        return [float(r[key]) for r in csv.DictReader(f) if r.get(key) not in (None, "")]
 
 
 def assert_close_rel(a: dict, b: dict, skip=(), tol=1e-6):
@@ -120,11 +128,14 @@ class _ReportRanks(pl.Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("embedding", ["sparse_sgd", "sparse_adam", "dense"])
-def test_two_ranks_train_like_one_softmax(tmp_path, embedding):
-    """An ordinary head: DDP averages its gradients with the body's, the input
-    embedding's row-sparse ones too (gloo all-reduces sparse tensors)."""
-    over = [*(o for o in COMMON if not o.startswith("optimizer.embedding=")), "head=softmax",
+@pytest.mark.parametrize("head,embedding", [("softmax", "sparse_sgd"), ("softmax", "sparse_adam"),
+                                           ("softmax", "dense"), ("hsoftmax", "sparse_sgd")])
+def test_two_ranks_train_like_one_softmax(tmp_path, head, embedding):
+    """An ordinary head: DDP averages its gradients with the body's; the input
+    embedding's row-sparse ones are kept out of DDP and averaged by the app's all-gather
+    exchange (callbacks.SparseGradients, the path NCCL takes too), which logs its bytes;
+    so are the hierarchical softmax's row-sparse class rows (head.sparse=true)."""
+    over = [*(o for o in COMMON if not o.startswith("optimizer.embedding=")), f"head={head}",
             f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two")
     r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
@@ -133,6 +144,8 @@ def test_two_ranks_train_like_one_softmax(tmp_path, embedding):
     s1, s2 = state(tmp_path / "one"), state(tmp_path / "two")
     assert_close_rel(s2, s1)
     assert any(k.startswith("head.") for k in s1) and any(k.startswith("body.") for k in s1)
+    exchanged = logged(tmp_path / "two", BYTES_KEY)
+    assert (min(exchanged) > 0) if embedding != "dense" else not exchanged, exchanged
     # and training moved them: the comparison is not of two initial states
     init = run(cfg_of(*over, *ONE_RANK, "trainer.max_steps=1", "test=false"), tmp_path / "init")
     assert init["train_steps"] == 1
@@ -219,6 +232,27 @@ def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
         assert torch.equal(saved, torch.cat([b0["V"], b1["V"]]))
     assert_close_rel({"W": weight_of(tmp_path / "two", over)}, {"W": weight_of(tmp_path / "one", over)})
     assert_metrics_equal(r1, r2)
+
+
+@pytest.mark.parametrize("parallel,launch", [("replicated", "fork"), ("sharded", "external")])
+def test_two_ranks_accumulating_train_like_one_factored_head(tmp_path, parallel, launch):
+    """Gradient accumulation across processes: two ranks with micro-batches of B/2,
+    accumulating 2 per optimizer step, take the steps of one process with 2B rows (one
+    exact step of the head on the union of every rank's micro-batches; the sparse
+    embedding's gradients accumulate on each rank and are averaged once per step)."""
+    over = [*COMMON, *FACTORED, f"head.parallel={parallel}", "test=false"]
+    two = [f"data.batch_size={B // 2}", "trainer.accumulate_grad_batches=2", "trainer.limit_train_batches=12"]
+    if launch == "fork":
+        r2 = run(cfg_of(*over, *(o for o in TWO_RANKS if not o.startswith("data.batch_size=")), *two), tmp_path / "two")
+    else:
+        r2 = run_external([*over, *two], tmp_path / "two")
+    r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
+    assert (r2["world_size"], r1["world_size"]) == (2, 1)
+    assert r2["train_steps"] == r1["train_steps"] == 6
+    body = lambda s: {k: v for k, v in s.items() if k.startswith("body.")}  # noqa: E731
+    assert_close_rel(body(state(tmp_path / "two")), body(state(tmp_path / "one")))
+    assert_close_rel({"W": weight_of(tmp_path / "two", over)}, {"W": weight_of(tmp_path / "one", over)})
+    assert_metrics_equal(r1, r2, splits=("val",))
 
 
 def weight_of(run_dir, over):

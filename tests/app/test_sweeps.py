@@ -13,6 +13,8 @@ from omegaconf import OmegaConf
 
 from lst_lightning.app.compare import compare
 from lst_lightning.app.configs import config_dir
+from lst_lightning.app.dashboard import main as dashboard
+from lst_lightning.app.sweep_group import sweep_group
 
 from app_configs import lst_train
 
@@ -92,6 +94,37 @@ def test_compare_turns_the_grid_into_a_report(grid, tmp_path):
     assert page.count("data:image/png;base64,") == 3
     assert all(r["run"] in page for r in rows)
     assert len((out / "runs.md").read_text().strip().splitlines()) == 2 + 4
+
+
+def test_the_grid_is_one_wandb_group_the_dashboard_finds(grid, tmp_path):
+    """Started with -m and no group (the new user's way): every job names the sweep's
+    group, and lst-dashboard reads it from the runs' config.yaml (not Hydra's .hydra copy)."""
+    groups = {yaml.safe_load(p.read_text())["logger"]["wandb"]["group"] for p in grid.glob("*/config.yaml")}
+    assert groups == {sweep_group(grid)}
+    dashboard([str(grid), "--dry-run", "-o", str(tmp_path / "w.json")])
+    assert json.loads((tmp_path / "w.json").read_text())["name"] == f"lst-lightning {sweep_group(grid)}"
+
+
+# the sweeps of conf/sweep (a preset's grid narrowed on the command line; Optuna), fast_dev_run-sized
+STARTS = {"preset": ["+sweep=zloss_ab", "loss.kwargs.a=0.1,1", "loss.kwargs.b=5"],
+          "optuna": ["+sweep=optuna_zloss", "hydra.sweeper.n_trials=2"]}
+
+
+@pytest.mark.slow  # two jobs in a subprocess each; the grid (-m with overrides) is in the fast suite
+@pytest.mark.parametrize("start", sorted(STARTS))
+def test_compare_and_dashboard_read_a_multirun_however_it_was_started(tmp_path, start):
+    if start == "optuna" and not HAS_OPTUNA:
+        pytest.skip("the optuna extra is not installed (uv sync --extra optuna)")
+    sweep = tmp_path / "sweep"
+    lst_train("-m", *STARTS[start], "experiment=tiny", "+trainer.fast_dev_run=true", f"hydra.sweep.dir={sweep}",
+              cwd=tmp_path)
+    assert len(list(sweep.glob("*/results.json"))) == 2
+    group = f"sweep-{start}_zloss" if start == "optuna" else "sweep-zloss_ab"  # the preset's own group
+    assert {yaml.safe_load(p.read_text())["logger"]["wandb"]["group"] for p in sweep.glob("*/config.yaml")} == {group}
+    assert compare([sweep], tmp_path / "report")["runs"] == 2
+    assert (tmp_path / "report" / "report.html").is_file()
+    dashboard([str(sweep), "--dry-run"])
+    assert json.loads((sweep / "wandb_workspace.json").read_text())["name"] == f"lst-lightning {group}"
 
 
 @pytest.mark.slow  # three trials in a subprocess; the grid multirun covers sweeps in the fast suite

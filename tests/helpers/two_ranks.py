@@ -48,6 +48,29 @@ def train(head, rows):
     return grads
 
 
+def train_accumulated(head, rows, micro=2):
+    """STEPS // micro optimizer steps, each accumulating ``micro`` global batches (rows
+    ``rows`` of each, loss / micro): the head attached to the optimizer steps once on
+    all of them (exact accumulation). One process with every row: the reference."""
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([dummy], lr=0.0)
+    head.attach(opt)
+    for step in range(0, STEPS, micro):
+        for t in range(step, step + micro):
+            H, idx = global_batch(t)
+            (head(H[rows].clone().requires_grad_(), idx[rows]) / micro).backward()
+        opt.step()
+    head.detach()
+
+
+def train_on_unions(head, micro=2):
+    """The one-process reference of ``train_accumulated``: one step per union of ``micro``
+    global batches."""
+    for step in range(0, STEPS, micro):
+        H, idx = (torch.cat(t) for t in zip(*(global_batch(t) for t in range(step, step + micro))))
+        head(H.requires_grad_(), idx).backward()
+
+
 def evaluate(head, rows):
     H, t = eval_batch()
     head.eval()
@@ -69,6 +92,11 @@ def worker(rank, rdv, out):
         grads = train(head, rows)
         res[mode] = {"grads": grads, "W": head.weight(), "rows": (head.row_lo, head.row_hi),
                      "hash": head.state_hash(), "eval": evaluate(head, rows), "V": head.V.clone()}
+    for mode in ("replicated", "sharded"):  # gradient accumulation across the processes
+        acc = make_head(mode)
+        acc.distribute()
+        train_accumulated(acc, rows)
+        res[f"accumulated_{mode}"] = {"W": acc.weight(), "hash": acc.state_hash()}
     # A checkpoint with the whole V (gathered) loads into a fresh sharded head on each rank.
     full = [head.gather_v(dst=r) for r in range(WORLD)][rank]
     state = {**head.state_dict(), "V": full}

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from two_ranks import ROWS, WORLD, evaluate, make_head, train, worker
+from two_ranks import ROWS, WORLD, evaluate, make_head, train, train_on_unions, worker
 
 
 @pytest.fixture(scope="session")
@@ -19,4 +19,6 @@ def single():
     head = make_head("none")
     all_rows = slice(0, sum(ROWS))
     grads = train(head, all_rows)
-    return {"grads": grads, "W": head.weight(), "eval": evaluate(head, all_rows)}
+    unions = make_head("none")
+    train_on_unions(unions)
+    return {"grads": grads, "W": head.weight(), "eval": evaluate(head, all_rows), "W_unions": unions.weight()}

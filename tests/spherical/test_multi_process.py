@@ -20,6 +20,18 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, mode):
             assert rel(res[mode]["grads"][step], want) < 1e-12
 
 
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_accumulation_across_two_ranks_is_one_step_on_every_ranks_micro_batches(ranks, single, mode):
+    """Attached to the optimizer (gradient accumulation), each rank keeps the gathered rows
+    of its micro-batches and the optimizer's step applies one exact step on all of them:
+    one process stepping once per union of the global batches."""
+    res = [r[f"accumulated_{mode}"] for r in ranks]
+    W = torch.cat([r["W"] for r in res]) if mode == "sharded" else res[0]["W"]
+    assert rel(W, single["W_unions"]) < 1e-12
+    assert rel(W, single["W"]) > 1e-6  # not the trajectory of one step per global batch
+    assert res[0]["hash"] == res[1]["hash"]
+
+
 def test_replicas_are_bit_identical(ranks):
     assert ranks[0]["replicated"]["hash"] == ranks[1]["replicated"]["hash"]
     assert torch.equal(ranks[0]["replicated"]["W"], ranks[1]["replicated"]["W"])

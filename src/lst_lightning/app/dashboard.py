@@ -82,13 +82,16 @@ def outline(w, group: str) -> str:
 
 def sweep_target(sweep: Path) -> tuple[str | None, str | None, str | None, list]:
     """(entity, project, group, W&B runs) of a sweep directory: from its W&B offline runs,
-    else from its runs' config.yaml (``logger.wandb``; the group defaults to the run name)."""
+    else from the config.yaml lst-train wrote in each run (``logger.wandb``; the group
+    defaults to the run name, and in a multirun to the sweep's: app/sweep_group.py)."""
     runs = read_runs(sweep)
     if runs:
         targets = {(r.config.get("logger.wandb.entity"), r.project, r.group) for r in runs}
     else:
         targets = set()
         for path in sweep.rglob("config.yaml"):
+            if ".hydra" in path.relative_to(sweep).parts:
+                continue  # Hydra's copy, composed before lst-train named the run and its sweep's group
             cfg = yaml.safe_load(path.read_text()) or {}
             wb = (cfg.get("logger") or {}).get("wandb") or {}
             if wb:

@@ -16,8 +16,9 @@ from torch import Tensor, nn
 
 from ..heads.base import OutputHead
 from .callbacks.head_steps import HeadSteps
+from .callbacks.sparse_gradients import SparseGradients
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
-from .optimizers import check_optimizer_config, clip_gradients, make_optimizer
+from .optimizers import check_optimizer_config, clip_gradients, make_optimizer, sparse_embedding_params
 from .schedule import lr_factor
 
 
@@ -103,9 +104,15 @@ class LanguageModel(pl.LightningModule):
         if not self._head_distributed:
             self.head.distribute()  # the default group: Lightning's
             self._head_distributed = True  # setup runs again for validate/test in the same processes
+        ignore = []
         if self.head.self_updating or self.head.parallel != "none":
             # the head keeps its replicas (or shards) consistent itself
-            self._ddp_params_and_buffers_to_ignore = [f"head.{n}" for n, _ in self.head.named_buffers()]
+            ignore = [f"head.{n}" for n, _ in self.head.named_buffers()]
+        # row-sparse gradients: averaged by all-gathers on any backend (callbacks.SparseGradients)
+        sparse = {id(p) for p in sparse_embedding_params(self)}
+        ignore += [n for n, p in self.named_parameters() if id(p) in sparse]
+        if ignore:
+            self._ddp_params_and_buffers_to_ignore = ignore
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
@@ -129,8 +136,11 @@ class LanguageModel(pl.LightningModule):
     def configure_callbacks(self):
         # A self-updating head steps at the optimizer's step under accumulation or a loss scaler.
         # Lightning asks again at test/validate: a second one would only be announced as a replacement.
-        have = self._trainer is not None and any(isinstance(c, HeadSteps) for c in self.trainer.callbacks)
-        return [HeadSteps()] if self.head.self_updating and not have else []
+        # Row-sparse gradients (kept out of DDP in setup) are averaged over the ranks by SparseGradients.
+        have = {type(c) for c in self.trainer.callbacks} if self._trainer is not None else set()
+        wanted = [HeadSteps] if self.head.self_updating else []
+        wanted += [SparseGradients] if sparse_embedding_params(self) else []
+        return [c() for c in wanted if c not in have]
 
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)

@@ -108,18 +108,30 @@ def check_accumulation(cfg: DictConfig, head) -> None:
                          f"trainer.accumulate_grad_batches={accumulate} must be 1")
 
 
+def check_strategy(trainer) -> None:
+    """Several processes train under DDP only (ddp, ddp_spawn, ddp_fork; docs/multi_gpu.md):
+    a strategy that shards the parameters (FSDP, DeepSpeed, model parallel) is refused."""
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ParallelStrategy  # noqa: PLC0415
+
+    s = trainer.strategy
+    if isinstance(s, ParallelStrategy) and (not isinstance(s, DDPStrategy) or isinstance(s, DeepSpeedStrategy)):
+        raise ValueError(f"{type(s).__name__} is not supported: lst-train runs several processes under DDP only "
+                         "(the sparse embedding's all-gathered gradients, the head's own collectives and buffers); "
+                         "for a head too large for one GPU use trainer=ddp head.parallel=sharded (docs/multi_gpu.md)")
+
+
 def check_built(cfg: DictConfig, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
-    any process is started: the head with accumulation, the head and the processes, the
-    sparse input embedding and the process group's backend, a sharded head and spawn."""
+    any process is started: the strategy, the head with accumulation, the head and the
+    processes, a sharded head and spawn."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
     from .module import check_distributed  # noqa: PLC0415
 
     head = module.head
+    check_strategy(trainer)
     check_accumulation(cfg, head)
     check_distributed(head, trainer.world_size)
-    check_sparse_backend(module, trainer)  # the body's sparse embedding and a head.sparse head's rows
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
         raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={cfg.trainer.strategy}: spawned "
@@ -184,23 +196,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     )
     check_built(cfg, module, trainer)
     return dm, module, trainer
-
-
-def check_sparse_backend(module, trainer) -> None:
-    """DDP all-reduces row-sparse gradients (the sparse input embedding's, a head.sparse
-    head's) over gloo; NCCL refuses sparse tensors (torch 2.13), so multi-GPU runs need
-    the dense forms."""
-    from .optimizers import sparse_embedding_params  # noqa: PLC0415
-
-    if trainer.world_size <= 1 or not sparse_embedding_params(module):
-        return
-    backend = getattr(trainer.strategy, "_process_group_backend", None)
-    if backend is None and trainer.strategy.root_device.type == "cuda":
-        backend = "nccl"
-    if backend is not None and "nccl" in str(backend):
-        raise ValueError(f"model.sparse_embedding=true or head.sparse=true cannot train on {trainer.world_size} GPUs: "
-                         "NCCL does not all-reduce sparse gradients; set model.sparse_embedding=false and "
-                         "head.sparse=false (or run on CPU over gloo)")
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:
@@ -322,7 +317,10 @@ def swept_overrides(hc) -> list[str]:
 @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float | None:
     from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+    from hydra.types import RunMode  # noqa: PLC0415
     from omegaconf import open_dict  # noqa: PLC0415
+
+    from .sweep_group import group_the_sweep  # noqa: PLC0415
 
     hc = HydraConfig.get()
     start = time.perf_counter()
@@ -332,6 +330,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         if swept:  # one W&B run per job: the run name says which point of the sweep it is
             with open_dict(cfg):
                 cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+        group_the_sweep(cfg, hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None)  # one W&B group per sweep
         built = build(cfg, hc.runtime.output_dir)
     try:
         results = fit_and_test(cfg, hc.runtime.output_dir, built, start)

@@ -75,8 +75,9 @@ def csv_logger(run: Run, name: str = "csv"):
 
 def wandb_logger(run: Run, mode: str = "offline", project: str = "lst-lightning", entity: str | None = None,
                  group: str | None = None, tags: list | tuple = ()):
-    """W&B, its run named after the run, grouped by ``group`` (default: the run name), tagged
-    with the head's class and the loss; the whole config as the run's flat config."""
+    """W&B, its run named after the run, grouped by ``group`` (default: the run name; a
+    multirun's jobs get their sweep's, app/sweep_group.py), tagged with the head's class
+    and the loss; the whole config as the run's flat config."""
     import lightning.pytorch as pl  # noqa: PLC0415
 
     tags = sorted({type(run.head).__name__, *([run.loss] if run.loss else []), *tags})

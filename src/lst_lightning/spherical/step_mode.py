@@ -47,6 +47,4 @@ class StepMode:
             return f"step={self.step!r} steps in the forward (use step='autograd')"
         if self.deferred_checks:
             return f"sync_every={self.sync_every} defers its checks (use sync_every=1)"
-        if self.parallel != "none":
-            return f"parallel={self.parallel!r}: no accumulation across processes yet (use one process)"
         return None

@@ -28,11 +28,11 @@ def jobs(sweep):
     return out
 
 
-def test_each_job_of_a_multirun_is_its_own_finished_wandb_run(wandb_sweep):
+def test_each_job_of_a_multirun_is_its_own_finished_wandb_run(wandb_sweep, wandb_group):
     runs = read_runs(wandb_sweep)
     assert len(runs) == 2 and len({r.run_id for r in runs}) == 2
     assert {r.run_dir for r in runs} == {p.parent for p in wandb_sweep.glob("*/results.json")}
-    assert all(r.state == "finished" and r.group == "sweep-test" for r in runs)
+    assert all(r.state == "finished" and r.group == wandb_group for r in runs)  # one group per sweep
     # each run holds its own job's training only: 10 steps, not 20
     assert [r.summary["train_steps"] for r in runs] == [10, 10]
     assert {r.name for r in runs} == {"tiny[loss.kwargs.a=0.1]", "tiny[loss.kwargs.a=1]"}

@@ -19,8 +19,8 @@ def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
 class HeadSteps(pl.Callback):
     """Attach every self-updating head of the module to the (one) optimizer at the start of
     training when steps accumulate or a scaler scales the loss; detach at the end. A head
-    that cannot wait for the optimizer (``step="fused"``, ``sync_every > 1``, several
-    processes) is refused then, before any step, with the reason."""
+    that cannot wait for the optimizer (``step="fused"``, ``sync_every > 1``) is refused
+    then, before any step, with the reason."""
 
     def __init__(self):
         self._heads: list[SphericalHeadBase] = []
