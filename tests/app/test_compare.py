@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lst_lightning.app.compare import compare, facet_groups, highlighted, load_runs, natural_key, ranked
+from lst_lightning.app.compare import compare, facet_groups, highlighted, is_grid, load_runs, natural_key, ranked
 
 
 def fake_run(root: Path, name: str, a: float, b: float, val_top5: list[float], test_top5: float) -> Path:
@@ -143,3 +143,22 @@ def test_a_sweep_shows_its_best_runs_in_numeric_order_and_a_faceted_view(tmp_pat
     assert rows[0]["run"] == "zloss[a=0.05,b=20]"  # best first
     small = compare([tmp_path / "sweep" / "zloss[a=1,b=2]"], tmp_path / "one")
     assert "curves_facets.png" not in small["files"]  # a few runs: every curve in colour, no facets
+
+
+def test_a_grid_is_drawn_as_cells_and_a_search_as_points(tmp_path, monkeypatch):
+    """An Optuna or random search (every run at its own a and b) is no grid: drawn as cells it
+    would be a sparse board of lone squares; it is drawn as points, the best one ringed."""
+    assert is_grid(9, 3, 3) and is_grid(5, 3, 3) and not is_grid(4, 3, 3) and not is_grid(16, 16, 16)
+    import lst_lightning.app.compare as compare_module
+
+    drawn = []
+    for kind in ("grid_map", "search_map"):
+        real = getattr(compare_module, kind)
+        monkeypatch.setattr(compare_module, kind, lambda *a, _k=kind, _r=real: (drawn.append(_k), _r(*a))[1])
+    for i, (a, b) in enumerate([(0.004, 2.0), (0.02, 9.0), (0.07, 29.0), (0.2, 39.0), (0.9, 21.0)]):
+        fake_run(tmp_path / "search", f"t{i}", a, b, [0.5 - 0.01 * i], 0.5 - 0.01 * i)
+    for i, (a, b) in enumerate([(0.1, 5), (0.1, 10), (1.0, 5), (1.0, 10)]):
+        fake_run(tmp_path / "grid", f"g{i}", a, b, [0.5 - 0.01 * i], 0.5 - 0.01 * i)
+    assert "heatmap.png" in compare([tmp_path / "search"], tmp_path / "out_search")["files"]
+    assert "heatmap.png" in compare([tmp_path / "grid"], tmp_path / "out_grid")["files"]
+    assert drawn == ["search_map", "grid_map"]

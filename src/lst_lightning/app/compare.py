@@ -9,7 +9,8 @@ Writes, into ``--out``:
 
 - ``runs.csv`` and ``runs.md``: one row per run (test top-k errors, MRR, perplexity,
   SimLex-999, the best validation top-k errors, step time), sorted by ``--metric``;
-- ``heatmap.png``: ``--metric`` over two config keys (default the Z-loss's a and b);
+- ``heatmap.png``: ``--metric`` over two config keys (default the Z-loss's a and b): cells
+  for a grid, points coloured by the metric (the best ringed) for a search such as Optuna;
 - ``curves_steps.png`` and ``curves_time.png``: learning curves against steps and
   against wall-clock seconds of training; of a sweep (more than ``--best`` runs) the best
   few in colour over the others in grey, legends in numeric order (b=2 before b=10);
@@ -181,8 +182,15 @@ def write_tables(cols, rows, out: Path) -> str:
     return text
 
 
+def lower_is_better(metric: str) -> bool:
+    return any(w in metric for w in ("error", "loss", "perplexity", "time", "wall"))
+
+
 def heatmap(runs: list[Run], metric: str, x: str, y: str, out: Path) -> Path | None:
-    """Mean of ``metric`` per (x, y) cell; None when fewer than two values on an axis."""
+    """Mean of ``metric`` per (x, y) cell; None when fewer than two values on an axis.
+
+    A grid (at least half its cells measured) is drawn as cells; a search (Optuna, random:
+    every run at its own x and y) as points coloured by the metric, the best one ringed."""
     import matplotlib.pyplot as plt  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
@@ -194,22 +202,16 @@ def heatmap(runs: list[Run], metric: str, x: str, y: str, out: Path) -> Path | N
     xs, ys = sorted({k[0] for k in cells}), sorted({k[1] for k in cells})
     if len(xs) < 2 or len(ys) < 2:
         return None
-    grid = np.full((len(ys), len(xs)), np.nan)
-    for (vx, vy), vs in cells.items():
-        grid[ys.index(vy), xs.index(vx)] = sum(vs) / len(vs)
-    fig, ax = plt.subplots(figsize=(1.2 * len(xs) + 2.5, 0.8 * len(ys) + 2))
-    im = ax.imshow(grid, origin="lower", cmap="viridis_r" if "error" in metric else "viridis", aspect="auto")
-    for i in range(len(ys)):
-        for j in range(len(xs)):
-            if np.isfinite(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=8,
-                        bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0})
-    ax.set_xticks(range(len(xs)), [fmt(v) for v in xs])
-    ax.set_yticks(range(len(ys)), [fmt(v) for v in ys])
+    means = {k: sum(vs) / len(vs) for k, vs in cells.items()}
+    cmap = "viridis_r" if lower_is_better(metric) else "viridis"
+    if is_grid(len(cells), len(xs), len(ys)):
+        fig = grid_map(plt, np, means, xs, ys, cmap)
+    else:
+        fig = search_map(plt, means, xs, ys, cmap, lower_is_better(metric))
+    ax = fig.axes[0]
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.set_title(metric)
-    fig.colorbar(im, ax=ax)
     fig.tight_layout()
     path = out / "heatmap.png"
     fig.savefig(path, dpi=110)
@@ -217,10 +219,48 @@ def heatmap(runs: list[Run], metric: str, x: str, y: str, out: Path) -> Path | N
     return path
 
 
+def is_grid(n_cells: int, n_x: int, n_y: int) -> bool:
+    """A sweep over a grid measures at least half of its cells; a search, one per run."""
+    return 2 * n_cells >= n_x * n_y
+
+
+def grid_map(plt, np, means: dict, xs: list, ys: list, cmap: str):
+    grid = np.full((len(ys), len(xs)), np.nan)
+    for (vx, vy), v in means.items():
+        grid[ys.index(vy), xs.index(vx)] = v
+    fig, ax = plt.subplots(figsize=(1.2 * len(xs) + 2.5, 0.8 * len(ys) + 2))
+    im = ax.imshow(grid, origin="lower", cmap=cmap, aspect="auto")
+    for i in range(len(ys)):
+        for j in range(len(xs)):
+            if np.isfinite(grid[i, j]):
+                ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=8,
+                        bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0})
+    ax.set_xticks(range(len(xs)), [fmt(v) for v in xs])
+    ax.set_yticks(range(len(ys)), [fmt(v) for v in ys])
+    fig.colorbar(im, ax=ax)
+    return fig
+
+
+def search_map(plt, means: dict, xs: list, ys: list, cmap: str, lower: bool):
+    fig, ax = plt.subplots(figsize=(7.5, 5.5))
+    (px, py), pv = zip(*means), list(means.values())
+    im = ax.scatter(px, py, c=pv, cmap=cmap, s=70, edgecolors="black", linewidths=0.5)
+    for vx, vy, v in zip(px, py, pv):
+        ax.annotate(f"{v:.3g}", (vx, vy), textcoords="offset points", xytext=(6, 5), fontsize=7)
+    best = (min if lower else max)(means, key=means.get)
+    ax.scatter(*best, s=260, facecolors="none", edgecolors="red", linewidths=1.5, label="best")
+    ax.legend(loc="best", fontsize=8)
+    for values, set_scale in ((xs, ax.set_xscale), (ys, ax.set_yscale)):
+        if isinstance(values[0], (int, float)) and values[0] > 0 and values[-1] / values[0] > 20:
+            set_scale("log")
+    fig.colorbar(im, ax=ax)
+    return fig
+
+
 def ranked(runs: list[Run], metric: str) -> list[Run]:
     """Best first by ``metric`` (lower is better for errors, losses and perplexity); runs
     without it last."""
-    lower = any(w in metric for w in ("error", "loss", "perplexity", "time", "wall"))
+    lower = lower_is_better(metric)
 
     def key(r: Run):
         v = r.metric(metric)
