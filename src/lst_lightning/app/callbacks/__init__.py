@@ -1,12 +1,16 @@
-"""Lightning callbacks of the app: the head's share of the step time, checkpoints of a
-head whose rows are sharded over ranks, the self-updating head's step at the optimizer's
+"""Lightning callbacks of the app: the head's share of the step time, periodic checkpoints
+(and on SIGTERM), the random states in them, checkpoints of a head whose rows are sharded
+over ranks, the self-updating head's step at the optimizer's
 step (accumulation, loss scaling), a progress line every few steps, and the run's record
 (facts as hyperparameters, results as the W&B summary). All work with any
 LightningModule that holds an ``OutputHead``."""
 from .head_steps import HeadSteps
 from .head_timing import HeadTiming
+from .periodic_checkpoint import PeriodicCheckpoint
 from .progress_log import ProgressLog
+from .resume_state import ResumeState
 from .run_record import RunRecord, run_facts
 from .sharded_head_checkpoint import ShardedHeadCheckpoint
 
-__all__ = ["HeadSteps", "HeadTiming", "ProgressLog", "RunRecord", "ShardedHeadCheckpoint", "run_facts"]
+__all__ = ["HeadSteps", "HeadTiming", "PeriodicCheckpoint", "ProgressLog", "ResumeState", "RunRecord",
+           "ShardedHeadCheckpoint", "run_facts"]

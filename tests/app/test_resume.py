@@ -1,0 +1,137 @@
+"""Runs that survive: a run killed (SIGKILL) or preempted (SIGTERM) mid-epoch and resumed
+with the same command and ckpt_path=last ends exactly as the run that was never stopped;
+ckpt_path=last/auto find the run directory's newest checkpoint (resume.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lst_lightning.app.resume import resolve_ckpt_path, run_checkpoints
+
+from app_configs import FAST
+
+HELPERS = Path(__file__).parents[1] / "helpers"
+# Two epochs of 10 steps, validation every 4, dropout and the factored head (its counters,
+# pending state and repairs), a checkpoint after every step; the stall callback (stall.py)
+# holds the run at LST_STALL_AT when that is set.
+RUN = [*FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=10", "trainer.val_check_interval=4",
+       "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.every_minutes=null",
+       "head.stabiliser.check_every=3", "+callbacks.stall._target_=stall.Stall"]
+STOP_AT = 7  # mid-epoch 0, between validations: steps 0..6 done
+
+
+def lst_train(run_dir, *extra, stall_at=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LST_STALL_AT", None)
+    if stall_at is not None:
+        env["LST_STALL_AT"] = str(stall_at)
+    return subprocess.Popen([sys.executable, "-m", "lst_lightning.app.train", *RUN, f"hydra.run.dir={run_dir}", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(proc, code=0):
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == code, out[-3000:]
+    return out
+
+
+def stalled(proc, run_dir):
+    """Wait for the run to reach the stall (steps before it done and checkpointed)."""
+    while not (Path(run_dir) / "stalled").exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    (Path(run_dir) / "stalled").unlink()
+
+
+def outcome(run_dir):
+    """What must not depend on the interruption: the results but time, and the final weights."""
+    res = json.loads((Path(run_dir) / "results.json").read_text())
+    res = {k: v for k, v in res.items() if k not in ("wall_s", "run_dir", "step_time_ms", "tokens_per_s", "head_share")}
+    state = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert state["global_step"] == res["train_steps"] == 20  # last.ckpt holds the final state
+    return res, state["state_dict"], state["optimizer_states"]
+
+
+def equal(a, b, where=""):
+    """Bit-identical tensors, equal everything else, at every depth of dicts and lists."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def same(a, b):
+    (ra, sa, oa), (rb, sb, ob) = a, b
+    assert ra == rb  # validation, test and unigram metrics, steps, the head's counters
+    equal(sa, sb, "state_dict")
+    equal(oa, ob, "optimizer_states")  # the moments, step counts and lrs of every part
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    finished(lst_train(run_dir))
+    return outcome(run_dir)
+
+
+def test_a_killed_run_resumes_exactly(tmp_path, uninterrupted):
+    """SIGKILL at step 7 (the checkpoint of step 6 written): the same command with
+    ckpt_path=last ends bit-identical to the run never stopped: validation and test
+    metrics, the head's counters, every weight and the optimiser's state."""
+    proc = lst_train(tmp_path, stall_at=STOP_AT)
+    stalled(proc, tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=900)
+    assert proc.returncode == -signal.SIGKILL and not (tmp_path / "results.json").exists()
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT  # mid-epoch: step 7 of 10
+    finished(lst_train(tmp_path, "ckpt_path=last"))
+    same(outcome(tmp_path), uninterrupted)
+
+
+def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
+    """SIGTERM during step 7: the step finishes, last.ckpt holds it, the run exits with 143;
+    resumed with the same command and ckpt_path=last it ends as the run never stopped."""
+    proc = lst_train(tmp_path, "callbacks.checkpoint.every_n_steps=0", "callbacks.checkpoint.after_validation=false",
+                     stall_at=STOP_AT)
+    stalled(proc, tmp_path)
+    assert not (tmp_path / "checkpoints").exists()  # no checkpoint but SIGTERM's
+    proc.send_signal(signal.SIGTERM)
+    out = finished(proc, code=143)
+    assert "stopped by SIGTERM" in out
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT + 1  # the step it was in finished
+    finished(lst_train(tmp_path, "ckpt_path=last"))
+    same(outcome(tmp_path), uninterrupted)
+
+
+def test_last_is_the_newest_checkpoint_of_the_run(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last: no checkpoint to resume in"):
+        resolve_ckpt_path("last", tmp_path)
+    assert resolve_ckpt_path("auto", tmp_path) is None and resolve_ckpt_path(None, tmp_path) is None
+    ckpts.mkdir()
+    for name, t in [("step4.ckpt", 1), ("last.ckpt", 2), ("step8.ckpt", 2)]:  # last and step8: the same time
+        (ckpts / name).write_bytes(b"x")
+        os.utime(ckpts / name, ns=(10**9 * t, 10**9 * t))
+    assert resolve_ckpt_path("last", tmp_path) == resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt")
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"  # Lightning's SLURM requeue checkpoint, when newer
+    hpc.write_bytes(b"x")
+    assert run_checkpoints(tmp_path)[-1] == hpc and resolve_ckpt_path("last", tmp_path) == str(hpc)
+    assert resolve_ckpt_path(str(ckpts / "step4.ckpt"), tmp_path) == str(ckpts / "step4.ckpt")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
+        resolve_ckpt_path(str(ckpts / "step5.ckpt"), tmp_path)
