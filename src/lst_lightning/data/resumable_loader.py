@@ -28,6 +28,8 @@ class ResumableLoader(DataLoader):
         self._position = (0, 0)  # (epoch, batches handed out in it)
 
     def __iter__(self) -> Iterator:
+        # A generator: nothing is read before the first batch is asked for, so a position
+        # loaded after ``iter()`` (Lightning makes the iterator first) still counts.
         epoch, served = self.sampler.epoch, self.sampler.next_start()
         self._position = (epoch, served)
         for batch in super().__iter__():
@@ -36,6 +38,7 @@ class ResumableLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict:
+        """The epoch of the last batch handed out, and how many of its batches were."""
         epoch, batches = self._position
         return {"epoch": epoch, "batches": batches}
 

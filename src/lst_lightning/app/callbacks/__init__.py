@@ -2,8 +2,10 @@
 (and on SIGTERM), the random states in them, checkpoints of a head whose rows are sharded
 over ranks, the self-updating head's step at the optimizer's
 step (accumulation, loss scaling), a progress line every few steps, and the run's record
-(facts as hyperparameters, results as the W&B summary). All work with any
+(facts as hyperparameters, results as the W&B summary), and every rank stopped with the
+message of the one that failed. All work with any
 LightningModule that holds an ``OutputHead``."""
+from .fail_together import FailTogether
 from .head_steps import HeadSteps
 from .head_timing import HeadTiming
 from .periodic_checkpoint import PeriodicCheckpoint
@@ -12,5 +14,5 @@ from .resume_state import ResumeState
 from .run_record import RunRecord, run_facts
 from .sharded_head_checkpoint import ShardedHeadCheckpoint
 
-__all__ = ["HeadSteps", "HeadTiming", "PeriodicCheckpoint", "ProgressLog", "ResumeState", "RunRecord",
+__all__ = ["FailTogether", "HeadSteps", "HeadTiming", "PeriodicCheckpoint", "ProgressLog", "ResumeState", "RunRecord",
            "ShardedHeadCheckpoint", "run_facts"]

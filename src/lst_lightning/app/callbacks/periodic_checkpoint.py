@@ -70,11 +70,15 @@ class PeriodicCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Only a preemption: another exception may leave a diverged or half-stepped state.
         if isinstance(exception, SIGTERMException):
-            self.save_now(trainer)
+            self.save_now(trainer, preempted=True)
 
-    def save_now(self, trainer: pl.Trainer) -> None:
-        """step<N>.ckpt (kept among the newest ``keep``) and last.ckpt, unless this step is saved."""
+    def save_now(self, trainer: pl.Trainer, preempted: bool = False) -> None:
+        """step<N>.ckpt (kept among the newest ``keep``) and last.ckpt, unless this step is saved
+        or (but when ``preempted``) an accumulation window is half done: its gradients are in
+        no checkpoint, a time-triggered save waits for the window's optimizer step."""
         if self._should_skip_saving_checkpoint(trainer):  # not fitting, sanity check, or saved at this step
+            return
+        if not preempted and trainer.state.stage == "train" and trainer.fit_loop.epoch_loop._should_accumulate():
             return
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
