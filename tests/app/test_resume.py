@@ -135,3 +135,23 @@ def test_last_is_the_newest_checkpoint_of_the_run(tmp_path):
     assert resolve_ckpt_path(str(ckpts / "step4.ckpt"), tmp_path) == str(ckpts / "step4.ckpt")
     with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
         resolve_ckpt_path(str(ckpts / "step5.ckpt"), tmp_path)
+
+
+def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
+    """Two gloo ranks (ddp_fork), dropout and the replicated factored head: resumed from the
+    checkpoint of step 3 of 6, they end as the run never stopped; the checkpoint holds each
+    rank's random states."""
+    from app_configs import cfg_of  # noqa: PLC0415
+
+    from lst_lightning.app.train import run  # noqa: PLC0415
+
+    over = [*FAST, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", "head.parallel=replicated", "test=false",
+            "trainer.limit_train_batches=6", "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1",
+            "callbacks.checkpoint.keep=10", "callbacks.checkpoint.every_minutes=null"]
+    full = run(cfg_of(*over), tmp_path / "full")
+    saved = torch.load(tmp_path / "full" / "checkpoints" / "step3.ckpt", weights_only=True)
+    assert len(saved["rng_states"]) == 2
+    resumed = run(cfg_of(*over, f"ckpt_path={tmp_path / 'full' / 'checkpoints' / 'step3.ckpt'}"), tmp_path / "resumed")
+    assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 6
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
+    equal(a["state_dict"], b["state_dict"], "state_dict")
