@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from lst_lightning.app.resume import resolve_ckpt_path, run_checkpoints
+from lst_lightning.app.train import run
 
-from app_configs import FAST
+from app_configs import FAST, cfg_of
 
 HELPERS = Path(__file__).parents[1] / "helpers"
 # Two epochs of 10 steps, validation every 4, dropout and the factored head (its counters,
@@ -105,7 +106,7 @@ def test_a_killed_run_resumes_exactly(tmp_path, uninterrupted):
 
 def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
     """SIGTERM during step 7: the step finishes, last.ckpt holds it, the run exits with 143;
-    resumed with the same command and ckpt_path=last it ends as the run never stopped."""
+    resumed with the same configuration and ckpt_path=last it ends as the run never stopped."""
     proc = lst_train(tmp_path, "callbacks.checkpoint.every_n_steps=0", "callbacks.checkpoint.after_validation=false",
                      stall_at=STOP_AT)
     stalled(proc, tmp_path)
@@ -115,7 +116,7 @@ def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
     assert "stopped by SIGTERM" in out
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == STOP_AT + 1  # the step it was in finished
-    finished(lst_train(tmp_path, "ckpt_path=last"))
+    run(cfg_of(*RUN, "ckpt_path=last"), tmp_path)  # in this process, to save one start-up
     same(outcome(tmp_path), uninterrupted)
 
 
@@ -141,10 +142,6 @@ def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
     """Two gloo ranks (ddp_fork), dropout and the replicated factored head: resumed from the
     checkpoint of step 3 of 6, they end as the run never stopped; the checkpoint holds each
     rank's random states."""
-    from app_configs import cfg_of  # noqa: PLC0415
-
-    from lst_lightning.app.train import run  # noqa: PLC0415
-
     over = [*FAST, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", "head.parallel=replicated", "test=false",
             "trainer.limit_train_batches=6", "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1",
             "callbacks.checkpoint.keep=10", "callbacks.checkpoint.every_minutes=null"]

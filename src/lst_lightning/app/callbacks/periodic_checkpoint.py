@@ -16,6 +16,7 @@ Every write goes through the trainer's checkpoint IO, which replaces a file atom
 from __future__ import annotations
 
 import time
+import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -43,6 +44,11 @@ class PeriodicCheckpoint(ModelCheckpoint):
         # Lightning's key holds the triggers: a resumed run with other ones would not get its
         # state back (the saves it keeps), and would leave the old ones undeleted
         return type(self).__name__
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        with warnings.catch_warnings():  # a resumed run writes into its own checkpoints: no news
+            warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._clock = time.monotonic()
