@@ -69,7 +69,7 @@ class FailTogether(pl.Callback):
                 return
             print(f"[rank {self._rank}] stopping: {said}", file=sys.stderr, flush=True)
             log.error("stopping: %s", said)
-            time.sleep(GRACE_S)  # the failing rank reports first (ddp_spawn and torchrun show its error)
+            time.sleep(2 * GRACE_S)  # the failing rank ends first: ddp_spawn and torchrun report its error
             os._exit(1)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
