@@ -334,6 +334,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     start = time.perf_counter()
     with exit_on_bad_input("lst-train"):  # bad input: one line, exit code 2
         check_config(cfg)  # in a second, before the heavy imports of build()
+        resolve_ckpt_path(cfg.get("ckpt_path"), hc.runtime.output_dir)  # ckpt_path=last with nothing there
         swept = swept_overrides(hc)
         if swept:  # one W&B run per job: the run name says which point of the sweep it is
             with open_dict(cfg):
