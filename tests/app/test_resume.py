@@ -152,3 +152,20 @@ def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
     assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 6
     a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
     equal(a["state_dict"], b["state_dict"], "state_dict")
+
+
+def test_accumulation_resumes_mid_epoch_exactly(tmp_path):
+    """Two micro-batches per step (the factored head steps at the optimizer's step): saves
+    fall at optimizer steps, and a resume from step 3 of 5 ends as the run never stopped."""
+    over = [*FAST, "trainer.limit_train_batches=10", "trainer.accumulate_grad_batches=2", "model.dropout=0.2",
+            "test=false", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.keep=10",
+            "callbacks.checkpoint.every_minutes=null"]
+    full = run(cfg_of(*over), tmp_path / "full")
+    step3 = tmp_path / "full" / "checkpoints" / "step3.ckpt"
+    progress = torch.load(step3, weights_only=True)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert progress["processed"] == 6  # saved at the end of the 6th micro-batch, the one that stepped
+    resumed = run(cfg_of(*over, f"ckpt_path={step3}"), tmp_path / "resumed")
+    assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 5
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
+    equal(a["state_dict"], b["state_dict"], "state_dict")
+    equal(a["optimizer_states"], b["optimizer_states"], "optimizer_states")
