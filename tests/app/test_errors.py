@@ -40,6 +40,7 @@ def files(tmp_path):
     (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
     (["loss.a=-1"], "write loss.kwargs.a=-1"),
     (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt"),
+    (["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in"),
     (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),
     (["data=text_files", "data.path=empty.txt"], "is empty"),
 ])

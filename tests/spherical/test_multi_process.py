@@ -48,7 +48,8 @@ def test_sharded_equals_replicated(ranks):
 
 def test_one_ranks_bad_input_raises_on_every_rank_and_changes_nothing(ranks):
     assert "outside [0, 50)" in ranks[1]["bad_input"]
-    assert "another rank" in ranks[0]["bad_input"]
+    assert "rank 1's input to the head was invalid (ValueError:" in ranks[0]["bad_input"]
+    assert "outside [0, 50)" in ranks[0]["bad_input"]  # the message of the rank that saw it
     assert all(r["bad_input_untouched"] for r in ranks)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from .configs import config_dir
+from .resume import NEWEST, resolve_ckpt_path
 
 
 def _whole(v, lo: int) -> bool:
@@ -58,9 +59,9 @@ def check_trainer(trainer: DictConfig) -> None:
 
 
 def check_ckpt_path(ckpt_path) -> None:
-    if ckpt_path and not Path(ckpt_path).is_file():
-        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file; give a run's "
-                                "checkpoints/last.ckpt, or ckpt_path=null to start afresh")
+    """A file must exist; ``last`` and ``auto`` are looked up in the run directory by ``build``."""
+    if ckpt_path and str(ckpt_path) not in NEWEST:
+        resolve_ckpt_path(ckpt_path, ".")
 
 
 def loss_settings() -> set[str]:

@@ -228,17 +228,3 @@ class LanguageModel(pl.LightningModule):
 
     def on_test_epoch_end(self):
         self._eval_epoch_end(self.test_ranks, self.test_ppl, self.test_loss, "test")
-
-    # -- exact resume: the global RNG (dropout) travels with the checkpoint ------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        rng = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state_all()
-        checkpoint["rng_state"] = rng
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        rng = checkpoint.get("rng_state")
-        if rng is not None:
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])

@@ -24,7 +24,9 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import check_config, check_overrides, resolve_aliases
 from .configs import config_dir
 from .errors import exit_on_bad_input
+from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries
+from .resume import resolve_ckpt_path
 from .wiring import flatten  # noqa: F401  (its old home)
 
 if TYPE_CHECKING:
@@ -149,12 +151,14 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
+    from .checkpoint_io import AtomicCheckpointIO  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel  # noqa: PLC0415
     from .wiring import Run, instantiate_group  # noqa: PLC0415
 
     one_handler_for_lightning()
     run_dir = Path(run_dir)
+    resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # ckpt_path=last with nothing to resume fails here
     tcfg = cfg.trainer
     check_device(tcfg)
     head_class(cfg)  # a bad _target_ fails here, before the data is read
@@ -193,6 +197,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     trainer = pl.Trainer(
         **OmegaConf.to_container(tcfg, resolve=True), logger=run.loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
+        plugins=[AtomicCheckpointIO()],  # last.ckpt replaced atomically (checkpoint_io.py)
     )
     check_built(cfg, module, trainer)
     return dm, module, trainer
@@ -238,7 +243,8 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if getattr(dm, "vocab", None) is not None:
             dm.save_vocab(run_dir / "vocab.json")
-    trainer.fit(module, datamodule=dm, ckpt_path=cfg.get("ckpt_path"), weights_only=True)
+    ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # last, auto: the run's newest (resume.py)
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
@@ -326,6 +332,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
     start = time.perf_counter()
     with exit_on_bad_input("lst-train"):  # bad input: one line, exit code 2
         check_config(cfg)  # in a second, before the heavy imports of build()
+        resolve_ckpt_path(cfg.get("ckpt_path"), hc.runtime.output_dir)  # ckpt_path=last with nothing there
         swept = swept_overrides(hc)
         if swept:  # one W&B run per job: the run name says which point of the sweep it is
             with open_dict(cfg):
@@ -333,7 +340,8 @@ def _hydra_main(cfg: DictConfig) -> float | None:
         group_the_sweep(cfg, hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None)  # one W&B group per sweep
         built = build(cfg, hc.runtime.output_dir)
     try:
-        results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
+        with exit_on_preemption(hc.runtime.output_dir):  # SIGTERM: last.ckpt saved, exit code 143
+            results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
     except FloatingPointError as e:
         if not cfg.get("objective"):
             raise

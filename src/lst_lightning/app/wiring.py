@@ -87,12 +87,15 @@ def wandb_logger(run: Run, mode: str = "offline", project: str = "lst-lightning"
 
 
 # -- callbacks ----------------------------------------------------------------------------
-def model_checkpoint(run: Run, save_last: bool = True, save_top_k: int = 0, every_n_epochs: int = 1):
-    """Lightning's checkpoints under <run_dir>/checkpoints."""
-    import lightning.pytorch as pl  # noqa: PLC0415
+def model_checkpoint(run: Run, every_n_steps: int = 1000, every_minutes: float | None = 30.0,
+                     after_validation: bool = True, keep: int = 1):
+    """Checkpoints under <run_dir>/checkpoints: last.ckpt and the newest ``keep`` step<N>.ckpt,
+    saved every ``every_n_steps`` steps, every ``every_minutes`` minutes, after every
+    validation and on SIGTERM (callbacks/periodic_checkpoint.py)."""
+    from .callbacks import PeriodicCheckpoint  # noqa: PLC0415
 
-    return pl.callbacks.ModelCheckpoint(dirpath=str(run.run_dir / "checkpoints"), save_last=save_last,
-                                        save_top_k=save_top_k, every_n_epochs=every_n_epochs)
+    return PeriodicCheckpoint(dirpath=str(run.run_dir / "checkpoints"), every_n_steps=every_n_steps,
+                              every_minutes=every_minutes, after_validation=after_validation, keep=keep)
 
 
 def progress_log(run: Run, every: int = 100):

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from .corpus import load_corpus
 from .ngram import EpochBatchSampler, NgramWindows
+from .resumable_loader import ResumableLoader
 from .sequences import TokenSequences
 from .synthetic import SyntheticZipf, zipf_counts
 from .vocab import BOS, Vocabulary, tokenize
@@ -77,9 +78,10 @@ class _WindowDataModule(pl.LightningDataModule):
             seed=self.seed, drop_last=train, rank=rank, world_size=world_size, limit=limit,
         )
         # batch_size=None: the sampler yields whole batches of ids, the dataset
-        # gathers them in one indexing op.
-        return DataLoader(_PaddedIds(ds), sampler=sampler, batch_size=None, num_workers=self.num_workers,
-                          persistent_workers=self.num_workers > 0)
+        # gathers them in one indexing op. Training resumes mid-epoch (ResumableLoader).
+        kind, extra = (ResumableLoader, {"seed": self.seed}) if train else (DataLoader, {})
+        return kind(_PaddedIds(ds), sampler=sampler, batch_size=None, num_workers=self.num_workers,
+                    persistent_workers=self.num_workers > 0, **extra)
 
     def eval_dataloader(self, split: str, rank: int = 0, world_size: int = 1) -> DataLoader:
         """An evaluation split as ``rank`` of ``world_size`` sees it (default: all of it,

@@ -65,9 +65,21 @@ class EpochBatchSampler(Sampler[Tensor]):
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.limit = limit
         self.epoch = 0
+        self._resume_at: tuple[int, int] | None = None  # (epoch, batch) the next iteration starts at
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def resume(self, epoch: int, batch: int) -> None:
+        """The next iteration is epoch ``epoch`` from its batch ``batch`` on (a mid-epoch resume);
+        the ones after it, whole epochs again. ``len`` stays the epoch's whole length."""
+        if not (isinstance(epoch, int) and isinstance(batch, int) and epoch >= 0 and batch >= 0):
+            raise ValueError(f"resume needs an epoch and a batch >= 0, got {epoch!r}, {batch!r}")
+        self.epoch, self._resume_at = epoch, (epoch, batch)
+
+    def next_start(self) -> int:
+        """The batch the next iteration starts at (0, or where ``resume`` said)."""
+        return self._resume_at[1] if self._resume_at and self._resume_at[0] == self.epoch else 0
 
     def _ids(self) -> Tensor:
         if self.shuffle:
@@ -88,8 +100,9 @@ class EpochBatchSampler(Sampler[Tensor]):
         return ids[self.rank :: w]
 
     def __iter__(self) -> Iterator[Tensor]:
+        start, self._resume_at = self.next_start(), None
         ids = self._ids()
-        for i in range(0, len(ids), self.batch_size):
+        for i in range(start * self.batch_size, len(ids), self.batch_size):
             yield ids[i : i + self.batch_size]
 
     def __len__(self) -> int:

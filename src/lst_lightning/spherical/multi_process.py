@@ -57,7 +57,7 @@ class Sharding:
     # -- the step ---------------------------------------------------------------------------
     def agree(self, prepare, step: bool, device):
         """``prepare()``, agreed on by every rank that shares the step: one rank's bad input
-        raises on all of them, before any of them changes."""
+        raises on all of them, with that rank's message, before any of them changes."""
         if not (self.world > 1 and (self.sharded or step)):
             return prepare()
         try:
@@ -65,8 +65,11 @@ class Sharding:
         except (ValueError, TypeError) as e:
             out, err = None, e
         if self.pg.any(err is not None, device):  # all ranks raise, none has changed
-            raise err if err is not None else ValueError(
-                "another rank's input to the head was invalid (its error says why); no rank changed state")
+            said = self.pg.all_gather_text(None if err is None else f"{type(err).__name__}: {err}")
+            if err is not None:
+                raise err
+            first = next(r for r, text in enumerate(said) if text is not None)
+            raise ValueError(f"rank {first}'s input to the head was invalid ({said[first]}); no rank changed state")
         return out
 
     def collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):

@@ -1,0 +1,43 @@
+"""Which checkpoint a run resumes from: ``ckpt_path`` as the user gave it.
+
+- a file: that checkpoint;
+- ``last``: the newest checkpoint of this run directory (``<run_dir>/checkpoints/*.ckpt``, or
+  a SLURM requeue's ``<run_dir>/hpc_ckpt_<n>.ckpt``); none is an error;
+- ``auto``: the same, or a fresh start when there is none: the one command a requeued job
+  runs every time (with a fixed ``hydra.run.dir``, docs/app.md "Checkpoints and resuming");
+- null: a fresh start.
+
+Needs no torch: the answer is known before the heavy imports."""
+from __future__ import annotations
+
+from pathlib import Path
+
+NEWEST = ("last", "auto")
+
+
+def run_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run directory's checkpoints, oldest first (last.ckpt after a step file of the same time)."""
+    run_dir = Path(run_dir)
+    found = [*(run_dir / "checkpoints").glob("*.ckpt"), *run_dir.glob("hpc_ckpt_*.ckpt")]
+    return sorted((p for p in found if p.is_file()), key=lambda p: (p.stat().st_mtime_ns, p.name == "last.ckpt"))
+
+
+def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
+    """The checkpoint file to resume from, or None for a fresh start; raises (one line) when
+    ``ckpt_path=last`` finds nothing, or a file does not exist."""
+    if not ckpt_path:
+        return None
+    if str(ckpt_path) in NEWEST:
+        found = run_checkpoints(run_dir)
+        if found:
+            return str(found[-1])
+        if ckpt_path == "auto":
+            return None
+        raise FileNotFoundError(f"ckpt_path=last: no checkpoint to resume in {Path(run_dir) / 'checkpoints'}; "
+                                "give the run's directory with hydra.run.dir=<dir> (the same as the interrupted "
+                                "run's), or ckpt_path=auto to start afresh when there is none")
+    if not Path(ckpt_path).is_file():
+        raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file; give a run's "
+                                "checkpoints/last.ckpt, ckpt_path=last (hydra.run.dir=<the run's directory>), "
+                                "or ckpt_path=null to start afresh")
+    return str(ckpt_path)

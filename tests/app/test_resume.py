@@ -1,0 +1,171 @@
+"""Runs that survive: a run killed (SIGKILL) or preempted (SIGTERM) mid-epoch and resumed
+with the same command and ckpt_path=last ends exactly as the run that was never stopped;
+ckpt_path=last/auto find the run directory's newest checkpoint (resume.py)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lst_lightning.app.resume import resolve_ckpt_path, run_checkpoints
+from lst_lightning.app.train import run
+
+from app_configs import FAST, cfg_of
+
+HELPERS = Path(__file__).parents[1] / "helpers"
+# Two epochs of 10 steps, validation every 4, dropout and the factored head (its counters,
+# pending state and repairs), a checkpoint after every step; the stall callback (stall.py)
+# holds the run at LST_STALL_AT when that is set.
+RUN = [*FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=10", "trainer.val_check_interval=4",
+       "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.every_minutes=null",
+       "head.stabiliser.check_every=3", "+callbacks.stall._target_=stall.Stall"]
+STOP_AT = 7  # mid-epoch 0, between validations: steps 0..6 done
+
+
+def lst_train(run_dir, *extra, stall_at=None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LST_STALL_AT", None)
+    if stall_at is not None:
+        env["LST_STALL_AT"] = str(stall_at)
+    return subprocess.Popen([sys.executable, "-m", "lst_lightning.app.train", *RUN, f"hydra.run.dir={run_dir}", *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished(proc, code=0):
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == code, out[-3000:]
+    return out
+
+
+def stalled(proc, run_dir):
+    """Wait for the run to reach the stall (steps before it done and checkpointed)."""
+    while not (Path(run_dir) / "stalled").exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    (Path(run_dir) / "stalled").unlink()
+
+
+def outcome(run_dir):
+    """What must not depend on the interruption: the results but time, and the final weights."""
+    res = json.loads((Path(run_dir) / "results.json").read_text())
+    res = {k: v for k, v in res.items() if k not in ("wall_s", "run_dir", "step_time_ms", "tokens_per_s", "head_share")}
+    state = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert state["global_step"] == res["train_steps"] == 20  # last.ckpt holds the final state
+    return res, state["state_dict"], state["optimizer_states"]
+
+
+def equal(a, b, where=""):
+    """Bit-identical tensors, equal everything else, at every depth of dicts and lists."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def same(a, b):
+    (ra, sa, oa), (rb, sb, ob) = a, b
+    assert ra == rb  # validation, test and unigram metrics, steps, the head's counters
+    equal(sa, sb, "state_dict")
+    equal(oa, ob, "optimizer_states")  # the moments, step counts and lrs of every part
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    finished(lst_train(run_dir))
+    return outcome(run_dir)
+
+
+def test_a_killed_run_resumes_exactly(tmp_path, uninterrupted):
+    """SIGKILL at step 7 (the checkpoint of step 6 written): the same command with
+    ckpt_path=last ends bit-identical to the run never stopped: validation and test
+    metrics, the head's counters, every weight and the optimiser's state."""
+    proc = lst_train(tmp_path, stall_at=STOP_AT)
+    stalled(proc, tmp_path)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=900)
+    assert proc.returncode == -signal.SIGKILL and not (tmp_path / "results.json").exists()
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT  # mid-epoch: step 7 of 10
+    finished(lst_train(tmp_path, "ckpt_path=last"))
+    same(outcome(tmp_path), uninterrupted)
+
+
+def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
+    """SIGTERM during step 7: the step finishes, last.ckpt holds it, the run exits with 143;
+    resumed with the same configuration and ckpt_path=last it ends as the run never stopped."""
+    proc = lst_train(tmp_path, "callbacks.checkpoint.every_n_steps=0", "callbacks.checkpoint.after_validation=false",
+                     stall_at=STOP_AT)
+    stalled(proc, tmp_path)
+    assert not (tmp_path / "checkpoints").exists()  # no checkpoint but SIGTERM's
+    proc.send_signal(signal.SIGTERM)
+    out = finished(proc, code=143)
+    assert "stopped by SIGTERM" in out
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT + 1  # the step it was in finished
+    run(cfg_of(*RUN, "ckpt_path=last"), tmp_path)  # in this process, to save one start-up
+    same(outcome(tmp_path), uninterrupted)
+
+
+def test_last_is_the_newest_checkpoint_of_the_run(tmp_path):
+    ckpts = tmp_path / "checkpoints"
+    with pytest.raises(FileNotFoundError, match="ckpt_path=last: no checkpoint to resume in"):
+        resolve_ckpt_path("last", tmp_path)
+    assert resolve_ckpt_path("auto", tmp_path) is None and resolve_ckpt_path(None, tmp_path) is None
+    ckpts.mkdir()
+    for name, t in [("step4.ckpt", 1), ("last.ckpt", 2), ("step8.ckpt", 2)]:  # last and step8: the same time
+        (ckpts / name).write_bytes(b"x")
+        os.utime(ckpts / name, ns=(10**9 * t, 10**9 * t))
+    assert resolve_ckpt_path("last", tmp_path) == resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt")
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"  # Lightning's SLURM requeue checkpoint, when newer
+    hpc.write_bytes(b"x")
+    assert run_checkpoints(tmp_path)[-1] == hpc and resolve_ckpt_path("last", tmp_path) == str(hpc)
+    assert resolve_ckpt_path(str(ckpts / "step4.ckpt"), tmp_path) == str(ckpts / "step4.ckpt")
+    with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
+        resolve_ckpt_path(str(ckpts / "step5.ckpt"), tmp_path)
+
+
+def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
+    """Two gloo ranks (ddp_fork), dropout and the replicated factored head: resumed from the
+    checkpoint of step 3 of 6, they end as the run never stopped; the checkpoint holds each
+    rank's random states."""
+    over = [*FAST, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", "head.parallel=replicated", "test=false",
+            "trainer.limit_train_batches=6", "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1",
+            "callbacks.checkpoint.keep=10", "callbacks.checkpoint.every_minutes=null"]
+    full = run(cfg_of(*over), tmp_path / "full")
+    saved = torch.load(tmp_path / "full" / "checkpoints" / "step3.ckpt", weights_only=True)
+    assert len(saved["rng_states"]) == 2
+    resumed = run(cfg_of(*over, f"ckpt_path={tmp_path / 'full' / 'checkpoints' / 'step3.ckpt'}"), tmp_path / "resumed")
+    assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 6
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
+    equal(a["state_dict"], b["state_dict"], "state_dict")
+
+
+def test_accumulation_resumes_mid_epoch_exactly(tmp_path):
+    """Two micro-batches per step (the factored head steps at the optimizer's step): saves
+    fall at optimizer steps, and a resume from step 3 of 5 ends as the run never stopped."""
+    over = [*FAST, "trainer.limit_train_batches=10", "trainer.accumulate_grad_batches=2", "model.dropout=0.2",
+            "test=false", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.keep=10",
+            "callbacks.checkpoint.every_minutes=null"]
+    full = run(cfg_of(*over), tmp_path / "full")
+    step3 = tmp_path / "full" / "checkpoints" / "step3.ckpt"
+    progress = torch.load(step3, weights_only=True)["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]
+    assert progress["processed"] == 6  # saved at the end of the 6th micro-batch, the one that stepped
+    resumed = run(cfg_of(*over, f"ckpt_path={step3}"), tmp_path / "resumed")
+    assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 5
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
+    equal(a["state_dict"], b["state_dict"], "state_dict")
+    equal(a["optimizer_states"], b["optimizer_states"], "optimizer_states")
