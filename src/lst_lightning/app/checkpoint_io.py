@@ -33,7 +33,27 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)  # only left when the write failed
-    fd = os.open(path.parent, os.O_RDONLY)
+    sync_directory(path.parent)
+
+
+def link_atomically(source: str | Path, path: str | Path) -> bool:
+    """``path`` becomes a hard link to ``source`` (one copy on disk, none written), replacing
+    the old ``path`` by a rename; False, and nothing changed, where the file system has no
+    hard links."""
+    source, path = Path(source), Path(path)
+    tmp = path.with_name(f".{path.name}.link{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        return False
+    os.replace(tmp, path)
+    sync_directory(path.parent)
+    return True
+
+
+def sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself survives a crash of the machine
     finally:
