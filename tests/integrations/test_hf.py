@@ -1,0 +1,157 @@
+import pytest
+import torch
+from torch import nn
+
+from lst_lightning.integrations import factor_lm_head, factored_head
+from lst_lightning.integrations.hf import dense_outputs, shifted
+from lst_lightning.spherical import FactoredSphericalHead
+
+from .conftest import VOCAB, batch, tiny
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loss_is_the_heads_loss_on_the_shifted_hidden_states(family):
+    model = factor_lm_head(tiny(family), loss="zloss")
+    ids, mask, labels = batch()
+    model.eval()  # a frozen head: the same state for both calls
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
+    H = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    y = labels[:, 1:].reshape(-1)
+    model.lm_head.reduction = "mean_real"
+    assert (y == -100).any() and torch.allclose(loss, model.lm_head(H, y), atol=1e-6)
+    # the reference: the loss on the dense outputs o = W h, mean over the real tokens
+    O = H.double() @ model.lm_head.weight().double().T
+    real = y >= 0
+    idx = y[real][:, None]
+    q, s = (O[real] ** 2).sum(1), O[real].sum(1)
+    ref = model.lm_head.loss_fn(q, s, O[real].gather(1, idx), torch.ones_like(idx, dtype=O.dtype),
+                                num_classes=VOCAB).mean()
+    assert torch.allclose(loss.double(), ref, rtol=1e-5)
+
+
+def test_pretrained_lm_head_is_the_initial_w_and_logits_match(family):
+    model = tiny(family)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    factor_lm_head(model)
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+        last = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    assert after.shape == before.shape and torch.allclose(after, before, atol=1e-5)
+    assert torch.allclose(last, before[:, -1:], atol=1e-5)
+    H = model.base_model(input_ids=ids, attention_mask=mask)[0].reshape(-1, 16).detach()
+    assert torch.allclose(model.lm_head.scores(H), before.reshape(-1, VOCAB), atol=1e-5)  # zloss: score = o
+
+
+def test_lm_head_with_a_bias_becomes_the_bias_column():
+    model = tiny("llama")
+    old = model.lm_head
+    model.lm_head = nn.Linear(old.in_features, old.out_features, bias=True)
+    nn.init.normal_(model.lm_head.bias)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        factor_lm_head(model)
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert model.lm_head.bias and torch.allclose(after, before, atol=1e-5)
+
+
+def test_dense_outputs_in_chunks_equal_w_h():
+    head = FactoredSphericalHead(VOCAB, 16, bias=True)
+    H = torch.randn(2, 5, 16)
+    ref = torch.cat([H, torch.ones(2, 5, 1)], -1) @ head.weight().T
+    assert torch.allclose(dense_outputs(head, H, chunk_size=7), ref, atol=1e-5)
+
+
+def test_no_logits_in_training_and_training_lowers_the_loss(family):
+    model = factor_lm_head(tiny(family), loss="zloss", lr=0.5)
+    model.train()
+    ids, mask, labels = batch()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        assert out.logits is None
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    assert losses[-1] < 0.9 * losses[0] and int(model.lm_head.steps) == 8
+
+
+def test_num_items_in_batch_two_halves_equal_the_full_batch():
+    ids, mask, labels = batch(m=3)
+    n = int((labels[:, 1:] != -100).sum())
+    models = []
+    for split in (False, True):
+        model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, dtype=torch.float64).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        factored_head(model).attach(opt)
+        parts = [(0, 3)] if not split else [(0, 1), (1, 3)]
+        total = 0.0
+        for a, b in parts:
+            loss = model(input_ids=ids[a:b], attention_mask=mask[a:b], labels=labels[a:b], num_items_in_batch=n).loss
+            loss.backward()
+            total += float(loss.detach())
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        opt.step()
+        models.append((total, grads, model))
+    (l0, g0, m0), (l1, g1, m1) = models
+    assert l0 == pytest.approx(l1, rel=1e-10)
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(g0, g1))
+    W0, W1 = m0.lm_head.weight(), m1.lm_head.weight()
+    assert not torch.allclose(W0, tiny("llama").lm_head.weight.double()) and torch.allclose(W0, W1, atol=1e-10)
+
+
+def test_tied_embeddings_are_refused_and_the_model_is_unchanged():
+    model = tiny("llama", tie_word_embeddings=True)
+    before = state(model)
+    with pytest.raises(ValueError, match="ties lm_head to the input embedding"):
+        factor_lm_head(model)
+    assert isinstance(model.lm_head, nn.Linear) and "forward" not in vars(model) and same_state(before, state(model))
+
+
+def test_a_model_without_an_lm_head_linear_is_refused():
+    model = tiny("llama")
+    model.lm_head = nn.Sequential(model.lm_head)
+    before = state(model)
+    with pytest.raises(ValueError, match="no `lm_head` nn.Linear"):
+        factor_lm_head(model)
+    assert same_state(before, state(model))
+
+
+def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
+    model = factor_lm_head(tiny("qwen2"))
+    model.train()
+    ids, mask, labels = batch()
+    labels[0, 4] = VOCAB
+    before = state(model)
+    with pytest.raises(ValueError, match="outside"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert same_state(before, state(model))
+
+
+def test_patching_twice_and_head_arguments_it_owns_are_refused():
+    model = factor_lm_head(tiny("gpt2"))
+    with pytest.raises(ValueError, match="already"):
+        factor_lm_head(model)
+    with pytest.raises(ValueError, match="sets reduction itself"):
+        factor_lm_head(tiny("gpt2"), reduction="sum")
+    with pytest.raises(ValueError, match="no factored head"):
+        factored_head(tiny("gpt2"))
+
+
+def test_shifted_pairs_each_position_with_the_next_label():
+    hidden = torch.arange(2 * 4, dtype=torch.float32).reshape(2, 4, 1)
+    labels = torch.tensor([[5, 6, 7, 8], [1, 2, -100, -100]])
+    H, y = shifted(hidden, labels)
+    assert H[:, 0].tolist() == [0, 1, 2, 4, 5, 6] and y.tolist() == [6, 7, 8, 2, -100, -100]
