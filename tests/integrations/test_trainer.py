@@ -1,0 +1,50 @@
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from lst_lightning.integrations import factor_lm_head, head_follows_trainer, scheduled_lr
+
+from .conftest import batch, tiny
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n=12):
+        ids, mask, labels = zip(*(tuple(t[0] for t in batch(m=1, seed=s)) for s in range(n)))
+        self.rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class HeadLrs(TrainerCallback):
+    """The head's lr at each optimizer step (read after the head's callback has set it)."""
+
+    def __init__(self, head):
+        self.head, self.seen = head, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.seen.append(self.head.lr)
+
+
+def test_trainer_steps_the_head_once_per_optimizer_step_following_the_schedule(tmp_path):
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    head = model.lm_head
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=6, learning_rate=1e-2, lr_scheduler_type="linear", report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    lrs = HeadLrs(head)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer(), lrs])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert int(head.steps) == 6  # one exact step per optimizer step, not one per micro-batch
+    assert lrs.seen[0] == pytest.approx(0.5) and lrs.seen == sorted(lrs.seen, reverse=True) and lrs.seen[-1] < 0.2
+    assert not head.attached and head.lr == 0.5
+
+
+def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():
+    assert scheduled_lr(0.5, 5e-3, 1e-2) == pytest.approx(0.25)
+    assert 0 < scheduled_lr(0.5, 0.0, 1e-2) < 1e-20
