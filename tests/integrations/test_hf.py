@@ -155,3 +155,31 @@ def test_shifted_pairs_each_position_with_the_next_label():
     labels = torch.tensor([[5, 6, 7, 8], [1, 2, -100, -100]])
     H, y = shifted(hidden, labels)
     assert H[:, 0].tolist() == [0, 1, 2, 4, 5, 6] and y.tolist() == [6, 7, 8, 2, -100, -100]
+
+
+def test_a_patched_model_saves_tensors_only_and_loads_them_back_bit_for_bit(tmp_path):
+    model = factor_lm_head(tiny("llama"), lr=0.5)
+    model.train()
+    ids, mask, labels = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # a step solving with U leaves U^-1 stale: the flag must travel
+        opt.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+    saved = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in saved.values()) and "lm_head._extra_state" not in saved
+    model.save_pretrained(tmp_path)  # safetensors: tensors only
+    for fresh in (True, False):
+        other = factor_lm_head(tiny("llama"), lr=0.5)
+        other.lm_head._uinv_fresh = fresh
+        other.load_state_dict(saved)  # strict
+        assert other.lm_head.uinv_fresh == model.lm_head.uinv_fresh and other.lm_head.lr == 0.5
+        assert same_state(state(model), state(other))
+    steps = []
+    for m in (model, other):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt.zero_grad()
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        steps.append(state(m))
+    assert same_state(*steps)  # the next step too, bit for bit

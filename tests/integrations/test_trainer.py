@@ -45,6 +45,23 @@ def test_trainer_steps_the_head_once_per_optimizer_step_following_the_schedule(t
     assert not head.attached and head.lr == 0.5
 
 
+def run(out, resume=None, max_steps=6):
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=max_steps, learning_rate=1e-2, lr_scheduler_type="linear", report_to=[],
+                             use_cpu=True, save_strategy="steps", save_steps=3, disable_tqdm=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()]).train(
+        resume_from_checkpoint=resume)
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def test_a_trainer_checkpoint_resumes_exactly(tmp_path):
+    whole = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-3"))
+    assert int(whole["lm_head.steps"]) == 6 and whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bit for bit
+
+
 def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():
     assert scheduled_lr(0.5, 5e-3, 1e-2) == pytest.approx(0.25)
     assert 0 < scheduled_lr(0.5, 0.0, 1e-2) < 1e-20

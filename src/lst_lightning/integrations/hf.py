@@ -65,10 +65,34 @@ def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.M
     head = FactoredSphericalHead(linear.out_features, linear.in_features, loss=loss, bias=linear.bias is not None,
                                  dtype=dtype, device=W.device, **head_kwargs)
     head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
+    # Savers of HF models (save_pretrained, the Trainer's checkpoints: safetensors) take tensors only.
+    head.register_state_dict_post_hook(_tensors_only)
+    head.register_load_state_dict_pre_hook(_without_extra_state)
     setattr(model, PATCH, types.SimpleNamespace(linear_dtype=linear.weight.dtype))
     model.lm_head = head
     model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
     return model
+
+
+#: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
+UINV_FRESH = "uinv_fresh"
+
+
+def _tensors_only(head, state_dict, prefix, local_metadata) -> None:
+    """The head's state in a patched model as tensors only: its extra state (lr, weight decay,
+    the loss's name: settings the loop gives again) is left out; whether U^-1 is fresh, the
+    one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit."""
+    state_dict.pop(prefix + "_extra_state", None)
+    state_dict[prefix + UINV_FRESH] = torch.tensor(head.uinv_fresh)
+
+
+def _without_extra_state(head, state_dict, prefix, *args) -> None:
+    """Loads what ``_tensors_only`` saved: the head keeps its settings (lr, weight decay, loss)
+    and takes whether U^-1 is fresh from the tensor; with neither (nothing known) U^-1 is
+    taken as stale, refreshed exactly from U when next needed (O(d^3))."""
+    fresh = state_dict.pop(prefix + UINV_FRESH, None)
+    if prefix + "_extra_state" not in state_dict:
+        state_dict[prefix + "_extra_state"] = {**head.get_extra_state(), "uinv_fresh": bool(fresh)}
 
 
 def factored_head(model: nn.Module) -> FactoredSphericalHead:
