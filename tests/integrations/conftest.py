@@ -12,9 +12,9 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_h
 def tiny(family: str, **over):
     torch.manual_seed(0)
     if family == "gpt2":
-        config = GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                            tie_word_embeddings=False, bos_token_id=VOCAB - 1,
-                            eos_token_id=VOCAB - 1, **over)
+        config = GPT2Config(**{**dict(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=1, n_head=2, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False,
+                                      bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1), **over})
         model = GPT2LMHeadModel(config)
     else:
         cls, cfg = {"llama": (LlamaForCausalLM, LlamaConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config),

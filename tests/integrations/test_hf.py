@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lst_lightning.integrations import factor_lm_head, factored_head
+from lst_lightning.integrations import factor_lm_head, factored_head, untie_lm_head
 from lst_lightning.integrations.hf import dense_outputs, shifted
 from lst_lightning.spherical import FactoredSphericalHead
 
@@ -120,6 +120,23 @@ def test_tied_embeddings_are_refused_and_the_model_is_unchanged():
     assert isinstance(model.lm_head, nn.Linear) and "forward" not in vars(model) and same_state(before, state(model))
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
+def test_an_untied_copy_of_a_tied_model_is_accepted_and_keeps_its_logits(family):
+    model = tiny(family, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        factor_lm_head(untie_lm_head(model))
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(after, before, atol=1e-5)
+    model.train()
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    assert torch.equal(model.get_input_embeddings().weight, embedding)  # the head's step leaves it alone
+    assert not torch.allclose(model.lm_head.weight(), embedding)
+
+
 def test_a_model_without_an_lm_head_linear_is_refused():
     model = tiny("llama")
     model.lm_head = nn.Sequential(model.lm_head)
@@ -183,3 +200,36 @@ def test_a_patched_model_saves_tensors_only_and_loads_them_back_bit_for_bit(tmp_
         opt.step()
         steps.append(state(m))
     assert same_state(*steps)  # the next step too, bit for bit
+
+
+def test_under_bf16_autocast_the_loss_is_the_heads_loss_in_its_own_precision():
+    model = factor_lm_head(tiny("llama"), lr=0.5)
+    ids, mask, labels = batch()
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
+    assert loss.dtype == torch.float32  # the head computes in its own float32
+    H, y = shifted(hidden, labels)
+    assert torch.equal(loss, model.lm_head(H.float(), y))
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.9 * losses[0] and int(model.lm_head.skipped_nonfinite) == 0
+
+
+def test_logits_under_bf16_autocast_are_the_outputs_in_the_heads_precision():
+    model = factor_lm_head(tiny("gpt2")).eval()
+    ids, mask, _ = batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
+    ref = hidden.float().reshape(-1, 16) @ model.lm_head.weight().T
+    assert torch.allclose(logits.float().reshape(-1, VOCAB), ref, rtol=1e-2, atol=1e-2)

@@ -3,8 +3,8 @@ Hugging Face transformers (``factor_lm_head``), trained by the Trainer
 (``head_follows_trainer``) or any loop, and back to an ordinary model
 (``export_dense_head``). transformers is imported inside the functions only."""
 from .export import SphericalSampling, export_dense_head, sampling_logits
-from .hf import factor_lm_head, factored_head
+from .hf import factor_lm_head, factored_head, untie_lm_head
 from .trainer import head_follows_trainer, scheduled_lr
 
-__all__ = ["factor_lm_head", "factored_head", "export_dense_head", "sampling_logits", "SphericalSampling",
+__all__ = ["factor_lm_head", "factored_head", "untie_lm_head", "export_dense_head", "sampling_logits", "SphericalSampling",
            "head_follows_trainer", "scheduled_lr"]

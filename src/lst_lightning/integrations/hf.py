@@ -44,8 +44,24 @@ def check_patchable(model: nn.Module) -> nn.Linear:
     if shares or getattr(text, "tie_word_embeddings", False):
         raise ValueError(f"{name} ties lm_head to the input embedding (tie_word_embeddings=True): the factored head "
                          "owns W and updates it itself in backward, so the input embedding would no longer be tied; "
-                         "load the model with tie_word_embeddings=False (untying copies the embedding into lm_head)")
+                         "untie it first with lst_lightning.integrations.untie_lm_head(model) (lm_head gets a copy)")
     return head
+
+
+@torch.no_grad()
+def untie_lm_head(model: nn.Module) -> nn.Module:
+    """Give a model whose lm_head is tied to its input embedding an lm_head of its own (a
+    copy of the embedding) and ``tie_word_embeddings=False`` in its config, so that
+    ``factor_lm_head`` accepts it. Returns the model, changed in place."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no `lm_head` nn.Linear output layer to untie")
+    head.weight = nn.Parameter(head.weight.detach().clone())
+    config = getattr(model, "config", None)
+    for c in {id(c): c for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else None)
+              if c is not None}.values():
+        c.tie_word_embeddings = False
+    return model
 
 
 def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.Module:
@@ -124,12 +140,13 @@ def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int =
     """The outputs o = W h (what the exported dense lm_head gives) for hidden (..., d),
     made in chunks of the vocabulary: (..., D) in the head's dtype."""
     H = hidden.reshape(-1, hidden.shape[-1])
-    Hx = head.augment(H)
-    HU, Hw = Hx @ head.U.T, Hx @ head.omega
     out = torch.empty(H.shape[0], head.num_classes, dtype=head.dtype, device=head.device)
-    for a in range(0, head.num_classes, chunk_size):
-        rows = head.V[a:a + chunk_size]
-        torch.addmm(Hw[:, None], HU, rows.T, out=out[:, a:a + rows.shape[0]])
+    with torch.autocast(head.device.type, enabled=False):  # in the head's dtype, whatever the caller's autocast
+        Hx = head.augment(H)
+        HU, Hw = Hx @ head.U.T, Hx @ head.omega
+        for a in range(0, head.num_classes, chunk_size):
+            rows = head.V[a:a + chunk_size]
+            torch.addmm(Hw[:, None], HU, rows.T, out=out[:, a:a + rows.shape[0]])
     return out.reshape(*hidden.shape[:-1], head.num_classes)
 
 
