@@ -146,6 +146,15 @@ def test_a_model_without_an_lm_head_linear_is_refused():
     assert same_state(before, state(model))
 
 
+def test_a_model_without_a_body_of_its_own_is_refused():
+    body = tiny("llama").model
+    body.lm_head = nn.Linear(16, VOCAB, bias=False)  # a base model with a linear layer named lm_head
+    before = state(body)
+    with pytest.raises(ValueError, match="no body apart from itself"):
+        factor_lm_head(body)
+    assert same_state(before, state(body)) and "forward" not in vars(body)
+
+
 def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
     model = factor_lm_head(tiny("qwen2"))
     model.train()

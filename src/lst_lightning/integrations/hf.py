@@ -36,6 +36,9 @@ def check_patchable(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"{name} has no `lm_head` nn.Linear output layer (found {type(head).__name__}): only "
                          "*ForCausalLM models whose output layer is an lm_head linear layer are supported")
+    if getattr(model, "base_model", model) is model:
+        raise ValueError(f"{name} has no body apart from itself (model.base_model): only *ForCausalLM models "
+                         "whose body is their base_model (model.model, model.transformer) are supported")
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     shares = embed is not None and getattr(embed, "weight", None) is not None \
         and embed.weight.data_ptr() == head.weight.data_ptr()
