@@ -4,7 +4,7 @@ from torch import nn
 
 from lst_lightning.integrations import factor_lm_head, factored_head, untie_lm_head
 from lst_lightning.integrations.hf import dense_outputs, shifted
-from lst_lightning.spherical import FactoredSphericalHead
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
 from .conftest import VOCAB, batch, tiny
 
@@ -35,6 +35,36 @@ def test_loss_is_the_heads_loss_on_the_shifted_hidden_states(family):
     ref = model.lm_head.loss_fn(q, s, O[real].gather(1, idx), torch.ones_like(idx, dtype=O.dtype),
                                 num_classes=VOCAB).mean()
     assert torch.allclose(loss.double(), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse"])
+def test_a_training_step_matches_the_explicit_w_reference_with_the_pretrained_start(loss):
+    """The patched model's loss, dL/dH and step equal the naive head's (explicit W, the
+    pretrained lm_head weight with its bias column) on the same hidden states, in float64."""
+    model = tiny("mistral").double()
+    old = model.lm_head
+    model.lm_head = nn.Linear(16, VOCAB, bias=True, dtype=torch.float64)
+    model.lm_head.weight.data.copy_(old.weight)
+    W = torch.cat([model.lm_head.weight, model.lm_head.bias[:, None]], 1).detach().clone()
+    factor_lm_head(model, loss=loss, lr=0.3)
+    naive = NaiveSphericalHead(VOCAB, 16, loss=loss, lr=0.3, bias=True, reduction="mean_real", dtype=torch.float64)
+    naive.reset_weight(W)
+    ids, mask, labels = batch()
+    model.train()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask)[0].detach()
+    H, y = shifted(hidden, labels)
+    H = H.clone().requires_grad_()
+    ref = naive(H, y)
+    ref.backward()
+    seen = []
+    model.base_model.register_forward_hook(lambda m, a, o: seen.append(o[0]) or o[0].retain_grad())
+    out = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    out.backward()
+    dH = seen[0].grad  # what the body receives: dL/dH at each position, none at the last
+    assert (y == -100).any() and torch.allclose(out, ref, rtol=1e-10)
+    assert torch.allclose(dH[:, :-1].reshape(-1, 16), H.grad, rtol=1e-8, atol=1e-12) and not dH[:, -1].any()
+    assert torch.allclose(model.lm_head.weight(), naive.weight(), rtol=1e-8, atol=1e-10)
+    assert not torch.allclose(naive.weight(), W)  # a step was taken
 
 
 def test_pretrained_lm_head_is_the_initial_w_and_logits_match(family):
