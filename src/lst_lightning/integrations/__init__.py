@@ -6,13 +6,5 @@ from .export import SphericalSampling, export_dense_head, sampling_logits
 from .hf import factor_lm_head, factored_head, untie_lm_head
 from .trainer import head_follows_trainer, scheduled_lr
 
-__all__ = [
-           "SphericalSampling",
-           "export_dense_head",
-           "factor_lm_head",
-           "factored_head",
-           "head_follows_trainer",
-           "sampling_logits",
-           "scheduled_lr",
-           "untie_lm_head",
-]
+__all__ = ["SphericalSampling", "export_dense_head", "factor_lm_head", "factored_head", "head_follows_trainer",
+           "sampling_logits", "scheduled_lr", "untie_lm_head"]
