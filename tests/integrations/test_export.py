@@ -83,3 +83,13 @@ def test_greedy_with_the_processor_ranks_by_p_not_by_o():
     out = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=VOCAB - 1, attention_mask=torch.ones_like(ids),
                          logits_processor=[SphericalSampling(head.loss_fn)])
     assert int(out[0, -1]) == int(head.scores(H).argmax())
+
+
+def test_an_exported_model_saves_and_loads_as_an_ordinary_one(tmp_path):
+    model = export_dense_head(trained("qwen2"))
+    model.save_pretrained(tmp_path)
+    again = type(model).from_pretrained(tmp_path).eval()
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        a, b = model(input_ids=ids, attention_mask=mask).logits, again(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight) and torch.allclose(a, b, atol=1e-6)
