@@ -19,6 +19,8 @@ NEVER = {
     "models": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data", "app")},
     "data": {"hydra", "omegaconf", "wandb"} | {"lst_lightning." + p for p in ("heads", "spherical", "baselines",
                                                                             "losses", "models", "app")},
+    # the bridges to other LM stacks: the exact head and its losses, never the app or the baselines
+    "integrations": FRAMEWORKS | {"lst_lightning." + p for p in ("baselines", "data", "models", "app")},
 }
 
 
@@ -97,6 +99,18 @@ def runtime_imports_of(path: Path, package: str) -> set[str]:
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names}
     return out
+
+
+def test_integrations_import_transformers_only_inside_functions():
+    """The package works without the ``hf`` extra: no module of lst_lightning.integrations
+    imports transformers at its top level (only inside the functions that need it)."""
+    bad = []
+    for path, _, _ in modules(PACKAGE / "integrations", "lst_lightning.integrations"):
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{path.relative_to(ROOT)} imports {n} at the top" for n in names if n.split(".")[0] == "transformers"]
+    assert not bad, "\n".join(bad)
 
 
 def test_no_two_modules_of_the_exact_head_import_each_other():

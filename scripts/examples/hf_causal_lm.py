@@ -1,12 +1,14 @@
 """A Hugging Face causal LM with the exact factored spherical head in place of its output
-layer, trained by a plain Lightning script (docs/training_loop.md).
+layer, trained by a plain Lightning script (docs/training_loop.md, docs/integrations.md).
 
-The body is a ``transformers`` Llama decoder made from a tiny config (random init, nothing
-downloaded); its ``lm_head`` (a d x V linear layer trained through V logits per token) is
-replaced by ``FactoredSphericalHead``, which updates itself in O(d^2) per token. The
-body is compiled (``torch.compile``), trained under mixed precision, checkpointed and
-resumed. The corpus is synthetic: sequences of a noisy cyclic walk over the vocabulary,
-of varying length, padded (target -1: the padded tokens count for nothing).
+The model is a ``transformers`` ``LlamaForCausalLM`` made from a tiny config (random init,
+nothing downloaded); ``factor_lm_head`` (lst_lightning.integrations) puts
+``FactoredSphericalHead`` in place of its ``lm_head`` (a d x V linear layer trained through
+V logits per token): the model's own forward then returns the head's loss on its shifted
+labels, updating the head in O(d^2) per token. The body is compiled (``torch.compile``),
+trained under mixed precision, checkpointed and resumed. The corpus is synthetic:
+sequences of a noisy cyclic walk over the vocabulary, of varying length, padded (label
+-100: the padded tokens count for nothing).
 
     uv sync --extra hf    # or the dev group
     python scripts/examples/hf_causal_lm.py --steps 40 --out outputs/examples/hf
@@ -24,11 +26,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from transformers import AutoModel, LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from lst_lightning.spherical import FactoredSphericalHead
+from lst_lightning.integrations import factor_lm_head
 
-PAD = -1  # the head's padding target
+PAD = -100  # transformers' padding label
 
 
 def corpus(vocab: int, n: int, length: int, seed: int) -> TensorDataset:
@@ -44,7 +46,7 @@ def corpus(vocab: int, n: int, length: int, seed: int) -> TensorDataset:
 
 
 class CausalLM(pl.LightningModule):
-    """A transformers decoder (body) and the factored head (in place of lm_head)."""
+    """A transformers causal LM whose lm_head is the factored head (``factor_lm_head``)."""
 
     def __init__(self, vocab: int = 64, hidden: int = 32, layers: int = 2, heads: int = 2, head_lr: float = 0.5,
                  lr: float = 3e-3, compile_backend: str = "inductor", seed: int = 0):
@@ -54,33 +56,35 @@ class CausalLM(pl.LightningModule):
         config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
                              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
                              max_position_embeddings=256, tie_word_embeddings=False)
-        self.body = AutoModel.from_config(config)  # the decoder without its lm_head
-        self.head = FactoredSphericalHead(vocab, hidden, loss="spherical_softmax", lr=head_lr,
-                                          generator=torch.Generator().manual_seed(seed))
+        self.lm = factor_lm_head(LlamaForCausalLM(config), loss="spherical_softmax", lr=head_lr,
+                                 generator=torch.Generator().manual_seed(seed))
+        # Trained from scratch: the loss's own initial W, not Llama's random lm_head (a pretrained
+        # model keeps its lm_head.weight, which factor_lm_head made the head's initial W).
+        self.head.reset_weight()
         if compile_backend != "none":
-            self.body.compile(backend=compile_backend)  # in place: the state_dict keys stay the body's
+            self.lm.model.compile(backend=compile_backend)  # the body, in place: the state_dict keys stay
 
-    def hidden_and_targets(self, ids: torch.Tensor, mask: torch.Tensor):
-        """Each position's last hidden state and its next token (-1 where there is none)."""
-        H = self.body(input_ids=ids, attention_mask=mask).last_hidden_state
-        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, PAD)
-        return H[:, :-1].reshape(-1, H.shape[-1]), targets.reshape(-1)
+    @property
+    def head(self):
+        return self.lm.lm_head
 
     def training_step(self, batch, batch_idx):
-        H, targets = self.hidden_and_targets(*batch)
-        loss = self.head(H, targets)  # loss.backward() steps the head and hands dL/dH to the body
+        ids, mask = batch
+        # the model's own shift; loss.backward() steps the head and hands dL/dH to the body
+        loss = self.lm(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, PAD)).loss
         self.log("train/loss", loss.detach(), on_step=True, prog_bar=True)
         return loss
 
     def configure_optimizers(self):
         # The head has no parameters: the optimizer (and gradient clipping) sees the body only.
-        return torch.optim.AdamW(self.body.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW(self.lm.parameters(), lr=self.hparams.lr)
 
     @torch.no_grad()
     def next_token(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Greedy next tokens at every position, by the head's own ranking."""
-        H, _ = self.hidden_and_targets(ids, mask)
-        return self.head.topk(H, 1)[1][:, 0].reshape(ids.shape[0], -1)
+        """Greedy next tokens at every position, by the head's own ranking (its score of the
+        outputs o, the logits of the patched model; o^2 + eps for the spherical softmax)."""
+        logits = self.lm(input_ids=ids, attention_mask=mask).logits
+        return self.head.loss_fn.score(logits).argmax(-1)
 
 
 class LossLog(pl.Callback):

@@ -1,0 +1,172 @@
+"""A Hugging Face causal LM trained through the factored head: one call, ``factor_lm_head``.
+
+``factor_lm_head(model, loss="zloss", **head_kwargs)`` replaces the ``lm_head`` linear
+layer of a ``*ForCausalLM`` by a ``FactoredSphericalHead`` whose initial W is the
+pretrained ``lm_head.weight`` (its bias as the bias column), and gives the model a
+forward that returns the head's loss on the model's own shifted labels (position t
+predicts labels[t + 1]; ``-100`` is padding, as in transformers). In training the D
+logits per token are never made; when they are asked for (labels absent, or the model
+in eval mode) they are the outputs ``o = W h``, made in chunks of the vocabulary, for
+the last ``logits_to_keep`` positions only (what ``generate()`` asks). The body runs
+untouched (``model.base_model``). ``num_items_in_batch`` (the Trainer's exact gradient
+accumulation) makes the loss the sum over tokens divided by it; the head's own step
+scales with that loss (docs/integrations.md). transformers is imported in the functions
+only: the package works without the ``hf`` extra.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+
+from ..spherical import FactoredSphericalHead
+
+#: the attribute of a patched model holding what ``export_dense_head`` needs to undo the patch
+PATCH = "_lst_factored_head"
+
+
+def check_patchable(model: nn.Module) -> nn.Linear:
+    """The model's ``lm_head`` linear layer, or one clear ValueError saying why the model
+    cannot take the factored head. Reads the model only."""
+    name = type(model).__name__
+    if getattr(model, PATCH, None) is not None:
+        raise ValueError(f"{name} already has the factored head (export_dense_head() undoes it)")
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{name} has no `lm_head` nn.Linear output layer (found {type(head).__name__}): only "
+                         "*ForCausalLM models whose output layer is an lm_head linear layer are supported")
+    if getattr(model, "base_model", model) is model:
+        raise ValueError(f"{name} has no body apart from itself (model.base_model): only *ForCausalLM models "
+                         "whose body is their base_model (model.model, model.transformer) are supported")
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    shares = embed is not None and getattr(embed, "weight", None) is not None \
+        and embed.weight.data_ptr() == head.weight.data_ptr()
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if shares or getattr(text, "tie_word_embeddings", False):
+        raise ValueError(f"{name} ties lm_head to the input embedding (tie_word_embeddings=True): the factored head "
+                         "owns W and updates it itself in backward, so the input embedding would no longer be tied; "
+                         "untie it first with lst_lightning.integrations.untie_lm_head(model) (lm_head gets a copy)")
+    return head
+
+
+@torch.no_grad()
+def untie_lm_head(model: nn.Module) -> nn.Module:
+    """Give a model whose lm_head is tied to its input embedding an lm_head of its own (a
+    copy of the embedding) and ``tie_word_embeddings=False`` in its config, so that
+    ``factor_lm_head`` accepts it. Returns the model, changed in place."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"{type(model).__name__} has no `lm_head` nn.Linear output layer to untie")
+    head.weight = nn.Parameter(head.weight.detach().clone())
+    config = getattr(model, "config", None)
+    for c in {id(c): c for c in (config, config.get_text_config() if hasattr(config, "get_text_config") else None)
+              if c is not None}.values():
+        c.tie_word_embeddings = False
+    return model
+
+
+def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.Module:
+    """Put a ``FactoredSphericalHead`` (with ``loss`` and ``head_kwargs``: ``lr``,
+    ``weight_decay``, ``stabiliser``...) in place of ``model.lm_head``, starting from its
+    weight, and patch ``model.forward`` (docs/integrations.md). Returns the model, changed
+    in place; an unsupported model raises one ValueError and is left unchanged."""
+    linear = check_patchable(model)
+    for key in ("num_classes", "hidden_dim", "bias", "reduction", "ignore_index"):
+        if key in head_kwargs:
+            raise ValueError(f"factor_lm_head sets {key} itself (from lm_head and the transformers conventions)")
+    W = linear.weight.detach()
+    # the head's state: float32 or float64 (float64 for a float64 model, float32 otherwise, unless given)
+    dtype = head_kwargs.pop("dtype", torch.float64 if W.dtype == torch.float64 else torch.float32)
+    if linear.bias is not None:
+        W = torch.cat([W, linear.bias.detach()[:, None]], dim=1)
+    head = FactoredSphericalHead(linear.out_features, linear.in_features, loss=loss, bias=linear.bias is not None,
+                                 dtype=dtype, device=W.device, **head_kwargs)
+    head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
+    # Savers of HF models (save_pretrained, the Trainer's checkpoints: safetensors) take tensors only.
+    head.register_state_dict_post_hook(_tensors_only)
+    head.register_load_state_dict_pre_hook(_without_extra_state)
+    setattr(model, PATCH, types.SimpleNamespace(linear_dtype=linear.weight.dtype))
+    model.lm_head = head
+    model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
+    return model
+
+
+#: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
+UINV_FRESH = "uinv_fresh"
+
+
+def _tensors_only(head, state_dict, prefix, local_metadata) -> None:
+    """The head's state in a patched model as tensors only: its extra state (lr, weight decay,
+    the loss's name: settings the loop gives again) is left out; whether U^-1 is fresh, the
+    one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit."""
+    state_dict.pop(prefix + "_extra_state", None)
+    state_dict[prefix + UINV_FRESH] = torch.tensor(head.uinv_fresh)
+
+
+def _without_extra_state(head, state_dict, prefix, *args) -> None:
+    """Loads what ``_tensors_only`` saved: the head keeps its settings (lr, weight decay, loss)
+    and takes whether U^-1 is fresh from the tensor; with neither (nothing known) U^-1 is
+    taken as stale, refreshed exactly from U when next needed (O(d^3))."""
+    fresh = state_dict.pop(prefix + UINV_FRESH, None)
+    if prefix + "_extra_state" not in state_dict:
+        state_dict[prefix + "_extra_state"] = {**head.get_extra_state(), "uinv_fresh": bool(fresh)}
+
+
+def factored_head(model: nn.Module) -> FactoredSphericalHead:
+    """The factored head of a model patched by ``factor_lm_head`` (ValueError otherwise)."""
+    if getattr(model, PATCH, None) is None or not isinstance(model.lm_head, FactoredSphericalHead):
+        raise ValueError(f"{type(model).__name__} has no factored head: call factor_lm_head(model) first")
+    return model.lm_head
+
+
+def shifted(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """transformers' causal shift: hidden[:, t] predicts labels[:, t + 1]; rows (m, d), targets (m,)."""
+    return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
+
+
+def head_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
+              num_items_in_batch: int | Tensor | None = None) -> Tensor:
+    """The head's loss on the shifted labels: the mean over real (non -100) tokens, or with
+    ``num_items_in_batch`` their sum divided by it (the Trainer's exact accumulation)."""
+    H, y = shifted(hidden, labels.to(hidden.device))
+    head.reduction = "mean_real" if num_items_in_batch is None else "sum"
+    loss = head(H, y)
+    if num_items_in_batch is not None:
+        loss = loss / torch.as_tensor(num_items_in_batch, dtype=loss.dtype, device=loss.device)
+    return loss
+
+
+@torch.no_grad()
+def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int = 65536) -> Tensor:
+    """The outputs o = W h (what the exported dense lm_head gives) for hidden (..., d),
+    made in chunks of the vocabulary: (..., D) in the head's dtype."""
+    H = hidden.reshape(-1, hidden.shape[-1])
+    out = torch.empty(H.shape[0], head.num_classes, dtype=head.dtype, device=head.device)
+    with torch.autocast(head.device.type, enabled=False):  # in the head's dtype, whatever the caller's autocast
+        Hx = head.augment(H)
+        HU, Hw = Hx @ head.U.T, Hx @ head.omega
+        for a in range(0, head.num_classes, chunk_size):
+            rows = head.V[a:a + chunk_size]
+            torch.addmm(Hw[:, None], HU, rows.T, out=out[:, a:a + rows.shape[0]])
+    return out.reshape(*hidden.shape[:-1], head.num_classes)
+
+
+def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+             labels=None, use_cache=None, logits_to_keep=0, num_items_in_batch=None, **kwargs):
+    """The patched forward: the body, then the factored head's loss (labels given) and the
+    outputs o as logits only where asked (no labels, or eval mode)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_utils import slice_logits_to_keep
+
+    out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden = out[0]
+    loss = head_loss(self.lm_head, hidden, labels, num_items_in_batch) if labels is not None else None
+    logits = None
+    if labels is None or not self.training:
+        logits = dense_outputs(self.lm_head, slice_logits_to_keep(hidden, logits_to_keep)).to(hidden.dtype)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
+                                  hidden_states=getattr(out, "hidden_states", None),
+                                  attentions=getattr(out, "attentions", None))

@@ -1,0 +1,48 @@
+"""The factored head under the Hugging Face ``Trainer``: exact accumulation and the lr schedule.
+
+The head updates itself with its own ``lr`` and holds no parameter, so the Trainer's
+optimizer and scheduler never see it. ``head_follows_trainer()`` is a ``TrainerCallback``
+that, at the start of training, attaches the head to the Trainer's optimizer (one exact
+step for all the micro-batches of ``gradient_accumulation_steps``, taken at the
+optimizer's step, with fp16's loss scale divided out; pending_step.py), and before each
+step sets ``head.lr = base_lr * current_lr / initial_lr``, the Trainer's schedule scaled
+to the head's own lr (as the app does, app/schedule.py).
+"""
+from __future__ import annotations
+
+#: the smallest head lr the schedule sets: a scheduler at 0 (warm-up start, end of a
+#: linear decay) would give 0, which the head refuses; this step is then a no-op in effect.
+MIN_LR = 1e-30
+
+
+def scheduled_lr(base_lr: float, current_lr: float, initial_lr: float) -> float:
+    """The head's lr when the body's scheduler is at ``current_lr`` of ``initial_lr``."""
+    return max(base_lr * current_lr / initial_lr, MIN_LR)
+
+
+def head_follows_trainer():
+    """A ``transformers.TrainerCallback``: ``Trainer(..., callbacks=[head_follows_trainer()])``
+    for a model patched by ``factor_lm_head``."""
+    from transformers import TrainerCallback
+
+    from .hf import factored_head
+
+    class HeadFollowsTrainer(TrainerCallback):
+        head = base_lr = None
+
+        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.head = factored_head(getattr(model, "module", model))
+            self.base_lr = self.head.lr
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+            self.head.attach(inner, getattr(optimizer, "scaler", None))
+
+        def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
+            if lr_scheduler is not None and args.learning_rate > 0:
+                self.head.lr = scheduled_lr(self.base_lr, lr_scheduler.get_last_lr()[0], args.learning_rate)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.head is not None:
+                self.head.detach()
+                self.head.lr = self.base_lr
+
+    return HeadFollowsTrainer()

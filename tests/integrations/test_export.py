@@ -1,0 +1,95 @@
+import pytest
+import torch
+from torch import nn
+
+from lst_lightning.integrations import SphericalSampling, export_dense_head, factor_lm_head, sampling_logits
+from lst_lightning.losses import make_loss
+
+from .conftest import VOCAB, batch, tiny
+
+
+def trained(family, loss="zloss", steps=3, **head_kwargs):
+    model = factor_lm_head(tiny(family), loss=loss, lr=0.5, **head_kwargs)
+    model.train()
+    ids, mask, labels = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def test_export_writes_w_and_restores_the_class_forward(family):
+    model = trained(family)
+    head = model.lm_head
+    W = head.weight().clone()
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        patched = model(input_ids=ids, attention_mask=mask).logits
+    export_dense_head(model)
+    assert type(model.lm_head) is nn.Linear and "forward" not in vars(model)
+    assert torch.equal(model.lm_head.weight, W) and model.lm_head.bias is None
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(dense, patched, atol=1e-5)
+    assert set(model.state_dict()) == set(tiny(family).state_dict())  # an ordinary model's keys
+    with pytest.raises(ValueError, match="no factored head"):
+        export_dense_head(model)
+
+
+def test_export_with_a_bias_column_makes_lm_head_bias():
+    model = tiny("llama")
+    model.lm_head = nn.Linear(16, VOCAB, bias=True)
+    factor_lm_head(model, lr=0.5)
+    W = model.lm_head.weight()
+    export_dense_head(model)
+    assert torch.equal(model.lm_head.weight, W[:, :16]) and torch.equal(model.lm_head.bias, W[:, 16])
+
+
+def test_greedy_generate_after_export_follows_the_heads_ranking(family):
+    model = trained(family)
+    head = model.lm_head
+    ids, _, _ = batch(m=1)
+    out_patched = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=VOCAB - 1, attention_mask=torch.ones_like(ids))
+    H = model.base_model(input_ids=out_patched[:, :-1])[0][0]
+    expected = head.scores(H.detach()).argmax(-1)[ids.shape[1] - 1:]  # the head's own ranking at each new token
+    assert torch.equal(out_patched[0, ids.shape[1]:], expected)
+    export_dense_head(model)
+    out_dense = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=VOCAB - 1, attention_mask=torch.ones_like(ids))
+    assert torch.equal(out_dense, out_patched)
+
+
+@pytest.mark.parametrize("loss", ["spherical_softmax", "taylor_softmax"])
+def test_sampling_logits_give_the_heads_probability(loss):
+    fn = make_loss(loss)
+    O = torch.randn(4, VOCAB) * 3
+    p = torch.softmax(sampling_logits(fn, O), -1)
+    assert torch.allclose(p.log(), fn.dense_log_prob(O).float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["zloss", "mse"])
+def test_losses_without_a_probability_refuse_sampling(loss):
+    with pytest.raises(ValueError, match="no probability"):
+        SphericalSampling(make_loss(loss))
+
+
+def test_greedy_with_the_processor_ranks_by_p_not_by_o():
+    model = trained("llama", loss="spherical_softmax")
+    head = model.lm_head
+    ids, _, _ = batch(m=1)
+    H = model.base_model(input_ids=ids)[0][0, -1:].detach()
+    export_dense_head(model)
+    out = model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=VOCAB - 1, attention_mask=torch.ones_like(ids),
+                         logits_processor=[SphericalSampling(head.loss_fn)])
+    assert int(out[0, -1]) == int(head.scores(H).argmax())
+
+
+def test_an_exported_model_saves_and_loads_as_an_ordinary_one(tmp_path):
+    model = export_dense_head(trained("qwen2"))
+    model.save_pretrained(tmp_path)
+    again = type(model).from_pretrained(tmp_path).eval()
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        a, b = model(input_ids=ids, attention_mask=mask).logits, again(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight) and torch.allclose(a, b, atol=1e-6)

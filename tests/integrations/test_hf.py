@@ -1,0 +1,274 @@
+import pytest
+import torch
+from torch import nn
+
+from lst_lightning.integrations import factor_lm_head, factored_head, untie_lm_head
+from lst_lightning.integrations.hf import dense_outputs, shifted
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
+
+from .conftest import VOCAB, batch, tiny
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loss_is_the_heads_loss_on_the_shifted_hidden_states(family):
+    model = factor_lm_head(tiny(family), loss="zloss")
+    ids, mask, labels = batch()
+    model.eval()  # a frozen head: the same state for both calls
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
+    H = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+    y = labels[:, 1:].reshape(-1)
+    model.lm_head.reduction = "mean_real"
+    assert (y == -100).any() and torch.allclose(loss, model.lm_head(H, y), atol=1e-6)
+    # the reference: the loss on the dense outputs o = W h, mean over the real tokens
+    O = H.double() @ model.lm_head.weight().double().T
+    real = y >= 0
+    idx = y[real][:, None]
+    q, s = (O[real] ** 2).sum(1), O[real].sum(1)
+    ref = model.lm_head.loss_fn(q, s, O[real].gather(1, idx), torch.ones_like(idx, dtype=O.dtype),
+                                num_classes=VOCAB).mean()
+    assert torch.allclose(loss.double(), ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse"])
+def test_a_training_step_matches_the_explicit_w_reference_with_the_pretrained_start(loss):
+    """The patched model's loss, dL/dH and step equal the naive head's (explicit W, the
+    pretrained lm_head weight with its bias column) on the same hidden states, in float64."""
+    model = tiny("mistral").double()
+    old = model.lm_head
+    model.lm_head = nn.Linear(16, VOCAB, bias=True, dtype=torch.float64)
+    model.lm_head.weight.data.copy_(old.weight)
+    W = torch.cat([model.lm_head.weight, model.lm_head.bias[:, None]], 1).detach().clone()
+    factor_lm_head(model, loss=loss, lr=0.3)
+    naive = NaiveSphericalHead(VOCAB, 16, loss=loss, lr=0.3, bias=True, reduction="mean_real", dtype=torch.float64)
+    naive.reset_weight(W)
+    ids, mask, labels = batch()
+    model.train()
+    hidden = model.base_model(input_ids=ids, attention_mask=mask)[0].detach()
+    H, y = shifted(hidden, labels)
+    H = H.clone().requires_grad_()
+    ref = naive(H, y)
+    ref.backward()
+    seen = []
+    model.base_model.register_forward_hook(lambda m, a, o: seen.append(o[0]) or o[0].retain_grad())
+    out = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    out.backward()
+    dH = seen[0].grad  # what the body receives: dL/dH at each position, none at the last
+    assert (y == -100).any() and torch.allclose(out, ref, rtol=1e-10)
+    assert torch.allclose(dH[:, :-1].reshape(-1, 16), H.grad, rtol=1e-8, atol=1e-12) and not dH[:, -1].any()
+    assert torch.allclose(model.lm_head.weight(), naive.weight(), rtol=1e-8, atol=1e-10)
+    assert not torch.allclose(naive.weight(), W)  # a step was taken
+
+
+def test_pretrained_lm_head_is_the_initial_w_and_logits_match(family):
+    model = tiny(family)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    factor_lm_head(model)
+    with torch.no_grad():
+        after = model(input_ids=ids, attention_mask=mask).logits
+        last = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    assert after.shape == before.shape and torch.allclose(after, before, atol=1e-5)
+    assert torch.allclose(last, before[:, -1:], atol=1e-5)
+    H = model.base_model(input_ids=ids, attention_mask=mask)[0].reshape(-1, 16).detach()
+    assert torch.allclose(model.lm_head.scores(H), before.reshape(-1, VOCAB), atol=1e-5)  # zloss: score = o
+
+
+def test_lm_head_with_a_bias_becomes_the_bias_column():
+    model = tiny("llama")
+    old = model.lm_head
+    model.lm_head = nn.Linear(old.in_features, old.out_features, bias=True)
+    nn.init.normal_(model.lm_head.bias)
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        factor_lm_head(model)
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert model.lm_head.bias and torch.allclose(after, before, atol=1e-5)
+
+
+def test_dense_outputs_in_chunks_equal_w_h():
+    head = FactoredSphericalHead(VOCAB, 16, bias=True)
+    H = torch.randn(2, 5, 16)
+    ref = torch.cat([H, torch.ones(2, 5, 1)], -1) @ head.weight().T
+    assert torch.allclose(dense_outputs(head, H, chunk_size=7), ref, atol=1e-5)
+
+
+def test_no_logits_in_training_and_training_lowers_the_loss(family):
+    model = factor_lm_head(tiny(family), loss="zloss", lr=0.5)
+    model.train()
+    ids, mask, labels = batch()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        assert out.logits is None
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        losses.append(float(out.loss.detach()))
+    assert losses[-1] < 0.9 * losses[0] and int(model.lm_head.steps) == 8
+
+
+def test_num_items_in_batch_two_halves_equal_the_full_batch():
+    ids, mask, labels = batch(m=3)
+    n = int((labels[:, 1:] != -100).sum())
+    models = []
+    for split in (False, True):
+        model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, dtype=torch.float64).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        factored_head(model).attach(opt)
+        parts = [(0, 3)] if not split else [(0, 1), (1, 3)]
+        total = 0.0
+        for a, b in parts:
+            loss = model(input_ids=ids[a:b], attention_mask=mask[a:b], labels=labels[a:b], num_items_in_batch=n).loss
+            loss.backward()
+            total += float(loss.detach())
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        opt.step()
+        models.append((total, grads, model))
+    (l0, g0, m0), (l1, g1, m1) = models
+    assert l0 == pytest.approx(l1, rel=1e-10)
+    assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(g0, g1))
+    W0, W1 = m0.lm_head.weight(), m1.lm_head.weight()
+    assert not torch.allclose(W0, tiny("llama").lm_head.weight.double()) and torch.allclose(W0, W1, atol=1e-10)
+
+
+def test_tied_embeddings_are_refused_and_the_model_is_unchanged():
+    model = tiny("llama", tie_word_embeddings=True)
+    before = state(model)
+    with pytest.raises(ValueError, match="ties lm_head to the input embedding"):
+        factor_lm_head(model)
+    assert isinstance(model.lm_head, nn.Linear) and "forward" not in vars(model) and same_state(before, state(model))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
+def test_an_untied_copy_of_a_tied_model_is_accepted_and_keeps_its_logits(family):
+    model = tiny(family, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+        factor_lm_head(untie_lm_head(model))
+        after = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.allclose(after, before, atol=1e-5)
+    model.train()
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    assert torch.equal(model.get_input_embeddings().weight, embedding)  # the head's step leaves it alone
+    assert not torch.allclose(model.lm_head.weight(), embedding)
+
+
+def test_a_model_without_an_lm_head_linear_is_refused():
+    model = tiny("llama")
+    model.lm_head = nn.Sequential(model.lm_head)
+    before = state(model)
+    with pytest.raises(ValueError, match="no `lm_head` nn.Linear"):
+        factor_lm_head(model)
+    assert same_state(before, state(model))
+
+
+def test_a_model_without_a_body_of_its_own_is_refused():
+    body = tiny("llama").model
+    body.lm_head = nn.Linear(16, VOCAB, bias=False)  # a base model with a linear layer named lm_head
+    before = state(body)
+    with pytest.raises(ValueError, match="no body apart from itself"):
+        factor_lm_head(body)
+    assert same_state(before, state(body)) and "forward" not in vars(body)
+
+
+def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
+    model = factor_lm_head(tiny("qwen2"))
+    model.train()
+    ids, mask, labels = batch()
+    labels[0, 4] = VOCAB
+    before = state(model)
+    with pytest.raises(ValueError, match="outside"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert same_state(before, state(model))
+
+
+def test_patching_twice_and_head_arguments_it_owns_are_refused():
+    model = factor_lm_head(tiny("gpt2"))
+    with pytest.raises(ValueError, match="already"):
+        factor_lm_head(model)
+    with pytest.raises(ValueError, match="sets reduction itself"):
+        factor_lm_head(tiny("gpt2"), reduction="sum")
+    with pytest.raises(ValueError, match="no factored head"):
+        factored_head(tiny("gpt2"))
+
+
+def test_shifted_pairs_each_position_with_the_next_label():
+    hidden = torch.arange(2 * 4, dtype=torch.float32).reshape(2, 4, 1)
+    labels = torch.tensor([[5, 6, 7, 8], [1, 2, -100, -100]])
+    H, y = shifted(hidden, labels)
+    assert H[:, 0].tolist() == [0, 1, 2, 4, 5, 6] and y.tolist() == [6, 7, 8, 2, -100, -100]
+
+
+def test_a_patched_model_saves_tensors_only_and_loads_them_back_bit_for_bit(tmp_path):
+    model = factor_lm_head(tiny("llama"), lr=0.5)
+    model.train()
+    ids, mask, labels = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # a step solving with U leaves U^-1 stale: the flag must travel
+        opt.zero_grad()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+    saved = model.state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in saved.values()) and "lm_head._extra_state" not in saved
+    model.save_pretrained(tmp_path)  # safetensors: tensors only
+    for fresh in (True, False):
+        other = factor_lm_head(tiny("llama"), lr=0.5)
+        other.lm_head._uinv_fresh = fresh
+        other.load_state_dict(saved)  # strict
+        assert other.lm_head.uinv_fresh == model.lm_head.uinv_fresh and other.lm_head.lr == 0.5
+        assert same_state(state(model), state(other))
+    steps = []
+    for m in (model, other):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt.zero_grad()
+        m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        opt.step()
+        steps.append(state(m))
+    assert same_state(*steps)  # the next step too, bit for bit
+
+
+def test_under_bf16_autocast_the_loss_is_the_heads_loss_in_its_own_precision():
+    model = factor_lm_head(tiny("llama"), lr=0.5)
+    ids, mask, labels = batch()
+    model.eval()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
+    assert loss.dtype == torch.float32  # the head computes in its own float32
+    H, y = shifted(hidden, labels)
+    assert torch.equal(loss, model.lm_head(H.float(), y))
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(8):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.9 * losses[0] and int(model.lm_head.skipped_nonfinite) == 0
+
+
+def test_logits_under_bf16_autocast_are_the_outputs_in_the_heads_precision():
+    model = factor_lm_head(tiny("gpt2")).eval()
+    ids, mask, _ = batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
+    ref = hidden.float().reshape(-1, 16) @ model.lm_head.weight().T
+    assert torch.allclose(logits.float().reshape(-1, VOCAB), ref, rtol=1e-2, atol=1e-2)

@@ -1,0 +1,88 @@
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from lst_lightning.integrations import factor_lm_head, head_follows_trainer, scheduled_lr
+
+from .conftest import batch, tiny
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, n=12):
+        ids, mask, labels = zip(*(tuple(t[0] for t in batch(m=1, seed=s)) for s in range(n)))
+        self.rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+class HeadLrs(TrainerCallback):
+    """The head's lr at each optimizer step (read after the head's callback has set it)."""
+
+    def __init__(self, head):
+        self.head, self.seen = head, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.seen.append(self.head.lr)
+
+
+def test_trainer_steps_the_head_once_per_optimizer_step_following_the_schedule(tmp_path):
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    head = model.lm_head
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=6, learning_rate=1e-2, lr_scheduler_type="linear", report_to=[], use_cpu=True,
+                             save_strategy="no", logging_steps=1, disable_tqdm=True, seed=0)
+    lrs = HeadLrs(head)
+    counts = []  # the Trainer passes num_items_in_batch: the loss is a sum over the accumulated tokens
+    model.register_forward_pre_hook(lambda m, a, kw: counts.append(kw.get("num_items_in_batch")), with_kwargs=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer(), lrs])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert int(head.steps) == 6  # one exact step per optimizer step, not one per micro-batch
+    assert len(counts) == 12 and all(c is not None and int(c) > 0 for c in counts)
+    assert lrs.seen[0] == pytest.approx(0.5) and lrs.seen == sorted(lrs.seen, reverse=True) and lrs.seen[-1] < 0.2
+    assert not head.attached and head.lr == 0.5
+
+
+def run(out, resume=None, max_steps=6):
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=max_steps, learning_rate=1e-2, lr_scheduler_type="linear", report_to=[],
+                             use_cpu=True, save_strategy="steps", save_steps=3, disable_tqdm=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()]).train(
+        resume_from_checkpoint=resume)
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def test_a_trainer_checkpoint_resumes_exactly(tmp_path):
+    whole = run(tmp_path / "a")
+    resumed = run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-3"))
+    assert int(whole["lm_head.steps"]) == 6 and whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bit for bit
+
+
+def trained_with(out, batch_size, accumulate):
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, dtype=torch.float64).double()
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=accumulate, max_steps=3, learning_rate=1e-2, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0, max_grad_norm=0.0)
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()]).train()
+    return model.state_dict()
+
+
+def test_gradient_accumulation_under_the_trainer_is_exact(tmp_path):
+    """Two micro-batches of 2 per step give the model that batches of 4 give: the body's
+    gradients (num_items_in_batch) and the head's one step on the union of their rows."""
+    whole, halves = trained_with(tmp_path / "a", 4, 1), trained_with(tmp_path / "b", 2, 2)
+    assert int(halves["lm_head.steps"]) == 3
+    assert not torch.allclose(whole["lm_head.V"], tiny("llama").lm_head.weight.double())
+    assert all(torch.allclose(whole[k], halves[k], rtol=1e-9, atol=1e-10) for k in whole)
+
+
+def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():
+    assert scheduled_lr(0.5, 5e-3, 1e-2) == pytest.approx(0.25)
+    assert 0 < scheduled_lr(0.5, 0.0, 1e-2) < 1e-20
