@@ -7,9 +7,11 @@ parameters out of DDP (``LanguageModel.setup``) and averages their gradients its
 same way on every backend:
 
 1. each rank coalesces its gradient (n_r distinct rows);
-2. all-gathers the counts n_r, pads its ids and rows to n = max n_r, all-gathers them;
-3. keeps the first n_r of rank r's, concatenates, coalesces (rows touched by several
-   ranks are summed) and divides by the world size, as DDP averages.
+2. all-gathers the counts n_r, pads its ids and rows to n = max n_r, all-gathers them and
+   keeps the first n_r of rank r's (``ProcessGroup.gather_ragged``, the head's ragged
+   gather);
+3. coalesces (rows touched by several ranks are summed) and divides by the world size,
+   as DDP averages.
 
 Each rank receives world x (8 + n x (8 + row bytes)) bytes: it depends on the rows the
 step touched, never on the number of rows D of the table.
@@ -20,12 +22,9 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-
-def _world(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+from ..spherical.collectives import ProcessGroup
 
 
 @torch.no_grad()
@@ -37,31 +36,18 @@ def average_row_sparse(grad: Tensor, group=None) -> tuple[Tensor, int]:
         raise ValueError(f"a row-sparse gradient is a sparse COO tensor with sparse_dim 1, got "
                          f"{'sparse_dim ' + str(grad.sparse_dim()) if grad.is_sparse else 'a dense tensor'}")
     grad = grad.coalesce()
-    world = _world(group)
-    if world == 1:
+    pg = ProcessGroup.current(group)
+    if pg.world == 1:
         return grad, 0
-    ids, rows = grad.indices()[0], grad.values()
-    count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    sizes = [int(c) for c in torch.cat(counts).tolist()]
+    (ids, rows), sizes = pg.gather_ragged([grad.indices()[0], grad.values()], [0, 0.0])
     n = max(sizes)
-    received = world * count.element_size()
+    received = pg.world * 8  # the counts, int64
     if n == 0:  # no rank touched a row
         return grad, received
-    pad = n - ids.numel()
-    ids = torch.cat([ids, ids.new_zeros(pad)])
-    rows = torch.cat([rows, rows.new_zeros((pad, *rows.shape[1:]))])
-    all_ids = [torch.empty_like(ids) for _ in range(world)]
-    all_rows = [torch.empty_like(rows) for _ in range(world)]
-    dist.all_gather(all_ids, ids, group=group)
-    dist.all_gather(all_rows, rows, group=group)
-    ids = torch.cat([t[:k] for t, k in zip(all_ids, sizes)])
-    rows = torch.cat([t[:k] for t, k in zip(all_rows, sizes)])
     # the ids come from coalesced gradients of this shape: no invariant check needed
     total = torch.sparse_coo_tensor(ids[None], rows, grad.shape, check_invariants=False).coalesce()
-    received += world * n * (ids.element_size() + math.prod(rows.shape[1:]) * rows.element_size())
-    averaged = torch.sparse_coo_tensor(total.indices(), total.values() / world, grad.shape, is_coalesced=True,
+    received += pg.world * n * (ids.element_size() + math.prod(rows.shape[1:]) * rows.element_size())
+    averaged = torch.sparse_coo_tensor(total.indices(), total.values() / pg.world, grad.shape, is_coalesced=True,
                                        check_invariants=False)
     return averaged, received
 
@@ -72,7 +58,7 @@ def average_sparse_gradients(params: Iterable[nn.Parameter], group=None) -> int:
     rank must pass the same parameters in the same order); a rank that has no gradient
     for one takes part with no rows. Returns the bytes this rank received."""
     received = 0
-    if _world(group) == 1:
+    if ProcessGroup.current(group).world == 1:
         return 0
     for p in params:
         grad = p.grad

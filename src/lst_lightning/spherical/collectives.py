@@ -65,11 +65,21 @@ class ProcessGroup:
     def gather_rows(self, tensors: list[Tensor], fills: list[float]) -> tuple[list[Tensor], slice]:
         """Concatenate every rank's rows of each tensor, rank 0 first; ranks may hold
         different numbers of rows. Returns the gathered tensors and this rank's rows."""
+        out, sizes = self.gather_ragged(tensors, fills)
+        lo = sum(sizes[: self.rank])
+        return out, slice(lo, lo + tensors[0].shape[0])
+
+    def gather_ragged(self, tensors: list[Tensor], fills: list[float]) -> tuple[list[Tensor], list[int]]:
+        """``gather_rows``'s tensors and every rank's number of rows: the counts are
+        all-gathered, each tensor padded (with its fill) to the largest and all-gathered,
+        the padding cut. No rows anywhere: no tensor is sent."""
         m = tensors[0].shape[0]
         if self.world == 1:
-            return tensors, slice(0, m)
+            return tensors, [m]
         sizes = self.all_gather_ints([m], tensors[0].device)[:, 0].tolist()
         top = max(sizes)
+        if top == 0:
+            return tensors, sizes
         out = []
         for t, fill in zip(tensors, fills):
             padded = t.new_full((top, *t.shape[1:]), fill)
@@ -77,8 +87,7 @@ class ProcessGroup:
             parts = [torch.empty_like(padded) for _ in range(self.world)]
             dist.all_gather(parts, padded.contiguous(), group=self.group)
             out.append(torch.cat([p[:n] for p, n in zip(parts, sizes)]))
-        lo = sum(sizes[: self.rank])
-        return out, slice(lo, lo + m)
+        return out, sizes
 
 
 def bit_hash(tensors: list[Tensor]) -> int:
