@@ -53,13 +53,13 @@ class ProcessGroup:
         """True on every rank when ``flag`` is true on any rank."""
         return bool(self.all_gather_ints([int(flag)], device).any())
 
-    def all_gather_text(self, text: str | None) -> list[str | None]:
-        """Every rank's ``text`` (None where a rank has none), rank 0 first: for error
-        messages, never on the hot path."""
+    def all_gather_objects(self, obj: object) -> list:
+        """Every rank's ``obj`` (picklable: an error message, random states), rank 0 first;
+        never on the hot path."""
         if self.world == 1:
-            return [text]
+            return [obj]
         out: list = [None] * self.world
-        dist.all_gather_object(out, text, group=self.group)
+        dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def gather_rows(self, tensors: list[Tensor], fills: list[float]) -> tuple[list[Tensor], slice]:

@@ -65,7 +65,7 @@ class Sharding:
         except (ValueError, TypeError) as e:
             out, err = None, e
         if self.pg.any(err is not None, device):  # all ranks raise, none has changed
-            said = self.pg.all_gather_text(None if err is None else f"{type(err).__name__}: {err}")
+            said = self.pg.all_gather_objects(None if err is None else f"{type(err).__name__}: {err}")
             if err is not None:
                 raise err
             first = next(r for r, text in enumerate(said) if text is not None)

@@ -21,7 +21,8 @@ import random
 import lightning.pytorch as pl
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from ...spherical.collectives import ProcessGroup
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,8 @@ class ResumeState(pl.Callback):
         self._loader_states: list = []
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        mine = rng_states()
-        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            every = [None] * trainer.world_size
-            dist.all_gather_object(every, mine)  # every rank builds the checkpoint; rank 0 writes it
-        else:
-            every = [mine]
-        checkpoint[KEY] = every
+        # every rank builds the checkpoint; rank 0 writes it
+        checkpoint[KEY] = ProcessGroup.current().all_gather_objects(rng_states())
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
         self._loader_states = saved_loader_states(checkpoint)
