@@ -19,8 +19,9 @@ NEVER = {
     "models": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data", "app")},
     "data": {"hydra", "omegaconf", "wandb"} | {"lst_lightning." + p for p in ("heads", "spherical", "baselines",
                                                                             "losses", "models", "app")},
-    # the bridges to other LM stacks: the exact head and its losses, never the app or the baselines
-    "integrations": FRAMEWORKS | {"lst_lightning." + p for p in ("baselines", "data", "models", "app")},
+    # the bridges to other LM stacks: the exact head and its losses, never the app or the baselines;
+    # litgpt never (factor_gpt_head reads the model's attributes: the package works without the extra)
+    "integrations": FRAMEWORKS | {"litgpt"} | {"lst_lightning." + p for p in ("baselines", "data", "models", "app")},
 }
 
 

@@ -26,9 +26,9 @@ from .hf import PATCH, factored_head
 
 @torch.no_grad()
 def export_dense_head(model: nn.Module) -> nn.Module:
-    """Replace the factored head of a model patched by ``factor_lm_head`` with an ordinary
-    ``nn.Linear`` lm_head holding W (and the bias column), in the dtype of the original
-    lm_head, and restore the class's forward. Returns the model, changed in place."""
+    """Replace the factored head of a model patched by ``factor_lm_head`` or ``factor_gpt_head``
+    with an ordinary ``nn.Linear`` lm_head holding W (and the bias column), in the dtype of
+    the original lm_head, and restore the class's forward. Returns the model, changed in place."""
     head = factored_head(model)
     W = head.weight()
     linear = nn.Linear(head.hidden_dim, head.num_classes, bias=head.bias, device=W.device,
@@ -37,6 +37,8 @@ def export_dense_head(model: nn.Module) -> nn.Module:
     if head.bias:
         linear.bias.copy_(W[:, head.hidden_dim])
     model.lm_head = linear
+    if getattr(model, "factored_head", None) is head:  # litgpt's GPT (factor_gpt_head)
+        del model.factored_head
     del model.forward  # the instance attribute factor_lm_head set: the class's forward again
     delattr(model, PATCH)
     return model

@@ -67,23 +67,32 @@ def untie_lm_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def head_from_linear(linear: nn.Linear, loss: str, head_kwargs: dict, caller: str,
+                     reduction: str = "mean") -> FactoredSphericalHead:
+    """A ``FactoredSphericalHead`` whose initial W is ``linear``'s weight (its bias as the bias
+    column), in float32 (float64 for a float64 layer) unless ``head_kwargs`` gives a dtype; the
+    arguments the patch sets itself are refused. Changes nothing outside the new head."""
+    for key in ("num_classes", "hidden_dim", "bias", "reduction", "ignore_index"):
+        if key in head_kwargs:
+            raise ValueError(f"{caller} sets {key} itself (from lm_head and the model's conventions)")
+    W = linear.weight.detach()
+    kwargs = dict(head_kwargs)
+    dtype = kwargs.pop("dtype", torch.float64 if W.dtype == torch.float64 else torch.float32)
+    if linear.bias is not None:
+        W = torch.cat([W, linear.bias.detach()[:, None]], dim=1)
+    head = FactoredSphericalHead(linear.out_features, linear.in_features, loss=loss, bias=linear.bias is not None,
+                                 reduction=reduction, dtype=dtype, device=W.device, **kwargs)
+    head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
+    return head
+
+
 def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.Module:
     """Put a ``FactoredSphericalHead`` (with ``loss`` and ``head_kwargs``: ``lr``,
     ``weight_decay``, ``stabiliser``...) in place of ``model.lm_head``, starting from its
     weight, and patch ``model.forward`` (docs/integrations.md). Returns the model, changed
     in place; an unsupported model raises one ValueError and is left unchanged."""
     linear = check_patchable(model)
-    for key in ("num_classes", "hidden_dim", "bias", "reduction", "ignore_index"):
-        if key in head_kwargs:
-            raise ValueError(f"factor_lm_head sets {key} itself (from lm_head and the transformers conventions)")
-    W = linear.weight.detach()
-    # the head's state: float32 or float64 (float64 for a float64 model, float32 otherwise, unless given)
-    dtype = head_kwargs.pop("dtype", torch.float64 if W.dtype == torch.float64 else torch.float32)
-    if linear.bias is not None:
-        W = torch.cat([W, linear.bias.detach()[:, None]], dim=1)
-    head = FactoredSphericalHead(linear.out_features, linear.in_features, loss=loss, bias=linear.bias is not None,
-                                 dtype=dtype, device=W.device, **head_kwargs)
-    head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
+    head = head_from_linear(linear, loss, head_kwargs, "factor_lm_head")
     # Savers of HF models (save_pretrained, the Trainer's checkpoints: safetensors) take tensors only.
     head.register_state_dict_post_hook(_tensors_only)
     head.register_load_state_dict_pre_hook(_without_extra_state)
@@ -115,10 +124,13 @@ def _without_extra_state(head, state_dict, prefix, *args) -> None:
 
 
 def factored_head(model: nn.Module) -> FactoredSphericalHead:
-    """The factored head of a model patched by ``factor_lm_head`` (ValueError otherwise)."""
-    if getattr(model, PATCH, None) is None or not isinstance(model.lm_head, FactoredSphericalHead):
-        raise ValueError(f"{type(model).__name__} has no factored head: call factor_lm_head(model) first")
-    return model.lm_head
+    """The factored head of a model patched by ``factor_lm_head`` (``model.lm_head``) or
+    ``factor_gpt_head`` (``model.factored_head``); ValueError otherwise."""
+    head = getattr(model, "factored_head", getattr(model, "lm_head", None))
+    if getattr(model, PATCH, None) is None or not isinstance(head, FactoredSphericalHead):
+        raise ValueError(f"{type(model).__name__} has no factored head: call factor_lm_head(model) "
+                         "(transformers) or factor_gpt_head(model) (litgpt) first")
+    return head
 
 
 def shifted(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -153,12 +165,19 @@ def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int =
     return out.reshape(*hidden.shape[:-1], head.num_classes)
 
 
+def last_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
+    """transformers' ``logits_to_keep``: every position for 0, the last n for an int n, the
+    given positions for a tensor of indices."""
+    if isinstance(logits_to_keep, Tensor):
+        return hidden[:, logits_to_keep]
+    return hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+
+
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
              labels=None, use_cache=None, logits_to_keep=0, num_items_in_batch=None, **kwargs):
     """The patched forward: the body, then the factored head's loss (labels given) and the
     outputs o as logits only where asked (no labels, or eval mode)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
-    from transformers.modeling_utils import slice_logits_to_keep
 
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -166,7 +185,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     loss = head_loss(self.lm_head, hidden, labels, num_items_in_batch) if labels is not None else None
     logits = None
     if labels is None or not self.training:
-        logits = dense_outputs(self.lm_head, slice_logits_to_keep(hidden, logits_to_keep)).to(hidden.dtype)
+        logits = dense_outputs(self.lm_head, last_positions(hidden, logits_to_keep)).to(hidden.dtype)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
                                   hidden_states=getattr(out, "hidden_states", None),
                                   attentions=getattr(out, "attentions", None))

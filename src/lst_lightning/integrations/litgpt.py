@@ -1,0 +1,82 @@
+"""litgpt's ``GPT`` trained through the factored head: one call, ``factor_gpt_head``.
+
+``factor_gpt_head(model, loss="zloss", **head_kwargs)`` puts a ``FactoredSphericalHead``
+whose initial W is ``lm_head.weight`` (its bias as the bias column: ``lm_head_bias``
+configs) at ``model.factored_head``, makes ``model.lm_head`` an identity (so litgpt's own
+forward, untouched, ends at the body's last norm) and gives the model a forward with one
+more argument: ``model(idx, targets=targets)`` returns the head's loss, litgpt's
+convention (``targets`` already aligned with ``idx``, as litgpt's loops slice them;
+``-100`` ignored; the mean over real tokens, as ``litgpt.utils.chunked_cross_entropy``).
+Without targets it returns the outputs o = W h as litgpt's logits (made in chunks of the
+vocabulary from the factors; a list of chunks along the sequence with
+``lm_head_chunk_size``), so ``litgpt.generate`` works on the patched model. The head has
+D = ``config.padded_vocab_size`` classes, the shape of litgpt's lm_head.
+``export_dense_head(model)`` gives back an ordinary ``GPT`` (docs/integrations.md).
+litgpt is not imported here: the patch reads the model's attributes only.
+"""
+from __future__ import annotations
+
+import types
+
+from torch import Tensor, nn
+
+from ..spherical import FactoredSphericalHead
+from .hf import PATCH, dense_outputs, head_from_linear
+
+
+def check_gpt_patchable(model: nn.Module) -> nn.Linear:
+    """The ``lm_head`` linear layer of a litgpt ``GPT``, or one clear ValueError saying why the
+    model cannot take the factored head. Reads the model only."""
+    name = type(model).__name__
+    if getattr(model, PATCH, None) is not None:
+        raise ValueError(f"{name} already has the factored head (export_dense_head() undoes it)")
+    head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
+    wte = getattr(getattr(model, "transformer", None), "wte", None)
+    if not isinstance(head, nn.Linear) or not isinstance(wte, nn.Embedding) or config is None:
+        raise ValueError(f"{name} is not a litgpt GPT (an lm_head nn.Linear, transformer.wte and a config): "
+                         f"found lm_head {type(head).__name__}")
+    if head.weight.data_ptr() == wte.weight.data_ptr():
+        raise ValueError(f"{name} ties lm_head to transformer.wte: the factored head owns W and updates it itself "
+                         "in backward, so the input embedding would no longer be tied; give lm_head its own copy "
+                         "first: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())")
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(f"{name}'s config has final_logit_softcapping={cap}: the spherical losses are functions of "
+                         "the linear outputs o = W h, not of cap * tanh(o / cap); set "
+                         "config.final_logit_softcapping = None (training from scratch) or use another model")
+    return head
+
+
+def factor_gpt_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.Module:
+    """Put a ``FactoredSphericalHead`` (with ``loss`` and ``head_kwargs``: ``lr``,
+    ``weight_decay``, ``stabiliser``...) at ``model.factored_head``, starting from
+    ``model.lm_head``'s weight, and patch ``model.forward`` to take ``targets``. Returns
+    the model, changed in place; an unsupported model raises one ValueError and is left
+    unchanged."""
+    linear = check_gpt_patchable(model)
+    head = head_from_linear(linear, loss, head_kwargs, "factor_gpt_head", reduction="mean_real")
+    setattr(model, PATCH, types.SimpleNamespace(linear_dtype=linear.weight.dtype))
+    model.factored_head = head
+    model.lm_head = nn.Identity()  # litgpt's forward then returns the body's last hidden states
+    model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
+    return model
+
+
+def gpt_loss(head: FactoredSphericalHead, hidden: Tensor, targets: Tensor) -> Tensor:
+    """The head's loss with litgpt's alignment (hidden[:, t] predicts targets[:, t]), the mean
+    over real (non -100) targets."""
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"targets must have the shape of idx {tuple(hidden.shape[:-1])} (litgpt's loops pass "
+                         f"them already shifted), got {tuple(targets.shape)}")
+    return head(hidden.reshape(-1, hidden.shape[-1]), targets.to(hidden.device).reshape(-1))
+
+
+def _forward(self, idx: Tensor, input_pos: Tensor | None = None, input_pos_maxp1: int | None = None,
+             lm_head_chunk_size: int = 0, targets: Tensor | None = None):
+    """The patched forward: litgpt's own (lm_head is an identity: the hidden states), then the
+    factored head's loss with ``targets``, or the outputs o as logits without."""
+    hidden = type(self).forward(self, idx, input_pos, input_pos_maxp1)
+    if targets is not None:
+        return gpt_loss(self.factored_head, hidden, targets)
+    logits = dense_outputs(self.factored_head, hidden).to(hidden.dtype)
+    return list(logits.split(lm_head_chunk_size, dim=1)) if lm_head_chunk_size > 0 else logits

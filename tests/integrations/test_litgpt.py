@@ -1,0 +1,212 @@
+"""litgpt's GPT with the factored head (factor_gpt_head): tiny random-init models of the
+real class, trained by Fabric and Lightning loops, exported back to an ordinary GPT."""
+import lightning as L
+import pytest
+import torch
+from litgpt import GPT, Config
+from litgpt.generate.base import generate
+from litgpt.utils import chunked_cross_entropy
+from torch import nn
+
+from lst_lightning.app.callbacks.head_steps import HeadSteps
+from lst_lightning.integrations import export_dense_head, factor_gpt_head, factored_head
+from lst_lightning.spherical import NaiveSphericalHead
+
+VOCAB, PADDED, HIDDEN, T = 40, 48, 16, 12
+
+
+def tiny_gpt(bias: bool = False, **over) -> GPT:
+    torch.manual_seed(0)
+    config = Config(**{**dict(name="tiny", block_size=32, vocab_size=VOCAB, padded_vocab_size=PADDED, n_layer=1,
+                              n_head=2, n_embd=HIDDEN, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                              norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=32,
+                              lm_head_bias=bias), **over})
+    model = GPT(config)
+    if bias:
+        nn.init.normal_(model.lm_head.bias, std=0.1)
+    return model
+
+
+def rows(m: int = 3, seed: int = 1, padded: slice = slice(0, 1)):
+    """litgpt's (input_ids, targets): targets already shifted, -100 on the ``padded`` rows' last
+    4 tokens, tokens repeating."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, VOCAB // 4, (m, T + 1), generator=g)
+    ids, targets = data[:, :-1], data[:, 1:].clone()
+    targets[padded, -4:] = -100
+    return ids, targets
+
+
+def state(model):
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_logits_before_training_are_the_original_models(bias):
+    model = tiny_gpt(bias)
+    ids, _ = rows()
+    with torch.no_grad():
+        before = model(ids)
+        factor_gpt_head(model)
+        after = model(ids)
+        chunks = model(ids, lm_head_chunk_size=5)
+    assert factored_head(model).num_classes == PADDED and isinstance(model.lm_head, nn.Identity)
+    assert after.shape == (3, T, PADDED) and torch.allclose(before, after, atol=1e-5)
+    assert [c.shape[1] for c in chunks] == [5, 5, 2] and torch.equal(torch.cat(chunks, 1), after)
+
+
+@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse"])
+def test_a_training_step_matches_the_explicit_w_reference(loss):
+    """The patched GPT's loss, dL/dH and step equal the naive head's (explicit W: the
+    lm_head weight and bias column) on the same hidden states, float64, litgpt's alignment."""
+    model = tiny_gpt(bias=True).double()
+    W = torch.cat([model.lm_head.weight, model.lm_head.bias[:, None]], 1).detach().clone()
+    factor_gpt_head(model, loss=loss, lr=0.3)
+    naive = NaiveSphericalHead(PADDED, HIDDEN, loss=loss, lr=0.3, bias=True, reduction="mean_real",
+                               dtype=torch.float64)
+    naive.reset_weight(W)
+    ids, targets = rows()
+    seen = []
+    model.transformer.ln_f.register_forward_hook(lambda m, a, o: seen.append(o) or o.retain_grad())
+    out = model(ids, targets=targets)
+    out.backward()
+    H = seen[0].detach().reshape(-1, HIDDEN).clone().requires_grad_()
+    ref = naive(H, targets.reshape(-1))
+    ref.backward()
+    assert torch.allclose(out, ref, rtol=1e-10)
+    assert torch.allclose(seen[0].grad.reshape(-1, HIDDEN), H.grad, rtol=1e-9, atol=1e-12)
+    assert torch.allclose(factored_head(model).weight(), naive.weight(), rtol=1e-9, atol=1e-12)
+    assert not torch.allclose(naive.weight(), W)
+
+
+def test_the_loss_is_the_dense_heads_on_the_same_outputs_as_litgpt_computes_it():
+    """The Z-loss on o is litgpt's chunked_cross_entropy's convention: the mean over the
+    real targets; for the losses with a probability, its -log p on the exported logits."""
+    model = factor_gpt_head(tiny_gpt(), loss="spherical_softmax")
+    ids, targets = rows()
+    model.eval()
+    with torch.no_grad():
+        loss = model(ids, targets=targets)
+        o = model(ids)
+        nll = chunked_cross_entropy(torch.log(o.double() ** 2 + factored_head(model).loss_fn.eps), targets)
+    assert torch.allclose(loss.double(), nll, rtol=1e-5)
+
+
+def fabric_run(batch: int, accumulate: int, steps: int = 3, precision="64-true"):
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5, dtype=torch.float64 if precision == "64-true" else
+                            torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    head = factored_head(model.module)
+    head.attach(optimizer)  # the Fabric-wrapped optimizer: one head step per optimizer step
+    # every row padded alike: litgpt's loss / accumulate is then the batch's mean over real tokens
+    ids, targets = rows(m=batch * accumulate * steps, seed=3, padded=slice(None))
+    losses = []
+    for s in range(steps):
+        for k in range(accumulate):
+            i = slice((s * accumulate + k) * batch, (s * accumulate + k + 1) * batch)
+            with fabric.no_backward_sync(model, enabled=k < accumulate - 1):
+                loss = model(ids[i], targets=targets[i])
+                fabric.backward(loss / accumulate)
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    head.detach()
+    return model.module, losses
+
+
+def test_a_fabric_loop_accumulates_exactly():
+    """litgpt's own loop shape (fabric.backward(loss / accumulate), no_backward_sync): two
+    micro-batches per step give the model that whole batches give, body and head."""
+    whole, _ = fabric_run(batch=4, accumulate=1)
+    halves, _ = fabric_run(batch=2, accumulate=2)
+    assert int(factored_head(halves).steps) == 3
+    a, b = state(whole), state(halves)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12) for k in a)
+
+
+def test_a_fabric_loop_under_bf16_mixed_lowers_the_loss():
+    model, losses = fabric_run(batch=3, accumulate=1, steps=12, precision="bf16-mixed")
+    assert factored_head(model).dtype == torch.float32 and all(map(torch.isfinite, map(torch.tensor, losses)))
+    assert sum(losses[-3:]) < sum(losses[:3])
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+
+    def training_step(self, batch, _):
+        ids, targets = batch
+        loss = self.model(ids, targets=targets)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=3e-3)
+
+
+def test_a_lightning_module_trains_it_one_head_step_per_optimizer_step(tmp_path):
+    ids, targets = rows(m=16, seed=5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, targets), batch_size=2)
+    module = LitGPT()
+    before = module.model(ids, targets=targets).item()
+    trainer = L.Trainer(accelerator="cpu", max_epochs=3, accumulate_grad_batches=2, callbacks=[HeadSteps()],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, loader)
+    assert int(factored_head(module.model).steps) == trainer.global_step == 12
+    assert module.model(ids, targets=targets).item() < before
+
+
+def test_export_gives_an_ordinary_gpt_that_generates_the_heads_ranking(tmp_path):
+    model = factor_gpt_head(tiny_gpt(bias=True), loss="zloss", lr=0.5)
+    ids, targets = rows()
+    for _ in range(3):
+        model(ids, targets=targets).backward()
+    model.eval()
+    prompt = ids[0, :4]
+    with torch.no_grad():
+        o = model(ids)
+    model.set_kv_cache(batch_size=1)
+    greedy = generate(model, prompt, max_returned_tokens=10, top_k=1)
+    export_dense_head(model)
+    assert isinstance(model.lm_head, nn.Linear) and not hasattr(model, "factored_head")
+    assert "forward" not in vars(model) and model.lm_head.bias is not None
+    torch.save(model.state_dict(), tmp_path / "lit_model.pth")  # litgpt's checkpoint: loads into a plain GPT
+    plain = tiny_gpt(bias=True)
+    plain.load_state_dict(torch.load(tmp_path / "lit_model.pth"))
+    plain.eval()
+    with torch.no_grad():
+        assert torch.allclose(plain(ids), o, atol=1e-5)
+    plain.set_kv_cache(batch_size=1)
+    assert torch.equal(generate(plain, prompt, max_returned_tokens=10, top_k=1), greedy)
+
+
+def test_tied_softcapped_and_patched_models_are_refused_unchanged():
+    tied = tiny_gpt()
+    tied.lm_head.weight = tied.transformer.wte.weight
+    capped = tiny_gpt(final_logit_softcapping=30.0)
+    twice = factor_gpt_head(tiny_gpt())
+    for model, says in ((tied, "ties lm_head to transformer.wte"), (capped, "final_logit_softcapping=30.0"),
+                        (twice, "already has the factored head"), (nn.Linear(2, 3), "is not a litgpt GPT")):
+        before = state(model)
+        with pytest.raises(ValueError, match=says):
+            factor_gpt_head(model)
+        after = state(model)
+        assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    with pytest.raises(ValueError, match="sets bias itself"):
+        factor_gpt_head(tiny_gpt(), bias=True)
+
+
+def test_bad_targets_get_one_line_and_no_step():
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+    ids, targets = rows()
+    before = state(model)
+    for bad, says in ((targets[:, 1:], "targets must have the shape of idx"),
+                      (targets.masked_fill(targets == 3, PADDED), "outside")):
+        with pytest.raises(ValueError, match=says):
+            model(ids, targets=bad).backward()
+    after = state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
