@@ -210,3 +210,17 @@ def test_bad_targets_get_one_line_and_no_step():
             model(ids, targets=bad).backward()
     after = state(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_compiled_model_steps_as_the_eager_one():
+    """torch.compile(model), as litgpt's pretrain does: the same losses and head, step for step."""
+    compiled, eager = factor_gpt_head(tiny_gpt(), lr=0.5), factor_gpt_head(tiny_gpt(), lr=0.5)
+    run = torch.compile(compiled, backend="aot_eager")
+    ids, targets = rows()
+    for _ in range(3):
+        a, b = run(ids, targets=targets), eager(ids, targets=targets)
+        a.backward()
+        b.backward()
+        assert torch.allclose(a, b, rtol=1e-6)
+    assert int(factored_head(compiled).steps) == 3
+    assert torch.allclose(factored_head(compiled).weight(), factored_head(eager).weight(), atol=1e-6)
