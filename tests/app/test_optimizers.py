@@ -147,6 +147,8 @@ def test_clip_gradients_matches_torch_on_the_dense_gradients():
     ({"embedding": "lazy"}, "optimizer.embedding must be"),
     ({"name": "rmsprop"}, "optimizer.name"),
     ({"embedding_lr": -1.0}, "optimizer.embedding_lr"),
+    ({"head_rows": "dense"}, "optimizer.head_rows must be"),
+    ({"head_rows": "adam"}, "optimizer.head_rows must be"),
 ])
 def test_bad_settings_are_refused(cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -198,3 +200,44 @@ def test_sparse_head_rows_need_a_row_sparse_optimiser():
         make_optimizer(_with_head(True), {**CFG, "embedding": "dense"})
     with pytest.raises(ValueError, match="head.lr must be"):
         make_optimizer(_with_head(True), {**CFG, "embedding": "sparse_adam"}, head=None, head_lr=-1.0)
+
+
+@pytest.mark.parametrize("head_rows", ["sparse_sgd", "adagrad"])
+def test_a_heads_rows_can_take_their_own_row_sparse_optimiser(head_rows):
+    """optimizer.head_rows: the head's rows are stepped by that optimiser at the head's lr,
+    the input embedding's by optimizer.embedding's, the rest by the dense one: the same
+    model as torch's three optimisers side by side (float64, 3 steps, repeated classes);
+    the schedule and a save and load reach all three parts."""
+    model = _with_head(True)
+    head = model["head"]
+    cfg = {**CFG, "name": "adam", "embedding": "sparse_adam", "head_rows": head_rows}
+    opt = make_optimizer(model, cfg, head=head, head_lr=0.05)
+    reference = copy.deepcopy(model)
+    rows = [reference["head"].weight, reference["head"].bias]
+    emb = reference["body"].input_embedding.weight
+    own = {"sparse_sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad}[head_rows]
+    ref_opts = [torch.optim.Adam([p for p in reference.parameters() if all(p is not q for q in [*rows, emb])], lr=0.3),
+                torch.optim.SparseAdam([emb], lr=0.3), own(rows, lr=0.05)]
+    assert [type(o) for o in opt.parts] == [type(o) for o in ref_opts]
+    g = torch.Generator().manual_seed(7)
+    target = torch.tensor([1, 4, 4, 9, 1, 30])  # repeated classes
+    for step in range(3):
+        ctx = torch.randint(0, 20, (6, N), generator=g)
+        for m, opts in ((model, [opt]), (reference, ref_opts)):
+            torch.manual_seed(step)  # the same negatives
+            m["head"](m["body"](ctx), target).backward()
+            assert m["head"].weight.grad.is_sparse
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    for k, a in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[k], a), k
+    assert not torch.equal(head.weight, _with_head(True)["head"].weight)  # the rows moved
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.15, 0.15, 0.025])
+    twin = copy.deepcopy(model)
+    again = make_optimizer(twin, cfg, head=twin["head"], head_lr=0.05)
+    again.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert [len(o.state) for o in again.parts] == [len(o.state) for o in opt.parts] == [len(o.state) for o in ref_opts]
+    with pytest.raises(ValueError, match="3 parts"):
+        make_optimizer(model, {**cfg, "head_rows": None}, head=head, head_lr=0.05).load_state_dict(opt.state_dict())

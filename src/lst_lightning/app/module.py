@@ -69,7 +69,7 @@ class LanguageModel(pl.LightningModule):
             if head_step != head.step:
                 head.step = head_step
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
-                          "embedding_lr": None, **(optimizer or {})}
+                          "embedding_lr": None, "head_rows": None, **(optimizer or {})}
         check_optimizer_config(self.optim_cfg, self)  # the body's sparse embedding, the head's sparse rows
         self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
         lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now

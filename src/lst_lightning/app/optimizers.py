@@ -2,13 +2,14 @@
 for the parameters of sparse ``nn.Embedding`` modules (the body's input embedding with
 ``model.sparse_embedding=true``) and the row-sparse parameters a head declares
 (``OutputHead.sparse_parameters()``: the sampled and hierarchical softmax's class rows
-with ``head.sparse=true``), which reads and writes only the rows a step touched.
+with ``head.sparse=true``), which reads and writes only the rows a step touched
+(``optimizer.embedding``; a head's rows may take another, ``optimizer.head_rows``).
 An ordinary head's parameters may have their own lr (``head.lr``): their own groups.
 
 Lightning's automatic optimisation drives one optimiser, so ``PairedOptimizer`` presents
-the two as one: its ``param_groups`` are the two optimisers' own group dicts (the lr
-schedule sets both), ``step`` runs the closure once and steps both, the state dict holds
-both (exact resume). ``clip_gradients`` clips dense and row-sparse gradients together
+the parts as one: its ``param_groups`` are the parts' own group dicts (the lr schedule
+sets them all), ``step`` runs the closure once and steps every part, the state dict
+holds every part's (exact resume). ``clip_gradients`` clips dense and row-sparse gradients together
 (torch's ``clip_grad_norm_`` refuses sparse gradients)."""
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from ..heads.base import OutputHead
 DENSE = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 # optimizer.embedding: the optimiser of sparse embeddings' rows (dense: none may be sparse)
 EMBEDDING = ("sparse_adam", "sparse_sgd", "adagrad", "dense")
+# optimizer.head_rows: the optimiser of a head's row-sparse class rows (null: optimizer.embedding's)
+HEAD_ROWS = (None, *EMBEDDING[:-1])
 
 
 def sparse_embedding_params(module: nn.Module) -> list[nn.Parameter]:
@@ -38,6 +41,9 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
         raise ValueError(f"optimizer.name must be one of {sorted(DENSE)}, not {cfg['name']!r}")
     if cfg.get("embedding", "dense") not in EMBEDDING:
         raise ValueError(f"optimizer.embedding must be one of {list(EMBEDDING)}, not {cfg.get('embedding')!r}")
+    if cfg.get("head_rows") not in HEAD_ROWS:
+        raise ValueError(f"optimizer.head_rows must be one of {list(HEAD_ROWS[1:])} or null (optimizer.embedding), "
+                         f"not {cfg.get('head_rows')!r}")
     lr = cfg.get("embedding_lr")
     if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
         raise ValueError(f"optimizer.embedding_lr must be a number > 0 or null (optimizer.lr), not {lr!r}")
@@ -97,16 +103,21 @@ def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None,
         return _dense_optimizer(groups if len(groups) > 1 else dense, cfg)
     # the head's rows never take optimizer.embedding_lr (the input embedding's)
     sparse_groups = _groups(sparse, head_ids, cfg.get("embedding_lr") or lr, own_lr, "embedding")
-    parts = (_dense_optimizer(_groups(dense, own, lr, own_lr, "dense"), cfg) if dense else None,
-             _sparse_optimizer(sparse_groups, name, lr))
+    head_rows = cfg.get("head_rows") or name
+    by_name = {}  # optimizer.embedding's groups, and optimizer.head_rows' where it differs
+    for g in sparse_groups:
+        by_name.setdefault(head_rows if g["name"] == "head_embedding" else name, []).append(g)
+    parts = [_dense_optimizer(_groups(dense, own, lr, own_lr, "dense"), cfg)] if dense else []
+    parts += [_sparse_optimizer(groups, n, lr) for n, groups in by_name.items()]
     return PairedOptimizer(*parts)
 
 
 class PairedOptimizer(torch.optim.Optimizer):
-    """A dense optimiser and a row-sparse one, stepped as one (see the module docstring)."""
+    """A dense optimiser and the row-sparse ones (the input embedding's, and a head's rows'
+    where ``optimizer.head_rows`` differs), stepped as one (see the module docstring)."""
 
-    def __init__(self, dense: torch.optim.Optimizer | None, sparse: torch.optim.Optimizer):
-        self.parts = [o for o in (dense, sparse) if o is not None]
+    def __init__(self, *parts: torch.optim.Optimizer | None):
+        self.parts = [o for o in parts if o is not None]
         # The parts' own group dicts: a schedule setting group["lr"] here sets it in the part.
         super().__init__([g for o in self.parts for g in o.param_groups], {})
 
