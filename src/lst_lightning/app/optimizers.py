@@ -116,8 +116,8 @@ class PairedOptimizer(torch.optim.Optimizer):
     """A dense optimiser and the row-sparse ones (the input embedding's, and a head's rows'
     where ``optimizer.head_rows`` differs), stepped as one (see the module docstring)."""
 
-    def __init__(self, *parts: torch.optim.Optimizer | None):
-        self.parts = [o for o in parts if o is not None]
+    def __init__(self, *parts: torch.optim.Optimizer):
+        self.parts = list(parts)
         # The parts' own group dicts: a schedule setting group["lr"] here sets it in the part.
         super().__init__([g for o in self.parts for g in o.param_groups], {})
 
