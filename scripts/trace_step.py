@@ -1,0 +1,72 @@
+"""Which project files and functions one training step of a head enters.
+
+``python scripts/trace_step.py`` builds the default head (``FactoredSphericalHead``,
+Z-loss, bias column), takes one warm-up step, then traces one more
+``head(H, idx).backward()`` with ``sys.setprofile`` and prints every file of
+``src/`` and ``triton_kernels/`` it enters, with the functions (lambdas and
+comprehensions count: each is a call a reader follows). Issue "One step, one path"
+holds the default step to at most 6 files and 45 functions
+(tests/spherical/test_step_path.py asserts the same bound).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = (str(ROOT / "src"), str(ROOT / "triton_kernels"))
+
+
+def trace_step(head, H, idx) -> dict[str, set[str]]:
+    """{file relative to the repository: functions} entered by one ``head(H, idx).backward()``."""
+    import lst_lightning  # noqa: F401  (the project's roots, wherever it is installed)
+    roots = {os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
+             for m in (sys.modules["lst_lightning"], __import__("lst_kernels"))}
+    seen: dict[str, set[str]] = {}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            path = os.path.abspath(frame.f_code.co_filename)
+            root = next((r for r in roots if path.startswith(r + os.sep)), None)
+            if root is not None:
+                seen.setdefault(os.path.relpath(path, os.path.dirname(root)), set()).add(frame.f_code.co_qualname)
+
+    sys.setprofile(profile)
+    try:
+        head(H, idx).backward()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def default_step_path(num_classes: int = 1000, hidden_dim: int = 16, m: int = 8, k: int = 1):
+    """The trace of the default head's second training step (the first one warms up)."""
+    import torch
+
+    from lst_lightning.spherical import FactoredSphericalHead
+    g = torch.Generator().manual_seed(0)
+    head = FactoredSphericalHead(num_classes=num_classes, hidden_dim=hidden_dim, loss="zloss", bias=True,
+                                 generator=g)
+    H = torch.randn(m, hidden_dim, generator=g, requires_grad=True)
+    idx = torch.randint(0, num_classes, (m, k), generator=g)
+    head(H, idx).backward()
+    return trace_step(head, H, idx)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--hidden-dim", type=int, default=16)
+    p.add_argument("-m", type=int, default=8, help="rows in the batch")
+    p.add_argument("-k", type=int, default=1, help="targets per row")
+    a = p.parse_args(argv)
+    seen = default_step_path(a.num_classes, a.hidden_dim, a.m, a.k)
+    print(f"{len(seen)} files, {sum(len(v) for v in seen.values())} functions")
+    for path, names in sorted(seen.items()):
+        print(f"{path} ({len(names)}): {', '.join(sorted(names))}")
+
+
+if __name__ == "__main__":
+    main()
