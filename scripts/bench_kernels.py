@@ -20,6 +20,7 @@ script can be tested without a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -67,7 +68,8 @@ def scatter_atomic_(V, idx, G, X, alpha):
 
 def cases(D: int, d: int, m: int, K: int, device) -> dict[str, tuple[Callable, dict[str, Callable]]]:
     """op -> (make fresh args, {impl name: function})."""
-    from lst_kernels import triton_ops as tri
+    import lst_kernels as lk
+    tri = {name: functools.partial(getattr(lk, name), impl="triton") for name in lk.__all__ if name != "reference"}
 
     V = torch.randn(D, d, device=device) * 0.01
     idx = zipf_targets((m, K), D, device=device)
@@ -82,16 +84,16 @@ def cases(D: int, d: int, m: int, K: int, device) -> dict[str, tuple[Callable, d
     yy = ref.sparse_gram(idx, G)
     M = ref.m_matrix(Hq, H, Z, gq, gs, ybar, D, yy)
     return {
-        "gather_dot": (lambda: (V, idx, H, x0), {"reference": ref.gather_dot, "triton": tri.gather_dot}),
-        "gather_sum": (lambda: (V, idx, G), {"reference": ref.gather_sum, "triton": tri.gather_sum}),
+        "gather_dot": (lambda: (V, idx, H, x0), {"reference": ref.gather_dot, "triton": tri["gather_dot"]}),
+        "gather_sum": (lambda: (V, idx, G), {"reference": ref.gather_sum, "triton": tri["gather_sum"]}),
         # In place on V; small alpha keeps V sane over many repeats.
         "scatter_add_rows_": (lambda: (V, idx, G, H, 1e-6), {"reference": ref.scatter_add_rows_,
-                                                               "triton": tri.scatter_add_rows_,
+                                                               "triton": tri["scatter_add_rows_"],
                                                                "torch_atomic": scatter_atomic_}),
-        "sparse_gram": (lambda: (idx, G), {"reference": ref.sparse_gram, "triton": tri.sparse_gram}),
-        "m_matrix": (lambda: (Hq, H, Z, gq, gs, ybar, D, yy), {"reference": ref.m_matrix, "triton": tri.m_matrix,
+        "sparse_gram": (lambda: (idx, G), {"reference": ref.sparse_gram, "triton": tri["sparse_gram"]}),
+        "m_matrix": (lambda: (Hq, H, Z, gq, gs, ybar, D, yy), {"reference": ref.m_matrix, "triton": tri["m_matrix"],
                                                                 "torch_1gemm": m_matrix_1gemm}),
-        "q_update": (lambda: (Q, H, dH, M, 0.01, 0.999), {"reference": ref.q_update, "triton": tri.q_update,
+        "q_update": (lambda: (Q, H, dH, M, 0.01, 0.999), {"reference": ref.q_update, "triton": tri["q_update"],
                                                           "torch_2gemm": q_update_2gemm}),
     }
 

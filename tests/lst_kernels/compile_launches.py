@@ -14,12 +14,14 @@ of time. So what is compiled is what the launchers pass, never a copy of it.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import pkgutil
 import re
 import subprocess
 import sys
+import types
 
 import torch
 import triton
@@ -29,7 +31,10 @@ from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver
 
 import lst_kernels
-from lst_kernels import triton_ops as tri
+
+#: The public ops with their Triton path forced (CPU tensors: the stand-in driver records each launch).
+tri = types.SimpleNamespace(**{name: functools.partial(getattr(lst_kernels, name), impl="triton")
+                               for name in lst_kernels.__all__ if name != "reference"})
 
 # What the head passes: (state dtype of V, Q, ...; activation dtype of H, X, G; id dtype).
 PROFILES = [

@@ -1,14 +1,14 @@
-"""Sparse operations of the exact factored output layer.
+"""Sparse operations of the exact factored output layer (docs/kernels.md).
 
-Each op has a plain-torch reference (``lst_kernels.reference``) and, where
-written, a Triton kernel with the same signature. The functions exported here
-dispatch: Triton on CUDA tensors when Triton is importable, the torch
-reference otherwise (CPU, or ``LST_KERNELS=torch``).
+One public function per op (``functional.py``): its argument check, then Triton on CUDA
+tensors when Triton is importable, the plain-torch implementation otherwise (CPU, or
+``LST_KERNELS=torch``; ``impl=`` forces either). Each op's plain-torch reference is in
+``reference.py``; each Triton launcher in ``<op>_kernel(s).py``.
 """
 from __future__ import annotations
 
 from . import reference
-from .dispatch import gather_dot, gather_sum, m_matrix, q_update, scatter_add_rows_, sparse_gram
+from .functional import gather_dot, gather_sum, m_matrix, q_update, scatter_add_rows_, sparse_gram
 
 __all__ = [
     "gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "m_matrix", "q_update", "reference",

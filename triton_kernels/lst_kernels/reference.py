@@ -2,7 +2,8 @@
 
 Shapes: ``V`` (D, d); ``idx`` (m, K) int64 with -1 for padding; ``G`` (m, K);
 ``X`` (m, d). Each Triton kernel in this package has the same signature and is
-tested against the function here. Arithmetic is done in the promoted dtype of
+tested against the function here, and off CUDA the public ops (``functional.py``)
+run these four sparse ones as they are. Arithmetic is done in the promoted dtype of
 the inputs, so bf16 activations meet a float32 ``V`` in float32.
 """
 from __future__ import annotations
@@ -11,16 +12,10 @@ import torch
 from torch import Tensor
 
 
-
-def _safe(idx: Tensor) -> tuple[Tensor, Tensor]:
-    valid = idx >= 0
-    return idx.clamp(min=0), valid
-
-
 def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> Tensor:
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j]; padding slots give 0."""
     ct = torch.promote_types(V.dtype, X.dtype)
-    safe, valid = _safe(idx)
+    safe, valid = idx.clamp(min=0), idx >= 0
     rows = V[safe].to(ct)  # (m, K, d)
     A = torch.einsum("mkd,md->mk", rows, X.to(ct))
     if x0 is not None:
@@ -31,7 +26,7 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
 def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     """Y[j] = sum_k G[j, k] V[idx[j, k]] (padding ignored): Yd V."""
     ct = torch.promote_types(V.dtype, G.dtype)
-    safe, valid = _safe(idx)
+    safe, valid = idx.clamp(min=0), idx >= 0
     w = torch.where(valid, G.to(ct), torch.zeros((), dtype=ct, device=G.device))
     return torch.einsum("mk,mkd->md", w, V[safe].to(ct))
 

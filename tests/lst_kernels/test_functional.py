@@ -1,0 +1,94 @@
+"""The public ops (functional.py): each checks its arguments before anything runs, picks its
+implementation inline, and its torch path equals the term-by-term reference."""
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from kernel_cases import KERNEL_DEVICES, SHAPES, TILED_SHAPE, bookkeeping_inputs, close, make_case
+
+import lst_kernels
+from lst_kernels import _launch, functional, reference
+
+OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "m_matrix", "q_update")
+
+
+def test_every_op_is_one_public_function_with_the_reference_signature_and_impl():
+    assert set(OPS) == {n for n in lst_kernels.__all__ if n != "reference"}
+    for name in OPS:
+        op = getattr(lst_kernels, name)
+        assert op is getattr(functional, name), name
+        params = inspect.signature(op).parameters
+        assert list(params)[:-1] == list(inspect.signature(getattr(reference, name)).parameters), name
+        assert params["impl"].kind is inspect.Parameter.KEYWORD_ONLY and params["impl"].default == "auto"
+
+
+def test_the_choice_of_implementation():
+    cpu = torch.zeros(1)
+    assert not functional._use_triton(cpu, "auto") and not functional._use_triton(cpu, "torch")
+    assert functional._use_triton(cpu, "triton")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        functional._use_triton(cpu, "cuda")
+
+
+def test_lst_kernels_torch_keeps_cuda_tensors_on_torch(monkeypatch):
+    fake_cuda = type("T", (), {"is_cuda": True, "device": "cuda:0"})()
+    monkeypatch.setattr(functional, "_TRITON_IMPORTABLE", True)
+    assert functional._use_triton(fake_cuda, "auto")
+    monkeypatch.setenv("LST_KERNELS", "torch")
+    assert not functional._use_triton(fake_cuda, "auto")
+
+
+@pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])
+def test_torch_bookkeeping_matches_the_reference(shape):
+    m, K, D, d = shape
+    s = bookkeeping_inputs(m, d, K, D, "cpu")
+    args = (s["Hq"], s["H"], s["Z"], s["gq"], s["gs"], s["ybar"], D, s["yy"])
+    M = lst_kernels.m_matrix(*args, impl="torch")
+    close(M, reference.m_matrix(*args), rtol=2e-5)
+    dH = torch.randn(m, d)
+    for lr, c in ((0.05, 1.0), (0.05, 0.97), (torch.tensor(0.05), torch.tensor(0.97))):
+        close(lst_kernels.q_update(s["Q"], s["H"], dH, M, lr, c, impl="torch"),
+              reference.q_update(s["Q"], s["H"], dH, M, lr, c), rtol=2e-5)
+
+
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)"))]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_bad_input_raises_and_leaves_v_untouched(impl):
+    device = KERNEL_DEVICES[0]
+    V, idx, G, X = make_case(4, 2, 5, 8, device)
+    before = V.clone()
+    op = {name: functools.partial(getattr(lst_kernels, name), impl=impl) for name in OPS}
+    bad_calls = [
+        (TypeError, lambda: op["scatter_add_rows_"](V, idx.float(), G, X, 0.1)),  # float indices
+        (ValueError, lambda: op["scatter_add_rows_"](V, idx[0], G, X, 0.1)),  # 1-D idx
+        (ValueError, lambda: op["scatter_add_rows_"](V, idx, G, X[:, :-1], 0.1)),  # X width != d
+        (ValueError, lambda: op["scatter_add_rows_"](V, idx, G[:3], X, 0.1)),  # G rows != m
+        (TypeError, lambda: op["scatter_add_rows_"](V, idx, G, X, "0.1")),
+        (ValueError, lambda: op["scatter_add_rows_"](V, idx, G, X, torch.ones(2, device=device))),
+        (ValueError, lambda: op["scatter_add_rows_"](V, idx.to("meta"), G, X, 0.1)),  # two devices
+        (ValueError, lambda: op["gather_dot"](V, idx, X, torch.zeros(3, device=device))),
+        (TypeError, lambda: op["gather_sum"](V, idx, G.long())),
+        (ValueError, lambda: op["sparse_gram"](idx[None], G)),
+        (ValueError, lambda: op["q_update"](torch.eye(8, device=device), X, X, torch.eye(3, device=device), 0.1, 1.0)),
+        (ValueError, lambda: op["m_matrix"](X, X, X, G[:, 0], G[:, 0], G[:, 0], 0, torch.eye(4, device=device))),
+        (ValueError, lambda: lst_kernels.gather_sum(V, idx, G, impl="cuda")),
+    ]
+    for exc, call in bad_calls:
+        with pytest.raises(exc):
+            call()
+    assert torch.equal(V, before)
+
+
+@pytest.mark.parametrize("K,want", [(1, 2), (2, 2), (3, 4), (8, 8), (9, 16), (16, 16), (17, 16), (1000, 16)])
+def test_block_k_is_the_next_power_of_two_within_bounds(K, want):
+    assert _launch.block_k(K) == want
+
+
+def test_tiles():
+    assert _launch.tile(4096, 4) == 64 and _launch.tile(4096, 8) == 32 and _launch.tile(512, 2) == 32
