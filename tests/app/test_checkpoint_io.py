@@ -1,9 +1,13 @@
 """Checkpoint files replaced atomically (checkpoint_io.py): a save that dies mid-write
-leaves the previous file whole and no stray file; Lightning writes through it."""
+leaves the previous file whole and no stray file; Lightning writes through it; the
+asynchronous IO writes a snapshot in the background, one save at a time."""
+import threading
+
 import pytest
 import torch
 
-from lst_lightning.app.checkpoint_io import AtomicCheckpointIO, atomic_torch_save, link_atomically
+from lst_lightning.app.checkpoint_io import (AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_torch_save,
+                                             link_atomically)
 
 
 class Unpicklable:
@@ -38,3 +42,49 @@ def test_last_becomes_a_link_to_the_step_file_or_stays_as_it_was(tmp_path, monke
     assert not link_atomically(step, last)  # the caller then writes a copy
     assert torch.load(last, weights_only=True) == {"step": 5}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt", "step5.ckpt"]  # no stray link
+
+
+def test_an_async_save_writes_the_snapshot_of_its_step_one_at_a_time(tmp_path, monkeypatch):
+    """The tensors are copied when the save is called (training may change them at once),
+    the write runs in the writer thread, a second save waits for the first, work queued with
+    after_save follows the save, and the writer's error is raised on the training thread."""
+    io, w = AsyncAtomicCheckpointIO(), torch.zeros(4)
+    gate, writing = threading.Event(), threading.Event()
+    write = atomic_torch_save
+
+    def held(obj, path):  # the first write waits at the gate
+        writing.set()
+        gate.wait(timeout=60)
+        write(obj, path)
+    monkeypatch.setattr("lst_lightning.app.checkpoint_io.atomic_torch_save", held)
+    io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
+    assert writing.wait(timeout=60) and threading.current_thread() is threading.main_thread()
+    w += 1  # training goes on while the write is held
+    assert not (tmp_path / "a.ckpt").exists()
+    second = threading.Thread(target=io.save_checkpoint, args=({"w": w}, tmp_path / "b.ckpt"))
+    second.start()
+    second.join(timeout=0.5)
+    assert second.is_alive()  # waits for the first save: one in flight at most
+    gate.set()
+    second.join(timeout=60)
+    io.after_save(lambda: link_atomically(tmp_path / "b.ckpt", tmp_path / "last.ckpt"))
+    io.wait()
+    assert torch.equal(torch.load(tmp_path / "a.ckpt", weights_only=True)["w"], torch.zeros(4))
+    assert torch.equal(torch.load(tmp_path / "last.ckpt", weights_only=True)["w"], torch.ones(4))
+    io.save_checkpoint({"x": Unpicklable()}, tmp_path / "c.ckpt")
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        io.wait()
+    assert not (tmp_path / "c.ckpt").exists()
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        io.teardown()
+
+
+def test_a_checkpoint_too_large_to_copy_is_written_at_once(tmp_path, monkeypatch):
+    monkeypatch.setattr("lst_lightning.app.checkpoint_io.host_available_bytes", lambda: 100 * 4)
+    io, w = AsyncAtomicCheckpointIO(), torch.zeros(60)  # 240 bytes > half of 400
+    with pytest.warns(RuntimeWarning, match=r"saved synchronously: a snapshot of its tensors on cpu"):
+        io.save_checkpoint({"w": w}, tmp_path / "a.ckpt")
+    assert (tmp_path / "a.ckpt").exists() and io.synchronous_saves == 1  # on disk when the call returns
+    io.save_checkpoint({"w": w[:40]}, tmp_path / "b.ckpt")  # 160 bytes: copied, written in the background
+    io.teardown()
+    assert io.synchronous_saves == 1 and torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], w[:40])

@@ -23,15 +23,16 @@ HELPERS = Path(__file__).parents[1] / "helpers"
 # holds the run at LST_STALL_AT when that is set.
 RUN = [*FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=10", "trainer.val_check_interval=4",
        "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.every_minutes=null",
-       "head.stabiliser.check_every=3", "+callbacks.stall._target_=stall.Stall"]
+       "callbacks.checkpoint.max_overhead=null", "head.stabiliser.check_every=3", "+callbacks.stall._target_=stall.Stall"]
 STOP_AT = 7  # mid-epoch 0, between validations: steps 0..6 done
 
 
-def lst_train(run_dir, *extra, stall_at=None):
+def lst_train(run_dir, *extra, stall_at=None, hold_save_at=None):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
-    env.pop("LST_STALL_AT", None)
-    if stall_at is not None:
-        env["LST_STALL_AT"] = str(stall_at)
+    for name, value in (("LST_STALL_AT", stall_at), ("LST_HOLD_SAVE_AT", hold_save_at)):
+        env.pop(name, None)
+        if value is not None:
+            env[name] = str(value)
     return subprocess.Popen([sys.executable, "-m", "lst_lightning.app.train", *RUN, f"hydra.run.dir={run_dir}", *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -104,6 +105,26 @@ def test_a_killed_run_resumes_exactly(tmp_path, uninterrupted):
     same(outcome(tmp_path), uninterrupted)
 
 
+def test_a_run_killed_in_the_middle_of_a_background_save_resumes_exactly(tmp_path, uninterrupted):
+    """The checkpoint of step 7 is half written in the background while training goes on to
+    step 8 (whose save waits for it): SIGKILL then leaves last.ckpt at step 6, whole, and the
+    half file under a temporary name only; resumed with ckpt_path=last, the run ends as the
+    run never stopped."""
+    proc = lst_train(tmp_path, "+callbacks.hold_save._target_=hold_save.HoldSave", hold_save_at=STOP_AT)
+    while not ((tmp_path / "saving").exists() and (tmp_path / "trained").exists()
+               and int((tmp_path / "trained").read_text() or 0) > STOP_AT):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=900)
+    files = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert files == [".step7.ckpt.tmp" + str(proc.pid), "last.ckpt", "step6.ckpt"], files
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT - 1
+    finished(lst_train(tmp_path, "ckpt_path=last"))
+    same(outcome(tmp_path), uninterrupted)
+
+
 def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
     """SIGTERM during step 7: the step finishes, last.ckpt holds it, the run exits with 143;
     resumed with the same configuration and ckpt_path=last it ends as the run never stopped."""
@@ -144,6 +165,7 @@ def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
     rank's random states."""
     over = [*FAST, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", "head.parallel=replicated", "test=false",
             "trainer.limit_train_batches=6", "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1",
+            "callbacks.checkpoint.max_overhead=null",
             "callbacks.checkpoint.keep=10", "callbacks.checkpoint.every_minutes=null"]
     full = run(cfg_of(*over), tmp_path / "full")
     saved = torch.load(tmp_path / "full" / "checkpoints" / "step3.ckpt", weights_only=True)
@@ -159,6 +181,7 @@ def test_accumulation_resumes_mid_epoch_exactly(tmp_path):
     fall at optimizer steps, and a resume from step 3 of 5 ends as the run never stopped."""
     over = [*FAST, "trainer.limit_train_batches=10", "trainer.accumulate_grad_batches=2", "model.dropout=0.2",
             "test=false", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.keep=10",
+            "callbacks.checkpoint.max_overhead=null",
             "callbacks.checkpoint.every_minutes=null"]
     full = run(cfg_of(*over), tmp_path / "full")
     step3 = tmp_path / "full" / "checkpoints" / "step3.ckpt"

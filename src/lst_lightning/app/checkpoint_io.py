@@ -8,16 +8,30 @@ becomes a copy into the final name, and a kill during it leaves a truncated
 ``last.ckpt``. Here the file is written next to its final name, synced, and renamed over
 it (``os.replace``): a reader sees the old file or the new one, never part of one. Other
 file systems (s3://, ...) keep Lightning's way.
+
+``AsyncAtomicCheckpointIO`` writes in the background: Lightning's ``AsyncCheckpointIO``
+copies every tensor of the checkpoint on the training thread (the snapshot of one step),
+then one writer thread writes it through ``AtomicCheckpointIO`` while training goes on. At
+most one save is in flight: the next one waits for it. Work that must follow a save (the
+hard link of last.ckpt to the step file, the removal of the step file it supersedes) is
+queued behind it with ``after_save``, so a kill at any moment leaves the newest complete
+checkpoint in place. A checkpoint whose copy would not fit in half of the free memory
+(D = 10^7 on a small machine) is written synchronously instead, with a warning.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning_utilities.core.apply_func import apply_to_collection
+from lightning.pytorch.plugins.io import AsyncCheckpointIO, TorchCheckpointIO
 
 
 def atomic_torch_save(obj: Any, path: str | Path) -> None:
@@ -52,6 +66,18 @@ def link_atomically(source: str | Path, path: str | Path) -> bool:
     return True
 
 
+def copy_atomically(source: str | Path, path: str | Path) -> None:
+    """A copy of ``source`` at ``path``, written beside it and renamed into place."""
+    source, path = Path(source), Path(path)
+    tmp = path.with_name(f".{path.name}.copy{os.getpid()}")
+    try:
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    sync_directory(path.parent)
+
+
 def sync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -66,3 +92,83 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         atomic_torch_save(checkpoint, path)
+
+
+def snapshot_too_large(checkpoint: dict[str, Any], share: float = 0.5) -> str | None:
+    """Why a copy of the checkpoint's tensors would not fit in ``share`` of the free memory of
+    their devices (host: MemAvailable; a GPU: its free memory), or None."""
+    need: dict[torch.device, int] = {}
+    apply_to_collection(checkpoint, torch.Tensor,
+                        lambda t: need.__setitem__(t.device, need.get(t.device, 0) + t.numel() * t.element_size()))
+    for device, size in need.items():
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
+        if free is not None and size > share * free:
+            return (f"a snapshot of its tensors on {device} ({size / 2**30:.1f} GiB) would take more than "
+                    f"{share:.0%} of the free memory ({free / 2**30:.1f} GiB)")
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """The host's MemAvailable (Linux), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
+    """Atomic saves written by a background thread, at most one in flight (module docstring).
+    An error of the writer is raised by the next save, ``wait()`` or ``teardown()``."""
+
+    def __init__(self):
+        super().__init__(AtomicCheckpointIO())
+        self._last: Future | None = None
+        self._after_next: list[Callable[[], object]] = []
+        self.synchronous_saves = 0  # saves too large for a snapshot in free memory
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        self.wait()  # the save before is on disk: at most one in flight
+        short = snapshot_too_large(checkpoint)
+        if short:  # no room for a copy: written now, from the tensors themselves
+            if not self.synchronous_saves:
+                warnings.warn(f"checkpoint saved synchronously: {short}", RuntimeWarning, stacklevel=2)
+            self.synchronous_saves += 1
+            self._ensure_setup()
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+        else:
+            super().save_checkpoint(checkpoint, path, storage_options)  # the snapshot, then the write queued
+        self._last = self._executor.submit(lambda: None)  # done once the write just queued is
+        for fn in self._after_next:
+            self.after_save(fn)
+        self._after_next = []
+
+    def after_next_save(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` in the writer thread once the next save (not yet called) is on disk."""
+        self._after_next.append(fn)
+
+    def remove_checkpoint(self, path) -> None:
+        """Removed once the save in flight is on disk: until then the file it replaces stays."""
+        self.after_save(lambda: self.checkpoint_io.remove_checkpoint(path))
+
+    def after_save(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` in the writer thread once the save queued before it is on disk."""
+        self._ensure_setup()
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as error:  # noqa: BLE001  (raised on the training thread, as a save's)
+                self._error = error
+        self._last = self._executor.submit(run)
+
+    def wait(self) -> None:
+        """Return once every save queued is on disk (the SIGTERM save is synchronous by this)."""
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+        if self._error:
+            raise self._error

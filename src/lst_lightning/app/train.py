@@ -151,7 +151,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
-    from .checkpoint_io import AtomicCheckpointIO  # noqa: PLC0415
+    from .checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel  # noqa: PLC0415
     from .wiring import Run, instantiate_group  # noqa: PLC0415
@@ -197,7 +197,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     trainer = pl.Trainer(
         **OmegaConf.to_container(tcfg, resolve=True), logger=run.loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
-        plugins=[AtomicCheckpointIO()],  # last.ckpt replaced atomically (checkpoint_io.py)
+        # files replaced atomically, written in the background by default (checkpoint_io.py)
+        plugins=[AsyncAtomicCheckpointIO() if OmegaConf.select(cfg, "callbacks.checkpoint.asynchronous", default=True)
+                 else AtomicCheckpointIO()],
     )
     check_built(cfg, module, trainer)
     return dm, module, trainer

@@ -87,15 +87,21 @@ def wandb_logger(run: Run, mode: str = "offline", project: str = "lst-lightning"
 
 
 # -- callbacks ----------------------------------------------------------------------------
-def model_checkpoint(run: Run, every_n_steps: int = 1000, every_minutes: float | None = 30.0,
-                     after_validation: bool = True, keep: int = 1):
+def model_checkpoint(run: Run, every_n_steps: int = 0, every_minutes: float | None = 10.0,
+                     after_validation: bool = True, keep: int = 1, max_overhead: float | None = 0.05,
+                     asynchronous: bool = True):
     """Checkpoints under <run_dir>/checkpoints: last.ckpt and the newest ``keep`` step<N>.ckpt,
-    saved every ``every_n_steps`` steps, every ``every_minutes`` minutes, after every
-    validation and on SIGTERM (callbacks/periodic_checkpoint.py)."""
+    saved every ``every_minutes`` minutes, every ``every_n_steps`` steps, after every
+    validation (each within ``max_overhead`` of the wall time), at the end and on SIGTERM
+    (callbacks/periodic_checkpoint.py). ``asynchronous`` is read by ``train.build`` for the
+    trainer's checkpoint IO (written in the background: checkpoint_io.py)."""
     from .callbacks import PeriodicCheckpoint  # noqa: PLC0415
 
+    if not isinstance(asynchronous, bool):
+        raise ValueError(f"callbacks.checkpoint.asynchronous must be true or false, got {asynchronous!r}")
     return PeriodicCheckpoint(dirpath=str(run.run_dir / "checkpoints"), every_n_steps=every_n_steps,
-                              every_minutes=every_minutes, after_validation=after_validation, keep=keep)
+                              every_minutes=every_minutes, after_validation=after_validation, keep=keep,
+                              max_overhead=max_overhead)
 
 
 def progress_log(run: Run, every: int = 100):

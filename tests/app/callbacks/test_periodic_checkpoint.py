@@ -1,14 +1,18 @@
 """Checkpoints every n steps, every m minutes, after every validation and at the end
-(periodic_checkpoint.py): the newest ``keep`` step files and last.ckpt, no more."""
+(periodic_checkpoint.py): the newest ``keep`` step files and last.ckpt, no more; a periodic
+save waits until the training since the last one pays for its cost within max_overhead."""
+import types
+
 import pytest
 import torch
 
-from lst_lightning.app.callbacks import PeriodicCheckpoint
+from lst_lightning.app.callbacks import PeriodicCheckpoint, periodic_checkpoint
 from lst_lightning.app.train import run
 
 from app_configs import FAST, cfg_of
 
 TEN_STEPS = [*FAST, "trainer.limit_train_batches=10", "test=false", f"head._target_={'toy_heads.ToySoftmaxHead'}"]
+EVERY_TRIGGER = [*TEN_STEPS, "callbacks.checkpoint.max_overhead=null"]  # no bound on the cost: every trigger saves
 
 
 def saved(run_dir):
@@ -16,21 +20,44 @@ def saved(run_dir):
 
 
 def test_steps_validations_and_the_end_are_saved_and_the_newest_kept(tmp_path):
-    run(cfg_of(*TEN_STEPS, "trainer.val_check_interval=4", "callbacks.checkpoint.every_n_steps=3",
+    run(cfg_of(*EVERY_TRIGGER, "trainer.val_check_interval=4", "callbacks.checkpoint.every_n_steps=3",
                "callbacks.checkpoint.every_minutes=null", "callbacks.checkpoint.keep=2"), tmp_path / "a")
     # saved at 3, 4 (validation), 6, 8 (validation), 9, 10 (the end): the two newest kept
     assert saved(tmp_path / "a") == {"step9.ckpt": 9, "step10.ckpt": 10, "last.ckpt": 10}
     ckpts = tmp_path / "a" / "checkpoints"  # last.ckpt is the newest step file, not a second copy
     assert (ckpts / "last.ckpt").stat().st_ino == (ckpts / "step10.ckpt").stat().st_ino
-    run(cfg_of(*TEN_STEPS, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=0",
+    run(cfg_of(*EVERY_TRIGGER, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=0",
                "callbacks.checkpoint.every_minutes=1e-9", "callbacks.checkpoint.keep=0"), tmp_path / "b")
     assert saved(tmp_path / "b") == {"last.ckpt": 10}  # by time: every step, only last.ckpt kept
     assert (tmp_path / "b" / "checkpoints" / "last.ckpt").stat().st_nlink == 1  # no step file: written itself
 
 
+def test_saves_wait_until_training_pays_for_them(tmp_path, monkeypatch):
+    """On a clock where a step takes 0.5 s and a save holds training up for 1 s, a step
+    trigger at every step with max_overhead 0.5 saves only once 2 s of training followed the
+    last save; the end is saved whatever."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(periodic_checkpoint, "time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
+    save = PeriodicCheckpoint._save_topk_checkpoint
+
+    def slow_save(self, trainer, candidates):
+        clock["t"] += 1.0
+        save(self, trainer, candidates)
+
+    monkeypatch.setattr(PeriodicCheckpoint, "_save_topk_checkpoint", slow_save)
+    monkeypatch.setattr(PeriodicCheckpoint, "on_train_batch_start",
+                        lambda *_: clock.update(t=clock["t"] + 0.5), raising=False)
+    run(cfg_of(*TEN_STEPS, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=1",
+               "callbacks.checkpoint.every_minutes=null", "callbacks.checkpoint.max_overhead=0.5",
+               "callbacks.checkpoint.keep=10"), tmp_path)
+    # step 1 saved (it costs 1 s), then after 2 s of training: steps 5 and 9; and the end, 10
+    assert saved(tmp_path) == {"step1.ckpt": 1, "step5.ckpt": 5, "step9.ckpt": 9, "step10.ckpt": 10, "last.ckpt": 10}
+
+
 @pytest.mark.parametrize("bad,match", [({"every_n_steps": -1}, "every_n_steps must be an int >= 0"),
                                        ({"keep": True}, "keep must be an int >= 0"),
-                                       ({"every_minutes": 0}, "every_minutes must be > 0 or null")])
+                                       ({"every_minutes": 0}, "every_minutes must be > 0 or null"),
+                                       ({"max_overhead": 1.5}, "max_overhead must be > 0 and <= 1 or null")])
 def test_bad_settings_are_refused(tmp_path, bad, match):
     with pytest.raises(ValueError, match=f"callbacks.checkpoint.{match}"):
         PeriodicCheckpoint(str(tmp_path), **bad)

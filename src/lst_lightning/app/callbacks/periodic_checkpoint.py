@@ -1,20 +1,30 @@
-"""Checkpoints every few steps, every few minutes, after every validation and on SIGTERM.
+"""Checkpoints every few minutes (and optionally every few steps), after every validation,
+at the end and on SIGTERM, at a bounded cost.
 
 Lightning's ``ModelCheckpoint`` does the saving, the naming and the pruning; this subclass
-only adds the triggers it cannot combine: ``every_n_steps`` (its own
-``every_n_train_steps``) together with ``every_minutes``, a save after every validation
-(it saves after validation only once per epoch), and a save when the run stops on
-SIGTERM (Lightning raises ``SIGTERMException`` at the end of the batch it received the
-signal in, on every rank).
+adds the triggers it cannot combine: ``every_minutes`` together with ``every_n_steps``, a
+save after every validation (it saves after validation only once per epoch), and a save
+when the run stops on SIGTERM (Lightning raises ``SIGTERMException`` at the end of the
+batch it received the signal in, on every rank).
+
+The cost is bounded: each periodic save (by time, by steps, after a validation) is timed
+for as long as it holds the training loop up, and the next one waits until the training
+since then is at least that time divided by ``max_overhead`` (5 %: a save that held the loop
+for 3 s is followed by at least 60 s of training). So saving stays within ``max_overhead``
+of the wall time whatever a step costs on this machine (the same setting means 10 s on a
+CPU and 1 s on a GPU for a step count). The save at the end and on SIGTERM are always made.
 
 Files, in ``dirpath``: ``last.ckpt`` (the newest, rewritten at every save, also by a
 resumed run: no ``last-v1.ckpt``) and the newest ``keep`` saves as ``step<N>.ckpt`` (older
 ones deleted, by a resumed run too; ``keep: 0``: last.ckpt only).
 Every write goes through the trainer's checkpoint IO, which replaces a file atomically
-(``AtomicCheckpointIO``): a kill mid-write leaves the previous file whole. When a step file
-was just written, ``last.ckpt`` becomes a hard link to it (replaced by a rename too) rather
-than a second copy: one write and one file's worth of disk per save (at D = 10^7 a
-checkpoint is about 6 GB); pruning the step file later leaves last.ckpt whole.
+(``AtomicCheckpointIO``): a kill mid-write leaves the previous file whole. With
+``AsyncAtomicCheckpointIO`` (the app's) the write runs in the background on a snapshot of
+the step, at most one at a time; the SIGTERM save and the final one are waited for. When a
+step file was just written, ``last.ckpt`` becomes a hard link to it (replaced by a rename
+too, after the step file is on disk) rather than a second copy: one write and one file's
+worth of disk per save (at D = 10^7 a checkpoint is about 6 GB); pruning the step file
+later leaves last.ckpt whole.
 """
 from __future__ import annotations
 
@@ -26,24 +36,30 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..checkpoint_io import link_atomically
+from ..checkpoint_io import AsyncAtomicCheckpointIO, copy_atomically, link_atomically
 
 
 class PeriodicCheckpoint(ModelCheckpoint):
-    def __init__(self, dirpath: str, every_n_steps: int = 1000, every_minutes: float | None = 30.0,
-                 after_validation: bool = True, keep: int = 1):
+    def __init__(self, dirpath: str, every_n_steps: int = 0, every_minutes: float | None = 10.0,
+                 after_validation: bool = True, keep: int = 1, max_overhead: float | None = 0.05):
         for name, value in (("every_n_steps", every_n_steps), ("keep", keep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"callbacks.checkpoint.{name} must be an int >= 0, got {value!r}")
-        if every_minutes is not None and (isinstance(every_minutes, bool) or not isinstance(every_minutes, (int, float))
-                                          or not every_minutes > 0):
-            raise ValueError(f"callbacks.checkpoint.every_minutes must be > 0 or null, got {every_minutes!r}")
-        # monitor="step", mode="max": the newest `keep` saves are the top k (monitor=None allows k <= 1 only)
+        for name, value, top in (("every_minutes", every_minutes, float("inf")), ("max_overhead", max_overhead, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value <= top):
+                raise ValueError(f"callbacks.checkpoint.{name} must be > 0{' and <= 1' if top == 1 else ''} or null, "
+                                 f"got {value!r}")
+        # monitor="step", mode="max": the newest `keep` saves are the top k (monitor=None allows k <= 1 only).
+        # Lightning's own step trigger is off: the steps are one of this callback's triggers.
         super().__init__(dirpath=dirpath, filename="step{step}", auto_insert_metric_name=False,
                          monitor="step" if keep else None, mode="max", save_top_k=keep, save_last=True,
-                         every_n_train_steps=every_n_steps, every_n_epochs=0, enable_version_counter=False)
-        self.every_minutes, self.after_validation = every_minutes, after_validation
-        self._clock = time.monotonic()
+                         every_n_train_steps=0, every_n_epochs=0, enable_version_counter=False)
+        self.every_n_steps, self.every_minutes = every_n_steps, every_minutes
+        self.after_validation, self.max_overhead = after_validation, max_overhead
+        self._clock = time.monotonic()  # when the last save let training go on
+        self._cost = 0.0  # how long the last periodic save held training up, in seconds
+        self.saves, self.postponed, self.seconds_saving = 0, 0, 0.0  # periodic saves: made, held back, their cost
 
     @property
     def state_key(self) -> str:
@@ -60,42 +76,60 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self._clock = time.monotonic()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # every_n_steps
+        step = trainer.global_step
+        by_steps = self.every_n_steps > 0 and step % self.every_n_steps == 0 and step != self._last_global_step_saved
         if self._defer_save_until_validation:
             # Lightning defers an epoch's last save to a validation it expects (monitored
             # metrics): "step" is never stale, and that validation may not come
             self._defer_save_until_validation = False
-            self.save_now(trainer)
-        if self.every_minutes is not None:
-            due = time.monotonic() - self._clock >= 60.0 * self.every_minutes
-            if trainer.strategy.broadcast(due):  # rank 0's clock decides: every rank saves together
+            by_steps = True
+        elapsed = time.monotonic() - self._clock
+        by_time = self.every_minutes is not None and elapsed >= 60.0 * self.every_minutes
+        if by_steps or self.every_minutes is not None:
+            # rank 0's clock decides: every rank saves together
+            if trainer.strategy.broadcast((by_steps or by_time) and self._within_budget(elapsed)):
                 self.save_now(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if self.after_validation:
+        if self.after_validation and trainer.strategy.broadcast(self._within_budget(time.monotonic() - self._clock)):
             self.save_now(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.save_now(trainer)  # the final state, whatever the triggers
+        self.save_now(trainer, always=True)  # the final state, whatever the triggers
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Only a preemption: another exception may leave a diverged or half-stepped state.
         if isinstance(exception, SIGTERMException):
-            self.save_now(trainer, preempted=True)
+            self.save_now(trainer, preempted=True, always=True)
 
-    def save_now(self, trainer: pl.Trainer, preempted: bool = False) -> None:
+    def _within_budget(self, elapsed: float) -> bool:
+        """Whether the training since the last save pays for its cost within ``max_overhead``."""
+        ok = self.max_overhead is None or elapsed * self.max_overhead >= self._cost
+        self.postponed += not ok
+        return ok
+
+    def save_now(self, trainer: pl.Trainer, preempted: bool = False, always: bool = False) -> None:
         """step<N>.ckpt (kept among the newest ``keep``) and last.ckpt, unless this step is saved
         or (but when ``preempted``) an accumulation window is half done: its gradients are in
-        no checkpoint, a time-triggered save waits for the window's optimizer step."""
+        no checkpoint, a time-triggered save waits for the window's optimizer step. ``always``
+        (the end, SIGTERM): written before this returns, and not counted as a periodic save."""
         if self._should_skip_saving_checkpoint(trainer):  # not fitting, sanity check, or saved at this step
             return
         if not preempted and trainer.state.stage == "train" and trainer.fit_loop.epoch_loop._should_accumulate():
             return
+        start = time.monotonic()
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
+        io = trainer.strategy.checkpoint_io
+        if always and isinstance(io, AsyncAtomicCheckpointIO):
+            io.wait()  # the SIGTERM save (and the last) is on disk when the run ends
         self._clock = time.monotonic()
+        if not always:
+            self._cost = self._clock - start
+            self.saves += 1
+            self.seconds_saving += self._cost
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
         saved = self._last_checkpoint_saved
@@ -104,8 +138,17 @@ class PeriodicCheckpoint(ModelCheckpoint):
                 and _is_local_file_protocol(last)):
             super()._save_last_checkpoint(trainer, monitor_candidates)  # no step file at this step
             return
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AsyncAtomicCheckpointIO):
+            # the step file is still being written: the link follows it in the writer thread
+            # (where the file system has no hard links, a copy of the file)
+            if trainer.is_global_zero:
+                io.after_save(lambda: link_atomically(saved, last) or copy_atomically(saved, last))
+            self.last_model_path = last
+            return
         linked = link_atomically(saved, last) if trainer.is_global_zero else True
         if not trainer.strategy.broadcast(linked):  # no hard links on this file system: a copy
             super()._save_last_checkpoint(trainer, monitor_candidates)
             return
         self.last_model_path = last
+

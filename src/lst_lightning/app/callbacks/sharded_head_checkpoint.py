@@ -8,6 +8,12 @@ Every rank builds the checkpoint (rank 0 writes it), so this runs on all of them
   ``<checkpoint dir>/head_shards/step<N>/rank<r>.pt``; the checkpoint keeps an empty V
   and the directory in the head's extra state, from which a head of any sharding reads
   its own rows when it loads (memory-mapped). The newest ``keep`` saves are kept.
+
+The shard files are written at once, on every rank, before the checkpoint that names them
+is saved (each renamed into place when complete): when that checkpoint is written in the
+background (``AsyncAtomicCheckpointIO``), every rank's rows are already on disk, which a
+writer thread could not ensure (it cannot join the ranks' barrier). The older step
+directories are pruned once that checkpoint is on disk.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 from ...heads.base import OutputHead
+from ..checkpoint_io import AsyncAtomicCheckpointIO
 from ...spherical.shard_files import prune, save_shard
 
 MODES = ("whole", "per_rank")
@@ -48,4 +55,8 @@ class ShardedHeadCheckpoint(pl.Callback):
         state_dict[prefix + "_extra_state"] = {**state_dict[prefix + "_extra_state"], "v_files": str(step_dir.resolve())}
         trainer.strategy.barrier("head_shards")  # every shard written before any is pruned
         if trainer.global_rank == 0:
-            prune(root, self.keep)
+            io = trainer.strategy.checkpoint_io
+            if isinstance(io, AsyncAtomicCheckpointIO):  # the checkpoint naming these files is not on disk yet
+                io.after_next_save(lambda: prune(root, self.keep))
+            else:
+                prune(root, self.keep)
