@@ -1,0 +1,143 @@
+"""What checkpoints cost the training step, by D: ``lst-train`` with each checkpoint setting
+against none, and what the head's recomputable state would save.
+
+    uv run python scripts/bench_checkpoints.py [--D 10000 1000000 10000000] [--smoke]
+
+For every D and setting, two runs of ``lst-train`` on the synthetic task (input vocabulary =
+D up to ``--max-input-vocab``, no validation, no test) of ``--short`` and ``--long`` optimizer
+steps, one after the other in child processes; the per-step time is the difference of their
+wall times over the difference of their steps, so that start-up, the data and the final
+save cancel (the method of issue "Checkpoints off the critical path"). Settings:
+
+- ``none``: no periodic checkpoint (the final save only, in both runs);
+- ``default``: the shipped defaults (every 10 minutes, after validation, max_overhead 0.05,
+  asynchronous);
+- ``budget``: the defaults with a trigger every 0.6 s, so that only the 5 % bound spaces
+  the saves: what the default rule costs when saves are due all the time;
+- ``steps1000_sync``: the old defaults (every 1 000 steps, written before training goes on);
+- ``steps1000_async``: the same, written in the background.
+
+Then, per D, the cost of recomputing what the factored head could leave out of a checkpoint
+(Q = W^T W, wbar = W^T 1 and U^-1 from V, U and omega: ``refresh_bookkeeping``, O(D d^2))
+against the bytes it takes. Writes ``checkpoints_<machine>.csv``, ``.md`` and ``.png``
+into a fresh run directory (``--out DIR``; ``--update-results``: benchmarks/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# benchlib first: in a bare checkout it puts the package on the path.
+from benchlib import add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure, write_csv, wrote
+
+import torch
+
+OFF = ["callbacks.checkpoint.every_n_steps=0", "callbacks.checkpoint.every_minutes=null",
+       "callbacks.checkpoint.after_validation=false"]
+SETTINGS = {
+    "none": OFF,
+    "default": [],
+    "budget": ["callbacks.checkpoint.every_minutes=0.01"],
+    "steps1000_sync": ["callbacks.checkpoint.every_n_steps=1000", "callbacks.checkpoint.every_minutes=30",
+                       "callbacks.checkpoint.max_overhead=null", "callbacks.checkpoint.asynchronous=false"],
+    "steps1000_async": ["callbacks.checkpoint.every_n_steps=1000", "callbacks.checkpoint.every_minutes=30",
+                        "callbacks.checkpoint.max_overhead=null"],
+}
+SMOKE = dict(D=[300], short=2, long=6, settings=["none", "steps1000_async"], hidden_dim=8)
+
+
+def train(run_dir: Path, D: int, steps: int, setting: str, args) -> dict:
+    """One lst-train run in a child process; its wall time, steps and checkpoint size."""
+    overrides = ["data=synthetic", f"data.num_classes={D}", f"data.input_vocab_size={min(D, args.max_input_vocab)}",
+                 f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "test=false", "logger=csv",
+                 "callbacks=minimal", f"hydra.run.dir={run_dir}", *SETTINGS[setting], *args.overrides]
+    if args.hidden_dim:
+        overrides.append(f"model.hidden_dim={args.hidden_dim}")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "lst_lightning.app.train", *overrides],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    wall = time.perf_counter() - start
+    if done.returncode:
+        raise RuntimeError(f"lst-train failed ({setting}, D={D}, {steps} steps):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    res = json.loads((run_dir / "results.json").read_text())
+    last = run_dir / "checkpoints" / "last.ckpt"
+    saves = len(list((run_dir / "checkpoints").glob("step*.ckpt")))
+    return {"wall_s": wall, "steps": res["train_steps"], "ckpt_mb": last.stat().st_size / 2**20 if last.exists() else 0,
+            "step_files": saves}
+
+
+def recompute_cost(D: int, hidden_dim: int) -> dict:
+    """Seconds to recompute Q, wbar and U^-1 of a factored head of D classes, and their bytes."""
+    from lst_lightning.spherical import FactoredSphericalHead
+    head = FactoredSphericalHead(num_classes=D, hidden_dim=hidden_dim, loss="zloss", bias=True)
+    start = time.perf_counter()
+    head.refresh_bookkeeping()
+    torch.linalg.inv(head.U)
+    seconds = time.perf_counter() - start
+    small = sum(t.numel() * t.element_size() for t in (head.Q, head.wbar, head.Uinv))
+    return {"recompute_s": seconds, "recomputable_bytes": small, "V_mb": head.V.numel() * head.V.element_size() / 2**20}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--D", type=int, nargs="+", default=[10_000, 1_000_000, 10_000_000])
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    ap.add_argument("--short", type=int, default=20)
+    ap.add_argument("--long", type=int, default=1020)
+    ap.add_argument("--max-input-vocab", type=int, default=1_000_000,
+                    help="the input vocabulary is min(D, this): at 10^7 a D-row input embedding and its two "
+                         "SparseAdam moments would not fit a 24 GB machine beside V")
+    ap.add_argument("--hidden-dim", type=int, default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, two settings, in seconds (tests)")
+    ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
+    add_output_args(ap)
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.D, args.short, args.long, args.settings, args.hidden_dim = (
+            SMOKE["D"], SMOKE["short"], SMOKE["long"], SMOKE["settings"], SMOKE["hidden_dim"])
+    out, machine = output_dir(args, "bench_checkpoints"), machine_name()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for D in args.D:
+            base = None
+            for setting in args.settings:
+                a = train(Path(tmp) / f"{D}_{setting}_short", D, args.short, setting, args)
+                b = train(Path(tmp) / f"{D}_{setting}_long", D, args.long, setting, args)
+                step_ms = 1e3 * (b["wall_s"] - a["wall_s"]) / (b["steps"] - a["steps"])
+                base = step_ms if setting == "none" else base
+                rows.append({"D": D, "setting": setting, "step_ms": round(step_ms, 3),
+                             "ratio_to_none": round(step_ms / base, 3) if base else None,
+                             "short_wall_s": round(a["wall_s"], 2), "long_wall_s": round(b["wall_s"], 2),
+                             "ckpt_mb": round(b["ckpt_mb"], 1), "step_files_left": b["step_files"]})
+                print(rows[-1], flush=True)
+                write_csv(out / f"checkpoints_{machine}.csv", rows, machine=machine)
+            rec = recompute_cost(D, args.hidden_dim or 128)
+            for r in rows:
+                if r["D"] == D:
+                    r.update({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
+    stem = out / f"checkpoints_{machine}"
+    cols = ["D", "setting", "step_ms", "ratio_to_none", "ckpt_mb", "recompute_s", "recomputable_bytes"]
+    stem.with_suffix(".md").write_text(f"Checkpoints' cost per training step ({machine})\n\n"
+                                       + markdown_table(rows, cols, right=cols[2:]) + "\n")
+    fig, ax = pyplot().subplots(figsize=(6, 3.5))
+    for setting in args.settings:
+        pts = [(r["D"], r["step_ms"]) for r in rows if r["setting"] == setting]
+        ax.plot(*zip(*pts), marker="o", label=setting)
+    ax.set_xscale("log")
+    ax.set_xlabel("D")
+    ax.set_ylabel("ms per training step")
+    ax.set_title(f"lst-train with checkpoints, {machine}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    wrote(write_csv(stem.with_suffix(".csv"), rows, machine=machine), stem.with_suffix(".md"),
+          save_figure(fig, stem.with_suffix(".png")))
+
+
+if __name__ == "__main__":
+    main()
