@@ -83,7 +83,8 @@ def test_attached_forwards_may_precede_their_backwards():
 
 def test_too_many_kept_rows_are_refused_before_any_change():
     f, _ = make_pair("zloss")
-    f.attach(dummy_optimizer(), max_pending_rows=6)
+    opt = dummy_optimizer()  # the head holds its optimizer weakly: a loop holds it
+    f.attach(opt, max_pending_rows=6)
     (H1, i1), (H2, i2), _ = micro_batches()
     f(H1, i1).backward()
     W0 = f.weight()
