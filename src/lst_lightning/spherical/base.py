@@ -133,7 +133,7 @@ class SphericalHeadBase(OutputHead):
 
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float | None = None, weight_decay: float = 0.0,
-                 bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
+                 bias: bool = True, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX):
         super().__init__()
