@@ -19,19 +19,15 @@ def trace_script():
     return module
 
 
-def kernel_files_today() -> int:
-    return len([p for p in (ROOT / "triton_kernels" / "lst_kernels").glob("*.py")
-                if p.name in ("checks.py", "dispatch.py", "ops.py", "torch_ops.py")])
-
-
 @pytest.fixture(scope="module")
 def path():
     return trace_script().default_step_path()
 
 
-@pytest.mark.xfail(kernel_files_today() > 0, strict=True,
-                   reason="the kernel ops are still spread over 5 files (issue 32, item 5: one functional.py)")
 def test_the_default_step_enters_at_most_6_files_and_45_functions(path):
+    kernel_files = sorted(f for f in path if "/lst_kernels/" in f)
+    if len(kernel_files) > 2:  # the whole bound holds once the ops are one functional.py (+ reference.py)
+        pytest.xfail(f"the kernel ops enter {len(kernel_files)} files until issue 32's item 5: {kernel_files}")
     functions = sum(len(v) for v in path.values())
     assert len(path) <= MAX_FILES and functions <= MAX_FUNCTIONS, path
 

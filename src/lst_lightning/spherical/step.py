@@ -86,8 +86,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     input_ok = True
     if head.step_checks.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
-    settings = head.repairs.settings
-    woodbury = settings.woodbury == "always" or (settings.woodbury == "auto" and 2 * Hx.shape[0] <= head.width)
+    woodbury = uses_woodbury(head, Hx.shape[0])
     if woodbury and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=woodbury)
