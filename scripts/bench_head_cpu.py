@@ -72,9 +72,9 @@ def linear_cross_entropy_step(D: int, d: int, m: int, lr: float = 0.01) -> Calla
 
 def make_step(impl: str, D: int, d: int, m: int) -> Callable[[], None]:
     if impl == "factored":
-        return head_step(FactoredSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01), m)
+        return head_step(FactoredSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01, bias=False), m)
     if impl == "naive":
-        return head_step(NaiveSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01), m)
+        return head_step(NaiveSphericalHead(num_classes=D, hidden_dim=d, loss="zloss", lr=0.01, bias=False), m)
     if impl == "linear_cross_entropy":
         return linear_cross_entropy_step(D, d, m)
     raise ValueError(f"unknown implementation {impl!r}")

@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -86,3 +88,59 @@ def test_gradient_accumulation_under_the_trainer_is_exact(tmp_path):
 def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():
     assert scheduled_lr(0.5, 5e-3, 1e-2) == pytest.approx(0.25)
     assert 0 < scheduled_lr(0.5, 0.0, 1e-2) < 1e-20
+
+
+def failing_trainer(model, out):
+    """A Trainer whose train() raises at the 2nd micro-batch of its first window: a bad label."""
+    calls = []
+
+    def bad_second_label(module, args, kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            kwargs["labels"] = kwargs["labels"].clone().fill_(10 ** 6)  # no such class
+        return args, kwargs
+
+    model.register_forward_pre_hook(bad_second_label, with_kwargs=True)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=2, learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, seed=0)
+    return Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()])
+
+
+def test_a_trainer_that_raised_mid_window_leaves_no_head_silently_attached(tmp_path):
+    """A bad label in the 2nd micro-batch makes train() raise with one micro-batch's rows kept
+    for an optimizer step that never comes. Plain loss.backward() afterwards does not grow
+    them forever without a step: the next window's forward raises with the fix, and after
+    head.detach() the head steps in each backward again."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    head = model.lm_head
+    trainer = failing_trainer(model, tmp_path)
+    with pytest.raises(ValueError, match="outside"):
+        trainer.train()  # the Trainer (and its optimizer) stays alive: the case the issue found
+    assert head.attached and head.pending_rows > 0 and int(head.steps) == 0
+    ids, mask, labels = batch(m=2)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()  # completes the dead window
+    with pytest.raises(RuntimeError, match=r"head\.detach\(\)"):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    head.detach()
+    for _ in range(2):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert not head.attached and head.pending_rows == 0 and int(head.steps) == 2
+    assert trainer.optimizer is not None
+
+
+def test_a_head_whose_trainer_is_gone_drops_its_rows_with_a_warning(tmp_path):
+    """The same failure with the Trainer dropped: its optimizer is gone, so the next training
+    forward drops the kept rows with a warning and the head steps in each backward again."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    head = model.lm_head
+    try:
+        failing_trainer(model, tmp_path).train()
+    except ValueError:
+        pass
+    gc.collect()
+    ids, mask, labels = batch(m=2)
+    with pytest.warns(UserWarning, match="optimizer it was attached to is gone"):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    assert not head.attached and head.pending_rows == 0 and int(head.steps) == 1

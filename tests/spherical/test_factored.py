@@ -114,12 +114,12 @@ def test_state_dict_round_trip_is_bit_identical():
     for H, idx in data[:6]:
         f(H.clone().requires_grad_(), idx).backward()
     f.lr = 0.03
-    other = FactoredSphericalHead(num_classes=60, hidden_dim=8, loss="zloss", dtype=torch.float64)
+    other = FactoredSphericalHead(num_classes=60, hidden_dim=8, loss="zloss", dtype=torch.float64, bias=False)
     before = state_of(other)
     with pytest.raises(ValueError, match="saved with loss"):  # zloss a=0.5, b=2 is not the default
         other.load_state_dict(f.state_dict())
     assert_untouched(other, before)
-    g2 = FactoredSphericalHead(num_classes=60, hidden_dim=8, loss="zloss", loss_kwargs=LOSS_KW["zloss"],
+    g2 = FactoredSphericalHead(num_classes=60, hidden_dim=8, loss="zloss", loss_kwargs=LOSS_KW["zloss"], bias=False,
                                dtype=torch.float64, stabiliser={"check_every": 3})
     g2.load_state_dict(f.state_dict())
     assert g2.lr == 0.03

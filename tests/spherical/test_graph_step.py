@@ -49,3 +49,15 @@ def test_steps_at_zero_lr_change_no_bit():
     assert state(head) == before and (int(head.steps), head._calls, head.lr) == counters
     step(head, *batch(16, d, D, 2))  # and the lr is back
     assert state(head) != before
+
+
+def test_the_graph_step_uses_the_heads_public_api_only():
+    """CudaGraphStep and its warm-up drive the head through public names (device_lr,
+    pin_device_lr, count_replay, step_checks), never its private state."""
+    import inspect
+    import re
+
+    from lst_lightning.spherical import graph_step
+
+    source = inspect.getsource(graph_step)
+    assert not re.findall(r"head\._[a-z]", source) and "lr_filled" not in source and "_version" not in source

@@ -13,7 +13,7 @@ from head_pairs import batch
 def test_naive_step_is_torch_sgd_on_w(loss):
     D, d, m, K = 40, 6, 7, 3
     head = NaiveSphericalHead(num_classes=D, hidden_dim=d, loss=loss, lr=0.05, weight_decay=0.01,
-                              dtype=torch.float64)
+                              dtype=torch.float64, bias=False)
     W = torch.nn.Parameter(head.weight())
     opt = torch.optim.SGD([W], lr=0.05, weight_decay=0.01)
     dense = make_loss(loss).dense

@@ -13,7 +13,8 @@ HEADS = [FactoredSphericalHead, NaiveSphericalHead]
 
 
 def head_at(cls, loss, W, **kw):
-    head = cls(W.shape[0], W.shape[1], loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), dtype=torch.float64, **kw)
+    head = cls(W.shape[0], W.shape[1], loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), dtype=torch.float64,
+               **{"bias": False, **kw})
     head.reset_weight(W)
     return head
 
@@ -89,7 +90,7 @@ def test_all_padding_is_a_zero_loss_and_no_change_under_mean_real(cls):
 
 @pytest.mark.parametrize("cls", HEADS)
 def test_ranking_inputs_are_checked_like_the_forward(cls):
-    head = cls(50, 6)
+    head = cls(50, 6, bias=False)
     H = torch.randn(3, 6)
     for bad in (4000, 123456, 50, -1, -100):
         with pytest.raises(ValueError, match="not a class id"):

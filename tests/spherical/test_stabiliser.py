@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from lst_lightning.spherical.stabiliser import Stabiliser, largest_eig_bounds
+from lst_lightning.spherical.stabiliser import Stabiliser
+from lst_lightning.spherical.step import largest_eig_bounds
 
 from head_pairs import batch, make_pair, rel, run_steps, step_both
 

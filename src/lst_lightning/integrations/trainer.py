@@ -4,9 +4,15 @@ The head updates itself with its own ``lr`` and holds no parameter, so the Train
 optimizer and scheduler never see it. ``head_follows_trainer()`` is a ``TrainerCallback``
 that, at the start of training, attaches the head to the Trainer's optimizer (one exact
 step for all the micro-batches of ``gradient_accumulation_steps``, taken at the
-optimizer's step, with fp16's loss scale divided out; pending_step.py), and before each
-step sets ``head.lr = base_lr * current_lr / initial_lr``, the Trainer's schedule scaled
-to the head's own lr (as the app does, app/schedule.py).
+optimizer's step, with fp16's loss scale divided out; spherical/pending.py), and before
+each step sets ``head.lr = base_lr * current_lr / initial_lr``, the Trainer's schedule
+scaled to the head's own lr (as the app does, app/schedule.py).
+
+The head is attached with ``accumulate=gradient_accumulation_steps``: when ``train()``
+raises inside an accumulation window (a bad label in a micro-batch), the head stays
+attached to that Trainer's optimizer (the Trainer has no exception hook), and a later
+training forward that finds a whole window kept and no optimizer step raises with the
+fix in one line (``head.detach()``, or ``train()`` again, which re-attaches).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ def head_follows_trainer():
             self.head = factored_head(getattr(model, "module", model))
             self.base_lr = self.head.lr
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
-            self.head.attach(inner, getattr(optimizer, "scaler", None))
+            self.head.attach(inner, getattr(optimizer, "scaler", None), accumulate=args.gradient_accumulation_steps)
 
         def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
             if lr_scheduler is not None and args.learning_rate > 0:

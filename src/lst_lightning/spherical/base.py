@@ -1,12 +1,19 @@
-"""What the factored head and its naive reference share: the constructor, input
-validation, the loss and its gradients on m-sized tensors, the learning rate,
-and the autograd function that applies the head's own SGD step in backward.
+"""The shell of the spherical heads, shared by the factored head and its naive reference:
+the ``nn.Module`` (constructor, input checks, lr and weight decay, the loss on m-sized
+tensors), the thin ``autograd.Function`` that takes the step in backward, and the token of
+each training forward. The step itself is the head's: ``_forward_step`` and
+``_backward_step`` (for the factored head, the functions of step.py).
+
+The parts the shell holds are called only when they have something to do:
+``self.pending`` (``PendingRows``, pending.py) once the head is attached to an optimizer,
+``self.sharding`` (multi_process.py) when more than one process shares the step.
 """
 from __future__ import annotations
 
 import functools
 import math
 import warnings
+import weakref
 
 import torch
 from torch import Tensor
@@ -15,8 +22,10 @@ from ..heads.base import OutputHead
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from .blocks import BLOCK
+from .checks import HostChecks
+from .driving import Driving
 from .multi_process import Sharding
-from .pending_step import PendingSteps
+from .pending import PendingRows, check_loss_scale, check_max_rows
 
 STATE_DTYPES = (torch.float32, torch.float64)
 #: "mean": over all m rows (padded rows count, adding 0); "mean_real": over the rows with at
@@ -34,32 +43,82 @@ def own_precision(method):
     return wrapped
 
 
-class _SelfUpdatingStep(torch.autograd.Function):
-    """Returns the loss in forward; in backward, returns dL/dH and lets the head
-    apply its SGD step with the gradients of this very forward."""
+class _ForwardToken:
+    """One training forward: the dL/dH its backward handed on, and that backward's gradient."""
+    dH: Tensor | None = None
+    grad: Tensor | None = None
+
+
+class _HeadLoss(torch.autograd.Function):
+    """Returns the loss in forward; in backward, returns dL/dH and lets the head take its SGD
+    step with the gradients of this very forward (or keep its rows, when attached)."""
 
     @staticmethod
-    def forward(ctx, H: Tensor, head: "SphericalHeadBase", idx: Tensor, T: Tensor, token):
-        Hx, idx, T, ctx.rows = head.sharding.collect(head.augment(H), idx, T, training=True)
+    def forward(ctx, H: Tensor, head: "SphericalHeadBase", Hx: Tensor, idx: Tensor, T: Tensor, token):
+        ctx.rows = None
+        if not head.sharding.alone:  # every rank's rows
+            Hx, idx, T, ctx.rows = head.sharding.collect(Hx, idx, T, training=True)
         loss, saved = head._forward_step(Hx, idx, T)
         # token None: a frozen head (eval mode), which hands dL/dH on and never steps.
-        ctx.head, ctx.saved, ctx.version, ctx.token = head, saved, head._version, token
-        ctx.in_dtype = H.dtype
+        ctx.head, ctx.saved, ctx.version, ctx.token, ctx.in_dtype = head, saved, head._version, token, H.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        with torch.autocast(ctx.head.device.type, enabled=False):
-            return _SelfUpdatingStep._backward(ctx, grad_out)
+        head, token = ctx.head, ctx.token
+        name = type(head).__name__
+        with torch.autocast(grad_out.device.type, enabled=False):
+            grad = grad_out.to(head._factory["dtype"])
+            if token is None:  # eval mode: a frozen head
+                head._warn_once("eval", f"{name} is in eval mode: its loss gives the body dL/dH but the head "
+                                        "takes no step (call .train() on it to train it)")
+                dH = head._hidden_grad(ctx.saved, grad)
+            elif token.dH is not None:  # the same forward's second backward
+                head._warn_once("again", f"{name}: a second backward through the same forward (autograd.grad for "
+                                         "a gradient norm, retain_graph=True?) hands on the same dL/dH; the head "
+                                         "took its step at the first backward and takes no other")
+                dH = token.dH * (grad / token.grad) if bool(token.grad != 0) else torch.zeros_like(token.dH)
+            else:
+                if head._version != ctx.version:
+                    raise RuntimeError(
+                        f"{name}: its state changed between this forward and its backward "
+                        "(another step, a repair or a reset ran in between). The head applies its SGD step "
+                        "in backward, so each forward must be followed by its own backward.")
+                pending = head.pending
+                if pending.hook is not None:  # attached: the rows wait for the optimizer's step
+                    dH = pending.keep(head, ctx.saved, grad)
+                else:
+                    scale = pending.loss_scale
+                    if grad.numel() == 1 and "weight" not in head._warned and not head.step_checks.deferred \
+                            and float(grad) != scale:
+                        head._warn_once("weight", f"{name}: the loss reached the head multiplied by "
+                                                  f"{float(grad) / scale:g} and the head stepped with that factor. "
+                                                  "If this is gradient accumulation or a loss scaler, attach the "
+                                                  "head to the optimizer (head.attach(optimizer, scaler); "
+                                                  "Lightning: the HeadSteps callback) for one exact step")
+                    dH = head._backward_step(ctx.saved, grad / scale)
+                    if scale != 1.0:
+                        dH = dH * scale
+                token.dH, token.grad = dH, grad
+                ctx.saved = None  # a second backward reuses the token's dL/dH
+        if ctx.rows is not None:
+            dH = head.sharding.own_rows(dH, ctx.rows)
+        return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None, None
+
+
+class _AppliedLoss(torch.autograd.Function):
+    """The loss of a step the head has already taken (``step="fused"`` or ``"cuda_graph"``):
+    ``_AppliedLoss.apply(H, loss, dH)`` is ``loss`` in forward and hands ``dH * grad`` to H."""
 
     @staticmethod
-    def _backward(ctx, grad_out: Tensor):
-        head = ctx.head
-        dH = head.sharding.own_rows(head._backward_of(ctx.saved, ctx.token, ctx.version, grad_out.to(head.dtype)),
-                                    ctx.rows)
-        if ctx.token is not None:
-            ctx.saved = None  # a second backward reuses the token's dL/dH
-        return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None
+    def forward(ctx, hidden: Tensor, loss: Tensor, dH: Tensor) -> Tensor:
+        ctx.save_for_backward(dH)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (dH,) = ctx.saved_tensors
+        return dH * grad, None, None
 
 
 def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
@@ -67,14 +126,14 @@ def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
     return t.to(device=device) if t.is_floating_point() else fn(t)
 
 
-class SphericalHeadBase(PendingSteps, OutputHead):
+class SphericalHeadBase(OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
     self_updating = True
 
     def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
                  loss_kwargs: dict | None = None, lr: float | None = None, weight_decay: float = 0.0,
-                 bias: bool = False, reduction: str = "mean", dtype: torch.dtype = torch.float32,
+                 bias: bool = True, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX):
         super().__init__()
@@ -100,8 +159,18 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         self.weight_decay = weight_decay
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()
-        self._factory = {"dtype": dtype, "device": torch.device(device) if device is not None else None}
-        self._init_pending_steps()
+        # the state's dtype and device, followed by every move (_apply)
+        self._factory = {"dtype": dtype,
+                         "device": torch.device(device) if device is not None else torch.empty(0).device}
+        #: how the step is driven (driving.py): the naive head steps in backward, one process
+        self.driving = Driving()
+        #: how the step checks itself: at once on the host (the factored head: device flags
+        #: with ``sync_every > 1``; checks.py)
+        self.step_checks = HostChecks()
+        #: the rows kept for the attached optimizer's step (pending.py)
+        self.pending = PendingRows()
+        self._open = None  # weakref to the token of the last training forward
+        self._warned: set[str] = set()
         #: the process-group work (multi_process.py): one process, every collective the
         #: identity (the factored head holds a replicated or sharded one with ``parallel``)
         self.sharding = Sharding(num_classes)
@@ -120,6 +189,11 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         """The dtype of the head's state (float32 or float64): it follows ``.double()``, ``.float()``
         and ``.to(dtype)``; the head computes in it whatever the dtype of H or the autocast context."""
         return self._factory["dtype"]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the head's state: it follows ``.to()``, ``.cuda()``, ``to_empty()``."""
+        return self._factory["device"]
 
     def _apply(self, fn, recurse=True):
         # Every dtype/device move (.double(), .to(), .half(), .cuda(), to_empty()) comes here.
@@ -184,12 +258,9 @@ class SphericalHeadBase(PendingSteps, OutputHead):
                 f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}, "
                 f"ignore_index={self.ignore_index}")
 
-    # -- what subclasses provide --------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        raise NotImplementedError
-
+    # -- the step: what subclasses provide ------------------------------------------------
     def _forward_step(self, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, object]:
+        """The loss and what its backward reuses (``saved``); the head does not change."""
         raise NotImplementedError
 
     def _backward_step(self, saved, grad_out: Tensor) -> Tensor:
@@ -208,6 +279,10 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         """One exact step on the rows of all ``records`` (made with the current state)."""
         raise NotImplementedError
 
+    def _step_in_forward(self, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
+        """The loss of a step taken in the forward (``step="fused"``, ``"cuda_graph"``)."""
+        raise NotImplementedError
+
     def _eval_loss(self, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
         raise NotImplementedError
 
@@ -220,6 +295,8 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
         self._ensure_distributed()
         step = self.in_training_step if step is None else step
+        if self.sharding.alone:
+            return self.prepare(H, target_idx, target_val, step=step)
         return self.sharding.agree(lambda: self.prepare(H, target_idx, target_val, step=step), step, self.device)
 
     def weight(self) -> Tensor:
@@ -248,7 +325,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         return out
 
     def cannot_accumulate(self) -> str | None:
-        return None  # attach() makes it step at the optimizer's step (pending_step.py)
+        return None  # attach() makes it step at the optimizer's step (pending.py)
 
     @property
     def in_training_step(self) -> bool:
@@ -257,14 +334,15 @@ class SphericalHeadBase(PendingSteps, OutputHead):
 
     def check_decay(self) -> None:
         """Refuse lr * weight_decay >= 1: the decay factor 1 - lr wd would flip or zero W."""
-        if self.lr * self.weight_decay >= 1:
-            raise ValueError(f"lr * weight_decay = {self.lr * self.weight_decay} >= 1: the decay would flip W")
+        if self._lr * self._weight_decay >= 1:
+            raise ValueError(f"lr * weight_decay = {self._lr * self._weight_decay} >= 1: the decay would flip W")
 
     # -- input handling -----------------------------------------------------------------
     def prepare(self, H: Tensor, target_idx: Tensor | None = None, target_val: Tensor | None = None,
                 step: bool | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """Validate inputs; return H with the bias column in the head's dtype, idx as (m, K)
-        int64 and target values as (m, K) with zeros on padding. Raises before any state changes."""
+        """Validate inputs; return H with the bias column in the head's dtype (``augment``),
+        idx as (m, K) int64 and target values as (m, K) with zeros on padding. Raises before
+        any state changes."""
         if self._uninitialised:
             raise RuntimeError(f"{type(self).__name__} was built on the meta device and moved with to_empty(): "
                                "its state is uninitialised memory; call head.reset_weight() or load a state dict first")
@@ -277,16 +355,19 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             raise ValueError("H has no rows: the minibatch is empty")
         if not H.is_floating_point():
             raise TypeError(f"H must be a floating tensor, got {H.dtype}")
-        if H.device != self.device:
-            raise ValueError(f"H is on {H.device} but the head is on {self.device}")
-        Hx = self.augment(H)
-        step = self.in_training_step if step is None else step
+        dtype, device = self._factory["dtype"], self._factory["device"]
+        if H.device != device:
+            raise ValueError(f"H is on {H.device} but the head is on {device}")
+        Hx = H.detach().to(dtype)  # augment(H), written out: the step's one augmentation of H
+        if self.bias:
+            Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         if target_idx is None:
             return Hx, None, None
+        step = self.training and torch.is_grad_enabled() if step is None else step
         # Non-finite target values pass here: the step is then skipped and counted.
-        idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, self.dtype,
-                                 device=self.device, finite_values=False, ignore_index=self.ignore_index,
-                                 check_range=not (self.deferred_checks and step))
+        idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, dtype,
+                                 device=device, finite_values=False, ignore_index=self.ignore_index,
+                                 check_range=not (self.step_checks.deferred and step))
         return Hx, idx, T
 
     def augment(self, H: Tensor) -> Tensor:
@@ -296,25 +377,108 @@ class SphericalHeadBase(PendingSteps, OutputHead):
             Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         return Hx
 
-    @own_precision
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head."""
-        Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val)
-        if not self.in_training_step:
-            if torch.is_grad_enabled() and H.requires_grad and self.parallel == "none":
-                return _SelfUpdatingStep.apply(H, self, idx, T, None)  # eval mode: a frozen head
-            with torch.no_grad():
-                return self._eval_loss(Hx, idx, T)
-        self.check_decay()
-        return self._training_loss(H, idx, T)
+        with torch.autocast(self._factory["device"].type, enabled=False):  # the head's math in its dtype
+            step = self.training and torch.is_grad_enabled()
+            if self.sharding.alone:
+                Hx, idx, T = self.prepare(H, target_idx, target_val, step=step)
+            else:
+                Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=step)
+            if not step:
+                if torch.is_grad_enabled() and H.requires_grad and self.parallel == "none":
+                    return _HeadLoss.apply(H, self, Hx, idx, T, None)  # eval mode: a frozen head
+                with torch.no_grad():
+                    return self._eval_loss(Hx, idx, T)
+            if self._lr * self._weight_decay >= 1:
+                self.check_decay()
+            if self.driving.step != "autograd":
+                return self._step_in_forward(H, Hx, idx, T)
+            pending = self.pending
+            if pending.hook is not None:  # attached: the checks of its accumulation window
+                pending.open(self, H.shape[0])
+            if pending.hook is None:
+                last = self._open() if self._open is not None else None
+                if last is not None and last.dH is None:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: a second training forward while the last one's loss is still "
+                        "alive and has not been backpropagated. The head steps in backward, so each forward needs "
+                        "its own backward before the next forward: call backward, or drop (or detach) the old "
+                        "loss; to accumulate gradients over several forwards, attach the head to the optimizer "
+                        "(head.attach(optimizer)).")
+            token = _ForwardToken()
+            self._open = weakref.ref(token)
+            if not H.requires_grad:
+                H = H.detach().requires_grad_()  # a leaf of our own, so that backward reaches the head
+            return _HeadLoss.apply(H, self, Hx, idx, T, token)
 
-    def _training_loss(self, H: Tensor, idx: Tensor, T: Tensor) -> Tensor:
-        """The loss of a training step on checked targets; the step is taken in its backward."""
-        token = self._open_forward(H.shape[0])
-        if not H.requires_grad:
-            H = H.detach().requires_grad_()  # a leaf of our own, so that backward reaches the head
-        return _SelfUpdatingStep.apply(H, self, idx, T, token)
+    # -- when the step is taken: in backward, or at an attached optimizer's step (pending.py) --
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the backward's gradient carries when no scaler is attached (a
+        user's loop sets it: ``head.loss_scale = scaler.get_scale()``)."""
+        return self.pending.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value) -> None:
+        self.pending.loss_scale = check_loss_scale(value)
+
+    @property
+    def max_pending_rows(self) -> int:
+        """Bound on the rows kept between optimizer steps."""
+        return self.pending.max_rows
+
+    @max_pending_rows.setter
+    def max_pending_rows(self, value: int) -> None:
+        self.pending.max_rows = check_max_rows(value)
+
+    @property
+    def scaler_skips(self) -> int:
+        """Steps dropped because the attached GradScaler skipped its step."""
+        return self.pending.scaler_skips
+
+    @property
+    def attached(self) -> bool:
+        """Whether the head steps at an optimizer's step (else in each backward)."""
+        return self.pending.hook is not None
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows kept for the next optimizer step."""
+        return self.pending.rows
+
+    def attach(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None,
+               max_pending_rows: int | None = None, accumulate: int | None = None) -> None:
+        """Step the head at ``optimizer``'s step, with ``scaler``'s scale divided out (and no
+        step when the scaler skips). Several backward passes before one optimizer step
+        accumulate exactly: one step on all their rows. ``accumulate``: the micro-batches
+        of one optimizer step, when the loop knows it; a training forward that finds that
+        many kept and no step since raises (a loop that raised inside its window). Call
+        ``detach()`` to undo."""
+        self.pending.attach(self, optimizer, scaler, max_pending_rows, accumulate)
+
+    def detach(self) -> None:
+        """Step in each backward again; rows kept for a step not taken are dropped."""
+        self.pending.detach()
+
+    def discard_pending_step(self) -> None:
+        """Drop the rows kept for the next optimizer step."""
+        self.pending.discard()
+
+    def current_loss_scale(self) -> float:
+        """The scale in the backward's gradient: the attached scaler's, else ``loss_scale``."""
+        return self.pending.scale()
+
+    def apply_pending_step(self) -> None:
+        """The one exact step on every row kept since the last one (the optimizer's step
+        hook calls it; a loop may call it itself). Nothing kept: nothing happens."""
+        self.pending.apply(self)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
 
     # -- the loss on m-sized tensors ----------------------------------------------------
     def y_sq(self, idx: Tensor, T: Tensor) -> Tensor | None:
@@ -334,21 +498,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         n = real.sum().clamp_min(1) if self.reduction == "mean_real" else per_example.shape[0]
         return total / n
 
-    def loss_and_grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, y_sq: Tensor | None, idx: Tensor):
-        """The minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd."""
-        with torch.enable_grad():
-            q, s, A = (t.detach().requires_grad_() for t in (q, s, A))
-            L = self.reduce(self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=y_sq), idx)
-            gq, gs, GA = torch.autograd.grad(L, (q, s, A), materialize_grads=True)  # mse ignores s
-        return L.detach(), gq, gs, GA
-
-    # -- non-finite values ----------------------------------------------------------------
-    def _register_buffers_common(self) -> None:
-        # On the head's device: the sync-free step adds device flags to them.
-        dev = self._factory["device"]
-        self.register_buffer("steps", torch.zeros((), dtype=torch.long, device=dev))
-        self.register_buffer("skipped_nonfinite", torch.zeros((), dtype=torch.long, device=dev))
-
+    # -- the counters --------------------------------------------------------------------
     def _zero_counters(self) -> None:
         """Every long counter buffer (steps, skips, repairs) back to 0."""
         for buf in self.buffers(recurse=False):
@@ -359,6 +509,7 @@ class SphericalHeadBase(PendingSteps, OutputHead):
         """Count a skipped step and warn at the 1st, 2nd, 4th, 8th... so logs are not flooded."""
         self.skipped_nonfinite += 1
         n = int(self.skipped_nonfinite)
+        self.step_checks.synced = (self.step_checks.synced[0], n)
         if n & (n - 1) == 0:
             warnings.warn(f"{type(self).__name__}: non-finite {what}; the step was skipped and the head's "
                           f"state left untouched ({n} skipped so far)", RuntimeWarning, stacklevel=3)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .step_mode import StepMode
+from .driving import Driving
 
 if TYPE_CHECKING:  # the head imports this module, not the other way round
     from .factored import FactoredSphericalHead
@@ -22,20 +22,21 @@ if TYPE_CHECKING:  # the head imports this module, not the other way round
 @contextlib.contextmanager
 def at_zero_lr(head: "FactoredSphericalHead"):
     """Steps taken inside run at lr = 0: W, U, V, Q... keep their bits (a zero step adds
-    exact zeros) and the counters are put back, with no flag read or repair meanwhile."""
+    exact zeros) and the counters are put back, with no flag read or repair meanwhile.
+    Uses the head's public API only: its buffers, ``step_checks`` (device flags: ``Driving(
+    "cuda_graph", ...)`` needs ``sync_every > 1``), ``sync_every`` and ``pin_device_lr``."""
     counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
-    checker = head.checker  # DeviceFlags: StepMode("cuda_graph", ...) needs sync_every > 1
-    saved = checker.calls, checker.synced, head.lr, head.sync_every
+    checks = head.step_checks
+    saved = checks.calls, checks.synced, head.sync_every
     head.sync_every = 1 << 62
-    head._lr_t.fill_(0.0)
-    checker.lr_filled = head.lr  # keep the 0 in place
+    head.pin_device_lr(0.0)
     try:
         yield
     finally:
         for k, v in counters.items():
             head.get_buffer(k).copy_(v)
-        checker.calls, checker.synced, head.lr, head.sync_every = saved
-        checker.lr_filled = None
+        checks.calls, checks.synced, head.sync_every = saved
+        head.pin_device_lr(None)
 
 
 class CudaGraphStep:
@@ -50,7 +51,7 @@ class CudaGraphStep:
                  warmup: int = 3):
         if not head.V.is_cuda:
             raise ValueError("CUDA graphs need the head on a CUDA device")
-        StepMode("cuda_graph", head.sync_every, head.parallel)  # the rules of capture: sync_every > 1, one process
+        Driving("cuda_graph", head.sync_every, head.parallel)  # the rules of capture: sync_every > 1, one process
         self.head, self.m, self.K = head, m, K
         dev = head.device
         self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)
@@ -85,9 +86,7 @@ class CudaGraphStep:
             self.val.copy_(idx >= 0)
         else:
             self.val.copy_(target_val.reshape(idx.shape))
-        head.checker.lr(head)  # refill lr outside the graph
+        head.device_lr()  # refill lr outside the graph
         self.graph.replay()
-        head._version += 1
-        if head.checker.tick(head):  # the replay counted on the host: the flags read every sync_every
-            head.sync()
+        head.count_replay()  # counted on the host: the flags read every sync_every replays
         return self.loss, self.dH

@@ -1,5 +1,5 @@
 """The process-group work of the factored head (``parallel``; docs/multi_gpu.md), as one
-object the head holds (``head.sharding``):
+object the head holds (``head.sharding``); the step calls it only when it is not ``alone``:
 
 - ``Sharding``: one process; every operation is the identity;
 - ``Replicated``: every rank holds the whole head; each training step all-gathers
@@ -11,7 +11,7 @@ object the head holds (``head.sharding``):
 
 Either way each rank gets ``world x dL/dH`` for its own rows, so that DDP's averaging
 of the body's gradients gives the gradient of the global-batch loss. A multi-process
-head starts alone (``joined`` False); ``head.distribute()`` (every rank, once
+head starts unjoined (``joined`` False); ``head.distribute()`` (every rank, once
 torch.distributed is up, or the first forward) swaps in the object of its process
 group; without a process group every operation stays the one-process identity.
 """
@@ -24,7 +24,6 @@ import lst_kernels as lk
 
 from .collectives import ProcessGroup
 from .state import REPLICATED_STATE
-from .step_mode import PARALLEL_MODES  # noqa: F401  (re-exported: its old home)
 
 
 class Sharding:
@@ -41,6 +40,9 @@ class Sharding:
         self.lo, self.hi = rows if rows is not None else (0, num_classes)
         #: whether distribute() has run (one process: nothing to run)
         self.joined = joined
+        #: one process, joined, unsharded: every operation here is the identity, and the
+        #: step (step.py, base.py) does not call into this object at all
+        self.alone = joined and self.pg.world == 1 and not self.sharded
 
     @property
     def world(self) -> int:

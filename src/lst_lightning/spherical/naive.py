@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .base import SphericalHeadBase, own_precision
+from .state import STEP_COUNTERS
 
 
 class NaiveSphericalHead(SphericalHeadBase):
@@ -17,11 +18,8 @@ class NaiveSphericalHead(SphericalHeadBase):
         super().__init__(num_classes, hidden_dim, *args, **kwargs)
         # The factored head's initial W for the same seed (drawn in blocks on the head's device).
         self.register_buffer("W", self._init_rows(0, num_classes, self._factory["device"]))
-        self._register_buffers_common()
-
-    @property
-    def device(self) -> torch.device:
-        return self.W.device
+        for buf in STEP_COUNTERS:  # steps, skipped_nonfinite (state.py)
+            self.register_buffer(buf.name, buf.initial(self))
 
     def weight(self) -> Tensor:
         return self.W.detach().clone()

@@ -7,7 +7,8 @@ unchanged:
 - every step bounds the eigenvalues of ``B = c I - 2 lr H^T diag(g_q) H`` cheaply;
   when the bounds cannot rule out a nearly singular B, the eigenvalues are computed,
   and a step with ``min |eig(B)/c| < fold_tol`` is folded into V (``V <- V U B``,
-  U = I; O(D d^2), rare) instead of ill-conditioning U;
+  U = I; O(D d^2), rare) instead of ill-conditioning U (the bounds are step math:
+  step.py; the fold is here, ``fold_into_v``);
 - an upper bound on cond(U) is carried from step to step (times cond(B)); when it
   exceeds ``cond_trigger``, or every ``check_every`` steps, U^-1 is recomputed and
   U's singular values are brought back into ``[sv_min, sv_max]`` (``sv_method``:
@@ -19,7 +20,6 @@ unchanged:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -82,34 +82,6 @@ class Stabiliser:
 REPAIR_COUNTERS = ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes", "q_refreshes", "eig_checks")
 
 
-def _frobenius(Hx: Tensor, G: Tensor | None, w: Tensor) -> Tensor:
-    """||H^T diag(w) H||_F (w >= 0): O(m^2) with G = H H^T at hand, else O(m d^2)."""
-    if G is not None:
-        sw = w.sqrt()
-        return torch.linalg.matrix_norm(G * sw[:, None] * sw[None, :])
-    X = w.sqrt()[:, None] * Hx
-    return torch.linalg.matrix_norm(X.T @ X)
-
-
-def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: bool):
-    """Upper bounds on the largest eigenvalues of H^T diag(kappa+) H and H^T diag(kappa-) H.
-
-    Each is at most its trace sum(w ||h||^2) (O(m d)) and at most its Frobenius norm.
-    ``on_host``: floats, the Frobenius norm only where the trace exceeds 0.05 (the trace
-    is loose by up to a factor min(m, d)); else device scalars, the smaller of both, with
-    no host read."""
-    sq = Hx.pow(2).sum(1) if G is None else G.diagonal()
-    out = []
-    for w in (kappa.clamp(min=0), (-kappa).clamp(min=0)):
-        trace = w @ sq
-        if on_host:
-            r = float(trace)
-            out.append(float(_frobenius(Hx, G, w)) if r > 0.05 else r)
-        else:
-            out.append(torch.minimum(trace, _frobenius(Hx, G, w)))
-    return out
-
-
 def fell_due(every: int, n_prev: int, n: int) -> bool:
     """Whether a job done every ``every`` steps (0: never) fell due between step n_prev and step n."""
     return bool(every) and n // every > n_prev // every
@@ -122,29 +94,6 @@ class Repairs:
 
     def __init__(self, settings: Stabiliser):
         self.settings = settings
-
-    def step_eigen_bounds(self, head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[float, float, bool]:
-        """Bounds (lo, hi) on |eigenvalues| of B/c = I - H^T diag(kappa) H, and whether they are exact.
-
-        Only when the cheap bounds cannot rule out an eigenvalue of B/c below 1/2 are the
-        eigenvalues computed (O(min(m, d)^3): large steps only)."""
-        rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
-        if rho_pos <= 0.5:
-            return 1.0 - rho_pos, 1.0 + rho_neg, False
-        m, d = Hx.shape
-        A = kappa[:, None] * G if G is not None else (kappa[:, None] * Hx).T @ Hx
-        if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
-            # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
-            # would raise); the step's own finiteness check skips it and counts it
-            return math.nan, math.nan, False
-        head.eig_checks += 1
-        if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
-            ev = torch.linalg.eigvals(A).real
-            ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
-        else:
-            ev = torch.linalg.eigvalsh(A)
-        lam = (1.0 - ev).abs()
-        return float(lam.min()), float(lam.max()), True
 
     def run_due(self, head, n_prev: int, n: int) -> None:
         """The repairs that fell due between step n_prev and step n."""

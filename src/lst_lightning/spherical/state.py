@@ -2,7 +2,8 @@
 is also its value after ``reset_weight()``), whether every rank holds it alike, and
 whether it is part of the exact state a step changes.
 
-``FactoredSphericalHead`` registers its buffers from this table, ``reset_weight()``
+``FactoredSphericalHead`` registers its buffers from this table (``NaiveSphericalHead``
+its two step counters), ``reset_weight()``
 restores them from it, the multi-process code broadcasts and hashes the replicated
 ones, and the tests compare heads by the exact ones: a new buffer is one new row here.
 """
@@ -46,7 +47,6 @@ class Buffer:
         device = head._factory["device"] if device is None else device
         dtype = {"state": head.dtype, "float64": torch.float64, "long": torch.long, "bool": torch.bool}[self.dtype]
         w = head.width
-        shape = {"rows": (head.row_hi - head.row_lo, w), "square": (w, w), "vector": (w,), "scalar": ()}[self.shape]
         if self.init == "rows":
             return head._init_rows(head.row_lo, head.row_hi, device).to(dtype)
         if self.init == "eye":
@@ -56,6 +56,7 @@ class Buffer:
             draws = [torch.randn(w, generator=g, dtype=dtype, device="cpu") for _ in range(POWER_STARTS.index(self.name) + 1)]
             return draws[-1].to(device)
         fill = 1 if self.init == "ones" else 0
+        shape = {"square": (w, w), "vector": (w,), "scalar": ()}[self.shape]
         return torch.full(shape, fill, dtype=dtype, device=device)
 
 
@@ -79,6 +80,8 @@ STATE: tuple[Buffer, ...] = (
     *(Buffer(n, "scalar", "long", "zeros") for n in REPAIR_COUNTERS),
 )
 
+#: The step counters, which the naive head holds too (every counter is declared here only).
+STEP_COUNTERS = tuple(b for b in STATE if b.name in ("steps", "skipped_nonfinite"))
 #: What every rank holds alike (V too, unless sharded).
 REPLICATED_STATE = tuple(b.name for b in STATE if b.replicated)
 #: The exact state: equal bits here mean the same W, bookkeeping and conditioning bound.

@@ -120,3 +120,22 @@ def test_accumulation_without_the_callback_warns_once():
         trainer.fit(Plain(head), data())
     assert sum("multiplied by" in str(w.message) for w in caught) == 1
     assert int(head.steps) == 6  # half steps, as warned
+
+
+def test_training_that_raises_detaches_the_heads():
+    """An exception inside an accumulation window: HeadSteps detaches the head (the rows kept
+    for the step that will not come are dropped), so it steps in each backward again."""
+    class Failing(Plain):
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 1:
+                raise RuntimeError("a bad batch")
+            return super().training_step(batch, batch_idx)
+
+    head, _ = make_pair("zloss", lr=0.1)
+    module = Failing(head)
+    with pytest.raises(RuntimeError, match="a bad batch"):
+        fit(module, accumulate_grad_batches=2)
+    assert not head.attached and head.pending_rows == 0 and int(head.steps) == 0
+    x, y = next(iter(data()))
+    head(module.body(x), y).backward()
+    assert int(head.steps) == 1

@@ -18,7 +18,8 @@ def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
 
 class HeadSteps(pl.Callback):
     """Attach every self-updating head of the module to the (one) optimizer at the start of
-    training when steps accumulate or a scaler scales the loss; detach at the end. A head
+    training when steps accumulate or a scaler scales the loss; detach at the end, and when
+    training raises (the rows kept for a step that will not come are dropped). A head
     that cannot wait for the optimizer (``step="fused"``, ``sync_every > 1``) is refused
     then, before any step, with the reason."""
 
@@ -46,3 +47,6 @@ class HeadSteps(pl.Callback):
         for head in self._heads:
             head.detach()
         self._heads = []
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.on_train_end(trainer, pl_module)

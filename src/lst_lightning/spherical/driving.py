@@ -1,11 +1,12 @@
-"""How the factored head takes a training step: one validated value, checked once.
+"""How the factored head's step is driven: one validated value (``head.driving``), checked once.
 
 ``step`` says where the update runs ("autograd": inside ``loss.backward()``; "fused":
 forward, backward and update in the forward; "cuda_graph": that fused step replayed from
 one CUDA graph), ``sync_every`` how often the step's device flags are read on the host
 (1: at once; N > 1: every N steps, the step never waits for the GPU), ``parallel`` how
 many processes share the head. Their combinations are ruled on here and nowhere else:
-the head, ``CudaGraphStep``, ``attach`` and the app ask this value.
+the head, ``CudaGraphStep``, ``attach`` and the app ask this value. The step modes and the
+parallel modes are declared here and nowhere else.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ PARALLEL_MODES = ("none", "replicated", "sharded")
 
 
 @dataclass(frozen=True)
-class StepMode:
+class Driving:
     step: str = "autograd"
     sync_every: int = 1
     parallel: str = "none"
@@ -27,7 +28,7 @@ class StepMode:
         if isinstance(self.sync_every, bool) or not (isinstance(self.sync_every, int) and self.sync_every >= 1):
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if self.parallel not in PARALLEL_MODES:
-            raise ValueError(f"parallel must be 'none', 'replicated' or 'sharded', got {self.parallel!r}")
+            raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.step == "cuda_graph" and self.sync_every == 1:
             raise ValueError("step='cuda_graph' replays a step that reads nothing on the host: it needs "
                              "sync_every > 1 (the device flags read every sync_every steps), got sync_every=1")

@@ -83,7 +83,8 @@ def test_attached_forwards_may_precede_their_backwards():
 
 def test_too_many_kept_rows_are_refused_before_any_change():
     f, _ = make_pair("zloss")
-    f.attach(dummy_optimizer(), max_pending_rows=6)
+    opt = dummy_optimizer()  # the head holds its optimizer weakly: a loop holds it
+    f.attach(opt, max_pending_rows=6)
     (H1, i1), (H2, i2), _ = micro_batches()
     f(H1, i1).backward()
     W0 = f.weight()
@@ -259,3 +260,40 @@ def test_scaled_and_accumulated_is_one_unscaled_step_on_the_union():
         scaler.step(opt)
         scaler.update()
         assert int(head.steps) == 1 and rel(head.weight(), ref.weight()) < 1e-12
+
+
+# -- rows belong to the optimizer step that owns them ------------------------------------------
+def test_a_window_kept_with_no_optimizer_step_raises_with_the_fix():
+    """attach(accumulate=2): a loop that raised inside its window and then trains with plain
+    backward calls does not keep rows forever: the next training forward raises."""
+    f, _ = make_pair("zloss")
+    opt = dummy_optimizer()
+    f.attach(opt, accumulate=2)
+    (H1, i1), (H2, i2), (H3, i3) = micro_batches()
+    f(H1, i1).backward()
+    f(H2, i2).backward()
+    W0 = f.weight()
+    with pytest.raises(RuntimeError, match=r"head\.detach\(\)"):
+        f(H3, i3)
+    assert f.pending_rows == 8 and torch.equal(f.weight(), W0) and int(f.steps) == 0
+    opt.step()  # the window's step comes after all: one step, and the head goes on
+    assert int(f.steps) == 1
+    f(H3, i3).backward()
+    f.detach()
+    f(H3, i3).backward()
+    assert int(f.steps) == 2
+    with pytest.raises(ValueError, match="accumulate"):
+        f.attach(opt, accumulate=0)
+
+
+def test_a_head_whose_optimizer_is_gone_drops_its_rows_and_steps_again():
+    f, _ = make_pair("zloss")
+    opt = dummy_optimizer()
+    f.attach(opt)
+    (H1, i1), (H2, i2), _ = micro_batches()
+    f(H1, i1).backward()
+    del opt
+    with pytest.warns(UserWarning, match="optimizer it was attached to is gone"):
+        loss = f(H2, i2)
+    loss.backward()
+    assert not f.attached and f.pending_rows == 0 and int(f.steps) == 1

@@ -1,7 +1,7 @@
-"""StepMode: the factored head's step, sync_every and parallel, ruled on together once."""
+"""Driving: how the factored head's step is driven:'s step, sync_every and parallel, ruled on together once."""
 import pytest
 
-from lst_lightning.spherical.step_mode import StepMode
+from lst_lightning.spherical.driving import Driving
 
 from head_pairs import deferred, make_pair
 
@@ -16,15 +16,15 @@ from head_pairs import deferred, make_pair
 ])
 def test_bad_combinations_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
-        StepMode(**kw)
+        Driving(**kw)
 
 
 def test_what_can_accumulate():
-    assert StepMode().cannot_accumulate() is None
-    assert "step='fused'" in StepMode("fused").cannot_accumulate()
-    assert "sync_every=4" in StepMode(sync_every=4).cannot_accumulate()
-    assert StepMode(parallel="replicated").cannot_accumulate() is None  # accumulates across processes
-    assert StepMode(sync_every=2).deferred_checks and not StepMode().deferred_checks
+    assert Driving().cannot_accumulate() is None
+    assert "step='fused'" in Driving("fused").cannot_accumulate()
+    assert "sync_every=4" in Driving(sync_every=4).cannot_accumulate()
+    assert Driving(parallel="replicated").cannot_accumulate() is None  # accumulates across processes
+    assert Driving(sync_every=2).deferred_checks and not Driving().deferred_checks
 
 
 def test_the_head_checks_its_mode_at_construction_and_on_change():
@@ -33,7 +33,7 @@ def test_the_head_checks_its_mode_at_construction_and_on_change():
     head = deferred(sync_every=1)
     with pytest.raises(ValueError, match=r"needs sync_every > 1"):
         head.step = "cuda_graph"
-    assert head.step == "autograd" and head.mode == StepMode("autograd", 1, "none")  # unchanged
+    assert head.step == "autograd" and head.driving == Driving("autograd", 1, "none")  # unchanged
     head.sync_every = 3
     head.step = "cuda_graph"
     with pytest.raises(ValueError, match=r"needs sync_every > 1"):
@@ -50,14 +50,22 @@ def test_the_naive_head_always_accumulates():
 def test_the_checker_follows_sync_every_and_keeps_its_counts():
     """One checking strategy, chosen from sync_every: HostChecks reads each check at once,
     DeviceFlags leaves them on the device; a change between two sync_every > 1 keeps it."""
-    from lst_lightning.spherical.sync_free import DeviceFlags, HostChecks
+    from lst_lightning.spherical.checks import DeviceFlags, HostChecks
 
     head = deferred(sync_every=1)
-    assert type(head.checker) is HostChecks and not head.deferred_checks
+    assert type(head.step_checks) is HostChecks and not head.deferred_checks
     head.sync_every = 3
-    flags = head.checker
+    flags = head.step_checks
     assert type(flags) is DeviceFlags and head.deferred_checks
     head.sync_every = 5
-    assert head.checker is flags
+    assert head.step_checks is flags
     head.sync_every = 1
-    assert type(head.checker) is HostChecks
+    assert type(head.step_checks) is HostChecks
+
+
+def test_the_old_names_of_the_mode_and_the_checks_warn():
+    head = deferred(sync_every=3)
+    with pytest.warns(DeprecationWarning, match="head.driving"):
+        assert head.mode is head.driving
+    with pytest.warns(DeprecationWarning, match="head.step_checks"):
+        assert head.checker is head.step_checks

@@ -1,21 +1,18 @@
-"""How the factored step checks itself: one strategy, chosen from ``sync_every`` when the
-head is built (or ``sync_every`` changes), with one small interface.
+"""How the factored step checks itself: at once on the host, or with device flags read
+every ``sync_every`` steps. The head holds one of the two (``head.step_checks``), chosen from
+``sync_every`` when it is built (or ``sync_every`` changes).
 
-- ``HostChecks`` (``sync_every == 1``): every check is read on the host at once; a bad
-  target id raises before anything changes, a non-finite or singular step is skipped
-  and counted at once, the repairs run after each step.
+- ``HostChecks`` (``sync_every == 1``): every check is read on the host when it is made
+  (a host synchronisation on a GPU); a bad target id raises before anything changes, a
+  non-finite or singular step is skipped and counted at once, the repairs that fell due
+  run after each step. The step (step.py) makes these checks inline and never calls this
+  object: it holds only the host counts.
 - ``DeviceFlags`` (``sync_every > 1``): the step reads nothing on the host, so a GPU
   never waits for it and it can be captured in a CUDA graph. Every check becomes a device
   flag: bad target ids turn into padding and void the step; a non-finite or singular
   step is masked out with ``torch.where`` (every buffer keeps its value) and counted; lr
   is a device scalar. ``head.sync()`` reads the flags every ``sync_every`` steps: it warns
   about skipped steps, runs the repairs that fell due, and raises for the bad ids.
-
-The interface, as the head's step calls it (``factored.py``): ``screen`` (targets),
-``lr``, ``step_bounds`` (the eigenvalue bounds of B and the fold decision), ``verdict``
-(a check: a host bool, or a device flag), ``where`` (a masked write), ``count`` (the step
-counted; whether the flags are read now) and ``read`` (the read itself, for ``sync()``).
-A verdict of ``False`` (a Python bool) is a step already skipped on the host.
 """
 from __future__ import annotations
 
@@ -25,7 +22,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from .stabiliser import largest_eig_bounds
+from .step import largest_eig_bounds
 
 
 def capturing() -> bool:
@@ -34,44 +31,13 @@ def capturing() -> bool:
 
 
 class HostChecks:
-    """``sync_every == 1``: each check read on the host when it is made."""
+    """``sync_every == 1``: each check read on the host when it is made (inline in step.py)."""
 
     deferred = False
 
     def __init__(self):
-        self.calls = 0           # training steps run (host count)
+        self.calls = 0           # training steps run (host count; device flags)
         self.synced = (0, 0)     # (steps, skipped) at the last host read
-
-    def screen(self, head, idx: Tensor, T: Tensor):
-        """Targets as checked by ``prepare`` (bad ids raised there): nothing to flag."""
-        return idx, T, True
-
-    def lr(self, head) -> float:
-        return head.lr
-
-    def step_bounds(self, head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float]:
-        """Whether to fold this step into V, and a bound on cond(B), read on the host."""
-        lam_lo, lam_hi, exact = head.repairs.step_eigen_bounds(head, Hx, G, kappa)
-        fold = exact and lam_lo < head.stabiliser.fold_tol
-        return fold, (lam_hi / lam_lo if lam_lo > 0 else float("inf"))
-
-    def verdict(self, head, ok, flag: Tensor, what: str):
-        """``ok and flag``, read now; a failed check skips the step and counts it."""
-        if ok is False:
-            return False
-        if not bool(flag):
-            head._skip(what)
-            return False
-        return True
-
-    @staticmethod
-    def where(ok, fresh, old):
-        return fresh  # only a step that passed its checks is written
-
-    def count(self, head, ok) -> bool:
-        """The step counted; whether the flags are read now (here: after every step)."""
-        head.steps += 1
-        return True
 
     def read(self, head):
         """(steps at the last read, steps now, bad input) or None when no step ran since."""
@@ -91,6 +57,7 @@ class DeviceFlags(HostChecks):
     def __init__(self):
         super().__init__()
         self.lr_filled = None    # the lr held in the device scalar head._lr_t
+        self.pinned = False      # pin_lr(): the device lr holds a value of its own
 
     def screen(self, head, idx: Tensor, T: Tensor):
         """Bad ids become padding and raise the flag; the step is void (``input_ok`` False)."""
@@ -102,10 +69,17 @@ class DeviceFlags(HostChecks):
     def lr(self, head) -> Tensor:
         """lr as a device scalar, refilled (outside any graph capture) when lr changed: a
         captured graph reads it at each replay."""
-        if self.lr_filled != head.lr and not capturing():
+        if not self.pinned and self.lr_filled != head.lr and not capturing():
             head._lr_t.fill_(head.lr)
             self.lr_filled = head.lr
         return head._lr_t
+
+    def pin_lr(self, head, value: float | None) -> None:
+        """Hold the device lr at ``value`` whatever ``head.lr`` (None: follow ``head.lr`` again)."""
+        self.pinned = value is not None
+        self.lr_filled = None
+        if value is not None:
+            head._lr_t.fill_(value)
 
     def step_bounds(self, head, Hx, G, kappa) -> tuple[bool, Tensor]:
         """The bounds stay on the device; a nearly singular B is not folded here (the next
@@ -113,17 +87,10 @@ class DeviceFlags(HostChecks):
         rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=False)
         return False, torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
 
-    def verdict(self, head, ok, flag: Tensor, what: str) -> Tensor:
-        return flag if ok is True else ok & flag
-
-    @staticmethod
-    def where(ok, fresh, old):
-        return torch.where(ok, fresh, old)
-
     def count(self, head, ok: Tensor) -> bool:
         head.steps += ok
         head.skipped_nonfinite += ~ok
-        if capturing():  # a captured step is counted by its replays (CudaGraphStep calls tick)
+        if capturing():  # a captured step is counted by its replays (head.count_replay)
             return False
         return self.tick(head)
 
@@ -150,7 +117,7 @@ class DeviceFlags(HostChecks):
 
 
 def checks_for(deferred: bool, old: HostChecks | None = None) -> HostChecks:
-    """The strategy for a step mode; ``old`` is kept when it is already of that kind (its
+    """The checks for a step mode; ``old`` is kept when it is already of that kind (its
     host counts carry over a change of ``sync_every``)."""
     cls = DeviceFlags if deferred else HostChecks
     if type(old) is cls:

@@ -1,0 +1,156 @@
+"""Exact accumulation: the rows a self-updating head keeps for the optimizer step that
+owns them (docs/training_loop.md). The head holds one ``PendingRows`` (``head.pending``);
+its public methods (``attach``, ``detach``, ``apply_pending_step``, ...) call it.
+
+By default the head steps inside the backward of each training forward and this object
+has nothing to do (the head does not call into it). Attached to an optimizer
+(``head.attach(optimizer, scaler)``) the head steps at that optimizer's step instead:
+each backward hands dL/dH on and keeps the micro-batch's rows (H, targets and the
+m-sized loss gradients, all computed with the same W, which does not change before the
+step), and the optimizer's step applies ONE exact update for all of them. A
+``GradScaler``'s scale is divided out of the head's step, and when the scaler skips the
+optimizer's step (non-finite gradients) the kept rows are dropped at the next backward
+(the scaler lowered its scale), so the head skips too.
+
+The rows belong to the optimizer step that owns them. A loop that raises inside its
+accumulation window leaves rows that no step will take; so that a head never stops
+stepping silently:
+
+- ``attach(..., accumulate=N)`` (the Hugging Face and Lightning integrations pass their
+  ``gradient_accumulation_steps`` / ``accumulate_grad_batches``): a training forward that
+  finds N micro-batches kept and no optimizer step since raises, with the fix
+  (``head.detach()``) in its one line;
+- the optimizer is held by a weak reference: once it is gone, the next training forward
+  drops the kept rows with a warning and detaches the head, which steps in each backward
+  again;
+- Lightning's ``HeadSteps`` callback detaches the head when training raises.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+
+import torch
+from torch import Tensor
+
+#: Default bound on the rows a head keeps between optimizer steps (memory: about
+#: rows x (d + 3 + 2K) values of the head's dtype).
+MAX_PENDING_ROWS = 1 << 20
+
+
+class PendingRows:
+    """The rows kept for the attached optimizer's next step, the loss scale, and the checks
+    of an accumulation window. The head provides ``_hidden_grad(saved, grad)`` (dL/dH, no
+    change of state), ``_pending_record(saved, weight)`` (what one micro-batch keeps) and
+    ``_apply_records(records)`` (the one exact step on all of them)."""
+
+    def __init__(self):
+        #: the loss scale the backward's gradient carries when no scaler is attached
+        self.loss_scale = 1.0
+        self.max_rows = MAX_PENDING_ROWS
+        self.scaler_skips = 0  # steps dropped because the attached GradScaler skipped its step
+        self.optimizer: weakref.ref | None = None
+        self.hook = self.scaler = None
+        self.accumulate: int | None = None  # micro-batches per optimizer step, when known
+        self.records: list = []
+        self.records_scale: float | None = None
+        self.rows = 0
+
+    @property
+    def attached(self) -> bool:
+        return self.hook is not None
+
+    def attach(self, head, optimizer: torch.optim.Optimizer, scaler=None, max_pending_rows: int | None = None,
+               accumulate: int | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if accumulate is not None and not (isinstance(accumulate, int) and not isinstance(accumulate, bool)
+                                           and accumulate >= 1):
+            raise ValueError(f"accumulate must be a positive int or None, got {accumulate!r}")
+        why = head.cannot_accumulate()
+        if why:
+            raise ValueError(f"{type(head).__name__} cannot wait for the optimizer's step: {why}")
+        if max_pending_rows is not None:
+            head.max_pending_rows = max_pending_rows
+        self.detach()
+        self.optimizer, self.scaler, self.accumulate = weakref.ref(optimizer), scaler, accumulate
+        self.hook = optimizer.register_step_post_hook(lambda opt, args, kwargs: head.apply_pending_step())
+
+    def detach(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+        self.optimizer = self.hook = self.scaler = self.accumulate = None
+        self.discard()
+
+    def discard(self) -> None:
+        self.records, self.records_scale, self.rows = [], None, 0
+
+    def scale(self) -> float:
+        """The scale in the backward's gradient: the attached scaler's, else ``loss_scale``."""
+        if self.scaler is not None and self.scaler.is_enabled():
+            return float(self.scaler.get_scale())
+        return self.loss_scale
+
+    def _scaler_skipped(self) -> bool:
+        """The scaler lowered its scale since these rows were kept: it skipped their step."""
+        return bool(self.records) and self.scaler is not None and self.scale() != self.records_scale
+
+    def open(self, head, rows: int) -> None:
+        """The checks of a training forward while attached, raised before any change; a head
+        whose optimizer is gone is detached (with a warning when rows were dropped)."""
+        name = type(head).__name__
+        if self.optimizer() is None:
+            if self.records:
+                warnings.warn(f"{name}: the optimizer it was attached to is gone before its step: the {self.rows} "
+                              "rows kept for that step were dropped, and the head steps in each backward again "
+                              "(attach it to the new optimizer to accumulate)", UserWarning, stacklevel=4)
+            self.detach()
+            return
+        if self.accumulate is not None and len(self.records) >= self.accumulate and not self._scaler_skipped():
+            raise RuntimeError(
+                f"{name}: {len(self.records)} micro-batches ({self.rows} rows) kept for an optimizer step that has "
+                f"not come (accumulate={self.accumulate}): a training loop raised inside its accumulation window? "
+                "call head.detach() to drop them and step in each backward (or head.attach(optimizer) again)")
+        if self.rows + rows > self.max_rows:
+            raise ValueError(
+                f"{name}: {self.rows} rows kept for the next optimizer step plus {rows} would exceed "
+                f"max_pending_rows={self.max_rows}: raise head.max_pending_rows or step the optimizer "
+                "more often (fewer accumulated micro-batches)")
+
+    def keep(self, head, saved, grad: Tensor) -> Tensor:
+        """The backward of a micro-batch while attached: dL/dH now, its rows kept for the step."""
+        scale = self.scale()
+        if self._scaler_skipped():
+            self.scaler_skips += 1
+            self.discard()
+        dH = head._hidden_grad(saved, grad)
+        self.records.append(head._pending_record(saved, grad / scale))
+        self.records_scale = scale
+        self.rows += dH.shape[0]
+        return dH
+
+    @torch.no_grad()
+    def apply(self, head) -> None:
+        """The one exact step on every row kept since the last one. Nothing kept: nothing happens."""
+        if not self.records:
+            return
+        records = self.records
+        self.discard()
+        with torch.autocast(head.device.type, enabled=False):  # the head's math in its own dtype
+            head._apply_records(records)
+
+
+def check_loss_scale(value) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"loss_scale must be finite and positive, got {value}")
+    return value
+
+
+def check_max_rows(value) -> int:
+    if not (isinstance(value, int) and value >= 1):
+        raise ValueError(f"max_pending_rows must be a positive int, got {value!r}")
+    return value

@@ -1,0 +1,315 @@
+"""The exact step of the factored head, as functions of its state and the batch, in
+docs/algorithm.md's order: forward (q, s, A; the loss and its gradients), backward
+(dL/dH), the new state computed aside, its checks, the write; then the repairs and the
+replica check, entered only when one fell due.
+
+The state is the head's buffers (``V``, ``U``, ``Uinv``, ``omega``, ``Q``, ``wbar``, the
+counters and the conditioning bound; state.py). Each function takes the head holding
+them first: ``FactoredSphericalHead`` names them as its methods (``_forward_step =
+step.forward``, ...), and the head's shell (base.py) calls them from its autograd
+function. The parts the head holds are called only when they have something to do:
+``head.step_checks`` when the checks are deferred to device flags (``sync_every > 1``;
+checks.py), ``head.sharding`` when more than one process shares the step
+(multi_process.py), ``head.repairs`` when a repair fell due (stabiliser.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+import lst_kernels as lk
+
+
+@dataclass
+class SavedForward:
+    """What the forward computed that the backward and the update reuse."""
+    Hx: Tensor
+    idx: Tensor
+    Hq: Tensor      # H Q
+    Ht: Tensor      # H U^T
+    HUinv: Tensor   # H U^-1 (Woodbury steps), else None
+    ht: Tensor      # H omega
+    s: Tensor       # rowsum of the output
+    gq: Tensor
+    gs: Tensor
+    GA: Tensor
+    input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
+
+
+@dataclass
+class NewState:
+    """Everything one step changes, computed aside so a failure leaves the head untouched."""
+    GA: Tensor               # dL/dA, scaled by the upstream gradient
+    U: Tensor
+    Uinv: Tensor | None      # None: U^-1 is left stale (the step solved with U instead)
+    omega: Tensor
+    Q: Tensor
+    wbar: Tensor
+    HUinv: Tensor            # H U_new^-1: the rows scattered into V
+    fold: bool               # a nearly singular step: U B is folded into V
+    ok: Tensor               # device bool: all of it finite, every solve regular
+    # floats when the checks are read on the host; device tensors under device flags
+    cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
+    lr: Tensor | float
+
+
+# -- forward ---------------------------------------------------------------------------------
+def outputs(head, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
+    """q, s, the target outputs A and the products reused by backward."""
+    d = head.width
+    mats = [head.Q, head.U.T] + ([head.Uinv] if with_uinv else [])
+    P = Hx @ torch.cat(mats, dim=1)  # one GEMM for H Q, H U^T (and H U^-1)
+    Hq, Ht = P[:, :d], P[:, d:2 * d]
+    HUinv = P[:, 2 * d:] if with_uinv else None
+    q = (Hx * Hq).sum(1)
+    s = Hx @ head.wbar
+    ht = Hx @ head.omega
+    A = None
+    if idx is not None:
+        sh = head.sharding
+        A = lk.gather_dot(head.V, idx, Ht, ht) if sh.alone else sh.gather_dot(head.V, idx, Ht, ht)
+    return q, s, A, Hq, Ht, HUinv, ht
+
+
+def uses_woodbury(head, m: int) -> bool:
+    # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
+    woodbury = head.repairs.settings.woodbury
+    return woodbury == "always" or (woodbury == "auto" and 2 * m <= head.width)
+
+
+@torch.no_grad()
+def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
+    """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H."""
+    input_ok = True
+    if head.step_checks.deferred:
+        idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
+    woodbury = uses_woodbury(head, Hx.shape[0])
+    if woodbury and not head._uinv_fresh:
+        head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
+    q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=woodbury)
+    # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd
+    loss_fn = head.loss_fn
+    with torch.enable_grad():
+        q, s_, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
+        y_sq = head.y_sq(idx, T) if loss_fn.name == "mse" else None
+        L = head.reduce(loss_fn(q, s_, A, T, num_classes=head.num_classes, y_sq=y_sq), idx)
+        gq, gs, GA = torch.autograd.grad(L, (q, s_, A), materialize_grads=True)  # mse ignores s
+    return L.detach(), SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
+
+
+# -- backward ------------------------------------------------------------------------------------
+@torch.no_grad()
+def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
+    """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
+    gq, gs, GA = fwd.gq * grad, fwd.gs * grad, fwd.GA * grad
+    ybar = GA.sum(1)
+    sh = head.sharding
+    YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
+    Z = YV @ head.U + torch.outer(ybar, head.omega) + torch.outer(gs, head.wbar)
+    dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
+    return (dH, gq, gs, GA, ybar, Z) if parts else dH
+
+
+def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: bool):
+    """Upper bounds on the largest eigenvalues of H^T diag(kappa+) H and H^T diag(kappa-) H.
+
+    Each is at most its trace sum(w ||h||^2) (O(m d)) and at most its Frobenius norm
+    (O(m^2) with G = H H^T at hand, else O(m d^2)). ``on_host``: floats, the Frobenius
+    norm only where the trace exceeds 0.05 (the trace is loose by up to a factor
+    min(m, d)); else device scalars, the smaller of both, with no host read."""
+    sq = Hx.pow(2).sum(1) if G is None else G.diagonal()
+    out = []
+    for w in (kappa.clamp(min=0), (-kappa).clamp(min=0)):
+        trace = w @ sq
+        if on_host and not float(trace) > 0.05:  # (NaN too: the step's finiteness check skips it)
+            out.append(float(trace))
+            continue
+        sw = w.sqrt()
+        if G is not None:
+            frob = torch.linalg.matrix_norm(G * sw[:, None] * sw[None, :])
+        else:
+            X = sw[:, None] * Hx
+            frob = torch.linalg.matrix_norm(X.T @ X)
+        out.append(float(frob) if on_host else torch.minimum(trace, frob))
+    return out
+
+
+def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float]:
+    """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), and a
+    bound on cond(B). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
+    the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only)."""
+    rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
+    if rho_pos <= 0.5:
+        return False, (1.0 + rho_neg) / (1.0 - rho_pos)
+    m, d = Hx.shape
+    A = kappa[:, None] * G if G is not None else (kappa[:, None] * Hx).T @ Hx
+    if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
+        # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
+        # would raise); the step's own finiteness check skips it and counts it
+        return False, math.inf
+    head.eig_checks += 1
+    if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
+        ev = torch.linalg.eigvals(A).real
+        ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
+    else:
+        ev = torch.linalg.eigvalsh(A)
+    lam = (1.0 - ev).abs()
+    lo, hi = float(lam.min()), float(lam.max())
+    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf)
+
+
+def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
+    """The step's new state, computed aside: nothing of the head changes here."""
+    Hx = fwd.Hx
+    deferred = head.step_checks.deferred
+    lr = head.step_checks.lr(head) if deferred else head.lr  # device flags: a device scalar a graph reads
+    m = Hx.shape[0]
+    c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
+    kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
+    use_woodbury = fwd.HUinv is not None
+    G = Hx @ Hx.T if use_woodbury else None
+    if deferred:  # bounds on the device; no fold (the next read of the flags repairs U)
+        fold, cond_step = head.step_checks.step_bounds(head, Hx, G, kappa)
+    else:
+        fold, cond_step = fold_and_cond(head, Hx, G, kappa)
+    U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * Hx)  # U B, reusing H U^T
+    omega_new = c * head.omega - lr * (Hx.T @ (2.0 * gq * fwd.ht + gs))
+    info = None
+    if fold:
+        Uinv_new, HUinv_new = None, Hx  # V absorbs U B; U = U^-1 = I
+    elif use_woodbury:
+        # B^-1 = (1/c)(I - H^T C (I_m + H H^T C)^-1 H), C = -diag(kappa): no division by g_q.
+        S = torch.eye(m, dtype=Hx.dtype, device=Hx.device) - G * kappa[None, :]
+        R, info = torch.linalg.solve_ex(S, fwd.HUinv)  # _ex: a singular S is a flag, not a sync
+        KR = kappa[:, None] * R
+        Uinv_new = (head.Uinv + Hx.T @ KR) / c
+        HUinv_new = (fwd.HUinv + G @ KR) / c
+    else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
+        HUinv_new, info = torch.linalg.solve_ex(U_new, Hx, left=False)
+        Uinv_new = None
+    # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
+    M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, lk.sparse_gram(fwd.idx, GA))
+    Q_new = lk.q_update(head.Q, Hx, dH, M, lr, c)
+    wbar_new = c * head.wbar - lr * (Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
+    total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
+    if Uinv_new is not None:
+        total = total + Uinv_new.sum()
+    ok = torch.isfinite(total)  # NaN and inf survive a sum
+    if info is not None:
+        ok &= (info == 0).all()
+    return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
+                    fold=fold, cond_step=cond_step, ok=ok, lr=lr)
+
+
+def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
+    """Write the step's new state. Under device flags every buffer keeps its old value where
+    the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
+    masked = head.step_checks.deferred
+    if new.fold:
+        head.repairs.fold_into_v(head, new.U)
+        head.folds += 1
+    else:
+        head.U.copy_(torch.where(ok, new.U, head.U) if masked else new.U)
+        if new.Uinv is not None:
+            head.Uinv.copy_(torch.where(ok, new.Uinv, head.Uinv) if masked else new.Uinv)
+        else:
+            head._uinv_fresh = False
+        grown = head.cond_bound * new.cond_step
+        head.cond_bound.copy_(torch.where(ok, grown, head.cond_bound) if masked else grown)
+    sh = head.sharding
+    rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
+    GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
+    lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr)
+    Q = 0.5 * (new.Q + new.Q.T)
+    if masked:
+        head.omega.copy_(torch.where(ok, new.omega, head.omega))
+        head.Q.copy_(torch.where(ok, Q, head.Q))
+        head.wbar.copy_(torch.where(ok, new.wbar, head.wbar))
+    else:
+        head.omega.copy_(new.omega)
+        head.Q.copy_(Q)
+        head.wbar.copy_(new.wbar)
+    head._version += 1
+
+
+@torch.no_grad()
+def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
+    """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
+
+    Checks read on the host (``sync_every == 1``): a failed check skips the step and counts
+    it at once. Device flags (``sync_every > 1``): every check is a flag that masks the
+    write, read by ``head.sync()`` every ``sync_every`` steps (checks.py)."""
+    checks = head.step_checks
+    dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
+    finite = torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
+    if checks.deferred:
+        ok = fwd.input_ok & finite
+    elif not bool(finite):
+        head._skip("hidden states or loss gradients")
+        return torch.zeros_like(dH)
+    else:
+        ok = True
+    new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
+    if checks.deferred:
+        ok = ok & new.ok
+    elif not bool(new.ok):
+        head._skip("state after the step")
+        return torch.zeros_like(dH)
+    write(head, fwd, new, ok)
+    if checks.deferred:
+        if checks.count(head, ok):  # every sync_every steps: read the flags, run the repairs due
+            head.sync()
+        return torch.where(ok, dH, 0.0)
+    head.steps += 1
+    # the repairs (and, multi-process, the replica check) that fell due at this step
+    n_prev, n = checks.synced[0], int(head.steps)
+    checks.synced = (n, checks.synced[1])
+    settings = head.repairs.settings
+    due = float(head.cond_bound) > settings.cond_trigger
+    every_n = (settings.q_refresh_every, settings.check_every, settings.uinv_refresh_every,
+               0 if head.sharding.alone else head.checksum_every)
+    for every in every_n:
+        if every and n // every > n_prev // every:
+            due = True
+    if due:
+        head.run_due(n_prev, n)
+    return dH
+
+
+# -- the whole step in one call, and exact accumulation ----------------------------------------
+@torch.no_grad()
+def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
+    """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH."""
+    sh, rows = head.sharding, None
+    if not sh.alone:
+        Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
+    loss, fwd = forward(head, Hx, idx, T)
+    head._version += 1  # a pending autograd backward from an earlier forward is now stale
+    dH = backward(head, fwd, loss.new_ones(()))
+    if rows is not None:
+        dH = sh.own_rows(dH, rows)
+    return loss, dH[:, : head.hidden_dim].to(H.dtype)
+
+
+def pending_record(head, fwd: SavedForward, weight: Tensor):
+    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients."""
+    return fwd.Hx, fwd.idx, fwd.gq * weight, fwd.gs * weight, fwd.GA * weight
+
+
+@torch.no_grad()
+def apply_records(head, records: list) -> None:
+    """The step on the union of the micro-batches: their rows, targets padded to one K."""
+    K = max(r[1].shape[1] for r in records)
+    pad = torch.nn.functional.pad
+    Hx = torch.cat([r[0] for r in records])
+    idx = torch.cat([pad(r[1], (0, K - r[1].shape[1]), value=-1) for r in records])
+    gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
+    GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
+    woodbury = uses_woodbury(head, Hx.shape[0])
+    if woodbury and not head._uinv_fresh:
+        head.repairs.refresh_uinv(head)
+    _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=woodbury)
+    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))

@@ -1,0 +1,41 @@
+"""One step, one path: a training step of the default head (``head(H, idx).backward()``,
+traced by scripts/trace_step.py after a warm-up step) enters at most 6 project files and
+45 functions: the input check, the loss, the head's shell and its step (base.py, step.py)
+and the kernel ops. Sharding, pending rows, device flags and the repairs are not entered
+when they have nothing to do."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_FILES, MAX_FUNCTIONS = 6, 45
+
+
+def trace_script():
+    spec = importlib.util.spec_from_file_location("trace_step", ROOT / "scripts" / "trace_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def path():
+    return trace_script().default_step_path()
+
+
+def test_the_default_step_enters_at_most_6_files_and_45_functions(path):
+    kernel_files = sorted(f for f in path if "/lst_kernels/" in f)
+    assert kernel_files == ["triton_kernels/lst_kernels/functional.py", "triton_kernels/lst_kernels/reference.py"]
+    functions = sum(len(v) for v in path.values())
+    assert len(path) <= MAX_FILES and functions <= MAX_FUNCTIONS, path
+
+
+def test_the_head_side_of_the_default_step_is_its_shell_and_its_step(path):
+    """Outside the kernel ops (2 files: the ops and their reference on CPU), the step enters
+    the input check, the loss and two files of the head, in at most 45 - 20 functions."""
+    head_side = {f: names for f, names in path.items() if "/lst_kernels/" not in f}
+    spherical = sorted(f for f in head_side if "/spherical/" in f)
+    assert spherical == ["src/lst_lightning/spherical/base.py", "src/lst_lightning/spherical/step.py"], sorted(head_side)
+    assert len(head_side) <= MAX_FILES - 2
+    assert sum(len(v) for v in head_side.values()) <= MAX_FUNCTIONS - 20, head_side
