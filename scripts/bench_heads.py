@@ -167,6 +167,9 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
         head = cls(**kw)  # draws its D x d matrix on the device itself
         return head, head
     kw["dtype"] = dtype
+    if spec.key == ("softmax", "torch") and not hasattr(F, "linear_cross_entropy"):
+        # SoftmaxHead would run unfused logits here: that is the logits_ce row, not this one.
+        raise ImportError(f"F.linear_cross_entropy (torch >= 2.13; this is torch {torch.__version__})")
     if spec.head in ("softmax", "logits_ce"):
         head = SoftmaxHead(impl=spec.variant, bias=False, **kw)
         if spec.head == "logits_ce":
