@@ -55,3 +55,16 @@ def test_the_full_calls_fit_the_device_tool():
         for s in steps:
             outs = [a for a in s.argv if "OUT" in a]
             assert all(a.endswith("OUT") or a.split("OUT")[1].count("/") == 1 for a in outs), (name, outs)
+
+
+def test_a_failed_smoke_run_sends_bench_heads_to_the_torch_ops(tmp_path, monkeypatch):
+    def plan(out, smoke):
+        fail = gs.Step("bench_heads_smoke", [gs.PY, "-c", "raise SystemExit(3)"], 60)
+        echo = gs.Step("bench_heads", [gs.PY, "-c", "import os; print('kernels:', os.environ.get('LST_KERNELS'))"],
+                       60, if_previous_failed={"LST_KERNELS": "torch"})
+        return [fail, echo]
+
+    monkeypatch.setitem(gs.CALLS, "call2", plan)
+    assert gs.main(["call2", "--out", str(tmp_path)]) == 1
+    log = (tmp_path / "call2_log.txt").read_text()
+    assert "kernels: torch" in log and "bench_heads_smoke  exit 3" in log and "bench_heads (LST_KERNELS=torch)  ok" in log
