@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -127,20 +128,23 @@ def run_step(step: Step, log) -> tuple[int, float, list[str]]:
     t0 = time.perf_counter()
     targets: list[str] = []
     proc = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed: list[bool] = []  # a step silent past its limit is killed too: the timer does not wait for a line
+    timer = threading.Timer(step.timeout_s, lambda: (killed.append(True), proc.kill()))
+    timer.start()
     try:
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
+            log.flush()  # what a cut-off call returns is what reached the file
             if TARGET.match(line.strip()):
                 targets.append(line.strip())
-        rc = proc.wait(timeout=max(1.0, step.timeout_s - (time.perf_counter() - t0)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
+        rc = proc.wait()
+    finally:
+        timer.cancel()
+    if killed:
+        log.write(f"=== {step.name}: killed after its {step.timeout_s:.0f} s\n")
         rc = 124
     seconds = time.perf_counter() - t0
-    if seconds > step.timeout_s and rc == 0:
-        rc = 124
-    log.flush()
     return rc, seconds, targets
 
 

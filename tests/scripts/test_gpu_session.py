@@ -68,3 +68,10 @@ def test_a_failed_smoke_run_sends_bench_heads_to_the_torch_ops(tmp_path, monkeyp
     assert gs.main(["call2", "--out", str(tmp_path)]) == 1
     log = (tmp_path / "call2_log.txt").read_text()
     assert "kernels: torch" in log and "bench_heads_smoke  exit 3" in log and "bench_heads (LST_KERNELS=torch)  ok" in log
+
+
+def test_a_silent_step_past_its_limit_is_killed(tmp_path, monkeypatch):
+    slow = gs.Step("quiet", [gs.PY, "-c", "import time; time.sleep(30)"], 1.0)
+    monkeypatch.setitem(gs.CALLS, "call1", lambda out, smoke: [slow])
+    assert gs.main(["call1", "--out", str(tmp_path)]) == 1
+    assert "quiet  exit 124" in (tmp_path / "call1_log.txt").read_text()
