@@ -143,6 +143,10 @@ def loss_settings(loss: str) -> tuple[float, dict]:
 
 def build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.device):
     """(module, make(batches) -> step) for one head; raises ImportError when an optional package is missing."""
+    if spec.key == ("softmax", "torch") and not hasattr(F, "linear_cross_entropy"):
+        # SoftmaxHead would run unfused logits here: that is the logits_ce row, not this one
+        # (bench_whole_step.py times the app's SoftmaxHead as it runs on this torch).
+        raise ImportError(f"F.linear_cross_entropy: new in torch 2.13, this is torch {torch.__version__}")
     module, loss_of = _build(spec, D, d, dtype, device)
     # train_step returns dL/dH itself, outside autograd: it takes plain tensors.
     plain = lambda batches: [(H.detach(), y) for H, y in batches]  # noqa: E731

@@ -1,6 +1,6 @@
 """The whole training step (body forward + backward + optimizer + head) against D (issue 13).
 
-    uv run python scripts/bench_whole_step.py [--smoke] [--out DIR | --update-results]
+    uv run python scripts/bench_whole_step.py [--smoke] [--device cuda] [--out DIR | --update-results]
 
 Input vocabulary = output vocabulary = D, as in a language model, for D in {10k, 100k,
 793 471, 1M, 10M} as far as each fits (its memory is estimated first; a size that would
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import (add_output_args, interleaved_times, machine_name, markdown_table, output_dir, perf_clock,
+from benchlib import (add_output_args, clock_for, interleaved_times, machine_name, markdown_table, output_dir,
                       pyplot, quantile, save_figure, write_csv, wrote)
 
 import torch
@@ -141,14 +141,17 @@ def optimizers_of(module: LanguageModel) -> tuple[list[torch.optim.Optimizer], s
 class WholeStep:
     """One model (body + head) and its training step over a few fixed batches."""
 
-    def __init__(self, body_name: str, spec: HeadSpec, D: int, sparse: bool, smoke: bool, batches=None):
+    def __init__(self, body_name: str, spec: HeadSpec, D: int, sparse: bool, smoke: bool, batches=None,
+                 device: torch.device | str = "cpu"):
         torch.manual_seed(0)
-        self.body = make_body(body_name, D, sparse, smoke)
-        head, _ = _build(spec, D, self.body.hidden_dim, torch.float32, torch.device("cpu"))
+        device = torch.device(device)
+        self.body = make_body(body_name, D, sparse, smoke).to(device)
+        head, _ = _build(spec, D, self.body.hidden_dim, torch.float32, device)
         self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config())
         self.head = head
         self.optimizers, self.optimizer_names = optimizers_of(self.module)
-        self.batches = batches if batches is not None else make_batches(self.body, D)
+        self.batches = batches if batches is not None else [
+            (x.to(device), y.to(device)) for x, y in make_batches(self.body, D)]
         self.i = 0
 
     def __call__(self) -> None:
@@ -179,7 +182,10 @@ class Runner:
         self.args = args
         self.rows: list[dict] = []
         self.t0 = time.perf_counter()
-        self.common = dict(machine=machine_name(), device="cpu", torch=torch.__version__,
+        self.device = torch.device(args.device)
+        self.clock = clock_for(self.device)
+        self.common = dict(machine=machine_name(self.device.type == "cuda"), device=self.device.type,
+                           torch=torch.__version__,
                            threads=torch.get_num_threads(), embedding=args.embedding, tokens=TOKENS)
 
     def record(self, body: str, spec: HeadSpec, D: int, d: int, status: str, times=None, partner=None,
@@ -206,7 +212,7 @@ class Runner:
         a = self.args
         sparse = a.embedding == "sparse"
         ref_spec = next(s for s in WHOLE_HEADS if s.key == REFERENCE)
-        limit = memory_limit(torch.device("cpu"), a.max_gb)
+        limit = memory_limit(self.device, a.max_gb)
         d = model_config(body_name)["hidden_dim"] if not a.smoke else 16
         ref_est = estimate_bytes(body_name, ref_spec, D, d, sparse)
         if ref_est > limit:
@@ -214,7 +220,7 @@ class Runner:
                 self.record(body_name, spec, D, d, f"skipped: ~{ref_est / 2**30:.1f} GB with the factored head "
                             f"> {limit / 2**30:.1f} GB allowed (--max-gb)", est=ref_est)
             return
-        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke)
+        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke, device=self.device)
         ref_times: list[float] = []
         for spec in heads:
             if spec.key == REFERENCE:
@@ -233,26 +239,35 @@ class Runner:
                             f"> --max-step-s {a.max_step_s}", est=est)
                 continue
             try:
-                step = WholeStep(body_name, spec, D, sparse, a.smoke, batches=ref.batches)
+                step = WholeStep(body_name, spec, D, sparse, a.smoke, batches=ref.batches, device=self.device)
+                first = self.clock(step) + self.clock(ref)  # also the warm-up
+                rounds = self.steps_for(first)
+                t = interleaved_times({"head": (step, 1), "ref": (ref, 1)}, rounds, warmup=0, clock=self.clock)
             except ImportError as exc:
                 self.record(body_name, spec, D, d, f"skipped: {exc}", est=est)
                 continue
-            first = perf_clock(step) + perf_clock(ref)  # also the warm-up
-            rounds = self.steps_for(first)
-            t = interleaved_times({"head": (step, 1), "ref": (ref, 1)}, rounds, warmup=0)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:  # out of memory, or a head that fails
+                step = None
+                self.record(body_name, spec, D, d, f"error: {type(exc).__name__}: {' '.join(str(exc).split())[:120]}",
+                            est=est)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
             ref_times += t["ref"]
             self.record(body_name, spec, D, d, "ok", t["head"], t["ref"], step.optimizer_names, est)
             del step
         if D > TARGETS["flat_lo"] and not self.out_of_time():
             # Flat in D: the same model at D = 10k timed in alternation with this one.
-            lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke)
-            first = perf_clock(lo) + perf_clock(ref)
-            t = interleaved_times({"lo": (lo, 1), "ref": (ref, 1)}, self.steps_for(first), warmup=0)
+            lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke, device=self.device)
+            first = self.clock(lo) + self.clock(ref)
+            t = interleaved_times({"lo": (lo, 1), "ref": (ref, 1)}, self.steps_for(first), warmup=0,
+                                  clock=self.clock)
             ref_times += t["ref"]
             self.record(body_name, FLAT_PAIR, D, d, "ok", t["lo"], t["ref"], lo.optimizer_names, ref_est)
         if not ref_times:  # the factored head alone
-            perf_clock(ref)
-            ref_times = interleaved_times({"ref": (ref, 1)}, self.steps_for(perf_clock(ref)), warmup=0)["ref"]
+            self.clock(ref)
+            ref_times = interleaved_times({"ref": (ref, 1)}, self.steps_for(self.clock(ref)), warmup=0,
+                                          clock=self.clock)["ref"]
         self.record(body_name, ref_spec, D, d, "ok", ref_times, ref_times, ref.optimizer_names, ref_est)
 
     def guess_s(self, body: str, spec: HeadSpec, D: int) -> float | None:
@@ -400,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-gb", type=float, default=None, help="memory a pair of models may use (default: half "
                    "of MemAvailable; this machine is shared)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the models run (cuda: CUDA-event times, --max-gb against free GPU memory)")
     p.add_argument("--budget-s", type=float, default=None, help="timed seconds per head and size, about")
     p.add_argument("--min-steps", type=int, default=None)
     p.add_argument("--max-steps", type=int, default=None)
@@ -429,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(args)
     machine = runner.common["machine"]
     stem = output_dir(args, "bench_whole_step") / f"whole_step_{'smoke_' if args.smoke else ''}{machine}"
+    where = "the GPU" if args.device == "cuda" else f"{args.threads} CPU thread(s)"
     title = (f"Whole training step (body + head + optimizer), {machine}, torch {torch.__version__}, "
-             f"{args.threads} CPU thread(s), {TOKENS} tokens a step, {args.embedding} input embedding")
+             f"{where}, {TOKENS} tokens a step, {args.embedding} input embedding")
     print(title, flush=True)
     for D in Ds:
         for body in bodies:

@@ -26,6 +26,25 @@ def test_softmax_matches_dense(chunked, chunk_elements, bias, K):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("K", [1, 3])
+def test_softmax_on_a_torch_without_linear_cross_entropy(monkeypatch, bias, K):
+    """torch before 2.13 (the lent GPU machine's 2.11) has no F.linear_cross_entropy: the
+    head computes the same loss and gradients unfused."""
+    head = SoftmaxHead(num_classes=D, hidden_dim=d, bias=bias)
+    if bias:
+        torch.nn.init.normal_(head.bias)
+    h = torch.randn(m, d, requires_grad=True)
+    t = make_targets(K)[:, 0] if K == 1 else make_targets(K)
+    params = [h, *head.parameters()]
+    monkeypatch.delattr(F, "linear_cross_entropy", raising=False)
+    got = head(h, t)
+    want = dense_loss(F.log_softmax(F.linear(h, head.weight, head.bias), 1), t)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads(got, *params), grads(want, *params)):
+        torch.testing.assert_close(a, b)
+
+
 def test_softmax_weighted_targets_and_cosine():
     head = SoftmaxHead(num_classes=D, hidden_dim=d, cosine_scale=3.0)
     h = torch.randn(m, d, requires_grad=True)

@@ -40,10 +40,12 @@ def rel(a, b):
 
 
 def step_both(f, n, H, idx, val=None, scale=1.0):
-    Hf = H.clone().to(f.dtype).requires_grad_()
-    Hn = H.clone().to(n.dtype).requires_grad_()
-    Lf = f(Hf, idx, val)
-    Ln = n(Hn, idx, val)
+    """One step of both heads on copies of the batch, each on its own device."""
+    on = lambda t, head: None if t is None else t.to(head.device)  # noqa: E731
+    Hf = H.clone().to(f.device, f.dtype).requires_grad_()
+    Hn = H.clone().to(n.device, n.dtype).requires_grad_()
+    Lf = f(Hf, on(idx, f), on(val, f))
+    Ln = n(Hn, on(idx, n), on(val, n))
     (scale * Lf).backward()
     (scale * Ln).backward()
     return rel(Lf, Ln), rel(Hf.grad, Hn.grad), rel(f.weight(), n.weight())

@@ -89,3 +89,13 @@ def test_flatness_pair_is_timed_side_by_side(sandbox, monkeypatch):
     assert pair["D"] == "90" and float(pair["ratio"]) == pytest.approx(
         float(pair["median_ms"]) / float(pair["factored_ms"]), rel=1e-3)
     assert "PASS" in path.with_suffix(".md").read_text() or "FAIL" in path.with_suffix(".md").read_text()
+
+
+@pytest.mark.gpu
+def test_smoke_run_on_the_gpu(sandbox):
+    folder = sandbox.run_default(bw.main, ["--smoke", "--device", "cuda", "--D", "50,20000",
+                                           "--heads", "softmax,hsoftmax,naive"], "bench_whole_step")
+    (path,) = folder.glob("whole_step_smoke_*.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert {r["device"] for r in rows} == {"cuda"} and all(r["status"] == "ok" for r in rows), rows
+    assert {r["head"] for r in rows} >= {"factored", "factored_at_10k", "softmax", "hsoftmax", "naive"}

@@ -43,7 +43,8 @@ class SoftmaxHead(LinearClassHead):
 
     ``impl``: ``torch`` (``F.linear_cross_entropy``; ``chunked=True`` passes
     ``LinearCrossEntropyOptions`` so the batch is processed in chunks of rows
-    whose logits hold at most ``chunk_elements`` numbers), or on
+    whose logits hold at most ``chunk_elements`` numbers; a torch without it, before 2.13,
+    gets ``F.linear`` + ``F.cross_entropy``, the same loss unfused), or on
     CUDA ``liger`` (Liger-Kernel's fused linear cross-entropy), or ``cce`` (Apple's cut
     cross-entropy: its Triton kernels on CUDA, its torch path elsewhere), both optional installs.
     """
@@ -67,6 +68,10 @@ class SoftmaxHead(LinearClassHead):
         """Fused linear + cross-entropy of rows ``x`` against 1-D ``target`` (-1 ignored)."""
         W = self._keys(self.weight)
         if self.impl == "torch":
+            if not hasattr(F, "linear_cross_entropy"):
+                # torch before 2.13 (the lent GPU machine has 2.11): the same loss, unfused,
+                # its (rows, D) logits made whole. Benchmarks say which torch they ran on.
+                return F.cross_entropy(F.linear(x, W, self.bias), target, ignore_index=-1, reduction=reduction)
             options = None
             if self.chunked:
                 # An explicit chunk: torch's float32 CPU heuristic picks chunks that run

@@ -1,6 +1,10 @@
 """Raw text corpora as HF ``datasets`` with ``train``/``validation``/``test`` splits of
 documents (one ``text`` column), from the embedded Wikipedia extract, local files, or
 the hub. Everything goes through ``datasets`` so caching and hub names share one path.
+
+``datasets`` is imported where a corpus is loaded, not at the top: the synthetic task's data
+module imports this module, and must run where ``datasets`` is not installed (the lent GPU
+machine: docs/benchmarks.md, "The GPU session: three calls").
 """
 from __future__ import annotations
 
@@ -8,10 +12,12 @@ import bz2
 import os
 import random
 from pathlib import Path
-
-import datasets
+from typing import TYPE_CHECKING
 
 from .files import text_files
+
+if TYPE_CHECKING:
+    import datasets
 
 EMBEDDED_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 SPLITS = ("train", "validation", "test")
@@ -36,6 +42,8 @@ def _wiki_articles(path: str, min_tokens: int):
 def _split_by_tokens(ds: datasets.Dataset, fractions: tuple[float, float], seed: int) -> datasets.DatasetDict:
     """Split documents (shuffled with ``seed``) so validation and test each get about
     the given fraction of the words, whole documents only."""
+    import datasets  # noqa: PLC0415
+
     sizes = [len(t.split()) for t in ds["text"]]
     order = list(range(len(ds)))
     random.Random(seed).shuffle(order)
@@ -78,6 +86,8 @@ def load_corpus(
     given), or ``hub`` (``load_dataset(name, subset)``, e.g. ``wikitext`` /
     ``wikitext-103-raw-v1`` or ``lm1b``).
     """
+    import datasets  # noqa: PLC0415
+
     cache = str(cache_dir() / "datasets")
     if source == "embedded":
         from gensim.test.utils import datapath  # noqa: PLC0415
@@ -116,6 +126,8 @@ def load_corpus(
 
 
 def _load_files(path, sample_by, val_fraction, test_fraction, seed, cache) -> datasets.DatasetDict:
+    import datasets  # noqa: PLC0415
+
     files = text_files(path)
     dd = datasets.load_dataset("text", data_files=files, sample_by=sample_by, cache_dir=cache)
     dd = dd.filter(lambda r: bool(r["text"].strip()))

@@ -1,0 +1,45 @@
+"""The factored head on a CUDA device: equal to the naive head step for step, and its step
+replayed from a CUDA graph bit for bit the eager sync-free step over many steps, the lr
+changed at every step without a new capture. CUDA only (``-m gpu``): the first call of the
+GPU session runs them (docs/benchmarks.md, "The GPU session: three calls")."""
+import copy
+
+import pytest
+import torch
+
+from lst_lightning.losses import LOSSES
+from lst_lightning.spherical.graph_step import CudaGraphStep
+
+from head_pairs import batch, deferred, make_pair, run_steps, state
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_factored_equals_naive_on_cuda(loss):
+    """float32 factored head on the GPU (its Triton kernels) against the float64 naive head;
+    padding, a class repeated within a row and across rows (head_pairs.batch)."""
+    f, n = make_pair(loss, D=3000, d=64, bias=True, dtype=torch.float32, ref_dtype=torch.float64,
+                     lr=0.02, weight_decay=0.001, device="cuda")
+    assert f.V.is_cuda and n.W.is_cuda
+    # as tests/spherical/test_factored.py's float32 test: the spherical softmax amplifies rounding
+    tol = 1e-2 if loss == "spherical_softmax" else 2e-4
+    run_steps(f, n, steps=50, m=33, K=3, classes=200, tol=tol)
+
+
+@pytest.mark.parametrize("D,d,m,K", [(60, 8, 16, 2), (100_000, 512, 1024, 1)])
+def test_graph_step_is_the_eager_step_bit_for_bit(D, d, m, K):
+    eager = deferred(num_classes=D, hidden_dim=d, sync_every=8, device="cuda", dtype=torch.float32)
+    graphed = copy.deepcopy(eager)
+    step = CudaGraphStep(graphed, m=m, K=K)
+    graph = step.graph
+    assert state(graphed) == state(eager)  # warm-up and capture change nothing
+    for i in range(200):
+        eager.lr = graphed.lr = 0.05 / (1 + 0.1 * i)  # a schedule: read from a device scalar at each replay
+        H, idx = batch(m, d, D, K, dtype=torch.float32)
+        H, idx = H.cuda(), idx.cuda()
+        loss_e, dH_e = eager.train_step(H, idx)
+        loss_g, dH_g = step(H, idx)
+        assert torch.equal(loss_g, loss_e) and torch.equal(dH_g, dH_e), f"step {i}"
+    assert step.graph is graph  # no new capture
+    assert state(graphed) == state(eager) and int(graphed.steps) == int(eager.steps) == 200
