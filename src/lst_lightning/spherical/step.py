@@ -137,10 +137,12 @@ def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: boo
     return out
 
 
-def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float]:
+def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float | None]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), and a
     bound on cond(B). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
-    the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only)."""
+    the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only). When
+    that eigenvalue computation fails (or returns non-finite values) the bound is None: the
+    step is skipped, counted in ``eig_failures`` and ``skipped_nonfinite``, never raised."""
     rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
     if rho_pos <= 0.5:
         return False, (1.0 + rho_neg) / (1.0 - rho_pos)
@@ -151,11 +153,19 @@ def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bo
         # would raise); the step's own finiteness check skips it and counts it
         return False, math.inf
     head.eig_checks += 1
-    if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
-        ev = torch.linalg.eigvals(A).real
-        ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
-    else:
-        ev = torch.linalg.eigvalsh(A)
+    try:
+        if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
+            ev = torch.linalg.eigvals(A).real
+            ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
+        else:
+            ev = torch.linalg.eigvalsh(A)
+    except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
+        # ill-conditioned A) among others: the step is skipped and counted, never raised
+        head.eig_failures += 1
+        return False, None
+    if not bool(torch.isfinite(ev).all()):
+        head.eig_failures += 1
+        return False, None
     lam = (1.0 - ev).abs()
     lo, hi = float(lam.min()), float(lam.max())
     return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf)
@@ -198,6 +208,9 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if Uinv_new is not None:
         total = total + Uinv_new.sum()
     ok = torch.isfinite(total)  # NaN and inf survive a sum
+    if cond_step is None:  # the eigenvalues of B could not be computed: skip the step (host checks only)
+        ok = torch.zeros_like(ok)
+        cond_step = math.inf
     if info is not None:
         ok &= (info == 0).all()
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
