@@ -37,6 +37,7 @@ class SavedForward:
     gs: Tensor
     GA: Tensor
     input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
+    neg: object = None  # sampled classes (negatives.py): a SharedBlock or PerRowSlots; None when off
 
 
 @dataclass
@@ -90,6 +91,9 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     if woodbury and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=woodbury)
+    if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
+        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
+        return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd
     loss_fn = head.loss_fn
     with torch.enable_grad():
@@ -108,6 +112,8 @@ def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
     ybar = GA.sum(1)
     sh = head.sharding
     YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
+    if fwd.neg is not None and fwd.neg.shared:  # shared negatives: one dense block (negatives.py)
+        YV, ybar = fwd.neg.hidden(head.V, grad, YV, ybar)
     Z = YV @ head.U + torch.outer(ybar, head.omega) + torch.outer(gs, head.wbar)
     dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
     return (dH, gq, gs, GA, ybar, Z) if parts else dH
@@ -201,7 +207,8 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         HUinv_new, info = torch.linalg.solve_ex(U_new, Hx, left=False)
         Uinv_new = None
     # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
-    M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, lk.sparse_gram(fwd.idx, GA))
+    yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
+    M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
     Q_new = lk.q_update(head.Q, Hx, dH, M, lr, c)
     wbar_new = c * head.wbar - lr * (Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
     total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
@@ -236,6 +243,8 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
     lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr)
+    if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
+        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None)
     Q = 0.5 * (new.Q + new.Q.T)
     if masked:
         head.omega.copy_(torch.where(ok, new.omega, head.omega))
@@ -308,8 +317,10 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Ten
 
 
 def pending_record(head, fwd: SavedForward, weight: Tensor):
-    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients."""
-    return fwd.Hx, fwd.idx, fwd.gq * weight, fwd.gs * weight, fwd.GA * weight
+    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients
+    (shared negatives as extra slots of every row: the records are stepped by the general path)."""
+    idx, GA = (fwd.idx, fwd.GA) if fwd.neg is None or not fwd.neg.shared else fwd.neg.as_slots(fwd.idx, fwd.GA)
+    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight
 
 
 @torch.no_grad()
@@ -325,4 +336,5 @@ def apply_records(head, records: list) -> None:
     if woodbury and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=woodbury)
-    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))
+    neg = None if head.negatives is None else head.negatives.slots_part()  # Yd Yd^T by unique columns
+    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, neg=neg), gq.new_ones(()))
