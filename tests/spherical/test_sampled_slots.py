@@ -88,13 +88,14 @@ def test_both_inverse_paths_and_weight_decay(woodbury):
     run(f, n, steps=6, m=5 if woodbury == "always" else 9)
 
 
-def test_fused_step_and_exact_accumulation_equal_the_naive_head():
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_step_and_exact_accumulation_equal_the_naive_head(shared):
     torch.manual_seed(4)
-    f, n = pair()
+    f, n = pair(shared=shared)
     f.step = "fused"
     run(f, n, steps=3)
     # two micro-batches per optimizer step: one exact step on their union (negatives as slots)
-    f, n = pair()
+    f, n = pair(shared=shared)
     fo, no = torch.optim.SGD([torch.zeros(1, requires_grad=True)]), torch.optim.SGD([torch.zeros(1, requires_grad=True)])
     f.attach(fo)
     n.attach(no)
@@ -222,3 +223,46 @@ def test_default_heads_never_enter_the_negatives_code(monkeypatch):
     H, idx = hard_batch()
     step_both(f, n, H, idx)
     assert f.negatives is None and n.negatives is None
+
+
+def test_softmax_of_the_outputs_is_the_model_its_held_out_perplexity_falls():
+    """The softmax term makes o logits: an exported model samples from softmax(o) (export.py
+    leaves them alone); its perplexity on held-out rows is finite and falls with training."""
+    from lst_lightning.integrations.export import sampling_logits  # noqa: PLC0415
+
+    torch.manual_seed(8)
+    Dm, dm = 50, 8
+    centers = torch.randn(Dm, dm, dtype=torch.float64)
+
+    def data(m):
+        y = torch.randint(0, Dm, (m,))
+        return centers[y] + 0.3 * torch.randn(m, dm, dtype=torch.float64), y
+
+    head = FactoredSphericalHead(Dm, dm, loss="sampled", dtype=torch.float64, lr=0.5,
+                                 negatives=dict(num=10, sampler="uniform", seed=1))
+    Hv, yv = data(200)
+
+    def perplexity():
+        logits = sampling_logits(head.loss_fn, head.scores(Hv))
+        return float(torch.nn.functional.cross_entropy(logits, yv).exp())
+
+    before = perplexity()
+    for _ in range(60):
+        H, y = data(32)
+        head(H.requires_grad_(), y).backward()
+    after = perplexity()
+    assert torch.isfinite(torch.tensor(after)) and after < 0.5 * before, (before, after)
+    assert torch.equal(sampling_logits(head.loss_fn, Hv), Hv)
+
+
+def test_bf16_autocast_leaves_the_step_in_the_heads_own_precision():
+    torch.manual_seed(9)
+    f, g = pair()[0], pair()[0]
+    g.load_state_dict(f.state_dict())  # the same W and generator
+    for _ in range(3):
+        H, idx = hard_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            Lf = f(H.clone().float().requires_grad_(), idx)
+            Lf.backward()
+        g(H.clone().float().requires_grad_(), idx).backward()
+    assert torch.equal(f.weight(), g.weight())

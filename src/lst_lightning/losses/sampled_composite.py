@@ -55,6 +55,8 @@ class SampledCompositeLoss(SphericalLoss):
     name = "sampled"
     #: the head needs sampled slots to compute this loss in a training step
     sampled = True
+    #: the softmax term makes the outputs logits: the model's distribution is softmax(o)
+    outputs_are_logits = True
     #: the prototype's measured best at D = 10^5 and 10^6 (mu = 1, S = 64, log-uniform): lr 8
     default_lr = 8.0
 
