@@ -109,6 +109,7 @@ class NegativeSampling:
         self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
+        self._log_q = {}  # the proposal's log q on each (device, dtype) the targets came on: copied once
 
     # -- resume: the generator's state in the head's extra state --------------------------
     def state(self) -> dict:
@@ -139,7 +140,10 @@ class NegativeSampling:
         if st.remove_accidental_hits:
             hit = (neg_m[:, :, None] == idx[:, None, :]).any(2)
             kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
-            q_t = torch.where(first_occurrence(idx), self.sampler.log_q.to(idx.device, dtype)[idx.clamp(min=0)].exp(),
+            key = (idx.device, dtype)
+            if key not in self._log_q:
+                self._log_q[key] = self.sampler.log_q.to(idx.device, dtype)
+            q_t = torch.where(first_occurrence(idx), self._log_q[key][idx.clamp(min=0)].exp(),
                               torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
