@@ -60,7 +60,7 @@ def test_help_says_what_the_app_is_and_where_the_docs_are(tmp_path):
     out, rest, modules, code = lst_train("--help", cwd=tmp_path)
     assert code == 0, rest
     assert out.startswith("lst-train: trains a language model") and "docs/app.md" in out
-    assert "loss: mse, spherical_softmax, taylor_softmax, zloss" in out  # the groups, from conf/
+    assert "loss: mse, sampled, spherical_softmax, taylor_softmax, zloss" in out  # the groups, from conf/
     assert not any(m.split(".")[0] in HEAVY for m in modules)
 
 

@@ -6,13 +6,17 @@ from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 from lst_lightning.spherical.collectives import bit_hash
 from lst_lightning.spherical.state import EXACT_STATE
 
-LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}}
+LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}, "sampled": {"spherical_kwargs": {"a": 0.5, "b": 2.0}}}
+#: the composite loss needs sampled classes: both heads of a pair draw the same ones (one seed)
+HEAD_KW = {"sampled": {"negatives": {"num": 5, "seed": 7}}}
 D, d = 60, 8  # the sizes of ``deferred`` heads
 
 
 def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, stabiliser=None, **kw):
     """A factored head (with ``stabiliser`` settings) and a naive head, both at one random W."""
-    args = dict(num_classes=D, hidden_dim=d, loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), bias=bias, **kw)
+    args = dict(num_classes=D, hidden_dim=d, loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), bias=bias)
+    args.update(HEAD_KW.get(loss, {}))
+    args.update(kw)
     f = FactoredSphericalHead(dtype=dtype, stabiliser=stabiliser, **args)
     n = NaiveSphericalHead(dtype=ref_dtype or dtype, **args)
     W0 = torch.randn(D, d + bias, dtype=torch.float64) * scale

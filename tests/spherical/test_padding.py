@@ -7,14 +7,14 @@ import torch
 from lst_lightning.losses import LOSSES
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
-from head_pairs import LOSS_KW, batch, make_pair, rel, run_steps
+from head_pairs import HEAD_KW, LOSS_KW, batch, make_pair, rel, run_steps
 
 HEADS = [FactoredSphericalHead, NaiveSphericalHead]
 
 
 def head_at(cls, loss, W, **kw):
     head = cls(W.shape[0], W.shape[1], loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), dtype=torch.float64,
-               **{"bias": False, **kw})
+               **{"bias": False, **HEAD_KW.get(loss, {}), **kw})
     head.reset_weight(W)
     return head
 

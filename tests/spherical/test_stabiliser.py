@@ -113,3 +113,71 @@ def test_stabiliser_settings_from_a_config_dict():
         Stabiliser.of({"sync_every": 4})  # a head setting, not a repair's
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.sv_min = 0.1  # a head's settings change only by a new Stabiliser
+
+
+def _large_gq_step(dtype, woodbury):
+    """A head and a batch whose g_q is large (lr 8, the loss scaled by 1e4 upstream): the cheap
+    bounds cannot rule out a nearly singular B, so the step computes B's eigenvalues."""
+    f, _ = make_pair("zloss", d=8, lr=8.0, dtype=dtype, stabiliser={"woodbury": woodbury})
+    H, idx = batch(4 if woodbury == "always" else 12, 8, 60, 2)
+    return f, (3.0 * H).to(dtype), idx
+
+
+GQ_SCALE = 1e4
+
+
+def _counters_out(sd):
+    return {k: v for k, v in sd.items() if v.dtype != torch.long}
+
+
+@pytest.mark.parametrize("woodbury", ["always", "never"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_failed_eigenvalues_skip_the_step_and_count_it(monkeypatch, dtype, woodbury):
+    # issue 31, item 7: LAPACK raised LinAlgError on a finite but ill-conditioned matrix with
+    # a large g_q (lr 8, a Gramian penalty); the step is skipped and counted, never raised.
+    f, H, idx = _large_gq_step(dtype, woodbury)
+    before = {k: v.clone() for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def fail(*a, **k):
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", fail)
+    monkeypatch.setattr(torch.linalg, "eigvals", fail)
+    Hc = H.clone().requires_grad_()
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        (GQ_SCALE * f(Hc, idx)).backward()
+    s = f.stats()
+    assert s["eig_checks"] == 1 and s["eig_failures"] == 1 and s["skipped_nonfinite"] == 1 and s["steps"] == 0, s
+    after = _counters_out({k: v for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)})
+    for k, v in _counters_out(before).items():  # exactly a skipped step: nothing but the counters moved
+        assert torch.equal(after[k], v), k
+    assert torch.isfinite(f.weight()).all() and torch.equal(Hc.grad, torch.zeros_like(Hc.grad))
+    monkeypatch.undo()
+    (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # the next step runs as usual
+    assert f.stats()["eig_failures"] == 1 and torch.isfinite(f.weight()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_large_gq_steps_never_raise(dtype):
+    f, H, idx = _large_gq_step(dtype, "never")
+    for _ in range(3):
+        (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # folded, stepped or skipped: never raised
+    assert torch.isfinite(f.weight()).all() and f.stats()["eig_checks"] >= 1, f.stats()
+
+
+def test_failed_svd_in_stabilise_folds_u_into_v(monkeypatch):
+    f, _ = make_pair("zloss", d=8, stabiliser={"sv_method": "svd"})
+    R = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
+    f.U.copy_(R * 3.0)
+    f.Uinv.copy_(torch.linalg.inv(f.U))
+    W = f.weight()
+
+    def fail(*a, **k):
+        raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "svd", fail)
+    f.stabilise()
+    torch.testing.assert_close(f.weight(), W, rtol=1e-12, atol=1e-12)
+    s = f.stats()
+    assert s["eig_failures"] == 1 and s["unfactorizations"] == 1, s
+    torch.testing.assert_close(f.U, torch.eye(8, dtype=torch.float64))

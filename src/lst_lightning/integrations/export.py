@@ -13,7 +13,9 @@ softmax (p_i proportional to o_i^2 + eps) and the Taylor softmax (p_i proportion
 logits o into logits whose softmax is the head's p, for sampling and for greedy search
 (argmax of p, which is not argmax of o: a large negative o is likely too). The Z-loss
 and the squared error define no probability: greedy search by o (the exported logits
-as they are) is their ranking; softmax(o) is not their model.
+as they are) is their ranking; softmax(o) is not their model. The composite loss with a
+sampled-softmax term (``loss="sampled"``, issue 31) trains o as logits: an exported model
+samples from softmax(o) in ``generate()`` as it is (``SphericalSampling`` leaves o alone).
 """
 from __future__ import annotations
 
@@ -47,7 +49,11 @@ def export_dense_head(model: nn.Module) -> nn.Module:
 def sampling_logits(loss: SphericalLoss, logits: Tensor) -> Tensor:
     """Logits whose softmax is the loss's probability, from the outputs o: log of its
     numerator (spherical softmax o^2 + eps, Taylor 1 + o + o^2/2). ValueError for a loss
-    with no probability (Z-loss, squared error: rank by o itself)."""
+    with no probability (Z-loss, squared error: rank by o itself). The composite loss with a
+    sampled-softmax term (``loss="sampled"``) trains o as logits: its distribution is
+    softmax(o), the exported logits as they are."""
+    if loss.outputs_are_logits:
+        return logits
     if not loss.normalised:
         raise ValueError(f"the {loss.name} loss defines no probability to sample from: use greedy search on the "
                          "exported logits o (do_sample=False), its own ranking")

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from .base import NormalisedSphericalLoss, SphericalLoss
 from .mse import MSELoss
+from .sampled_composite import SampledCompositeLoss, SampledSlots
 from .spherical_softmax import SphericalSoftmaxLoss
 from .taylor_softmax import TaylorSoftmaxLoss
 from .zloss import ZLoss
 
 LOSSES: dict[str, type[SphericalLoss]] = {
-    cls.name: cls for cls in (MSELoss, SphericalSoftmaxLoss, TaylorSoftmaxLoss, ZLoss)
+    cls.name: cls for cls in (MSELoss, SphericalSoftmaxLoss, TaylorSoftmaxLoss, ZLoss, SampledCompositeLoss)
 }
 
 
@@ -25,4 +26,4 @@ def make_loss(name: str, **kwargs) -> SphericalLoss:
 
 
 __all__ = ["LOSSES", "make_loss", "SphericalLoss", "NormalisedSphericalLoss", "MSELoss",
-           "SphericalSoftmaxLoss", "TaylorSoftmaxLoss", "ZLoss"]
+           "SphericalSoftmaxLoss", "TaylorSoftmaxLoss", "ZLoss", "SampledCompositeLoss", "SampledSlots"]

@@ -19,6 +19,14 @@ class SphericalLoss(nn.Module):
     name: str = ""
     #: True when the loss defines normalised probabilities (perplexity).
     normalised: bool = False
+    #: True when a training step needs sampled classes (the head's ``negatives``): the
+    #: composite loss (sampled_composite.py)
+    sampled: bool = False
+    #: True when the outputs o are the logits of the model's distribution, softmax(o) (the
+    #: composite loss with a sampled-softmax term): an exported model samples from them as they are
+    outputs_are_logits: bool = False
+    #: True when the loss reads ``y_sq`` (the squared error, or a composite holding it)
+    needs_y_sq: bool = False
     #: The head's SGD lr when none is given (conf/loss/*.yaml's head_lr says the same).
     default_lr: float = 0.01
 

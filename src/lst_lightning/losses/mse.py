@@ -8,6 +8,7 @@ class MSELoss(SphericalLoss):
     """``||o - y||^2 = q - 2 sum_k t_k a_k + ||y||^2``; no hyperparameters."""
 
     name = "mse"
+    needs_y_sq = True
 
     def forward(self, q, s, A, T, *, num_classes, y_sq=None):
         if y_sq is None:

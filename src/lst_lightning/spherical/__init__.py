@@ -6,5 +6,6 @@ from .base import SphericalHeadBase
 from .factored import FactoredSphericalHead
 from .graph_step import CudaGraphStep
 from .naive import NaiveSphericalHead
+from .negatives import Negatives
 
-__all__ = ["SphericalHeadBase", "FactoredSphericalHead", "NaiveSphericalHead", "CudaGraphStep"]
+__all__ = ["SphericalHeadBase", "FactoredSphericalHead", "NaiveSphericalHead", "CudaGraphStep", "Negatives"]

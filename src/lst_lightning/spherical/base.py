@@ -25,6 +25,7 @@ from .blocks import BLOCK
 from .checks import HostChecks
 from .driving import Driving
 from .multi_process import Sharding
+from .negatives import NegativeSampling, Negatives
 from .pending import PendingRows, check_loss_scale, check_max_rows
 
 STATE_DTYPES = (torch.float32, torch.float64)
@@ -135,7 +136,8 @@ class SphericalHeadBase(OutputHead):
                  loss_kwargs: dict | None = None, lr: float | None = None, weight_decay: float = 0.0,
                  bias: bool = True, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
-                 generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX):
+                 generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX,
+                 negatives: Negatives | dict | None = None):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -183,6 +185,13 @@ class SphericalHeadBase(OutputHead):
         self._init_std = float(init_std) if init_std is not None else self.loss_fn.init_std(num_classes, self.width)
         self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator,
                                             device=generator.device if generator is not None else "cpu"))
+        #: sampled classes as slots of the step (negatives.py), with the composite loss only
+        settings = Negatives.of(negatives)
+        if (settings is None) == self.loss_fn.sampled:
+            raise ValueError(f"loss {self.loss_fn.name!r} needs negatives (e.g. negatives=dict(num=64))"
+                             if settings is None else
+                             f"negatives need a loss with sampled classes ('sampled'), not {self.loss_fn.name!r}")
+        self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -237,11 +246,16 @@ class SphericalHeadBase(OutputHead):
         self._weight_decay = value
 
     def get_extra_state(self):
-        return {"lr": self._lr, "weight_decay": self._weight_decay,
-                "loss": {"name": self.loss_fn.name, **self.loss_fn.hparams()}}
+        out = {"lr": self._lr, "weight_decay": self._weight_decay,
+               "loss": {"name": self.loss_fn.name, **self.loss_fn.hparams()}}
+        if self.negatives is not None:  # the generator's state: a resumed run draws the same negatives
+            out["negatives"] = self.negatives.state()
+        return out
 
     def set_extra_state(self, state) -> None:
         self.lr, self.weight_decay = state["lr"], state["weight_decay"]
+        if self.negatives is not None and "negatives" in state:
+            self.negatives.load_state(state["negatives"])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Refuse a state saved with another loss before any buffer is overwritten.
@@ -249,6 +263,9 @@ class SphericalHeadBase(OutputHead):
         mine = {"name": self.loss_fn.name, **self.loss_fn.hparams()}
         if saved is not None and saved != mine:
             raise ValueError(f"the state was saved with loss {saved} but this head has {mine}")
+        saved_neg = state_dict.get(prefix + "_extra_state", {}).get("negatives")
+        if saved_neg is not None and self.negatives is not None:
+            self.negatives.check_state(saved_neg)
         self._version += 1
         self._uninitialised = False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -483,7 +500,7 @@ class SphericalHeadBase(OutputHead):
     # -- the loss on m-sized tensors ----------------------------------------------------
     def y_sq(self, idx: Tensor, T: Tensor) -> Tensor | None:
         """||y||^2 per row, with repeated classes in a row summed first (squared error only)."""
-        if self.loss_fn.name != "mse":
+        if not self.loss_fn.needs_y_sq:
             return None
         same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
         return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))

@@ -69,6 +69,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self.repairs = Repairs(Stabiliser.of(stabiliser))
         #: how the step is driven: step, sync_every and parallel, validated together once (driving.py).
         self.driving = Driving(step, sync_every, parallel)
+        self._refuse_with_negatives(self.driving)
         self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
         if not (isinstance(checksum_every, int) and checksum_every >= 0):
             raise ValueError(f"checksum_every must be an int >= 0, got {checksum_every!r}")
@@ -90,6 +91,17 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """The repairs' settings."""
         return self.repairs.settings
 
+    def _refuse_with_negatives(self, driving: Driving) -> None:
+        """The modes sampled classes do not take yet, each refused in one line with the reason."""
+        if self.negatives is None:
+            return
+        if driving.parallel != "none":
+            raise ValueError(f"negatives with parallel={driving.parallel!r}: not yet (every rank would have to "
+                             "draw the same negatives and a sharded V gather their rows); use parallel='none'")
+        if driving.step == "cuda_graph":
+            raise ValueError("negatives with step='cuda_graph': the draw runs on the host each step and a "
+                             "captured graph would replay one draw; use step='autograd' or 'fused'")
+
     @property
     def sharded(self) -> bool:
         return self.sharding.sharded
@@ -110,7 +122,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @step.setter
     def step(self, value: str) -> None:
-        self.driving = dataclasses.replace(self.driving, step=value)  # validated with sync_every and parallel
+        driving = dataclasses.replace(self.driving, step=value)  # validated with sync_every and parallel
+        self._refuse_with_negatives(driving)
+        self.driving = driving
         self._graph = None
 
     @property

@@ -38,10 +38,14 @@ class NaiveSphericalHead(SphericalHeadBase):
         self._uninitialised = False
         self._version += 1
 
-    def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor):
+    def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor, draw=None):
         O = Hx @ W.T
         Y = torch.zeros_like(O).scatter_add_(1, idx.clamp(min=0), T)  # T is 0 on padding
-        return self.reduce(self.loss_fn.dense(O, Y), idx)
+        if draw is None:
+            return self.reduce(self.loss_fn.dense(O, Y), idx)
+        cols, _, _, slots = draw  # the sampled classes: the same draw as the factored head's
+        A_neg = O[:, cols] if cols.dim() == 1 else O.gather(1, cols)
+        return self.reduce(self.loss_fn.with_slots_dense(O, Y, T, A_neg, slots, idx=idx), idx)
 
     def _eval_loss(self, Hx, idx, T):
         return self._dense(Hx, idx, T, self.W)
@@ -50,7 +54,8 @@ class NaiveSphericalHead(SphericalHeadBase):
         with torch.enable_grad():
             Hl = Hx.detach().requires_grad_()
             Wl = self.W.detach().requires_grad_()  # W changes only after autograd.grad ran
-            L = self._dense(Hl, idx, T, Wl)
+            draw = None if self.negatives is None else self.negatives.draw(idx, self.dtype)
+            L = self._dense(Hl, idx, T, Wl, draw)
         return L.detach(), (L, Hl, Wl)
 
     @torch.no_grad()

@@ -79,7 +79,8 @@ class Stabiliser:
 
 
 #: The repair counters, beside ``steps`` and ``skipped_nonfinite``.
-REPAIR_COUNTERS = ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes", "q_refreshes", "eig_checks")
+REPAIR_COUNTERS = ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes", "q_refreshes", "eig_checks",
+                   "eig_failures")
 
 
 def fell_due(every: int, n_prev: int, n: int) -> bool:
@@ -155,7 +156,16 @@ class Repairs:
         self.refresh_uinv(head)
         lo, hi = st.sv_min, st.sv_max
         if st.sv_method == "svd":
-            P, sig, _ = torch.linalg.svd(head.U)
+            try:
+                P, sig, _ = torch.linalg.svd(head.U)
+                if not bool(torch.isfinite(sig).all()):
+                    raise torch.linalg.LinAlgError("non-finite singular values")
+            except RuntimeError:  # LinAlgError: fold U into V (exact, W unchanged) and count it
+                head.eig_failures += 1
+                self.unfactorize(head)
+                head.cond_estimate.fill_(1.0)
+                head.cond_bound.fill_(1.0)
+                return
             bad = (sig < lo) | (sig > hi)
             k = int(bad.sum())
             if k > st.max_sv_fixes:
@@ -163,7 +173,7 @@ class Repairs:
             elif k:
                 self._rescale_directions(head, P[:, bad], sig[bad], torch.ones_like(sig[bad]))
                 self.refresh_uinv(head)
-            _, sig, _ = torch.linalg.svd(head.U)
+            sig = torch.linalg.svdvals(head.U)  # of U after the fixes (I after an unfactorisation)
             smax, smin = float(sig[0]), float(sig[-1])
         else:
             fixes = 0

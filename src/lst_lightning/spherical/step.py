@@ -37,6 +37,7 @@ class SavedForward:
     gs: Tensor
     GA: Tensor
     input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
+    neg: object = None  # sampled classes (negatives.py): a SharedBlock or PerRowSlots; None when off
 
 
 @dataclass
@@ -90,6 +91,9 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     if woodbury and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=woodbury)
+    if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
+        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
+        return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd
     loss_fn = head.loss_fn
     with torch.enable_grad():
@@ -108,6 +112,8 @@ def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
     ybar = GA.sum(1)
     sh = head.sharding
     YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
+    if fwd.neg is not None and fwd.neg.shared:  # shared negatives: one dense block (negatives.py)
+        YV, ybar = fwd.neg.hidden(head.V, grad, YV, ybar)
     Z = YV @ head.U + torch.outer(ybar, head.omega) + torch.outer(gs, head.wbar)
     dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
     return (dH, gq, gs, GA, ybar, Z) if parts else dH
@@ -137,10 +143,12 @@ def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: boo
     return out
 
 
-def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float]:
+def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float | None]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), and a
     bound on cond(B). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
-    the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only)."""
+    the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only). When
+    that eigenvalue computation fails (or returns non-finite values) the bound is None: the
+    step is skipped, counted in ``eig_failures`` and ``skipped_nonfinite``, never raised."""
     rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
     if rho_pos <= 0.5:
         return False, (1.0 + rho_neg) / (1.0 - rho_pos)
@@ -151,11 +159,19 @@ def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bo
         # would raise); the step's own finiteness check skips it and counts it
         return False, math.inf
     head.eig_checks += 1
-    if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
-        ev = torch.linalg.eigvals(A).real
-        ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
-    else:
-        ev = torch.linalg.eigvalsh(A)
+    try:
+        if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
+            ev = torch.linalg.eigvals(A).real
+            ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
+        else:
+            ev = torch.linalg.eigvalsh(A)
+    except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
+        # ill-conditioned A) among others: the step is skipped and counted, never raised
+        head.eig_failures += 1
+        return False, None
+    if not bool(torch.isfinite(ev).all()):
+        head.eig_failures += 1
+        return False, None
     lam = (1.0 - ev).abs()
     lo, hi = float(lam.min()), float(lam.max())
     return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf)
@@ -191,13 +207,17 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         HUinv_new, info = torch.linalg.solve_ex(U_new, Hx, left=False)
         Uinv_new = None
     # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
-    M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, lk.sparse_gram(fwd.idx, GA))
+    yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
+    M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
     Q_new = lk.q_update(head.Q, Hx, dH, M, lr, c)
     wbar_new = c * head.wbar - lr * (Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
     total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
     if Uinv_new is not None:
         total = total + Uinv_new.sum()
     ok = torch.isfinite(total)  # NaN and inf survive a sum
+    if cond_step is None:  # the eigenvalues of B could not be computed: skip the step (host checks only)
+        ok = torch.zeros_like(ok)
+        cond_step = math.inf
     if info is not None:
         ok &= (info == 0).all()
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
@@ -223,6 +243,8 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
     lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr)
+    if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
+        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None)
     Q = 0.5 * (new.Q + new.Q.T)
     if masked:
         head.omega.copy_(torch.where(ok, new.omega, head.omega))
@@ -295,8 +317,10 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Ten
 
 
 def pending_record(head, fwd: SavedForward, weight: Tensor):
-    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients."""
-    return fwd.Hx, fwd.idx, fwd.gq * weight, fwd.gs * weight, fwd.GA * weight
+    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients
+    (shared negatives as extra slots of every row: the records are stepped by the general path)."""
+    idx, GA = (fwd.idx, fwd.GA) if fwd.neg is None or not fwd.neg.shared else fwd.neg.as_slots(fwd.idx, fwd.GA)
+    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight
 
 
 @torch.no_grad()
@@ -312,4 +336,5 @@ def apply_records(head, records: list) -> None:
     if woodbury and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=woodbury)
-    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA), gq.new_ones(()))
+    neg = None if head.negatives is None else head.negatives.slots_part()  # Yd Yd^T by unique columns
+    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, neg=neg), gq.new_ones(()))

@@ -1,0 +1,116 @@
+"""The composite loss of sampled classes inside the exact step (issue 31):
+
+    l = CE over [the row's targets, its S sampled negatives]      (sampled softmax)
+      + mu * a spherical loss of the target slots                  (the Z-loss by default)
+      + gram * q                                                   (lambda ||o||^2 = lambda h^T Q h)
+
+The sampled-softmax term is the one of ``SampledSoftmaxHead`` (baselines/sampled.py): the
+negatives' outputs carry the correction ``-log(k q / (1 - q_T))`` (k kept negatives, q_T
+the proposal's mass on the row's targets) and accidental hits (a negative equal to one
+of the row's targets) are masked out; with K > 1 targets the CE is ``sum_k t_k (logZ -
+a_k)``, each target class counted once in Z. The spherical terms act on all D classes at
+once (they read q and s), which no sampled method affords.
+
+The head computes the slots (the draw, the correction and the hit mask: the exact head's
+``negatives``, spherical/negatives.py) and hands them over as ``SampledSlots``. Two forms,
+as every loss of the zoo: ``with_slots`` on (q, s, A, A_neg) for the factored head and
+``with_slots_dense`` on the explicit outputs O for the naive head. Without slots (evaluation,
+no draw) ``forward`` is the spherical terms alone.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .base import SphericalLoss
+from .mse import MSELoss
+from .spherical_softmax import SphericalSoftmaxLoss
+from .taylor_softmax import TaylorSoftmaxLoss
+from .zloss import ZLoss
+
+_SPHERICAL = {cls.name: cls for cls in (MSELoss, SphericalSoftmaxLoss, TaylorSoftmaxLoss, ZLoss)}
+
+
+class SampledSlots(NamedTuple):
+    """What the head's draw hands the loss, per row (m, S): the correction of each negative's
+    output and the accidental-hit mask."""
+    correction: Tensor
+    hit: Tensor
+
+
+def first_occurrence(idx: Tensor) -> Tensor:
+    """(m, K) bool: True on real slots whose class did not occur earlier in the same row."""
+    K = idx.shape[1]
+    same = (idx[:, :, None] == idx[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)
+    return (idx >= 0) & ~same.any(2)
+
+
+class SampledCompositeLoss(SphericalLoss):
+    """Sampled-softmax CE + ``mu`` times a spherical loss (``spherical``, with
+    ``spherical_kwargs``) of the target slots + ``gram`` times q. Needs a head with
+    ``negatives`` (the head refuses the one without the other)."""
+
+    name = "sampled"
+    #: the head needs sampled slots to compute this loss in a training step
+    sampled = True
+    #: the softmax term makes the outputs logits: the model's distribution is softmax(o)
+    outputs_are_logits = True
+    #: the prototype's measured best at D = 10^5 and 10^6 (mu = 1, S = 64, log-uniform): lr 8
+    default_lr = 8.0
+
+    def __init__(self, mu: float = 1.0, spherical: str = "zloss", spherical_kwargs: dict | None = None,
+                 gram: float = 0.0):
+        super().__init__()
+        if spherical not in _SPHERICAL:
+            raise ValueError(f"spherical must be one of {sorted(_SPHERICAL)}, got {spherical!r}")
+        for name, v in (("mu", mu), ("gram", gram)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and v < float("inf")):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        self.mu, self.gram = float(mu), float(gram)
+        self.spherical_name, self.spherical_kwargs = spherical, dict(spherical_kwargs or {})
+        self.spherical = _SPHERICAL[spherical](**self.spherical_kwargs)
+        self.needs_y_sq = self.spherical.needs_y_sq
+
+    def hparams(self):
+        return {"mu": self.mu, "spherical": self.spherical_name, "spherical_kwargs": self.spherical_kwargs,
+                "gram": self.gram}
+
+    def init_std(self, num_classes: int, width: int) -> float:
+        return self.spherical.init_std(num_classes, width)
+
+    # -- the spherical terms (all D classes) ---------------------------------------------
+    def forward(self, q, s, A, T, *, num_classes, y_sq=None):
+        """The spherical terms alone (no sampled slots: evaluation)."""
+        per = q * self.gram
+        if self.mu:
+            per = per + self.mu * self.spherical(q, s, A, T, num_classes=num_classes, y_sq=y_sq)
+        return per
+
+    def dense(self, O, Y):
+        per = self.gram * (O * O).sum(1)
+        if self.mu:
+            per = per + self.mu * self.spherical.dense(O, Y)
+        return per
+
+    # -- with the sampled slots ----------------------------------------------------------
+    @staticmethod
+    def sampled_ce(A: Tensor, T: Tensor, idx: Tensor, A_neg: Tensor, slots: SampledSlots) -> Tensor:
+        """Per-row sampled-softmax CE: ``sum_k t_k (logsumexp(Z) - a_k)``, Z the targets (each
+        class once, padding out) and the corrected negatives that are no accidental hit."""
+        neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
+        o_t = torch.where(first_occurrence(idx), A, neg_inf)
+        o_n = torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))
+        log_z = torch.logsumexp(torch.cat([o_t, o_n], 1), dim=1, keepdim=True)
+        return (T * (log_z - A)).sum(1)  # T is 0 on padding
+
+    def with_slots(self, q, s, A, T, A_neg, slots: SampledSlots, *, idx, num_classes, y_sq=None):
+        """Per-row losses from q, s, the target outputs A (m, K) and the negatives' A_neg (m, S)."""
+        return self.sampled_ce(A, T, idx, A_neg, slots) + self.forward(q, s, A, T, num_classes=num_classes,
+                                                                        y_sq=y_sq)
+
+    def with_slots_dense(self, O, Y, T, A_neg, slots: SampledSlots, *, idx):
+        """The same per-row losses from the explicit outputs O (m, D): the reference."""
+        A = torch.where(idx >= 0, O.gather(1, idx.clamp(min=0)), torch.zeros((), dtype=O.dtype, device=O.device))
+        return self.sampled_ce(A, T, idx, A_neg, slots) + self.dense(O, Y)

@@ -1,0 +1,248 @@
+"""Sampled classes as slots of the exact step (issue 31; docs/algorithm.md, "Sampled classes").
+
+The exact update needs only ``dO = 2 diag(g_q) O + g_s 1^T + Yd`` with ``Yd`` sparse. A
+sampled-softmax term over each row's targets and S sampled classes adds one column of
+``Yd`` per sampled class, so a loss = sampled-softmax CE + spherical terms
+(``losses/sampled_composite.py``) takes the exact SGD step on the whole implicit W in
+O(m d^2 + m S d), with the same V, U, Q, wbar, omega.
+
+- ``Negatives``: the settings (how many, which sampler, shared per batch or drawn per row,
+  the seed), validated once.
+- ``NegativeSampling`` (``head.negatives``, built by the shell, base.py, for the factored
+  and the naive head alike): the proposal, the head's own generator (its state is in the
+  head's extra state: a resumed run draws the same next negatives), the draw with its
+  correction and accidental-hit mask, and, for the factored head, the loss and its
+  gradients on (q, s, A, A_neg).
+- ``SharedBlock``: shared negatives as ONE dense block of S columns, not m S slots: their
+  outputs ``A_neg = (H U^T) V[neg]^T + H omega`` in one GEMM, their part of ``Yd V`` as
+  ``G_u V[u]`` (the columns coalesced to the u unique negatives), ``Yd Yd^T`` =
+  ``sparse_gram(targets) + G_u G_u^T + P G_u^T + G_u P^T`` (P: the targets' gradients on
+  the negatives' columns, the accidental hits) and the scatter into V[u] in one
+  ``index_add_`` of one GEMM.
+- ``PerRowSlots``: negatives drawn per row are extra target slots of the general path
+  (value 0), with ``Yd Yd^T`` coalesced to unique columns (``unique_column_gram``).
+
+The step (step.py) enters this module only when the head has negatives.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+import lst_kernels as lk
+
+from ..heads.samplers import STATIC_SAMPLERS
+from ..heads.targets import first_occurrence
+from ..losses import SampledSlots
+
+#: the kernel proposals of the sampled-softmax baseline, not yet drawn for the implicit W
+KERNEL_SAMPLERS = ("rff", "quadratic")
+KERNEL_REFUSAL = ("with W = V U + 1 omega^T, exp(h.w_c) = exp(h.omega) exp((U h).v_c) and (h.w_c)^2 is "
+                  "quadratic in (U h, h.omega) against v_c, so the RF and quadratic proposals are exact for "
+                  "the implicit W with the query U h and trees over V's rows (updated sparsely, rebuilt after a "
+                  "fold), but that is not built yet (issue 31): use 'log_uniform', 'unigram' or 'uniform'")
+
+
+@dataclass(frozen=True)
+class Negatives:
+    """The sampled classes of each training step, validated on construction.
+
+    ``num``: S negatives; ``sampler``: "log_uniform" (Zipf over frequency-sorted ids),
+    "unigram" (``class_counts ** power``, + ``smoothing``) or "uniform"; ``shared``: one
+    draw for the whole batch (one dense block) or S per row; ``seed``: of the head's own
+    generator (None: the head's init seed); ``remove_accidental_hits``: a negative equal to
+    one of its row's targets is masked out (and the correction uses the law it was drawn
+    from, q / (1 - q_T))."""
+
+    num: int = 64
+    sampler: str = "log_uniform"
+    shared: bool = True
+    seed: int | None = None
+    remove_accidental_hits: bool = True
+    power: float = 0.75
+    smoothing: float = 0.0
+    class_counts: object = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
+            raise ValueError(f"negatives.num must be a positive int, got {self.num!r}")
+        if self.sampler in KERNEL_SAMPLERS:
+            raise ValueError(f"negatives.sampler={self.sampler!r}: {KERNEL_REFUSAL}")
+        if self.sampler not in STATIC_SAMPLERS:
+            raise ValueError(f"negatives.sampler must be one of {sorted(STATIC_SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler == "unigram" and self.class_counts is None:
+            raise ValueError("negatives.sampler='unigram' needs negatives.class_counts (one count per class)")
+        for name in ("shared", "remove_accidental_hits"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"negatives.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"negatives.seed must be an int or None, got {self.seed!r}")
+
+    @classmethod
+    def of(cls, value) -> "Negatives | None":
+        """The settings from a Negatives, a dict of some of its fields (a Hydra config), or None (off)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"negatives must be a Negatives, a dict or None, got {type(value).__name__}")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(value) - set(names))
+        if unknown:
+            raise ValueError(f"unknown negatives setting(s) {unknown}; the settings are {names}")
+        return cls(**value)
+
+    def public(self) -> dict:
+        """The settings but the counts (what a checkpoint records and compares)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "class_counts"}
+
+
+class NegativeSampling:
+    """``head.negatives``: the proposal, the head's generator and the draw."""
+
+    def __init__(self, settings: Negatives, num_classes: int, seed: int):
+        self.settings = settings
+        kw = {"class_counts": settings.class_counts, "power": settings.power,
+              "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
+        self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
+        self._log_q = {}  # the proposal's log q on each (device, dtype) the targets came on: copied once
+
+    # -- resume: the generator's state in the head's extra state --------------------------
+    def state(self) -> dict:
+        return {"settings": self.settings.public(), "rng": self.generator.get_state()}
+
+    def check_state(self, state: dict) -> None:
+        if state["settings"] != self.settings.public():
+            raise ValueError(f"the state was saved with negatives {state['settings']} but this head has "
+                             f"{self.settings.public()}")
+
+    def load_state(self, state: dict) -> None:
+        self.check_state(state)
+        self.generator.set_state(state["rng"])
+
+    # -- the draw ---------------------------------------------------------------------------
+    def draw(self, idx: Tensor, dtype: torch.dtype):
+        """S negatives (shared: (S,); per row: (m, S)), drawn on the host from the head's
+        generator; their correction ``log(k q / (1 - q_T))`` and accidental-hit mask, (m, S)."""
+        st, (m, S) = self.settings, (idx.shape[0], self.settings.num)
+        neg, log_q = self.sampler.sample(S if st.shared else m * S, generator=self.generator)
+        uniq = inv = None
+        if st.shared:
+            uniq, inv = torch.unique(neg, sorted=True, return_inverse=True)  # on the host: no device sync
+            uniq, inv = uniq.to(idx.device, non_blocking=True), inv.to(idx.device, non_blocking=True)
+        neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
+        cols = neg if st.shared else neg.reshape(m, S)
+        neg_m, log_q = cols.expand(m, S), log_q.expand(m, S) if st.shared else log_q.reshape(m, S)
+        if st.remove_accidental_hits:
+            hit = (neg_m[:, :, None] == idx[:, None, :]).any(2)
+            kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
+            key = (idx.device, dtype)
+            if key not in self._log_q:
+                self._log_q[key] = self.sampler.log_q.to(idx.device, dtype)
+            q_t = torch.where(first_occurrence(idx), self._log_q[key][idx.clamp(min=0)].exp(),
+                              torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
+            log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
+        else:
+            hit = torch.zeros((m, S), dtype=torch.bool, device=idx.device)
+            kept = torch.full((m, 1), float(S), dtype=dtype, device=idx.device)
+            log_rest = torch.zeros((m, 1), dtype=dtype, device=idx.device)
+        return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit)
+
+    def slots_part(self) -> "PerRowSlots":
+        """Exact accumulation's records carry every negative as a slot: their Yd Yd^T by unique columns."""
+        return PerRowSlots()
+
+    # -- the factored step's loss (step.forward enters here only when the head has negatives) --
+    def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, Ht: Tensor,
+                       ht: Tensor):
+        """The draw, the negatives' outputs, the composite loss and its gradients by autograd.
+        Returns (L, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives
+        as extra slots (the general path); shared, they stay apart in a ``SharedBlock``."""
+        cols, uniq, inv, slots = self.draw(idx, head.dtype)
+        if self.settings.shared:
+            A_neg = torch.addmm(ht[:, None], Ht, head.V[cols].T)  # (H U^T) V[neg]^T + H omega: one GEMM
+        else:
+            A_neg = lk.gather_dot(head.V, cols, Ht, ht)
+        loss_fn = head.loss_fn
+        with torch.enable_grad():
+            q, s, A, A_neg = (t.detach().requires_grad_() for t in (q, s, A, A_neg))
+            y_sq = head.y_sq(idx, T)  # None unless the spherical term is the squared error
+            per = loss_fn.with_slots(q, s, A, T, A_neg, slots, idx=idx, num_classes=head.num_classes, y_sq=y_sq)
+            L = head.reduce(per, idx)
+            gq, gs, GA, G_neg = torch.autograd.grad(L, (q, s, A, A_neg), materialize_grads=True)
+        if self.settings.shared:
+            return L.detach(), gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg)
+        return (L.detach(), gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
+                PerRowSlots())
+
+
+def unique_column_gram(idx: Tensor, G: Tensor) -> Tensor:
+    """Yd Yd^T (m x m) for Yd[i, idx[i, k]] += G[i, k] (padding -1 ignored), by coalescing the
+    slots to their u unique columns: O(m K) to build Yd on them, O(m^2 u) to multiply (the
+    slot-pair form compares (m K)^2 pairs). Equals ``lk.sparse_gram``."""
+    m, K = idx.shape
+    flat = idx.reshape(-1)
+    g = torch.where(flat >= 0, G.reshape(-1), torch.zeros((), dtype=G.dtype, device=G.device))
+    uniq, inv = torch.unique(flat.clamp(min=0), return_inverse=True)
+    rows = torch.arange(m, device=idx.device).repeat_interleave(K)
+    Yc = torch.zeros(m, uniq.numel(), dtype=G.dtype, device=G.device)
+    Yc.index_put_((rows, inv), g, accumulate=True)  # g is 0 on padding, whichever column it lands in
+    return Yc @ Yc.T
+
+
+class PerRowSlots:
+    """Negatives drawn per row: the last S of the step's K + S slots (the general path, value 0)."""
+
+    shared = False
+
+    def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
+        # torch.unique syncs a GPU with the host: under device flags the slot-pair form
+        return lk.sparse_gram(idx, GA) if head.step_checks.deferred else unique_column_gram(idx, GA)
+
+
+class SharedBlock:
+    """Negatives shared by the batch: S columns of Yd as one dense block.
+
+    ``cols`` (S,) the draw, ``uniq`` (u,) its distinct classes, ``inv`` (S,) each draw's
+    place among them, ``G_neg`` (m, S) dL/dA_neg; ``G_u`` (m, u) the step's gradients on
+    the unique columns (repeated negatives summed), set by ``hidden``."""
+
+    shared = True
+
+    def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor):
+        self.cols, self.uniq, self.inv, self.G_neg = cols, uniq, inv, G_neg
+        self.G_u = None
+
+    def coalesced(self, grad: Tensor) -> Tensor:
+        m, u = self.G_neg.shape[0], self.uniq.numel()
+        return self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
+
+    def hidden(self, V: Tensor, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
+        """Their part of Yd V (one GEMM) and of Yd's row sums."""
+        self.G_u = self.coalesced(grad)
+        return torch.addmm(YV, self.G_u, V[self.uniq].to(YV.dtype)), ybar + self.G_u.sum(1)
+
+    def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
+        """Yd Yd^T: the targets' slot pairs, the block's G_u G_u^T and the cross terms of the
+        targets that fall on a negative's column (accidental hits)."""
+        uniq, G_u = self.uniq, self.G_u
+        pos = torch.searchsorted(uniq, idx.clamp(min=0)).clamp(max=uniq.numel() - 1)
+        on_neg = (idx >= 0) & (uniq[pos] == idx)
+        P = torch.zeros_like(G_u).scatter_add_(1, pos, torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype,
+                                                                                       device=GA.device)))
+        C = P @ G_u.T
+        return lk.sparse_gram(idx, GA) + G_u @ G_u.T + C + C.T
+
+    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok) -> None:
+        """V[u] += alpha G_u^T (H U_new^-1): one GEMM, one index_add_ (masked by ``ok`` under device flags)."""
+        G_u = self.G_u if ok is None else torch.where(ok, self.G_u, 0.0)
+        V.index_add_(0, self.uniq, (alpha * (G_u.T @ HUinv)).to(V.dtype))
+
+    def as_slots(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
+        """The block as S extra slots of every row (exact accumulation's general path)."""
+        m, S = idx.shape[0], self.cols.numel()
+        return torch.cat([idx, self.cols.expand(m, S)], 1), torch.cat([GA, self.G_neg], 1)

@@ -1,0 +1,268 @@
+"""Sampled classes as slots of the exact step (issue 31; spherical/negatives.py, the composite
+loss losses/sampled_composite.py): the factored step equals the naive head's step on the same
+drawn negatives, in float64, over several steps (loss, dL/dH and the implicit W after each),
+shared per batch (one dense block) and drawn per row (extra slots); the draws are the head's
+own, reproducible from the seed and resumed exactly; bad settings are refused in one line."""
+import io
+
+import pytest
+import torch
+
+from lst_lightning.spherical import FactoredSphericalHead, Negatives
+from lst_lightning.spherical.negatives import unique_column_gram
+
+import lst_kernels as lk
+
+from head_pairs import assert_untouched, make_pair, rel, state_of, step_both
+
+D, d = 40, 6
+
+
+def pair(shared=True, num=6, sampler="log_uniform", gram=0.0, mu=1.0, spherical="zloss", **kw):
+    neg = dict(num=num, sampler=sampler, shared=shared, seed=11)
+    if sampler == "unigram":
+        neg["class_counts"] = torch.arange(D, 0, -1).double()
+    skw = {"a": 0.5, "b": 2.0} if spherical == "zloss" else {}
+    return make_pair("sampled", D=D, d=d, lr=kw.pop("lr", 0.2), negatives=neg,
+                     loss_kwargs=dict(mu=mu, gram=gram, spherical=spherical, spherical_kwargs=skw), **kw)
+
+
+def hard_batch(m=7, K=3, classes=8):
+    """K > 1 targets over a few classes (log-uniform negatives hit them: accidental hits),
+    padding -1 and -100, a class repeated within a row and across rows, a fully padded row."""
+    H = torch.randn(m, d, dtype=torch.float64)
+    idx = torch.randint(0, classes, (m, K))
+    idx[0, -1] = -1
+    idx[1, 1] = idx[1, 0]
+    idx[2, 0] = idx[0, 0]
+    idx[3, 2] = -100
+    idx[4] = -1
+    return H, idx
+
+
+def run(f, n, steps=5, **kw):
+    for _ in range(steps):
+        H, idx = hard_batch(**kw)
+        errs = step_both(f, n, H, idx)
+        assert max(errs) < 1e-10, f"relative errors (loss, dL/dH, W) = {errs}"
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("sampler", ["log_uniform", "uniform", "unigram"])
+def test_factored_step_equals_naive_step_on_the_same_draws(shared, sampler):
+    torch.manual_seed(0)
+    f, n = pair(shared=shared, sampler=sampler)
+    run(f, n)
+    assert int(f.steps) == int(n.steps) == 5
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("spherical,mu,gram", [("zloss", 0.0, 0.0), ("zloss", 1.0, 0.3), ("mse", 0.5, 0.0),
+                                               ("spherical_softmax", 1.0, 0.0), ("taylor_softmax", 0.3, 0.1)])
+def test_any_spherical_term_and_the_gramian_penalty(shared, spherical, mu, gram):
+    torch.manual_seed(1)
+    f, n = pair(shared=shared, spherical=spherical, mu=mu, gram=gram, lr=0.05)
+    run(f, n, steps=4)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_accidental_hits_and_repeated_negatives(shared):
+    # 40 negatives over D = 40 log-uniform classes: repeated negatives in every draw, and
+    # negatives equal to the rows' targets (accidental hits), both counted here.
+    torch.manual_seed(2)
+    f, n = pair(shared=shared, num=40)
+    H, idx = hard_batch()
+    cols, uniq, _, slots = f.negatives.draw(idx, torch.float64)
+    assert bool(slots.hit.any())
+    assert uniq is None or uniq.numel() < cols.numel()
+    f.negatives.generator.manual_seed(11)
+    errs = step_both(f, n, H, idx)
+    assert max(errs) < 1e-10, errs
+    run(f, n, steps=3)
+
+
+@pytest.mark.parametrize("woodbury", ["always", "never"])
+def test_both_inverse_paths_and_weight_decay(woodbury):
+    torch.manual_seed(3)
+    f, n = pair(stabiliser={"woodbury": woodbury}, weight_decay=0.01)
+    run(f, n, steps=6, m=5 if woodbury == "always" else 9)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_step_and_exact_accumulation_equal_the_naive_head(shared):
+    torch.manual_seed(4)
+    f, n = pair(shared=shared)
+    f.step = "fused"
+    run(f, n, steps=3)
+    # two micro-batches per optimizer step: one exact step on their union (negatives as slots)
+    f, n = pair(shared=shared)
+    fo, no = torch.optim.SGD([torch.zeros(1, requires_grad=True)]), torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    f.attach(fo)
+    n.attach(no)
+    for _ in range(2):
+        for _ in range(2):
+            H, idx = hard_batch()
+            Hf, Hn = H.clone().requires_grad_(), H.clone().requires_grad_()
+            f(Hf, idx).backward()
+            n(Hn, idx).backward()
+            assert rel(Hf.grad, Hn.grad) < 1e-10
+        fo.step()
+        no.step()
+        assert rel(f.weight(), n.weight()) < 1e-10
+
+
+def test_device_flags_step_equals_the_host_checked_step():
+    torch.manual_seed(5)
+    for shared in (True, False):
+        f, n = pair(shared=shared)
+        f.sync_every = 3
+        run(f, n, steps=4)
+        f.sync()
+        assert int(f.steps) == 4 and int(f.skipped_nonfinite) == 0
+
+
+def test_the_draws_are_reproducible_from_the_seed():
+    idx = torch.tensor([[1, 2], [3, -1]])
+    a = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, seed=5))
+    b = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, seed=5))
+    c = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, seed=6))
+    da, db, dc = (h.negatives.draw(idx, torch.float32)[0] for h in (a, b, c))
+    assert torch.equal(da, db) and not torch.equal(da, dc)
+    # no seed: the head's own init seed (a head made from one generator draws alike)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    h1 = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, shared=False), generator=g1)
+    h2 = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, shared=False), generator=g2)
+    assert torch.equal(h1.negatives.draw(idx, torch.float32)[0], h2.negatives.draw(idx, torch.float32)[0])
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_resume_mid_run_gives_the_same_next_draws_and_steps(shared):
+    torch.manual_seed(6)
+    f, _ = pair(shared=shared)
+    for _ in range(3):
+        H, idx = hard_batch()
+        f(H.clone().requires_grad_(), idx).backward()
+    buf = io.BytesIO()
+    torch.save(f.state_dict(), buf)
+    g, _ = pair(shared=shared)  # a fresh head, its generator at the start
+    buf.seek(0)
+    g.load_state_dict(torch.load(buf, weights_only=False))
+    for _ in range(3):
+        H, idx = hard_batch()
+        Lf, Lg = f(H.clone().requires_grad_(), idx), g(H.clone().requires_grad_(), idx)
+        Lf.backward()
+        Lg.backward()
+        assert torch.equal(Lf, Lg)
+    assert torch.equal(f.weight(), g.weight())
+
+
+def test_a_state_saved_with_other_negatives_is_refused_untouched():
+    f, _ = pair()
+    g, _ = pair(num=7)
+    before = state_of(g)
+    with pytest.raises(ValueError, match="negatives"):
+        g.load_state_dict(f.state_dict())
+    assert_untouched(g, before)
+
+
+def test_shared_block_gram_equals_the_slot_gram():
+    # Yd Yd^T of the dense block (targets' slot pairs + G_u G_u^T + the accidental-hit cross
+    # terms) equals the slot-pair form on the negatives written as slots of every row.
+    torch.manual_seed(7)
+    f, _ = pair(num=30)
+    H, idx = hard_batch()
+    _, fwd = f._forward_step(f.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
+    f._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
+    idx_s, GA_s = fwd.neg.as_slots(fwd.idx, fwd.GA)
+    want = lk.reference.sparse_gram(idx_s, GA_s)
+    torch.testing.assert_close(fwd.neg.gram(f, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(unique_column_gram(idx_s, GA_s), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("settings,match", [
+    (dict(num=0), "num must be a positive int"),
+    (dict(num=True), "num must be a positive int"),
+    (dict(sampler="rff"), "RF and quadratic proposals are exact for the implicit W"),
+    (dict(sampler="quadratic"), "not built yet"),
+    (dict(sampler="exact"), "sampler must be one of"),
+    (dict(sampler="unigram"), "needs negatives.class_counts"),
+    (dict(shared="yes"), "shared must be a bool"),
+    (dict(seed=1.5), "seed must be an int"),
+    (dict(bogus=1), "unknown negatives setting"),
+])
+def test_bad_settings_are_refused_in_one_line(settings, match):
+    with pytest.raises(ValueError, match=match) as err:
+        FactoredSphericalHead(D, d, loss="sampled", negatives=settings)
+    assert "\n" not in str(err.value)
+
+
+def test_loss_and_negatives_go_together_and_modes_not_taken_are_refused():
+    with pytest.raises(ValueError, match="needs negatives"):
+        FactoredSphericalHead(D, d, loss="sampled")
+    with pytest.raises(ValueError, match="negatives need a loss with sampled classes"):
+        FactoredSphericalHead(D, d, loss="zloss", negatives=dict(num=4))
+    with pytest.raises(ValueError, match="parallel='replicated': not yet"):
+        FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=4), parallel="replicated")
+    f = FactoredSphericalHead(D, d, loss="sampled", negatives=Negatives(num=4), sync_every=2)
+    before = state_of(f)
+    with pytest.raises(ValueError, match="cuda_graph"):
+        f.step = "cuda_graph"
+    assert f.step == "autograd"
+    assert_untouched(f, before)
+
+
+def test_default_heads_never_enter_the_negatives_code(monkeypatch):
+    import lst_lightning.spherical.negatives as negatives  # noqa: PLC0415
+
+    def boom(*a, **k):
+        raise AssertionError("entered")
+
+    for name in ("loss_and_grads", "draw", "slots_part"):
+        monkeypatch.setattr(negatives.NegativeSampling, name, boom)
+    f, n = make_pair("zloss", D=D, d=d)
+    H, idx = hard_batch()
+    step_both(f, n, H, idx)
+    assert f.negatives is None and n.negatives is None
+
+
+def test_softmax_of_the_outputs_is_the_model_its_held_out_perplexity_falls():
+    """The softmax term makes o logits: an exported model samples from softmax(o) (export.py
+    leaves them alone); its perplexity on held-out rows is finite and falls with training."""
+    from lst_lightning.integrations.export import sampling_logits  # noqa: PLC0415
+
+    torch.manual_seed(8)
+    Dm, dm = 50, 8
+    centers = torch.randn(Dm, dm, dtype=torch.float64)
+
+    def data(m):
+        y = torch.randint(0, Dm, (m,))
+        return centers[y] + 0.3 * torch.randn(m, dm, dtype=torch.float64), y
+
+    head = FactoredSphericalHead(Dm, dm, loss="sampled", dtype=torch.float64, lr=0.5,
+                                 negatives=dict(num=10, sampler="uniform", seed=1))
+    Hv, yv = data(200)
+
+    def perplexity():
+        logits = sampling_logits(head.loss_fn, head.scores(Hv))
+        return float(torch.nn.functional.cross_entropy(logits, yv).exp())
+
+    before = perplexity()
+    for _ in range(60):
+        H, y = data(32)
+        head(H.requires_grad_(), y).backward()
+    after = perplexity()
+    assert torch.isfinite(torch.tensor(after)) and after < 0.5 * before, (before, after)
+    assert torch.equal(sampling_logits(head.loss_fn, Hv), Hv)
+
+
+def test_bf16_autocast_leaves_the_step_in_the_heads_own_precision():
+    torch.manual_seed(9)
+    f, g = pair()[0], pair()[0]
+    g.load_state_dict(f.state_dict())  # the same W and generator
+    for _ in range(3):
+        H, idx = hard_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            Lf = f(H.clone().float().requires_grad_(), idx)
+            Lf.backward()
+        g(H.clone().float().requires_grad_(), idx).backward()
+    assert torch.equal(f.weight(), g.weight())
