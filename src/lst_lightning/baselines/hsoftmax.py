@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from .class_counts import check_class_counts
+from ..heads.samplers import check_class_counts
 from .row_sparse import row_gather
 from ..heads.targets import check_hidden, check_reduction, check_targets, reduce_rows
 

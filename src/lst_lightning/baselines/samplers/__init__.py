@@ -1,11 +1,12 @@
-"""Proposal distributions for sampled softmax, selectable by name."""
+"""Proposal distributions for sampled softmax, selectable by name: the static ones
+(``lst_lightning.heads.samplers``, shared with the exact head's sampled slots) and the
+kernel ones of this package."""
 from __future__ import annotations
 
 import inspect
 
-from .base import Sampler
+from ...heads.samplers import LogUniformSampler, Sampler, UniformSampler, UnigramSampler
 from .kernel_sampler import ExactSoftmaxSampler, KernelSampler, QuadraticSampler, RFFSampler
-from .static import LogUniformSampler, StaticSampler, UniformSampler, UnigramSampler
 from .sum_tree import KernelSumTree
 
 SAMPLERS: dict[str, type[Sampler]] = {
@@ -35,6 +36,5 @@ def make_sampler(name: str, *, num_classes: int, hidden_dim: int | None = None, 
     return cls(num_classes=num_classes, **kwargs)
 
 
-__all__ = ["SAMPLERS", "make_sampler", "Sampler", "StaticSampler", "UniformSampler", "LogUniformSampler",
-           "UnigramSampler", "KernelSampler", "RFFSampler", "QuadraticSampler", "ExactSoftmaxSampler",
+__all__ = ["SAMPLERS", "make_sampler", "KernelSampler", "RFFSampler", "QuadraticSampler", "ExactSoftmaxSampler",
            "KernelSumTree"]

@@ -7,7 +7,7 @@ import functools
 import torch
 from torch import Tensor
 
-from .base import Sampler, check_num_samples
+from ...heads.samplers import Sampler, check_num_samples
 from .kernel_functions import Kernel, QuadraticKernel, RandomFourierKernel
 from .sum_tree import KernelSumTree
 

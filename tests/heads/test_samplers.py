@@ -1,4 +1,5 @@
-"""Proposals that ignore the hidden row (static.py): their draws follow their laws."""
+"""Proposals that ignore the hidden row (heads/samplers.py, built here by name through the
+baselines' registry): their draws follow their laws."""
 from __future__ import annotations
 
 import math
