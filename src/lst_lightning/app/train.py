@@ -27,7 +27,7 @@ from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries
 from .resume import resolve_ckpt_path
-from .wiring import flatten  # noqa: F401  (its old home)
+from .wiring import Run, instantiate_group
 
 if TYPE_CHECKING:
     import torch
@@ -154,7 +154,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     from .checkpoint_io import AtomicCheckpointIO  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel  # noqa: PLC0415
-    from .wiring import Run, instantiate_group  # noqa: PLC0415
 
     one_handler_for_lightning()
     run_dir = Path(run_dir)
@@ -191,7 +190,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         head_lr=ordinary_head_lr(cfg),
     )
 
-    run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
+    run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm, head_lr=ordinary_head_lr(cfg))
     run.loggers = instantiate_group(cfg.logger, run)
     callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
     trainer = pl.Trainer(

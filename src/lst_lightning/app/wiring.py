@@ -41,6 +41,7 @@ class Run:
     body: object
     dm: object
     loggers: list = field(default_factory=list)
+    head_lr: float | None = None  # an ordinary head's own optimiser lr (None: optimizer.lr, or a self-updating head)
 
 
 def instantiate_group(group: DictConfig, run: Run) -> list:
@@ -108,12 +109,11 @@ def progress_log(run: Run, every: int = 100):
 def run_record(run: Run):
     """The run's facts as hyperparameters, its results as the W&B summary."""
     from .callbacks import RunRecord, run_facts  # noqa: PLC0415
-    from .train import ordinary_head_lr  # noqa: PLC0415
 
     cfg = run.cfg
     return RunRecord(run_facts(run.head, run.body, run.dm.batch_size, run.loss, OmegaConf.to_container(cfg.loss.kwargs),
                                cfg.optimizer.lr, gpu=cfg.trainer.get("accelerator", "cpu") in ("gpu", "cuda"),
-                               head_lr=ordinary_head_lr(cfg)))
+                               head_lr=run.head_lr))
 
 
 def lr_monitor(run: Run, logging_interval: str = "step"):
