@@ -39,6 +39,7 @@ def files(tmp_path):
 @pytest.mark.parametrize("args,match", [
     (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
     (["loss.a=-1"], "write loss.kwargs.a=-1"),
+    (["head_step=fused"], "head_step is no longer a setting: the step mode is the head's own setting: write head.step=fused"),
     (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt"),
     (["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in"),
     (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),

@@ -1,6 +1,5 @@
 """The training app: config composition, a fast run of every head and loss, exact
 resume, bad input at start-up, and the console script."""
-import contextlib
 import json
 import os
 import subprocess
@@ -224,26 +223,31 @@ def test_fused_head_step_trains_like_autograd(tmp_path, step, sync_every):
     assert int(a["head.steps"]) == 6
 
 
-@pytest.mark.parametrize("step", ["head.step=cuda_graph", "head_step=cuda_graph"])
-def test_cuda_graph_head_step_needs_a_sync_free_head_at_build(tmp_path, step):
-    """Refused when the head is built (with the deprecated top-level key too), not at the first step."""
-    over = [*FAST, "head=factored", step, "trainer.limit_train_batches=2", "test=false"]
+def test_cuda_graph_head_step_needs_a_sync_free_head_at_build(tmp_path):
+    """Refused when the head is built, not at the first step."""
+    over = [*FAST, "head=factored", "head.step=cuda_graph", "trainer.limit_train_batches=2", "test=false"]
     # the head's ValueError, wrapped by Hydra's instantiate (the console script prints its one line)
-    with pytest.raises(InstantiationException, match=r"needs sync_every > 1"), pytest.warns(DeprecationWarning) \
-            if step.startswith("head_step") else contextlib.nullcontext():
+    with pytest.raises(InstantiationException, match=r"needs sync_every > 1"):
         run(cfg_of(*over), tmp_path)
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_deprecated_head_step_moves_to_head_step():
-    from lst_lightning.app.checks import resolve_aliases  # noqa: PLC0415
+def test_the_old_top_level_head_step_names_head_step():
+    """The step mode is head.step alone: the old top-level key, on the command line or
+    in a config, is refused in one line that says what to write."""
+    from omegaconf import open_dict  # noqa: PLC0415
 
-    cfg = cfg_of("head=factored", "head_step=fused")
-    with pytest.warns(DeprecationWarning, match="head.step=fused"):
-        assert resolve_aliases(cfg).head.step == "fused" and cfg.head_step is None
-    assert resolve_aliases(cfg_of("head=softmax", "head_step=autograd")).head_step is None
-    with pytest.raises(ValueError, match="has no step setting"):
-        resolve_aliases(cfg_of("head=naive", "head_step=fused"))
+    from lst_lightning.app.checks import check_config, check_overrides  # noqa: PLC0415
+
+    for arg in ("head_step=fused", "+head_step=fused"):
+        with pytest.raises(ValueError, match=r"head_step is no longer a setting: .* write head.step=fused"):
+            check_overrides([arg])
+    cfg = cfg_of("head=factored")
+    assert "head_step" not in cfg
+    with open_dict(cfg):
+        cfg.head_step = "fused"  # an old experiment's config
+    with pytest.raises(ValueError, match=r"write head.step=fused"):
+        check_config(cfg)
 
 
 def test_sequence_rows_flatten_and_check_shapes():

@@ -4,11 +4,10 @@ trainer's numbers, the checkpoint to resume from, local data files, and the keys
 the loss group. Each error names the setting and says what to do."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from .configs import config_dir
 from .resume import NEWEST, resolve_ckpt_path
@@ -90,6 +89,18 @@ def check_loss_key(key: str, value: str = "...") -> None:
                      "the loss's parameters are loss.kwargs.<name>)")
 
 
+# Keys that are gone: the key, and what to write instead (one line, before Hydra answers
+# with its hint to append the old key).
+GONE = {
+    "head_step": "the step mode is the head's own setting: write head.step={value}",
+}
+
+
+def check_gone(key: str, value: str = "...") -> None:
+    if key in GONE:
+        raise ValueError(f"{key} is no longer a setting: {GONE[key].format(value=value)}")
+
+
 def check_overrides(args: Iterable[str]) -> None:
     """Command-line overrides, before Hydra composes them: ``loss.a=-1`` names the right key."""
     for arg in args:
@@ -97,6 +108,7 @@ def check_overrides(args: Iterable[str]) -> None:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
+        check_gone(key, value)
         if key.startswith("loss."):
             check_loss_key(key[len("loss."):], value)
 
@@ -108,26 +120,11 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
-def resolve_aliases(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with the deprecated keys moved to their place (in place: the run directory's
-    config.yaml says what ran): the top-level ``head_step`` (until 0.2) is ``head.step``,
-    beside ``head.sync_every``."""
-    step = cfg.get("head_step")
-    if step is None:
-        return cfg
-    with open_dict(cfg):
-        cfg.head_step = None
-        if "step" in cfg.head:
-            warnings.warn(f"head_step={step} is deprecated: write head.step={step}", DeprecationWarning, stacklevel=2)
-            cfg.head.step = step
-        elif step != "autograd":
-            raise ValueError(f"head_step={step}: head {cfg.head.get('_target_')} has no step setting; only the "
-                             "factored head steps otherwise than in backward (head=factored head.step=...)")
-    return cfg
-
-
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
+    for key in GONE:
+        if key in cfg:
+            check_gone(key, cfg[key])
     check_trainer(cfg.trainer)
     check_ckpt_path(cfg.get("ckpt_path"))
     for key in cfg.get("loss") or {}:

@@ -50,8 +50,7 @@ def as_rows(hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
 class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
-                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
-                 head_step: str | None = None):
+                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
@@ -59,15 +58,6 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
                              "it cannot give perplexity; set metrics.perplexity=false or auto")
         self.body, self.head = body, head
-        # How the head's training step runs (None: as the head was built, the app's way:
-        # head.step in the config): "autograd", or for the factored head all at once in the
-        # forward ("fused"), replayed from a CUDA graph ("cuda_graph"); the head validates it.
-        if head_step is not None:
-            if head_step not in head.step_modes:
-                raise ValueError(f"head_step={head_step!r}: {type(head).__name__} runs its step by "
-                                 f"{list(head.step_modes)}")
-            if head_step != head.step:
-                head.step = head_step
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
                           "embedding_lr": None, "head_rows": None, **(optimizer or {})}
         check_optimizer_config(self.optim_cfg, self)  # the body's sparse embedding, the head's sparse rows

@@ -21,7 +21,7 @@ import hydra
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from .checks import check_config, check_overrides, resolve_aliases
+from .checks import check_config, check_overrides
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
@@ -146,7 +146,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     the ``_target_`` entries of the ``logger`` and ``callbacks`` groups (wiring.py); the
     built run is checked by ``check_built``."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
-    cfg = resolve_aliases(cfg)
     quiet_libraries()
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
