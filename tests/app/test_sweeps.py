@@ -137,4 +137,4 @@ def test_optuna_search_of_three_trials(tmp_path):
     best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     # the search minimised the configured objective (val/top5_error) over its trials
     assert best["best_value"] == pytest.approx(min(r["val"]["top5_error"] for r in results))
-    assert set(best["best_params"]) == {"loss.kwargs.a", "loss.kwargs.b", "loss.head_lr"}
+    assert set(best["best_params"]) == {"loss.kwargs.a", "loss.kwargs.b", "head.lr"}

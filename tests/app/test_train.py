@@ -21,8 +21,7 @@ from app_configs import CONF, FAST, TOY, TOY_SOFTMAX, cfg_of, cfgs_of, group
 def config_heads():
     """Every conf/head entry and its class: a head whose import fails fails collection
     here, loudly, rather than dropping out of the runs below."""
-    return [(name, get_class(yaml.safe_load((CONF / "head" / f"{name}.yaml").read_text())["_target_"]))
-            for name in group("head")]
+    return [(name, get_class(cfg_of(f"head={name}").head._target_)) for name in group("head")]
 
 
 def head_loss_cases():
@@ -263,15 +262,24 @@ def test_sequence_rows_flatten_and_check_shapes():
 
 
 def test_an_ordinary_heads_own_lr(tmp_path):
-    """head.lr of an ordinary head is its parameters' lr in the optimizer (the body keeps
-    optimizer.lr) and is recorded as head_lr; a bad one is refused at start-up."""
+    """optimizer.head_lr of an ordinary head is its parameters' lr in the optimizer (the body
+    keeps optimizer.lr) and is recorded as head_lr; a bad one is refused at start-up, and
+    so is head.lr (a self-updating head's own SGD lr) on an ordinary head, or
+    optimizer.head_lr on a self-updating one."""
     from lst_lightning.app.train import build  # noqa: PLC0415
 
-    _, module, _ = build(cfg_of(*FAST, "head=hsoftmax", "head.lr=0.008", "optimizer.lr=0.002"), tmp_path)
+    cfg = cfg_of(*FAST, "head=hsoftmax", "optimizer.head_lr=0.008", "optimizer.lr=0.002")
+    _, module, _ = build(cfg, tmp_path)
     opt = module.configure_optimizers()["optimizer"]
     lr_of = {id(p): g["initial_lr"] for g in opt.param_groups for p in g["params"]}  # before the warm-up
     assert {lr_of[id(p)] for p in module.head.parameters()} == {0.008}
     assert {lr_of[id(p)] for p in module.body.parameters()} == {0.002}
     assert module.head.weight in module.head.sparse_parameters()  # head.sparse=true by default
-    with pytest.raises(ValueError, match="head.lr must be"):
-        run(cfg_of(*FAST, "head=sampled", "head.lr=-1"), tmp_path / "bad")
+    assert cfg_of("head=softmax").optimizer.head_lr == 0.128  # a baseline's config sets its tuned lr
+    assert cfg_of("head=factored").optimizer.head_lr is None
+    with pytest.raises(ValueError, match="optimizer.head_lr must be"):
+        run(cfg_of(*FAST, "head=sampled", "optimizer.head_lr=-1"), tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"head.lr=0.1: .*write optimizer.head_lr=0.1"):
+        run(cfg_of(*FAST, "head=sampled", "+head.lr=0.1"), tmp_path / "bad")
+    with pytest.raises(ValueError, match=r"optimizer.head_lr=0.1 .*write head.lr=0.1"):
+        run(cfg_of(*FAST, "head=factored", "optimizer.head_lr=0.1"), tmp_path / "bad")

@@ -18,10 +18,8 @@ def test_head_configs_instantiate_and_train(name):
     conf = Path(__file__).resolve().parents[2] / "conf" / "head"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = compose(config_name=name)
-    from omegaconf import OmegaConf
-
-    # the head's own optimiser lr: the app hands it to the optimizer (train.make_head)
-    cfg = OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items() if k != "lr"})
+    cfg = cfg.head  # the file also sets the head's own optimiser lr (optimizer.head_lr)
+    assert "lr" not in cfg
     target = hydra.utils.get_class(cfg._target_)
     extra = {"class_counts": zipf_counts(60)} if "class_counts" in inspect.signature(target).parameters else {}
     head = hydra.utils.instantiate(cfg, num_classes=60, hidden_dim=16, **extra)

@@ -90,8 +90,8 @@ def test_loss_settings_are_the_configs(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         bh.loss_settings("zloss")
     (tmp_path / "loss").mkdir()
-    (tmp_path / "loss" / "zloss.yaml").write_text("name: zloss\nkwargs: {}\n")
-    with pytest.raises(ValueError, match="head_lr"):
+    (tmp_path / "loss" / "zloss.yaml").write_text("name: zloss\nkwargs: [1]\n")
+    with pytest.raises(ValueError, match="kwargs"):
         bh.loss_settings("zloss")
 
 

@@ -64,25 +64,17 @@ def model_class(cfg: DictConfig) -> type:
         raise ValueError(f"model._target_={cfg.model._target_!r} cannot be imported: {e}") from e
 
 
-def ordinary_head_lr(cfg: DictConfig) -> float | None:
-    """An ordinary head's ``head.lr``: its parameters' lr in the optimizer (null or absent:
-    optimizer.lr). A self-updating head takes ``lr`` itself (its own SGD step): None here."""
-    if getattr(head_class(cfg), "self_updating", False):
-        return None
-    return cfg.head.get("lr")  # checked by LanguageModel
-
-
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
     """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
-    only where the constructor takes it; an ordinary head's ``lr`` is the optimizer's
-    (``ordinary_head_lr``), not the constructor's."""
+    only where the constructor takes it."""
     cls = head_class(cfg)
+    if not getattr(cls, "self_updating", False) and cfg.head.get("lr") is not None:
+        raise ValueError(f"head.lr={cfg.head.lr}: head.lr is a self-updating head's own SGD lr; {cls.__name__} is "
+                         f"trained by the optimizer, its parameters' lr is optimizer.head_lr "
+                         f"(write optimizer.head_lr={cfg.head.lr})")
     params = inspect.signature(cls).parameters
     extra = {"class_counts": class_counts} if "class_counts" in params else {}
-    head_cfg = cfg.head
-    if not getattr(cls, "self_updating", False) and "lr" in head_cfg:
-        head_cfg = {k: v for k, v in OmegaConf.to_container(head_cfg, resolve=True).items() if k != "lr"}
-    return instantiate(head_cfg, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
+    return instantiate(cfg.head, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
 
 
 def loss_name(cfg: DictConfig) -> str | None:
@@ -186,10 +178,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         body, head,
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
-        head_lr=ordinary_head_lr(cfg),
     )
 
-    run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm, head_lr=ordinary_head_lr(cfg))
+    run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
     run.loggers = instantiate_group(cfg.logger, run)
     callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
     trainer = pl.Trainer(

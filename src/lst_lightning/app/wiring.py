@@ -41,7 +41,6 @@ class Run:
     body: object
     dm: object
     loggers: list = field(default_factory=list)
-    head_lr: float | None = None  # an ordinary head's own optimiser lr (None: optimizer.lr, or a self-updating head)
 
 
 def instantiate_group(group: DictConfig, run: Run) -> list:
@@ -113,7 +112,7 @@ def run_record(run: Run):
     cfg = run.cfg
     return RunRecord(run_facts(run.head, run.body, run.dm.batch_size, run.loss, OmegaConf.to_container(cfg.loss.kwargs),
                                cfg.optimizer.lr, gpu=cfg.trainer.get("accelerator", "cpu") in ("gpu", "cuda"),
-                               head_lr=run.head_lr))
+                               head_lr=cfg.optimizer.get("head_lr")))
 
 
 def lr_monitor(run: Run, logging_interval: str = "step"):

@@ -19,7 +19,7 @@ class SphericalLoss(nn.Module):
     name: str = ""
     #: True when the loss defines normalised probabilities (perplexity).
     normalised: bool = False
-    #: The head's SGD lr when none is given (conf/loss/*.yaml's head_lr says the same).
+    #: The head's SGD lr when none is given (the one source: the app builds the head with head.lr null).
     default_lr: float = 0.01
 
     def forward(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, *, num_classes: int,
