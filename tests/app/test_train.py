@@ -49,7 +49,7 @@ def test_every_config_composes(experiment):
 def test_default_config():
     cfg = cfg_of()
     assert cfg.head._target_ == "lst_lightning.spherical.FactoredSphericalHead"
-    assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.03, "b": 10.0}
+    assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.03, "b": 10.0, "eps": 1e-8}
     assert cfg.data.source == "embedded" and cfg.trainer.accelerator == "cpu"
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
     assert run_name(cfg) == "FactoredSphericalHead-zloss"

@@ -10,15 +10,14 @@ from baseline_cases import zipf_counts
 def test_head_configs_instantiate_and_train(name):
     """conf/head/<name>.yaml builds a head the way the app does, and one step runs."""
     import inspect
-    from pathlib import Path
 
     import hydra
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parents[2] / "conf" / "head"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose(config_name=name)
-    cfg = cfg.head  # the file also sets the head's own optimiser lr (optimizer.head_lr)
+    from lst_lightning.app.configs import config_dir
+
+    with initialize_config_dir(config_dir=config_dir(), version_base=None):
+        cfg = compose("config", overrides=[f"head={name}"]).head  # the file also sets optimizer.head_lr
     assert "lr" not in cfg
     target = hydra.utils.get_class(cfg._target_)
     extra = {"class_counts": zipf_counts(60)} if "class_counts" in inspect.signature(target).parameters else {}

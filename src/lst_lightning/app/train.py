@@ -3,9 +3,10 @@ the data module, the LightningModule and the trainer (every bad input fails here
 before training); ``run`` trains, validates, tests, prints a summary table and writes
 ``results.json`` in the run directory.
 
-This module imports neither torch nor Lightning at the top: ``--help``, ``--cfg`` and
-the configuration checks of ``checks.py`` answer before those ~20 s of imports, and bad
-input ends the console script with one line and exit code 2 (``errors.py``)."""
+This module does not import Lightning at the top (torch only, for the heads' schemas that
+the configs extend: ``schemas.py``): ``--help``, ``--cfg`` and the configuration checks of
+``checks.py`` answer before those ~20 s of imports, and bad input ends the console script
+with one line and exit code 2 (``errors.py``)."""
 from __future__ import annotations
 
 import inspect
@@ -27,6 +28,7 @@ from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries
 from .resume import resolve_ckpt_path
+from .schemas import not_null_defaults
 from .wiring import Run, instantiate_group
 
 if TYPE_CHECKING:
@@ -66,7 +68,8 @@ def model_class(cfg: DictConfig) -> type:
 
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
     """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
-    only where the constructor takes it."""
+    only where the constructor takes it; a null setting whose code default is not null left
+    out: the code's default (``schemas.not_null_defaults``)."""
     cls = head_class(cfg)
     if not getattr(cls, "self_updating", False) and cfg.head.get("lr") is not None:
         raise ValueError(f"head.lr={cfg.head.lr}: head.lr is a self-updating head's own SGD lr; {cls.__name__} is "
@@ -74,7 +77,12 @@ def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: 
                          f"(write optimizer.head_lr={cfg.head.lr})")
     params = inspect.signature(cls).parameters
     extra = {"class_counts": class_counts} if "class_counts" in params else {}
-    return instantiate(cfg.head, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
+    # null for a setting whose default is not (dtype=torch.float32): the code's default
+    head_cfg = OmegaConf.to_container(cfg.head, resolve=True)
+    for name in not_null_defaults(cls) & {k for k, v in head_cfg.items() if v is None}:
+        del head_cfg[name]
+    head_cfg = OmegaConf.create({"head": head_cfg}).head  # its errors name the key: head
+    return instantiate(head_cfg, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
 
 
 def loss_name(cfg: DictConfig) -> str | None:
