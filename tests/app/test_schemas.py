@@ -8,7 +8,7 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lst_lightning.app.schemas import HEADS, head_schema, parameters
+from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, head_schema, parameters
 from lst_lightning.heads import FactoredSphericalHead
 from lst_lightning.spherical.stabiliser import Stabiliser
 
@@ -40,6 +40,16 @@ def test_a_head_config_restates_no_default_of_the_code(name):
     assert "optimizer" not in text or text["optimizer"]["head_lr"] is not None  # null is config.yaml's
 
 
+@pytest.mark.parametrize("name", group("model"))
+def test_a_model_config_restates_no_default_of_the_code(name):
+    text = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
+    package, cls_name = cfg_of(f"model={name}").model._target_.rsplit(".", 1)
+    cls = getattr(__import__(package, fromlist=[cls_name]), cls_name)
+    schema = OmegaConf.to_container(OmegaConf.structured(head_schema(cls, cls_name, NOT_MODEL_SETTINGS)))
+    assert not own_keys(text, schema), f"conf/model/{name}.yaml restates the code's defaults"
+    assert set(MODELS["lst_lightning.models"]) >= {cls_name}
+
+
 @pytest.mark.parametrize("name", group("loss"))
 def test_a_loss_config_restates_nothing(name):
     assert set(yaml.safe_load((CONF / "loss" / f"{name}.yaml").read_text())) == {"defaults"}
@@ -65,7 +75,9 @@ def test_every_setting_is_a_key_that_refuses_a_typo():
     assert (cfg.head.sync_every, cfg.head.stabiliser.sv_min, cfg.loss.kwargs.eps) == (4, 0.3, 0.001)
     assert cfg_of("head=naive", "head.init_std=0.1").head.init_std == 0.1
     assert cfg_of("head=sampled", "head.num_samples=8").head.num_samples == 8
+    assert cfg_of("model=gpt", "model.num_heads=2").model.num_heads == 2
     # (+head.sync_evry=4 is added by Hydra, and refused by the constructor when the head is built)
-    for bad in ("head.sync_evry=4", "head.stabiliser.sv_mn=0.3", "head.sync_every=four", "loss.kwargs.c=1"):
+    for bad in ("head.sync_evry=4", "head.stabiliser.sv_mn=0.3", "head.sync_every=four", "loss.kwargs.c=1",
+                "model.embed_dmi=3"):
         with pytest.raises(ConfigCompositionException):
             cfg_of(bad)

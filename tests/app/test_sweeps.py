@@ -48,7 +48,8 @@ def test_sweep_config_names_real_keys(sweep):
             for v in str(values).split(","):
                 assert (CONF / key / f"{v.strip()}.yaml").is_file(), f"{sweep}: {key}={v} has no config"
         else:
-            assert OmegaConf.select(cfg, key) is not None, f"{sweep}: {key} is not a config key"
+            absent = object()  # a key may be null (head.lr: the loss's default)
+            assert OmegaConf.select(cfg, key, default=absent) is not absent, f"{sweep}: {key} is not a config key"
     assert cfg.logger.wandb.group, f"{sweep}: its W&B runs need a group"
 
 

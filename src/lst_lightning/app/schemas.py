@@ -3,8 +3,8 @@
 Each default is written once, in the code: a head's constructor (and the dataclass it
 takes, the factored head's ``Stabiliser``), a loss's constructor. This module turns each
 signature into a dataclass and registers it in Hydra's ConfigStore (group
-``schema/head``: one per head class; ``schema/loss``: one per loss), and the entries of
-``conf/head`` and ``conf/loss`` extend them, saying only what the app sets otherwise.
+``schema/head``: one per head class; ``schema/model``: one per body; ``schema/loss``: one
+per loss), and the entries of ``conf/head``, ``conf/model`` and ``conf/loss`` extend them, saying only what the app sets otherwise.
 So every setting is a key at the code's default (``lst-train --cfg job`` shows them),
 ``head.sync_every=4`` or ``head.stabiliser.sv_min=0.3`` needs no ``+``, a typo
 (``head.sync_evry=4``) fails, and a value of the wrong type too.
@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import inspect
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from .. import baselines, spherical
 from ..losses import LOSSES
 
 # The head classes the app names (conf/head), by the package a config's _target_ imports them from.
@@ -29,8 +29,11 @@ HEADS = {
     "lst_lightning.spherical": ("FactoredSphericalHead", "NaiveSphericalHead"),
     "lst_lightning.baselines": ("SoftmaxHead", "HierarchicalSoftmaxHead", "AdaptiveSoftmaxHead", "SampledSoftmaxHead"),
 }
-# Given by the app when it builds the head (the data's sizes and counts).
+# The bodies (conf/model).
+MODELS = {"lst_lightning.models": ("NgramMLP", "LSTMBody", "GPT")}
+# Given by the app when it builds a head or a body (the data's sizes and counts).
 NOT_SETTINGS = {"self", "num_classes", "hidden_dim", "class_counts"}
+NOT_MODEL_SETTINGS = {"self", "vocab_size", "context_size"}
 # The values a config holds as they are; a default of another kind (an object: the spherical
 # heads' dtype=torch.float32) is null in the schema, and null there means the code's default.
 CONFIG_VALUES = (type(None), bool, int, float, str, tuple, list, dict)
@@ -42,7 +45,7 @@ def not_null_defaults(cls: type) -> set[str]:
     return {name for name, (p, _) in parameters(cls).items() if p.default is not None}
 
 
-def parameters(cls: type) -> dict[str, tuple[inspect.Parameter, dict]]:
+def parameters(cls: type, given: set[str] = NOT_SETTINGS) -> dict[str, tuple[inspect.Parameter, dict]]:
     """The settings of ``cls``'s constructor with their defaults: its own and those of the
     constructors it hands ``**kwargs`` on to (the subclass's default wins); each with the
     namespace of its module (to resolve the annotation)."""
@@ -60,7 +63,7 @@ def parameters(cls: type) -> dict[str, tuple[inspect.Parameter, dict]]:
     out: dict[str, tuple[inspect.Parameter, dict]] = {}
     for params, namespace in reversed(chain):  # the base's settings first, as a reader meets them
         for p in params:
-            if p.name not in NOT_SETTINGS and p.default is not p.empty:
+            if p.name not in given and p.default is not p.empty:
                 out[p.name] = (p, namespace)
     return out
 
@@ -94,10 +97,11 @@ def mirror(cls: type) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields)
 
 
-def head_schema(cls: type, target: str) -> type:
-    """``cls``'s settings as a dataclass, with its ``_target_``."""
+def head_schema(cls: type, target: str, given: set[str] = NOT_SETTINGS) -> type:
+    """``cls``'s settings as a dataclass, with its ``_target_`` (a head's, or with
+    ``given=NOT_MODEL_SETTINGS`` a body's)."""
     fields = [("_target_", str, dataclasses.field(default=target))]
-    fields += [_field(name, p.default, _nested_dataclass(p, ns)) for name, (p, ns) in parameters(cls).items()]
+    fields += [_field(name, p.default, _nested_dataclass(p, ns)) for name, (p, ns) in parameters(cls, given).items()]
     return dataclasses.make_dataclass(f"{cls.__name__}Config", fields)
 
 
@@ -123,9 +127,11 @@ def loss_parameters() -> set[str]:
 def register() -> None:
     """Every head's and loss's schema in Hydra's ConfigStore (once)."""
     store = ConfigStore.instance()
-    for package, names in HEADS.items():
-        module = {"lst_lightning.spherical": spherical, "lst_lightning.baselines": baselines}[package]
-        for name in names:
-            store.store(group="schema/head", name=name, node=head_schema(getattr(module, name), f"{package}.{name}"))
+    for group, classes, given in (("head", HEADS, NOT_SETTINGS), ("model", MODELS, NOT_MODEL_SETTINGS)):
+        for package, names in classes.items():
+            module = importlib.import_module(package)
+            for name in names:
+                store.store(group=f"schema/{group}", name=name,
+                            node=head_schema(getattr(module, name), f"{package}.{name}", given))
     for name, cls in LOSSES.items():
         store.store(group="schema/loss", name=name, node=loss_schema(cls))
