@@ -8,7 +8,7 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, head_schema, parameters
+from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, settings_schema, parameters
 from lst_lightning.heads import FactoredSphericalHead
 from lst_lightning.spherical.stabiliser import Stabiliser
 
@@ -34,7 +34,7 @@ def test_a_head_config_restates_no_default_of_the_code(name):
     head = text.get("head", text)  # a baseline's file is a _global_ package: head and optimizer.head_lr
     target = cfg_of(f"head={name}").head._target_
     package, cls_name = target.rsplit(".", 1)
-    schema = OmegaConf.to_container(OmegaConf.structured(head_schema(getattr(__import__(package, fromlist=[cls_name]),
+    schema = OmegaConf.to_container(OmegaConf.structured(settings_schema(getattr(__import__(package, fromlist=[cls_name]),
                                                                               cls_name), target)))
     assert not own_keys(head, schema), f"conf/head/{name}.yaml restates the code's defaults"
     assert "optimizer" not in text or text["optimizer"]["head_lr"] is not None  # null is config.yaml's
@@ -45,7 +45,7 @@ def test_a_model_config_restates_no_default_of_the_code(name):
     text = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
     package, cls_name = cfg_of(f"model={name}").model._target_.rsplit(".", 1)
     cls = getattr(__import__(package, fromlist=[cls_name]), cls_name)
-    schema = OmegaConf.to_container(OmegaConf.structured(head_schema(cls, cls_name, NOT_MODEL_SETTINGS)))
+    schema = OmegaConf.to_container(OmegaConf.structured(settings_schema(cls, cls_name, NOT_MODEL_SETTINGS)))
     assert not own_keys(text, schema), f"conf/model/{name}.yaml restates the code's defaults"
     assert set(MODELS["lst_lightning.models"]) >= {cls_name}
 
@@ -61,7 +61,7 @@ def test_the_schemas_are_the_constructors():
     for package, names in HEADS.items():
         for name in names:
             cls = getattr(__import__(package, fromlist=[name]), name)
-            fields = {f.name for f in dataclasses.fields(head_schema(cls, name))} - {"_target_"}
+            fields = {f.name for f in dataclasses.fields(settings_schema(cls, name))} - {"_target_"}
             assert fields == set(parameters(cls)), name
     cfg = cfg_of("head=factored").head
     assert dict(cfg.stabiliser) == dataclasses.asdict(Stabiliser())

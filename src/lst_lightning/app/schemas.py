@@ -1,13 +1,14 @@
-"""The heads' and the losses' settings as Hydra structured configs, made from the code.
+"""The heads', the bodies' and the losses' settings as Hydra structured configs, made from
+the code.
 
 Each default is written once, in the code: a head's constructor (and the dataclass it
-takes, the factored head's ``Stabiliser``), a loss's constructor. This module turns each
+takes, the factored head's ``Stabiliser``), a body's, a loss's. This module turns each
 signature into a dataclass and registers it in Hydra's ConfigStore (group
 ``schema/head``: one per head class; ``schema/model``: one per body; ``schema/loss``: one
-per loss), and the entries of ``conf/head``, ``conf/model`` and ``conf/loss`` extend them, saying only what the app sets otherwise.
-So every setting is a key at the code's default (``lst-train --cfg job`` shows them),
-``head.sync_every=4`` or ``head.stabiliser.sv_min=0.3`` needs no ``+``, a typo
-(``head.sync_evry=4``) fails, and a value of the wrong type too.
+per loss), and the entries of ``conf/head``, ``conf/model`` and ``conf/loss`` extend them,
+saying only what the app sets otherwise. So every setting is a key at the code's default
+(``lst-train --cfg job`` shows them), ``head.sync_every=4`` or ``head.stabiliser.sv_min=0.3``
+needs no ``+``, a typo (``head.sync_evry=4``) fails, and a value of the wrong type too.
 
 ``configs.config_dir()``, which every composition of the app's configs asks for its
 directory (the console script's, a test's, a script's), registers them first. This
@@ -97,7 +98,7 @@ def mirror(cls: type) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Settings", fields)
 
 
-def head_schema(cls: type, target: str, given: set[str] = NOT_SETTINGS) -> type:
+def settings_schema(cls: type, target: str, given: set[str] = NOT_SETTINGS) -> type:
     """``cls``'s settings as a dataclass, with its ``_target_`` (a head's, or with
     ``given=NOT_MODEL_SETTINGS`` a body's)."""
     fields = [("_target_", str, dataclasses.field(default=target))]
@@ -132,6 +133,6 @@ def register() -> None:
             module = importlib.import_module(package)
             for name in names:
                 store.store(group=f"schema/{group}", name=name,
-                            node=head_schema(getattr(module, name), f"{package}.{name}", given))
+                            node=settings_schema(getattr(module, name), f"{package}.{name}", given))
     for name, cls in LOSSES.items():
         store.store(group="schema/loss", name=name, node=loss_schema(cls))
