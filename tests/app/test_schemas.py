@@ -8,7 +8,7 @@ import yaml
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, settings_schema, parameters
+from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, parameters, settings_schema
 from lst_lightning.heads import FactoredSphericalHead
 from lst_lightning.spherical.stabiliser import Stabiliser
 
