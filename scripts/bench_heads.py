@@ -132,15 +132,16 @@ def step_bytes(spec: HeadSpec, D: int, d: int, m: int, nbytes: int, head=None) -
 # --- building heads -------------------------------------------------------------------------
 
 def loss_settings(loss: str) -> tuple[float, dict]:
-    """(head lr, loss kwargs) of ``conf/loss/<loss>.yaml``, as the app trains with them: a
-    step's cost depends on how often the head's repairs run, and so on the lr. A config
-    that cannot be read stops the run: other settings would time another step."""
+    """(head lr, loss kwargs) as the app trains with them: the loss's own default lr (the
+    app builds the head without one: ``SphericalLoss.default_lr``) and the kwargs of
+    ``conf/loss/<loss>.yaml``. A step's cost depends on how often the head's repairs run,
+    and so on the lr. A config that cannot be read stops the run: other settings would
+    time another step."""
     path = Path(config_dir()) / "loss" / f"{loss}.yaml"
     cfg = yaml.safe_load(path.read_text())
-    try:
-        return float(cfg["head_lr"]), dict(cfg.get("kwargs") or {})
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: no usable head_lr ({exc!r})") from exc
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("kwargs", {}), dict):
+        raise ValueError(f"{path}: no usable kwargs ({cfg!r})")
+    return float(LOSSES[loss].default_lr), dict(cfg.get("kwargs") or {})
 
 
 def build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.device):

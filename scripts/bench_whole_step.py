@@ -39,6 +39,8 @@ from benchlib import (add_output_args, clock_for, interleaved_times, machine_nam
 import torch
 import yaml
 from bench_heads import HEADS, SPARSE, HeadSpec, _build, memory_limit, param_bytes, parse_ints, step_bytes
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from torch import nn
 
 from lst_lightning.app.configs import config_dir
@@ -67,7 +69,10 @@ _ROW_SPARSE = (torch.optim.SparseAdam, torch.optim.Adagrad, torch.optim.SGD)
 # --- bodies, data and the app's optimizer ----------------------------------------------------
 
 def model_config(name: str) -> dict:
-    return yaml.safe_load((Path(config_dir()) / "model" / f"{name}.yaml").read_text())
+    """``model=<name>`` as the app composes it: conf/model/<name>.yaml over the body's own
+    defaults (its schema, app/schemas.py)."""
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=[f"model={name}"]).model)
 
 
 def body_width(name: str) -> int:

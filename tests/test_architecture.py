@@ -135,3 +135,25 @@ def test_no_two_modules_of_the_exact_head_import_each_other():
             if path.name != "__init__.py"}
     mutual = sorted((a, b) for a in deps for b in deps if a < b and b in deps[a] and a in deps[b])
     assert not mutual, mutual
+
+
+def test_no_module_of_the_app_imports_itself_through_others():
+    """No import circle in lst_lightning.app, deferred imports (inside functions) counted:
+    a module never reaches itself by following what it imports."""
+    deps = {}
+    for path, package, parts in modules(PACKAGE / "app", "lst_lightning.app"):
+        name = package if path.name == "__init__.py" else ".".join(parts)
+        deps[name] = runtime_imports_of(path, package if path.name == "__init__.py" else package)
+    deps = {a: {b for b in names if b in deps and b != a} for a, names in deps.items()}
+    circles = []
+    for start in sorted(deps):
+        seen, todo = set(), list(deps[start])
+        while todo:
+            b = todo.pop()
+            if b == start:
+                circles.append(start)
+                break
+            if b not in seen:
+                seen.add(b)
+                todo += deps[b]
+    assert not circles, f"modules that import themselves through others: {circles}"

@@ -55,4 +55,17 @@ def test_loss_parameters_are_named_under_kwargs(arg, match):
 
 
 def test_loss_settings_and_other_overrides_pass():
-    check_overrides(["loss.kwargs.a=-1", "loss.head_lr=0.5", "loss=mse", "trainer.max_steps=3", "-m", "--cfg"])
+    check_overrides(["loss.kwargs.a=-1", "loss=mse", "trainer.max_steps=3", "head.lr=3", "-m", "--cfg"])
+    check_overrides(["head=factored,naive", "head.lr=3", "optimizer.head_lr=0.1"])
+
+
+@pytest.mark.parametrize("args,match", [
+    (["loss.head_lr=0.5"], "loss.head_lr is no longer a setting: .* write head.lr=0.5"),
+    (["head=softmax", "head.lr=0.1"], r"head.lr=0.1: .* SoftmaxHead is trained by the optimizer, .*\(write "
+                                      "optimizer.head_lr=0.1\\)"),
+    (["head=factored,sampled", "head.lr=0.1"], "SampledSoftmaxHead .*write optimizer.head_lr=0.1"),
+])
+def test_an_old_lr_key_names_the_new_one(args, match):
+    """head.lr is only a self-updating head's own SGD lr; an ordinary head's is optimizer.head_lr."""
+    with pytest.raises(ValueError, match=match):
+        check_overrides(args)

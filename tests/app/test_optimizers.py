@@ -172,11 +172,11 @@ def _with_head(sparse_head: bool):
 @pytest.mark.parametrize("head_lr", [None, 0.01])
 def test_a_heads_rows_and_lr_get_groups_of_their_own(sparse_head, head_lr):
     """head.sparse rows join the row-sparse half at the head's lr (never embedding_lr);
-    head.lr gives the head's parameters groups of their own; the body's group comes first."""
+    optimizer.head_lr gives the head's parameters groups of their own; the body's group comes first."""
     model = _with_head(sparse_head)
     head = model["head"]
-    opt = make_optimizer(model, {**CFG, "name": "adam", "embedding": "sparse_adam", "embedding_lr": 0.07},
-                         head=head, head_lr=head_lr)
+    opt = make_optimizer(model, {**CFG, "name": "adam", "embedding": "sparse_adam", "embedding_lr": 0.07,
+                                 "head_lr": head_lr}, head=head)
     lr_of = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     own = 0.3 if head_lr is None else head_lr
     assert lr_of[id(head.weight)] == lr_of[id(head.bias)] == own
@@ -198,8 +198,9 @@ def test_decay_warns_that_sparse_head_rows_take_none():
 def test_sparse_head_rows_need_a_row_sparse_optimiser():
     with pytest.raises(ValueError, match="head.sparse=true"):
         make_optimizer(_with_head(True), {**CFG, "embedding": "dense"})
-    with pytest.raises(ValueError, match="head.lr must be"):
-        make_optimizer(_with_head(True), {**CFG, "embedding": "sparse_adam"}, head=None, head_lr=-1.0)
+    for bad in (-1.0, 0, True, "0.1"):
+        with pytest.raises(ValueError, match="optimizer.head_lr must be a number > 0 or null"):
+            make_optimizer(_with_head(True), {**CFG, "embedding": "sparse_adam", "head_lr": bad}, head=None)
 
 
 @pytest.mark.parametrize("head_rows", ["sparse_sgd", "adagrad"])
@@ -210,8 +211,8 @@ def test_a_heads_rows_can_take_their_own_row_sparse_optimiser(head_rows):
     the schedule and a save and load reach all three parts."""
     model = _with_head(True)
     head = model["head"]
-    cfg = {**CFG, "name": "adam", "embedding": "sparse_adam", "head_rows": head_rows}
-    opt = make_optimizer(model, cfg, head=head, head_lr=0.05)
+    cfg = {**CFG, "name": "adam", "embedding": "sparse_adam", "head_rows": head_rows, "head_lr": 0.05}
+    opt = make_optimizer(model, cfg, head=head)
     reference = copy.deepcopy(model)
     rows = [reference["head"].weight, reference["head"].bias]
     emb = reference["body"].input_embedding.weight
@@ -236,8 +237,8 @@ def test_a_heads_rows_can_take_their_own_row_sparse_optimiser(head_rows):
     torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.15, 0.15, 0.025])
     twin = copy.deepcopy(model)
-    again = make_optimizer(twin, cfg, head=twin["head"], head_lr=0.05)
+    again = make_optimizer(twin, cfg, head=twin["head"])
     again.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert [len(o.state) for o in again.parts] == [len(o.state) for o in opt.parts] == [len(o.state) for o in ref_opts]
     with pytest.raises(ValueError, match="3 parts"):
-        make_optimizer(model, {**cfg, "head_rows": None}, head=head, head_lr=0.05).load_state_dict(opt.state_dict())
+        make_optimizer(model, {**cfg, "head_rows": None}, head=head).load_state_dict(opt.state_dict())

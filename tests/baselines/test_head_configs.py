@@ -10,18 +10,15 @@ from baseline_cases import zipf_counts
 def test_head_configs_instantiate_and_train(name):
     """conf/head/<name>.yaml builds a head the way the app does, and one step runs."""
     import inspect
-    from pathlib import Path
 
     import hydra
     from hydra import compose, initialize_config_dir
 
-    conf = Path(__file__).resolve().parents[2] / "conf" / "head"
-    with initialize_config_dir(config_dir=str(conf), version_base=None):
-        cfg = compose(config_name=name)
-    from omegaconf import OmegaConf
+    from lst_lightning.app.configs import config_dir
 
-    # the head's own optimiser lr: the app hands it to the optimizer (train.make_head)
-    cfg = OmegaConf.create({k: v for k, v in OmegaConf.to_container(cfg).items() if k != "lr"})
+    with initialize_config_dir(config_dir=config_dir(), version_base=None):
+        cfg = compose("config", overrides=[f"head={name}"]).head  # the file also sets optimizer.head_lr
+    assert "lr" not in cfg
     target = hydra.utils.get_class(cfg._target_)
     extra = {"class_counts": zipf_counts(60)} if "class_counts" in inspect.signature(target).parameters else {}
     head = hydra.utils.instantiate(cfg, num_classes=60, hidden_dim=16, **extra)

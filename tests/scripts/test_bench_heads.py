@@ -83,15 +83,15 @@ assert bench_heads.loss_settings("zloss")[0] == 1.0
 
 
 def test_loss_settings_are_the_configs(tmp_path, monkeypatch):
-    assert bh.loss_settings("zloss") == (1.0, {"a": 0.03, "b": 10.0})
-    assert bh.loss_settings("spherical_softmax") == (0.01, {"eps": 0.01})
+    assert bh.loss_settings("zloss") == (1.0, {})  # the loss's own defaults (conf/loss restates none)
+    assert bh.loss_settings("spherical_softmax") == (0.01, {})
     # A config that cannot be read stops the run rather than timing other settings.
     monkeypatch.setattr(bh, "config_dir", lambda: str(tmp_path))
     with pytest.raises(FileNotFoundError):
         bh.loss_settings("zloss")
     (tmp_path / "loss").mkdir()
-    (tmp_path / "loss" / "zloss.yaml").write_text("name: zloss\nkwargs: {}\n")
-    with pytest.raises(ValueError, match="head_lr"):
+    (tmp_path / "loss" / "zloss.yaml").write_text("name: zloss\nkwargs: [1]\n")
+    with pytest.raises(ValueError, match="kwargs"):
         bh.loss_settings("zloss")
 
 

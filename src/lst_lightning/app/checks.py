@@ -4,11 +4,9 @@ trainer's numbers, the checkpoint to resume from, local data files, and the keys
 the loss group. Each error names the setting and says what to do."""
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
-from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from .configs import config_dir
 from .resume import NEWEST, resolve_ckpt_path
@@ -65,16 +63,17 @@ def check_ckpt_path(ckpt_path) -> None:
 
 
 def loss_settings() -> set[str]:
-    """The keys of the loss group (``name``, ``kwargs``, ``head_lr``), from its config files."""
-    return {k for f in (Path(config_dir()) / "loss").glob("*.yaml") for k in OmegaConf.load(f)}
+    """The keys of the loss group (``name``, ``kwargs``)."""
+    from .schemas import LOSS_KEYS  # noqa: PLC0415
+
+    return set(LOSS_KEYS)
 
 
 def loss_parameters() -> set[str]:
-    """The parameters some loss takes under ``loss.kwargs`` (a, b, eps...)."""
-    out: set[str] = set()
-    for f in (Path(config_dir()) / "loss").glob("*.yaml"):
-        out |= set(OmegaConf.load(f).get("kwargs") or {})
-    return out
+    """The parameters some loss takes under ``loss.kwargs`` (a, b, eps...): the losses' own."""
+    from .schemas import loss_parameters  # noqa: PLC0415  (the losses: torch)
+
+    return loss_parameters()
 
 
 def check_loss_key(key: str, value: str = "...") -> None:
@@ -90,13 +89,61 @@ def check_loss_key(key: str, value: str = "...") -> None:
                      "the loss's parameters are loss.kwargs.<name>)")
 
 
+# Keys that are gone: the key, and what to write instead (one line, before Hydra answers
+# with its hint to append the old key).
+GONE = {
+    "head_step": "the step mode is the head's own setting: write head.step={value}",
+    "loss.head_lr": ("a self-updating head's SGD lr is head.lr (null: the loss's own default): "
+                     "write head.lr={value}"),
+}
+
+
+def check_gone(key: str, value: str = "...") -> None:
+    if key in GONE:
+        raise ValueError(f"{key} is no longer a setting: {GONE[key].format(value=value)}")
+
+
+def heads_of(args: list[str]) -> list[DictConfig]:
+    """The head configs ``args`` choose (each of ``head=a,b``; an ``experiment=``'s), composed
+    without the other overrides; none when they do not compose (Hydra then says why)."""
+    from hydra import compose, initialize_config_dir  # noqa: PLC0415
+    from hydra.errors import HydraException  # noqa: PLC0415
+
+    choice = {k.lstrip("+"): v for k, _, v in (a.partition("=") for a in args) if k.lstrip("+") in ("head", "experiment")}
+    heads = choice.get("head", "").split(",") if "head" in choice else [None]
+    base = [f"experiment={choice['experiment']}"] if "experiment" in choice else []
+    try:
+        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+            return [compose("config", overrides=base + ([f"head={h}"] if h else [])).head for h in heads]
+    except HydraException:
+        return []
+
+
+def check_head_lr(args: list[str]) -> None:
+    """``head.lr=`` is a self-updating head's own SGD lr: for a head whose config has no
+    ``lr`` (an ordinary head, trained by the optimizer), say to write ``optimizer.head_lr``
+    rather than Hydra's hint to append ``+head.lr``."""
+    value = next((a.partition("=")[2] for a in args if a.partition("=")[0] == "head.lr"), None)
+    if value is None:
+        return
+    for head in heads_of(args):
+        if "lr" not in head:
+            name = str(head.get("_target_")).rsplit(".", 1)[-1]
+            raise ValueError(f"head.lr={value}: head.lr is a self-updating head's own SGD lr; {name} is "
+                             f"trained by the optimizer, its parameters' lr is optimizer.head_lr "
+                             f"(write optimizer.head_lr={value})")
+
+
 def check_overrides(args: Iterable[str]) -> None:
     """Command-line overrides, before Hydra composes them: ``loss.a=-1`` names the right key."""
+    args = list(args)
+    check_head_lr(args)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
         key, value = arg.split("=", 1)
         key = key.lstrip("+~")
+        check_gone(key, value)
         if key.startswith("loss."):
             check_loss_key(key[len("loss."):], value)
 
@@ -108,26 +155,11 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
-def resolve_aliases(cfg: DictConfig) -> DictConfig:
-    """``cfg`` with the deprecated keys moved to their place (in place: the run directory's
-    config.yaml says what ran): the top-level ``head_step`` (until 0.2) is ``head.step``,
-    beside ``head.sync_every``."""
-    step = cfg.get("head_step")
-    if step is None:
-        return cfg
-    with open_dict(cfg):
-        cfg.head_step = None
-        if "step" in cfg.head:
-            warnings.warn(f"head_step={step} is deprecated: write head.step={step}", DeprecationWarning, stacklevel=2)
-            cfg.head.step = step
-        elif step != "autograd":
-            raise ValueError(f"head_step={step}: head {cfg.head.get('_target_')} has no step setting; only the "
-                             "factored head steps otherwise than in backward (head=factored head.step=...)")
-    return cfg
-
-
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
+    for key in GONE:
+        if OmegaConf.select(cfg, key, default=GONE) is not GONE:  # an old experiment's config
+            check_gone(key, OmegaConf.select(cfg, key))
     check_trainer(cfg.trainer)
     check_ckpt_path(cfg.get("ckpt_path"))
     for key in cfg.get("loss") or {}:

@@ -1,9 +1,10 @@
 """One LightningModule for any body and any output head.
 
-Ordinary heads are trained by the optimizer with the body. Self-updating heads (the
-factored and naive spherical heads) apply their exact SGD step inside
-``loss.backward()``; their learning rate follows the body's schedule:
-``head.lr = head_lr * current_lr / base_lr``, set before every step and logged.
+Ordinary heads are trained by the optimizer with the body (their own lr:
+``optimizer.head_lr``). Self-updating heads (the factored and naive spherical heads)
+apply their exact SGD step inside ``loss.backward()``; their learning rate (the one they
+were built with, ``head.lr``) follows the body's schedule:
+``head.lr = head_base_lr * current_lr / optimizer.lr``, set before every step and logged.
 """
 from __future__ import annotations
 
@@ -49,9 +50,8 @@ def as_rows(hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
 
 class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
-                 scheduler: dict | None = None, head_lr: float | None = None, topk: Sequence[int] = TOPK,
-                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
-                 head_step: str | None = None):
+                 scheduler: dict | None = None, topk: Sequence[int] = TOPK,
+                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
@@ -59,28 +59,18 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
                              "it cannot give perplexity; set metrics.perplexity=false or auto")
         self.body, self.head = body, head
-        # How the head's training step runs (None: as the head was built, the app's way:
-        # head.step in the config): "autograd", or for the factored head all at once in the
-        # forward ("fused"), replayed from a CUDA graph ("cuda_graph"); the head validates it.
-        if head_step is not None:
-            if head_step not in head.step_modes:
-                raise ValueError(f"head_step={head_step!r}: {type(head).__name__} runs its step by "
-                                 f"{list(head.step_modes)}")
-            if head_step != head.step:
-                head.step = head_step
         self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
-                          "embedding_lr": None, "head_rows": None, **(optimizer or {})}
-        check_optimizer_config(self.optim_cfg, self)  # the body's sparse embedding, the head's sparse rows
+                          "embedding_lr": None, "head_rows": None, "head_lr": None, **(optimizer or {})}
+        # the body's sparse embedding, the head's sparse rows, every lr (optimizers.py)
+        check_optimizer_config(self.optim_cfg, self)
+        if head.self_updating and self.optim_cfg["head_lr"] is not None:
+            raise ValueError(f"optimizer.head_lr={self.optim_cfg['head_lr']} is the lr of an ordinary head's optimizer "
+                             f"groups: {type(head).__name__} is not in the optimizer, its own SGD lr is head.lr "
+                             f"(write head.lr={self.optim_cfg['head_lr']})")
         self.sched_cfg = {"name": "constant", "warmup_steps": 0, "min_factor": 0.0, **(scheduler or {})}
         lr_factor(0, total_steps=1, **self.sched_cfg)  # rejects a bad name now
-        # A self-updating head's own SGD lr; an ordinary head's parameters' lr in the optimizer
-        # (None: optimizer.lr). Both follow the schedule.
-        self.head_lr = head_lr if head_lr is not None or not head.self_updating else head.lr
-        if head.self_updating and self.head_lr is None:
-            raise ValueError("a self-updating head needs a learning rate (head.lr)")
-        if self.head_lr is not None and (isinstance(self.head_lr, bool) or not isinstance(self.head_lr, (int, float))
-                                         or not self.head_lr > 0):
-            raise ValueError(f"head.lr must be a number > 0 or null (optimizer.lr), not {self.head_lr!r}")
+        #: a self-updating head's own SGD lr at the schedule's factor 1: the one it was built with
+        self.head_base_lr = float(head.lr) if head.self_updating else None
         self.perplexity, self.score_chunk_size = perplexity, score_chunk_size
         # simlex: {"pairs": [(a, b, score)], "index": {word: id}, "skip": [ids]}
         self.simlex = simlex
@@ -117,9 +107,8 @@ class LanguageModel(pl.LightningModule):
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
         # row-sparse parameters (sparse embeddings, head.sparse rows) go to a row-sparse
-        # optimiser (optimizer.embedding); an ordinary head's own lr gives it groups of its own
-        own_lr = None if self.head.self_updating else self.head_lr
-        opt = make_optimizer(self, self.optim_cfg, head=self.head, head_lr=own_lr)
+        # optimiser (optimizer.embedding); optimizer.head_lr gives an ordinary head groups of its own
+        opt = make_optimizer(self, self.optim_cfg, head=self.head)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))
@@ -160,7 +149,7 @@ class LanguageModel(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         context, target = batch
         if self.head.self_updating:
-            self.head.lr = self.head_lr * self.current_lr_factor()
+            self.head.lr = self.head_base_lr * self.current_lr_factor()
         loss = self.head(*as_rows(self.body(context), target))
         # A head with deferred checks masks a non-finite step itself; reading it here would
         # make every step wait for the GPU.

@@ -4,7 +4,7 @@ for the parameters of sparse ``nn.Embedding`` modules (the body's input embeddin
 (``OutputHead.sparse_parameters()``: the sampled and hierarchical softmax's class rows
 with ``head.sparse=true``), which reads and writes only the rows a step touched
 (``optimizer.embedding``; a head's rows may take another, ``optimizer.head_rows``).
-An ordinary head's parameters may have their own lr (``head.lr``): their own groups.
+An ordinary head's parameters may have their own lr (``optimizer.head_lr``): their own groups.
 
 Lightning's automatic optimisation drives one optimiser, so ``PairedOptimizer`` presents
 the parts as one: its ``param_groups`` are the parts' own group dicts (the lr schedule
@@ -44,9 +44,10 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
     if cfg.get("head_rows") not in HEAD_ROWS:
         raise ValueError(f"optimizer.head_rows must be one of {list(HEAD_ROWS[1:])} or null (optimizer.embedding), "
                          f"not {cfg.get('head_rows')!r}")
-    lr = cfg.get("embedding_lr")
-    if lr is not None and not (isinstance(lr, (int, float)) and lr > 0):
-        raise ValueError(f"optimizer.embedding_lr must be a number > 0 or null (optimizer.lr), not {lr!r}")
+    for key in ("embedding_lr", "head_lr"):  # the one rule of the optional lrs
+        lr = cfg.get(key)
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0):
+            raise ValueError(f"optimizer.{key} must be a number > 0 or null (optimizer.lr), not {lr!r}")
     if module is not None and cfg.get("embedding", "dense") == "dense" and sparse_embedding_params(module):
         raise ValueError("the model has row-sparse parameters (model.sparse_embedding=true or head.sparse=true) "
                          "but optimizer.embedding=dense: set optimizer.embedding to one of "
@@ -76,17 +77,15 @@ def _groups(params: list, own: set[int], lr: float, own_lr: float, name: str) ->
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None,
-                   head_lr: float | None = None) -> torch.optim.Optimizer:
+def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None) -> torch.optim.Optimizer:
     """The dense optimiser of ``cfg`` over the trainable parameters; with row-sparse
     parameters in ``module`` (sparse embeddings, a head's ``sparse_parameters()``), a
     ``PairedOptimizer`` whose second half (``cfg['embedding']``) steps their rows: the
     embedding's at lr ``cfg['embedding_lr']`` or ``cfg['lr']``, those of ``head`` (when
-    given) in a group of their own at ``head_lr`` or ``cfg['lr']``. ``head_lr``: the
-    head's dense parameters get a group of their own too."""
+    given) in a group of their own at ``cfg['head_lr']`` or ``cfg['lr']``. With
+    ``cfg['head_lr']`` the head's dense parameters get a group of their own too."""
     check_optimizer_config(cfg, module)
-    if head_lr is not None and not (isinstance(head_lr, (int, float)) and head_lr > 0):
-        raise ValueError(f"head.lr must be a number > 0 or null (optimizer.lr), not {head_lr!r}")
+    head_lr = cfg.get("head_lr")
     sparse = sparse_embedding_params(module)
     name = cfg.get("embedding", "dense")
     ids = {id(p) for p in sparse}

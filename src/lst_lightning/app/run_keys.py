@@ -27,7 +27,8 @@ FACTS = {
     "a": "the Z-loss's a (null for other losses and heads)",
     "b": "the Z-loss's b (null for other losses and heads)",
     "lr": "the body's (and ordinary heads') optimiser learning rate",
-    "head_lr": "the head's own base learning rate: a self-updating head's SGD lr, an ordinary head's optimiser lr (head.lr; null: lr)",
+    "head_lr": ("the head's own base learning rate: a self-updating head's SGD lr (head.lr), an ordinary head's "
+                "optimiser lr (optimizer.head_lr; null: lr)"),
     "D": "the number of classes (output vocabulary)",
     "d": "the hidden size the head reads (the body's output)",
     "m": "the training batch size per process",

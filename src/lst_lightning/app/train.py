@@ -3,9 +3,10 @@ the data module, the LightningModule and the trainer (every bad input fails here
 before training); ``run`` trains, validates, tests, prints a summary table and writes
 ``results.json`` in the run directory.
 
-This module imports neither torch nor Lightning at the top: ``--help``, ``--cfg`` and
-the configuration checks of ``checks.py`` answer before those ~20 s of imports, and bad
-input ends the console script with one line and exit code 2 (``errors.py``)."""
+This module does not import Lightning at the top (torch only, for the heads' schemas that
+the configs extend: ``schemas.py``): ``--help``, ``--cfg`` and the configuration checks of
+``checks.py`` answer before those ~20 s of imports, and bad input ends the console script
+with one line and exit code 2 (``errors.py``)."""
 from __future__ import annotations
 
 import inspect
@@ -21,13 +22,14 @@ import hydra
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from .checks import check_config, check_overrides, resolve_aliases
+from .checks import check_config, check_overrides
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries
 from .resume import resolve_ckpt_path
-from .wiring import flatten  # noqa: F401  (its old home)
+from .schemas import not_null_defaults
+from .wiring import Run, instantiate_group
 
 if TYPE_CHECKING:
     import torch
@@ -64,24 +66,22 @@ def model_class(cfg: DictConfig) -> type:
         raise ValueError(f"model._target_={cfg.model._target_!r} cannot be imported: {e}") from e
 
 
-def ordinary_head_lr(cfg: DictConfig) -> float | None:
-    """An ordinary head's ``head.lr``: its parameters' lr in the optimizer (null or absent:
-    optimizer.lr). A self-updating head takes ``lr`` itself (its own SGD step): None here."""
-    if getattr(head_class(cfg), "self_updating", False):
-        return None
-    return cfg.head.get("lr")  # checked by LanguageModel
-
-
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
     """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
-    only where the constructor takes it; an ordinary head's ``lr`` is the optimizer's
-    (``ordinary_head_lr``), not the constructor's."""
+    only where the constructor takes it; a null setting whose code default is not null left
+    out: the code's default (``schemas.not_null_defaults``)."""
     cls = head_class(cfg)
+    if not getattr(cls, "self_updating", False) and cfg.head.get("lr") is not None:
+        raise ValueError(f"head.lr={cfg.head.lr}: head.lr is a self-updating head's own SGD lr; {cls.__name__} is "
+                         f"trained by the optimizer, its parameters' lr is optimizer.head_lr "
+                         f"(write optimizer.head_lr={cfg.head.lr})")
     params = inspect.signature(cls).parameters
     extra = {"class_counts": class_counts} if "class_counts" in params else {}
-    head_cfg = cfg.head
-    if not getattr(cls, "self_updating", False) and "lr" in head_cfg:
-        head_cfg = {k: v for k, v in OmegaConf.to_container(head_cfg, resolve=True).items() if k != "lr"}
+    # null for a setting whose default is not (dtype=torch.float32): the code's default
+    head_cfg = OmegaConf.to_container(cfg.head, resolve=True)
+    for name in not_null_defaults(cls) & {k for k, v in head_cfg.items() if v is None}:
+        del head_cfg[name]
+    head_cfg = OmegaConf.create({"head": head_cfg}).head  # its errors name the key: head
     return instantiate(head_cfg, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
 
 
@@ -146,7 +146,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     the ``_target_`` entries of the ``logger`` and ``callbacks`` groups (wiring.py); the
     built run is checked by ``check_built``."""
     check_config(cfg)  # the checks that need no torch, before its import and Lightning's
-    cfg = resolve_aliases(cfg)
     quiet_libraries()
     import lightning.pytorch as pl  # noqa: PLC0415
     import torch  # noqa: PLC0415
@@ -154,7 +153,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     from .checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel  # noqa: PLC0415
-    from .wiring import Run, instantiate_group  # noqa: PLC0415
 
     one_handler_for_lightning()
     run_dir = Path(run_dir)
@@ -188,7 +186,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         body, head,
         optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
-        head_lr=ordinary_head_lr(cfg),
     )
 
     run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)

@@ -4,7 +4,8 @@ loop (``instantiate_group``); the other entries are plain settings, the keys use
 (``logger.csv``, ``logger.wandb.mode``, ``callbacks.progress_every``, ...), which the
 entries read by interpolation (conf/logger/*.yaml, conf/callbacks/*.yaml).
 
-An entry's ``enabled: false`` leaves it out. A target that takes ``run`` gets the build's
+An entry's ``enabled: false`` leaves it out. The factories' settings have no defaults here:
+their one source is the group's file. A target that takes ``run`` gets the build's
 ``Run`` (run directory, config, head, body, data module, the loggers made so far): the
 factories below are the entries that need it; the others name a class directly.
 """
@@ -73,8 +74,7 @@ def csv_logger(run: Run, name: str = "csv"):
     return AppendingCSVLogger(save_dir=str(run.run_dir), name=name, version="")
 
 
-def wandb_logger(run: Run, mode: str = "offline", project: str = "lst-lightning", entity: str | None = None,
-                 group: str | None = None, tags: list | tuple = ()):
+def wandb_logger(run: Run, *, mode: str, project: str, entity: str | None, group: str | None, tags: list | tuple):
     """W&B, its run named after the run, grouped by ``group`` (default: the run name; a
     multirun's jobs get their sweep's, app/sweep_group.py), tagged with the head's class
     and the loss; the whole config as the run's flat config."""
@@ -87,9 +87,8 @@ def wandb_logger(run: Run, mode: str = "offline", project: str = "lst-lightning"
 
 
 # -- callbacks ----------------------------------------------------------------------------
-def model_checkpoint(run: Run, every_n_steps: int = 0, every_minutes: float | None = 10.0,
-                     after_validation: bool = True, keep: int = 1, max_overhead: float | None = 0.05,
-                     asynchronous: bool = True):
+def model_checkpoint(run: Run, *, every_n_steps: int, every_minutes: float | None, after_validation: bool,
+                     keep: int, max_overhead: float | None, asynchronous: bool):
     """Checkpoints under <run_dir>/checkpoints: last.ckpt and the newest ``keep`` step<N>.ckpt,
     saved every ``every_minutes`` minutes, every ``every_n_steps`` steps, after every
     validation (each within ``max_overhead`` of the wall time), at the end and on SIGTERM
@@ -104,7 +103,7 @@ def model_checkpoint(run: Run, every_n_steps: int = 0, every_minutes: float | No
                               max_overhead=max_overhead)
 
 
-def progress_log(run: Run, every: int = 100):
+def progress_log(run: Run, *, every: int):
     """A log line every ``every`` steps and per validation, also in <run_dir>/train.log."""
     from .callbacks import ProgressLog  # noqa: PLC0415
 
@@ -114,15 +113,14 @@ def progress_log(run: Run, every: int = 100):
 def run_record(run: Run):
     """The run's facts as hyperparameters, its results as the W&B summary."""
     from .callbacks import RunRecord, run_facts  # noqa: PLC0415
-    from .train import ordinary_head_lr  # noqa: PLC0415
 
     cfg = run.cfg
     return RunRecord(run_facts(run.head, run.body, run.dm.batch_size, run.loss, OmegaConf.to_container(cfg.loss.kwargs),
                                cfg.optimizer.lr, gpu=cfg.trainer.get("accelerator", "cpu") in ("gpu", "cuda"),
-                               head_lr=ordinary_head_lr(cfg)))
+                               head_lr=cfg.optimizer.get("head_lr")))
 
 
-def lr_monitor(run: Run, logging_interval: str = "step"):
+def lr_monitor(run: Run, *, logging_interval: str):
     """The learning rate logged, when there is a logger."""
     import lightning.pytorch as pl  # noqa: PLC0415
 

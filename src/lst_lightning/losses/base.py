@@ -27,7 +27,7 @@ class SphericalLoss(nn.Module):
     outputs_are_logits: bool = False
     #: True when the loss reads ``y_sq`` (the squared error, or a composite holding it)
     needs_y_sq: bool = False
-    #: The head's SGD lr when none is given (conf/loss/*.yaml's head_lr says the same).
+    #: The head's SGD lr when none is given (the one source: the app builds the head with head.lr null).
     default_lr: float = 0.01
 
     def forward(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, *, num_classes: int,

@@ -20,7 +20,7 @@ from ..run_keys import FACTS, summary_of
 def run_facts(head: OutputHead, body: torch.nn.Module, batch_size: int, loss: str | None, loss_kwargs: dict,
               lr: float, gpu: bool, head_lr: float | None = None) -> dict:
     """The facts of ``run_keys.FACTS`` for a run of ``head`` on ``body`` (``head_lr``: an
-    ordinary head's own optimiser lr, when it has one)."""
+    ordinary head's own optimiser lr, ``optimizer.head_lr``, when it has one)."""
     name = type(head).__name__
     zloss = loss == "zloss"
     facts = {

@@ -1,0 +1,83 @@
+"""app/schemas.py: the heads' and losses' settings are the code's signatures, the configs
+restate none of their defaults, and every setting is a key (no ``+``) that refuses a typo."""
+import dataclasses
+import inspect
+
+import pytest
+import yaml
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, parameters, settings_schema
+from lst_lightning.heads import FactoredSphericalHead
+from lst_lightning.spherical.stabiliser import Stabiliser
+
+from app_configs import CONF, cfg_of, group
+
+
+def own_keys(node: dict, schema: dict, path: str = "") -> list[str]:
+    """The keys a config file sets to its schema's default (a restated default)."""
+    out = []
+    for key, value in node.items():
+        if key == "defaults" or key not in schema:
+            continue
+        if isinstance(value, dict) and isinstance(schema[key], dict):
+            out += own_keys(value, schema[key], f"{path}{key}.")
+        elif value == schema[key]:
+            out.append(f"{path}{key}={value!r}")
+    return out
+
+
+@pytest.mark.parametrize("name", group("head"))
+def test_a_head_config_restates_no_default_of_the_code(name):
+    text = yaml.safe_load((CONF / "head" / f"{name}.yaml").read_text())
+    head = text.get("head", text)  # a baseline's file is a _global_ package: head and optimizer.head_lr
+    target = cfg_of(f"head={name}").head._target_
+    package, cls_name = target.rsplit(".", 1)
+    schema = OmegaConf.to_container(OmegaConf.structured(settings_schema(getattr(__import__(package, fromlist=[cls_name]),
+                                                                              cls_name), target)))
+    assert not own_keys(head, schema), f"conf/head/{name}.yaml restates the code's defaults"
+    assert "optimizer" not in text or text["optimizer"]["head_lr"] is not None  # null is config.yaml's
+
+
+@pytest.mark.parametrize("name", group("model"))
+def test_a_model_config_restates_no_default_of_the_code(name):
+    text = yaml.safe_load((CONF / "model" / f"{name}.yaml").read_text())
+    package, cls_name = cfg_of(f"model={name}").model._target_.rsplit(".", 1)
+    cls = getattr(__import__(package, fromlist=[cls_name]), cls_name)
+    schema = OmegaConf.to_container(OmegaConf.structured(settings_schema(cls, cls_name, NOT_MODEL_SETTINGS)))
+    assert not own_keys(text, schema), f"conf/model/{name}.yaml restates the code's defaults"
+    assert set(MODELS["lst_lightning.models"]) >= {cls_name}
+
+
+@pytest.mark.parametrize("name", group("loss"))
+def test_a_loss_config_restates_nothing(name):
+    assert set(yaml.safe_load((CONF / "loss" / f"{name}.yaml").read_text())) == {"defaults"}
+
+
+def test_the_schemas_are_the_constructors():
+    """Every keyword setting of each head's constructor chain is a key, at its default; the
+    factored head's stabiliser is the Stabiliser dataclass's fields."""
+    for package, names in HEADS.items():
+        for name in names:
+            cls = getattr(__import__(package, fromlist=[name]), name)
+            fields = {f.name for f in dataclasses.fields(settings_schema(cls, name))} - {"_target_"}
+            assert fields == set(parameters(cls)), name
+    cfg = cfg_of("head=factored").head
+    assert dict(cfg.stabiliser) == dataclasses.asdict(Stabiliser())
+    sig = inspect.signature(FactoredSphericalHead.__init__).parameters
+    assert (cfg.sync_every, cfg.step, cfg.parallel) == (sig["sync_every"].default, sig["step"].default,
+                                                         sig["parallel"].default)
+
+
+def test_every_setting_is_a_key_that_refuses_a_typo():
+    cfg = cfg_of("head.sync_every=4", "head.stabiliser.sv_min=0.3", "loss.kwargs.eps=0.001")
+    assert (cfg.head.sync_every, cfg.head.stabiliser.sv_min, cfg.loss.kwargs.eps) == (4, 0.3, 0.001)
+    assert cfg_of("head=naive", "head.init_std=0.1").head.init_std == 0.1
+    assert cfg_of("head=sampled", "head.num_samples=8").head.num_samples == 8
+    assert cfg_of("model=gpt", "model.num_heads=2").model.num_heads == 2
+    # (+head.sync_evry=4 is added by Hydra, and refused by the constructor when the head is built)
+    for bad in ("head.sync_evry=4", "head.stabiliser.sv_mn=0.3", "head.sync_every=four", "loss.kwargs.c=1",
+                "model.embed_dmi=3"):
+        with pytest.raises(ConfigCompositionException):
+            cfg_of(bad)
