@@ -44,6 +44,8 @@ HEADS: dict[str, list[str]] = {
     **{f"factored-{loss}": ["head=factored", f"loss={loss}"]
        for loss in ("zloss", "spherical_softmax", "taylor_softmax", "mse")},
     "naive-zloss": ["head=naive", "loss=zloss"],
+    # sampled classes inside the exact step (issue 31): the composite loss and the head's negatives
+    "factored-sampled": ["head=factored", "loss=sampled"],
     "softmax": ["head=softmax"],
     "hsoftmax": ["head=hsoftmax"],
     "adaptive": ["head=adaptive"],
