@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     out, machine = output_dir(args, "bench_checkpoints"), machine_name()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        # a first start reads torch, Lightning and the data from a cold cache: seconds that
+        # would fall on the first setting's short run alone
+        train(Path(tmp) / "warm_up", args.D[0], args.short, args.settings[0], args)
         for D in args.D:
             base = None
             for setting in args.settings:
