@@ -15,15 +15,13 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCES = (str(ROOT / "src"), str(ROOT / "triton_kernels"))
-
 
 def trace_step(head, H, idx) -> dict[str, set[str]]:
     """{file relative to the repository: functions} entered by one ``head(H, idx).backward()``."""
-    import lst_lightning  # noqa: F401  (the project's roots, wherever it is installed)
-    roots = {os.path.dirname(os.path.dirname(os.path.abspath(m.__file__)))
-             for m in (sys.modules["lst_lightning"], __import__("lst_kernels"))}
+    import lst_kernels
+    import lst_lightning
+    # the folders holding the two packages (src/ and triton_kernels/, or site-packages)
+    roots = {str(Path(m.__file__).resolve().parents[1]) for m in (lst_lightning, lst_kernels)}
     seen: dict[str, set[str]] = {}
 
     def profile(frame, event, arg):

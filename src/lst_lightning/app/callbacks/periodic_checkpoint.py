@@ -59,7 +59,6 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self.after_validation, self.max_overhead = after_validation, max_overhead
         self._clock = time.monotonic()  # when the last save let training go on
         self._cost = 0.0  # how long the last periodic save held training up, in seconds
-        self.saves, self.postponed, self.seconds_saving = 0, 0, 0.0  # periodic saves: made, held back, their cost
 
     @property
     def state_key(self) -> str:
@@ -105,9 +104,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
 
     def _within_budget(self, elapsed: float) -> bool:
         """Whether the training since the last save pays for its cost within ``max_overhead``."""
-        ok = self.max_overhead is None or elapsed * self.max_overhead >= self._cost
-        self.postponed += not ok
-        return ok
+        return self.max_overhead is None or elapsed * self.max_overhead >= self._cost
 
     def save_now(self, trainer: pl.Trainer, preempted: bool = False, always: bool = False) -> None:
         """step<N>.ckpt (kept among the newest ``keep``) and last.ckpt, unless this step is saved
@@ -128,8 +125,6 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self._clock = time.monotonic()
         if not always:
             self._cost = self._clock - start
-            self.saves += 1
-            self.seconds_saving += self._cost
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
         saved = self._last_checkpoint_saved
