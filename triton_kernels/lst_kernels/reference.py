@@ -56,9 +56,9 @@ def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
     """The m x m Yd Yd^T: sum over k, l of G[i,k] G[j,l] [idx[i,k] == idx[j,l] != -1]."""
     m, K = idx.shape
     flat = idx.reshape(-1)
-    g = torch.where(flat >= 0, G.reshape(-1), torch.zeros((), dtype=G.dtype, device=G.device))
-    same = (flat[:, None] == flat[None, :]) & (flat[:, None] >= 0)
-    P = torch.where(same, g[:, None] * g[None, :], torch.zeros((), dtype=G.dtype, device=G.device))
+    zero = torch.zeros((), dtype=G.dtype, device=G.device)
+    g = torch.where(flat >= 0, G.reshape(-1), zero)  # padding contributes 0 to every pair
+    P = torch.where(flat[:, None] == flat[None, :], torch.outer(g, g), zero)
     return P.reshape(m, K, m, K).sum(dim=(1, 3))
 
 

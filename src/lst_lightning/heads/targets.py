@@ -120,5 +120,7 @@ def reduce_rows(per_example: Tensor, reduction: str) -> Tensor:
 def first_occurrence(idx: Tensor) -> Tensor:
     """(m, K) bool: True on real slots whose class did not occur earlier in the same row."""
     K = idx.shape[1]
+    if K == 1:  # one slot a row: every real one is a first occurrence
+        return idx >= 0
     same = (idx[:, :, None] == idx[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)
     return (idx >= 0) & ~same.any(2)

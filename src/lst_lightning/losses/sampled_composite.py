@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..heads.targets import first_occurrence
 from .base import SphericalLoss
 from .mse import MSELoss
 from .spherical_softmax import SphericalSoftmaxLoss
@@ -38,13 +39,6 @@ class SampledSlots(NamedTuple):
     output and the accidental-hit mask."""
     correction: Tensor
     hit: Tensor
-
-
-def first_occurrence(idx: Tensor) -> Tensor:
-    """(m, K) bool: True on real slots whose class did not occur earlier in the same row."""
-    K = idx.shape[1]
-    same = (idx[:, :, None] == idx[:, None, :]) & torch.ones(K, K, dtype=torch.bool, device=idx.device).tril(-1)
-    return (idx >= 0) & ~same.any(2)
 
 
 class SampledCompositeLoss(SphericalLoss):

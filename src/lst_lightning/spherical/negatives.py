@@ -16,9 +16,9 @@ O(m d^2 + m S d), with the same V, U, Q, wbar, omega.
 - ``SharedBlock``: shared negatives as ONE dense block of S columns, not m S slots: their
   outputs ``A_neg = (H U^T) V[neg]^T + H omega`` in one GEMM, their part of ``Yd V`` as
   ``G_u V[u]`` (the columns coalesced to the u unique negatives), ``Yd Yd^T`` =
-  ``sparse_gram(targets) + G_u G_u^T + P G_u^T + G_u P^T`` (P: the targets' gradients on
-  the negatives' columns, the accidental hits) and the scatter into V[u] in one
-  ``index_add_`` of one GEMM.
+  ``sparse_gram(the other targets) + Y_u Y_u^T`` (Y_u: G_u plus the gradients of the
+  targets that fall on a negative's column, the accidental hits) and the scatter into V[u]
+  in one ``index_add_`` of one GEMM.
 - ``PerRowSlots``: negatives drawn per row are extra target slots of the general path
   (value 0), with ``Yd Yd^T`` coalesced to unique columns (``unique_column_gram``).
 
@@ -109,7 +109,7 @@ class NegativeSampling:
         self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
-        self._log_q = {}  # the proposal's log q on each (device, dtype) the targets came on: copied once
+        self._q = {}  # the proposal's q on each (device, dtype) the targets came on: made once
 
     # -- resume: the generator's state in the head's extra state --------------------------
     def state(self) -> dict:
@@ -138,12 +138,12 @@ class NegativeSampling:
         cols = neg if st.shared else neg.reshape(m, S)
         neg_m, log_q = cols.expand(m, S), log_q.expand(m, S) if st.shared else log_q.reshape(m, S)
         if st.remove_accidental_hits:
-            hit = (neg_m[:, :, None] == idx[:, None, :]).any(2)
+            hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
             kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
             key = (idx.device, dtype)
-            if key not in self._log_q:
-                self._log_q[key] = self.sampler.log_q.to(idx.device, dtype)
-            q_t = torch.where(first_occurrence(idx), self._log_q[key][idx.clamp(min=0)].exp(),
+            if key not in self._q:
+                self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
+            q_t = torch.where(first_occurrence(idx), self._q[key][idx.clamp(min=0)],
                               torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
@@ -227,15 +227,15 @@ class SharedBlock:
         return torch.addmm(YV, self.G_u, V[self.uniq].to(YV.dtype)), ybar + self.G_u.sum(1)
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
-        """Yd Yd^T: the targets' slot pairs, the block's G_u G_u^T and the cross terms of the
-        targets that fall on a negative's column (accidental hits)."""
-        uniq, G_u = self.uniq, self.G_u
+        """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
+        too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the
+        column sets are disjoint, so Yd Yd^T = sparse_gram(the other targets) + Y_u Y_u^T."""
+        uniq = self.uniq
         pos = torch.searchsorted(uniq, idx.clamp(min=0)).clamp(max=uniq.numel() - 1)
         on_neg = (idx >= 0) & (uniq[pos] == idx)
-        P = torch.zeros_like(G_u).scatter_add_(1, pos, torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype,
-                                                                                       device=GA.device)))
-        C = P @ G_u.T
-        return lk.sparse_gram(idx, GA) + G_u @ G_u.T + C + C.T
+        GA_on = torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device))
+        Y_u = self.G_u.scatter_add(1, pos, GA_on)
+        return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
 
     def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok) -> None:
         """V[u] += alpha G_u^T (H U_new^-1): one GEMM, one index_add_ (masked by ``ok`` under device flags)."""
