@@ -52,11 +52,22 @@ def test_a_model_config_restates_no_default_of_the_code(name):
 
 @pytest.mark.parametrize("name", group("loss"))
 def test_a_loss_config_restates_nothing(name):
-    """A loss file sets nothing; the composite loss only switches the head's sampled classes
-    on, at their defaults (negatives: {})."""
+    """A loss file sets nothing but its schema."""
     cfg = yaml.safe_load((CONF / "loss" / f"{name}.yaml").read_text())
-    assert set(cfg) == ({"defaults", "head"} if name == "sampled" else {"defaults"})
-    assert cfg.get("head", {"negatives": {}}) == {"negatives": {}}
+    assert set(cfg) == {"defaults"}
+
+
+def test_the_sampled_loss_turns_on_the_spherical_heads_negatives_only():
+    """loss=sampled (the default) gives the spherical heads their negatives at the code's
+    defaults (head/negatives/sampled.yaml is empty); the other heads never see the key, and
+    the other losses leave it null (off)."""
+    assert yaml.safe_load((CONF / "head" / "negatives" / "sampled.yaml").read_text()) == {}
+    for head in ("factored", "naive"):
+        assert cfg_of(f"head={head}").head.negatives.num == 64
+        assert cfg_of(f"head={head}", "loss=zloss").head.negatives is None
+        assert cfg_of(f"head={head}", "head.negatives.num=8").head.negatives.num == 8
+    for head in ("softmax", "sampled", "hsoftmax", "adaptive"):
+        assert "negatives" not in cfg_of(f"head={head}").head
 
 
 def test_the_schemas_are_the_constructors():
@@ -75,7 +86,7 @@ def test_the_schemas_are_the_constructors():
 
 
 def test_every_setting_is_a_key_that_refuses_a_typo():
-    cfg = cfg_of("head.sync_every=4", "head.stabiliser.sv_min=0.3", "loss.kwargs.eps=0.001")
+    cfg = cfg_of("head.sync_every=4", "head.stabiliser.sv_min=0.3", "loss=zloss", "loss.kwargs.eps=0.001")
     assert (cfg.head.sync_every, cfg.head.stabiliser.sv_min, cfg.loss.kwargs.eps) == (4, 0.3, 0.001)
     assert cfg_of("head=naive", "head.init_std=0.1").head.init_std == 0.1
     assert cfg_of("head=sampled", "head.num_samples=8").head.num_samples == 8

@@ -57,7 +57,7 @@ def test_sweep_config_names_real_keys(sweep):
 def grid(tmp_path_factory):
     """A 2x2 multirun over the Z-loss's a and b."""
     root = tmp_path_factory.mktemp("grid")
-    lst_train("-m", *FAST, "loss.kwargs.a=0.1,1", "loss.kwargs.b=5,20", f"hydra.sweep.dir={root}",
+    lst_train("-m", *FAST, "loss=zloss", "loss.kwargs.a=0.1,1", "loss.kwargs.b=5,20", f"hydra.sweep.dir={root}",
               cwd=root)
     return root
 

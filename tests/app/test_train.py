@@ -63,10 +63,11 @@ def test_every_config_composes(experiment):
 def test_default_config():
     cfg = cfg_of()
     assert cfg.head._target_ == "lst_lightning.spherical.FactoredSphericalHead"
-    assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.03, "b": 10.0, "eps": 1e-8}
+    assert cfg.head.loss == "sampled" and cfg.head.negatives.num == 64
+    assert cfg.head.loss_kwargs == {"mu": 1.0, "spherical": "zloss", "spherical_kwargs": None, "gram": 0.0}
     assert cfg.data.source == "embedded" and cfg.trainer.accelerator == "cpu"
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
-    assert run_name(cfg) == "FactoredSphericalHead-zloss"
+    assert run_name(cfg) == "FactoredSphericalHead-sampled"
     assert run_name(cfg_of("head._target_=toy_heads.ToySoftmaxHead")) == "ToySoftmaxHead"
     assert run_name(cfg_of("head=softmax")) == "SoftmaxHead"  # a head that takes no spherical loss
     assert run_name(cfg_of("head=naive", "loss=mse")) == "NaiveSphericalHead-mse"
@@ -162,6 +163,16 @@ def _state(path):
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
+def _same(x, y) -> bool:
+    """Bit-identical tensors, equal values, through the heads' extra state (a dict that holds
+    the negatives' generator state, a tensor)."""
+    if torch.is_tensor(x):
+        return torch.is_tensor(y) and torch.equal(x, y)
+    if isinstance(x, dict):
+        return isinstance(y, dict) and x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    return x == y
+
+
 @pytest.mark.parametrize("head,embedding", [(TOY, "sparse_adam"), (TOY_SOFTMAX, "sparse_adam"),
                                             (TOY_SOFTMAX, "adagrad"), (TOY_SOFTMAX, "dense"),
                                             ("factored", "sparse_adam"), ("sampled", "sparse_adam"),
@@ -180,8 +191,8 @@ def test_resume_is_bit_identical(tmp_path, head, embedding):
     assert resumed["train_steps"] == full["train_steps"] == 12
     a, b = _state(tmp_path / "full/checkpoints/last.ckpt"), _state(tmp_path / "resumed/checkpoints/last.ckpt")
     assert a.keys() == b.keys()
-    for k in a:  # tensors bit-identical; the heads' extra state (lr, loss) equal
-        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+    for k in a:  # tensors bit-identical; the heads' extra state (lr, loss, the negatives' generator) equal
+        assert _same(a[k], b[k]), k
     assert resumed["val"] == full["val"]
     # and the interruption mattered: the first-epoch state differs
     p = _state(ckpt)
@@ -232,7 +243,7 @@ def test_fused_head_step_trains_like_autograd(tmp_path, step, sync_every):
     a = _state(tmp_path / "autograd/checkpoints/last.ckpt")
     b = _state(tmp_path / f"{step}/checkpoints/last.ckpt")
     for k in a:
-        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+        assert _same(a[k], b[k]), k
     assert int(a["head.steps"]) == 6
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from two_ranks import ROWS, WORLD, evaluate, make_head, train, train_on_unions, worker
+from two_ranks import NEGATIVES, ROWS, WORLD, evaluate, make_head, train, train_on_unions, worker
 
 
 @pytest.fixture(scope="session")
@@ -21,4 +21,6 @@ def single():
     grads = train(head, all_rows)
     unions = make_head("none")
     train_on_unions(unions)
-    return {"grads": grads, "W": head.weight(), "eval": evaluate(head, all_rows), "W_unions": unions.weight()}
+    sampled = make_head("none", **NEGATIVES)
+    return {"grads": grads, "W": head.weight(), "eval": evaluate(head, all_rows), "W_unions": unions.weight(),
+            "negatives": {"grads": train(sampled, all_rows), "W": sampled.weight()}}

@@ -20,6 +20,19 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, mode):
             assert rel(res[mode]["grads"][step], want) < 1e-12
 
 
+def test_two_ranks_with_negatives_equal_one_process_on_the_global_batch(ranks, single):
+    """loss=sampled, replicated: each rank draws the same negatives from the head's seed, so
+    the step on the world's rows is the one process's on the global batch."""
+    want = single["negatives"]
+    for r, res in enumerate(ranks):
+        got = res["replicated_negatives"]
+        assert rel(got["W"], want["W"]) < 1e-12 and rel(got["W"], single["W"]) > 1e-3  # the negatives mattered
+        lo = sum(ROWS[:r])
+        for step in range(STEPS):
+            assert rel(got["grads"][step], WORLD * want["grads"][step][lo:lo + ROWS[r]]) < 1e-12
+    assert ranks[0]["replicated_negatives"]["hash"] == ranks[1]["replicated_negatives"]["hash"]
+
+
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_accumulation_across_two_ranks_is_one_step_on_every_ranks_micro_batches(ranks, single, mode):
     """Attached to the optimizer (gradient accumulation), each rank keeps the gathered rows

@@ -24,7 +24,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..heads.targets import first_occurrence
 from .base import SphericalLoss
 from .mse import MSELoss
 from .spherical_softmax import SphericalSoftmaxLoss
@@ -35,10 +34,12 @@ _SPHERICAL = {cls.name: cls for cls in (MSELoss, SphericalSoftmaxLoss, TaylorSof
 
 
 class SampledSlots(NamedTuple):
-    """What the head's draw hands the loss, per row (m, S): the correction of each negative's
-    output and the accidental-hit mask."""
+    """What the head's draw hands the loss: per row and negative (m, S), the correction of
+    its output and the accidental-hit mask; per target slot (m, K), whether it is its
+    class's first occurrence in the row (padding: False)."""
     correction: Tensor
     hit: Tensor
+    first: Tensor
 
 
 class SampledCompositeLoss(SphericalLoss):
@@ -90,21 +91,20 @@ class SampledCompositeLoss(SphericalLoss):
 
     # -- with the sampled slots ----------------------------------------------------------
     @staticmethod
-    def sampled_ce(A: Tensor, T: Tensor, idx: Tensor, A_neg: Tensor, slots: SampledSlots) -> Tensor:
+    def sampled_ce(A: Tensor, T: Tensor, A_neg: Tensor, slots: SampledSlots) -> Tensor:
         """Per-row sampled-softmax CE: ``sum_k t_k (logsumexp(Z) - a_k)``, Z the targets (each
         class once, padding out) and the corrected negatives that are no accidental hit."""
         neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
-        o_t = torch.where(first_occurrence(idx), A, neg_inf)
+        o_t = torch.where(slots.first, A, neg_inf)
         o_n = torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))
         log_z = torch.logsumexp(torch.cat([o_t, o_n], 1), dim=1, keepdim=True)
         return (T * (log_z - A)).sum(1)  # T is 0 on padding
 
-    def with_slots(self, q, s, A, T, A_neg, slots: SampledSlots, *, idx, num_classes, y_sq=None):
+    def with_slots(self, q, s, A, T, A_neg, slots: SampledSlots, *, num_classes, y_sq=None):
         """Per-row losses from q, s, the target outputs A (m, K) and the negatives' A_neg (m, S)."""
-        return self.sampled_ce(A, T, idx, A_neg, slots) + self.forward(q, s, A, T, num_classes=num_classes,
-                                                                        y_sq=y_sq)
+        return self.sampled_ce(A, T, A_neg, slots) + self.forward(q, s, A, T, num_classes=num_classes, y_sq=y_sq)
 
     def with_slots_dense(self, O, Y, T, A_neg, slots: SampledSlots, *, idx):
         """The same per-row losses from the explicit outputs O (m, D): the reference."""
         A = torch.where(idx >= 0, O.gather(1, idx.clamp(min=0)), torch.zeros((), dtype=O.dtype, device=O.device))
-        return self.sampled_ce(A, T, idx, A_neg, slots) + self.dense(O, Y)
+        return self.sampled_ce(A, T, A_neg, slots) + self.dense(O, Y)

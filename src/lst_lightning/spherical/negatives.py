@@ -137,20 +137,21 @@ class NegativeSampling:
         neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
         cols = neg if st.shared else neg.reshape(m, S)
         neg_m, log_q = cols.expand(m, S), log_q.expand(m, S) if st.shared else log_q.reshape(m, S)
+        first = first_occurrence(idx)
         if st.remove_accidental_hits:
             hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
             kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
             key = (idx.device, dtype)
             if key not in self._q:
                 self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
-            q_t = torch.where(first_occurrence(idx), self._q[key][idx.clamp(min=0)],
+            q_t = torch.where(first, self._q[key][idx.clamp(min=0)],
                               torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
             hit = torch.zeros((m, S), dtype=torch.bool, device=idx.device)
             kept = torch.full((m, 1), float(S), dtype=dtype, device=idx.device)
             log_rest = torch.zeros((m, 1), dtype=dtype, device=idx.device)
-        return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit)
+        return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit, first)
 
     def slots_part(self) -> "PerRowSlots":
         """Exact accumulation's records carry every negative as a slot: their Yd Yd^T by unique columns."""
@@ -171,7 +172,7 @@ class NegativeSampling:
         with torch.enable_grad():
             q, s, A, A_neg = (t.detach().requires_grad_() for t in (q, s, A, A_neg))
             y_sq = head.y_sq(idx, T)  # None unless the spherical term is the squared error
-            per = loss_fn.with_slots(q, s, A, T, A_neg, slots, idx=idx, num_classes=head.num_classes, y_sq=y_sq)
+            per = loss_fn.with_slots(q, s, A, T, A_neg, slots, num_classes=head.num_classes, y_sq=y_sq)
             L = head.reduce(per, idx)
             gq, gs, GA, G_neg = torch.autograd.grad(L, (q, s, A, A_neg), materialize_grads=True)
         if self.settings.shared:
