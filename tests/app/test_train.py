@@ -13,7 +13,7 @@ import yaml
 from hydra.errors import InstantiationException
 from hydra.utils import get_class
 
-from lst_lightning.app.train import run, run_name
+from lst_lightning.app.train import make_head, run, run_name
 
 from app_configs import CONF, FAST, TOY, TOY_SOFTMAX, cfg_of, cfgs_of, group
 
@@ -71,6 +71,17 @@ def test_default_config():
     assert run_name(cfg_of("head._target_=toy_heads.ToySoftmaxHead")) == "ToySoftmaxHead"
     assert run_name(cfg_of("head=softmax")) == "SoftmaxHead"  # a head that takes no spherical loss
     assert run_name(cfg_of("head=naive", "loss=mse")) == "NaiveSphericalHead-mse"
+
+
+def test_unigram_negatives_draw_from_the_datas_counts():
+    """head.negatives.sampler=unigram: the app hands the data's class counts to the draw (the
+    sampled softmax baseline's unigram sampler takes them the same way)."""
+    counts = torch.arange(1.0, 41.0)
+    head = make_head(cfg_of("head.negatives.sampler=unigram"), num_classes=40, hidden_dim=8, class_counts=counts)
+    q = head.negatives.sampler.log_q.exp()
+    assert torch.allclose(q.float(), counts ** 0.75 / (counts ** 0.75).sum())
+    assert make_head(cfg_of(), num_classes=40, hidden_dim=8, class_counts=counts).negatives.settings.sampler == \
+        "log_uniform"
 
 
 def _results(path):

@@ -68,8 +68,8 @@ def model_class(cfg: DictConfig) -> type:
 
 def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: torch.Tensor):
     """``instantiate(cfg.head, num_classes=D, hidden_dim=d, **extra)``; ``class_counts``
-    only where the constructor takes it; a null setting whose code default is not null left
-    out: the code's default (``schemas.not_null_defaults``)."""
+    only where the constructor takes it, or where its unigram negatives draw from it; a null
+    setting whose code default is not null left out: the code's default (``schemas.not_null_defaults``)."""
     cls = head_class(cfg)
     if not getattr(cls, "self_updating", False) and cfg.head.get("lr") is not None:
         raise ValueError(f"head.lr={cfg.head.lr}: head.lr is a self-updating head's own SGD lr; {cls.__name__} is "
@@ -81,6 +81,9 @@ def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: 
     head_cfg = OmegaConf.to_container(cfg.head, resolve=True)
     for name in not_null_defaults(cls) & {k for k, v in head_cfg.items() if v is None}:
         del head_cfg[name]
+    negatives = head_cfg.get("negatives")
+    if isinstance(negatives, dict) and negatives.get("sampler") == "unigram" and negatives.get("class_counts") is None:
+        extra["negatives"] = {**negatives, "class_counts": class_counts}  # the spherical heads' unigram: the data's
     head_cfg = OmegaConf.create({"head": head_cfg}).head  # its errors name the key: head
     return instantiate(head_cfg, num_classes=num_classes, hidden_dim=hidden_dim, _convert_="all", **extra)
 
