@@ -54,6 +54,14 @@ def test_loss_parameters_are_named_under_kwargs(arg, match):
         check_overrides([arg])
 
 
+def test_negatives_with_another_loss_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="head.negatives.num=8: .*loss=sampled.*with loss=zloss there are none"):
+        check_overrides(["loss=zloss", "head.negatives.num=8"])
+    check_overrides(["head.negatives.num=8"])                       # the default loss=sampled
+    check_overrides(["loss=zloss", "loss=sampled", "head.negatives.num=8"])  # the last choice counts
+    check_overrides(["-m", "loss=zloss,sampled", "head.negatives.num=8"])    # a sweep: the job decides
+
+
 def test_loss_settings_and_other_overrides_pass():
     check_overrides(["loss.kwargs.a=-1", "loss=mse", "trainer.max_steps=3", "head.lr=3", "-m", "--cfg"])
     check_overrides(["head=factored,naive", "head.lr=3", "optimizer.head_lr=0.1"])

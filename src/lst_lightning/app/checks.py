@@ -138,6 +138,7 @@ def check_overrides(args: Iterable[str]) -> None:
     """Command-line overrides, before Hydra composes them: ``loss.a=-1`` names the right key."""
     args = list(args)
     check_head_lr(args)
+    check_negatives(args)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -146,6 +147,18 @@ def check_overrides(args: Iterable[str]) -> None:
         check_gone(key, value)
         if key.startswith("loss."):
             check_loss_key(key[len("loss."):], value)
+
+
+def check_negatives(args: list[str]) -> None:
+    """``head.negatives.*`` with another loss than ``sampled`` (the loss that turns them on):
+    one line, not Hydra's assertion on a null node."""
+    losses = [a.split("=", 1)[1] for a in args if a.lstrip("+~").startswith("loss=")]
+    if not losses or losses[-1] == "sampled" or "," in losses[-1]:
+        return
+    for arg in args:
+        if arg.lstrip("+~").startswith("head.negatives."):
+            raise ValueError(f"{arg}: head.negatives are the sampled classes of loss=sampled (the default); "
+                             f"with loss={losses[-1]} there are none (drop loss={losses[-1]}, or this override)")
 
 
 def check_data(data: DictConfig) -> None:
