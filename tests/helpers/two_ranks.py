@@ -11,8 +11,13 @@ from lst_lightning.spherical import FactoredSphericalHead
 
 WORLD, D, d, K, STEPS = 2, 50, 6, 3, 8
 ROWS = [5, 3]  # ranks hold different numbers of rows
-#: sampled classes inside the step (loss=sampled): 7 log-uniform negatives shared by the batch
-NEGATIVES = {"loss": "sampled", "negatives": {"num": 7}}
+#: sampled classes inside the step (loss=sampled), 7 log-uniform negatives: name -> (parallel, shared by the batch)
+NEGATIVE_MODES = {"replicated_negatives": ("replicated", True), "sharded_negatives": ("sharded", True),
+                  "sharded_negatives_per_row": ("sharded", False)}
+
+
+def negatives(shared: bool) -> dict:
+    return {"loss": "sampled", "negatives": {"num": 7, "shared": shared}}
 
 
 def make_head(mode, **kw):
@@ -94,9 +99,10 @@ def worker(rank, rdv, out):
         grads = train(head, rows)
         res[mode] = {"grads": grads, "W": head.weight(), "rows": (head.row_lo, head.row_hi),
                      "hash": head.state_hash(), "eval": evaluate(head, rows), "V": head.V.clone()}
-    sampled = make_head("replicated", **NEGATIVES)  # every rank draws the same negatives from the head's seed
-    sampled.distribute()
-    res["replicated_negatives"] = {"grads": train(sampled, rows), "W": sampled.weight(), "hash": sampled.state_hash()}
+    for name, (mode, shared) in NEGATIVE_MODES.items():  # every rank draws the same negatives from the head's seed
+        sampled = make_head(mode, **negatives(shared))
+        sampled.distribute()
+        res[name] = {"grads": train(sampled, rows), "W": sampled.weight(), "hash": sampled.state_hash()}
     for mode in ("replicated", "sharded"):  # gradient accumulation across the processes
         acc = make_head(mode)
         acc.distribute()

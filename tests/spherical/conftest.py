@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from two_ranks import NEGATIVES, ROWS, WORLD, evaluate, make_head, train, train_on_unions, worker
+from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, worker
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +21,8 @@ def single():
     grads = train(head, all_rows)
     unions = make_head("none")
     train_on_unions(unions)
-    sampled = make_head("none", **NEGATIVES)
-    return {"grads": grads, "W": head.weight(), "eval": evaluate(head, all_rows), "W_unions": unions.weight(),
-            "negatives": {"grads": train(sampled, all_rows), "W": sampled.weight()}}
+    out = {"grads": grads, "W": head.weight(), "eval": evaluate(head, all_rows), "W_unions": unions.weight()}
+    for shared in (True, False):
+        sampled = make_head("none", **negatives(shared))
+        out[f"negatives_shared={shared}"] = {"grads": train(sampled, all_rows), "W": sampled.weight()}
+    return out

@@ -5,7 +5,7 @@ replicated, agreed input errors, divergence caught, a gathered V reloads into sh
 import pytest
 import torch
 
-from two_ranks import ROWS, STEPS, WORLD, D, d, make_head, rel, train
+from two_ranks import NEGATIVE_MODES, ROWS, STEPS, WORLD, D, d, make_head, rel, train
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded", "sharded_sync_free"])
@@ -20,17 +20,21 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, mode):
             assert rel(res[mode]["grads"][step], want) < 1e-12
 
 
-def test_two_ranks_with_negatives_equal_one_process_on_the_global_batch(ranks, single):
-    """loss=sampled, replicated: each rank draws the same negatives from the head's seed, so
-    the step on the world's rows is the one process's on the global batch."""
-    want = single["negatives"]
-    for r, res in enumerate(ranks):
-        got = res["replicated_negatives"]
-        assert rel(got["W"], want["W"]) < 1e-12 and rel(got["W"], single["W"]) > 1e-3  # the negatives mattered
+@pytest.mark.parametrize("name", sorted(NEGATIVE_MODES))
+def test_two_ranks_with_negatives_equal_one_process_on_the_global_batch(ranks, single, name):
+    """loss=sampled: each rank draws the same negatives from the head's seed, so the step on
+    the world's rows is the one process's on the global batch; sharded, the block's rows of
+    V are all-reduced once and each rank scatters into its own."""
+    mode, shared = NEGATIVE_MODES[name]
+    want = single[f"negatives_shared={shared}"]
+    res = [r[name] for r in ranks]
+    W = torch.cat([r["W"] for r in res]) if mode == "sharded" else res[0]["W"]
+    assert rel(W, want["W"]) < 1e-12 and rel(W, single["W"]) > 1e-3  # the negatives mattered
+    for r, got in enumerate(res):
         lo = sum(ROWS[:r])
         for step in range(STEPS):
             assert rel(got["grads"][step], WORLD * want["grads"][step][lo:lo + ROWS[r]]) < 1e-12
-    assert ranks[0]["replicated_negatives"]["hash"] == ranks[1]["replicated_negatives"]["hash"]
+    assert res[0]["hash"] == res[1]["hash"]
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])

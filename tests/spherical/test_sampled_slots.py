@@ -201,8 +201,6 @@ def test_loss_and_negatives_go_together_and_modes_not_taken_are_refused():
         FactoredSphericalHead(D, d, loss="sampled")
     with pytest.raises(ValueError, match="negatives need a loss with sampled classes"):
         FactoredSphericalHead(D, d, loss="zloss", negatives=dict(num=4))
-    with pytest.raises(ValueError, match="parallel='sharded': not yet.*use parallel='replicated'"):
-        FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=4), parallel="sharded")
     f = FactoredSphericalHead(D, d, loss="sampled", negatives=Negatives(num=4), sync_every=2)
     before = state_of(f)
     with pytest.raises(ValueError, match="cuda_graph"):

@@ -95,9 +95,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """The modes sampled classes do not take yet, each refused in one line with the reason."""
         if self.negatives is None:
             return
-        if driving.parallel == "sharded":  # replicated: every rank draws the same negatives from the same seed
-            raise ValueError("negatives with parallel='sharded': not yet (the negatives' rows of V lie on every "
-                             "rank and would have to be gathered and scattered back); use parallel='replicated'")
         if driving.step == "cuda_graph":
             raise ValueError("negatives with step='cuda_graph': the draw runs on the host each step and a "
                              "captured graph would replay one draw; use step='autograd' or 'fused'")

@@ -94,6 +94,10 @@ class Sharding:
     def gather_sum(self, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
         return lk.gather_sum(V, idx, G)
 
+    def rows_of(self, V: Tensor, ids: Tensor) -> Tensor:
+        """V's rows of the classes ``ids`` (u, d), wherever they are held."""
+        return V[ids]
+
     def all_reduce_(self, x: Tensor) -> Tensor:
         """The sum over the ranks that hold parts of V (one process, replicated: x itself)."""
         return x
@@ -144,6 +148,11 @@ class ShardedRows(Sharding):
 
     def gather_sum(self, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
         return self.pg.all_reduce_(lk.gather_sum(V, self.local_idx(idx), G))
+
+    def rows_of(self, V: Tensor, ids: Tensor) -> Tensor:
+        local = self.local_idx(ids)  # each row has one owner: the others contribute zeros (u x d values)
+        rows = V[local.clamp(min=0)] if V.shape[0] else V.new_zeros(ids.numel(), V.shape[1])
+        return self.pg.all_reduce_(torch.where(local[:, None] >= 0, rows, 0.0))
 
     def all_reduce_(self, x: Tensor) -> Tensor:
         return self.pg.all_reduce_(x)

@@ -164,10 +164,12 @@ class NegativeSampling:
         Returns (L, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives
         as extra slots (the general path); shared, they stay apart in a ``SharedBlock``."""
         cols, uniq, inv, slots = self.draw(idx, head.dtype)
+        sh = head.sharding  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:
-            A_neg = torch.addmm(ht[:, None], Ht, head.V[cols].T)  # (H U^T) V[neg]^T + H omega: one GEMM
+            V_u = head.V[uniq] if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
+            A_neg = torch.addmm(ht[:, None], Ht, V_u[inv].T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
-            A_neg = lk.gather_dot(head.V, cols, Ht, ht)
+            A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn
         with torch.enable_grad():
             q, s, A, A_neg = (t.detach().requires_grad_() for t in (q, s, A, A_neg))
@@ -176,7 +178,7 @@ class NegativeSampling:
             L = head.reduce(per, idx)
             gq, gs, GA, G_neg = torch.autograd.grad(L, (q, s, A, A_neg), materialize_grads=True)
         if self.settings.shared:
-            return L.detach(), gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg)
+            return L.detach(), gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
         return (L.detach(), gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
                 PerRowSlots())
 
@@ -209,23 +211,24 @@ class SharedBlock:
     """Negatives shared by the batch: S columns of Yd as one dense block.
 
     ``cols`` (S,) the draw, ``uniq`` (u,) its distinct classes, ``inv`` (S,) each draw's
-    place among them, ``G_neg`` (m, S) dL/dA_neg; ``G_u`` (m, u) the step's gradients on
-    the unique columns (repeated negatives summed), set by ``hidden``."""
+    place among them, ``G_neg`` (m, S) dL/dA_neg, ``V_u`` (u, d) their rows of V at the
+    forward (the step's V: it changes only at the write); ``G_u`` (m, u) the step's
+    gradients on the unique columns (repeated negatives summed), set by ``hidden``."""
 
     shared = True
 
-    def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor):
-        self.cols, self.uniq, self.inv, self.G_neg = cols, uniq, inv, G_neg
+    def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor, V_u: Tensor):
+        self.cols, self.uniq, self.inv, self.G_neg, self.V_u = cols, uniq, inv, G_neg, V_u
         self.G_u = None
 
     def coalesced(self, grad: Tensor) -> Tensor:
         m, u = self.G_neg.shape[0], self.uniq.numel()
         return self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
 
-    def hidden(self, V: Tensor, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
+    def hidden(self, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
         """Their part of Yd V (one GEMM) and of Yd's row sums."""
         self.G_u = self.coalesced(grad)
-        return torch.addmm(YV, self.G_u, V[self.uniq].to(YV.dtype)), ybar + self.G_u.sum(1)
+        return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + self.G_u.sum(1)
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
@@ -238,10 +241,16 @@ class SharedBlock:
         Y_u = self.G_u.scatter_add(1, pos, GA_on)
         return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
 
-    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok) -> None:
-        """V[u] += alpha G_u^T (H U_new^-1): one GEMM, one index_add_ (masked by ``ok`` under device flags)."""
+    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, sharding) -> None:
+        """V[u] += alpha G_u^T (H U_new^-1): one GEMM, one index_add_ (masked by ``ok`` under
+        device flags); sharded, into the rows this rank holds (the others add zeros to row 0)."""
         G_u = self.G_u if ok is None else torch.where(ok, self.G_u, 0.0)
-        V.index_add_(0, self.uniq, (alpha * (G_u.T @ HUinv)).to(V.dtype))
+        update = (alpha * (G_u.T @ HUinv)).to(V.dtype)
+        if sharding.alone or not sharding.sharded:
+            V.index_add_(0, self.uniq, update)
+        elif V.shape[0]:
+            local = sharding.local_idx(self.uniq)
+            V.index_add_(0, local.clamp(min=0), torch.where(local[:, None] >= 0, update, 0.0))
 
     def as_slots(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
         """The block as S extra slots of every row (exact accumulation's general path)."""

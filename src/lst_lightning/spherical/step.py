@@ -113,7 +113,7 @@ def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
     sh = head.sharding
     YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
     if fwd.neg is not None and fwd.neg.shared:  # shared negatives: one dense block (negatives.py)
-        YV, ybar = fwd.neg.hidden(head.V, grad, YV, ybar)
+        YV, ybar = fwd.neg.hidden(grad, YV, ybar)
     Z = YV @ head.U + torch.outer(ybar, head.omega) + torch.outer(gs, head.wbar)
     dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
     return (dH, gq, gs, GA, ybar, Z) if parts else dH
@@ -244,7 +244,7 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
     lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr)
     if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
-        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None)
+        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None, sh)
     Q = 0.5 * (new.Q + new.Q.T)
     if masked:
         head.omega.copy_(torch.where(ok, new.omega, head.omega))
