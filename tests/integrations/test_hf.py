@@ -37,17 +37,20 @@ def test_loss_is_the_heads_loss_on_the_shifted_hidden_states(family):
     assert torch.allclose(loss.double(), ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse"])
+@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse", "sampled"])
 def test_a_training_step_matches_the_explicit_w_reference_with_the_pretrained_start(loss):
     """The patched model's loss, dL/dH and step equal the naive head's (explicit W, the
-    pretrained lm_head weight with its bias column) on the same hidden states, in float64."""
+    pretrained lm_head weight with its bias column) on the same hidden states, in float64;
+    with sampled classes inside the step (loss=sampled), on the same draws."""
+    kw = {"negatives": {"num": 8, "seed": 3}} if loss == "sampled" else {}
     model = tiny("mistral").double()
     old = model.lm_head
     model.lm_head = nn.Linear(16, VOCAB, bias=True, dtype=torch.float64)
     model.lm_head.weight.data.copy_(old.weight)
     W = torch.cat([model.lm_head.weight, model.lm_head.bias[:, None]], 1).detach().clone()
-    factor_lm_head(model, loss=loss, lr=0.3)
-    naive = NaiveSphericalHead(VOCAB, 16, loss=loss, lr=0.3, bias=True, reduction="mean_real", dtype=torch.float64)
+    factor_lm_head(model, loss=loss, lr=0.3, **kw)
+    naive = NaiveSphericalHead(VOCAB, 16, loss=loss, lr=0.3, bias=True, reduction="mean_real", dtype=torch.float64,
+                               **kw)
     naive.reset_weight(W)
     ids, mask, labels = batch()
     model.train()

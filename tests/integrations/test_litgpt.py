@@ -55,15 +55,17 @@ def test_logits_before_training_are_the_original_models(bias):
     assert [c.shape[1] for c in chunks] == [5, 5, 2] and torch.equal(torch.cat(chunks, 1), after)
 
 
-@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse"])
+@pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse", "sampled"])
 def test_a_training_step_matches_the_explicit_w_reference(loss):
     """The patched GPT's loss, dL/dH and step equal the naive head's (explicit W: the
-    lm_head weight and bias column) on the same hidden states, float64, litgpt's alignment."""
+    lm_head weight and bias column) on the same hidden states, float64, litgpt's alignment;
+    with sampled classes inside the step (loss=sampled), on the same draws."""
+    kw = {"negatives": {"num": 8, "seed": 3}} if loss == "sampled" else {}
     model = tiny_gpt(bias=True).double()
     W = torch.cat([model.lm_head.weight, model.lm_head.bias[:, None]], 1).detach().clone()
-    factor_gpt_head(model, loss=loss, lr=0.3)
+    factor_gpt_head(model, loss=loss, lr=0.3, **kw)
     naive = NaiveSphericalHead(PADDED, HIDDEN, loss=loss, lr=0.3, bias=True, reduction="mean_real",
-                               dtype=torch.float64)
+                               dtype=torch.float64, **kw)
     naive.reset_weight(W)
     ids, targets = rows()
     seen = []
