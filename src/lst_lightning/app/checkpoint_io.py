@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -129,9 +130,13 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         self._last: Future | None = None
         self._after_next: list[Callable[[], object]] = []
         self.synchronous_saves = 0  # saves too large for a snapshot in free memory
+        #: seconds from the start of the last save until it was on disk (None: none finished yet);
+        #: the background write is part of a save's cost (on few cores it takes CPU from training)
+        self.last_save_s: float | None = None
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.wait()  # the save before is on disk: at most one in flight
+        start = time.monotonic()
         short = snapshot_too_large(checkpoint)
         if short:  # no room for a copy: written now, from the tensors themselves
             if not self.synchronous_saves:
@@ -141,7 +146,8 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
         else:
             super().save_checkpoint(checkpoint, path, storage_options)  # the snapshot, then the write queued
-        self._last = self._executor.submit(lambda: None)  # done once the write just queued is
+        # done once the write just queued is (one writer thread: in order)
+        self._last = self._executor.submit(lambda: setattr(self, "last_save_s", time.monotonic() - start))
         for fn in self._after_next:
             self.after_save(fn)
         self._after_next = []

@@ -54,6 +54,18 @@ def test_saves_wait_until_training_pays_for_them(tmp_path, monkeypatch):
     assert saved(tmp_path) == {"step1.ckpt": 1, "step5.ckpt": 5, "step9.ckpt": 9, "step10.ckpt": 10, "last.ckpt": 10}
 
 
+def test_a_background_write_counts_in_the_cost_of_a_save(tmp_path):
+    """A save that held training 0.1 s but took 2 s to reach the disk (the writer thread)
+    costs 2 s: at max_overhead 0.05 the next waits for 40 s of training, not 2 s."""
+    cb = PeriodicCheckpoint(dirpath=str(tmp_path), max_overhead=0.05)
+    cb._cost = 0.1
+    assert cb._within_budget(2.0)  # no background write known: the time it held training
+    cb._io = types.SimpleNamespace(last_save_s=2.0)
+    assert not cb._within_budget(10.0) and cb._within_budget(40.0)
+    cb._io = types.SimpleNamespace(last_save_s=None)  # still being written
+    assert cb._within_budget(2.0)
+
+
 @pytest.mark.parametrize("bad,match", [({"every_n_steps": -1}, "every_n_steps must be an int >= 0"),
                                        ({"keep": True}, "keep must be an int >= 0"),
                                        ({"every_minutes": 0}, "every_minutes must be > 0 or null"),
