@@ -7,7 +7,8 @@ For every D and setting, two runs of ``lst-train`` on the synthetic task (input 
 D up to ``--max-input-vocab``, no validation, no test) of ``--short`` and ``--long`` optimizer
 steps, one after the other in child processes; the per-step time is the difference of their
 wall times over the difference of their steps, so that start-up, the data and the final
-save cancel (the method of issue "Checkpoints off the critical path"). Settings:
+save cancel (the method of issue "Checkpoints off the critical path"). ``--repeats N``: N
+rounds of all settings in turn, each setting's figure the median of its rounds. Settings:
 
 - ``none``: no periodic checkpoint (the final save only, in both runs);
 - ``default``: the shipped defaults (every 10 minutes, after validation, max_overhead 0.05,
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-input-vocab", type=int, default=1_000_000,
                     help="the input vocabulary is min(D, this): at 10^7 a D-row input embedding and its two "
                          "SparseAdam moments would not fit a 24 GB machine beside V")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of every setting, interleaved (none, default, ..., none, default, ...); each "
+                         "setting's figure is the median of its rounds, so a change of load falls on all alike")
     ap.add_argument("--hidden-dim", type=int, default=None)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, two settings, in seconds (tests)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -108,18 +113,25 @@ def main(argv: list[str] | None = None) -> None:
         # would fall on the first setting's short run alone
         train(Path(tmp) / "warm_up", args.D[0], args.short, args.settings[0], args)
         for D in args.D:
-            base = None
-            for setting in args.settings:
-                a = train(Path(tmp) / f"{D}_{setting}_short", D, args.short, setting, args)
-                b = train(Path(tmp) / f"{D}_{setting}_long", D, args.long, setting, args)
-                step_ms = 1e3 * (b["wall_s"] - a["wall_s"]) / (b["steps"] - a["steps"])
-                base = step_ms if setting == "none" else base
+            runs = {setting: [] for setting in args.settings}
+            for rnd in range(args.repeats):
+                for setting in args.settings:
+                    a = train(Path(tmp) / f"{D}_{setting}_{rnd}_short", D, args.short, setting, args)
+                    b = train(Path(tmp) / f"{D}_{setting}_{rnd}_long", D, args.long, setting, args)
+                    runs[setting].append((1e3 * (b["wall_s"] - a["wall_s"]) / (b["steps"] - a["steps"]), a, b))
+                    print({"D": D, "setting": setting, "round": rnd, "step_ms": round(runs[setting][-1][0], 3)},
+                          flush=True)
+            base = statistics.median(ms for ms, _, _ in runs["none"]) if "none" in runs else None
+            for setting, done in runs.items():
+                step_ms = statistics.median(ms for ms, _, _ in done)
+                _, a, b = done[-1]
                 rows.append({"D": D, "setting": setting, "step_ms": round(step_ms, 3),
                              "ratio_to_none": round(step_ms / base, 3) if base else None,
+                             "rounds_ms": " ".join(f"{ms:.2f}" for ms, _, _ in done),
                              "short_wall_s": round(a["wall_s"], 2), "long_wall_s": round(b["wall_s"], 2),
                              "ckpt_mb": round(b["ckpt_mb"], 1), "step_files_left": b["step_files"]})
                 print(rows[-1], flush=True)
-                write_csv(out / f"checkpoints_{machine}.csv", rows, machine=machine)
+            write_csv(out / f"checkpoints_{machine}.csv", rows, machine=machine)
             rec = recompute_cost(D, args.hidden_dim or 128)
             for r in rows:
                 if r["D"] == D:
