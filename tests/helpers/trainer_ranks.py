@@ -59,7 +59,7 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
                              lr_scheduler_type="linear", report_to=[], use_cpu=True,
                              ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-                             logging_steps=1, disable_tqdm=True, seed=0,
+                             logging_steps=1, disable_tqdm=True, seed=0, per_device_eval_batch_size=batch_size,
                              average_tokens_across_devices=tokens_over_world)
     trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[head_follows_trainer()])
     head = model.lm_head
@@ -73,6 +73,7 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
         state["lm_head.V"] = whole
     out = {"state": state, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi)}
+    out["eval_loss"] = trainer.evaluate(Texts(12))["eval_loss"]  # the world's rows, the local loss each
     model.eval()  # the logits o = W h of all D classes (a sharded head: every rank's classes gathered)
     first = Texts()[0]
     with torch.no_grad():

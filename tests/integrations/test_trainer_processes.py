@@ -49,6 +49,7 @@ def test_two_processes_with_batch_b_train_like_one_with_2b(ranks, one_process, p
     assert not torch.allclose(ref["state"]["lm_head.V"], tiny_llama().lm_head.weight)  # the head trained
     assert_same_model(got["state"], ref["state"])  # body and head, every buffer
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-9)  # the logged loss is the world's
+    assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-9)  # Trainer.evaluate() on the ranks
     if parallel == "replicated":
         assert ranks[0][f"{parallel}_batch"]["hash"] == ranks[1][f"{parallel}_batch"]["hash"]  # bit-identical replicas
     else:
