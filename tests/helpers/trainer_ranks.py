@@ -61,9 +61,9 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
                              save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                              logging_steps=1, disable_tqdm=True, seed=0, per_device_eval_batch_size=batch_size,
                              average_tokens_across_devices=tokens_over_world)
-    trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[head_follows_trainer()])
     head = model.lm_head
     try:
+        trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[head_follows_trainer()])
         trainer.train(resume_from_checkpoint=resume)
     except ValueError as e:
         return {"error": str(e), "steps": int(head.steps), "hash": head.state_hash()}

@@ -118,3 +118,19 @@ def test_ddp_leaves_the_patched_heads_buffers_alone_until_export():
     assert set(model._ddp_params_and_buffers_to_ignore) == names | {"model.norm.weight"}
     export_dense_head(model)
     assert model._ddp_params_and_buffers_to_ignore == ["model.norm.weight"]
+
+
+
+@pytest.mark.parametrize("strategy", ["FSDP", "DEEPSPEED", "MEGATRON_LM"])
+def test_a_strategy_that_shards_the_model_is_refused_in_one_line(strategy):
+    """What head_follows_trainer checks when the Trainer is built (on_init_end), before any step.
+    (On CPU accelerate runs no FSDP: TrainingArguments(fsdp=True) trains with DDP there.)"""
+    from accelerate.utils import DistributedType
+
+    from lst_lightning.integrations.processes import check_strategy
+
+    with pytest.raises(ValueError, match=rf"cannot train under {strategy}: .*parallel='sharded'") as e:
+        check_strategy(DistributedType[strategy])
+    assert "\n" not in str(e.value)
+    for fine in ("NO", "MULTI_CPU", "MULTI_GPU"):
+        check_strategy(DistributedType[fine])

@@ -43,6 +43,27 @@ def check_processes(head: FactoredSphericalHead, world: int) -> None:
                          "D / P classes)")
 
 
+#: accelerate's distributed types (``DistributedType``) that shard or replace the model's
+#: modules, each with why the factored head cannot run under it
+SHARDING_STRATEGIES = {
+    "FSDP": "FSDP would wrap the head with the body and shard its state as parameters, but the head has no "
+            "parameters: it updates its own buffers in backward",
+    "DEEPSPEED": "DeepSpeed's engine owns the backward and the optimizer step and partitions the model's state, "
+                 "while the head steps itself in backward",
+    "MEGATRON_LM": "Megatron-LM replaces the model's layers with its own parallel layers",
+}
+
+
+def check_strategy(distributed_type) -> None:
+    """One ValueError, before any step, when the Trainer (accelerate) runs a strategy the
+    head cannot take part in: the reason and the supported alternative."""
+    name = getattr(distributed_type, "name", str(distributed_type))
+    if name in SHARDING_STRATEGIES:
+        raise ValueError(f"the factored head cannot train under {name}: {SHARDING_STRATEGIES[name]}; train with DDP "
+                         "(torchrun / accelerate launch --multi_gpu) and factor_lm_head(model, parallel='sharded') "
+                         "when the head is what does not fit on one device")
+
+
 def join_processes(head: FactoredSphericalHead) -> int:
     """The head joins the default process group if it has not (every rank, at the same point:
     ``distribute`` is a collective); returns the world size. Refuses ``parallel='none'``."""

@@ -39,10 +39,15 @@ def head_follows_trainer():
     from transformers import TrainerCallback
 
     from .hf import PATCH, factored_head
-    from .processes import check_processes, gather_for_checkpoint, join_processes
+    from .processes import check_processes, check_strategy, gather_for_checkpoint, join_processes
 
     class HeadFollowsTrainer(TrainerCallback):
         head = base_lr = patch = None
+
+        def on_init_end(self, args, state, control, **kwargs):
+            from accelerate.state import AcceleratorState  # built by the Trainer before this event
+
+            check_strategy(AcceleratorState().distributed_type)  # FSDP, DeepSpeed: one line, before any step
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             core = getattr(model, "module", model)
