@@ -46,12 +46,16 @@ def _rank(rank: int, port: int, overrides: list, run_dir: str, report) -> None:
     run(cfg_of(*overrides), run_dir, extra_callbacks=[_ReportBody(report)] if report else [])
 
 
-def two_ranks(overrides: list, run_dir: Path, report: Path | None = None) -> dict:
+FSDP2 = ["trainer=fsdp2_cpu"]
+DDP = ["trainer=ddp_cpu", "trainer.strategy=ddp"]
+
+
+def two_ranks(overrides: list, run_dir: Path, report: Path | None = None, trainer=FSDP2) -> dict:
     """What torchrun does (the rendezvous variables set, the whole app on each rank)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    over = ["trainer=fsdp2_cpu", f"data.batch_size={B}", *overrides]
+    over = [*trainer, f"data.batch_size={B}", *overrides]
     mp.start_processes(_rank, args=(port, over, str(run_dir), report), nprocs=2, start_method="fork")
     return json.loads((run_dir / "results.json").read_text())
 
@@ -123,3 +127,15 @@ def test_an_fsdp2_run_resumes_exactly(tmp_path):
     assert steps and min(steps) >= 6  # it resumed after the first epoch's 6 steps, not from the start
     a, b = state(tmp_path / "full"), state(tmp_path / "resumed")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_the_transformer_body_trains_under_fsdp2_as_under_ddp(tmp_path):
+    """The GPT body (its blocks FSDP units of their own, the rest, position embedding included,
+    in the body's unit): two ranks under fsdp2 end where two ranks under DDP end."""
+    over = [*COMMON, "model=gpt", "head.parallel=replicated", "test=false"]
+    two_ranks(over, tmp_path / "fsdp2")
+    two_ranks(over, tmp_path / "ddp", trainer=DDP)
+    a, b = state(tmp_path / "fsdp2"), state(tmp_path / "ddp")
+    assert any(k.startswith("body.blocks.1.") for k in a)
+    assert_close_rel(model(a), model(b), tol=1e-6)

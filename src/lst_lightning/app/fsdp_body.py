@@ -2,9 +2,10 @@
 
 Lightning's ``ModelParallelStrategy`` (FSDP2 and tensor parallelism; it runs on CPU with
 gloo and on GPUs with NCCL) sets up the processes and the device mesh and leaves the
-sharding to the module (``LanguageModel.configure_model`` calls ``shard_body``). Here every
-body module with parameters becomes an FSDP2 unit (``torch.distributed.fsdp.fully_shard``)
-over the data-parallel mesh: each rank holds 1 / P of the body's parameters, gathered for
+sharding to the module (``LanguageModel.configure_model`` calls ``shard_body``). Here each
+member of the body's module lists (a transformer's blocks) becomes an FSDP2 unit
+(``torch.distributed.fsdp.fully_shard``) over the data-parallel mesh, then the body itself
+(the rest of its parameters): each rank holds 1 / P of the body's parameters, gathered for
 the forward and backward, and gradients are reduce-scattered (averaged), as DDP averages.
 
 Kept out of FSDP:
@@ -126,23 +127,22 @@ def check_fsdp2(strategy) -> None:
 
 
 def units(part: nn.Module, kept_out: set[int]) -> list[nn.Module]:
-    """The modules under ``part`` that become FSDP units: its children that hold parameters FSDP
-    may shard (not only kept-out ones), looking inside containers that are never called
-    themselves (``nn.ModuleList``, ``nn.ModuleDict``: FSDP gathers a unit's parameters in its
-    forward)."""
+    """The modules under ``part`` that become FSDP units of their own: the members of its
+    ``nn.ModuleList`` / ``nn.ModuleDict`` containers (a transformer's blocks), each called by
+    the part's forward, which is when FSDP gathers a unit's parameters. Everything else is in
+    the part's own unit, gathered for the part's forward (a module whose weight the forward
+    reads directly, such as a position embedding, must not be a unit of its own)."""
     out = []
     for child in part.children():
         if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            out += units(child, kept_out)
-        elif any(id(p) not in kept_out for p in child.parameters()):
-            out.append(child)
+            out += [m for m in child.children() if any(id(p) not in kept_out for p in m.parameters())]
     return out
 
 
 def shard_body(module: nn.Module, mesh) -> None:
-    """``fully_shard`` the body's modules (and an ordinary head's) over ``mesh``, each child
-    holding parameters a unit, then the part itself; row-sparse parameters and a
-    self-updating head stay out (module docstring)."""
+    """``fully_shard`` the body (and an ordinary head) over ``mesh``: the members of its module
+    lists each a unit, then the part itself; row-sparse parameters and a self-updating head
+    stay out (module docstring)."""
     from torch.distributed.fsdp import fully_shard
 
     sparse = set(sparse_embedding_params(module))
