@@ -8,13 +8,13 @@ exchange); a checkpoint resumes bit for bit. ModelParallelStrategy takes no floa
 import csv
 import json
 import os
-import socket
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.multiprocessing as mp
+from forked_ranks import free_port
 
 from lst_lightning.app.train import run
 
@@ -52,11 +52,8 @@ DDP = ["trainer=ddp_cpu", "trainer.strategy=ddp"]
 
 def two_ranks(overrides: list, run_dir: Path, report: Path | None = None, trainer=FSDP2) -> dict:
     """What torchrun does (the rendezvous variables set, the whole app on each rank)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     over = [*trainer, f"data.batch_size={B}", *overrides]
-    mp.start_processes(_rank, args=(port, over, str(run_dir), report), nprocs=2, start_method="fork")
+    mp.start_processes(_rank, args=(free_port(), over, str(run_dir), report), nprocs=2, start_method="fork")
     return json.loads((run_dir / "results.json").read_text())
 
 

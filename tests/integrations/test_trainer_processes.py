@@ -2,11 +2,9 @@
 replicated or sharded: two processes with batch B train like one process with 2B (float64),
 with gradient accumulation too; the Trainer's checkpoints resume exactly; one rank's bad label
 stops both ranks with its message; a head without a multi-process mode is refused."""
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from forked_ranks import fork_ranks
 from trainer_ranks import WORLD, tiny_llama, train, worker
 
 from lst_lightning.spherical.state import POWER_STARTS
@@ -16,12 +14,7 @@ MODES = ["replicated", "sharded"]
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer_ranks")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(worker, args=(port, out), nprocs=WORLD, start_method="fork")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return fork_ranks(worker, tmp_path_factory.mktemp("trainer_ranks"), WORLD)
 
 
 @pytest.fixture(scope="module")

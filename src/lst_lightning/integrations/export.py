@@ -43,10 +43,12 @@ def export_dense_head(model: nn.Module) -> nn.Module:
     if head.bias:
         linear.bias.copy_(W[:, head.hidden_dim])
     model.lm_head = linear
+    prefix = "lm_head"
     if getattr(model, "factored_head", None) is head:  # litgpt's GPT (factor_gpt_head)
         del model.factored_head
+        prefix = "factored_head"
     del model.forward  # the instance attribute factor_lm_head set: the class's forward again
-    ddp_forgets_head(model, "lm_head")
+    ddp_forgets_head(model, prefix)
     delattr(model, PATCH)
     return model
 
