@@ -3,6 +3,7 @@ float64 Llama patched by ``factor_lm_head``, trained by the Trainer with
 ``head_follows_trainer()``; and the same training in one process, the reference.
 Used by tests/integrations/test_trainer_processes.py."""
 import os
+from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -71,15 +72,21 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
     whole = head.gather_v()
     if whole is not None:
         state["lm_head.V"] = whole
-    out = {"state": state, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-           "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi)}
-    out["eval_loss"] = trainer.evaluate(Texts(12))["eval_loss"]  # the world's rows, the local loss each
+    result = {"state": state, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi)}
+    trainer.save_model(str(out_dir := Path(str(out)) / "final"))  # rank 0 writes it: a sharded head's V whole
+    if head.sharded and trainer.args.process_index == 0:
+        from safetensors.torch import load_file
+
+        result["saved_v"] = load_file(str(out_dir / "model.safetensors"))["lm_head.V"]
+    result["eval_loss"] = trainer.evaluate(Texts(12))["eval_loss"]  # the world's rows, the local loss each
     model.eval()  # the logits o = W h of all D classes (a sharded head: every rank's classes gathered)
     first = Texts()[0]
     with torch.no_grad():
-        out["logits"] = model(input_ids=first["input_ids"][None], attention_mask=first["attention_mask"][None]).logits
-    out["exported"] = export_dense_head(model).lm_head.weight.detach().clone()
-    return out
+        result["logits"] = model(input_ids=first["input_ids"][None],
+                                 attention_mask=first["attention_mask"][None]).logits
+    result["exported"] = export_dense_head(model).lm_head.weight.detach().clone()
+    return result
 
 
 def runs(out):

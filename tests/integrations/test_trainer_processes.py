@@ -47,6 +47,8 @@ def test_two_processes_with_batch_b_train_like_one_with_2b(ranks, one_process, p
         assert ranks[0][f"{parallel}_batch"]["hash"] == ranks[1][f"{parallel}_batch"]["hash"]  # bit-identical replicas
     else:
         assert ranks[0][f"{parallel}_batch"]["rows"] == (0, 48) and ranks[1][f"{parallel}_batch"]["rows"] == (48, 96)
+        # trainer.save_model() after train() (rank 0 writes it) holds all of V, not rank 0's shard
+        assert torch.equal(got["saved_v"], got["state"]["lm_head.V"]) and got["saved_v"].shape[0] == 96
 
 
 @pytest.mark.parametrize("parallel", MODES)

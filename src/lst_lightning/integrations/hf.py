@@ -117,11 +117,12 @@ def _tensors_only(patch, head, state_dict, prefix, local_metadata) -> None:
     """The head's state in a patched model as tensors only: its extra state (lr, weight decay,
     the loss's name: settings the loop gives again) is left out; whether U^-1 is fresh, the
     one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit. A
-    sharded head's whole V, gathered for this save (``patch.whole_v``), replaces its shard."""
+    sharded head's whole V, gathered for this save (``patch.whole_v``, with the head's version
+    then), replaces its shard while the head has not changed since."""
     state_dict.pop(prefix + "_extra_state", None)
     state_dict[prefix + UINV_FRESH] = torch.tensor(head.uinv_fresh)
-    if patch.whole_v is not None:
-        state_dict[prefix + "V"] = patch.whole_v
+    if patch.whole_v is not None and patch.whole_v[0] == head._version:  # gathered from this very state
+        state_dict[prefix + "V"] = patch.whole_v[1]
 
 
 def _without_extra_state(head, state_dict, prefix, *args) -> None:

@@ -117,9 +117,11 @@ def every_rank_classes(head: FactoredSphericalHead, own: Tensor) -> Tensor:
     return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
 
 
-def gather_for_checkpoint(head: FactoredSphericalHead) -> Tensor | None:
-    """A sharded head's whole V on rank 0 (on the host; None elsewhere and when V is whole):
-    every rank calls it before a checkpoint that only rank 0 writes."""
+def gather_for_checkpoint(head: FactoredSphericalHead) -> tuple[int, Tensor] | None:
+    """A sharded head's whole V on rank 0 (on the host), with the head's version then (a state
+    dict takes it only while the head is unchanged); None on the other ranks and when V is
+    whole. Every rank calls it before a save that only rank 0 writes."""
     if not head.sharded or head.sharding.world == 1:
         return None
-    return head.gather_v(dst=0)
+    V = head.gather_v(dst=0)
+    return None if V is None else (head._version, V)

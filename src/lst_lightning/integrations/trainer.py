@@ -13,7 +13,7 @@ start of training the head joins the process group (its ``parallel`` mode; ``"no
 refused there, before any step, with the fix), the model's loss follows the Trainer's
 token count (``average_tokens_across_devices``), and before each checkpoint a sharded
 head's V is gathered on rank 0, so that the checkpoint holds all of V and resumes on any
-number of processes.
+number of processes; at the end of training too, for ``trainer.save_model()``.
 
 The head is attached with ``accumulate=gradient_accumulation_steps``: when ``train()``
 raises inside an accumulation window (a bad label in a micro-batch), the head stays
@@ -79,10 +79,11 @@ def head_follows_trainer():
             self.patch.whole_v = None
 
         def on_train_end(self, args, state, control, **kwargs):
-            if self.patch is not None:
-                self.patch.whole_v = None
             if self.head is not None:
                 self.head.detach()
                 self.head.lr = self.base_lr
+                # for trainer.save_model() / save_pretrained() after training, on rank 0 only:
+                # the whole V while the head is unchanged (hf.py checks its version)
+                self.patch.whole_v = gather_for_checkpoint(self.head)
 
     return HeadFollowsTrainer()
