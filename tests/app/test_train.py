@@ -141,7 +141,7 @@ def test_a_strategy_that_shards_the_parameters_is_refused(strategy):
     from lst_lightning.app.fsdp_body import fsdp2_strategy  # noqa: PLC0415
     from lst_lightning.app.train import check_strategy  # noqa: PLC0415
 
-    made = fsdp2_strategy(2) if strategy == "fsdp2" else getattr(strategies, strategy)()
+    made = fsdp2_strategy() if strategy == "fsdp2" else getattr(strategies, strategy)()
     trainer = SimpleNamespace(strategy=made)
     if strategy in ("DDPStrategy", "fsdp2"):
         check_strategy(trainer)

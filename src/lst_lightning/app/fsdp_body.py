@@ -37,8 +37,9 @@ EXTRA_STATE = "_extra_state"  # torch's key of a module's get_extra_state() in i
 NAME = "fsdp2"
 
 
-def fsdp2_strategy(devices: int, num_nodes: int = 1):
-    """Lightning's ``ModelParallelStrategy`` with every process in one data-parallel group and
+def fsdp2_strategy():
+    """Lightning's ``ModelParallelStrategy`` with every process in one data-parallel group (the
+    world, whatever ``devices`` and ``num_nodes`` say: -1 or "auto" too) and
     checkpoints as one file (the full state gathered on rank 0), as the app's checkpoints are;
     the optimizer of a body with row-sparse parameters (``PairedOptimizer``: a dense and a
     row-sparse optimiser) is saved part by part."""
@@ -48,6 +49,10 @@ def fsdp2_strategy(devices: int, num_nodes: int = 1):
     from .optimizers import PairedOptimizer
 
     class FSDP2Strategy(ModelParallelStrategy):
+        def _setup_distributed(self) -> None:
+            super()._setup_distributed()
+            self._data_parallel_size = self.world_size  # the device mesh is made from it next
+
         def load_checkpoint(self, checkpoint_path, weights_only=None):
             paired = [o for o in self.optimizers if isinstance(o, PairedOptimizer)]
             kept = self.optimizers
@@ -73,8 +78,7 @@ def fsdp2_strategy(devices: int, num_nodes: int = 1):
                                   else {"whole": o.state_dict()} for o in inner.parts]}
             return super().optimizer_state(optimizer)
 
-    return FSDP2Strategy(data_parallel_size=devices * num_nodes, tensor_parallel_size=1,
-                         save_distributed_checkpoint=False)
+    return FSDP2Strategy(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False)
 
 
 def holds_shards(optimizer) -> bool:

@@ -209,8 +209,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
 
     trainer_kwargs = OmegaConf.to_container(tcfg, resolve=True)
     if trainer_kwargs.get("strategy") == FSDP2:  # Lightning has no string for it
-        trainer_kwargs["strategy"] = fsdp2_strategy(int(trainer_kwargs.get("devices", 1)),
-                                                    int(trainer_kwargs.get("num_nodes", 1)))
+        trainer_kwargs["strategy"] = fsdp2_strategy()
     trainer = pl.Trainer(
         **trainer_kwargs, logger=run.loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
