@@ -140,21 +140,28 @@ def test_tiny_run_lstm_and_synthetic(tmp_path):
     assert (tmp_path / "vocab.json").exists() is False
 
 
-@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy", "DDPStrategy"])
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy", "DDPStrategy", "fsdp2"])
 def test_a_strategy_that_shards_the_parameters_is_refused(strategy):
-    """FSDP (Lightning refuses it on CPU itself; on GPUs the app does, before any process
-    starts) and the other sharding strategies; DDP passes."""
+    """Lightning's FSDP (which refuses CPU itself; on GPUs the app does, before any process
+    starts) and tensor parallelism (ModelParallelStrategy's default) are refused in one line
+    with the reason and the alternatives (DeepSpeed too, by the same rule: not installed here);
+    DDP and the app's fsdp2 (FSDP2 data parallelism over every process) pass."""
     from types import SimpleNamespace  # noqa: PLC0415
 
     import lightning.pytorch.strategies as strategies  # noqa: PLC0415
 
+    from lst_lightning.app.fsdp_body import fsdp2_strategy  # noqa: PLC0415
     from lst_lightning.app.train import check_strategy  # noqa: PLC0415
 
-    trainer = SimpleNamespace(strategy=getattr(strategies, strategy)())
-    if strategy == "DDPStrategy":
+    made = fsdp2_strategy() if strategy == "fsdp2" else getattr(strategies, strategy)()
+    trainer = SimpleNamespace(strategy=made)
+    if strategy in ("DDPStrategy", "fsdp2"):
         check_strategy(trainer)
+    elif strategy == "ModelParallelStrategy":
+        with pytest.raises(ValueError, match=r"^tensor_parallel_size=auto: .*trainer.strategy=fsdp2"):
+            check_strategy(trainer)
     else:
-        with pytest.raises(ValueError, match=f"^{strategy} is not supported: .*head.parallel=sharded"):
+        with pytest.raises(ValueError, match=f"^{strategy} is not supported: .*fsdp2.*head.parallel=sharded"):
             check_strategy(trainer)
 
 

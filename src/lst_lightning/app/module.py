@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..heads.base import OutputHead
 from .callbacks.head_steps import HeadSteps
 from .callbacks.sparse_gradients import SparseGradients
+from .fsdp_body import shard_body, whole
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 from .optimizers import check_optimizer_config, clip_gradients, make_optimizer, sparse_embedding_params
 from .schedule import lr_factor
@@ -78,6 +79,7 @@ class LanguageModel(pl.LightningModule):
         self.val_ppl, self.test_ppl = Perplexity(), Perplexity()
         self.val_loss, self.test_loss = WeightedMean(), WeightedMean()
         self._head_distributed = False
+        self._body_sharded = False  # configure_model: FSDP2 units made once
         self._fit_start = time.perf_counter()  # reset in on_train_start
 
     # -- multi-process ----------------------------------------------------------------
@@ -103,6 +105,17 @@ class LanguageModel(pl.LightningModule):
         ignore += [n for n, p in self.named_parameters() if id(p) in sparse]
         if ignore:
             self._ddp_params_and_buffers_to_ignore = ignore
+
+    def configure_model(self) -> None:
+        """Under ``trainer.strategy=fsdp2`` (Lightning's ModelParallelStrategy, once the processes
+        and the device mesh are up): the body sharded by FSDP2, the head out of it (fsdp_body.py).
+        Once: Lightning calls this again for validate and test."""
+        from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: PLC0415
+
+        if self._trainer is None or self._body_sharded or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        shard_body(self, self.trainer.strategy.device_mesh["data_parallel"])
+        self._body_sharded = True
 
     # -- optimisation ---------------------------------------------------------------
     def configure_optimizers(self):
@@ -197,7 +210,7 @@ class LanguageModel(pl.LightningModule):
             self.log(f"{prefix}/perplexity", ppl.compute(), sync_dist=True)
             ppl.reset()
         if self.simlex is not None and hasattr(self.body, "input_embedding"):
-            rho, n = simlex_spearman(self.body.input_embedding.weight, self.simlex["index"],
+            rho, n = simlex_spearman(whole(self.body.input_embedding.weight.detach()), self.simlex["index"],
                                      self.simlex["pairs"], set(self.simlex.get("skip", ())))
             if n >= 3:
                 # the embeddings are equal on every rank: syncing only averages equal values

@@ -17,6 +17,7 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from ..heads.base import OutputHead
 
@@ -181,7 +182,10 @@ def clip_gradients(params, value: float, algorithm: str = "norm") -> None:
         return
     if algorithm != "norm":
         raise ValueError(f"trainer.gradient_clip_algorithm must be norm or value, not {algorithm!r}")
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in vals]))
+    # FSDP2 shards (DTensor, trainer.strategy=fsdp2): the norm of the whole gradient, and a plain factor
+    norms = [torch.linalg.vector_norm(v) for v in vals]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack(norms))
     coef = (value / (total + 1e-6)).clamp(max=1.0)
     for v in vals:
-        v.mul_(coef)
+        v.mul_(float(coef) if isinstance(v, DTensor) else coef)

@@ -114,15 +114,28 @@ def check_accumulation(cfg: DictConfig, head) -> None:
 
 
 def check_strategy(trainer) -> None:
-    """Several processes train under DDP only (ddp, ddp_spawn, ddp_fork; docs/multi_gpu.md):
-    a strategy that shards the parameters (FSDP, DeepSpeed, model parallel) is refused."""
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ParallelStrategy  # noqa: PLC0415
+    """Several processes train under DDP (ddp, ddp_spawn, ddp_fork) or with the body sharded by
+    FSDP2 (``strategy=fsdp2``: fsdp_body.py; docs/multi_gpu.md); the other strategies that
+    shard the parameters (Lightning's FSDP, DeepSpeed, tensor parallelism) are refused."""
+    from lightning.pytorch.strategies import (  # noqa: PLC0415
+        DDPStrategy,
+        DeepSpeedStrategy,
+        ModelParallelStrategy,
+        ParallelStrategy,
+    )
+
+    from .fsdp_body import NAME as FSDP2  # noqa: PLC0415
+    from .fsdp_body import check_fsdp2  # noqa: PLC0415
 
     s = trainer.strategy
+    if isinstance(s, ModelParallelStrategy):
+        check_fsdp2(s)
+        return
     if isinstance(s, ParallelStrategy) and (not isinstance(s, DDPStrategy) or isinstance(s, DeepSpeedStrategy)):
-        raise ValueError(f"{type(s).__name__} is not supported: lst-train runs several processes under DDP only "
-                         "(the sparse embedding's all-gathered gradients, the head's own collectives and buffers); "
-                         "for a head too large for one GPU use trainer=ddp head.parallel=sharded (docs/multi_gpu.md)")
+        raise ValueError(f"{type(s).__name__} is not supported: lst-train runs several processes under DDP, or with "
+                         f"the body sharded by FSDP2 and the head out of it (trainer.strategy={FSDP2}); the head "
+                         "has no parameters for FSDP1 or DeepSpeed to shard (it steps itself in backward); for a "
+                         "head too large for one GPU use head.parallel=sharded (docs/multi_gpu.md)")
 
 
 def check_built(cfg: DictConfig, module, trainer) -> None:
@@ -194,8 +207,14 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
     run.loggers = instantiate_group(cfg.logger, run)
     callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
+    from .fsdp_body import NAME as FSDP2  # noqa: PLC0415
+    from .fsdp_body import fsdp2_strategy  # noqa: PLC0415
+
+    trainer_kwargs = OmegaConf.to_container(tcfg, resolve=True)
+    if trainer_kwargs.get("strategy") == FSDP2:  # Lightning has no string for it
+        trainer_kwargs["strategy"] = fsdp2_strategy()
     trainer = pl.Trainer(
-        **OmegaConf.to_container(tcfg, resolve=True), logger=run.loggers or False, callbacks=callbacks,
+        **trainer_kwargs, logger=run.loggers or False, callbacks=callbacks,
         default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
         # files replaced atomically, written in the background by default (checkpoint_io.py)
         plugins=[AsyncAtomicCheckpointIO() if OmegaConf.select(cfg, "callbacks.checkpoint.asynchronous", default=True)

@@ -24,24 +24,31 @@ from torch import Tensor, nn
 
 from ..losses import SphericalLoss
 from .hf import PATCH, factored_head
+from .processes import ddp_forgets_head, every_rank_classes
 
 
 @torch.no_grad()
 def export_dense_head(model: nn.Module) -> nn.Module:
     """Replace the factored head of a model patched by ``factor_lm_head`` or ``factor_gpt_head``
     with an ordinary ``nn.Linear`` lm_head holding W (and the bias column), in the dtype of
-    the original lm_head, and restore the class's forward. Returns the model, changed in place."""
+    the original lm_head, and restore the class's forward. Returns the model, changed in place.
+    A head sharded over several processes: every rank calls it and gets the whole W."""
     head = factored_head(model)
     W = head.weight()
+    if W.shape[0] != head.num_classes:  # a sharded head on several processes: every rank's rows
+        W = every_rank_classes(head, W.T).T
     linear = nn.Linear(head.hidden_dim, head.num_classes, bias=head.bias, device=W.device,
                        dtype=getattr(model, PATCH).linear_dtype)
     linear.weight.copy_(W[:, : head.hidden_dim])
     if head.bias:
         linear.bias.copy_(W[:, head.hidden_dim])
     model.lm_head = linear
+    prefix = "lm_head"
     if getattr(model, "factored_head", None) is head:  # litgpt's GPT (factor_gpt_head)
         del model.factored_head
+        prefix = "factored_head"
     del model.forward  # the instance attribute factor_lm_head set: the class's forward again
+    ddp_forgets_head(model, prefix)
     delattr(model, PATCH)
     return model
 

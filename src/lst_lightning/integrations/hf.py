@@ -15,12 +15,14 @@ only: the package works without the ``hf`` extra.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
+from .processes import ddp_ignores_head, every_rank_classes, join_processes, world_share
 
 #: the attribute of a patched model holding what ``export_dense_head`` needs to undo the patch
 PATCH = "_lst_factored_head"
@@ -93,11 +95,16 @@ def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.M
     in place; an unsupported model raises one ValueError and is left unchanged."""
     linear = check_patchable(model)
     head = head_from_linear(linear, loss, head_kwargs, "factor_lm_head")
+    #: items_over_world: the Trainer's num_items_in_batch counts the world's tokens (its
+    #: average_tokens_across_devices; head_follows_trainer sets it); whole_v: a sharded V
+    #: gathered for the next checkpoint (processes.py)
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, items_over_world=True, whole_v=None)
     # Savers of HF models (save_pretrained, the Trainer's checkpoints: safetensors) take tensors only.
-    head.register_state_dict_post_hook(_tensors_only)
+    head.register_state_dict_post_hook(functools.partial(_tensors_only, patch))
     head.register_load_state_dict_pre_hook(_without_extra_state)
-    setattr(model, PATCH, types.SimpleNamespace(linear_dtype=linear.weight.dtype))
+    setattr(model, PATCH, patch)
     model.lm_head = head
+    ddp_ignores_head(model, "lm_head", head)  # several processes: the head keeps its replicas itself
     model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
     return model
 
@@ -106,12 +113,16 @@ def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.M
 UINV_FRESH = "uinv_fresh"
 
 
-def _tensors_only(head, state_dict, prefix, local_metadata) -> None:
+def _tensors_only(patch, head, state_dict, prefix, local_metadata) -> None:
     """The head's state in a patched model as tensors only: its extra state (lr, weight decay,
     the loss's name: settings the loop gives again) is left out; whether U^-1 is fresh, the
-    one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit."""
+    one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit. A
+    sharded head's whole V, gathered for this save (``patch.whole_v``, with the head's version
+    then), replaces its shard while the head has not changed since."""
     state_dict.pop(prefix + "_extra_state", None)
     state_dict[prefix + UINV_FRESH] = torch.tensor(head.uinv_fresh)
+    if patch.whole_v is not None and patch.whole_v[0] == head._version:  # gathered from this very state
+        state_dict[prefix + "V"] = patch.whole_v[1]
 
 
 def _without_extra_state(head, state_dict, prefix, *args) -> None:
@@ -139,13 +150,18 @@ def shifted(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def head_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
-              num_items_in_batch: int | Tensor | None = None) -> Tensor:
+              num_items_in_batch: int | Tensor | None = None, items_over_world: bool = True) -> Tensor:
     """The head's loss on the shifted labels: the mean over real (non -100) tokens, or with
-    ``num_items_in_batch`` their sum divided by it (the Trainer's exact accumulation)."""
+    ``num_items_in_batch`` their sum divided by it (the Trainer's exact accumulation).
+    Training on several processes, the head's loss is over the world's tokens and each rank
+    returns its share (processes.py; ``items_over_world``: the count is the world's)."""
     H, y = shifted(hidden, labels.to(hidden.device))
+    world = join_processes(head) if head.in_training_step else 1
     head.reduction = "mean_real" if num_items_in_batch is None else "sum"
     loss = head(H, y)
     if num_items_in_batch is not None:
+        if world > 1:
+            return world_share(loss, num_items_in_batch, world, items_over_world)
         loss = loss / torch.as_tensor(num_items_in_batch, dtype=loss.dtype, device=loss.device)
     return loss
 
@@ -155,13 +171,16 @@ def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int =
     """The outputs o = W h (what the exported dense lm_head gives) for hidden (..., d),
     made in chunks of the vocabulary: (..., D) in the head's dtype."""
     H = hidden.reshape(-1, hidden.shape[-1])
-    out = torch.empty(H.shape[0], head.num_classes, dtype=head.dtype, device=head.device)
+    held = head.V.shape[0]  # a sharded head: its own classes row_lo:row_hi, then every rank's
+    out = torch.empty(H.shape[0], held, dtype=head.dtype, device=head.device)
     with torch.autocast(head.device.type, enabled=False):  # in the head's dtype, whatever the caller's autocast
         Hx = head.augment(H)
         HU, Hw = Hx @ head.U.T, Hx @ head.omega
-        for a in range(0, head.num_classes, chunk_size):
+        for a in range(0, held, chunk_size):
             rows = head.V[a:a + chunk_size]
             torch.addmm(Hw[:, None], HU, rows.T, out=out[:, a:a + rows.shape[0]])
+    if held != head.num_classes:
+        out = every_rank_classes(head, out)
     return out.reshape(*hidden.shape[:-1], head.num_classes)
 
 
@@ -182,7 +201,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = out[0]
-    loss = head_loss(self.lm_head, hidden, labels, num_items_in_batch) if labels is not None else None
+    loss = None if labels is None else head_loss(self.lm_head, hidden, labels, num_items_in_batch,
+                                                 getattr(self, PATCH).items_over_world)
     logits = None
     if labels is None or not self.training:
         logits = dense_outputs(self.lm_head, last_positions(hidden, logits_to_keep)).to(hidden.dtype)

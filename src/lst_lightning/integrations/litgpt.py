@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
 from .hf import PATCH, dense_outputs, head_from_linear
+from .processes import ddp_ignores_head, join_processes
 
 
 def check_gpt_patchable(model: nn.Module) -> nn.Linear:
@@ -59,15 +60,20 @@ def factor_gpt_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.
     model.factored_head = head
     model.lm_head = nn.Identity()  # litgpt's forward then returns the body's last hidden states
     model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
+    ddp_ignores_head(model, "factored_head", head)  # several processes: the head keeps its replicas itself
     return model
 
 
 def gpt_loss(head: FactoredSphericalHead, hidden: Tensor, targets: Tensor) -> Tensor:
     """The head's loss with litgpt's alignment (hidden[:, t] predicts targets[:, t]), the mean
-    over real (non -100) targets."""
+    over real (non -100) targets; on several processes over the world's, the same on every rank
+    (each rank's dL/dH for its rows scaled by the world size, which DDP's and FSDP's averages of
+    the body's gradients undo)."""
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets must have the shape of idx {tuple(hidden.shape[:-1])} (litgpt's loops pass "
                          f"them already shifted), got {tuple(targets.shape)}")
+    if head.in_training_step:
+        join_processes(head)  # several processes (Fabric's DDP or FSDP2): the world's rows, one global step
     return head(hidden.reshape(-1, hidden.shape[-1]), targets.to(hidden.device).reshape(-1))
 
 

@@ -8,6 +8,13 @@ optimizer's step, with fp16's loss scale divided out; spherical/pending.py), and
 each step sets ``head.lr = base_lr * current_lr / initial_lr``, the Trainer's schedule
 scaled to the head's own lr (as the app does, app/schedule.py).
 
+Several processes (DDP under ``torchrun`` / ``accelerate launch``; processes.py): at the
+start of training the head joins the process group (its ``parallel`` mode; ``"none"`` is
+refused there, before any step, with the fix), the model's loss follows the Trainer's
+token count (``average_tokens_across_devices``), and before each checkpoint a sharded
+head's V is gathered on rank 0, so that the checkpoint holds all of V and resumes on any
+number of processes; at the end of training too, for ``trainer.save_model()``.
+
 The head is attached with ``accumulate=gradient_accumulation_steps``: when ``train()``
 raises inside an accumulation window (a bad label in a micro-batch), the head stays
 attached to that Trainer's optimizer (the Trainer has no exception hook), and a later
@@ -31,13 +38,23 @@ def head_follows_trainer():
     for a model patched by ``factor_lm_head``."""
     from transformers import TrainerCallback
 
-    from .hf import factored_head
+    from .hf import PATCH, factored_head
+    from .processes import check_processes, check_strategy, gather_for_checkpoint, join_processes
 
     class HeadFollowsTrainer(TrainerCallback):
-        head = base_lr = None
+        head = base_lr = patch = None
+
+        def on_init_end(self, args, state, control, **kwargs):
+            from accelerate.state import AcceleratorState  # built by the Trainer before this event
+
+            check_strategy(AcceleratorState().distributed_type)  # FSDP, DeepSpeed: one line, before any step
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-            self.head = factored_head(getattr(model, "module", model))
+            core = getattr(model, "module", model)
+            self.head, self.patch = factored_head(core), getattr(core, PATCH)
+            check_processes(self.head, args.world_size)  # one line on every rank, before any step
+            join_processes(self.head)
+            self.patch.items_over_world = bool(args.average_tokens_across_devices)
             self.base_lr = self.head.lr
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
             self.head.attach(inner, getattr(optimizer, "scaler", None), accumulate=args.gradient_accumulation_steps)
@@ -46,9 +63,27 @@ def head_follows_trainer():
             if lr_scheduler is not None and args.learning_rate > 0:
                 self.head.lr = scheduled_lr(self.base_lr, lr_scheduler.get_last_lr()[0], args.learning_rate)
 
+        def on_step_end(self, args, state, control, **kwargs):
+            self._before_save(control)
+
+        def on_epoch_end(self, args, state, control, **kwargs):
+            self._before_save(control)
+
+        def _before_save(self, control):
+            """Every rank, before the Trainer's checkpoint that rank 0 writes (the Trainer's
+            flow callback, which runs first, has decided ``should_save``)."""
+            if control.should_save:
+                self.patch.whole_v = gather_for_checkpoint(self.head)
+
+        def on_save(self, args, state, control, **kwargs):
+            self.patch.whole_v = None
+
         def on_train_end(self, args, state, control, **kwargs):
             if self.head is not None:
                 self.head.detach()
                 self.head.lr = self.base_lr
+                # for trainer.save_model() / save_pretrained() after training, on rank 0 only:
+                # the whole V while the head is unchanged (hf.py checks its version)
+                self.patch.whole_v = gather_for_checkpoint(self.head)
 
     return HeadFollowsTrainer()

@@ -122,6 +122,16 @@ class _AppliedLoss(torch.autograd.Function):
         return dH * grad, None, None
 
 
+def without_placeholder_extra_state(state_dict: dict, prefix: str) -> None:
+    """Drop an extra state that is not the head's dict: torch.distributed.checkpoint's
+    placeholder, which ``set_model_state_dict`` passes when it loads one tensor at a time
+    (Lightning's ModelParallelStrategy, the app's ``fsdp2``); the extra state is then left as it
+    is, for that loader to set itself (``set_extra_state``)."""
+    extra = state_dict.get(prefix + "_extra_state")
+    if extra is not None and not isinstance(extra, dict):
+        del state_dict[prefix + "_extra_state"]
+
+
 def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
     """``fn``'s move of a tensor with its device change only, for floating tensors."""
     return t.to(device=device) if t.is_floating_point() else fn(t)
@@ -258,6 +268,7 @@ class SphericalHeadBase(OutputHead):
             self.negatives.load_state(state["negatives"])
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        without_placeholder_extra_state(state_dict, prefix)
         # Refuse a state saved with another loss before any buffer is overwritten.
         saved = state_dict.get(prefix + "_extra_state", {}).get("loss")
         mine = {"name": self.loss_fn.name, **self.loss_fn.hparams()}

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import step as exact
-from .base import SphericalHeadBase, _AppliedLoss, own_precision
+from .base import SphericalHeadBase, _AppliedLoss, own_precision, without_placeholder_extra_state
 from .blocks import row_blocks
 from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
@@ -352,6 +352,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self.sharding.check_replicas(self)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        without_placeholder_extra_state(state_dict, prefix)
         V = state_dict.get(prefix + "V")
         files = (state_dict.get(prefix + "_extra_state") or {}).get("v_files")
         if V is not None and (files is not None or (self.sharded and V.shape[0] == self.num_classes != self.V.shape[0])):

@@ -1,0 +1,105 @@
+"""litgpt's GPT with the factored head (factor_gpt_head) trained by a Fabric loop of litgpt's
+shape on one process or two gloo processes (as torchrun starts them): under Fabric's DDP, and
+with the body sharded by FSDP2 (Fabric's ModelParallelStrategy, litgpt's blocks each a unit)
+and the head out of it. Used by tests/integrations/test_litgpt_processes.py."""
+import os
+
+import lightning as L
+import torch
+
+VOCAB, PADDED, HIDDEN, T = 40, 48, 16, 12
+WORLD, B, STEPS = 2, 2, 3
+
+
+def tiny_gpt():
+    from litgpt import GPT, Config
+
+    torch.manual_seed(0)
+    return GPT(Config(name="tiny", block_size=32, vocab_size=VOCAB, padded_vocab_size=PADDED, n_layer=2, n_head=2,
+                      n_embd=HIDDEN, rotary_percentage=1.0, parallel_residual=False, bias=False,
+                      norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=32))
+
+
+def batches(world_batch: int, accumulate: int):
+    """litgpt's (input_ids, targets) for every micro-batch of every step, -100 on some rows' ends."""
+    g = torch.Generator().manual_seed(3)
+    n = world_batch * accumulate * STEPS
+    data = torch.randint(0, VOCAB // 4, (n, T + 1), generator=g)
+    ids, targets = data[:, :-1], data[:, 1:].clone()
+    targets[::3, -4:] = -100  # the ranks hold different numbers of real targets
+    return ids.split(world_batch), targets.split(world_batch)
+
+
+def shard_blocks(model, device_mesh):
+    """Fabric's ModelParallelStrategy parallelize_fn: each litgpt block an FSDP2 unit, then the
+    model (the embedding, the last norm; the factored head has no parameters)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+    return model
+
+
+def train(strategy: str, parallel: str, accumulate: int = 1, batch: int = B, patch_first: bool = False):
+    """``STEPS`` optimizer steps of ``accumulate`` micro-batches of ``batch`` rows per process
+    (``strategy``: "ddp", float64; "fsdp2", float32, several processes; "float32", one process);
+    returns the body's whole parameters, the head's W (whole) and the losses."""
+    from lst_lightning.integrations import factor_gpt_head, factored_head
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if strategy == "fsdp2":
+        from lightning.fabric.strategies import ModelParallelStrategy
+
+        fabric = L.Fabric(accelerator="cpu", devices=world, precision="32-true",
+                          strategy=ModelParallelStrategy(shard_blocks, data_parallel_size=world, tensor_parallel_size=1))
+    else:  # "ddp" (one process: "auto") in float64; "float32": one process, the FSDP2 runs' reference
+        fabric = L.Fabric(accelerator="cpu", devices=world, precision="64-true" if strategy == "ddp" else "32-true",
+                          strategy="ddp" if world > 1 else "auto")
+    if patch_first:  # the head is made alone (no process group yet) and joins the world at its first forward
+        model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5, dtype=torch.float64, parallel=parallel)
+    fabric.launch()
+    dtype = torch.float64 if strategy == "ddp" else torch.float32
+    if not patch_first:
+        with fabric.init_module():
+            model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5, dtype=torch.float64, parallel=parallel)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    head = factored_head(getattr(model, "module", model))
+    W_initial = head.weight()
+    if W_initial.shape[0] != head.num_classes:
+        W_initial = None  # (only compared against one process's)
+    head.attach(optimizer)
+    ids, targets = batches(batch * world, accumulate)
+    rank, losses = fabric.global_rank, []
+    rows = slice(rank * batch, (rank + 1) * batch)
+    for s in range(STEPS):
+        for k in range(accumulate):
+            i = s * accumulate + k
+            with fabric.no_backward_sync(model, enabled=k < accumulate - 1):
+                loss = model(ids[i][rows], targets=targets[i][rows])
+                fabric.backward(loss / accumulate)
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    head.detach()
+    body = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to(dtype).clone()
+            for n, p in getattr(model, "module", model).named_parameters()}
+    W = head.weight()
+    if W.shape[0] != head.num_classes:
+        from lst_lightning.integrations.processes import every_rank_classes
+
+        W = every_rank_classes(head, W.T).T
+    return {"body": body, "W": W, "W_initial": W_initial, "losses": losses, "steps": int(head.steps),
+            "dtensor": sorted(n for n, p in getattr(model, "module", model).named_parameters()
+                              if type(p).__name__ == "DTensor")}
+
+
+def worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    torch.set_num_threads(1)
+    res = {"ddp_sharded": train("ddp", "sharded", patch_first=True),  # first: before any process group
+           "ddp_replicated": train("ddp", "replicated", accumulate=2),
+           "fsdp2_sharded": train("fsdp2", "sharded", accumulate=2)}
+    torch.save(res, out / f"rank{rank}.pt")

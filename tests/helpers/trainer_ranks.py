@@ -1,0 +1,115 @@
+"""The Hugging Face Trainer on two gloo processes (CPU), as torchrun starts it: a tiny
+float64 Llama patched by ``factor_lm_head``, trained by the Trainer with
+``head_follows_trainer()``; and the same training in one process, the reference.
+Used by tests/integrations/test_trainer_processes.py."""
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+VOCAB, HIDDEN, T = 96, 16, 10
+WORLD = 2
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).double()
+
+
+class Texts(Dataset):
+    """Rows of T ids, right-padded to lengths T - (s % 5): the ranks hold different numbers of tokens."""
+
+    def __init__(self, n: int = 64):
+        self.rows = []
+        for s in range(n):
+            g = torch.Generator().manual_seed(1000 + s)
+            ids = torch.randint(0, VOCAB // 3, (T,), generator=g)  # a small range: tokens repeat
+            mask = (torch.arange(T) < T - s % 5).long()
+            self.rows.append(dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)))
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_steps=None, resume=None,
+          tokens_over_world=True, bad_rank=None):
+    """One Trainer run; returns the model's state (a sharded V gathered whole on rank 0), the
+    logged losses and the head's state hash."""
+    from transformers import Trainer, TrainingArguments
+
+    from lst_lightning.integrations import export_dense_head, factor_lm_head, head_follows_trainer
+
+    model = factor_lm_head(tiny_llama(), loss="zloss", lr=0.5, dtype=torch.float64, parallel=parallel)
+    if bad_rank is not None and int(os.environ.get("RANK", "0")) == bad_rank:
+        def bad_label(module, args, kwargs):
+            kwargs["labels"] = kwargs["labels"].clone()
+            kwargs["labels"][0, 3] = VOCAB + 7  # no such class
+            return args, kwargs
+        model.register_forward_pre_hook(bad_label, with_kwargs=True)
+    args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=batch_size,
+                             gradient_accumulation_steps=accumulate, max_steps=steps, learning_rate=1e-2,
+                             lr_scheduler_type="linear", report_to=[], use_cpu=True,
+                             ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+                             logging_steps=1, disable_tqdm=True, seed=0, per_device_eval_batch_size=batch_size,
+                             average_tokens_across_devices=tokens_over_world)
+    head = model.lm_head
+    try:
+        trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[head_follows_trainer()])
+        trainer.train(resume_from_checkpoint=resume)
+    except ValueError as e:
+        return {"error": str(e), "steps": int(head.steps), "hash": head.state_hash()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    whole = head.gather_v()
+    if whole is not None:
+        state["lm_head.V"] = whole
+    result = {"state": state, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+              "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi)}
+    trainer.save_model(str(out_dir := Path(str(out)) / "final"))  # rank 0 writes it: a sharded head's V whole
+    if head.sharded and trainer.args.process_index == 0:
+        from safetensors.torch import load_file
+
+        result["saved_v"] = load_file(str(out_dir / "model.safetensors"))["lm_head.V"]
+    result["eval_loss"] = trainer.evaluate(Texts(12))["eval_loss"]  # the world's rows, the local loss each
+    model.eval()  # the logits o = W h of all D classes (a sharded head: every rank's classes gathered)
+    first = Texts()[0]
+    with torch.no_grad():
+        result["logits"] = model(input_ids=first["input_ids"][None],
+                                 attention_mask=first["attention_mask"][None]).logits
+    result["exported"] = export_dense_head(model).lm_head.weight.detach().clone()
+    return result
+
+
+def runs(out):
+    """Every two-process case, in one process group; their results by name."""
+    res = {}
+    for parallel in ("replicated", "sharded"):
+        res[f"{parallel}_batch"] = train(out / f"{parallel}_batch", parallel)
+        res[f"{parallel}_accumulated"] = train(out / f"{parallel}_acc", parallel, accumulate=2, steps=6,
+                                               save_steps=3)
+        res[f"{parallel}_resumed"] = train(out / f"{parallel}_resumed", parallel, accumulate=2, steps=6,
+                                           save_steps=3, resume=str(out / f"{parallel}_acc" / "checkpoint-3"))
+    res["tokens_per_process"] = train(out / "per_process", accumulate=2, steps=6, tokens_over_world=False)
+    res["bad_label"] = train(out / "bad", bad_rank=1)
+    res["no_parallel_mode"] = train(out / "none", "none")
+    return res
+
+
+def worker(rank, port, out):
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
+    AcceleratorState._reset_state(reset_partial_state=True)  # a forked copy of the parent's one-process state
+    torch.set_num_threads(1)
+    res = runs(out)
+    torch.save(res, out / f"rank{rank}.pt")

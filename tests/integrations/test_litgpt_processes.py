@@ -1,0 +1,46 @@
+"""litgpt's GPT with the factored head on two gloo processes under a Fabric loop of litgpt's
+shape: Fabric's DDP (float64) and the body sharded by FSDP2 (Fabric's ModelParallelStrategy,
+float32: it takes no float64) with the head out of FSDP, against one process with the
+world's batch, with gradient accumulation."""
+import pytest
+from fabric_ranks import WORLD, B, train, worker
+from forked_ranks import fork_ranks
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return fork_ranks(worker, tmp_path_factory.mktemp("fabric_ranks"), WORLD)
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    return {"accumulated": train("ddp", "none", accumulate=2, batch=2 * B), "batch": train("ddp", "none", batch=2 * B, patch_first=True),
+            "float32": train("float32", "none", accumulate=2, batch=2 * B)}
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def assert_same(got, ref, tol):
+    """Every body parameter and the head's W within ``tol`` relative error (norms: sums in
+    another order, a sharded head's partial sums all-reduced), the losses too."""
+    assert got["body"].keys() == ref["body"].keys()
+    worst = max(rel(got["body"][k], ref["body"][k]) for k in ref["body"])
+    assert worst <= tol and rel(got["W"], ref["W"]) <= tol, (worst, rel(got["W"], ref["W"]))
+    assert got["losses"] == pytest.approx(ref["losses"], rel=tol)
+    assert rel(ref["W"], ref["W_initial"]) > 1e3 * tol  # and training moved W: not two initial states
+
+
+@pytest.mark.parametrize("case,ref", [("ddp_replicated", "accumulated"), ("ddp_sharded", "batch")])
+def test_two_processes_under_fabric_ddp_train_like_one(ranks, one_process, case, ref):
+    for r in range(WORLD):
+        assert ranks[r][case]["steps"] == 3 and not ranks[r][case]["dtensor"]
+        assert_same(ranks[r][case], one_process[ref], tol=1e-8)
+
+
+def test_two_processes_with_an_fsdp2_body_train_like_one(ranks, one_process):
+    for r in range(WORLD):
+        got = ranks[r]["fsdp2_sharded"]
+        assert got["steps"] == 3 and "transformer.h.0.attn.qkv.weight" in got["dtensor"]  # the body is sharded
+        assert_same(got, one_process["float32"], tol=1e-5)
