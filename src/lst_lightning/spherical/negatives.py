@@ -246,7 +246,7 @@ class SharedBlock:
         device flags); sharded, into the rows this rank holds (the others add zeros to row 0)."""
         G_u = self.G_u if ok is None else torch.where(ok, self.G_u, 0.0)
         update = (alpha * (G_u.T @ HUinv)).to(V.dtype)
-        if sharding.alone or not sharding.sharded:
+        if not sharding.sharded:
             V.index_add_(0, self.uniq, update)
         elif V.shape[0]:
             local = sharding.local_idx(self.uniq)

@@ -11,9 +11,9 @@ The cost is bounded: each periodic save (by time, by steps, after a validation) 
 for as long as it holds the training loop up or, written in the background, until it is on
 disk (whichever is longer: on a machine with few cores the writer takes CPU from training),
 and the next one waits until the training since then is at least that time divided by
-``max_overhead`` (5 %: a save of 3 s is followed by at least 60 s of training). So saving stays within ``max_overhead``
-of the wall time whatever a step costs on this machine (the same setting means 10 s on a
-CPU and 1 s on a GPU for a step count). The save at the end and on SIGTERM are always made.
+``max_overhead`` (5 %: a save of 3 s is followed by at least 60 s of training). So saving
+stays within ``max_overhead`` of the wall time whatever a step costs on this machine (the
+same setting means 10 s on a CPU and 1 s on a GPU for a step count). The save at the end and on SIGTERM are always made.
 
 Files, in ``dirpath``: ``last.ckpt`` (the newest, rewritten at every save, also by a
 resumed run: no ``last-v1.ckpt``) and the newest ``keep`` saves as ``step<N>.ckpt`` (older
