@@ -34,9 +34,9 @@ PY = sys.executable
 # are not on the GPU machine): every gpu-marked test of the suite lies in them.
 GPU_TEST_PATHS = ["tests/spherical", "tests/baselines", "tests/heads", "tests/lst_kernels",
                   "tests/scripts/test_bench_whole_step.py"]
-# Every head at D = 10^6 in the quality comparison (quality_table.py names).
-QUALITY_HEADS = ["factored-zloss", "factored-spherical_softmax", "softmax", "hsoftmax", "adaptive",
-                 "sampled-log_uniform"]
+# The heads at D = 10^6 in the quality comparison (quality_table.py names): the sampled-slots
+# head (issue 31's lead) in the place of the spherical softmax, known far behind at 10^6.
+QUALITY_HEADS = ["factored-zloss", "factored-sampled", "softmax", "hsoftmax", "adaptive", "sampled-log_uniform"]
 TARGET = re.compile(r"^(PASS|FAIL|UNMEASURED)\s+(.*)$")
 
 
