@@ -1,6 +1,7 @@
 """Checkpoint files replaced atomically (checkpoint_io.py): a save that dies mid-write
 leaves the previous file whole and no stray file; Lightning writes through it; the
 asynchronous IO writes a snapshot in the background, one save at a time."""
+import pickle
 import threading
 import time
 
@@ -93,6 +94,8 @@ def test_an_async_save_reports_how_long_it_took_until_on_disk(tmp_path, monkeypa
     io.save_checkpoint({"w": torch.zeros(4)}, tmp_path / "a.ckpt")
     io.wait()
     assert io.last_save_s >= 0.3 and (tmp_path / "a.ckpt").is_file()
+    again = pickle.loads(pickle.dumps(io))  # ddp_spawn pickles the trainer for its workers
+    assert again.last_save_s == io.last_save_s and again._executor is None
     io.teardown()
 
 

@@ -8,9 +8,12 @@ import pytest
 from lst_lightning.app.csv_log import AppendingCSVLogger
 from lst_lightning.app.train import run
 
-from app_configs import FAST, cfg_of, group
+from app_configs import FAST, cfg_of, group, lst_train
 
 CPU_TRAINERS = [t for t in group("trainer") if cfg_of(f"trainer={t}").trainer.accelerator == "cpu"]
+#: trainer configs whose launcher re-runs the command line for the other ranks (Lightning's
+#: ModelParallelStrategy): run as a user types them, in a process of their own, not in pytest's
+RELAUNCHING = {t for t in CPU_TRAINERS if cfg_of(f"trainer={t}").trainer.get("strategy") == "fsdp2"}
 
 
 def rows(path):
@@ -35,10 +38,17 @@ def test_the_cpu_trainers_are_found():
     assert {"cpu", "ddp_cpu"} <= set(CPU_TRAINERS)
 
 
+TINY = [*FAST, "trainer.limit_train_batches=8", "trainer.log_every_n_steps=2", "data.max_eval_examples=64",
+        "metrics.timing_every=0"]
+
+
 def run_keeps_its_rows(tmp_path, *overrides):
     """Tiny run: 8 steps, validation at the end of the epoch, the test split."""
-    run(cfg_of(*FAST, "head=softmax", "trainer.limit_train_batches=8", "trainer.log_every_n_steps=2",
-               "data.max_eval_examples=64", "metrics.timing_every=0", *overrides), tmp_path)
+    run(cfg_of(*TINY, "head=softmax", *overrides), tmp_path)
+    assert_rows(tmp_path)
+
+
+def assert_rows(tmp_path):
     got = rows(tmp_path / "csv" / "metrics.csv")
     train = [r for r in got if r.get("train/loss")]
     assert len(train) >= 2, got  # a curve, not a point
@@ -50,9 +60,17 @@ def run_keeps_its_rows(tmp_path, *overrides):
 # 2-core machine): the shipped config runs with the slow tests; ddp_fork starts its workers
 # the same way, a new logger writer per trainer call, in seconds.
 @pytest.mark.parametrize("trainer", [pytest.param(t, marks=pytest.mark.slow) if t == "ddp_cpu" else t
-                                     for t in CPU_TRAINERS])
+                                     for t in CPU_TRAINERS if t not in RELAUNCHING])
 def test_every_cpu_trainer_keeps_train_val_and_test_rows(tmp_path, trainer):
     run_keeps_its_rows(tmp_path, f"trainer={trainer}")
+
+
+@pytest.mark.slow  # two processes that each import torch and Lightning, as ddp_cpu's
+@pytest.mark.parametrize("trainer", sorted(RELAUNCHING))
+def test_a_trainer_that_relaunches_its_command_keeps_the_rows(tmp_path, trainer):
+    """trainer=fsdp2_cpu (the body sharded by FSDP2, the head replicated) run as lst-train."""
+    lst_train(*TINY, f"trainer={trainer}", "head.parallel=replicated", f"hydra.run.dir={tmp_path}", cwd=tmp_path)
+    assert_rows(tmp_path)
 
 
 def test_workers_started_per_trainer_call_keep_the_rows(tmp_path):

@@ -134,6 +134,11 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         #: the background write is part of a save's cost (on few cores it takes CPU from training)
         self.last_save_s: float | None = None
 
+    def __getstate__(self) -> dict:
+        """ddp_spawn pickles the trainer for each call's workers: the writer thread, its queue and
+        the marker of the last save stay in this process (a worker makes its own at its first save)."""
+        return {**self.__dict__, "_executor": None, "_last": None}
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.wait()  # the save before is on disk: at most one in flight
         start = time.monotonic()

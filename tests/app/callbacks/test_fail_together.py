@@ -39,3 +39,17 @@ def test_one_ranks_error_stops_every_rank_with_its_message(tmp_path):
         assert "non-finite loss on rank 1 at step 3" in out, (rank, out[-3000:])
         assert ended[rank] - failed_at < 60, (rank, ended[rank] - failed_at)  # not the 600 s timeout
     assert "[rank 0] stopping: rank 1 failed: FloatingPointError" in outs[0]
+
+
+def test_the_callback_pickles_before_and_after_a_stage():
+    """trainer=ddp_cpu (ddp_spawn) pickles the trainer, callbacks included, for the workers of
+    each trainer call: no Event or store is held outside a stage."""
+    import pickle  # noqa: PLC0415
+
+    from lst_lightning.app.callbacks.fail_together import FailTogether  # noqa: PLC0415
+
+    cb = FailTogether()
+    pickle.dumps(cb)
+    cb.teardown(None, None, "fit")
+    assert cb._stop is None and cb._store is None
+    pickle.dumps(cb)

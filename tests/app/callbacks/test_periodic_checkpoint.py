@@ -57,13 +57,14 @@ def test_saves_wait_until_training_pays_for_them(tmp_path, monkeypatch):
 def test_a_background_write_counts_in_the_cost_of_a_save(tmp_path):
     """A save that held training 0.1 s but took 2 s to reach the disk (the writer thread)
     costs 2 s: at max_overhead 0.05 the next waits for 40 s of training, not 2 s."""
+    def trainer(io):
+        return types.SimpleNamespace(strategy=types.SimpleNamespace(checkpoint_io=io))
     cb = PeriodicCheckpoint(dirpath=str(tmp_path), max_overhead=0.05)
     cb._cost = 0.1
-    assert cb._within_budget(2.0)  # no background write known: the time it held training
-    cb._io = types.SimpleNamespace(last_save_s=2.0)
-    assert not cb._within_budget(10.0) and cb._within_budget(40.0)
-    cb._io = types.SimpleNamespace(last_save_s=None)  # still being written
-    assert cb._within_budget(2.0)
+    assert cb._within_budget(trainer(object()), 2.0)  # a synchronous IO: the time it held training
+    io = types.SimpleNamespace(last_save_s=2.0)
+    assert not cb._within_budget(trainer(io), 10.0) and cb._within_budget(trainer(io), 40.0)
+    assert cb._within_budget(trainer(types.SimpleNamespace(last_save_s=None)), 2.0)  # none on disk yet
 
 
 @pytest.mark.parametrize("bad,match", [({"every_n_steps": -1}, "every_n_steps must be an int >= 0"),

@@ -40,7 +40,7 @@ class FailTogether(pl.Callback):
         self._store = None
         self._key = None
         self._rank = 0
-        self._stop = threading.Event()
+        self._stop = None  # the watcher's stop flag, made in setup (ddp_spawn pickles the callbacks: no Event here)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.world_size <= 1 or not (dist.is_available() and dist.is_initialized()) or self._store is not None:
@@ -87,5 +87,6 @@ class FailTogether(pl.Callback):
             pass
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._stop.set()
-        self._store = None
+        if self._stop is not None:
+            self._stop.set()
+        self._stop = self._store = None  # picklable again for the next trainer call's workers

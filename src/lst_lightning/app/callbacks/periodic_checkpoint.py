@@ -59,7 +59,6 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self.every_n_steps, self.every_minutes = every_n_steps, every_minutes
         self.after_validation, self.max_overhead = after_validation, max_overhead
         self._clock = time.monotonic()  # when the last save let training go on
-        self._io = None  # the trainer's checkpoint IO, at the first save
         self._cost = 0.0  # how long the last periodic save held training up, in seconds
 
     @property
@@ -88,12 +87,13 @@ class PeriodicCheckpoint(ModelCheckpoint):
         by_time = self.every_minutes is not None and elapsed >= 60.0 * self.every_minutes
         if by_steps or self.every_minutes is not None:
             # rank 0's clock decides: every rank saves together
-            if trainer.strategy.broadcast((by_steps or by_time) and self._within_budget(elapsed)):
+            if trainer.strategy.broadcast((by_steps or by_time) and self._within_budget(trainer, elapsed)):
                 self.save_now(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
-        if self.after_validation and trainer.strategy.broadcast(self._within_budget(time.monotonic() - self._clock)):
+        if self.after_validation and trainer.strategy.broadcast(
+                self._within_budget(trainer, time.monotonic() - self._clock)):
             self.save_now(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -104,11 +104,11 @@ class PeriodicCheckpoint(ModelCheckpoint):
         if isinstance(exception, SIGTERMException):
             self.save_now(trainer, preempted=True, always=True)
 
-    def _within_budget(self, elapsed: float) -> bool:
+    def _within_budget(self, trainer: pl.Trainer, elapsed: float) -> bool:
         """Whether the training since the last save pays for its cost within ``max_overhead``."""
         if self.max_overhead is None:
             return True
-        written = getattr(self._io, "last_save_s", None)  # the background write, once it is on disk
+        written = getattr(trainer.strategy.checkpoint_io, "last_save_s", None)  # the background write, once on disk
         return elapsed * self.max_overhead >= max(self._cost, written or 0.0)
 
     def save_now(self, trainer: pl.Trainer, preempted: bool = False, always: bool = False) -> None:
@@ -124,7 +124,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
-        io = self._io = trainer.strategy.checkpoint_io
+        io = trainer.strategy.checkpoint_io
         if always and isinstance(io, AsyncAtomicCheckpointIO):
             io.wait()  # the SIGTERM save (and the last) is on disk when the run ends
         self._clock = time.monotonic()
