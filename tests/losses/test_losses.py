@@ -84,7 +84,7 @@ def test_config_defaults_are_the_losss_own(name):
     from lst_lightning.app.configs import config_dir  # noqa: PLC0415
 
     own = set(OmegaConf.load(Path(config_dir()) / "loss" / f"{name}.yaml"))
-    assert own == ({"defaults", "head"} if make_loss(name).sampled else {"defaults"})  # head.negatives: {}
+    assert own == {"defaults"}  # loss=sampled's negatives: the spherical heads' own (conf/head/negatives)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose("config", overrides=[f"loss={name}"]).loss
     loss = make_loss(name)
