@@ -75,17 +75,22 @@ def join_processes(head: FactoredSphericalHead) -> int:
     return world
 
 
+def _ignored_elsewhere(model: nn.Module, prefix: str) -> list[str]:
+    """The names DDP leaves alone that are not under ``prefix``."""
+    return [n for n in getattr(model, "_ddp_params_and_buffers_to_ignore", ()) if not n.startswith(prefix + ".")]
+
+
 def ddp_ignores_head(model: nn.Module, prefix: str, head: nn.Module) -> None:
     """List the head's buffers (names under ``prefix``) in what DDP leaves alone, keeping any
     names already listed; the head keeps its replicas or shards consistent itself."""
     names = [f"{prefix}.{n}" for n, _ in head.named_buffers()]
-    kept = [n for n in getattr(model, "_ddp_params_and_buffers_to_ignore", ()) if not n.startswith(prefix + ".")]
-    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, kept + names)
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, _ignored_elsewhere(model, prefix) + names)
 
 
 def ddp_forgets_head(model: nn.Module, prefix: str) -> None:
     """Undo ``ddp_ignores_head`` (``export_dense_head``: lm_head is an ordinary layer again)."""
-    kept = [n for n in getattr(model, "_ddp_params_and_buffers_to_ignore", ()) if not n.startswith(prefix + ".")]
+    kept = _ignored_elsewhere(model, prefix)
     if kept:
         model._ddp_params_and_buffers_to_ignore = kept
     elif hasattr(model, "_ddp_params_and_buffers_to_ignore"):
