@@ -7,12 +7,13 @@ import inspect
 
 import pytest
 import torch
-from kernel_cases import KERNEL_DEVICES, SHAPES, TILED_SHAPE, bookkeeping_inputs, close, make_case
+from kernel_cases import KERNEL_DEVICES, SHAPES, TILED_SHAPE, bookkeeping_inputs, close, factored_state, make_case
 
 import lst_kernels
 from lst_kernels import _launch, functional, reference
 
-OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "m_matrix", "q_update")
+OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
+       "q_update_factors")
 
 
 def test_every_op_is_one_public_function_with_the_reference_signature_and_impl():
@@ -54,6 +55,42 @@ def test_torch_bookkeeping_matches_the_reference(shape):
               reference.q_update(s["Q"], s["H"], dH, M, lr, c), rtol=2e-5)
 
 
+@pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE, (24, 3, 4, 5)])
+def test_gram_rows_matches_the_reference(shape):
+    """Coalesced by a sort (repeats within a row and across rows, padding anywhere) against
+    the m x m Yd Yd^T times X; (24, 3, 4, 5): every class repeated many times."""
+    m, K, D, d = shape
+    _, idx, G, X = make_case(m, K, D, d, "cpu")
+    G = G.double()
+    close(lst_kernels.gram_rows(idx, G, X.double(), impl="torch"), reference.gram_rows(idx, G, X.double()))
+
+
+@pytest.mark.skipif(not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)")
+@pytest.mark.parametrize("shape", SHAPES + [(12, 3, 4, 5)])
+def test_gram_rows_through_the_triton_scatter_and_gather(shape):
+    m, K, D, d = shape
+    V, idx, G, X = make_case(m, K, D, d, KERNEL_DEVICES[0])
+    close(lst_kernels.gram_rows(idx, G, X, impl="triton").double(),
+          reference.gram_rows(idx.cpu(), G.double().cpu(), X.double().cpu()), rtol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])
+def test_q_update_factors_matches_the_reference_and_the_m_route(shape):
+    """The fused d x d form against its term-by-term reference, and both against Q's update
+    through M (the route they replace where m > ~1.4 d), in float64."""
+    m, K, D, d = shape
+    s = factored_state(m, K, D, d)
+    YYH = reference.gram_rows(s["idx"], s["G"], s["H"])
+    dH = 2 * s["gq"][:, None] * (s["H"] @ s["Q"]) + s["Z"]
+    M = reference.m_matrix(s["H"] @ s["Q"], s["H"], s["Z"], s["gq"], s["gs"], s["ybar"], D,
+                           reference.sparse_gram(s["idx"], s["G"]))
+    for lr, c in ((0.05, 1.0), (0.05, 0.97), (torch.tensor(0.05), torch.tensor(0.97))):
+        args = (s["Q"], s["H"], s["gq"], s["Z"], s["gs"], s["ybar"], D, YYH, lr, c)
+        fused = lst_kernels.q_update_factors(*args, impl="torch")
+        close(fused, reference.q_update_factors(*args))
+        close(fused, reference.q_update(s["Q"], s["H"], dH, M, lr, c))
+
+
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)"))]
 
@@ -77,6 +114,9 @@ def test_bad_input_raises_and_leaves_v_untouched(impl):
         (ValueError, lambda: op["sparse_gram"](idx[None], G)),
         (ValueError, lambda: op["q_update"](torch.eye(8, device=device), X, X, torch.eye(3, device=device), 0.1, 1.0)),
         (ValueError, lambda: op["m_matrix"](X, X, X, G[:, 0], G[:, 0], G[:, 0], 0, torch.eye(4, device=device))),
+        (ValueError, lambda: op["gram_rows"](idx, G, X[:-1])),
+        (ValueError, lambda: op["q_update_factors"](torch.eye(8, device=device), X, G[:, 0], X, G[:, 0], G[:, 0], 5,
+                                                    X[:-1], 0.1, 1.0)),
         (ValueError, lambda: lst_kernels.gather_sum(V, idx, G, impl="cuda")),
     ]
     for exc, call in bad_calls:

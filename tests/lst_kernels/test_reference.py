@@ -92,3 +92,25 @@ def test_reference_q_update_is_gram_of_updated_w(shape, c):
     W_new = c * s["W"] - lr * s["dO"].T @ s["H"]
     Q_new = ref.q_update(s["Q"], s["H"], s["dO"] @ s["W"], s["dO"] @ s["dO"].T, lr, c)
     torch.testing.assert_close(Q_new, W_new.T @ W_new)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_gram_rows_is_yd_yd_t_x(shape):
+    m, K, D, d = shape
+    _, idx, G, X = make_case(m, K, D, d, "cpu")
+    Yd = dense_yd(idx, G, D)
+    close(ref.gram_rows(idx, G, X).double(), Yd @ Yd.T @ X.double())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("c", [1.0, 0.97])
+def test_reference_q_update_factors_is_gram_of_updated_w(shape, c):
+    """Without M: the same W_new^T W_new from H, Z and Yd Yd^T H (every term of dO: the Gram
+    of the updated W would miss any one of them)."""
+    m, K, D, d = shape
+    s = factored_state(m, K, D, d)
+    lr = 0.05
+    W_new = c * s["W"] - lr * s["dO"].T @ s["H"]
+    YYH = s["Yd"] @ s["Yd"].T @ s["H"]
+    Q_new = ref.q_update_factors(s["Q"], s["H"], s["gq"], s["Z"], s["gs"], s["ybar"], D, YYH, lr, c)
+    torch.testing.assert_close(Q_new, W_new.T @ W_new)

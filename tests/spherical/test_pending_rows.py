@@ -7,6 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lst_lightning.spherical import step
+
 from head_pairs import batch, deferred, make_pair, rel
 
 SIZES, KS = (5, 3, 7), (2, 1, 3)  # micro-batches of different sizes and numbers of targets
@@ -36,9 +38,11 @@ def twins(loss, **kw):
     return (f, ref_f), (n, ref_n)
 
 
+@pytest.mark.parametrize("route", ["m_matrix", "factors"])
 @pytest.mark.parametrize("loss", ["zloss", "mse", "spherical_softmax", "taylor_softmax"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_accumulated_micro_batches_equal_one_step_on_their_union(loss, bias):
+def test_accumulated_micro_batches_equal_one_step_on_their_union(loss, bias, route, monkeypatch):
+    monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")  # both routes of Q
     pairs = twins(loss, bias=bias, lr=0.2, weight_decay=0.01)
     batches = micro_batches()
     M = sum(SIZES)

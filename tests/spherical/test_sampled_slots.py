@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, Negatives
+from lst_lightning.spherical import FactoredSphericalHead, Negatives, step
 from lst_lightning.spherical.negatives import unique_column_gram
 
 import lst_kernels as lk
@@ -63,6 +63,17 @@ def test_any_spherical_term_and_the_gramian_penalty(shared, spherical, mu, gram)
     torch.manual_seed(1)
     f, n = pair(shared=shared, spherical=spherical, mu=mu, gram=gram, lr=0.05)
     run(f, n, steps=4)
+
+
+@pytest.mark.parametrize("route", ["m_matrix", "factors"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_both_routes_of_q_with_negatives(shared, route, monkeypatch):
+    """Q's update through M or from d x d products (the block's Yd Yd^T H as gram_rows of the
+    other targets + Y_u (Y_u^T H)), at m = 13 > 1.4 d (the rule's choice: the factors)."""
+    monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
+    torch.manual_seed(3)
+    f, n = pair(shared=shared, num=20)
+    run(f, n, steps=4, m=13)
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -6,7 +6,10 @@ anything runs or changes), then picks its implementation inline: the Triton laun
 otherwise. ``impl`` forces the choice ("torch", "triton"; "auto" also honours
 ``LST_KERNELS=torch``). The torch implementation of the four sparse ops is the reference
 itself (``reference.py``); ``m_matrix`` and ``q_update`` run the same products arranged in
-two GEMMs each, tested against the term-by-term references.
+two GEMMs each, tested against the term-by-term references. ``gram_rows`` and
+``q_update_factors`` (Q's update without the m x m M, for m > ~1.4 d: spherical/step.py)
+have no kernel of their own: a sort, the deterministic scatter and gather (Triton on CUDA)
+and torch's GEMMs on every device.
 
 Index values are not range-checked here (that needs a host sync): padding is -1, and the
 Triton kernels skip any index outside [0, D).
@@ -113,6 +116,32 @@ def sparse_gram(idx: Tensor, G: Tensor, *, impl: str = "auto") -> Tensor:
     return reference.sparse_gram(idx, G)
 
 
+def gram_rows(idx: Tensor, G: Tensor, X: Tensor, *, impl: str = "auto") -> Tensor:
+    """Yd Yd^T X (m, d) in O(m K d) plus a sort of the m K ids, never the m x m Yd Yd^T:
+    the slots coalesced to their distinct columns (static shapes: no host sync, CUDA graphs
+    capture it), N = Yd^T X on them, then Yd N."""
+    m, K = _tensor("idx", idx, (None, None), index=True).shape
+    _tensor("G", G, (m, K))
+    d = _tensor("X", X, (m, None)).shape[1]
+    ct = torch.promote_types(G.dtype, X.dtype)
+    flat = idx.reshape(-1)
+    g = torch.where(flat >= 0, G.reshape(-1).to(ct), torch.zeros((), dtype=ct, device=G.device))  # padding: 0
+    ids, order = torch.sort(flat)
+    first = torch.ones_like(ids)
+    first[1:] = ids[1:] != ids[:-1]
+    col = torch.empty_like(flat)
+    col[order] = torch.cumsum(first, 0) - 1  # each slot's column among the distinct ones (< m K)
+    col, g = col.view(m, K), g.view(m, K)
+    N = torch.zeros(m * K, d, dtype=ct, device=X.device)
+    if _use_triton(X, impl, idx, G):  # the deterministic kernels (no float atomics)
+        scatter_add_rows_(N, col, g, X.to(ct), 1.0, impl="triton")
+        return gather_sum(N, col, g, impl="triton")
+    rows = torch.arange(m, device=X.device).repeat_interleave(K)
+    N.index_add_(0, col.reshape(-1), g.reshape(-1, 1) * X.to(ct)[rows])  # sequential on CPU
+    out = g.reshape(-1, 1) * N[col.reshape(-1)]
+    return out if K == 1 else out.view(m, K, d).sum(1)
+
+
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
              num_classes: int, yy: Tensor, *, impl: str = "auto") -> Tensor:
     """M = dO dO^T (m x m) from its factors: ``Hq = H Q``, ``Z = (g_s 1^T + Yd) W``,
@@ -159,3 +188,38 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
     R = 0.5 * lr * lr * (M.to(Q.dtype) @ H) - c * lr * dH.to(Q.dtype)
     HtR = H.T @ R
     return c * c * Q + HtR + HtR.T
+
+
+def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, ybar: Tensor, num_classes: int,
+                     YYH: Tensor, lr: float | Tensor, c: float | Tensor, *, impl: str = "auto") -> Tensor:
+    """``q_update`` without the m x m M: Q_new from d x d products of the step's factors,
+    ``Z = (g_s 1^T + Yd) W`` and ``YYH = Yd Yd^T H`` (``gram_rows``). 3 m d^2 + 3 d^3
+    multiply-adds against 3 m^2 d + m d^2 for ``m_matrix`` and ``q_update``: the cheaper
+    route from m ~ 1.4 d. torch on every device (``impl`` is checked, no kernel of its own)."""
+    m, d = _tensor("H", H, (None, None)).shape
+    _tensor("Q", Q, (d, d))
+    for name, t in (("Z", Z), ("YYH", YYH)):
+        _tensor(name, t, (m, d))
+    for name, t in (("gq", gq), ("gs", gs), ("ybar", ybar)):
+        _tensor(name, t, (m,))
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    _scalar("lr", lr)
+    _scalar("c", c)
+    _use_triton(Q, impl, H, gq, Z, gs, ybar, YYH)
+    # One GEMM for P = H^T diag(g_q) H, F = H^T Z and H^T YYH; then E = H^T dH = 2 P Q + F
+    # and H^T M H's P-terms 4 P Q P + 2 F P + 2 P F^T = 2 E P + 2 (F P)^T ([E; F] P: one GEMM).
+    ct = torch.promote_types(torch.promote_types(H.dtype, Z.dtype), Q.dtype)
+    H, Qc = H.to(ct), Q.to(ct)
+    gq, gs, ybar = gq.to(ct), gs.to(ct), ybar.to(ct)
+    B = H.T @ torch.cat([gq[:, None] * H, Z.to(ct), YYH.to(ct)], 1)
+    P, F, HYYH = B[:, :d], B[:, d:2 * d], B[:, 2 * d:]
+    E = torch.addmm(F, P, Qc, alpha=2.0)
+    EF_P = torch.cat([E, F]) @ P
+    uy = H.T @ torch.stack([gs, ybar], 1)
+    u, y = uy[:, 0], uy[:, 1]
+    out = (2.0 * lr * lr) * (EF_P[:d] + EF_P[d:].T)
+    out += lr * lr * (num_classes * torch.outer(u, u) + torch.outer(u, y) + torch.outer(y, u) + HYYH)
+    out -= c * lr * (E + E.T)
+    out += c * c * Qc
+    return out.to(Q.dtype)

@@ -62,6 +62,11 @@ def sparse_gram(idx: Tensor, G: Tensor) -> Tensor:
     return P.reshape(m, K, m, K).sum(dim=(1, 3))
 
 
+def gram_rows(idx: Tensor, G: Tensor, X: Tensor) -> Tensor:
+    """Yd Yd^T X (m, d): the m x m ``sparse_gram`` times X."""
+    return sparse_gram(idx, G).to(torch.promote_types(G.dtype, X.dtype)) @ X.to(torch.promote_types(G.dtype, X.dtype))
+
+
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
              num_classes: int, yy: Tensor) -> Tensor:
     """M = dO dO^T (m x m) from its factors, term by term as in docs/algorithm.md.
@@ -89,3 +94,24 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
     """
     H, dH, M = H.to(Q.dtype), dH.to(Q.dtype), M.to(Q.dtype)
     return c * c * Q - c * lr * (dH.T @ H + H.T @ dH) + lr * lr * (H.T @ M @ H)
+
+
+def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, ybar: Tensor, num_classes: int,
+                     YYH: Tensor, lr: float | Tensor, c: float | Tensor) -> Tensor:
+    """``q_update`` without M, term by term from dO = 2 diag(g_q) H W^T + g_s 1^T + Yd.
+
+    With P = H^T diag(g_q) H, F = H^T Z, u = H^T g_s, y = H^T ybar and ``YYH`` = Yd Yd^T H:
+    dH^T H = 2 Q P + F^T (so H^T dH = E = 2 P Q + F) and
+    H^T M H = (H^T dO)(H^T dO)^T = 4 P Q P + 2 P F^T + 2 F P + D u u^T + u y^T + y u^T + H^T YYH
+    (the cross terms of 2 P W^T with u 1^T and H^T Yd add up to 2 P F^T, as Z = g_s wbar^T + Yd W).
+    """
+    ct = torch.promote_types(torch.promote_types(H.dtype, Z.dtype), Q.dtype)
+    H, Z, YYH, Q = H.to(ct), Z.to(ct), YYH.to(ct), Q.to(ct)
+    gq, gs, ybar = gq.to(ct), gs.to(ct), ybar.to(ct)
+    P = H.T @ (gq[:, None] * H)
+    F = H.T @ Z
+    u, y = H.T @ gs, H.T @ ybar
+    E = 2 * P @ Q + F
+    HMH = (4 * P @ Q @ P + 2 * P @ F.T + 2 * F @ P + num_classes * torch.outer(u, u)
+           + torch.outer(u, y) + torch.outer(y, u) + H.T @ YYH)
+    return c * c * Q - c * lr * (E + E.T) + lr * lr * HMH

@@ -206,6 +206,9 @@ class PerRowSlots:
         # torch.unique syncs a GPU with the host: under device flags the slot-pair form
         return lk.sparse_gram(idx, GA) if head.step_checks.deferred else unique_column_gram(idx, GA)
 
+    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor) -> Tensor:
+        return lk.gram_rows(idx, GA, X)
+
 
 class SharedBlock:
     """Negatives shared by the batch: S columns of Yd as one dense block.
@@ -234,12 +237,21 @@ class SharedBlock:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
         too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the
         column sets are disjoint, so Yd Yd^T = sparse_gram(the other targets) + Y_u Y_u^T."""
+        GA_off, Y_u = self._split(idx, GA)
+        return torch.addmm(lk.sparse_gram(idx, GA_off), Y_u, Y_u.T)
+
+    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor) -> Tensor:
+        """Yd Yd^T X, split as ``gram``: gram_rows(the other targets) + Y_u (Y_u^T X)."""
+        GA_off, Y_u = self._split(idx, GA)
+        return torch.addmm(lk.gram_rows(idx, GA_off, X), Y_u, Y_u.T @ X.to(Y_u.dtype))
+
+    def _split(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
+        """The targets' gradients off the block's columns, and Y_u (m x u): G_u plus those on them."""
         uniq = self.uniq
         pos = torch.searchsorted(uniq, idx.clamp(min=0)).clamp(max=uniq.numel() - 1)
         on_neg = (idx >= 0) & (uniq[pos] == idx)
         GA_on = torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device))
-        Y_u = self.G_u.scatter_add(1, pos, GA_on)
-        return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
+        return GA - GA_on, self.G_u.scatter_add(1, pos, GA_on)
 
     def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, sharding) -> None:
         """V[u] += alpha G_u^T (H U_new^-1): one GEMM, one index_add_ (masked by ``ok`` under

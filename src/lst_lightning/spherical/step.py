@@ -143,6 +143,12 @@ def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: boo
     return out
 
 
+def uses_m_matrix(m: int, d: int) -> bool:
+    """Q's update through the m x m M (3 m^2 d + m d^2 multiply-adds) rather than from d x d
+    products (``q_update_factors``: 3 m d^2 + 3 d^3): the cheaper below m ~ 1.4 d."""
+    return 3 * m * m + m * d <= 3 * m * d + 3 * d * d
+
+
 def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float | None]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), and a
     bound on cond(B). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
@@ -177,6 +183,17 @@ def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bo
     return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf)
 
 
+def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
+    """(X U^-1, LAPACK's info: > 0 where U is singular), as ``torch.linalg.solve_ex(U, X,
+    left=False)`` but by its LU and two triangular solves from the right, in the column order
+    of the pivots: 0.46 against 0.55 ms at m = 256, d = 129 on one CPU thread."""
+    LU, pivots, info = torch.linalg.lu_factor_ex(U)  # U = P L R
+    Y = torch.linalg.solve_triangular(LU, X, upper=True, left=False)  # (X P L) R = X U
+    Y = torch.linalg.solve_triangular(LU, Y, upper=False, unitriangular=True, left=False)  # X P
+    P = torch.lu_unpack(LU, pivots, unpack_data=False)[0]
+    return Y[:, P.argmax(1)], info  # X = (X P) P^T
+
+
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
     Hx = fwd.Hx
@@ -204,12 +221,17 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         Uinv_new = (head.Uinv + Hx.T @ KR) / c
         HUinv_new = (fwd.HUinv + G @ KR) / c
     else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
-        HUinv_new, info = torch.linalg.solve_ex(U_new, Hx, left=False)
+        HUinv_new, info = solve_right(U_new, Hx)
         Uinv_new = None
-    # M = dO dO^T (m x m) and the exact bookkeeping of Q = W^T W and wbar = W^T 1.
-    yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
-    M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
-    Q_new = lk.q_update(head.Q, Hx, dH, M, lr, c)
+    # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
+    # from d x d products of the step's factors, whichever has fewer multiply-adds.
+    if uses_m_matrix(m, Hx.shape[1]):
+        yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
+        M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
+        Q_new = lk.q_update(head.Q, Hx, dH, M, lr, c)
+    else:  # Yd Yd^T H without Yd Yd^T
+        YYH = lk.gram_rows(fwd.idx, GA, Hx) if fwd.neg is None else fwd.neg.gram_rows(fwd.idx, GA, Hx)
+        Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c)
     wbar_new = c * head.wbar - lr * (Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
     total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
     if Uinv_new is not None:
