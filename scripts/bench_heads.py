@@ -132,7 +132,7 @@ def step_bytes(spec: HeadSpec, D: int, d: int, m: int, nbytes: int, head=None) -
 
 # --- building heads -------------------------------------------------------------------------
 
-def loss_settings(loss: str) -> tuple[float, dict]:
+def loss_settings(loss: str, num_classes: int) -> tuple[float, dict]:
     """(head lr, loss kwargs) as the app trains with them: the loss's own default lr (the
     app builds the head without one: ``SphericalLoss.default_lr``) and the kwargs of
     ``conf/loss/<loss>.yaml``. A step's cost depends on how often the head's repairs run,
@@ -142,7 +142,7 @@ def loss_settings(loss: str) -> tuple[float, dict]:
     cfg = yaml.safe_load(path.read_text())
     if not isinstance(cfg, dict) or not isinstance(cfg.get("kwargs", {}), dict):
         raise ValueError(f"{path}: no usable kwargs ({cfg!r})")
-    return float(LOSSES[loss].default_lr), dict(cfg.get("kwargs") or {})
+    return float(LOSSES[loss].default_lr_for(num_classes)), dict(cfg.get("kwargs") or {})
 
 
 def build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.device):
@@ -170,7 +170,7 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
         cls = NaiveSphericalHead if spec.head == "naive" else FactoredSphericalHead
         if spec.head in ("factored_sync", "factored_graph"):
             kw["sync_every"] = SYNC_EVERY
-        lr, loss_kwargs = loss_settings(spec.variant)
+        lr, loss_kwargs = loss_settings(spec.variant, D)
         kw.update(loss=spec.variant, loss_kwargs=loss_kwargs, lr=lr, bias=False)
         if LOSSES[spec.variant].sampled:
             kw["negatives"] = {}  # on, at their defaults

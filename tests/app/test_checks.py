@@ -57,7 +57,7 @@ def test_loss_parameters_are_named_under_kwargs(arg, match):
 def test_negatives_with_another_loss_are_refused_in_one_line():
     with pytest.raises(ValueError, match="head.negatives.num=8: .*loss=sampled.*with loss=zloss there are none"):
         check_overrides(["loss=zloss", "head.negatives.num=8"])
-    check_overrides(["head.negatives.num=8"])                       # no loss named: Hydra composes
+    check_overrides(["head.negatives.num=8"])                       # the default loss=sampled
     check_overrides(["loss=zloss", "loss=sampled", "head.negatives.num=8"])  # the last choice counts
     check_overrides(["-m", "loss=zloss,sampled", "head.negatives.num=8"])    # a sweep: the job decides
 

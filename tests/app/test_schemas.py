@@ -58,16 +58,16 @@ def test_a_loss_config_restates_nothing(name):
 
 
 def test_the_sampled_loss_turns_on_the_spherical_heads_negatives_only():
-    """loss=sampled gives the spherical heads their negatives at the code's defaults
-    (head/negatives/sampled.yaml is empty); the other heads never see the key, and the other
-    losses leave it null (off)."""
+    """loss=sampled (the default) gives the spherical heads their negatives at the code's
+    defaults (head/negatives/sampled.yaml is empty); the other heads never see the key, and
+    the other losses leave it null (off)."""
     assert yaml.safe_load((CONF / "head" / "negatives" / "sampled.yaml").read_text()) == {}
     for head in ("factored", "naive"):
-        assert cfg_of(f"head={head}", "loss=sampled").head.negatives.num == 64
-        assert cfg_of(f"head={head}").head.negatives is None
-        assert cfg_of(f"head={head}", "loss=sampled", "head.negatives.num=8").head.negatives.num == 8
+        assert cfg_of(f"head={head}").head.negatives.num == 64
+        assert cfg_of(f"head={head}", "loss=zloss").head.negatives is None
+        assert cfg_of(f"head={head}", "head.negatives.num=8").head.negatives.num == 8
     for head in ("softmax", "sampled", "hsoftmax", "adaptive"):
-        assert "negatives" not in cfg_of(f"head={head}", "loss=sampled").head
+        assert "negatives" not in cfg_of(f"head={head}").head
 
 
 def test_the_schemas_are_the_constructors():

@@ -63,11 +63,11 @@ def test_every_config_composes(experiment):
 def test_default_config():
     cfg = cfg_of()
     assert cfg.head._target_ == "lst_lightning.spherical.FactoredSphericalHead"
-    assert cfg.head.loss == "zloss" and cfg.head.loss_kwargs == {"a": 0.03, "b": 10.0, "eps": 1e-8}
-    assert cfg.head.negatives is None and cfg_of("loss=sampled").head.negatives.num == 64
+    assert cfg.head.loss == "sampled" and cfg.head.negatives.num == 64
+    assert cfg.head.loss_kwargs == {"mu": 1.0, "spherical": "zloss", "spherical_kwargs": None, "gram": 0.0}
     assert cfg.data.source == "embedded" and cfg.trainer.accelerator == "cpu"
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
-    assert run_name(cfg) == "FactoredSphericalHead-zloss"
+    assert run_name(cfg) == "FactoredSphericalHead-sampled"
     assert run_name(cfg_of("head._target_=toy_heads.ToySoftmaxHead")) == "ToySoftmaxHead"
     assert run_name(cfg_of("head=softmax")) == "SoftmaxHead"  # a head that takes no spherical loss
     assert run_name(cfg_of("head=naive", "loss=mse")) == "NaiveSphericalHead-mse"
@@ -77,12 +77,11 @@ def test_unigram_negatives_draw_from_the_datas_counts():
     """head.negatives.sampler=unigram: the app hands the data's class counts to the draw (the
     sampled softmax baseline's unigram sampler takes them the same way)."""
     counts = torch.arange(1.0, 41.0)
-    head = make_head(cfg_of("loss=sampled", "head.negatives.sampler=unigram"), num_classes=40, hidden_dim=8,
-                     class_counts=counts)
+    head = make_head(cfg_of("head.negatives.sampler=unigram"), num_classes=40, hidden_dim=8, class_counts=counts)
     q = head.negatives.sampler.log_q.exp()
     assert torch.allclose(q.float(), counts ** 0.75 / (counts ** 0.75).sum())
-    assert make_head(cfg_of("loss=sampled"), num_classes=40, hidden_dim=8,
-                     class_counts=counts).negatives.settings.sampler == "log_uniform"
+    assert make_head(cfg_of(), num_classes=40, hidden_dim=8, class_counts=counts).negatives.settings.sampler == \
+        "log_uniform"
 
 
 def _results(path):

@@ -91,3 +91,20 @@ def test_config_defaults_are_the_losss_own(name):
     params = inspect.signature(type(loss)).parameters
     own = {k: p.default for k, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
     assert cfg.name == name and dict(cfg.kwargs) == own
+
+
+def test_the_head_lr_follows_the_losss_rule_in_d():
+    """A head built without an lr takes its loss's for its D: the composite loss's lr is 2 below
+    10^5 classes (the real corpus at its own D) and 8 from there (10^5, 10^6); the others' is one
+    number at every D."""
+    from lst_lightning.losses import SampledCompositeLoss  # noqa: PLC0415
+    from lst_lightning.spherical import FactoredSphericalHead  # noqa: PLC0415
+
+    assert [SampledCompositeLoss.default_lr_for(D) for D in (10_000, 33_155, 99_999, 100_000, 10**6)] == \
+        [2.0, 2.0, 2.0, 8.0, 8.0]
+    assert {make_loss("zloss").default_lr_for(D) for D in (10, 10**7)} == {1.0}
+    for D, lr in ((1000, 2.0), (200_000, 8.0)):
+        head = FactoredSphericalHead(num_classes=D, hidden_dim=4, loss="sampled", negatives={}, device="meta")
+        assert head.lr == lr
+    assert FactoredSphericalHead(num_classes=1000, hidden_dim=4, loss="sampled", negatives={}, lr=0.5,
+                                 device="meta").lr == 0.5

@@ -77,22 +77,22 @@ class Block:
             raise ImportError(name)
 sys.meta_path.insert(0, Block())
 import bench_heads
-assert bench_heads.loss_settings("zloss")[0] == 1.0
+assert bench_heads.loss_settings("zloss", 1000)[0] == 1.0
 """
     subprocess.run([sys.executable, "-c", block], cwd=Path(bh.__file__).parent, check=True)
 
 
 def test_loss_settings_are_the_configs(tmp_path, monkeypatch):
-    assert bh.loss_settings("zloss") == (1.0, {})  # the loss's own defaults (conf/loss restates none)
-    assert bh.loss_settings("spherical_softmax") == (0.01, {})
+    assert bh.loss_settings("zloss", 1000) == (1.0, {})  # the loss's own defaults (conf/loss restates none)
+    assert bh.loss_settings("spherical_softmax", 1000) == (0.01, {})
     # A config that cannot be read stops the run rather than timing other settings.
     monkeypatch.setattr(bh, "config_dir", lambda: str(tmp_path))
     with pytest.raises(FileNotFoundError):
-        bh.loss_settings("zloss")
+        bh.loss_settings("zloss", 1000)
     (tmp_path / "loss").mkdir()
     (tmp_path / "loss" / "zloss.yaml").write_text("name: zloss\nkwargs: [1]\n")
     with pytest.raises(ValueError, match="kwargs"):
-        bh.loss_settings("zloss")
+        bh.loss_settings("zloss", 1000)
 
 
 def test_tiny_memory_limit_records_skip_reasons(tmp_path):

@@ -157,7 +157,7 @@ def check_negatives(args: list[str]) -> None:
         return
     for arg in args:
         if arg.lstrip("+~").startswith("head.negatives."):
-            raise ValueError(f"{arg}: head.negatives are the sampled classes of loss=sampled; "
+            raise ValueError(f"{arg}: head.negatives are the sampled classes of loss=sampled (the default); "
                              f"with loss={losses[-1]} there are none (drop loss={losses[-1]}, or this override)")
 
 

@@ -27,8 +27,14 @@ class SphericalLoss(nn.Module):
     outputs_are_logits: bool = False
     #: True when the loss reads ``y_sq`` (the squared error, or a composite holding it)
     needs_y_sq: bool = False
-    #: The head's SGD lr when none is given (the one source: the app builds the head with head.lr null).
+    #: The head's SGD lr when none is given (the one source: the app builds the head with head.lr
+    #: null); a loss whose best lr depends on D says so in ``default_lr_for``.
     default_lr: float = 0.01
+
+    @classmethod
+    def default_lr_for(cls, num_classes: int) -> float:
+        """The head's lr for D = ``num_classes`` classes when none is given."""
+        return cls.default_lr
 
     def forward(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, *, num_classes: int,
                 y_sq: Tensor | None = None) -> Tensor:

@@ -52,8 +52,16 @@ class SampledCompositeLoss(SphericalLoss):
     sampled = True
     #: the softmax term makes the outputs logits: the model's distribution is softmax(o)
     outputs_are_logits = True
-    #: the prototype's measured best at D = 10^5 and 10^6 (mu = 1, S = 64, log-uniform): lr 8
+    #: the head's lr from D = ``large_D`` classes: the best at 10^5 and 10^6 (mu 1, S 64,
+    #: log-uniform; docs/sampled_slots_tuning.md); below, ``small_D_lr``: the best on the real
+    #: corpus at its own D (33 155) and level at 10^4 (docs/benchmarks.md, "The default")
     default_lr = 8.0
+    small_D_lr = 2.0
+    large_D = 100_000
+
+    @classmethod
+    def default_lr_for(cls, num_classes: int) -> float:
+        return cls.default_lr if num_classes >= cls.large_D else cls.small_D_lr
 
     def __init__(self, mu: float = 1.0, spherical: str = "zloss", spherical_kwargs: dict | None = None,
                  gram: float = 0.0):

@@ -167,7 +167,7 @@ class SphericalHeadBase(OutputHead):
         self.width = hidden_dim + int(self.bias)
         self.loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
         self.has_log_prob = self.loss_fn.normalised
-        self.lr = lr if lr is not None else self.loss_fn.default_lr  # the loss's own (Z-loss: 1.0)
+        self.lr = lr if lr is not None else self.loss_fn.default_lr_for(num_classes)  # the loss's own (Z-loss: 1.0)
         self.weight_decay = weight_decay
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()

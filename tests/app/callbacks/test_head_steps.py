@@ -100,8 +100,8 @@ def test_heads_that_cannot_wait_are_refused_before_any_step():
 def test_lst_train_accumulation_equals_the_doubled_batch(tmp_path):
     """lst-train trainer.accumulate_grad_batches=2 over batches of 16 == batches of 32 (the
     sampler's same permutation): one head step per optimizer step, on the union. With the
-    Z-loss named: loss=sampled draws its negatives per micro-batch, so two micro-batches see
-    other negatives than their union (its accumulation: tests/spherical/test_sampled_slots.py)."""
+    Z-loss: the default loss=sampled draws its negatives per micro-batch, so two micro-batches
+    see other negatives than their union (its accumulation: tests/spherical/test_sampled_slots.py)."""
     over = [*FAST, "head=factored", "loss=zloss", "trainer.max_epochs=1", "test=false", "model.dropout=0.0"]
     res = run(cfg_of(*over, "data.batch_size=16", "trainer.accumulate_grad_batches=2",
                      "trainer.limit_train_batches=6"), tmp_path / "acc")
