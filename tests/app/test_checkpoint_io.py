@@ -108,3 +108,43 @@ def test_a_checkpoint_too_large_to_copy_is_written_at_once(tmp_path, monkeypatch
     io.save_checkpoint({"w": w[:40]}, tmp_path / "b.ckpt")  # 160 bytes: copied, written in the background
     io.teardown()
     assert io.synchronous_saves == 1 and torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["w"], w[:40])
+
+
+def test_work_before_a_save_runs_in_the_writer_and_its_error_stops_what_follows(tmp_path):
+    """before_next_save: after the save's snapshot, before its write, in the writer thread; when
+    it raises, neither the write nor what was queued after it is done, and the error is raised on
+    the training thread; abandon() drops what is queued, quietly."""
+    io, order = AsyncAtomicCheckpointIO(), []
+    atomic_torch_save({"step": 1}, tmp_path / "last.ckpt")
+    io.before_next_save(lambda: order.append(("before", (tmp_path / "a.ckpt").exists(),
+                                              threading.current_thread() is threading.main_thread())))
+    io.after_next_save(lambda: order.append(("after", (tmp_path / "a.ckpt").exists())))
+    io.save_checkpoint({"step": 2}, tmp_path / "a.ckpt")
+    io.wait()
+    assert order == [("before", False, False), ("after", True)]
+
+    def fails():
+        raise OSError("a rank's file is missing")
+    io.before_next_save(fails)
+    io.save_checkpoint({"step": 3}, tmp_path / "last.ckpt")
+    io.remove_checkpoint(tmp_path / "a.ckpt")  # superseded by a save that was not written: stays
+    with pytest.raises(OSError, match="a rank's file is missing"):
+        io.wait()
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"step": 1} and (tmp_path / "a.ckpt").exists()
+
+    io, gate = AsyncAtomicCheckpointIO(), threading.Event()
+    io.before_next_save(lambda: gate.wait(timeout=60))
+    io.save_checkpoint({"step": 4}, tmp_path / "last.ckpt")
+    io.abandon()
+    assert io.abandoned
+    gate.set()
+    io.teardown()  # no error
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True) == {"step": 1}
+
+
+def test_a_synchronous_save_runs_the_work_after_it_once_on_disk(tmp_path):
+    io, seen = AtomicCheckpointIO(), []
+    io.after_next_save(lambda: seen.append(torch.load(tmp_path / "a.ckpt", weights_only=True)))
+    io.save_checkpoint({"step": 1}, tmp_path / "a.ckpt")
+    io.save_checkpoint({"step": 2}, tmp_path / "a.ckpt")
+    assert seen == [{"step": 1}]

@@ -14,6 +14,7 @@ import torch
 
 from lst_lightning.app.resume import resolve_ckpt_path, run_checkpoints
 from lst_lightning.app.train import run
+from lst_lightning.spherical.shard_files import load_rows
 
 from app_configs import FAST, cfg_of
 
@@ -27,14 +28,17 @@ RUN = [*FAST, "trainer.max_epochs=2", "trainer.limit_train_batches=10", "trainer
 STOP_AT = 7  # mid-epoch 0, between validations: steps 0..6 done
 
 
-def lst_train(run_dir, *extra, stall_at=None, hold_save_at=None):
+def lst_train(run_dir, *extra, stall_at=None, hold_save_at=None, hold_shard_at=None):
+    """lst-train in its own process group (with the ranks Lightning starts beside it)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPERS), os.environ.get("PYTHONPATH", "")])}
-    for name, value in (("LST_STALL_AT", stall_at), ("LST_HOLD_SAVE_AT", hold_save_at)):
+    for name, value in (("LST_STALL_AT", stall_at), ("LST_HOLD_SAVE_AT", hold_save_at),
+                        ("LST_HOLD_SHARD_AT", hold_shard_at)):
         env.pop(name, None)
         if value is not None:
             env[name] = str(value)
     return subprocess.Popen([sys.executable, "-m", "lst_lightning.app.train", *RUN, f"hydra.run.dir={run_dir}", *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
 
 
 def finished(proc, code=0):
@@ -192,3 +196,48 @@ def test_accumulation_resumes_mid_epoch_exactly(tmp_path):
     a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
     equal(a["state_dict"], b["state_dict"], "state_dict")
     equal(a["optimizer_states"], b["optimizer_states"], "optimizer_states")
+
+
+# Two ranks (Lightning starts the second), the factored head sharded, its V in one file per rank.
+PER_RANK = ["trainer=ddp_cpu", "trainer.strategy=ddp", "head.parallel=sharded", "head_checkpoint=per_rank"]
+
+
+def with_rows(result):
+    """outcome() with the head's V read back from its files (the directories differ by run)."""
+    res, state, optimizer = result
+    extra = dict(state["head._extra_state"])
+    assert state["head.V"].numel() == 0
+    extra["v_files"] = load_rows(extra["v_files"])
+    return res, {**state, "head._extra_state": extra}, optimizer
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_while_a_head_shard_is_written_resume_exactly(tmp_path):
+    """Rank 1's file of step 7 is half written in the background while both ranks train on
+    to step 8 (whose save waits for it); rank 0's checkpoint of step 7 waits for that file.
+    SIGKILL then leaves last.ckpt at step 6 with both of its files, step 7's directory without
+    rank 1's file (its half under a temporary name); resumed with ckpt_path=last, the run ends
+    as the run never stopped, V included."""
+    proc = lst_train(tmp_path / "full", *PER_RANK)
+    finished(proc)
+    proc = lst_train(tmp_path / "killed", *PER_RANK, "+callbacks.hold_save._target_=hold_save.HoldSave",
+                     hold_shard_at=STOP_AT)
+    run_dir = tmp_path / "killed"
+    try:
+        while not ((run_dir / "saving").exists() and (run_dir / "trained").exists()
+                   and int((run_dir / "trained").read_text() or 0) > STOP_AT):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # both ranks
+    proc.communicate(timeout=900)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT - 1
+    files = Path(saved["state_dict"]["head._extra_state"]["v_files"])
+    assert files == (run_dir / "checkpoints" / "head_shards" / f"step{STOP_AT - 1}").resolve()
+    assert sorted(p.name for p in files.iterdir()) == ["rank00000.pt", "rank00001.pt"]
+    held = sorted(p.name for p in files.with_name(f"step{STOP_AT}").iterdir())
+    assert held[0].startswith(".rank00001.pt.tmp") and held[1:] == ["rank00000.pt"], held
+    assert not (run_dir / "checkpoints" / f"step{STOP_AT}.ckpt").exists()
+    finished(lst_train(run_dir, *PER_RANK, "ckpt_path=last"))
+    same(with_rows(outcome(run_dir)), with_rows(outcome(tmp_path / "full")))

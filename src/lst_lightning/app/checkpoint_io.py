@@ -15,8 +15,11 @@ then one writer thread writes it through ``AtomicCheckpointIO`` while training g
 most one save is in flight: the next one waits for it. Work that must follow a save (the
 hard link of last.ckpt to the step file, the removal of the step file it supersedes) is
 queued behind it with ``after_save``, so a kill at any moment leaves the newest complete
-checkpoint in place. A checkpoint whose copy would not fit in half of the free memory
-(D = 10^7 on a small machine) is written synchronously instead, with a warning.
+checkpoint in place; what must precede its write (a sharded head's files, and the wait for
+the other ranks': callbacks/sharded_head_checkpoint.py) is queued with ``before_next_save``.
+After a writer's error nothing more queued is done (the files on disk stay as they were).
+A checkpoint whose copy would not fit in half of the free memory (D = 10^7 on a small
+machine) is written synchronously instead, with a warning.
 """
 from __future__ import annotations
 
@@ -88,19 +91,34 @@ def sync_directory(directory: Path) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
+    def __init__(self):
+        super().__init__()
+        self._after_next: list[Callable[[], object]] = []
+
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local_file_protocol(str(path)):
             super().save_checkpoint(checkpoint, path, storage_options)
-            return
-        atomic_torch_save(checkpoint, path)
+        else:
+            atomic_torch_save(checkpoint, path)
+        after, self._after_next = self._after_next, []
+        for fn in after:
+            fn()
+
+    def after_next_save(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once the next save (not yet called) is on disk."""
+        self._after_next.append(fn)
 
 
-def snapshot_too_large(checkpoint: dict[str, Any], share: float = 0.5) -> str | None:
+def snapshot_too_large(checkpoint: dict[str, Any], share: float = 0.5, to: torch.device | None = None) -> str | None:
     """Why a copy of the checkpoint's tensors would not fit in ``share`` of the free memory of
-    their devices (host: MemAvailable; a GPU: its free memory), or None."""
+    their devices (host: MemAvailable; a GPU: its free memory), or None. ``to``: the device
+    the copy is made on (None: each tensor's own)."""
     need: dict[torch.device, int] = {}
-    apply_to_collection(checkpoint, torch.Tensor,
-                        lambda t: need.__setitem__(t.device, need.get(t.device, 0) + t.numel() * t.element_size()))
+
+    def add(t: torch.Tensor) -> None:
+        device = t.device if to is None else torch.device(to)
+        need[device] = need.get(device, 0) + t.numel() * t.element_size()
+    apply_to_collection(checkpoint, torch.Tensor, add)
     for device, size in need.items():
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_available_bytes()
         if free is not None and size > share * free:
@@ -128,7 +146,9 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
     def __init__(self):
         super().__init__(AtomicCheckpointIO())
         self._last: Future | None = None
+        self._before_next: list[Callable[[], object]] = []
         self._after_next: list[Callable[[], object]] = []
+        self._abandoned = False
         self.synchronous_saves = 0  # saves too large for a snapshot in free memory
         #: seconds from the start of the last save until it was on disk (None: none finished yet);
         #: the background write is part of a save's cost (on few cores it takes CPU from training)
@@ -141,21 +161,33 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         self.wait()  # the save before is on disk: at most one in flight
+        self._abandoned = False
         start = time.monotonic()
+        before, self._before_next = self._before_next, []
         short = snapshot_too_large(checkpoint)
         if short:  # no room for a copy: written now, from the tensors themselves
             if not self.synchronous_saves:
                 warnings.warn(f"checkpoint saved synchronously: {short}", RuntimeWarning, stacklevel=2)
             self.synchronous_saves += 1
             self._ensure_setup()
+            for fn in before:
+                fn()
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
-        else:
-            super().save_checkpoint(checkpoint, path, storage_options)  # the snapshot, then the write queued
+        else:  # the snapshot of this step, written in the writer thread (after what must precede it)
+            snapshot = apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().clone())
+            for fn in before:
+                self.after_save(fn)
+            self.after_save(lambda: self.checkpoint_io.save_checkpoint(snapshot, path, storage_options))
         # done once the write just queued is (one writer thread: in order)
-        self._last = self._executor.submit(lambda: setattr(self, "last_save_s", time.monotonic() - start))
+        self.after_save(lambda: setattr(self, "last_save_s", time.monotonic() - start))
         for fn in self._after_next:
             self.after_save(fn)
         self._after_next = []
+
+    def before_next_save(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` in the writer thread just before the next save (not yet called) is written,
+        after its snapshot; if ``fn`` raises, that save and what follows it are not done."""
+        self._before_next.append(fn)
 
     def after_next_save(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` in the writer thread once the next save (not yet called) is on disk."""
@@ -166,15 +198,28 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         self.after_save(lambda: self.checkpoint_io.remove_checkpoint(path))
 
     def after_save(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` in the writer thread once the save queued before it is on disk."""
+        """Run ``fn`` in the writer thread once the save queued before it is on disk (skipped
+        after an error of the writer, and once the queue is abandoned)."""
         self._ensure_setup()
 
         def run() -> None:
+            if self._error is not None or self._abandoned:
+                return
             try:
                 fn()
             except BaseException as error:  # noqa: BLE001  (raised on the training thread, as a save's)
                 self._error = error
         self._last = self._executor.submit(run)
+
+    def abandon(self) -> None:
+        """The run failed: what is queued and not yet begun is dropped, quietly (the files on disk
+        stay as they were), and a job that waits (for other ranks' files) may stop: ``abandoned``."""
+        self._abandoned = True
+        self._before_next, self._after_next = [], []
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned
 
     def wait(self) -> None:
         """Return once every save queued is on disk (the SIGTERM save is synchronous by this)."""

@@ -8,19 +8,26 @@ read), so a run resumes on another number of ranks or in one process.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 
-def save_shard(directory: str | Path, rank: int, rows: tuple[int, int], V: Tensor) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rank{rank:05d}.pt"
-    tmp = path.with_suffix(".tmp")
-    torch.save({"rows": tuple(rows), "V": V.detach().cpu()}, tmp)
-    tmp.replace(path)  # a crash mid-write never leaves a half file under the final name
+def shard_path(directory: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` writes its rows in a save's directory."""
+    return Path(directory) / f"rank{rank:05d}.pt"
+
+
+def save_shard(directory: str | Path, rank: int, rows: tuple[int, int], V: Tensor,
+               save: Callable[[object, Path], None] = torch.save) -> Path:
+    """Rows ``rows`` of V (``V`` holds them) as rank ``rank``'s file; ``save(obj, path)`` writes it
+    (the app's ``atomic_torch_save``: beside its name, synced, renamed, so a kill mid-write never
+    leaves a half file under the final name)."""
+    path = shard_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save({"rows": tuple(rows), "V": V.detach().cpu()}, path)
     return path
 
 
