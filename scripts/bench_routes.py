@@ -316,9 +316,15 @@ def plot(rows: list[dict], path: Path) -> Path:
         if all(p[1] is not None for p in pts):
             ax_b.plot(Ds, [p[1] / 1e6 for p in pts], style, marker="o", label=f"{route} {head}")
         ax_t.plot(Ds, [p[2] for p in pts], style, marker="o", label=f"{route} {head}")
+    Ds = sorted({r["D"] for r in rows})
     for ax, what in ((ax_b, "MB sent per rank per step (loopback)"), (ax_t, "ms per step (median)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xticks(Ds, [f"{D:,}" for D in Ds])
+        ax.minorticks_off()
+        ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+        if ys:  # at least a decade either way: equal heights read as equal
+            ax.set_ylim(min(ys) / 4, max(ys) * 4)
         ax.set_xlabel("D (classes)")
         ax.set_title(what, fontsize=10)
         ax.grid(alpha=0.3, which="both")

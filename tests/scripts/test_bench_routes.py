@@ -105,7 +105,7 @@ def test_a_failed_job_is_a_row_and_an_exit(sandbox, monkeypatch):
         assert all(r["status"].startswith("failed (3)") for r in csv.DictReader(fh))
 
 
-@pytest.mark.slow  # ten torchrun jobs of two processes: about 6 minutes on the loaded 2-core machine
+@pytest.mark.slow  # ten torchrun jobs of two processes: 7 minutes on one loaded core of the 2-core machine
 def test_smoke_runs_every_route_on_two_processes(sandbox):
     run_dir = sandbox.run_default(br.main, ["--smoke", "--heads", "sharded"], "bench_routes")
     with (run_dir / f"bench_routes_{br.machine_name()}.csv").open() as fh:
