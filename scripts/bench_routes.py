@@ -29,8 +29,9 @@ counts only its own traffic (``--netns off``, or where unshare is refused: the m
 idle interval as long as the timed steps after each job, ``idle_bytes_per_step``).
 
 Writes bench_routes_<machine>.csv (one row per route x head x D), .md (the table) and .png
-into a fresh run directory (``--out DIR``; ``--update-results``: benchmarks/results/), each
-job's log and meter files under ``jobs/``. ``--smoke``: tiny sizes, seconds per job.
+into a fresh run directory (``--out DIR``), each job's log and meter files under ``jobs/``
+(``--update-results``: the three files into benchmarks/results/, the jobs' in a temporary
+folder). ``--smoke``: tiny sizes; the processes' start-up dominates (~40 s a job on one loaded core).
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -380,13 +382,15 @@ def main(argv: list[str] | None = None) -> None:
     if a.netns == "on" and not netns_works():
         sys.exit("--netns on: unshare -rn (with ip link set lo up) does not work here")
     out = output_dir(a, "bench_routes")
-    jobs = (out / "jobs").resolve()  # the jobs run in their own folders
-    if jobs.exists():  # --out or --update-results reused: this run's jobs only
-        shutil.rmtree(jobs)
     print(f"{len(a.routes) * len(a.heads) * len(a.D)} jobs; loopback counted in "
           + ("each job's own network namespace" if netns else "the machine's lo (polluted by other traffic)"),
           flush=True)
-    rows = [run_job(route, head, D, a, jobs, netns) for route in a.routes for head in a.heads for D in a.D]
+    with tempfile.TemporaryDirectory() as tmp:
+        # the jobs' folders: the run directory's jobs/, or with --update-results a temporary one
+        jobs = Path(tmp) if a.update_results else (out / "jobs").resolve()
+        if jobs.exists() and not a.update_results:  # --out reused: this run's jobs only
+            shutil.rmtree(jobs)
+        rows = [run_job(route, head, D, a, jobs, netns) for route in a.routes for head in a.heads for D in a.D]
     machine = machine_name()
     stem = out / f"bench_routes_{machine}"
     md = (f"Bytes sent per rank and time per step, {a.world} gloo processes ({machine}, {a.threads} thread(s) "
