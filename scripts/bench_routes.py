@@ -23,6 +23,13 @@ steps it takes ``--steps`` more: time per step is the median of those steps (the
 rank's), bytes per rank per step the counter's growth over them / steps / 2 ranks: bytes
 on the wire, TCP/IP framing included, torchrun's own store traffic too.
 
+Two more columns say what the wire carries. ``head_bytes_per_step``: the factored head's
+own exchange, counted exactly at its collectives (``CountingProcessGroup``, which the job
+puts in the head's place of ``ProcessGroup``: the payload each rank sends, ideal algorithms;
+it depends on the rows and d only, not on D). ``body_allreduce_bytes``: what a ring
+all-reduce of the body's dense gradients sends per rank (DDP's exchange; the HF and litgpt
+bodies' D x d input embedding is in it, lst-train's row-sparse one is not).
+
 Each job runs in a network namespace of its own (``unshare -rn``), so that its ``lo``
 counts only its own traffic (``--netns off``, or where unshare is refused: the machine's
 ``lo``, which other jobs' loopback traffic pollutes; then the counter is also read over an
@@ -37,7 +44,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import pickle
 import resource
 import shutil
 import statistics
@@ -52,6 +61,9 @@ from benchlib import (ROOT, add_output_args, machine_name, markdown_table, outpu
                       write_csv, wrote)
 
 import lightning.pytorch as pl
+from lst_lightning.app.optimizers import sparse_embedding_params
+from lst_lightning.spherical import factored
+from lst_lightning.spherical.collectives import ProcessGroup
 
 ROUTES = ("lst_ddp", "lst_fsdp2", "hf_ddp", "litgpt_ddp", "litgpt_fsdp2")
 HEADS = ("replicated", "sharded")
@@ -74,27 +86,98 @@ def loopback_bytes() -> int | None:
     return None
 
 
+class CountingProcessGroup(ProcessGroup):
+    """The factored head's process group, counting the bytes this rank sends at each of the
+    head's collectives (spherical/collectives.py: every collective of the head's step, in
+    multi_process.py and factored.py, is one of these methods): the payload only, no
+    framing, as ideal algorithms on P ranks send it. An all-gather of n bytes per rank:
+    (P - 1) n; a (ring) all-reduce of n bytes: 2 (P - 1) / P n; a broadcast of n bytes:
+    (P - 1) / P n (the source's (P - 1) n, averaged over the ranks). So the count compares
+    with the wire column (bytes sent per rank), and at P = 2 an all-reduce counts n.
+    ``sent``: the total over every head of the process."""
+
+    sent = 0
+
+    @staticmethod
+    def _add(n: int) -> None:
+        CountingProcessGroup.sent += n  # the class's: the instances are frozen
+
+    def all_reduce_(self, x):
+        if self.world > 1:
+            self._add(2 * (self.world - 1) * x.numel() * x.element_size() // self.world)
+        return super().all_reduce_(x)
+
+    def broadcast_(self, x, src: int = 0):
+        if self.world > 1:
+            self._add((self.world - 1) * x.numel() * x.element_size() // self.world)
+        return super().broadcast_(x, src)
+
+    def all_gather_ints(self, values, device=None):
+        if self.world > 1:
+            self._add((self.world - 1) * 8 * len(values))
+        return super().all_gather_ints(values, device)
+
+    def all_gather_objects(self, obj):
+        if self.world > 1:  # this rank's pickle (the ranks' may differ; never on the hot path)
+            self._add((self.world - 1) * len(pickle.dumps(obj)))
+        return super().all_gather_objects(obj)
+
+    def gather_ragged(self, tensors, fills):
+        out, sizes = super().gather_ragged(tensors, fills)  # the counts: all_gather_ints above
+        if self.world > 1:  # each tensor padded to the largest rank's rows
+            row = sum(math.prod(t.shape[1:]) * t.element_size() for t in tensors)
+            self._add((self.world - 1) * max(sizes) * row)
+        return out, sizes
+
+
+#: ProcessGroup's methods that send nothing themselves (they call the counted ones).
+NOT_COUNTED = ("current", "gather_rows", "any")
+
+
+def count_head_collectives() -> None:
+    """Every factored head that joins its processes from now on (``distribute()``, which makes
+    its group with ``factored.ProcessGroup.current``) gets a ``CountingProcessGroup``: in the
+    job, before the head is distributed."""
+    factored.ProcessGroup = CountingProcessGroup
+
+
+def dense_param_bytes(model) -> int:
+    """Bytes of the model's trainable parameters that the body's strategy exchanges densely
+    (global sizes, FSDP2's DTensors too): all but the row-sparse ones (a sparse input
+    embedding: app/sparse_exchange.py sends the rows a step touched). The factored head has
+    no parameters (its state is buffers)."""
+    sparse = {id(p) for p in sparse_embedding_params(model)}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and id(p) not in sparse)
+
+
 class Marks:
-    """The wall clock and the loopback counter at the start of training and after each step,
-    saved by every rank as ``meter_rank<r>.json`` in $LST_ROUTE_METER's folder."""
+    """The wall clock, the loopback counter and the head's count (``CountingProcessGroup.sent``)
+    at the start of training and after each step, saved by every rank as
+    ``meter_rank<r>.json`` in $LST_ROUTE_METER's folder with the body's dense parameter bytes."""
 
     def __init__(self):
+        count_head_collectives()  # made before training: the head has not joined yet
         self.t: list[float] = []
         self.lo: list[int | None] = []
+        self.head: list[int] = []
 
     def mark(self) -> None:
         self.t.append(time.perf_counter())
         self.lo.append(loopback_bytes())
+        self.head.append(CountingProcessGroup.sent)
 
-    def save(self) -> None:
+    def save(self, model, head) -> None:
+        """``model``: the body and head (unwrapped); ``head``: the factored head."""
         import torch  # noqa: PLC0415
         import torch.distributed as dist  # noqa: PLC0415
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         folder = Path(os.environ.get(METER_ENV, "."))
+        counted = isinstance(head.sharding.pg, CountingProcessGroup)  # not: joined before the meter was made
         (folder / f"meter_rank{rank}.json").write_text(json.dumps({
             "rank": rank, "world": world, "threads": torch.get_num_threads(), "t": self.t, "lo": self.lo,
+            "head": self.head if counted else None, "body_param_bytes": dense_param_bytes(model),
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
@@ -111,7 +194,7 @@ class LightningMeter(pl.Callback):
         self.marks.mark()  # after the optimizer's step (one micro-batch per step here)
 
     def on_train_end(self, trainer, pl_module):
-        self.marks.save()
+        self.marks.save(pl_module, pl_module.head)
 
 
 # --- the workers the HF and litgpt routes run under torchrun -----------------------------
@@ -121,6 +204,8 @@ def hf_worker(a) -> None:
     sys.path.insert(0, str(SCRIPTS / "examples"))
     from hf_trainer_ddp import main as hf_main  # noqa: PLC0415
     from transformers import TrainerCallback  # noqa: PLC0415
+
+    from lst_lightning.integrations import factored_head  # noqa: PLC0415
 
     class HFMeter(TrainerCallback):
         def __init__(self):
@@ -132,8 +217,8 @@ def hf_worker(a) -> None:
         def on_step_end(self, args, state, control, **kw):
             self.marks.mark()
 
-        def on_train_end(self, args, state, control, **kw):
-            self.marks.save()
+        def on_train_end(self, args, state, control, model=None, **kw):
+            self.marks.save(model, factored_head(model))
 
     hf_main(["--out", a.job_dir, "--parallel", a.parallel, "--steps", str(a.total_steps), "--save-steps", "0",
              "--batch-size", str(max(1, a.rows // a.seq_len)), "--vocab", str(a.D), "--hidden", str(a.d),
@@ -150,6 +235,7 @@ def litgpt_worker(a) -> None:
     from lst_lightning.integrations import factor_gpt_head, factored_head  # noqa: PLC0415
 
     torch.set_num_threads(a.threads)
+    marks = Marks()  # before the head is made and joins the processes: its collectives counted
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if a.worker == "litgpt_fsdp2":
         from lightning.fabric.strategies import ModelParallelStrategy  # noqa: PLC0415
@@ -179,7 +265,6 @@ def litgpt_worker(a) -> None:
     head.attach(optimizer)
     g = torch.Generator().manual_seed(1 + fabric.global_rank)
     seqs = max(1, a.rows // a.seq_len)
-    marks = Marks()
     marks.mark()
     for _ in range(a.total_steps):
         data = torch.randint(0, a.D, (seqs, a.seq_len + 1), generator=g)
@@ -189,7 +274,7 @@ def litgpt_worker(a) -> None:
         optimizer.zero_grad()
         marks.mark()
     head.detach()
-    marks.save()
+    marks.save(getattr(model, "module", model), head)
 
 
 # --- the jobs, launched from here --------------------------------------------------------
@@ -262,15 +347,17 @@ def run_job(route: str, head: str, D: int, a, jobs: Path, netns: bool) -> dict:
         time.sleep(row["timed_s"])
         row["idle_bytes_per_step"] = round((loopback_bytes() - before) / a.steps / a.world)
     row["status"] = "ok"
-    print(f"  {row['bytes_per_step']} bytes/step per rank, {row['ms_per_step']} ms/step ({row['job_s']} s)",
-          flush=True)
+    print(f"  bytes/step per rank: {row['bytes_per_step']} on the wire, {row['head_bytes_per_step']} the head's; "
+          f"{row['ms_per_step']} ms/step ({row['job_s']} s)", flush=True)
     return row
 
 
 def summarise(meters: list[dict], warmup: int, steps: int) -> dict:
-    """Time per step (the slower rank's median over the timed steps) and bytes per rank per
-    step (the loopback counter's growth over the timed steps, every rank's reading averaged,
-    / steps / ranks) from the ranks' marks (mark 0: the start of training; mark i: after step i)."""
+    """From the ranks' marks (mark 0: the start of training; mark i: after step i): time per
+    step (the slower rank's median over the timed steps); bytes per rank per step on the wire
+    (the loopback counter's growth over the timed steps, every rank's reading averaged, / steps
+    / ranks); the head's own bytes per rank per step (its count's growth, ranks averaged, /
+    steps); what a ring all-reduce of the body's dense gradients sends per rank (DDP's exchange)."""
     world = len(meters)
     for m in meters:
         if len(m["t"]) < warmup + steps + 1:
@@ -278,7 +365,11 @@ def summarise(meters: list[dict], warmup: int, steps: int) -> dict:
     a, b = warmup, warmup + steps
     ms = max(1e3 * statistics.median(m["t"][i + 1] - m["t"][i] for i in range(a, b)) for m in meters)
     got = [m["lo"][b] - m["lo"][a] for m in meters if m["lo"][a] is not None and m["lo"][b] is not None]
+    head = [m["head"][b] - m["head"][a] for m in meters if m.get("head") is not None]
+    body = meters[0].get("body_param_bytes")
     return {"bytes_per_step": round(statistics.fmean(got) / steps / world) if got else None,
+            "head_bytes_per_step": round(statistics.fmean(head) / steps) if len(head) == world else None,
+            "body_allreduce_bytes": None if body is None else round(2 * (world - 1) * body / world),
             "ms_per_step": round(ms, 2), "timed_s": round(max(m["t"][b] - m["t"][a] for m in meters), 2),
             "max_rss_mb": round(max(m["max_rss_mb"] for m in meters)), "threads": meters[0]["threads"]}
 
@@ -286,52 +377,59 @@ def summarise(meters: list[dict], warmup: int, steps: int) -> dict:
 # --- outputs -----------------------------------------------------------------------------
 
 COLUMNS = ["route", "head", "D", "d", "rows_per_rank", "world", "threads", "steps", "warmup", "bytes_per_step",
-           "idle_bytes_per_step", "ms_per_step", "timed_s", "max_rss_mb", "job_s", "lo_scope", "status"]
+           "head_bytes_per_step", "body_allreduce_bytes", "idle_bytes_per_step", "ms_per_step", "timed_s",
+           "max_rss_mb", "job_s", "lo_scope", "status"]
+
+
+#: the table's columns for each D: (label, the row's field, scale)
+TABLE = (("wire kB", "bytes_per_step", 1e-3), ("head kB", "head_bytes_per_step", 1e-3),
+         ("body all-reduce kB", "body_allreduce_bytes", 1e-3), ("ms/step", "ms_per_step", 1))
 
 
 def table(rows: list[dict], Ds: list[int]) -> str:
-    """route x head, for each D the bytes per rank per step and the ms per step."""
+    """route x head; for each D the bytes per rank per step on the wire, the head's own (counted
+    at its collectives), a ring all-reduce of the body's dense gradients, and ms per step."""
     by = {(r["route"], r["head"], r["D"]): r for r in rows}
     out = []
     for route, head in dict.fromkeys((r["route"], r["head"]) for r in rows):
         line = {"route": route, "head": head}
-        for D in Ds:
-            r = by.get((route, head, D), {})
-            b, t = r.get("bytes_per_step"), r.get("ms_per_step")
-            line[f"kB/step, D={D:,}"] = None if b is None else f"{b / 1e3:,.1f}"
-            line[f"ms/step, D={D:,}"] = None if t is None else f"{t:,.1f}"
+        for label, field, scale in TABLE:
+            for D in Ds:
+                v = by.get((route, head, D), {}).get(field)
+                line[f"{label}, D={D:,}"] = None if v is None else f"{v * scale:,.1f}"
         out.append(line)
-    cols = ["route", "head", *(f"kB/step, D={D:,}" for D in Ds), *(f"ms/step, D={D:,}" for D in Ds)]
+    cols = ["route", "head", *(f"{label}, D={D:,}" for label, _, _ in TABLE for D in Ds)]
     return markdown_table(out, cols, right=cols[2:])
 
 
 def plot(rows: list[dict], path: Path) -> Path:
+    """Against D: the bytes on the wire, the head's own bytes, the time per step."""
     plt = pyplot()
-    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(10, 4))
+    panels = (("bytes_per_step", 1e-6, "MB sent per rank per step (loopback)"),
+              ("head_bytes_per_step", 1e-6, "MB per rank per step, the head's collectives"),
+              ("ms_per_step", 1, "ms per step (median)"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
     for route, head in dict.fromkeys((r["route"], r["head"]) for r in rows):
-        pts = sorted((r["D"], r["bytes_per_step"], r["ms_per_step"]) for r in rows
-                     if (r["route"], r["head"]) == (route, head) and r.get("status") == "ok")
-        if not pts:
-            continue
-        style = "-" if head == "replicated" else "--"
-        Ds = [p[0] for p in pts]
-        if all(p[1] is not None for p in pts):
-            ax_b.plot(Ds, [p[1] / 1e6 for p in pts], style, marker="o", label=f"{route} {head}")
-        ax_t.plot(Ds, [p[2] for p in pts], style, marker="o", label=f"{route} {head}")
+        ok = sorted((r for r in rows if (r["route"], r["head"]) == (route, head) and r.get("status") == "ok"),
+                    key=lambda r: r["D"])
+        for ax, (field, scale, _) in zip(axes, panels):
+            if ok and all(r.get(field) is not None for r in ok):
+                ax.plot([r["D"] for r in ok], [r[field] * scale for r in ok], "-" if head == "replicated" else "--",
+                        marker="o", label=f"{route} {head}")
     Ds = sorted({r["D"] for r in rows})
-    for ax, what in ((ax_b, "MB sent per rank per step (loopback)"), (ax_t, "ms per step (median)")):
+    for ax, (_, _, what) in zip(axes, panels):
+        ys = [y for line in ax.get_lines() for y in line.get_ydata()]
+        if ys:  # at least a decade either way: equal heights read as equal (set before the log scale's autoscale)
+            ax.set_ylim(min(ys) / 4, max(ys) * 4)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xticks(Ds, [f"{D:,}" for D in Ds])
         ax.minorticks_off()
-        ys = [y for line in ax.get_lines() for y in line.get_ydata()]
-        if ys:  # at least a decade either way: equal heights read as equal
-            ax.set_ylim(min(ys) / 4, max(ys) * 4)
         ax.set_xlabel("D (classes)")
         ax.set_title(what, fontsize=10)
         ax.grid(alpha=0.3, which="both")
-    if ax_t.get_legend_handles_labels()[0]:
-        ax_t.legend(fontsize=7)
+    if axes[-1].get_legend_handles_labels()[0]:
+        axes[-1].legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -394,8 +492,11 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_name()
     stem = out / f"bench_routes_{machine}"
     md = (f"Bytes sent per rank and time per step, {a.world} gloo processes ({machine}, {a.threads} thread(s) "
-          f"each), d = {a.d}, {a.rows} head rows per rank, {a.steps} timed steps after {a.warmup}\n\n"
-          + table(rows, a.D) + "\n")
+          f"each), d = {a.d}, {a.rows} head rows per rank, {a.steps} timed steps after {a.warmup}. wire: the "
+          "job's loopback counter / ranks (framing and torchrun's store included); head: the bytes the head's "
+          "collectives send (payload, ideal algorithms); body all-reduce: 2 (P - 1) / P x the body's dense "
+          "trainable parameter bytes, what DDP's ring all-reduce sends (FSDP2: its gathers and reduce-scatter, "
+          "about 1 to 1.5 x that)\n\n" + table(rows, a.D) + "\n")
     stem.with_suffix(".md").write_text(md)
     print(md)
     wrote(write_csv(stem.with_suffix(".csv"), rows, COLUMNS, machine=machine), stem.with_suffix(".md"),
