@@ -43,12 +43,13 @@ class Walks(Dataset):
                 "labels": self.ids[i].masked_fill(self.mask[i] == 0, -100)}
 
 
-def main(argv=None) -> dict:
+def main(argv=None, callbacks=()) -> dict:
+    """Trains and returns the run's summary; ``callbacks``: more ``TrainerCallback``s (a benchmark's meter)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--parallel", choices=["replicated", "sharded"], default="replicated")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--save-steps", type=int, default=10)
+    p.add_argument("--save-steps", type=int, default=10, help="0: no checkpoints")
     p.add_argument("--batch-size", type=int, default=4, help="per process")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--vocab", type=int, default=64)
@@ -66,11 +67,12 @@ def main(argv=None) -> dict:
     model = factor_lm_head(LlamaForCausalLM(config), loss="spherical_softmax", lr=a.head_lr, parallel=a.parallel)
     args = TrainingArguments(output_dir=a.out, per_device_train_batch_size=a.batch_size,
                              gradient_accumulation_steps=a.accumulate, max_steps=a.steps, learning_rate=a.lr,
-                             lr_scheduler_type="linear", save_strategy="steps", save_steps=a.save_steps,
+                             lr_scheduler_type="linear", save_strategy="steps" if a.save_steps else "no",
+                             save_steps=a.save_steps or 500,
                              logging_steps=1, report_to=[], use_cpu=not torch.cuda.is_available(),
                              disable_tqdm=True, seed=0)
     trainer = Trainer(model=model, args=args, train_dataset=Walks(a.vocab, 1024, a.seq_len),
-                      callbacks=[head_follows_trainer()])
+                      callbacks=[head_follows_trainer(), *callbacks])
     trainer.train(resume_from_checkpoint=True if a.resume else None)
     head = model.lm_head
     out = {"world_size": args.world_size, "parallel": a.parallel, "steps": trainer.state.global_step,
