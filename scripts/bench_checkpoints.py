@@ -71,7 +71,7 @@ def train(run_dir: Path, D: int, steps: int, setting: str, args) -> dict:
     last = run_dir / "checkpoints" / "last.ckpt"
     saves = len(list((run_dir / "checkpoints").glob("step*.ckpt")))
     return {"wall_s": wall, "steps": res["train_steps"], "ckpt_mb": last.stat().st_size / 2**20 if last.exists() else 0,
-            "step_files": saves}
+            "step_files": saves, "in_run": res.get("checkpoints") or {}}
 
 
 def recompute_cost(D: int, hidden_dim: int) -> dict:
@@ -129,7 +129,11 @@ def main(argv: list[str] | None = None) -> None:
                              "ratio_to_none": round(step_ms / base, 3) if base else None,
                              "rounds_ms": " ".join(f"{ms:.2f}" for ms, _, _ in done),
                              "short_wall_s": round(a["wall_s"], 2), "long_wall_s": round(b["wall_s"], 2),
-                             "ckpt_mb": round(b["ckpt_mb"], 1), "step_files_left": b["step_files"]})
+                             "ckpt_mb": round(b["ckpt_mb"], 1), "step_files_left": b["step_files"],
+                             # measured inside the long run (its last round): the periodic saves' own cost
+                             "periodic_saves": b["in_run"].get("periodic_saves"),
+                             "save_held_s": b["in_run"].get("held_s"), "save_written_s": b["in_run"].get("written_s"),
+                             "in_run_share": b["in_run"].get("share")})
                 print(rows[-1], flush=True)
             write_csv(out / f"checkpoints_{machine}.csv", rows, machine=machine)
             rec = recompute_cost(D, args.hidden_dim or 128)
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                 if r["D"] == D:
                     r.update({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
     stem = out / f"checkpoints_{machine}"
-    cols = ["D", "setting", "step_ms", "ratio_to_none", "ckpt_mb", "recompute_s", "recomputable_bytes"]
+    cols = ["D", "setting", "step_ms", "ratio_to_none", "periodic_saves", "in_run_share", "ckpt_mb", "recompute_s",
+            "recomputable_bytes"]
     stem.with_suffix(".md").write_text(f"Checkpoints' cost per training step ({machine})\n\n"
                                        + markdown_table(rows, cols, right=cols[2:]) + "\n")
     fig, ax = pyplot().subplots(figsize=(6, 3.5))

@@ -153,6 +153,7 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
         #: seconds from the start of the last save until it was on disk (None: none finished yet);
         #: the background write is part of a save's cost (on few cores it takes CPU from training)
         self.last_save_s: float | None = None
+        self.total_save_s = 0.0  # the same summed over every save of this process that is on disk
 
     def __getstate__(self) -> dict:
         """ddp_spawn pickles the trainer for each call's workers: the writer thread, its queue and
@@ -179,10 +180,14 @@ class AsyncAtomicCheckpointIO(AsyncCheckpointIO):
                 self.after_save(fn)
             self.after_save(lambda: self.checkpoint_io.save_checkpoint(snapshot, path, storage_options))
         # done once the write just queued is (one writer thread: in order)
-        self.after_save(lambda: setattr(self, "last_save_s", time.monotonic() - start))
+        self.after_save(lambda: self._on_disk(time.monotonic() - start))
         for fn in self._after_next:
             self.after_save(fn)
         self._after_next = []
+
+    def _on_disk(self, seconds: float) -> None:
+        self.last_save_s = seconds
+        self.total_save_s += seconds
 
     def before_next_save(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` in the writer thread just before the next save (not yet called) is written,

@@ -254,7 +254,7 @@ def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) ->
 def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: float) -> dict:
     """``run`` after ``build``: ``built`` is its (data module, model, trainer); ``start``
     the ``time.perf_counter()`` the run's wall time counts from."""
-    from .callbacks import HeadTiming, RunRecord  # noqa: PLC0415
+    from .callbacks import HeadTiming, PeriodicCheckpoint, RunRecord  # noqa: PLC0415
 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -285,6 +285,9 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
         results["step_time_ms"] = 1e3 * t["step_s"] / t["steps"]
         results["tokens_per_s"] = t["tokens"] / t["step_s"]
         results["head_share"] = t["head_s"] / t["step_s"]
+    saver = next((c for c in trainer.callbacks if isinstance(c, PeriodicCheckpoint)), None)  # callbacks.checkpoint
+    if saver is not None and saver.overhead is not None:
+        results["checkpoints"] = saver.overhead
     results["wall_s"] = time.perf_counter() - start
     results["run_dir"] = str(run_dir)
     results["world_size"] = trainer.world_size

@@ -47,11 +47,16 @@ def test_saves_wait_until_training_pays_for_them(tmp_path, monkeypatch):
     monkeypatch.setattr(PeriodicCheckpoint, "_save_topk_checkpoint", slow_save)
     monkeypatch.setattr(PeriodicCheckpoint, "on_train_batch_start",
                         lambda *_: clock.update(t=clock["t"] + 0.5), raising=False)
-    run(cfg_of(*TEN_STEPS, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=1",
-               "callbacks.checkpoint.every_minutes=null", "callbacks.checkpoint.max_overhead=0.5",
-               "callbacks.checkpoint.keep=10"), tmp_path)
+    res = run(cfg_of(*TEN_STEPS, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=1",
+                     "callbacks.checkpoint.every_minutes=null", "callbacks.checkpoint.max_overhead=0.5",
+                     "callbacks.checkpoint.keep=10"), tmp_path)
     # step 1 saved (it costs 1 s), then after 2 s of training: steps 5 and 9; and the end, 10
     assert saved(tmp_path) == {"step1.ckpt": 1, "step5.ckpt": 5, "step9.ckpt": 9, "step10.ckpt": 10, "last.ckpt": 10}
+    # measured inside the run: 3 periodic saves held training 3 s of the 8 s (10 steps of 0.5 s
+    # + the saves; the final save excluded); their writes (the real clock) took less than that
+    cost = res["checkpoints"]
+    assert (cost["periodic_saves"], cost["held_s"], cost["train_s"], cost["share"]) == (3, 3.0, 8.0, 0.375)
+    assert 0 < cost["written_s"] < 3.0
 
 
 def test_a_background_write_counts_in_the_cost_of_a_save(tmp_path):

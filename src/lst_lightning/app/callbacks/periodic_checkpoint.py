@@ -60,6 +60,10 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self.after_validation, self.max_overhead = after_validation, max_overhead
         self._clock = time.monotonic()  # when the last save let training go on
         self._cost = 0.0  # how long the last periodic save held training up, in seconds
+        #: what this run's periodic saves cost (``overhead``): their number and the seconds they held training
+        self.periodic_saves, self.held_s = 0, 0.0
+        self._train_start = time.monotonic()
+        self.overhead: dict | None = None
 
     @property
     def state_key(self) -> str:
@@ -73,7 +77,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
             super().setup(trainer, pl_module, stage)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._clock = time.monotonic()
+        self._clock = self._train_start = time.monotonic()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
@@ -97,7 +101,23 @@ class PeriodicCheckpoint(ModelCheckpoint):
             self.save_now(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.overhead = self.measure_overhead(trainer)
         self.save_now(trainer, always=True)  # the final state, whatever the triggers
+
+    def measure_overhead(self, trainer: pl.Trainer) -> dict:
+        """The periodic saves' cost over the training's wall time, measured inside the run (the
+        final save excluded): ``held_s``, the seconds they held training up; ``written_s``, from
+        each save's start until it was on disk (the background write, which on few cores takes
+        CPU from training; = held_s when saves are synchronous); ``share``, the larger over
+        ``train_s``: what ``max_overhead`` bounds."""
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, AsyncAtomicCheckpointIO):
+            io.wait()  # the last periodic save on disk: its write counted
+        train_s = time.monotonic() - self._train_start
+        written = io.total_save_s if isinstance(io, AsyncAtomicCheckpointIO) else self.held_s
+        cost = max(self.held_s, written)
+        return {"periodic_saves": self.periodic_saves, "held_s": round(self.held_s, 3), "written_s": round(written, 3),
+                "train_s": round(train_s, 3), "share": round(cost / train_s, 4) if train_s > 0 else 0.0}
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # Only a preemption: another exception may leave a diverged or half-stepped state.
@@ -130,6 +150,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
         self._clock = time.monotonic()
         if not always:
             self._cost = self._clock - start
+            self.periodic_saves += 1
+            self.held_s += self._cost
 
     def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict) -> None:
         saved = self._last_checkpoint_saved
