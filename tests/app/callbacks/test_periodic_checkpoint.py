@@ -72,6 +72,25 @@ def test_a_background_write_counts_in_the_cost_of_a_save(tmp_path):
     assert cb._within_budget(trainer(types.SimpleNamespace(last_save_s=None)), 2.0)  # none on disk yet
 
 
+def test_the_first_save_waits_for_its_estimated_cost(tmp_path, monkeypatch):
+    """Before any save is timed, its cost is the checkpoint's bytes at FIRST_SAVE_BYTES_PER_S:
+    with a rate that makes it 2 s and steps of 0.5 s, max_overhead 0.5 lets the first save
+    come only after 4 s of training (step 8), not at the first trigger."""
+    clock = {"t": 0.0}
+    monkeypatch.setattr(periodic_checkpoint, "time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
+    monkeypatch.setattr(PeriodicCheckpoint, "on_train_batch_start",
+                        lambda *_: clock.update(t=clock["t"] + 0.5), raising=False)
+    real = periodic_checkpoint.tensor_bytes
+    monkeypatch.setattr(periodic_checkpoint, "tensor_bytes", lambda trainer, module: seen.append(real(trainer, module))
+                        or 2.0 * periodic_checkpoint.FIRST_SAVE_BYTES_PER_S)
+    seen = []
+    res = run(cfg_of(*TEN_STEPS, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=1",
+                     "callbacks.checkpoint.every_minutes=null", "callbacks.checkpoint.max_overhead=0.5",
+                     "callbacks.checkpoint.keep=10"), tmp_path)
+    assert min(saved(tmp_path).values()) == 8 and res["checkpoints"]["periodic_saves"] >= 1  # then timed: 9 too
+    assert seen and all(b > 0 for b in seen)  # the model's and the optimizers' tensors were counted
+
+
 @pytest.mark.parametrize("bad,match", [({"every_n_steps": -1}, "every_n_steps must be an int >= 0"),
                                        ({"keep": True}, "keep must be an int >= 0"),
                                        ({"every_minutes": 0}, "every_minutes must be > 0 or null"),

@@ -13,7 +13,10 @@ disk (whichever is longer: on a machine with few cores the writer takes CPU from
 and the next one waits until the training since then is at least that time divided by
 ``max_overhead`` (5 %: a save of 3 s is followed by at least 60 s of training). So saving
 stays within ``max_overhead`` of the wall time whatever a step costs on this machine (the
-same setting means 10 s on a CPU and 1 s on a GPU for a step count). The save at the end and on SIGTERM are always made.
+same setting means 10 s on a CPU and 1 s on a GPU for a step count). Before the first save
+has been timed, its cost is estimated from the bytes to write (the model's and optimizers'
+tensors) at ``FIRST_SAVE_BYTES_PER_S``, so the first save is bounded too. The save at the
+end and on SIGTERM are always made.
 
 Files, in ``dirpath``: ``last.ckpt`` (the newest, rewritten at every save, also by a
 resumed run: no ``last-v1.ckpt``) and the newest ``keep`` saves as ``step<N>.ckpt`` (older
@@ -38,6 +41,21 @@ from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..checkpoint_io import AsyncAtomicCheckpointIO, copy_atomically, link_atomically
+
+
+#: bytes per second assumed for a first save, before one is timed: measured on the 2-core
+#: development machine, 1.2 GB from the snapshot to the file on disk in 6.7 s (D = 10^6,
+#: docs/benchmarks.md, "Checkpoints"), rounded down
+FIRST_SAVE_BYTES_PER_S = 150e6
+
+
+def tensor_bytes(trainer: pl.Trainer, pl_module: pl.LightningModule) -> int:
+    """The bytes of the model's tensors and of its optimizers' state: a checkpoint's bulk."""
+    total = sum(t.numel() * t.element_size() for t in pl_module.state_dict().values() if hasattr(t, "numel"))
+    for opt in trainer.optimizers:
+        for state in opt.state.values():
+            total += sum(t.numel() * t.element_size() for t in state.values() if hasattr(t, "numel"))
+    return total
 
 
 class PeriodicCheckpoint(ModelCheckpoint):
@@ -91,13 +109,14 @@ class PeriodicCheckpoint(ModelCheckpoint):
         by_time = self.every_minutes is not None and elapsed >= 60.0 * self.every_minutes
         if by_steps or self.every_minutes is not None:
             # rank 0's clock decides: every rank saves together
-            if trainer.strategy.broadcast((by_steps or by_time) and self._within_budget(trainer, elapsed)):
+            due = by_steps or by_time
+            if trainer.strategy.broadcast(due and self._within_budget(trainer, elapsed, pl_module)):
                 self.save_now(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
         if self.after_validation and trainer.strategy.broadcast(
-                self._within_budget(trainer, time.monotonic() - self._clock)):
+                self._within_budget(trainer, time.monotonic() - self._clock, pl_module)):
             self.save_now(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -124,12 +143,16 @@ class PeriodicCheckpoint(ModelCheckpoint):
         if isinstance(exception, SIGTERMException):
             self.save_now(trainer, preempted=True, always=True)
 
-    def _within_budget(self, trainer: pl.Trainer, elapsed: float) -> bool:
-        """Whether the training since the last save pays for its cost within ``max_overhead``."""
+    def _within_budget(self, trainer: pl.Trainer, elapsed: float, pl_module: pl.LightningModule | None = None) -> bool:
+        """Whether the training since the last save pays for its cost within ``max_overhead``
+        (before the first save, its cost estimated from the bytes to write)."""
         if self.max_overhead is None:
             return True
         written = getattr(trainer.strategy.checkpoint_io, "last_save_s", None)  # the background write, once on disk
-        return elapsed * self.max_overhead >= max(self._cost, written or 0.0)
+        cost = max(self._cost, written or 0.0)
+        if not self.periodic_saves and pl_module is not None:
+            cost = max(cost, tensor_bytes(trainer, pl_module) / FIRST_SAVE_BYTES_PER_S)
+        return elapsed * self.max_overhead >= cost
 
     def save_now(self, trainer: pl.Trainer, preempted: bool = False, always: bool = False) -> None:
         """step<N>.ckpt (kept among the newest ``keep``) and last.ckpt, unless this step is saved
