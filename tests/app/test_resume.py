@@ -58,7 +58,8 @@ def stalled(proc, run_dir):
 def outcome(run_dir):
     """What must not depend on the interruption: the results but time, and the final weights."""
     res = json.loads((Path(run_dir) / "results.json").read_text())
-    res = {k: v for k, v in res.items() if k not in ("wall_s", "run_dir", "step_time_ms", "tokens_per_s", "head_share")}
+    res = {k: v for k, v in res.items() if k not in ("wall_s", "run_dir", "step_time_ms", "tokens_per_s", "head_share",
+                                                   "checkpoints")}  # timings: what the saves took
     state = torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert state["global_step"] == res["train_steps"] == 20  # last.ckpt holds the final state
     return res, state["state_dict"], state["optimizer_states"]
