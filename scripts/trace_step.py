@@ -39,14 +39,15 @@ def trace_step(head, H, idx) -> dict[str, set[str]]:
     return seen
 
 
-def default_step_path(num_classes: int = 1000, hidden_dim: int = 16, m: int = 8, k: int = 1):
-    """The trace of the default head's second training step (the first one warms up)."""
+def default_step_path(num_classes: int = 1000, hidden_dim: int = 16, m: int = 8, k: int = 1, loss: str = "zloss"):
+    """The trace of the factored head's second training step (the first one warms up), with
+    ``loss`` ("zloss": the spherical step; "sampled": lst-train's default, its negatives on)."""
     import torch
 
     from lst_lightning.spherical import FactoredSphericalHead
     g = torch.Generator().manual_seed(0)
-    head = FactoredSphericalHead(num_classes=num_classes, hidden_dim=hidden_dim, loss="zloss", bias=True,
-                                 generator=g)
+    head = FactoredSphericalHead(num_classes=num_classes, hidden_dim=hidden_dim, loss=loss, bias=True,
+                                 generator=g, negatives={} if loss == "sampled" else None)
     H = torch.randn(m, hidden_dim, generator=g, requires_grad=True)
     idx = torch.randint(0, num_classes, (m, k), generator=g)
     head(H, idx).backward()

@@ -1,4 +1,4 @@
-"""One step, one path: a training step of the default head (``head(H, idx).backward()``,
+"""One step, one path: a training step of the factored head with a spherical loss (the Z-loss) (``head(H, idx).backward()``,
 traced by scripts/trace_step.py after a warm-up step) enters at most 6 project files and
 45 functions: the input check, the loss, the head's shell and its step (base.py, step.py)
 and the kernel ops. Sharding, pending rows, device flags and the repairs are not entered
@@ -39,3 +39,13 @@ def test_the_head_side_of_the_default_step_is_its_shell_and_its_step(path):
     assert spherical == ["src/lst_lightning/spherical/base.py", "src/lst_lightning/spherical/step.py"], sorted(head_side)
     assert len(head_side) <= MAX_FILES - 2
     assert sum(len(v) for v in head_side.values()) <= MAX_FUNCTIONS - 20, head_side
+
+
+def test_the_default_losss_step_enters_at_most_9_files_and_50_functions():
+    """lst-train's default, loss=sampled (since 25 Nov): the spherical step above plus the draw
+    (negatives.py, the sampler), the composite loss and the target slots. Measured at 9 files
+    and 50 functions when it became the default; a cap so that it does not grow (issue 31:
+    trimming it is left)."""
+    path = trace_script().default_step_path(loss="sampled")
+    assert {"src/lst_lightning/spherical/negatives.py", "src/lst_lightning/losses/sampled_composite.py"} <= set(path)
+    assert len(path) <= 9 and sum(len(v) for v in path.values()) <= 50, path
