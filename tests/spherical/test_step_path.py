@@ -1,4 +1,5 @@
-"""One step, one path: a training step of the factored head with a spherical loss (the Z-loss) (``head(H, idx).backward()``,
+"""One step, one path: a training step of the factored head with a spherical loss (the
+Z-loss) (``head(H, idx).backward()``,
 traced by scripts/trace_step.py after a warm-up step) enters at most 6 project files and
 45 functions: the input check, the loss, the head's shell and its step (base.py, step.py)
 and the kernel ops. Sharding, pending rows, device flags and the repairs are not entered
