@@ -70,7 +70,7 @@ def test_gram_rows_matches_the_reference(shape):
 def test_gram_rows_through_the_triton_scatter_and_gather(shape):
     m, K, D, d = shape
     V, idx, G, X = make_case(m, K, D, d, KERNEL_DEVICES[0])
-    close(lst_kernels.gram_rows(idx, G, X, impl="triton").double(),
+    close(lst_kernels.gram_rows(idx, G, X, impl="triton").double().cpu(),
           reference.gram_rows(idx.cpu(), G.double().cpu(), X.double().cpu()), rtol=2e-5)
 
 

@@ -172,8 +172,8 @@ class SphericalHeadBase(OutputHead):
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()
         # the state's dtype and device, followed by every move (_apply)
-        self._factory = {"dtype": dtype,
-                         "device": torch.device(device) if device is not None else torch.empty(0).device}
+        # (the device as its tensors name it: "cuda" is cuda:<current>, or "cuda" != H.device)
+        self._factory = {"dtype": dtype, "device": torch.empty(0, device=device).device}
         #: how the step is driven (driving.py): the naive head steps in backward, one process
         self.driving = Driving()
         #: how the step checks itself: at once on the host (the factored head: device flags
