@@ -14,32 +14,28 @@ def summary(out, call):
     return log.split(f"=== {call} summary", 1)[1]
 
 
-def test_call1_smoke_runs_the_gpu_and_kernel_tests(tmp_path):
+def test_call1_smoke_runs_the_gpu_and_kernel_tests_and_bench_heads(tmp_path):
     assert gs.main(["call1", "--out", str(tmp_path), "--smoke"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["call1_gpu_junit.xml", "call1_kernels_junit.xml",
-                                                          "call1_log.txt"]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in names if not n.startswith("bench_heads_")] == [
+        "call1_gpu_junit.xml", "call1_kernels_junit.xml", "call1_log.txt"]
+    assert sorted(p.suffix for p in tmp_path.glob("bench_heads_*")) == [".csv", ".md", ".png"]
     kernels = gs.junit_counts(tmp_path / "call1_kernels_junit.xml")
     assert int(kernels.split()[0]) > 0 and " 0 failed, 0 errors" in kernels, kernels
     text = summary(tmp_path, "call1")
     assert "kernel_tests  ok" in text and kernels in text
     assert "gpu_tests" in text
-
-
-def test_call2_smoke_writes_the_bench_heads_files(tmp_path):
-    assert gs.main(["call2", "--out", str(tmp_path), "--smoke"]) == 0
-    files = sorted(p.suffix for p in tmp_path.iterdir())
-    assert files == [".csv", ".md", ".png", ".txt"] and len(files) <= 8
     (path,) = tmp_path.glob("bench_heads_smoke_*.csv")
     rows = list(csv.DictReader(path.open()))
     assert any(r["head"] == "factored" and r["status"] == "ok" for r in rows)
-    assert "UNMEASURED" in summary(tmp_path, "call2")  # the targets, from the benchmark's output
+    assert "UNMEASURED" in text  # the targets, from the benchmark's output
 
 
 @pytest.mark.slow  # two children importing Lightning, and one lst-train run: about a minute here
-def test_call3_smoke_writes_the_whole_step_and_quality_files(tmp_path):
-    assert gs.main(["call3", "--out", str(tmp_path), "--smoke"]) == 0
+def test_call2_smoke_writes_the_whole_step_and_quality_files(tmp_path):
+    assert gs.main(["call2", "--out", str(tmp_path), "--smoke"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert len(names) == 8 and "call3_log.txt" in names, names
+    assert len(names) == 8 and "call2_log.txt" in names, names
     (whole,) = tmp_path.glob("whole_step_smoke_*.csv")
     assert {r["head"] for r in csv.DictReader(whole.open())} == {"factored", "softmax"}
     (quality,) = tmp_path.glob("quality_large_D_*.csv")
@@ -48,13 +44,16 @@ def test_call3_smoke_writes_the_whole_step_and_quality_files(tmp_path):
 
 
 def test_the_full_calls_fit_the_device_tool():
-    """Each call's steps end inside the tool's 600 s, and every file goes directly into --out."""
+    """Both calls' steps together end inside the lease's 15 minutes of device time with the
+    machine's start (about 30 s seen) and a rerun's margin, and every file goes directly into --out."""
+    total = 0
     for name, plan in gs.CALLS.items():
         steps = plan(gs.ROOT / "OUT", False)
-        assert sum(s.timeout_s for s in steps) <= 580, name
+        total += sum(s.timeout_s for s in steps)
         for s in steps:
             outs = [a for a in s.argv if "OUT" in a]
             assert all(a.endswith("OUT") or a.split("OUT")[1].count("/") == 1 for a in outs), (name, outs)
+    assert total <= 720, total
 
 
 def test_a_failed_smoke_run_sends_bench_heads_to_the_torch_ops(tmp_path, monkeypatch):

@@ -1,7 +1,7 @@
 """The factored head on a CUDA device: equal to the naive head step for step, and its step
 replayed from a CUDA graph bit for bit the eager sync-free step over many steps, the lr
 changed at every step without a new capture. CUDA only (``-m gpu``): the first call of the
-GPU session runs them (docs/benchmarks.md, "The GPU session: three calls")."""
+GPU session runs them (docs/benchmarks.md, "The GPU session: two calls")."""
 import copy
 
 import pytest

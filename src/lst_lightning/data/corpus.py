@@ -4,7 +4,7 @@ the hub. Everything goes through ``datasets`` so caching and hub names share one
 
 ``datasets`` is imported where a corpus is loaded, not at the top: the synthetic task's data
 module imports this module, and must run where ``datasets`` is not installed (the lent GPU
-machine: docs/benchmarks.md, "The GPU session: three calls").
+machine: docs/benchmarks.md, "The GPU session: two calls").
 """
 from __future__ import annotations
 
