@@ -1,0 +1,84 @@
+"""Where the factored head's step spends its time: torch's profiler over a few steps of each of
+bench_heads.py's factored paths (the autograd step, ``train_step`` with no host reads, and that
+step replayed from a CUDA graph), at the step target's size by default.
+
+    python3 scripts/profile_step.py --out DIR [--D 793471 --d 512 --m 1024] [--smoke]
+
+For each path it prints, and writes to ``profile_step_<machine>.txt`` in DIR: the wall time of a
+step (CUDA events, median of 20), the device time its kernels take (their sum, per step), the
+kernels launched per step, and the 20 operators that hold the device longest. Wall far above
+device time is the host's part (launches, syncs); device time is what a graph or fusion leaves.
+``--smoke`` runs it on the CPU at a tiny size (the CUDA-only paths skipped): tests.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+# benchlib first: in a bare checkout (the GPU machine) it puts the package on the path.
+from benchlib import cuda_clock, machine_name, perf_clock
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_heads import HEADS, TARGET, build, make_batches
+
+PATHS = ("factored", "factored_sync", "factored_graph")
+
+
+def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps: int) -> str:
+    spec = next(s for s in HEADS if s.head == name and s.variant == "zloss")
+    if spec.cuda_only and device.type != "cuda":
+        return f"== {name}: skipped (CUDA only)\n"
+    head, make = build(spec, D, d, torch.float32, device)
+    step = make(make_batches(D, d, m, torch.float32, device))
+    clock = cuda_clock if device.type == "cuda" else perf_clock
+    for _ in range(5):
+        step()
+    wall_ms = statistics.median(1e3 * clock(step) for _ in range(steps))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    device_ms = sum(e.device_time for e in kernels) / 1e3 / steps
+    sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+    table = events.table(sort_by=sort, row_limit=20, max_name_column_width=60)
+    stats = {k: v for k, v in head.stats().items() if v}  # the repairs' counters after every step run
+    return (f"== {spec.head}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
+            f"{len(kernels) / steps:.0f} kernels/step\n{2 * steps + 5} steps, {stats}\n{table}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--D", type=int, default=TARGET["D"])
+    p.add_argument("--d", type=int, default=TARGET["d"])
+    p.add_argument("--m", type=int, default=TARGET["m"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        args.D, args.d, args.m, args.steps = 300, 16, 8, 3
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    text = f"{machine_name()}, torch {torch.__version__}, allow_tf32={tf32}\n"
+    print(text, flush=True)
+    for head in PATHS:
+        part = profile_path(head, args.D, args.d, args.m, device, args.steps)
+        print(part, flush=True)
+        text += part
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"profile_step_{machine_name()}.txt"
+    path.write_text(text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
