@@ -34,14 +34,15 @@ def test_deferred_step_is_exact(loss, m):
     assert int(g.steps) == 40 and int(g.skipped_nonfinite) == 0
 
 
-def test_deferred_step_reads_nothing_on_the_host(monkeypatch):
-    head = deferred(sync_every=10)
-    batches = [batch(5, d, D, 3) for _ in range(9)]
+@pytest.mark.parametrize("inverse,m", [("auto", 5), ("products", 5), ("products", 12)])
+def test_deferred_step_reads_nothing_on_the_host(monkeypatch, inverse, m):
+    head = deferred(sync_every=10, stabiliser={"inverse": inverse})
+    batches = [batch(m, d, D, 3) for _ in range(9)]
     with no_host_reads(monkeypatch):
         for H, idx in batches:
             head(H.requires_grad_(), idx).backward()
     assert head._synced == (0, 0)  # not read yet
-    H, idx = batch(5, d, D, 3)
+    H, idx = batch(m, d, D, 3)
     head(H.requires_grad_(), idx).backward()  # the 10th step reads the flags
     assert head._synced == (10, 0)
 

@@ -92,11 +92,11 @@ def test_accidental_hits_and_repeated_negatives(shared):
     run(f, n, steps=3)
 
 
-@pytest.mark.parametrize("woodbury", ["always", "never"])
-def test_both_inverse_paths_and_weight_decay(woodbury):
+@pytest.mark.parametrize("inverse", ["woodbury", "solve", "products"])
+def test_every_inverse_route_and_weight_decay(inverse):
     torch.manual_seed(3)
-    f, n = pair(stabiliser={"woodbury": woodbury}, weight_decay=0.01)
-    run(f, n, steps=6, m=5 if woodbury == "always" else 9)
+    f, n = pair(stabiliser={"inverse": inverse}, weight_decay=0.01)
+    run(f, n, steps=6, m=5 if inverse == "woodbury" else 9)
 
 
 @pytest.mark.parametrize("shared", [True, False])

@@ -11,11 +11,11 @@ from lst_lightning.spherical.step import largest_eig_bounds
 from head_pairs import batch, make_pair, rel, run_steps, step_both
 
 
-@pytest.mark.parametrize("woodbury", ["always", "never"])
+@pytest.mark.parametrize("inverse", ["woodbury", "solve", "products"])
 @pytest.mark.parametrize("sv_method", ["power", "svd"])
-def test_inverse_paths_and_sv_methods(woodbury, sv_method):
-    # m > d exercises the direct inverse with "auto"; here both paths are forced.
-    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"woodbury": woodbury, "sv_method": sv_method})
+def test_inverse_routes_and_sv_methods(inverse, sv_method):
+    # m > d takes the solve with "auto" on a CPU; here every route is forced.
+    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"inverse": inverse, "sv_method": sv_method})
     run_steps(f, n, steps=40, m=9, K=2)
     assert int(f.checks) > 0 and int(f.sv_fixes) > 0, f.stats()  # mse shrinks U: repairs must run
 
@@ -115,11 +115,11 @@ def test_stabiliser_settings_from_a_config_dict():
         s.sv_min = 0.1  # a head's settings change only by a new Stabiliser
 
 
-def _large_gq_step(dtype, woodbury):
+def _large_gq_step(dtype, inverse):
     """A head and a batch whose g_q is large (lr 8, the loss scaled by 1e4 upstream): the cheap
     bounds cannot rule out a nearly singular B, so the step computes B's eigenvalues."""
-    f, _ = make_pair("zloss", d=8, lr=8.0, dtype=dtype, stabiliser={"woodbury": woodbury})
-    H, idx = batch(4 if woodbury == "always" else 12, 8, 60, 2)
+    f, _ = make_pair("zloss", d=8, lr=8.0, dtype=dtype, stabiliser={"inverse": inverse})
+    H, idx = batch(4 if inverse == "woodbury" else 12, 8, 60, 2)
     return f, (3.0 * H).to(dtype), idx
 
 
@@ -130,12 +130,12 @@ def _counters_out(sd):
     return {k: v for k, v in sd.items() if v.dtype != torch.long}
 
 
-@pytest.mark.parametrize("woodbury", ["always", "never"])
+@pytest.mark.parametrize("inverse", ["woodbury", "solve", "products"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_failed_eigenvalues_skip_the_step_and_count_it(monkeypatch, dtype, woodbury):
+def test_failed_eigenvalues_skip_the_step_and_count_it(monkeypatch, dtype, inverse):
     # issue 31, item 7: LAPACK raised LinAlgError on a finite but ill-conditioned matrix with
     # a large g_q (lr 8, a Gramian penalty); the step is skipped and counted, never raised.
-    f, H, idx = _large_gq_step(dtype, woodbury)
+    f, H, idx = _large_gq_step(dtype, inverse)
     before = {k: v.clone() for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)}
 
     def fail(*a, **k):
@@ -157,9 +157,10 @@ def test_failed_eigenvalues_skip_the_step_and_count_it(monkeypatch, dtype, woodb
     assert f.stats()["eig_failures"] == 1 and torch.isfinite(f.weight()).all()
 
 
+@pytest.mark.parametrize("inverse", ["solve", "products"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_gq_steps_never_raise(dtype):
-    f, H, idx = _large_gq_step(dtype, "never")
+def test_large_gq_steps_never_raise(dtype, inverse):
+    f, H, idx = _large_gq_step(dtype, inverse)
     for _ in range(3):
         (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # folded, stepped or skipped: never raised
     assert torch.isfinite(f.weight()).all() and f.stats()["eig_checks"] >= 1, f.stats()

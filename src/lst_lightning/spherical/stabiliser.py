@@ -28,6 +28,11 @@ from torch import Tensor
 from .blocks import row_blocks
 
 
+INVERSE_ROUTES = ("auto", "woodbury", "solve", "products")
+#: ``woodbury=`` as it was: "always" the Woodbury update, "never" the solve
+LEGACY_WOODBURY = {"always": "woodbury", "never": "solve", "auto": "auto"}
+
+
 @dataclass(frozen=True)
 class Stabiliser:
     """The settings of the repairs, validated on construction."""
@@ -42,9 +47,11 @@ class Stabiliser:
     max_sv_fixes: int = 8
     uinv_refresh_every: int = 100
     q_refresh_every: int = 10000
-    #: U^-1 by a rank-m Woodbury update ("always"), by one solve with U ("never"), or the
-    #: cheaper of the two for the batch size ("auto": Woodbury when 2 m <= d, measured).
-    woodbury: str = "auto"
+    #: How the step makes H U_new^-1 (step.py, inverse_update.py): a rank-m Woodbury update
+    #: of U^-1 ("woodbury"), one solve with U_new's LU ("solve"), or U_new^-1 from U^-1 by
+    #: d x d products alone ("products": no factorisation; capturable in a CUDA graph);
+    #: "auto": products on a GPU, on a CPU Woodbury when 2 m <= d, else the solve (measured).
+    inverse: str = "auto"
 
     def __post_init__(self):
         if not 0 < self.sv_min < 1 < self.sv_max:
@@ -55,8 +62,8 @@ class Stabiliser:
             raise ValueError(f"cond_trigger must be > 1, got {self.cond_trigger}")
         if not 0 < self.fold_tol < 1:
             raise ValueError(f"fold_tol must be in (0, 1), got {self.fold_tol}")
-        if self.woodbury not in ("auto", "always", "never"):
-            raise ValueError(f"woodbury must be 'auto', 'always' or 'never', got {self.woodbury!r}")
+        if self.inverse not in INVERSE_ROUTES:
+            raise ValueError(f"inverse must be one of {list(INVERSE_ROUTES)}, got {self.inverse!r}")
         for name in ("check_every", "uinv_refresh_every", "q_refresh_every", "power_iters", "max_sv_fixes"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 0):
@@ -71,6 +78,9 @@ class Stabiliser:
             return value
         if not isinstance(value, dict):
             raise TypeError(f"stabiliser must be a Stabiliser, a dict or None, got {type(value).__name__}")
+        if "woodbury" in value and "inverse" not in value:  # the setting's name before 26 Nov 2026
+            value = {**value, "inverse": LEGACY_WOODBURY.get(value["woodbury"], value["woodbury"])}
+            del value["woodbury"]
         unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown stabiliser setting(s) {sorted(unknown)}; the settings are "

@@ -22,6 +22,8 @@ from torch import Tensor
 
 import lst_kernels as lk
 
+from .inverse_update import MAX_FACTORS, neumann_factors, residual_tolerance, uinv_by_products
+
 
 @dataclass
 class SavedForward:
@@ -75,10 +77,17 @@ def outputs(head, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
     return q, s, A, Hq, Ht, HUinv, ht
 
 
-def uses_woodbury(head, m: int) -> bool:
-    # Woodbury costs m^2 d + m^3, a fresh solve with U d^3 + m d^2: measured crossover near m = d/2.
-    woodbury = head.repairs.settings.woodbury
-    return woodbury == "always" or (woodbury == "auto" and 2 * m <= head.width)
+def inverse_route(head, m: int) -> str:
+    """How this step makes H U_new^-1 (``Stabiliser.inverse``): "woodbury", "products" or "solve".
+    "auto": on a GPU the products (both others factorise, latency-bound there); on a CPU
+    Woodbury (m^2 d + m^3) where 2 m <= d, else a fresh solve with U_new (d^3 + m d^2):
+    their measured crossover."""
+    route = head.repairs.settings.inverse
+    if route != "auto":
+        return route
+    if head.U.is_cuda:
+        return "products"
+    return "woodbury" if 2 * m <= head.width else "solve"
 
 
 @torch.no_grad()
@@ -87,10 +96,10 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     input_ok = True
     if head.step_checks.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
-    woodbury = uses_woodbury(head, Hx.shape[0])
-    if woodbury and not head._uinv_fresh:
+    route = inverse_route(head, Hx.shape[0])
+    if route != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=woodbury)
+    q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
         return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg)
@@ -149,21 +158,23 @@ def uses_m_matrix(m: int, d: int) -> bool:
     return 3 * m * m + m * d <= 3 * m * d + 3 * d * d
 
 
-def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float | None]:
-    """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), and a
-    bound on cond(B). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
+def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float | None, float]:
+    """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
+    bound on cond(B), and one on the spectral radius of H^T diag(kappa) H (the products
+    route's rho). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
     the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only). When
     that eigenvalue computation fails (or returns non-finite values) the bound is None: the
     step is skipped, counted in ``eig_failures`` and ``skipped_nonfinite``, never raised."""
     rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
+    rho = max(rho_pos, rho_neg)  # the eigenvalues of H^T diag(kappa) H lie in [-rho_neg, rho_pos]
     if rho_pos <= 0.5:
-        return False, (1.0 + rho_neg) / (1.0 - rho_pos)
+        return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho
     m, d = Hx.shape
     A = kappa[:, None] * G if G is not None else (kappa[:, None] * Hx).T @ Hx
     if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
         # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
         # would raise); the step's own finiteness check skips it and counts it
-        return False, math.inf
+        return False, math.inf, math.inf
     head.eig_checks += 1
     try:
         if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
@@ -174,13 +185,13 @@ def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bo
     except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
         # ill-conditioned A) among others: the step is skipped and counted, never raised
         head.eig_failures += 1
-        return False, None
+        return False, None, math.inf
     if not bool(torch.isfinite(ev).all()):
         head.eig_failures += 1
-        return False, None
+        return False, None, math.inf
     lam = (1.0 - ev).abs()
     lo, hi = float(lam.min()), float(lam.max())
-    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf)
+    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max())
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -206,11 +217,12 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     G = Hx @ Hx.T if use_woodbury else None
     if deferred:  # bounds on the device; no fold (the next read of the flags repairs U)
         fold, cond_step = head.step_checks.step_bounds(head, Hx, G, kappa)
+        rho = None
     else:
-        fold, cond_step = fold_and_cond(head, Hx, G, kappa)
+        fold, cond_step, rho = fold_and_cond(head, Hx, G, kappa)
     U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * Hx)  # U B, reusing H U^T
     omega_new = c * head.omega - lr * (Hx.T @ (2.0 * gq * fwd.ht + gs))
-    info = None
+    info, inverse_ok = None, True
     if fold:
         Uinv_new, HUinv_new = None, Hx  # V absorbs U B; U = U^-1 = I
     elif use_woodbury:
@@ -220,9 +232,21 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         KR = kappa[:, None] * R
         Uinv_new = (head.Uinv + Hx.T @ KR) / c
         HUinv_new = (fwd.HUinv + G @ KR) / c
-    else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
-        HUinv_new, info = solve_right(U_new, Hx)
+    else:
         Uinv_new = None
+        # device flags: no host read, as many factors as rho up to ~0.9 needs, the residual a flag
+        factors = None if inverse_route(head, m) != "products" else \
+            MAX_FACTORS if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
+        if factors is not None:  # U_new^-1 by d x d products alone
+            A = (kappa[:, None] * Hx).T @ Hx  # B = c (I - A)
+            Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
+            inverse_ok = residual <= residual_tolerance(Hx.dtype)
+            if not deferred and not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
+                Uinv_new, inverse_ok = None, True
+        if Uinv_new is not None:
+            HUinv_new = Hx @ Uinv_new
+        else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
+            HUinv_new, info = solve_right(U_new, Hx)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     if uses_m_matrix(m, Hx.shape[1]):
@@ -242,6 +266,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         cond_step = math.inf
     if info is not None:
         ok &= (info == 0).all()
+    ok &= inverse_ok  # device flags: a products route whose residual stayed above rounding skips the step
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
                     fold=fold, cond_step=cond_step, ok=ok, lr=lr)
 
@@ -354,9 +379,9 @@ def apply_records(head, records: list) -> None:
     idx = torch.cat([pad(r[1], (0, K - r[1].shape[1]), value=-1) for r in records])
     gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
     GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
-    woodbury = uses_woodbury(head, Hx.shape[0])
-    if woodbury and not head._uinv_fresh:
+    route = inverse_route(head, Hx.shape[0])
+    if route != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)
-    _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=woodbury)
+    _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
     neg = None if head.negatives is None else head.negatives.slots_part()  # Yd Yd^T by unique columns
     backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, neg=neg), gq.new_ones(()))

@@ -1,0 +1,141 @@
+"""U_new^-1 by d x d products alone (inverse_update.py; ``Stabiliser.inverse="products"``, the
+GPU's route): the inverse itself against LAPACK's, its rule for the number of factors, and
+the factored head on that route equal to the naive head step for step, with host checks
+and with device flags, falling back to the solve (host) or skipping the step (device flags)
+where the products cannot reach rounding."""
+import math
+
+import pytest
+import torch
+
+from lst_lightning.spherical import inverse_update as iu
+from lst_lightning.spherical import step as step_module
+from lst_lightning.spherical.stabiliser import Stabiliser
+
+from head_pairs import deferred, make_pair, run_steps, step_both
+
+
+def symmetric_with_radius(d, rho, generator):
+    """A random symmetric d x d matrix with spectral radius rho, eigenvalues of both signs."""
+    Qm, _ = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=generator))
+    ev = torch.empty(d, dtype=torch.float64).uniform_(-rho, rho, generator=generator)
+    ev[0] = rho if d % 2 else -rho
+    return (Qm * ev) @ Qm.T
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.3, 0.8])
+@pytest.mark.parametrize("c", [1.0, 0.97])
+@pytest.mark.parametrize("d", [7, 33])
+def test_the_products_give_the_inverse(rho, c, d):
+    g = torch.Generator().manual_seed(d + int(100 * rho))
+    U = torch.eye(d, dtype=torch.float64) + 0.3 * torch.randn(d, d, dtype=torch.float64, generator=g) / math.sqrt(d)
+    A = symmetric_with_radius(d, rho, g)
+    U_new = c * U @ (torch.eye(d, dtype=torch.float64) - A)
+    cond = float(torch.linalg.cond(U))
+    k = iu.neumann_factors(rho, cond, torch.float64)
+    assert k is not None
+    Y, residual = iu.uinv_by_products(U_new, torch.linalg.inv(U), A, c, k)
+    exact = torch.linalg.inv(U_new)
+    assert float((Y - exact).norm() / exact.norm()) < 1e-12
+    assert float(residual) <= iu.residual_tolerance(torch.float64)
+
+
+def test_the_rule_takes_the_fewest_factors_that_reach_the_tolerance():
+    for dtype in (torch.float32, torch.float64):
+        tol = iu.residual_tolerance(dtype)
+        assert tol == pytest.approx(torch.finfo(dtype).eps ** 0.25)
+        for cond in (1.0, 4.0):
+            ks = []
+            for rho in (0.0, 0.01, 0.1, 0.3, 0.5, 0.7, 0.8):
+                k = iu.neumann_factors(rho, cond, dtype)
+                if k is None:  # past MAX_FACTORS: even 2^6 = 64 powers leave too much
+                    assert cond * rho ** (2 ** iu.MAX_FACTORS) > tol
+                    continue
+                assert cond * rho ** (2 ** k) <= tol * (1 + 1e-9)
+                assert k == 1 or cond * rho ** (2 ** (k - 1)) > tol  # one factor fewer would not do
+                ks.append(k)
+            assert ks == sorted(ks) and ks[0] == 1
+    assert iu.neumann_factors(1.0, 1.0, torch.float32) is None
+    assert iu.neumann_factors(math.nan, 1.0, torch.float32) is None
+    assert iu.neumann_factors(0.2, math.inf, torch.float32) is None
+
+
+class Spy:
+    """Counts the calls of the products route and of the LU solve through the step module."""
+
+    def __init__(self, monkeypatch):
+        self.products = self.solves = 0
+        products, solve = step_module.uinv_by_products, step_module.solve_right
+
+        def count_products(*a, **k):
+            self.products += 1
+            return products(*a, **k)
+
+        def count_solves(*a, **k):
+            self.solves += 1
+            return solve(*a, **k)
+
+        monkeypatch.setattr(step_module, "uinv_by_products", count_products)
+        monkeypatch.setattr(step_module, "solve_right", count_solves)
+
+
+@pytest.mark.parametrize("loss", ["zloss", "mse", "spherical_softmax", "sampled"])
+@pytest.mark.parametrize("m", [3, 16])  # below d/2 (where a CPU takes Woodbury) and above d
+def test_the_products_route_equals_the_naive_head(monkeypatch, loss, m):
+    torch.manual_seed(1)
+    spy = Spy(monkeypatch)
+    f, n = make_pair(loss, bias=True, lr=0.05, weight_decay=0.01, stabiliser={"inverse": "products"})
+    run_steps(f, n, steps=25, m=m, K=3)  # K > 1, padding, classes repeated within and across rows
+    # a step whose rho needs more than MAX_FACTORS (or that folds) solves instead: rarely here
+    assert spy.products >= 20 and spy.products + spy.solves + int(f.folds) == 25, (spy.products, f.stats())
+    assert f.uinv_fresh and int(f.skipped_nonfinite) == 0
+    torch.testing.assert_close(f.Uinv @ f.U, torch.eye(f.width, dtype=torch.float64), atol=1e-10, rtol=0)
+
+
+def test_device_flags_on_the_products_route_equal_the_naive_head(monkeypatch):
+    torch.manual_seed(2)
+    spy = Spy(monkeypatch)
+    f, n = make_pair("zloss", bias=True, lr=0.05, weight_decay=0.01)
+    g = deferred(loss_kwargs=f.loss_fn.hparams(), weight_decay=0.01, sync_every=3,
+                 stabiliser={"inverse": "products"})
+    g.reset_weight(f.weight())
+    run_steps(g, n, steps=30, m=16, K=3)
+    assert spy.products == 30 and spy.solves == 0
+    assert int(g.steps) == 30 and int(g.skipped_nonfinite) == 0
+
+
+def test_past_the_products_reach_a_host_checked_step_solves_instead(monkeypatch):
+    spy = Spy(monkeypatch)
+    f, n = make_pair("mse", d=8, lr=0.2, stabiliser={"inverse": "products"})
+    H = torch.zeros(1, 8, dtype=torch.float64)
+    H[0, 0] = math.sqrt(3.0)  # rho = 2 lr ||h||^2 = 1.2: the Neumann series diverges; |1 - rho| > fold_tol
+    assert max(step_both(f, n, H, torch.tensor([[3]]))) < 1e-10
+    assert spy.solves == 1 and spy.products == 0 and int(f.folds) == 0
+    f.lr = n.lr = 0.02
+    run_steps(f, n, steps=5, m=12, K=2)  # smaller steps: the products again
+    assert spy.products == 5 and int(f.uinv_refreshes) >= 1
+
+
+def test_past_the_products_reach_a_step_under_device_flags_is_skipped_and_counted():
+    g = deferred(loss="mse", loss_kwargs={}, lr=0.2, bias=False, sync_every=2, stabiliser={"inverse": "products"})
+    H = torch.zeros(1, g.hidden_dim, dtype=torch.float64)
+    H[0, 0] = math.sqrt(3.0)  # rho = 1.2, as above
+    before = {k: v.clone() for k, v in g.state_dict().items() if isinstance(v, torch.Tensor) and v.dtype != torch.long}
+    g(H.clone().requires_grad_(), torch.tensor([[3]])).backward()
+    after = {k: v for k, v in g.state_dict().items() if isinstance(v, torch.Tensor) and v.dtype != torch.long}
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert int(g.steps) == 0 and int(g.skipped_nonfinite) == 1
+
+
+def test_the_setting_and_its_former_name():
+    assert Stabiliser().inverse == "auto"
+    assert Stabiliser.of({"woodbury": "always"}).inverse == "woodbury"
+    assert Stabiliser.of({"woodbury": "never"}).inverse == "solve"
+    with pytest.raises(ValueError, match="inverse must be one of"):
+        Stabiliser(inverse="lu")
+
+
+def test_auto_takes_woodbury_or_the_solve_on_a_cpu():
+    f, _ = make_pair("zloss", d=8)
+    assert step_module.inverse_route(f, 4) == "woodbury" and step_module.inverse_route(f, 5) == "solve"
