@@ -2,13 +2,15 @@
 bench_heads.py's factored paths (the autograd step, ``train_step`` with no host reads, and that
 step replayed from a CUDA graph), at the step target's size by default.
 
-    python3 scripts/profile_step.py --out DIR [--D 793471 --d 512 --m 1024] [--smoke]
+    python3 scripts/profile_step.py --out DIR [--D 793471 --d 512 --m 1024] [--inverse products,solve] [--smoke]
 
 For each path it prints, and writes to ``profile_step_<machine>.txt`` in DIR: the wall time of a
 step (CUDA events, median of 20), the device time its kernels take (their sum, per step), the
 kernels launched per step, and the 20 operators that hold the device longest. Wall far above
 device time is the host's part (launches, syncs); device time is what a graph or fusion leaves.
-``--smoke`` runs it on the CPU at a tiny size (the CUDA-only paths skipped): tests.
+``--inverse`` profiles each path once per route to H U_new^-1 (``Stabiliser.inverse``:
+auto, woodbury, solve, products), side by side. ``--smoke`` runs it on the CPU at a tiny size
+(the CUDA-only paths skipped): tests.
 """
 from __future__ import annotations
 
@@ -24,15 +26,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_heads import HEADS, TARGET, build, make_batches
+from lst_lightning.spherical.stabiliser import INVERSE_ROUTES, Repairs, Stabiliser
 
 PATHS = ("factored", "factored_sync", "factored_graph")
 
 
-def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps: int) -> str:
+def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps: int, inverse: str) -> str:
     spec = next(s for s in HEADS if s.head == name and s.variant == "zloss")
     if spec.cuda_only and device.type != "cuda":
         return f"== {name}: skipped (CUDA only)\n"
     head, make = build(spec, D, d, torch.float32, device)
+    head.repairs = Repairs(Stabiliser(inverse=inverse))  # before its first step (and a graph's capture)
     step = make(make_batches(D, d, m, torch.float32, device))
     clock = cuda_clock if device.type == "cuda" else perf_clock
     for _ in range(5):
@@ -50,7 +54,7 @@ def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps:
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     table = events.table(sort_by=sort, row_limit=20, max_name_column_width=60)
     stats = {k: v for k, v in head.stats().items() if v}  # the repairs' counters after every step run
-    return (f"== {spec.head}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
+    return (f"== {spec.head}, inverse={inverse}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
             f"{len(kernels) / steps:.0f} kernels/step\n{2 * steps + 5} steps, {stats}\n{table}\n")
 
 
@@ -61,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d", type=int, default=TARGET["d"])
     p.add_argument("--m", type=int, default=TARGET["m"])
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--inverse", default="auto", help=f"comma-separated routes to H U_new^-1: {','.join(INVERSE_ROUTES)}")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -69,10 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     tf32 = torch.backends.cuda.matmul.allow_tf32
     text = f"{machine_name()}, torch {torch.__version__}, allow_tf32={tf32}\n"
     print(text, flush=True)
+    routes = [r.strip() for r in args.inverse.split(",") if r.strip()]
+    if not routes or set(routes) - set(INVERSE_ROUTES):
+        p.error(f"--inverse takes routes from {list(INVERSE_ROUTES)}, got {args.inverse!r}")
     for head in PATHS:
-        part = profile_path(head, args.D, args.d, args.m, device, args.steps)
-        print(part, flush=True)
-        text += part
+        for route in routes:
+            part = profile_path(head, args.D, args.d, args.m, device, args.steps, route)
+            print(part, flush=True)
+            text += part
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"profile_step_{machine_name()}.txt"
     path.write_text(text)
