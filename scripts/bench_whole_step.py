@@ -50,7 +50,7 @@ from lst_lightning.data.synthetic import SyntheticZipf
 
 SIZES = {"cpu": [10_000, 100_000, 793_471, 1_000_000, 10_000_000], "smoke": [60, 400]}
 BODIES = ("ngram_mlp", "gpt")
-TOKENS = 256            # target tokens per step, both bodies: n-gram windows, or gpt's sequences
+TOKENS = 256            # target tokens per step (--tokens), both bodies: n-gram windows, or gpt's sequences
 SEQUENCE_LENGTH = 32    # gpt: TOKENS // SEQUENCE_LENGTH sequences a step
 NGRAM_CONTEXT = 4       # the synthetic data's default
 PAPER_D = 793_471
@@ -99,11 +99,11 @@ def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
     return body
 
 
-def make_batches(body: nn.Module, D: int, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``n`` batches of the synthetic Zipf task, input vocabulary = output vocabulary = D."""
+def make_batches(body: nn.Module, D: int, tokens: int = TOKENS, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` batches of ``tokens`` targets of the synthetic Zipf task, input vocabulary = output vocabulary = D."""
     sequences = bool(getattr(body, "reads_sequences", False))
     length = SEQUENCE_LENGTH if sequences else NGRAM_CONTEXT
-    per_batch = TOKENS // SEQUENCE_LENGTH if sequences else TOKENS
+    per_batch = tokens // SEQUENCE_LENGTH if sequences else tokens
     data = SyntheticZipf(num_classes=D, context_size=length, size=n * per_batch, seed=D, input_vocab_size=D,
                          sequences=sequences)
     return [data[torch.arange(i * per_batch, (i + 1) * per_batch)] for i in range(n)]
@@ -147,7 +147,7 @@ class WholeStep:
     """One model (body + head) and its training step over a few fixed batches."""
 
     def __init__(self, body_name: str, spec: HeadSpec, D: int, sparse: bool, smoke: bool, batches=None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tokens: int = TOKENS):
         torch.manual_seed(0)
         device = torch.device(device)
         self.body = make_body(body_name, D, sparse, smoke).to(device)
@@ -156,7 +156,7 @@ class WholeStep:
         self.head = head
         self.optimizers, self.optimizer_names = optimizers_of(self.module)
         self.batches = batches if batches is not None else [
-            (x.to(device), y.to(device)) for x, y in make_batches(self.body, D)]
+            (x.to(device), y.to(device)) for x, y in make_batches(self.body, D, tokens)]
         self.i = 0
 
     def __call__(self) -> None:
@@ -170,11 +170,11 @@ class WholeStep:
             o.zero_grad(set_to_none=True)
 
 
-def estimate_bytes(body_name: str, spec: HeadSpec, D: int, d: int, sparse: bool) -> int:
+def estimate_bytes(body_name: str, spec: HeadSpec, D: int, d: int, sparse: bool, tokens: int = TOKENS) -> int:
     """Memory of one model and its step, on the high side: the embedding with its gradient
     (dense) and Adam's two moments; the head, its step and (ordinary heads) Adam's moments."""
     emb = 4 * D * body_width(body_name) * (3 if sparse else 4)
-    head = param_bytes(spec, D, d, 4) + step_bytes(spec, D, d, TOKENS, 4)
+    head = param_bytes(spec, D, d, 4) + step_bytes(spec, D, d, tokens, 4)
     if not spec.self_updating:
         head += 2 * param_bytes(spec, D, d, 4)
     return emb + head + (64 << 20)
@@ -191,7 +191,7 @@ class Runner:
         self.clock = clock_for(self.device)
         self.common = dict(machine=machine_name(self.device.type == "cuda"), device=self.device.type,
                            torch=torch.__version__,
-                           threads=torch.get_num_threads(), embedding=args.embedding, tokens=TOKENS)
+                           threads=torch.get_num_threads(), embedding=args.embedding, tokens=args.tokens)
 
     def record(self, body: str, spec: HeadSpec, D: int, d: int, status: str, times=None, partner=None,
                optimizers: str = "", est: int = 0) -> None:
@@ -202,7 +202,7 @@ class Runner:
                    median_ms=round(med, 4) if ms else "", p10_ms=round(quantile(ms, 0.1), 4) if ms else "",
                    p90_ms=round(quantile(ms, 0.9), 4) if ms else "", steps=len(ms),
                    factored_ms=round(ref, 4) if ref else "", ratio=round(med / ref, 4) if ms and ref else "",
-                   tokens_per_s=round(TOKENS / med * 1e3, 1) if ms else "", est_gb=round(est / 2**30, 3),
+                   tokens_per_s=round(self.args.tokens / med * 1e3, 1) if ms else "", est_gb=round(est / 2**30, 3),
                    status=status)
         self.rows.append(row)
         shown = f"{med:.4g} ms" if ms else ""
@@ -219,18 +219,18 @@ class Runner:
         ref_spec = next(s for s in WHOLE_HEADS if s.key == REFERENCE)
         limit = memory_limit(self.device, a.max_gb)
         d = model_config(body_name)["hidden_dim"] if not a.smoke else 16
-        ref_est = estimate_bytes(body_name, ref_spec, D, d, sparse)
+        ref_est = estimate_bytes(body_name, ref_spec, D, d, sparse, a.tokens)
         if ref_est > limit:
             for spec in heads:
                 self.record(body_name, spec, D, d, f"skipped: ~{ref_est / 2**30:.1f} GB with the factored head "
                             f"> {limit / 2**30:.1f} GB allowed (--max-gb)", est=ref_est)
             return
-        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke, device=self.device)
+        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke, device=self.device, tokens=a.tokens)
         ref_times: list[float] = []
         for spec in heads:
             if spec.key == REFERENCE:
                 continue
-            est = estimate_bytes(body_name, spec, D, d, sparse)
+            est = estimate_bytes(body_name, spec, D, d, sparse, a.tokens)
             if self.out_of_time():
                 self.record(body_name, spec, D, d, "skipped: past --deadline-s", est=est)
                 continue
@@ -264,7 +264,8 @@ class Runner:
         if D > TARGETS["flat_lo"]:
             # Flat in D: the same model at D = 10k timed in alternation with this one (past the
             # deadline too: like the factored head's own row, it is the reference's part of a size).
-            lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke, device=self.device)
+            lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke, device=self.device,
+                           tokens=a.tokens)
             first = self.clock(lo) + self.clock(ref)
             t = interleaved_times({"lo": (lo, 1), "ref": (ref, 1)}, self.steps_for(first), warmup=0,
                                   clock=self.clock)
@@ -421,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-gb", type=float, default=None, help="memory a pair of models may use (default: half "
                    "of MemAvailable; this machine is shared)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--tokens", type=int, default=TOKENS,
+                   help=f"target tokens a step (default {TOKENS}; a multiple of {SEQUENCE_LENGTH}: gpt's sequences)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="where the models run (cuda: CUDA-event times, --max-gb against free GPU memory)")
     p.add_argument("--budget-s", type=float, default=None, help="timed seconds per head and size, about")
@@ -433,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                         "head, variant and D), e.g. to add the slow heads at large D with a longer --max-step-s")
     add_output_args(p)
     args = p.parse_args(argv)
+    if args.tokens < SEQUENCE_LENGTH or args.tokens % SEQUENCE_LENGTH:
+        p.error(f"--tokens must be a positive multiple of {SEQUENCE_LENGTH} (gpt's sequence length), got {args.tokens}")
     kept = read_rows(args.merge) if args.merge is not None else []
     defaults = dict(budget_s=0.05, min_steps=2, max_steps=3) if args.smoke else dict(budget_s=3.0, min_steps=3,
                                                                                       max_steps=20)
@@ -451,10 +456,11 @@ def main(argv: list[str] | None = None) -> int:
 
     runner = Runner(args)
     machine = runner.common["machine"]
-    stem = output_dir(args, "bench_whole_step") / f"whole_step_{'smoke_' if args.smoke else ''}{machine}"
+    batch = "" if args.tokens == TOKENS else f"tokens{args.tokens}_"  # another batch: files of its own
+    stem = output_dir(args, "bench_whole_step") / f"whole_step_{'smoke_' if args.smoke else ''}{batch}{machine}"
     where = "the GPU" if args.device == "cuda" else f"{args.threads} CPU thread(s)"
     title = (f"Whole training step (body + head + optimizer), {machine}, torch {torch.__version__}, "
-             f"{where}, {TOKENS} tokens a step, {args.embedding} input embedding")
+             f"{where}, {args.tokens} tokens a step, {args.embedding} input embedding")
     print(title, flush=True)
     for D in Ds:
         for body in bodies:

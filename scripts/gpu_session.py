@@ -109,9 +109,10 @@ def call2(out: Path, smoke: bool) -> list[Step]:
         quality += ["--preset", "quick", "--budget-s", "1", "--heads", "factored-zloss"]
         return [Step("whole_step", whole, 120), Step("quality_large_D", quality, 180)]
     # 793 471: the ratios to the full and hierarchical softmax; 10^6: the flatness pair (its
-    # D = 10^4 model is built beside it)
-    whole += ["--device", "cuda", "--D", "793471,1000000", "--all-losses-up-to", "0", "--budget-s", "0.3",
-              "--deadline-s", "75"]
+    # D = 10^4 model is built beside it). 2 048 tokens a step: at the CPU's 256 every head's
+    # whole step was launch-bound on the H200 (4-10 ms, 26 Nov); files whole_step_tokens2048_*
+    whole += ["--device", "cuda", "--tokens", "2048", "--D", "793471,1000000", "--all-losses-up-to", "0",
+              "--budget-s", "0.3", "--deadline-s", "75"]
     quality += ["--preset", "large_D", "--budget-s", "15", "--val-every-s", "5", "--heads", *QUALITY_HEADS,
                 "-o", "trainer=gpu"]
     return [Step("whole_step", whole, 110), Step("quality_large_D", quality, 200)]

@@ -99,3 +99,27 @@ def test_smoke_run_on_the_gpu(sandbox):
     rows = list(csv.DictReader(path.open()))
     assert {r["device"] for r in rows} == {"cuda"} and all(r["status"] == "ok" for r in rows), rows
     assert {r["head"] for r in rows} >= {"factored", "factored_at_10k", "softmax", "hsoftmax", "naive"}
+
+
+@pytest.mark.parametrize("body", bw.BODIES)
+def test_tokens_sets_the_targets_a_step(body):
+    """--tokens: the batch of every model holds that many target tokens (n-gram windows, or
+    gpt's sequences of SEQUENCE_LENGTH), and a count that is no multiple of it is refused."""
+    spec = next(s for s in bw.WHOLE_HEADS if s.key == ("softmax", "torch"))
+    step = bw.WholeStep(body, spec, 300, sparse=True, smoke=True, tokens=128)
+    _, y = step.batches[0]
+    assert y.numel() == 128
+
+
+def test_another_batch_writes_files_of_its_own(sandbox):
+    folder = sandbox.run_default(bw.main, ["--smoke", "--D", "60", "--bodies", "ngram_mlp", "--heads", "softmax",
+                                           "--tokens", "64"], "bench_whole_step")
+    (path,) = folder.glob("whole_step_smoke_tokens64_*.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert rows and all(r["tokens"] == "64" for r in rows)
+
+
+def test_tokens_must_fill_whole_sequences(capsys):
+    with pytest.raises(SystemExit):
+        bw.main(["--smoke", "--tokens", "100"])
+    assert "--tokens must be a positive multiple of 32" in capsys.readouterr().err
