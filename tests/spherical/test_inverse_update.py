@@ -139,3 +139,16 @@ def test_the_setting_and_its_former_name():
 def test_auto_takes_woodbury_or_the_solve_on_a_cpu():
     f, _ = make_pair("zloss", d=8)
     assert step_module.inverse_route(f, 4) == "woodbury" and step_module.inverse_route(f, 5) == "solve"
+
+
+@pytest.mark.parametrize("loss", ["zloss", "sampled"])
+def test_float32_on_the_products_route_stays_with_the_float64_naive_head(monkeypatch, loss):
+    """The GPU runs the products route in float32 (a residual tolerance of eps^(1/4) = 0.019
+    before the Newton-Schulz steps): as close to the float64 naive head as the LU route is
+    (tests/spherical/test_cuda.py's bound), here on the CPU."""
+    torch.manual_seed(4)
+    spy = Spy(monkeypatch)
+    f, n = make_pair(loss, D=3000, d=64, bias=True, dtype=torch.float32, ref_dtype=torch.float64, lr=0.02,
+                     weight_decay=0.001, stabiliser={"inverse": "products"})
+    run_steps(f, n, steps=50, m=33, K=3, classes=200, tol=2e-4)
+    assert spy.products >= 45 and spy.products + spy.solves + int(f.folds) == 50, (spy.products, f.stats())
