@@ -94,7 +94,8 @@ def test_the_first_save_waits_for_its_estimated_cost(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad,match", [({"every_n_steps": -1}, "every_n_steps must be an int >= 0"),
                                        ({"keep": True}, "keep must be an int >= 0"),
                                        ({"every_minutes": 0}, "every_minutes must be > 0 or null"),
-                                       ({"max_overhead": 1.5}, "max_overhead must be > 0 and <= 1 or null")])
+                                       ({"max_overhead": 1.5}, "max_overhead must be > 0 and <= 1 or null"),
+                                       ({"after_validation": "no"}, "after_validation must be true or false")])
 def test_bad_settings_are_refused(tmp_path, bad, match):
     with pytest.raises(ValueError, match=f"callbacks.checkpoint.{match}"):
         PeriodicCheckpoint(str(tmp_path), **bad)

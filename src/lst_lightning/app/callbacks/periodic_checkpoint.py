@@ -64,6 +64,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
         for name, value in (("every_n_steps", every_n_steps), ("keep", keep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"callbacks.checkpoint.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(after_validation, bool):
+            raise ValueError(f"callbacks.checkpoint.after_validation must be true or false, got {after_validation!r}")
         for name, value, top in (("every_minutes", every_minutes, float("inf")), ("max_overhead", max_overhead, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value <= top):
