@@ -8,11 +8,15 @@ D up to ``--max-input-vocab``, no validation, no test) of ``--short`` and ``--lo
 steps, one after the other in child processes; the per-step time is the difference of their
 wall times over the difference of their steps, so that start-up, the data and the final
 save cancel (the method of issue "Checkpoints off the critical path"). ``--repeats N``: N
-rounds of all settings in turn, each setting's figure the median of its rounds. Settings:
+rounds of all settings in turn, each setting's figure the median of its rounds. The long run
+also reports its periodic saves' cost measured inside it (results.json "checkpoints"): how
+many, the seconds they held training, the seconds until each was on disk, and the larger over
+the training's wall time (``in_run_share``, what ``max_overhead`` bounds; no difference of
+wall times across runs). Settings:
 
 - ``none``: no periodic checkpoint (the final save only, in both runs);
 - ``default``: the shipped defaults (every 10 minutes, after validation, max_overhead 0.05,
-  asynchronous);
+  asynchronous); with no validation here, it saves nothing periodic in a run under 10 minutes;
 - ``budget``: the defaults with a trigger every 0.6 s, so that only the 5 % bound spaces
   the saves: what the default rule costs when saves are due all the time;
 - ``steps1000_sync``: the old defaults (every 1 000 steps, written before training goes on);
@@ -21,7 +25,8 @@ rounds of all settings in turn, each setting's figure the median of its rounds. 
 Then, per D, the cost of recomputing what the factored head could leave out of a checkpoint
 (Q = W^T W, wbar = W^T 1 and U^-1 from V, U and omega: ``refresh_bookkeeping``, O(D d^2))
 against the bytes it takes. Writes ``checkpoints_<machine>.csv``, ``.md`` and ``.png``
-into a fresh run directory (``--out DIR``; ``--update-results``: benchmarks/results/).
+into a fresh run directory (``--out DIR``; ``--update-results``: benchmarks/results/, where
+``--series LABEL`` appends the rows, labelled, to the CSV's earlier series).
 """
 from __future__ import annotations
 
@@ -56,9 +61,10 @@ SMOKE = dict(D=[300], short=2, long=6, settings=["none", "steps1000_async"], hid
 
 def train(run_dir: Path, D: int, steps: int, setting: str, args) -> dict:
     """One lst-train run in a child process; its wall time, steps and checkpoint size."""
+    # max_epochs=-1: the trainer's 2 epochs of 2 000 batches would end a longer run at 4 000 steps
     overrides = ["data=synthetic", f"data.num_classes={D}", f"data.input_vocab_size={min(D, args.max_input_vocab)}",
-                 f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "test=false", "logger=csv",
-                 "callbacks=minimal", f"hydra.run.dir={run_dir}", *SETTINGS[setting], *args.overrides]
+                 f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "trainer.limit_val_batches=0", "test=false",
+                 "logger=csv", "callbacks=minimal", f"hydra.run.dir={run_dir}", *SETTINGS[setting], *args.overrides]
     if args.hidden_dim:
         overrides.append(f"model.hidden_dim={args.hidden_dim}")
     start = time.perf_counter()
@@ -68,6 +74,9 @@ def train(run_dir: Path, D: int, steps: int, setting: str, args) -> dict:
     if done.returncode:
         raise RuntimeError(f"lst-train failed ({setting}, D={D}, {steps} steps):\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     res = json.loads((run_dir / "results.json").read_text())
+    if res["train_steps"] != steps:
+        raise RuntimeError(f"lst-train stopped at {res['train_steps']} of {steps} steps ({setting}, D={D}): "
+                           "an override ends the run before the steps asked for")
     last = run_dir / "checkpoints" / "last.ckpt"
     saves = len(list((run_dir / "checkpoints").glob("step*.ckpt")))
     return {"wall_s": wall, "steps": res["train_steps"], "ckpt_mb": last.stat().st_size / 2**20 if last.exists() else 0,
@@ -99,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="rounds of every setting, interleaved (none, default, ..., none, default, ...); each "
                          "setting's figure is the median of its rounds, so a change of load falls on all alike")
     ap.add_argument("--hidden-dim", type=int, default=None)
+    ap.add_argument("--series", default=None,
+                    help="a label for this measurement's rows (column 'series'); with --update-results they are "
+                         "appended to this machine's committed CSV, which keeps every earlier series")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, two settings, in seconds (tests)")
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     add_output_args(ap)
@@ -107,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         args.D, args.short, args.long, args.settings, args.hidden_dim = (
             SMOKE["D"], SMOKE["short"], SMOKE["long"], SMOKE["settings"], SMOKE["hidden_dim"])
     out, machine = output_dir(args, "bench_checkpoints"), machine_name()
+    csv_path, append = out / f"checkpoints_{machine}.csv", bool(args.series and args.update_results)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         # a first start reads torch, Lightning and the data from a cold cache: seconds that
@@ -125,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
             for setting, done in runs.items():
                 step_ms = statistics.median(ms for ms, _, _ in done)
                 _, a, b = done[-1]
-                rows.append({"D": D, "setting": setting, "step_ms": round(step_ms, 3),
+                rows.append({**({"series": args.series} if args.series else {}),
+                             "D": D, "setting": setting, "step_ms": round(step_ms, 3),
                              "ratio_to_none": round(step_ms / base, 3) if base else None,
                              "rounds_ms": " ".join(f"{ms:.2f}" for ms, _, _ in done),
                              "short_wall_s": round(a["wall_s"], 2), "long_wall_s": round(b["wall_s"], 2),
@@ -135,11 +149,15 @@ def main(argv: list[str] | None = None) -> None:
                              "save_held_s": b["in_run"].get("held_s"), "save_written_s": b["in_run"].get("written_s"),
                              "in_run_share": b["in_run"].get("share")})
                 print(rows[-1], flush=True)
-            write_csv(out / f"checkpoints_{machine}.csv", rows, machine=machine)
             rec = recompute_cost(D, args.hidden_dim or 128)
             for r in rows:
                 if r["D"] == D:
                     r.update({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()})
+            # each D's rows as soon as they are measured (a later D may fail or be stopped)
+            if append:
+                write_csv(csv_path, [r for r in rows if r["D"] == D], append=True, machine=machine)
+            else:
+                write_csv(csv_path, rows, machine=machine)
     stem = out / f"checkpoints_{machine}"
     cols = ["D", "setting", "step_ms", "ratio_to_none", "periodic_saves", "in_run_share", "ckpt_mb", "recompute_s",
             "recomputable_bytes"]
@@ -155,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     ax.set_title(f"lst-train with checkpoints, {machine}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    wrote(write_csv(stem.with_suffix(".csv"), rows, machine=machine), stem.with_suffix(".md"),
-          save_figure(fig, stem.with_suffix(".png")))
+    wrote(csv_path, stem.with_suffix(".md"), save_figure(fig, stem.with_suffix(".png")))
 
 
 if __name__ == "__main__":

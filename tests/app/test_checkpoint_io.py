@@ -3,7 +3,7 @@ leaves the previous file whole and no stray file; Lightning writes through it; t
 asynchronous IO writes a snapshot in the background, one save at a time."""
 import pickle
 import threading
-import time
+import types
 
 import pytest
 import torch
@@ -83,17 +83,23 @@ def test_an_async_save_writes_the_snapshot_of_its_step_one_at_a_time(tmp_path, m
 
 def test_an_async_save_reports_how_long_it_took_until_on_disk(tmp_path, monkeypatch):
     """last_save_s: from the save's start until the background write is done (the budget of
-    PeriodicCheckpoint counts it), a write held 0.3 s here."""
-    io, write = AsyncAtomicCheckpointIO(), atomic_torch_save
+    PeriodicCheckpoint counts it); total_save_s sums the saves. On a fake clock where each
+    write takes 3 s, then 2 s."""
+    io, write, clock = AsyncAtomicCheckpointIO(), atomic_torch_save, {"t": 100.0}
+    monkeypatch.setattr("lst_lightning.app.checkpoint_io.time", types.SimpleNamespace(monotonic=lambda: clock["t"]))
+    took = iter([3.0, 2.0])
 
     def slow(obj, path):
-        time.sleep(0.3)
+        clock["t"] += next(took)
         write(obj, path)
     monkeypatch.setattr("lst_lightning.app.checkpoint_io.atomic_torch_save", slow)
     assert io.last_save_s is None
     io.save_checkpoint({"w": torch.zeros(4)}, tmp_path / "a.ckpt")
     io.wait()
-    assert io.last_save_s >= 0.3 and (tmp_path / "a.ckpt").is_file()
+    assert io.last_save_s == io.total_save_s == 3.0 and (tmp_path / "a.ckpt").is_file()
+    io.save_checkpoint({"w": torch.ones(4)}, tmp_path / "a.ckpt")
+    io.wait()
+    assert (io.last_save_s, io.total_save_s) == (2.0, 5.0)
     again = pickle.loads(pickle.dumps(io))  # ddp_spawn pickles the trainer for its workers
     assert again.last_save_s == io.last_save_s and again._executor is None
     io.teardown()

@@ -6,7 +6,7 @@ import pytest
 from lst_lightning.app.callbacks import (FailTogether, HeadTiming, PeriodicCheckpoint, ProgressLog, ResumeState,
                                          ShardedHeadCheckpoint)
 from lst_lightning.app.csv_log import AppendingCSVLogger
-from lst_lightning.app.wiring import Run, instantiate_group
+from lst_lightning.app.wiring import Run, instantiate_group, model_checkpoint
 
 from app_configs import cfgs_of
 
@@ -34,3 +34,12 @@ def test_callback_keys_reach_the_callbacks(tmp_path, name):
     assert cbs[0].dirpath == str(tmp_path / "checkpoints") and cbs[3].every == 3 and cbs[4].every == 7
     assert (pl.callbacks.RichProgressBar in kinds) == (pl.callbacks.LearningRateMonitor in kinds) == (name == "default")
     assert made("callbacks", tmp_path, cfg, loggers=[])[-1].__class__ is not pl.callbacks.LearningRateMonitor
+
+
+def test_checkpoints_written_in_the_background_or_not_nothing_else(tmp_path):
+    """callbacks.checkpoint.asynchronous is true or false; anything else is refused in one line."""
+    run = Run(None, tmp_path, "run", "zloss", object(), None, None, [])
+    kw = dict(every_n_steps=0, every_minutes=10, after_validation=True, keep=1, max_overhead=0.05)
+    assert isinstance(model_checkpoint(run, asynchronous=False, **kw), PeriodicCheckpoint)
+    with pytest.raises(ValueError, match="callbacks.checkpoint.asynchronous must be true or false, got 'no'"):
+        model_checkpoint(run, asynchronous="no", **kw)

@@ -20,6 +20,12 @@ the other ranks': callbacks/sharded_head_checkpoint.py) is queued with ``before_
 After a writer's error nothing more queued is done (the files on disk stay as they were).
 A checkpoint whose copy would not fit in half of the free memory (D = 10^7 on a small
 machine) is written synchronously instead, with a warning.
+
+Lightning's writer thread, error and teardown are used as they are; ``save_checkpoint`` is
+its own because Lightning's queues any number of saves (each with a copy of every tensor)
+and its ``remove_checkpoint`` deletes at once, before the save that supersedes the file is
+on disk. Why not ``torch.distributed.checkpoint.async_save``: docs/app.md, "Checkpoints and
+resuming".
 """
 from __future__ import annotations
 

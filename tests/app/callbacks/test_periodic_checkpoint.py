@@ -1,11 +1,16 @@
-"""Checkpoints every n steps, every m minutes, after every validation and at the end
-(periodic_checkpoint.py): the newest ``keep`` step files and last.ckpt, no more; a periodic
-save waits until the training since the last one pays for its cost within max_overhead."""
+"""Checkpoints every n steps, every m minutes, after every validation, at the end and on
+SIGTERM (periodic_checkpoint.py): the newest ``keep`` step files and last.ckpt, no more; a
+periodic save waits until the training since the last one pays for its cost within
+max_overhead; the SIGTERM save is on disk before the run stops."""
+import threading
 import types
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from lst_lightning.app import checkpoint_io
 from lst_lightning.app.callbacks import PeriodicCheckpoint, periodic_checkpoint
 from lst_lightning.app.train import run
 
@@ -91,10 +96,62 @@ def test_the_first_save_waits_for_its_estimated_cost(tmp_path, monkeypatch):
     assert seen and all(b > 0 for b in seen)  # the model's and the optimizers' tensors were counted
 
 
+class SigtermAt(pl.Callback):
+    """SIGTERM as Lightning records it, received during step ``at``: the run stops at its end."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.at:
+            trainer._signal_connector.received_sigterm = True
+
+
+def test_the_sigterm_save_is_on_disk_before_the_run_stops(tmp_path, monkeypatch):
+    """SIGTERM during step 6, whose periodic save is still being written in the background when
+    Lightning stops the run: the SIGTERM save (that same step: not written twice) waits for it.
+    The write of step 6 is held until the training thread waits for it, so a save that did not
+    wait would find no step6.ckpt (and release it only at teardown)."""
+    queued, released, seen = threading.Event(), threading.Event(), {}
+    io = checkpoint_io.AsyncAtomicCheckpointIO
+    write, save, wait, on_exception = (checkpoint_io.atomic_torch_save, io.save_checkpoint, io.wait,
+                                       PeriodicCheckpoint.on_exception)
+
+    def held_write(obj, path):
+        if obj.get("global_step") == 6:
+            released.wait(timeout=30)
+        write(obj, path)
+
+    def save_and_mark(self, checkpoint, path, storage_options=None):
+        save(self, checkpoint, path, storage_options)
+        if checkpoint["global_step"] == 6:
+            queued.set()
+
+    def wait_and_release(self):
+        if queued.is_set():  # a wait for the save of step 6, once it is queued
+            released.set()
+        wait(self)
+
+    def stopped(self, trainer, pl_module, exception):
+        on_exception(self, trainer, pl_module, exception)
+        seen.update(on_disk=(tmp_path / "checkpoints" / "step6.ckpt").is_file(),
+                    sigterm=isinstance(exception, SIGTERMException))
+    monkeypatch.setattr(checkpoint_io, "atomic_torch_save", held_write)
+    monkeypatch.setattr(io, "save_checkpoint", save_and_mark)
+    monkeypatch.setattr(io, "wait", wait_and_release)
+    monkeypatch.setattr(PeriodicCheckpoint, "on_exception", stopped)
+    with pytest.raises(SIGTERMException):
+        run(cfg_of(*EVERY_TRIGGER, "trainer.limit_val_batches=0", "callbacks.checkpoint.every_n_steps=1",
+                   "callbacks.checkpoint.every_minutes=null"), tmp_path, extra_callbacks=[SigtermAt(5)])
+    assert seen == {"on_disk": True, "sigterm": True}
+    assert saved(tmp_path) == {"step6.ckpt": 6, "last.ckpt": 6}
+
+
 @pytest.mark.parametrize("bad,match", [({"every_n_steps": -1}, "every_n_steps must be an int >= 0"),
                                        ({"keep": True}, "keep must be an int >= 0"),
                                        ({"every_minutes": 0}, "every_minutes must be > 0 or null"),
-                                       ({"max_overhead": 1.5}, "max_overhead must be > 0 and <= 1 or null")])
+                                       ({"max_overhead": 1.5}, "max_overhead must be > 0 and <= 1 or null"),
+                                       ({"after_validation": "no"}, "after_validation must be true or false")])
 def test_bad_settings_are_refused(tmp_path, bad, match):
     with pytest.raises(ValueError, match=f"callbacks.checkpoint.{match}"):
         PeriodicCheckpoint(str(tmp_path), **bad)

@@ -64,6 +64,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
         for name, value in (("every_n_steps", every_n_steps), ("keep", keep)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"callbacks.checkpoint.{name} must be an int >= 0, got {value!r}")
+        if not isinstance(after_validation, bool):
+            raise ValueError(f"callbacks.checkpoint.after_validation must be true or false, got {after_validation!r}")
         for name, value, top in (("every_minutes", every_minutes, float("inf")), ("max_overhead", max_overhead, 1)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 < value <= top):
@@ -158,8 +160,12 @@ class PeriodicCheckpoint(ModelCheckpoint):
         """step<N>.ckpt (kept among the newest ``keep``) and last.ckpt, unless this step is saved
         or (but when ``preempted``) an accumulation window is half done: its gradients are in
         no checkpoint, a time-triggered save waits for the window's optimizer step. ``always``
-        (the end, SIGTERM): written before this returns, and not counted as a periodic save."""
+        (the end, SIGTERM): written before this returns (also when this step's periodic save,
+        still in the background, is the one), and not counted as a periodic save."""
+        io = trainer.strategy.checkpoint_io
         if self._should_skip_saving_checkpoint(trainer):  # not fitting, sanity check, or saved at this step
+            if always and isinstance(io, AsyncAtomicCheckpointIO):
+                io.wait()
             return
         if not preempted and trainer.state.stage == "train" and trainer.fit_loop.epoch_loop._should_accumulate():
             return
@@ -167,7 +173,6 @@ class PeriodicCheckpoint(ModelCheckpoint):
         candidates = self._monitor_candidates(trainer)
         self._save_topk_checkpoint(trainer, candidates)
         self._save_last_checkpoint(trainer, candidates)
-        io = trainer.strategy.checkpoint_io
         if always and isinstance(io, AsyncAtomicCheckpointIO):
             io.wait()  # the SIGTERM save (and the last) is on disk when the run ends
         self._clock = time.monotonic()
