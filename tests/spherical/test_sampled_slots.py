@@ -197,6 +197,8 @@ def test_shared_block_gram_equals_the_slot_gram():
     (dict(sampler="quadratic"), "not built yet"),
     (dict(sampler="exact"), "sampler must be one of"),
     (dict(sampler="unigram"), "needs negatives.class_counts"),
+    (dict(sampler="unigram", class_counts=torch.ones(D), power="x"), "power must be a finite number"),
+    (dict(sampler="unigram", class_counts=torch.ones(D + 1)), r"class_counts must have shape \(40,\)"),
     (dict(shared="yes"), "shared must be a bool"),
     (dict(seed=1.5), "seed must be an int"),
     (dict(bogus=1), "unknown negatives setting"),
@@ -205,6 +207,20 @@ def test_bad_settings_are_refused_in_one_line(settings, match):
     with pytest.raises(ValueError, match=match) as err:
         FactoredSphericalHead(D, d, loss="sampled", negatives=settings)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("bad", [[[1, D]], [[1, -2]]])
+def test_bad_targets_are_refused_before_the_draw(shared, bad):
+    """One line, and nothing moves: no buffer, and no draw from the head's generator (a
+    resumed run would otherwise draw other negatives than the run never stopped)."""
+    for head in pair(shared=shared):
+        before, rng = state_of(head), head.negatives.generator.get_state()
+        with pytest.raises(ValueError, match="outside") as err:
+            head(torch.randn(1, d, dtype=torch.float64, requires_grad=True), torch.tensor(bad)).backward()
+        assert "\n" not in str(err.value)
+        assert_untouched(head, before)
+        assert torch.equal(head.negatives.generator.get_state(), rng)
 
 
 def test_loss_and_negatives_go_together_and_modes_not_taken_are_refused():
