@@ -177,8 +177,9 @@ def test_a_state_saved_with_other_negatives_is_refused_untouched():
 
 
 def test_shared_block_gram_equals_the_slot_gram():
-    # Yd Yd^T of the dense block (targets' slot pairs + G_u G_u^T + the accidental-hit cross
-    # terms) equals the slot-pair form on the negatives written as slots of every row.
+    # Yd Yd^T of the dense block (sparse_gram of the targets off the block + Y_u Y_u^T, the
+    # accidental hits joined to Y_u) equals the slot-pair form on the negatives written as
+    # slots of every row (K = 3, padding, repeated classes, repeated negatives, hits).
     torch.manual_seed(7)
     f, _ = pair(num=30)
     H, idx = hard_batch()
@@ -188,6 +189,9 @@ def test_shared_block_gram_equals_the_slot_gram():
     want = lk.reference.sparse_gram(idx_s, GA_s)
     torch.testing.assert_close(fwd.neg.gram(f, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(unique_column_gram(idx_s, GA_s), want, rtol=1e-12, atol=1e-12)
+    # Q's route without M: Yd Yd^T H as gram_rows of the targets off the block + Y_u (Y_u^T H)
+    torch.testing.assert_close(fwd.neg.gram_rows(fwd.idx, fwd.GA, fwd.Hx), lk.reference.gram_rows(idx_s, GA_s, fwd.Hx),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("settings,match", [
