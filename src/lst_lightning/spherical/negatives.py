@@ -40,10 +40,10 @@ from ..losses import SampledSlots
 
 #: the kernel proposals of the sampled-softmax baseline, not yet drawn for the implicit W
 KERNEL_SAMPLERS = ("rff", "quadratic")
-KERNEL_REFUSAL = ("with W = V U + 1 omega^T, exp(h.w_c) = exp(h.omega) exp((U h).v_c) and (h.w_c)^2 is "
-                  "quadratic in (U h, h.omega) against v_c, so the RF and quadratic proposals are exact for "
-                  "the implicit W with the query U h and trees over V's rows (updated sparsely, rebuilt after a "
-                  "fold), but that is not built yet (issue 31): use 'log_uniform', 'unigram' or 'uniform'")
+KERNEL_REFUSAL = ("not built for the implicit W = V U + 1 omega^T (issue 31): the quadratic proposal would be exact "
+                  "((h.w_c)^2 = ([U h, h.omega].[v_c, 1])^2, a sum-tree over V's rows updated where the step "
+                  "scatters, rebuilt when a repair moves all of V), the RF proposal not (it normalises w_c, whose "
+                  "norm moves with U for every class at every step); use 'log_uniform', 'unigram' or 'uniform'")
 
 
 @dataclass(frozen=True)
