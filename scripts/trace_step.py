@@ -1,12 +1,12 @@
 """Which project files and functions one training step of a head enters.
 
-``python scripts/trace_step.py`` builds the default head (``FactoredSphericalHead``,
-Z-loss, bias column), takes one warm-up step, then traces one more
-``head(H, idx).backward()`` with ``sys.setprofile`` and prints every file of
-``src/`` and ``triton_kernels/`` it enters, with the functions (lambdas and
-comprehensions count: each is a call a reader follows). Issue "One step, one path"
-holds the default step to at most 6 files and 45 functions
-(tests/spherical/test_step_path.py asserts the same bound).
+``python scripts/trace_step.py`` builds a ``FactoredSphericalHead`` (bias column; the
+Z-loss, or with ``--loss sampled`` lst-train's default, sampled classes inside the step),
+takes one warm-up step, then traces one more ``head(H, idx).backward()`` with
+``sys.setprofile`` and prints every file of ``src/`` and ``triton_kernels/`` it enters,
+with the functions (lambdas and comprehensions count: each is a call a reader follows).
+Issue "One step, one path" holds the Z-loss step to at most 6 files and 45 functions, and
+the default loss=sampled's step to 9 files and 46 functions (tests/spherical/test_step_path.py).
 """
 from __future__ import annotations
 
@@ -55,13 +55,14 @@ def default_step_path(num_classes: int = 1000, hidden_dim: int = 16, m: int = 8,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--hidden-dim", type=int, default=16)
-    p.add_argument("-m", type=int, default=8, help="rows in the batch")
-    p.add_argument("-k", type=int, default=1, help="targets per row")
-    a = p.parse_args(argv)
-    seen = default_step_path(a.num_classes, a.hidden_dim, a.m, a.k)
+    # the defaults are default_step_path's: an option left out is not passed
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p.add_argument("--num-classes", type=int)
+    p.add_argument("--hidden-dim", type=int)
+    p.add_argument("-m", type=int, help="rows in the batch")
+    p.add_argument("-k", type=int, help="targets per row")
+    p.add_argument("--loss", choices=["zloss", "sampled"], help="the Z-loss (default) or loss=sampled")
+    seen = default_step_path(**vars(p.parse_args(argv)))
     print(f"{len(seen)} files, {sum(len(v) for v in seen.values())} functions")
     for path, names in sorted(seen.items()):
         print(f"{path} ({len(names)}): {', '.join(sorted(names))}")

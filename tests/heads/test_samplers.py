@@ -36,8 +36,11 @@ def test_unigram_power_and_errors():
     counts = torch.tensor([8.0, 4.0, 2.0, 1.0])
     flat = make_sampler("unigram", num_classes=4, class_counts=counts, power=0.0)
     torch.testing.assert_close(flat.log_prob(torch.arange(4)).exp(), torch.full((4,), 0.25))
-    with pytest.raises(ValueError, match="power"):
-        make_sampler("unigram", num_classes=4, class_counts=counts, power=-1.0)
+    for bad in (dict(power=-1.0), dict(power="0.75"), dict(power=True), dict(smoothing=-1.0),
+                dict(smoothing=float("inf"))):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be a finite number >= 0") as err:
+            make_sampler("unigram", num_classes=4, class_counts=counts, **bad)
+        assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="shape"):
         make_sampler("unigram", num_classes=5, class_counts=counts)
     with pytest.raises(ValueError, match="unknown sampler"):

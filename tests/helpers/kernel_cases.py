@@ -12,8 +12,10 @@ from lst_kernels import reference as ref
 # Triton runs on CUDA tensors natively, on CPU tensors only in the interpreter.
 KERNEL_DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
-# (m, K, D, d): m = 1, K > 1, d odd and not a multiple of the block (128), d > block.
-SHAPES = [(1, 1, 4, 1), (1, 3, 4, 37), (6, 1, 3, 133), (7, 3, 5, 37), (9, 4, 3, 16)]
+# (m, K, D, d): m = 1, K > 1, d odd and not a multiple of the block (128), d > block; and
+# K = 21 > MAX_BLOCK_K (16), as when a head's negatives drawn per row are extra slots (K + S
+# a row): a row's slots in more than one block, the last one partial.
+SHAPES = [(1, 1, 4, 1), (1, 3, 4, 37), (6, 1, 3, 133), (7, 3, 5, 37), (9, 4, 3, 16), (4, 21, 30, 37)]
 # m = 40: more than one 32-wide tile of m x m outputs.
 TILED_SHAPE = (40, 2, 30, 5)
 

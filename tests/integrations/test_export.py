@@ -1,5 +1,9 @@
+import copy
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lst_lightning.integrations import SphericalSampling, export_dense_head, factor_lm_head, sampling_logits
@@ -93,3 +97,42 @@ def test_an_exported_model_saves_and_loads_as_an_ordinary_one(tmp_path):
     with torch.no_grad():
         a, b = model(input_ids=ids, attention_mask=mask).logits, again(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(again.lm_head.weight, model.lm_head.weight) and torch.allclose(a, b, atol=1e-6)
+
+
+
+def test_sampled_classes_train_logits_the_exported_models_held_out_perplexity_falls():
+    """loss="sampled" trains o as logits: the exported model is an ordinary one whose
+    distribution is softmax(o) (SphericalSampling leaves o as it is), so generate() samples
+    from it as from any model. Its perplexity on held-out text (the +1 rule, other starts)
+    is finite and falls with training."""
+    def text(starts):  # token t + 1 follows token t
+        return (starts[:, None] + torch.arange(12)[None, :]) % VOCAB
+
+    g = torch.Generator().manual_seed(0)
+    held_out = text(torch.arange(0, VOCAB, 5))
+    model = factor_lm_head(tiny("llama"), loss="sampled", negatives=dict(num=8, seed=0), lr=0.5)
+    loss_fn = model.lm_head.loss_fn
+
+    def perplexity():
+        dense = export_dense_head(copy.deepcopy(model)).eval()
+        with torch.no_grad():
+            logits = dense(input_ids=held_out).logits[:, :-1]
+        return float(F.cross_entropy(logits.reshape(-1, VOCAB), held_out[:, 1:].reshape(-1)).exp())
+
+    before = perplexity()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(40):
+        ids = text(torch.randint(0, VOCAB, (8,), generator=g))
+        opt.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    after = perplexity()
+    assert math.isfinite(after) and after < 0.5 * before, (before, after)
+    scores = torch.randn(2, VOCAB)
+    assert torch.equal(SphericalSampling(loss_fn)(held_out[:2], scores), scores)  # softmax(o): o as it is
+    dense = export_dense_head(model).eval()
+    prompt = held_out[:1, :4]
+    out = dense.generate(prompt, max_new_tokens=4, do_sample=True, pad_token_id=VOCAB - 1,
+                         attention_mask=torch.ones_like(prompt), logits_processor=[SphericalSampling(loss_fn)])
+    assert out.shape == (1, 8) and ((0 <= out) & (out < VOCAB)).all()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from lst_kernels._launch import MAX_BLOCK_K
+
 from kernel_cases import DTYPES, SHAPES, TILED_SHAPE, make_idx
 
 
@@ -31,3 +34,5 @@ def test_make_idx_has_padding_and_repeats(shape, ids):
 
 def test_kernel_tests_use_shapes_with_k_above_one_and_several_rows():
     assert any(m > 2 and K > 1 for m, K, _, _ in SHAPES)
+    # per-row negatives as slots: more slots a row than one program or pass takes
+    assert any(m > 2 and K > MAX_BLOCK_K for m, K, _, _ in SHAPES)

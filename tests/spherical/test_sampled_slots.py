@@ -177,8 +177,9 @@ def test_a_state_saved_with_other_negatives_is_refused_untouched():
 
 
 def test_shared_block_gram_equals_the_slot_gram():
-    # Yd Yd^T of the dense block (targets' slot pairs + G_u G_u^T + the accidental-hit cross
-    # terms) equals the slot-pair form on the negatives written as slots of every row.
+    # Yd Yd^T of the dense block (sparse_gram of the targets off the block + Y_u Y_u^T, the
+    # accidental hits joined to Y_u) equals the slot-pair form on the negatives written as
+    # slots of every row (K = 3, padding, repeated classes, repeated negatives, hits).
     torch.manual_seed(7)
     f, _ = pair(num=30)
     H, idx = hard_batch()
@@ -188,15 +189,20 @@ def test_shared_block_gram_equals_the_slot_gram():
     want = lk.reference.sparse_gram(idx_s, GA_s)
     torch.testing.assert_close(fwd.neg.gram(f, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(unique_column_gram(idx_s, GA_s), want, rtol=1e-12, atol=1e-12)
+    # Q's route without M: Yd Yd^T H as gram_rows of the targets off the block + Y_u (Y_u^T H)
+    torch.testing.assert_close(fwd.neg.gram_rows(fwd.idx, fwd.GA, fwd.Hx), lk.reference.gram_rows(idx_s, GA_s, fwd.Hx),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("settings,match", [
     (dict(num=0), "num must be a positive int"),
     (dict(num=True), "num must be a positive int"),
-    (dict(sampler="rff"), "RF and quadratic proposals are exact for the implicit W"),
-    (dict(sampler="quadratic"), "not built yet"),
+    (dict(sampler="rff"), "the RF proposal not"),
+    (dict(sampler="quadratic"), "not built for the implicit W"),
     (dict(sampler="exact"), "sampler must be one of"),
     (dict(sampler="unigram"), "needs negatives.class_counts"),
+    (dict(sampler="unigram", class_counts=torch.ones(D), power="x"), "power must be a finite number"),
+    (dict(sampler="unigram", class_counts=torch.ones(D + 1)), r"class_counts must have shape \(40,\)"),
     (dict(shared="yes"), "shared must be a bool"),
     (dict(seed=1.5), "seed must be an int"),
     (dict(bogus=1), "unknown negatives setting"),
@@ -205,6 +211,20 @@ def test_bad_settings_are_refused_in_one_line(settings, match):
     with pytest.raises(ValueError, match=match) as err:
         FactoredSphericalHead(D, d, loss="sampled", negatives=settings)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("bad", [[[1, D]], [[1, -2]]])
+def test_bad_targets_are_refused_before_the_draw(shared, bad):
+    """One line, and nothing moves: no buffer, and no draw from the head's generator (a
+    resumed run would otherwise draw other negatives than the run never stopped)."""
+    for head in pair(shared=shared):
+        before, rng = state_of(head), head.negatives.generator.get_state()
+        with pytest.raises(ValueError, match="outside") as err:
+            head(torch.randn(1, d, dtype=torch.float64, requires_grad=True), torch.tensor(bad)).backward()
+        assert "\n" not in str(err.value)
+        assert_untouched(head, before)
+        assert torch.equal(head.negatives.generator.get_state(), rng)
 
 
 def test_loss_and_negatives_go_together_and_modes_not_taken_are_refused():

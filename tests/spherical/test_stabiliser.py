@@ -1,10 +1,12 @@
 """The exact repairs of the factored head (stabiliser.py): each keeps W, and the head
 stays exact against the naive head through them."""
 import dataclasses
+import warnings
 
 import pytest
 import torch
 
+from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical.stabiliser import Stabiliser
 from lst_lightning.spherical.step import largest_eig_bounds
 
@@ -164,6 +166,24 @@ def test_large_gq_steps_never_raise(dtype, inverse):
     for _ in range(3):
         (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # folded, stepped or skipped: never raised
     assert torch.isfinite(f.weight()).all() and f.stats()["eig_checks"] >= 1, f.stats()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_probes_crash_setting_never_raises(dtype):
+    """Issue 31's crash: loss=sampled with the Gramian penalty at gram = 1 and head lr 8 (the
+    penalty's g_q makes B expand W; LAPACK raised on the ill-conditioned result). Every step
+    computes B's eigenvalues and is taken, folded or skipped and counted: none raises, W
+    stays finite."""
+    torch.manual_seed(0)
+    f = FactoredSphericalHead(500, 16, loss="sampled", loss_kwargs=dict(gram=1.0), lr=8.0, dtype=dtype,
+                              negatives=dict(num=16, seed=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skipped steps' warnings
+        for _ in range(10):
+            f(3.0 * torch.randn(64, 16, dtype=dtype, requires_grad=True), torch.randint(0, 500, (64, 2))).backward()
+    s = f.stats()
+    assert s["eig_checks"] == 10 and s["steps"] + s["skipped_nonfinite"] == 10, s
+    assert torch.isfinite(f.weight()).all()
 
 
 def test_failed_svd_in_stabilise_folds_u_into_v(monkeypatch):

@@ -112,10 +112,9 @@ class UnigramSampler(StaticSampler):
     def __init__(self, *, num_classes: int, class_counts: Tensor, power: float = 0.75, smoothing: float = 0.0):
         if class_counts is None:
             raise ValueError("the unigram sampler needs class_counts")
-        if not 0.0 <= power or not math.isfinite(power):
-            raise ValueError(f"power must be a finite number >= 0, got {power}")
-        if not smoothing >= 0.0:
-            raise ValueError(f"smoothing must be >= 0, got {smoothing}")
+        for name, v in (("power", power), ("smoothing", smoothing)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         counts = check_class_counts(class_counts, num_classes)
         super().__init__((counts + smoothing) ** power)
         self.power = float(power)

@@ -40,10 +40,10 @@ from ..losses import SampledSlots
 
 #: the kernel proposals of the sampled-softmax baseline, not yet drawn for the implicit W
 KERNEL_SAMPLERS = ("rff", "quadratic")
-KERNEL_REFUSAL = ("with W = V U + 1 omega^T, exp(h.w_c) = exp(h.omega) exp((U h).v_c) and (h.w_c)^2 is "
-                  "quadratic in (U h, h.omega) against v_c, so the RF and quadratic proposals are exact for "
-                  "the implicit W with the query U h and trees over V's rows (updated sparsely, rebuilt after a "
-                  "fold), but that is not built yet (issue 31): use 'log_uniform', 'unigram' or 'uniform'")
+KERNEL_REFUSAL = ("not built for the implicit W = V U + 1 omega^T (issue 31): the quadratic proposal would be exact "
+                  "((h.w_c)^2 = ([U h, h.omega].[v_c, 1])^2, a sum-tree over V's rows updated where the step "
+                  "scatters, rebuilt when a repair moves all of V), the RF proposal not (it normalises w_c, whose "
+                  "norm moves with U for every class at every step); use 'log_uniform', 'unigram' or 'uniform'")
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class NegativeSampling:
         """The draw, the negatives' outputs, the composite loss and its gradients by autograd.
         Returns (L, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives
         as extra slots (the general path); shared, they stay apart in a ``SharedBlock``."""
-        cols, uniq, inv, slots = self.draw(idx, head.dtype)
+        cols, uniq, inv, slots = self.draw(idx, q.dtype)  # q is in the head's dtype
         sh = head.sharding  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:
             V_u = head.V[uniq] if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
@@ -172,8 +172,9 @@ class NegativeSampling:
             A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn
         with torch.enable_grad():
-            q, s, A, A_neg = (t.detach().requires_grad_() for t in (q, s, A, A_neg))
-            y_sq = head.y_sq(idx, T)  # None unless the spherical term is the squared error
+            q, s, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
+            A_neg = A_neg.detach().requires_grad_()
+            y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
             per = loss_fn.with_slots(q, s, A, T, A_neg, slots, num_classes=head.num_classes, y_sq=y_sq)
             L = head.reduce(per, idx)
             gq, gs, GA, G_neg = torch.autograd.grad(L, (q, s, A, A_neg), materialize_grads=True)
@@ -224,13 +225,11 @@ class SharedBlock:
         self.cols, self.uniq, self.inv, self.G_neg, self.V_u = cols, uniq, inv, G_neg, V_u
         self.G_u = None
 
-    def coalesced(self, grad: Tensor) -> Tensor:
-        m, u = self.G_neg.shape[0], self.uniq.numel()
-        return self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
-
     def hidden(self, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
-        """Their part of Yd V (one GEMM) and of Yd's row sums."""
-        self.G_u = self.coalesced(grad)
+        """Their part of Yd V (one GEMM) and of Yd's row sums; G_u, the step's gradients
+        coalesced to the unique columns (repeated negatives summed)."""
+        m, u = self.G_neg.shape[0], self.uniq.numel()
+        self.G_u = self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
         return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + self.G_u.sum(1)
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:

@@ -107,7 +107,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     loss_fn = head.loss_fn
     with torch.enable_grad():
         q, s_, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
-        y_sq = head.y_sq(idx, T) if loss_fn.name == "mse" else None
+        y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
         L = head.reduce(loss_fn(q, s_, A, T, num_classes=head.num_classes, y_sq=y_sq), idx)
         gq, gs, GA = torch.autograd.grad(L, (q, s_, A), materialize_grads=True)  # mse ignores s
     return L.detach(), SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)

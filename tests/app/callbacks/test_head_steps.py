@@ -76,6 +76,19 @@ def test_accumulate_grad_batches_is_one_step_on_the_union(which):
     assert rel(module.body.weight, reference.body.weight) < 1e-12
 
 
+def test_accumulation_with_sampled_classes_equals_the_naive_head():
+    """loss=sampled draws its negatives per micro-batch, so no union of batches is the
+    reference; under Lightning's accumulation the factored head takes one exact step per
+    optimizer step on both micro-batches' slots, equal to the naive head's on the same draws."""
+    f, n = make_pair("sampled", D=D, d=d, lr=0.3)
+    module_f, module_n = Plain(f), Plain(n)
+    trainer = fit(module_f, accumulate_grad_batches=2)
+    fit(module_n, accumulate_grad_batches=2)
+    assert trainer.global_step == 3 and int(f.steps) == int(n.steps) == 3 and not f.attached
+    assert rel(f.weight(), n.weight()) < 1e-10
+    assert rel(module_f.body.weight, module_n.body.weight) < 1e-10
+
+
 def test_16_mixed_grad_scaler_step_is_unscaled():
     head, _ = make_pair("zloss", D=D, d=d, lr=0.3)
     ref, _ = make_pair("zloss", D=D, d=d, lr=0.3)
@@ -101,7 +114,8 @@ def test_lst_train_accumulation_equals_the_doubled_batch(tmp_path):
     """lst-train trainer.accumulate_grad_batches=2 over batches of 16 == batches of 32 (the
     sampler's same permutation): one head step per optimizer step, on the union. With the
     Z-loss: the default loss=sampled draws its negatives per micro-batch, so two micro-batches
-    see other negatives than their union (its accumulation: tests/spherical/test_sampled_slots.py)."""
+    see other negatives than their union (its accumulation: the test above, and
+    tests/spherical/test_sampled_slots.py)."""
     over = [*FAST, "head=factored", "loss=zloss", "trainer.max_epochs=1", "test=false", "model.dropout=0.0"]
     res = run(cfg_of(*over, "data.batch_size=16", "trainer.accumulate_grad_batches=2",
                      "trainer.limit_train_batches=6"), tmp_path / "acc")
