@@ -25,7 +25,7 @@ def test_call1_smoke_runs_the_gpu_and_kernel_tests_and_bench_heads(tmp_path):
     text = summary(tmp_path, "call1")
     assert "kernel_tests  ok" in text and kernels in text
     assert "gpu_tests" in text and "profile_step  ok" in text
-    assert "== factored, inverse=products" in (tmp_path / "call1_log.txt").read_text()  # the profile, in the log
+    assert "== factored, loss=zloss, inverse=products" in (tmp_path / "call1_log.txt").read_text()  # the profile, in the log
     (path,) = tmp_path.glob("bench_heads_smoke_*.csv")
     rows = list(csv.DictReader(path.open()))
     assert any(r["head"] == "factored" and r["status"] == "ok" for r in rows)

@@ -13,7 +13,7 @@ def test_smoke_profiles_the_step_and_writes_the_table(tmp_path):
     (path,) = tmp_path.glob("profile_step_*.txt")
     text = path.read_text()
     for route in ("products", "solve"):  # each route profiled, side by side
-        head = re.search(rf"== factored, inverse={route}: D=300 d=16 m=8: wall ([\d.]+) ms/step", text)
+        head = re.search(rf"== factored, loss=zloss, inverse={route}: D=300 d=16 m=8: wall ([\d.]+) ms/step", text)
         assert head and float(head.group(1)) > 0, text[:500]
     assert text.count("11 steps, {'steps': 11") == 2  # 5 warm-up, 3 timed, 3 profiled: every one a real step
     assert "_HeadLoss" in text  # the profiler's table of operators
