@@ -117,3 +117,17 @@ def test_softmax_optional_impls_match_torch_on_cuda(impl):
     t[0, 1] = -1
     for tt in (t[:, 0], t):
         torch.testing.assert_close(head(h, tt), ref(h, tt), rtol=2e-3, atol=2e-3)
+
+
+def test_cce_refuses_a_weight_past_its_32_bit_offsets_on_cuda():
+    """cut-cross-entropy's CUDA kernels index W with 32 bits (an illegal memory access at
+    D = 2e7, d = 512 on an H200): refused in one line before any launch; its CPU path and a W
+    within the bound pass."""
+    from lst_lightning.baselines.softmax import CCE_MAX_ELEMENTS, check_cce_size
+
+    with pytest.raises(ValueError, match="at most 2\\^31 - 1 weight elements"):
+        check_cce_size(20_000_000 * 512, on_cuda=True)
+    check_cce_size(20_000_000 * 512, on_cuda=False)
+    check_cce_size(CCE_MAX_ELEMENTS, on_cuda=True)
+    with pytest.raises(ValueError):
+        check_cce_size(CCE_MAX_ELEMENTS + 1, on_cuda=True)

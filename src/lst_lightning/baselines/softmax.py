@@ -28,9 +28,24 @@ def _load_impl(impl: str):
     return mod.liger_fused_linear_cross_entropy if impl == "liger" else mod.linear_cross_entropy
 
 
+#: cut-cross-entropy's CUDA kernels index W with 32-bit offsets: an H200 run at D = 2 x 10^7,
+#: d = 512 (10^10 elements) ended in an illegal memory access, which poisons the process's
+#: CUDA context (26 Nov 2026; fine at 793 471 x 512)
+CCE_MAX_ELEMENTS = 2**31 - 1
+
+
+def check_cce_size(num_elements: int, on_cuda: bool) -> None:
+    """Refuse, in one line and before any launch, a W too large for cut-cross-entropy's kernels."""
+    if on_cuda and num_elements > CCE_MAX_ELEMENTS:
+        raise ValueError(f"SoftmaxHead(impl='cce') on CUDA takes at most 2^31 - 1 weight elements (its kernels "
+                         f"index with 32 bits), this W has {num_elements:,}; use impl='liger', or impl='torch' "
+                         "(chunked), or a sampled or factored head")
+
+
 def _cce(x: Tensor, W: Tensor, bias: Tensor | None, target: Tensor, reduction: str) -> Tensor:
     """Cut cross-entropy: its Triton kernels on CUDA, its torch path elsewhere. It takes no
     bias: a bias joins W as one more column, against a constant column of ones in x."""
+    check_cce_size(W.shape[0] * (W.shape[1] + (bias is not None)), x.is_cuda)
     if bias is not None:
         x = torch.cat([x, x.new_ones(x.shape[0], 1)], 1)
         W = torch.cat([W, bias[:, None].to(W.dtype)], 1)
