@@ -1,7 +1,7 @@
 """litgpt's GPT with the factored head (factor_gpt_head) trained by a Fabric loop of litgpt's
 shape on one process or two gloo processes (as torchrun starts them): under Fabric's DDP, and
 with the body sharded by FSDP2 (Fabric's ModelParallelStrategy, litgpt's blocks each a unit)
-and the head out of it. Used by tests/integrations/test_litgpt_processes.py."""
+and the head out of it; and wrapped by FSDP1 (refused). Used by tests/integrations/test_litgpt_processes.py."""
 import os
 
 import lightning as L
@@ -95,11 +95,38 @@ def train(strategy: str, parallel: str, accumulate: int = 1, batch: int = B, pat
                               if type(p).__name__ == "DTensor")}
 
 
+def under_fsdp1(use_orig_params: bool) -> dict:
+    """A patched GPT wrapped as Fabric's FSDPStrategy wraps it (FSDP1, litgpt's blocks each a unit,
+    the precision's mixed-precision config; device_id cpu: Fabric itself runs FSDP1 on GPUs only),
+    then one training forward: its error, and whether the head stayed as it was."""
+    from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
+    from litgpt.model import Block
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from lst_lightning.integrations import factor_gpt_head
+
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5, parallel="replicated")
+    head = model.factored_head
+    V = head.V.clone()
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu"),
+                                       mixed_precision=FSDPPrecision("32-true").mixed_precision_config,
+                                       use_orig_params=use_orig_params)
+    ids, targets = batches(B, 1)
+    try:
+        wrapped(ids[0][:B], targets=targets[0][:B]).backward()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "steps": int(head.steps), "V_unchanged": torch.equal(head.V, V)}
+
+
 def worker(rank, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
     torch.set_num_threads(1)
     res = {"ddp_sharded": train("ddp", "sharded", patch_first=True),  # first: before any process group
            "ddp_replicated": train("ddp", "replicated", accumulate=2),
-           "fsdp2_sharded": train("fsdp2", "sharded", accumulate=2)}
+           "fsdp2_sharded": train("fsdp2", "sharded", accumulate=2),
+           **{f"fsdp1_orig_params_{o}": under_fsdp1(o) for o in (False, True)}}
     torch.save(res, out / f"rank{rank}.pt")

@@ -199,6 +199,21 @@ def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
     assert same_state(before, state(model))
 
 
+def test_a_model_whose_parameters_fsdp1_flattened_is_refused_in_training_and_nothing_changes():
+    """FSDP1 marks every parameter it flattens (``_fsdp_flattened``): your own FSDP1 loop is
+    refused at the first training forward, in one line; evaluation forwards are left alone."""
+    model = factor_lm_head(tiny("llama"))
+    next(model.base_model.parameters())._fsdp_flattened = True  # what FullyShardedDataParallel sets
+    ids, mask, labels = batch()
+    before = state(model)
+    model.train()
+    with pytest.raises(ValueError, match=r"cannot train under FSDP1 .*FSDP2 instead") as e:
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert "\n" not in str(e.value) and same_state(before, state(model))
+    model.eval()
+    assert model(input_ids=ids, attention_mask=mask, labels=labels).loss is not None
+
+
 def test_patching_twice_and_head_arguments_it_owns_are_refused():
     model = factor_lm_head(tiny("gpt2"))
     with pytest.raises(ValueError, match="already"):

@@ -1,7 +1,7 @@
 """litgpt's GPT with the factored head on two gloo processes under a Fabric loop of litgpt's
 shape: Fabric's DDP (float64) and the body sharded by FSDP2 (Fabric's ModelParallelStrategy,
 float32: it takes no float64) with the head out of FSDP, against one process with the
-world's batch, with gradient accumulation."""
+world's batch, with gradient accumulation; FSDP1 (Fabric's FSDPStrategy) refused in one line."""
 import pytest
 from fabric_ranks import WORLD, B, train, worker
 from forked_ranks import fork_ranks
@@ -44,3 +44,15 @@ def test_two_processes_with_an_fsdp2_body_train_like_one(ranks, one_process):
         got = ranks[r]["fsdp2_sharded"]
         assert got["steps"] == 3 and "transformer.h.0.attn.qkv.weight" in got["dtensor"]  # the body is sharded
         assert_same(got, one_process["float32"], tol=1e-5)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_fsdp1_is_refused_on_every_rank_before_any_step(ranks, use_orig_params):
+    """Fabric's FSDPStrategy (FSDP1) wraps the model, head included: the first training forward
+    says why and names FSDP2 and DDP, on both ranks, and the head has not changed."""
+    for r in range(WORLD):
+        got = ranks[r][f"fsdp1_orig_params_{use_orig_params}"]
+        assert got["error"] is not None and "\n" not in got["error"]
+        assert "cannot train under FSDP1" in got["error"] and "casts every buffer" in got["error"]
+        assert "ModelParallelStrategy" in got["error"] and "DDP" in got["error"]
+        assert got["steps"] == 0 and got["V_unchanged"]

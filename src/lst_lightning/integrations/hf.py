@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
-from .processes import ddp_ignores_head, every_rank_classes, join_processes, world_share
+from .processes import check_not_fsdp1, ddp_ignores_head, every_rank_classes, join_processes, world_share
 
 #: the attribute of a patched model holding what ``export_dense_head`` needs to undo the patch
 PATCH = "_lst_factored_head"
@@ -198,6 +198,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     outputs o as logits only where asked (no labels, or eval mode)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    if labels is not None and self.lm_head.in_training_step:
+        check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = out[0]

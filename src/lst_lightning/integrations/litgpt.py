@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
 from .hf import PATCH, dense_outputs, head_from_linear
-from .processes import ddp_ignores_head, join_processes
+from .processes import check_not_fsdp1, ddp_ignores_head, join_processes
 
 
 def check_gpt_patchable(model: nn.Module) -> nn.Linear:
@@ -81,6 +81,8 @@ def _forward(self, idx: Tensor, input_pos: Tensor | None = None, input_pos_maxp1
              lm_head_chunk_size: int = 0, targets: Tensor | None = None):
     """The patched forward: litgpt's own (lm_head is an identity: the hidden states), then the
     factored head's loss with ``targets``, or the outputs o as logits without."""
+    if targets is not None and self.factored_head.in_training_step:
+        check_not_fsdp1(self)  # Fabric's FSDPStrategy: one line on every rank, before any step
     hidden = type(self).forward(self, idx, input_pos, input_pos_maxp1)
     if targets is not None:
         return gpt_loss(self.factored_head, hidden, targets)

@@ -65,6 +65,22 @@ def check_strategy(distributed_type) -> None:
                          "when the head is what does not fit on one device")
 
 
+#: why the head cannot train inside a module that FSDP1 wraps
+FSDP1 = ("FSDP1 (torch's FullyShardedDataParallel: Fabric's FSDPStrategy, litgpt's --strategy fsdp) casts every "
+         "buffer of the module it wraps to its mixed-precision dtype at each forward (the head's V, U and U^-1: "
+         "bf16 under bf16-mixed)")
+
+
+def check_not_fsdp1(model: nn.Module) -> None:
+    """One ValueError, before the head's step, when FSDP1 manages ``model``'s parameters (it
+    marks each one it flattens ``_fsdp_flattened``, with ``use_orig_params`` or not): the
+    reason and the alternative. FSDP2 (``fully_shard``) and DDP pass."""
+    if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):
+        raise ValueError(f"the factored head cannot train under {FSDP1}; shard the body with FSDP2 instead "
+                         "(Fabric's ModelParallelStrategy with fully_shard on the blocks, the head out of it; "
+                         "docs/integrations.md) or train under DDP")
+
+
 def join_processes(head: FactoredSphericalHead) -> int:
     """The head joins the default process group if it has not (every rank, at the same point:
     ``distribute`` is a collective); returns the world size. Refuses ``parallel='none'``."""
