@@ -141,3 +141,20 @@ def test_the_transformer_body_trains_under_fsdp2_and_ddp_like_one_process(tmp_pa
     assert any(k.startswith("body.blocks.1.") for k in a)
     assert_close_rel(model(a), model(one), tol=2e-6)
     assert_close_rel(model(b), model(one), tol=2e-6)
+
+
+@pytest.mark.slow
+def test_the_lstm_body_trains_under_fsdp2_like_one_process(tmp_path):
+    """The LSTM body (no module lists: one FSDP unit, the LSTM's weights DTensor halves between
+    its forwards) with a sharded head: two ranks end where one process with 2B ends."""
+    over = [*COMMON, "model=lstm", "test=false", "optimizer.embedding=sparse_sgd"]
+    report = tmp_path / "report"
+    report.mkdir()
+    two_ranks([*over, "head.parallel=sharded"], tmp_path / "two", report)
+    run(cfg_of(*over, f"data.batch_size={2 * B}"), tmp_path / "one")
+    two, one = state(tmp_path / "two"), state(tmp_path / "one")
+    assert_close_rel(model(two), model(one), tol=2e-6)
+    held = [torch.load(report / f"body{r}.pt") for r in range(2)]
+    assert all(h["lstm.weight_hh_l0"][0] == "DTensor" for h in held)
+    assert sum(h["lstm.weight_hh_l0"][1][0] for h in held) == one["body.lstm.weight_hh_l0"].shape[0]
+    assert held[0]["input_embedding.weight"][0] == "Parameter"  # the sparse embedding whole, out of FSDP
