@@ -126,6 +126,49 @@ def test_an_fsdp2_run_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def optimizer_states(run_dir) -> list:
+    return torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)["optimizer_states"]
+
+
+def assert_states_close(a, b, tol: float):
+    """Two optimiser states of the same format: the same keys and settings, tensors within ``tol``."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_states_close(a[k], b[k], tol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_states_close(x, y, tol)
+    elif torch.is_tensor(a):
+        assert a.shape == b.shape and float((a.double() - b.double()).norm()) <= tol * max(float(b.double().norm()), 1.0)
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_resumes_on_one_process_and_back(tmp_path):
+    """A two-rank fsdp2 checkpoint (Adam on the body's shards, SparseAdam on the whole embedding, a
+    sharded head) resumes in one process (with 2B) and under fsdp2 (two ranks) to the same model
+    and the same optimiser state, saved in the same format; the one process's checkpoint resumes
+    under fsdp2 as in one process."""
+    over = [*COMMON, "optimizer.name=adam", "optimizer.lr=0.01", "optimizer.embedding=sparse_adam", "test=false"]
+    sharded, one = [*over, "head.parallel=sharded"], [*over, f"data.batch_size={2 * B}"]
+    two_ranks([*sharded, "trainer.max_epochs=1"], tmp_path / "part")
+    more = ["trainer.max_epochs=2", f"ckpt_path={tmp_path / 'part' / 'checkpoints' / 'last.ckpt'}"]
+    r2 = two_ranks([*sharded, *more], tmp_path / "two")
+    r1 = run(cfg_of(*one, *more), tmp_path / "one")
+    assert r1["train_steps"] == r2["train_steps"] == 12
+    assert_close_rel(model(state(tmp_path / "two")), model(state(tmp_path / "one")), tol=1e-5)
+    assert_states_close(optimizer_states(tmp_path / "two"), optimizer_states(tmp_path / "one"), tol=1e-5)
+    back = ["trainer.max_epochs=3", f"ckpt_path={tmp_path / 'one' / 'checkpoints' / 'last.ckpt'}"]
+    two_ranks([*sharded, *back], tmp_path / "two_back")
+    run(cfg_of(*one, *back), tmp_path / "one_back")
+    assert_close_rel(model(state(tmp_path / "two_back")), model(state(tmp_path / "one_back")), tol=1e-5)
+    assert_states_close(optimizer_states(tmp_path / "two_back"), optimizer_states(tmp_path / "one_back"), tol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_transformer_body_trains_under_fsdp2_and_ddp_like_one_process(tmp_path):
     """The GPT body (its blocks FSDP units of their own, the rest, position embedding included,
