@@ -259,6 +259,18 @@ def test_a_patched_model_saves_tensors_only_and_loads_them_back_bit_for_bit(tmp_
     assert same_state(*steps)  # the next step too, bit for bit
 
 
+def test_a_saved_shard_of_v_carries_its_rows_and_loads_only_into_them():
+    """A sharded head saved without its V gathered keeps its rows as a tensor (the extra state is
+    left out): loaded into a head that holds other rows, one ValueError and nothing changed."""
+    model = factor_lm_head(tiny("llama"))
+    state = model.state_dict()
+    shard = {**state, "lm_head.V": state["lm_head.V"][:20].clone() + 1, "lm_head.v_rows": torch.tensor([0, 20])}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"rows 0:20 of V's {VOCAB}.*gather_head_for_checkpoint") as e:
+        model.load_state_dict(shard)
+    assert "\n" not in str(e.value) and same_state(before, model.state_dict())
+
+
 def test_under_bf16_autocast_the_loss_is_the_heads_loss_in_its_own_precision():
     model = factor_lm_head(tiny("llama"), lr=0.5)
     ids, mask, labels = batch()

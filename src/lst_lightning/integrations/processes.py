@@ -138,6 +138,25 @@ def every_rank_classes(head: FactoredSphericalHead, own: Tensor) -> Tensor:
     return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
 
 
+def whole_v_into(patch, head: FactoredSphericalHead, state_dict: dict, prefix: str, local_metadata=None) -> None:
+    """A state-dict post hook (or its part): a sharded head's whole V, gathered for this save
+    (``patch.whole_v``, with the head's version then), replaces its shard while the head has
+    not changed since."""
+    if patch.whole_v is not None and patch.whole_v[0] == head._version:  # gathered from this very state
+        state_dict[prefix + "V"] = patch.whole_v[1]
+
+
+def gather_head_for_checkpoint(model: nn.Module) -> None:
+    """Every rank, before a save that holds the patched model's state (``fabric.save``, your
+    own loop's): a sharded head's V is gathered on rank 0's host, and rank 0's next state dict
+    holds all of V while the head is unchanged, so the checkpoint resumes on any number of
+    processes. Nothing to do for a replicated head or one process. (The HF Trainer's
+    ``head_follows_trainer`` does it before each of its checkpoints.)"""
+    from .hf import PATCH, factored_head
+
+    getattr(model, PATCH).whole_v = gather_for_checkpoint(factored_head(model))
+
+
 def gather_for_checkpoint(head: FactoredSphericalHead) -> tuple[int, Tensor] | None:
     """A sharded head's whole V on rank 0 (on the host), with the head's version then (a state
     dict takes it only while the head is unchanged); None on the other ranks and when V is
