@@ -46,9 +46,9 @@ def check_processes(head: FactoredSphericalHead, world: int) -> None:
 #: accelerate's distributed types (``DistributedType``) that shard or replace the model's
 #: modules, each with why the factored head cannot run under it
 SHARDING_STRATEGIES = {
-    "FSDP": "accelerate's FSDP wraps the whole model, head included: FSDP1 broadcasts and flattens the module's "
-            "state (a sharded head's V differs by rank), and FSDP2 with the head is untested (accelerate runs FSDP "
-            "on GPUs only)",
+    "FSDP": "accelerate's FSDP wraps the whole model, head included: FSDP1 casts every buffer of the module it "
+            "wraps to its mixed-precision dtype (the head's V, U and U^-1), and FSDP2 with the head in its unit is "
+            "untested (accelerate runs FSDP on GPUs only)",
     "DEEPSPEED": "DeepSpeed's engine owns the backward and the optimizer step and partitions the model's state, "
                  "while the head steps itself at the optimizer's step",
     "MEGATRON_LM": "Megatron-LM replaces the model's layers with its own parallel layers",
