@@ -126,13 +126,78 @@ def test_an_fsdp2_run_resumes_exactly(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def optimizer_states(run_dir) -> list:
+    return torch.load(Path(run_dir) / "checkpoints" / "last.ckpt", map_location="cpu",
+                      weights_only=True)["optimizer_states"]
+
+
+def assert_states_close(a, b, tol: float):
+    """Two optimiser states of the same format: the same keys and settings, tensors within ``tol``."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_states_close(a[k], b[k], tol)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_states_close(x, y, tol)
+    elif torch.is_tensor(a):
+        assert a.shape == b.shape and float((a.double() - b.double()).norm()) <= tol * max(float(b.double().norm()), 1.0)
+    else:
+        assert a == b
+
+
 @pytest.mark.slow
-def test_the_transformer_body_trains_under_fsdp2_as_under_ddp(tmp_path):
+def test_an_fsdp2_checkpoint_resumes_on_one_process_and_back(tmp_path):
+    """A two-rank fsdp2 checkpoint (Adam on the body's shards, SparseAdam on the whole embedding, a
+    sharded head) resumes in one process (with 2B) and under fsdp2 (two ranks) to the same model
+    and the same optimiser state, saved in the same format; the one process's checkpoint resumes
+    under fsdp2 as in one process."""
+    over = [*COMMON, "optimizer.name=adam", "optimizer.lr=0.01", "optimizer.embedding=sparse_adam", "test=false"]
+    sharded, one = [*over, "head.parallel=sharded"], [*over, f"data.batch_size={2 * B}"]
+    two_ranks([*sharded, "trainer.max_epochs=1"], tmp_path / "part")
+    more = ["trainer.max_epochs=2", f"ckpt_path={tmp_path / 'part' / 'checkpoints' / 'last.ckpt'}"]
+    r2 = two_ranks([*sharded, *more], tmp_path / "two")
+    r1 = run(cfg_of(*one, *more), tmp_path / "one")
+    assert r1["train_steps"] == r2["train_steps"] == 12
+    assert_close_rel(model(state(tmp_path / "two")), model(state(tmp_path / "one")), tol=1e-5)
+    assert_states_close(optimizer_states(tmp_path / "two"), optimizer_states(tmp_path / "one"), tol=1e-5)
+    back = ["trainer.max_epochs=3", f"ckpt_path={tmp_path / 'one' / 'checkpoints' / 'last.ckpt'}"]
+    two_ranks([*sharded, *back], tmp_path / "two_back")
+    run(cfg_of(*one, *back), tmp_path / "one_back")
+    assert_close_rel(model(state(tmp_path / "two_back")), model(state(tmp_path / "one_back")), tol=1e-5)
+    assert_states_close(optimizer_states(tmp_path / "two_back"), optimizer_states(tmp_path / "one_back"), tol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_transformer_body_trains_under_fsdp2_and_ddp_like_one_process(tmp_path):
     """The GPT body (its blocks FSDP units of their own, the rest, position embedding included,
-    in the body's unit): two ranks under fsdp2 end where two ranks under DDP end."""
-    over = [*COMMON, "model=gpt", "head.parallel=replicated", "test=false"]
-    two_ranks(over, tmp_path / "fsdp2")
-    two_ranks(over, tmp_path / "ddp", trainer=DDP)
-    a, b = state(tmp_path / "fsdp2"), state(tmp_path / "ddp")
+    in the body's unit): two ranks under fsdp2 and under DDP end where one process with 2B ends.
+    data.sequence_length=B: each rank's batch of B tokens is one whole sequence, so the world's
+    two sequences are the one-process batch of 2B tokens (a batch holds batch_size // length
+    sequences, at least one: with B below the length each rank would still take a whole one)."""
+    over = [*COMMON, "model=gpt", "test=false", f"data.sequence_length={B}"]
+    two_ranks([*over, "head.parallel=replicated"], tmp_path / "fsdp2")
+    two_ranks([*over, "head.parallel=replicated"], tmp_path / "ddp", trainer=DDP)
+    run(cfg_of(*over, f"data.batch_size={2 * B}"), tmp_path / "one")
+    a, b, one = state(tmp_path / "fsdp2"), state(tmp_path / "ddp"), state(tmp_path / "one")
     assert any(k.startswith("body.blocks.1.") for k in a)
-    assert_close_rel(model(a), model(b), tol=1e-6)
+    assert_close_rel(model(a), model(one), tol=2e-6)
+    assert_close_rel(model(b), model(one), tol=2e-6)
+
+
+@pytest.mark.slow
+def test_the_lstm_body_trains_under_fsdp2_like_one_process(tmp_path):
+    """The LSTM body (no module lists: one FSDP unit, the LSTM's weights DTensor halves between
+    its forwards) with a sharded head: two ranks end where one process with 2B ends."""
+    over = [*COMMON, "model=lstm", "test=false", "optimizer.embedding=sparse_sgd"]
+    report = tmp_path / "report"
+    report.mkdir()
+    two_ranks([*over, "head.parallel=sharded"], tmp_path / "two", report)
+    run(cfg_of(*over, f"data.batch_size={2 * B}"), tmp_path / "one")
+    two, one = state(tmp_path / "two"), state(tmp_path / "one")
+    assert_close_rel(model(two), model(one), tol=2e-6)
+    held = [torch.load(report / f"body{r}.pt") for r in range(2)]
+    assert all(h["lstm.weight_hh_l0"][0] == "DTensor" for h in held)
+    assert sum(h["lstm.weight_hh_l0"][1][0] for h in held) == one["body.lstm.weight_hh_l0"].shape[0]
+    assert held[0]["input_embedding.weight"][0] == "Parameter"  # the sparse embedding whole, out of FSDP

@@ -122,6 +122,25 @@ def test_state_dict_resumes_exactly_and_the_schedule_sets_both_parts():
         assert torch.equal(a, resumed.state_dict()[k]), k
 
 
+def test_a_state_in_fsdp2s_earlier_format_is_refused_in_one_line_and_nothing_changes():
+    """trainer.strategy=fsdp2 saved the row-sparse parts under 'whole' (the dense part keyed by
+    the index in model.parameters()) before it saved torch's format: only fsdp2 reads that."""
+    cfg = {**CFG, "name": "adam", "embedding": "sparse_adam"}
+    model = body(True)
+    opt = make_optimizer(model, cfg)
+    train(model, opt, batches(2))
+    before = copy.deepcopy(opt.state_dict())
+    earlier = {"parts": [before["parts"][0], {"whole": before["parts"][1]}]}
+    with pytest.raises(ValueError, match="earlier format.*trainer.strategy=fsdp2") as e:
+        opt.load_state_dict(earlier)
+    assert "\n" not in str(e.value)
+    after = opt.state_dict()
+    for part, ref in zip(after["parts"], before["parts"]):
+        for k, values in ref["state"].items():
+            assert all(torch.equal(a, b) if torch.is_tensor(b) else a == b
+                       for a, b in zip(part["state"][k].values(), values.values()))
+
+
 def test_clip_gradients_matches_torch_on_the_dense_gradients():
     torch.manual_seed(0)
     emb = nn.Parameter(torch.randn(30, 4, dtype=torch.float64))

@@ -70,6 +70,27 @@ def test_datamodule_batches_count_tokens_and_pad_ranks():
     assert (y[0] >= 0).all() and (y[1] == -1).all()
 
 
+def test_world_batches_of_sequences_are_one_process_batches_when_batch_size_is_a_multiple_of_the_length():
+    """The ranks' sequences of step t make up the one-process batch of step t with world x
+    batch_size tokens when batch_size counts whole sequences; below one sequence each rank
+    still takes one (at least one), so the world holds more sequences than one process."""
+    def loader(batch_size, rank=0, world=1):
+        dm = SyntheticDataModule(num_classes=100, input_vocab_size=None, train_size=40, eval_size=10,
+                                 batch_size=batch_size, sequences=True, sequence_length=8)
+        dm.setup()
+        return [y for _, y in dm._loader("train", True, rank, world)]
+
+    for per_rank in (8, 16):  # one and two sequences a rank
+        ranks = [loader(per_rank, r, 2) for r in range(2)]
+        one = loader(2 * per_rank)
+        assert len(one) == len(ranks[0]) == len(ranks[1])
+        for t, batch in enumerate(one):
+            world = torch.cat([ranks[0][t], ranks[1][t]])
+            assert sorted(map(tuple, world.tolist())) == sorted(map(tuple, batch.tolist()))
+    ranks, one = [loader(4, r, 2) for r in range(2)], loader(8)  # 4 tokens: still one sequence of 8 a rank
+    assert ranks[0][0].shape == one[0].shape == (1, 8)  # the world's step: two sequences, one process's: one
+
+
 def test_text_datamodule_serves_each_document_as_padded_sequences(tmp_path):
     from lst_lightning.data.datamodule import TextDataModule  # noqa: PLC0415
 

@@ -63,6 +63,8 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
                              logging_steps=1, disable_tqdm=True, seed=0, per_device_eval_batch_size=batch_size,
                              average_tokens_across_devices=tokens_over_world)
     head = model.lm_head
+    at_start = []  # the head's steps at the first training forward (3 after resuming from checkpoint-3)
+    model.register_forward_pre_hook(lambda module, args: at_start.append(int(head.steps)) if not at_start else None)
     try:
         trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[head_follows_trainer()])
         trainer.train(resume_from_checkpoint=resume)
@@ -73,7 +75,7 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
     if whole is not None:
         state["lm_head.V"] = whole
     result = {"state": state, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-              "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi)}
+              "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi), "steps_at_start": at_start[0]}
     trainer.save_model(str(out_dir := Path(str(out)) / "final"))  # rank 0 writes it: a sharded head's V whole
     if head.sharded and trainer.args.process_index == 0:
         from safetensors.torch import load_file
@@ -101,6 +103,7 @@ def runs(out):
     res["tokens_per_process"] = train(out / "per_process", accumulate=2, steps=6, tokens_over_world=False)
     res["bad_label"] = train(out / "bad", bad_rank=1)
     res["no_parallel_mode"] = train(out / "none", "none")
+    res["out"] = out  # where the checkpoints are, for one process to resume from
     return res
 
 

@@ -199,6 +199,21 @@ def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
     assert same_state(before, state(model))
 
 
+def test_a_model_whose_parameters_fsdp1_flattened_is_refused_in_training_and_nothing_changes():
+    """FSDP1 marks every parameter it flattens (``_fsdp_flattened``): your own FSDP1 loop is
+    refused at the first training forward, in one line; evaluation forwards are left alone."""
+    model = factor_lm_head(tiny("llama"))
+    next(model.base_model.parameters())._fsdp_flattened = True  # what FullyShardedDataParallel sets
+    ids, mask, labels = batch()
+    before = state(model)
+    model.train()
+    with pytest.raises(ValueError, match=r"cannot train under FSDP1 .*FSDP2 instead") as e:
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert "\n" not in str(e.value) and same_state(before, state(model))
+    model.eval()
+    assert model(input_ids=ids, attention_mask=mask, labels=labels).loss is not None
+
+
 def test_patching_twice_and_head_arguments_it_owns_are_refused():
     model = factor_lm_head(tiny("gpt2"))
     with pytest.raises(ValueError, match="already"):
@@ -242,6 +257,18 @@ def test_a_patched_model_saves_tensors_only_and_loads_them_back_bit_for_bit(tmp_
         opt.step()
         steps.append(state(m))
     assert same_state(*steps)  # the next step too, bit for bit
+
+
+def test_a_saved_shard_of_v_carries_its_rows_and_loads_only_into_them():
+    """A sharded head saved without its V gathered keeps its rows as a tensor (the extra state is
+    left out): loaded into a head that holds other rows, one ValueError and nothing changed."""
+    model = factor_lm_head(tiny("llama"))
+    state = model.state_dict()
+    shard = {**state, "lm_head.V": state["lm_head.V"][:20].clone() + 1, "lm_head.v_rows": torch.tensor([0, 20])}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=f"rows 0:20 of V's {VOCAB}.*gather_head_for_checkpoint") as e:
+        model.load_state_dict(shard)
+    assert "\n" not in str(e.value) and same_state(before, model.state_dict())
 
 
 def test_under_bf16_autocast_the_loss_is_the_heads_loss_in_its_own_precision():

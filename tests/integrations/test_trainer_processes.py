@@ -1,6 +1,6 @@
 """The HF Trainer on two gloo processes (DDP, as torchrun starts it) with the factored head
 replicated or sharded: two processes with batch B train like one process with 2B (float64),
-with gradient accumulation too; the Trainer's checkpoints resume exactly; one rank's bad label
+with gradient accumulation too; the Trainer's checkpoints resume exactly, and on one process; one rank's bad label
 stops both ranks with its message; a head without a multi-process mode is refused."""
 import pytest
 import torch
@@ -71,6 +71,16 @@ def test_a_two_process_trainer_checkpoint_resumes_exactly(ranks, parallel):
     whole, resumed = ranks[0][f"{parallel}_accumulated"], ranks[0][f"{parallel}_resumed"]
     assert int(resumed["state"]["lm_head.steps"]) == 6
     assert_same_model(resumed["state"], whole["state"], rtol=0, atol=0)  # bit for bit
+
+
+@pytest.mark.parametrize("parallel", MODES)
+def test_a_two_process_trainer_checkpoint_resumes_on_one_process(ranks, one_process, parallel, tmp_path):
+    """The checkpoint after 3 of 6 steps (V whole: a sharded head's gathered on rank 0) resumed
+    by one process with the world's batch ends where one process trained throughout ends."""
+    ckpt = ranks[0]["out"] / f"{parallel}_acc" / "checkpoint-3"
+    got = train(tmp_path / "one", "none", batch_size=4, accumulate=2, steps=6, resume=str(ckpt))
+    assert got["steps_at_start"] == 3 and int(got["state"]["lm_head.steps"]) == 6  # it resumed at step 3
+    assert_same_model(got["state"], one_process["accumulated"]["state"])
 
 
 def test_one_ranks_bad_label_stops_every_rank_with_its_message(ranks):

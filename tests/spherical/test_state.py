@@ -29,3 +29,34 @@ def test_reset_restores_every_buffer_as_constructed():
 def test_a_meta_head_declares_its_buffers_on_the_meta_device():
     head = FactoredSphericalHead(num_classes=D, hidden_dim=d, device="meta")
     assert {b.device.type for b in head.buffers()} == {"meta"}
+
+
+def test_u_inverse_loaded_without_the_heads_extra_state_is_taken_as_stale():
+    """A loader that sets one tensor at a time (Fabric's FSDP2 full-state loading) passes no
+    extra state: whether U^-1 is fresh is then unknown, so it is refreshed when next needed."""
+    head = deferred()
+    for _ in range(2):
+        step(head, *batch(16, d, D, 2))
+    saved = head.state_dict()
+    other = deferred()
+    assert other.uinv_fresh
+    other.load_state_dict({"Uinv": saved["Uinv"]}, strict=False)
+    assert not other.uinv_fresh and torch.equal(other.Uinv, saved["Uinv"])
+    other.load_state_dict(saved)  # with the extra state: as saved
+    assert other.uinv_fresh == head.uinv_fresh
+
+
+def test_a_state_holding_another_heads_shard_of_v_is_refused_and_nothing_changes():
+    head = deferred()
+    saved = head.state_dict()
+    shard = {**saved, "V": saved["V"][: D // 2].clone() + 1, "_extra_state": {**saved["_extra_state"], "v_rows": (0, D // 2)}}
+    V = head.V.clone()
+    for state, said in [(shard, f"rows 0:{D // 2} of V's {D}"),
+                        ({k: v for k, v in shard.items() if k != "_extra_state"}, f"{D // 2} rows of V's {D}")]:
+        try:
+            head.load_state_dict(state)
+        except ValueError as e:
+            assert said in str(e) and f"this head holds rows 0:{D}" in str(e) and "\n" not in str(e)
+        else:
+            raise AssertionError("a shard of V loaded into a head holding all of it")
+        assert torch.equal(head.V, V)

@@ -42,7 +42,9 @@ def fsdp2_strategy():
     world, whatever ``devices`` and ``num_nodes`` say: -1 or "auto" too) and
     checkpoints as one file (the full state gathered on rank 0), as the app's checkpoints are;
     the optimizer of a body with row-sparse parameters (``PairedOptimizer``: a dense and a
-    row-sparse optimiser) is saved part by part."""
+    row-sparse optimiser) is saved part by part, each in torch's own format, as one process
+    saves it: the checkpoint resumes under DDP, in one process or under fsdp2 on any number of
+    processes, and theirs under fsdp2."""
     from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -73,9 +75,9 @@ def fsdp2_strategy():
 
         def optimizer_state(self, optimizer):
             inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-            if isinstance(inner, PairedOptimizer):  # the row-sparse parts' parameters are whole: their own state
-                return {"parts": [super(FSDP2Strategy, self).optimizer_state(o) if holds_shards(o)
-                                  else {"whole": o.state_dict()} for o in inner.parts]}
+            if isinstance(inner, PairedOptimizer):  # each part in torch's own format, as one process saves it
+                return {"parts": [own_positions(self.model, o, super(FSDP2Strategy, self).optimizer_state(o))
+                                  if holds_shards(o) else o.state_dict() for o in inner.parts]}
             return super().optimizer_state(optimizer)
 
     return FSDP2Strategy(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=False)
@@ -86,11 +88,39 @@ def holds_shards(optimizer) -> bool:
     return any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"])
 
 
+def _model_ids(model: nn.Module, optimizer) -> list[int]:
+    """For each parameter of ``optimizer`` in its own order (its groups', as torch numbers a
+    state dict), its index in ``model.parameters()`` (as FSDP's PARAM_ID keys number it)."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    return [index[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _renumbered(state: dict, keys: dict) -> dict:
+    """An optimiser state dict with its integer parameter keys mapped by ``keys``."""
+    return {"state": {keys[k]: v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [keys[k] for k in g["params"]]} for g in state["param_groups"]]}
+
+
+def own_positions(model: nn.Module, optimizer, state: dict) -> dict:
+    """The full state of an optimiser of FSDP2 shards as Lightning's ModelParallelStrategy gives
+    it on rank 0 (keyed by the index in ``model.parameters()``), keyed instead by the position
+    in the optimiser's own groups: torch's format, what the part saves in one process, so the
+    checkpoint resumes under any strategy and number of processes. Other ranks' (empty or
+    keyed by name; not saved) are returned as they are."""
+    groups = state.get("param_groups")
+    if not groups or not all(isinstance(k, int) for g in groups for k in g["params"]):
+        return state
+    return _renumbered(state, {m: pos for pos, m in enumerate(_model_ids(model, optimizer))})
+
+
 def load_parts(model: nn.Module, optimizer, state: dict) -> None:
-    """A ``PairedOptimizer``'s parts from their states saved part by part: the dense part's full
-    state (keyed by parameter id) as Lightning loads one optimizer under ModelParallelStrategy,
-    a row-sparse part's by its own ``load_state_dict`` (torch's loader would initialise its
-    state with a dense zero gradient, which SparseAdam refuses)."""
+    """A ``PairedOptimizer``'s parts from their states saved part by part, each in torch's own
+    format (keyed by the position in the part's groups, as one process or DDP saves them):
+    the dense part's full state loaded into its FSDP2 shards as Lightning loads one optimizer
+    under ModelParallelStrategy, a row-sparse part's by its own ``load_state_dict`` (torch's
+    loader would initialise its state with a dense zero gradient, which SparseAdam refuses).
+    Checkpoints saved by this strategy before it saved torch's format (the row-sparse parts
+    under ``"whole"``, the dense part keyed by the index in ``model.parameters()``) load too."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
@@ -98,16 +128,19 @@ def load_parts(model: nn.Module, optimizer, state: dict) -> None:
     if not isinstance(parts, list) or len(parts) != len(optimizer.parts):
         raise ValueError(f"the checkpoint's optimiser state has {len(parts or ())} parts, this run's "
                          f"{len(optimizer.parts)}: resume with the same model.sparse_embedding and optimizer settings")
+    model_keyed = any("whole" in saved for saved in parts)  # the earlier format
     options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True)
     for part, saved in zip(optimizer.parts, parts):
-        if "whole" in saved:  # a row-sparse part (its parameters whole on every rank): torch's own format
-            part.load_state_dict(saved["whole"])
+        if not holds_shards(part):  # a row-sparse part (its parameters whole on every rank): torch's own format
+            part.load_state_dict(saved.get("whole", saved))
             continue
         if not saved["state"]:  # no tensors (plain SGD): only the groups' settings, which torch's loader needs tensors for
             for group, saved_group in zip(part.param_groups, saved["param_groups"]):
                 group.update({k: v for k, v in saved_group.items() if k != "params"})
             continue
         if isinstance(next(iter(saved["state"])), int):
+            if not model_keyed:
+                saved = _renumbered(saved, dict(enumerate(_model_ids(model, part))))
             saved = FullyShardedDataParallel.rekey_optim_state_dict(saved, OptimStateKeyType.PARAM_NAME, model)
         set_optimizer_state_dict(model, part, optim_state_dict=saved, options=options)
     optimizer.param_groups = [g for o in optimizer.parts for g in o.param_groups]  # as its load_state_dict does

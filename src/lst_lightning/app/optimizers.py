@@ -154,6 +154,9 @@ class PairedOptimizer(torch.optim.Optimizer):
         if not isinstance(parts, list) or len(parts) != len(self.parts):
             raise ValueError(f"the checkpoint's optimiser state has {len(parts or ())} parts, this run's "
                              f"{len(self.parts)}: resume with the same model.sparse_embedding and optimizer settings")
+        if any("whole" in s for s in parts):
+            raise ValueError("the checkpoint's optimiser state was saved under trainer.strategy=fsdp2 in an earlier "
+                             "format (its row-sparse parts under 'whole'): resume it under trainer.strategy=fsdp2")
         for o, s in zip(self.parts, parts):
             o.load_state_dict(s)
         # load_state_dict replaces the parts' group dicts: share them again

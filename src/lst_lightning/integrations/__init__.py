@@ -6,7 +6,8 @@ imported inside the functions only, litgpt never."""
 from .export import SphericalSampling, export_dense_head, sampling_logits
 from .hf import factor_lm_head, factored_head, untie_lm_head
 from .litgpt import factor_gpt_head
+from .processes import gather_head_for_checkpoint
 from .trainer import head_follows_trainer, scheduled_lr
 
 __all__ = ["SphericalSampling", "export_dense_head", "factor_gpt_head", "factor_lm_head", "factored_head",
-           "head_follows_trainer", "sampling_logits", "scheduled_lr", "untie_lm_head"]
+           "gather_head_for_checkpoint", "head_follows_trainer", "sampling_logits", "scheduled_lr", "untie_lm_head"]

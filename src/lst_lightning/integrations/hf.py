@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
-from .processes import ddp_ignores_head, every_rank_classes, join_processes, world_share
+from ..spherical.factored import V_ROWS
+from .processes import check_not_fsdp1, ddp_ignores_head, every_rank_classes, join_processes, whole_v_into, world_share
 
 #: the attribute of a patched model holding what ``export_dense_head`` needs to undo the patch
 PATCH = "_lst_factored_head"
@@ -117,18 +118,19 @@ def _tensors_only(patch, head, state_dict, prefix, local_metadata) -> None:
     """The head's state in a patched model as tensors only: its extra state (lr, weight decay,
     the loss's name: settings the loop gives again) is left out; whether U^-1 is fresh, the
     one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit. A
-    sharded head's whole V, gathered for this save (``patch.whole_v``, with the head's version
-    then), replaces its shard while the head has not changed since."""
+    sharded head's whole V (``whole_v_into``), or else the rows its shard holds, as a tensor."""
     state_dict.pop(prefix + "_extra_state", None)
     state_dict[prefix + UINV_FRESH] = torch.tensor(head.uinv_fresh)
-    if patch.whole_v is not None and patch.whole_v[0] == head._version:  # gathered from this very state
-        state_dict[prefix + "V"] = patch.whole_v[1]
+    whole_v_into(patch, head, state_dict, prefix)
+    if state_dict[prefix + "V"].shape[0] != head.num_classes:
+        state_dict[prefix + V_ROWS] = torch.tensor([head.row_lo, head.row_hi])
 
 
 def _without_extra_state(head, state_dict, prefix, *args) -> None:
     """Loads what ``_tensors_only`` saved: the head keeps its settings (lr, weight decay, loss)
     and takes whether U^-1 is fresh from the tensor; with neither (nothing known) U^-1 is
-    taken as stale, refreshed exactly from U when next needed (O(d^3))."""
+    taken as stale, refreshed exactly from U when next needed (O(d^3)). (The rows of a shard
+    of V the head reads itself.)"""
     fresh = state_dict.pop(prefix + UINV_FRESH, None)
     if prefix + "_extra_state" not in state_dict:
         state_dict[prefix + "_extra_state"] = {**head.get_extra_state(), "uinv_fresh": bool(fresh)}
@@ -198,6 +200,8 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     outputs o as logits only where asked (no labels, or eval mode)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    if labels is not None and self.lm_head.in_training_step:
+        check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = out[0]

@@ -16,13 +16,14 @@ litgpt is not imported here: the patch reads the model's attributes only.
 """
 from __future__ import annotations
 
+import functools
 import types
 
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
 from .hf import PATCH, dense_outputs, head_from_linear
-from .processes import ddp_ignores_head, join_processes
+from .processes import check_not_fsdp1, ddp_ignores_head, join_processes, whole_v_into
 
 
 def check_gpt_patchable(model: nn.Module) -> nn.Linear:
@@ -56,7 +57,10 @@ def factor_gpt_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.
     unchanged."""
     linear = check_gpt_patchable(model)
     head = head_from_linear(linear, loss, head_kwargs, "factor_gpt_head", reduction="mean_real")
-    setattr(model, PATCH, types.SimpleNamespace(linear_dtype=linear.weight.dtype))
+    #: whole_v: a sharded V gathered for the next checkpoint (gather_head_for_checkpoint)
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, whole_v=None)
+    head.register_state_dict_post_hook(functools.partial(whole_v_into, patch))
+    setattr(model, PATCH, patch)
     model.factored_head = head
     model.lm_head = nn.Identity()  # litgpt's forward then returns the body's last hidden states
     model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
@@ -81,6 +85,8 @@ def _forward(self, idx: Tensor, input_pos: Tensor | None = None, input_pos_maxp1
              lm_head_chunk_size: int = 0, targets: Tensor | None = None):
     """The patched forward: litgpt's own (lm_head is an identity: the hidden states), then the
     factored head's loss with ``targets``, or the outputs o as logits without."""
+    if targets is not None and self.factored_head.in_training_step:
+        check_not_fsdp1(self)  # Fabric's FSDPStrategy: one line on every rank, before any step
     hidden = type(self).forward(self, idx, input_pos, input_pos_maxp1)
     if targets is not None:
         return gpt_loss(self.factored_head, hidden, targets)

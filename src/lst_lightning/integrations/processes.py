@@ -46,9 +46,9 @@ def check_processes(head: FactoredSphericalHead, world: int) -> None:
 #: accelerate's distributed types (``DistributedType``) that shard or replace the model's
 #: modules, each with why the factored head cannot run under it
 SHARDING_STRATEGIES = {
-    "FSDP": "accelerate's FSDP wraps the whole model, head included: FSDP1 broadcasts and flattens the module's "
-            "state (a sharded head's V differs by rank), and FSDP2 with the head is untested (accelerate runs FSDP "
-            "on GPUs only)",
+    "FSDP": "accelerate's FSDP wraps the whole model, head included: FSDP1 casts every buffer of the module it "
+            "wraps to its mixed-precision dtype (the head's V, U and U^-1), and FSDP2 with the head in its unit is "
+            "untested (accelerate runs FSDP on GPUs only)",
     "DEEPSPEED": "DeepSpeed's engine owns the backward and the optimizer step and partitions the model's state, "
                  "while the head steps itself at the optimizer's step",
     "MEGATRON_LM": "Megatron-LM replaces the model's layers with its own parallel layers",
@@ -63,6 +63,22 @@ def check_strategy(distributed_type) -> None:
         raise ValueError(f"the factored head cannot train under {name}: {SHARDING_STRATEGIES[name]}; train with DDP "
                          "(torchrun / accelerate launch --multi_gpu) and factor_lm_head(model, parallel='sharded') "
                          "when the head is what does not fit on one device")
+
+
+#: why the head cannot train inside a module that FSDP1 wraps
+FSDP1 = ("FSDP1 (torch's FullyShardedDataParallel: Fabric's FSDPStrategy, litgpt's --strategy fsdp) casts every "
+         "buffer of the module it wraps to its mixed-precision dtype at each forward (the head's V, U and U^-1: "
+         "bf16 under bf16-mixed)")
+
+
+def check_not_fsdp1(model: nn.Module) -> None:
+    """One ValueError, before the head's step, when FSDP1 manages ``model``'s parameters (it
+    marks each one it flattens ``_fsdp_flattened``, with ``use_orig_params`` or not): the
+    reason and the alternative. FSDP2 (``fully_shard``) and DDP pass."""
+    if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):
+        raise ValueError(f"the factored head cannot train under {FSDP1}; shard the body with FSDP2 instead "
+                         "(Fabric's ModelParallelStrategy with fully_shard on the blocks, the head out of it; "
+                         "docs/integrations.md) or train under DDP")
 
 
 def join_processes(head: FactoredSphericalHead) -> int:
@@ -120,6 +136,25 @@ def every_rank_classes(head: FactoredSphericalHead, own: Tensor) -> Tensor:
     parts = [torch.empty_like(padded) for _ in range(pg.world)]
     dist.all_gather(parts, padded, group=pg.group)
     return torch.cat([p[:, :w] for p, w in zip(parts, widths)], dim=1)
+
+
+def whole_v_into(patch, head: FactoredSphericalHead, state_dict: dict, prefix: str, local_metadata=None) -> None:
+    """A state-dict post hook (or its part): a sharded head's whole V, gathered for this save
+    (``patch.whole_v``, with the head's version then), replaces its shard while the head has
+    not changed since."""
+    if patch.whole_v is not None and patch.whole_v[0] == head._version:  # gathered from this very state
+        state_dict[prefix + "V"] = patch.whole_v[1]
+
+
+def gather_head_for_checkpoint(model: nn.Module) -> None:
+    """Every rank, before a save that holds the patched model's state (``fabric.save``, your
+    own loop's): a sharded head's V is gathered on rank 0's host, and rank 0's next state dict
+    holds all of V while the head is unchanged, so the checkpoint resumes on any number of
+    processes. Nothing to do for a replicated head or one process. (The HF Trainer's
+    ``head_follows_trainer`` does it before each of its checkpoints.)"""
+    from .hf import PATCH, factored_head
+
+    getattr(model, PATCH).whole_v = gather_for_checkpoint(factored_head(model))
 
 
 def gather_for_checkpoint(head: FactoredSphericalHead) -> tuple[int, Tensor] | None:

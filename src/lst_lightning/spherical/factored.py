@@ -37,6 +37,10 @@ from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Repairs, Stabiliser, fell_due
 from .state import REPLICATED_STATE, STATE
 
+#: the rows [lo, hi) a state's V holds when it is one rank's shard: in the extra state, or a
+#: tensor under this key for savers of tensors only (a patched HF model's)
+V_ROWS = "v_rows"
+
 
 class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     """Exact O(m d^2) training of a D-class output layer with a spherical loss.
@@ -174,7 +178,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return self._uinv_fresh
 
     def get_extra_state(self):
-        return {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
+        out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
+        if self.V.shape[0] != self.num_classes:  # V is one rank's shard: which rows (checked on load)
+            out[V_ROWS] = (self.row_lo, self.row_hi)
+        return out
 
     def set_extra_state(self, state) -> None:
         super().set_extra_state(state)
@@ -354,13 +361,41 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         without_placeholder_extra_state(state_dict, prefix)
         V = state_dict.get(prefix + "V")
-        files = (state_dict.get(prefix + "_extra_state") or {}).get("v_files")
+        extra = state_dict.get(prefix + "_extra_state")
+        files = (extra or {}).get("v_files")
         if V is not None and (files is not None or (self.sharded and V.shape[0] == self.num_classes != self.V.shape[0])):
             self._ensure_distributed()
             # A whole V (from gather_v), or one file per rank (shard_files): keep this rank's rows.
             mine = load_rows(files, self.row_lo, self.row_hi) if files is not None else V[self.row_lo:self.row_hi]
             state_dict = {**state_dict, prefix + "V": mine}
+        rows = state_dict.pop(prefix + V_ROWS, None)  # a saver of tensors only records them so
+        rows = (extra or {}).get(V_ROWS, rows.tolist() if rows is not None else None)
+        if V is not None and V.shape[0] != self.num_classes and files is None:
+            self._check_shard(V, rows)
+        if prefix + "Uinv" in state_dict and extra is None:
+            self._uinv_fresh = False  # loaded one tensor at a time, without the flag: refreshed when needed
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _check_shard(self, V: Tensor, rows) -> None:
+        """A state whose V is one rank's shard (``rows``: the rows it holds, when recorded) loads
+        only into the head that holds those rows; else one ValueError, on every rank of a head
+        spread over several (all of them load the same file, so all get here), before any
+        buffer is written."""
+        held = (self.row_lo, self.row_hi) if self.V.shape[0] != self.num_classes else (0, self.num_classes)
+        mine = (tuple(rows) == held) if rows is not None else (V.shape == self.V.shape and held != (0, self.num_classes))
+        saved = f"rows {rows[0]}:{rows[1]}" if rows is not None else f"{V.shape[0]} rows"
+        err = None if mine else (
+            f"the state holds {saved} of V's {self.num_classes}, one rank's shard of a sharded head, and this head "
+            f"holds rows {held[0]}:{held[1]}: it resumes only where those rows are held; save all of V (every rank: "
+            "head.gather_v(), or for a patched model gather_head_for_checkpoint(model), before the save) for a "
+            "checkpoint that resumes on any number of processes")
+        if self.sharding.joined and self.sharding.world > 1:
+            said = self.sharding.pg.all_gather_objects(err)
+            first = next((r for r, text in enumerate(said) if text is not None), None)
+            if first is not None and err is None:
+                err = f"rank {first} cannot load this state ({said[first]})"
+        if err is not None:
+            raise ValueError(err)
 
     # -- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
