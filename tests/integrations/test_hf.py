@@ -214,6 +214,21 @@ def test_a_model_whose_parameters_fsdp1_flattened_is_refused_in_training_and_not
     assert model(input_ids=ids, attention_mask=mask, labels=labels).loss is not None
 
 
+def test_the_fsdp1_scan_runs_until_a_training_forward_passes(monkeypatch):
+    """The parameters are scanned at training forwards until one passes, not at every step."""
+    from lst_lightning.integrations import processes
+
+    model = factor_lm_head(tiny("llama"))
+    ids, mask, labels = batch()
+    model.train()
+    scans = []
+    params = type(model).parameters
+    monkeypatch.setattr(type(model), "parameters", lambda self, *a, **k: scans.append(1) or params(self, *a, **k))
+    for _ in range(3):
+        processes.check_not_fsdp1(model)
+    assert len(scans) == 1
+
+
 def test_patching_twice_and_head_arguments_it_owns_are_refused():
     model = factor_lm_head(tiny("gpt2"))
     with pytest.raises(ValueError, match="already"):

@@ -74,11 +74,16 @@ FSDP1 = ("FSDP1 (torch's FullyShardedDataParallel: Fabric's FSDPStrategy, litgpt
 def check_not_fsdp1(model: nn.Module) -> None:
     """One ValueError, before the head's step, when FSDP1 manages ``model``'s parameters (it
     marks each one it flattens ``_fsdp_flattened``, with ``use_orig_params`` or not): the
-    reason and the alternative. FSDP2 (``fully_shard``) and DDP pass."""
+    reason and the alternative. FSDP2 (``fully_shard``) and DDP pass. The parameters are
+    scanned until a training forward passes (FSDP1 wraps a model before it trains), not at
+    every step."""
+    if getattr(model, "_lst_not_fsdp1", False):
+        return
     if any(getattr(p, "_fsdp_flattened", False) for p in model.parameters()):
         raise ValueError(f"the factored head cannot train under {FSDP1}; shard the body with FSDP2 instead "
                          "(Fabric's ModelParallelStrategy with fully_shard on the blocks, the head out of it; "
                          "docs/integrations.md) or train under DDP")
+    model._lst_not_fsdp1 = True
 
 
 def join_processes(head: FactoredSphericalHead) -> int:
