@@ -1,5 +1,5 @@
 """U_new^-1 from U^-1 by matrix products alone: the GPU's route to ``H U_new^-1``
-(docs/algorithm.md, "H U_new^-1").
+(docs/algorithm.md, "The update").
 
 The step makes ``U_new = U B`` with ``B = c (I - A)``, ``A = H^T diag(kappa) H`` symmetric
 (d x d). So ``U_new^-1 = (1/c) (I - A)^-1 U^-1``, and where the spectral radius rho of A is
