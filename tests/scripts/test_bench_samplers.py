@@ -17,8 +17,10 @@ def test_default_run_writes_its_run_directory_only(sandbox, kernel):
     assert [int(r["n"]) for r in rows] == [64, 256]
     for r in rows:
         assert r["kernel"] == kernel and r["machine"] == bs.machine_name()
-        ratio = float(r["direct_ms"]) / float(r["tree_ms"])
-        assert float(r["direct_over_tree"]) == pytest.approx(ratio, rel=0.01, abs=1e-3)  # 3 decimals in the CSV
+        # the CSV rounds each to 3 decimals: the ratio of the rounded times is off by at most that
+        direct, tree = float(r["direct_ms"]), float(r["tree_ms"])
+        slack = 5e-4 * (1 + direct / tree) / max(tree - 5e-4, 1e-9) + 5e-4
+        assert float(r["direct_over_tree"]) == pytest.approx(direct / tree, abs=slack)
     assert csv_path.with_suffix(".png").stat().st_size > 0
 
 
