@@ -31,6 +31,7 @@ into a fresh run directory (``--out DIR``; ``--update-results``: benchmarks/resu
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -161,8 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     stem = out / f"checkpoints_{machine}"
     cols = ["D", "setting", "step_ms", "ratio_to_none", "periodic_saves", "in_run_share", "ckpt_mb", "recompute_s",
             "recomputable_bytes"]
+    table = rows
+    if append:  # the table holds every series of the CSV, this run's rows among them
+        with csv_path.open() as f:
+            table = [r for r in csv.DictReader(f)]
+        cols = ["series", *cols]
     stem.with_suffix(".md").write_text(f"Checkpoints' cost per training step ({machine})\n\n"
-                                       + markdown_table(rows, cols, right=cols[2:]) + "\n")
+                                       + markdown_table(table, cols, right=cols[-7:]) + "\n")
     fig, ax = pyplot().subplots(figsize=(6, 3.5))
     for setting in args.settings:
         pts = [(r["D"], r["step_ms"]) for r in rows if r["setting"] == setting]

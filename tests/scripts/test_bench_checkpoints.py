@@ -74,3 +74,6 @@ def test_a_series_is_appended_to_the_committed_csv(sandbox, monkeypatch):
     new = list(csv.DictReader(after.splitlines()))[len(list(csv.DictReader(before.splitlines()))):]
     assert [(r["series"], r["D"], r["setting"], r["in_run_share"]) for r in new] == [
         ("F: a test", "10000", "none", "0.03"), ("F: a test", "10000", "budget", "0.03")]
+    table = path.with_suffix(".md").read_text()  # every series of the CSV, this one among them
+    series = {r["series"] for r in csv.DictReader(after.splitlines())}
+    assert len(series) > 1 and all(f"| {s} |" in table for s in series), table[:400]
