@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import multiprocessing
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
@@ -132,6 +134,15 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
     row.update({k: test[k] for k in sorted(test) if "error" in k or k in ("mrr", "perplexity", "simlex_rho")})
     row["curve"] = curve.points
     return row
+
+
+def run_apart(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
+    """``run_one`` in a fresh process: each run starts with the machine's memory free. In one
+    process a D = 10^7 table lost its third head to the kernel's OOM killer, the second's
+    15 GB (its W and SparseAdam's moments) not yet given back, and with it every row after."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(run_one, task, head, mode, args, out_dir).result()
 
 
 def duration(seconds: float) -> str:
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.modes:
             for head in args.heads:
                 try:
-                    rows.append(run_one(task, head, mode, args, out_dir))
+                    rows.append(run_apart(task, head, mode, args, out_dir))
                 except Exception as exc:  # one head failing must not lose the others' results
                     print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
                     rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",

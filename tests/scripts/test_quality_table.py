@@ -144,3 +144,18 @@ def test_budget_on_the_train_clock_with_timed_validation(sandbox, tmp_path):
     curve = json.loads((out / f"quality_large_D_{qt.machine_name()}_curves.json").read_text())[0]
     times = [p["train_s"] for p in curve["curve"]]
     assert len(times) >= 2 and times == sorted(times) and times[-1] >= 2.0
+
+
+def test_each_run_has_a_process_of_its_own(sandbox, monkeypatch, tmp_path):
+    """run_apart runs run_one in a fresh process (each run starts with the memory free): what
+    this process changes, here its ``run`` made to fail, does not reach it."""
+    def broken(*a, **k):
+        raise AssertionError("ran in the calling process")
+
+    monkeypatch.setattr(qt, "run", broken)
+    args = SimpleNamespace(
+        val_every=0, val_every_s=0.0, epochs=1, budget_s=1.0, budget_clock="wall", max_epochs_in_budget=1,
+        preset="quick", override=["trainer.limit_train_batches=2", "data.max_eval_examples=32"],
+        task_override=[], seed=0)
+    row = qt.run_apart("wiki", "adaptive", "epochs", args, tmp_path)
+    assert row["train_steps"] == 2 and row["head"] == "adaptive"
