@@ -13,7 +13,7 @@ import lst_kernels
 from lst_kernels import _launch, functional, reference
 
 OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
-       "q_update_factors")
+       "q_update_factors", "logsumexp_rows")
 
 
 def test_every_op_is_one_public_function_with_the_reference_signature_and_impl():

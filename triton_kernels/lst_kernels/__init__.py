@@ -8,10 +8,10 @@ tensors when Triton is importable, the plain-torch implementation otherwise (CPU
 from __future__ import annotations
 
 from . import reference
-from .functional import (gather_dot, gather_sum, gram_rows, m_matrix, q_update, q_update_factors, scatter_add_rows_,
-                         sparse_gram)
+from .functional import (gather_dot, gather_sum, gram_rows, logsumexp_rows, m_matrix, q_update, q_update_factors,
+                         scatter_add_rows_, sparse_gram)
 
 __all__ = [
     "gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
-    "q_update_factors", "reference",
+    "q_update_factors", "logsumexp_rows", "reference",
 ]

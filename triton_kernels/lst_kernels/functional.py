@@ -136,9 +136,9 @@ def gram_rows(idx: Tensor, G: Tensor, X: Tensor, *, impl: str = "auto") -> Tenso
     if _use_triton(X, impl, idx, G):  # the deterministic kernels (no float atomics)
         scatter_add_rows_(N, col, g, X.to(ct), 1.0, impl="triton")
         return gather_sum(N, col, g, impl="triton")
-    rows = torch.arange(m, device=X.device).repeat_interleave(K)
-    N.index_add_(0, col.reshape(-1), g.reshape(-1, 1) * X.to(ct)[rows])  # sequential on CPU
-    out = g.reshape(-1, 1) * N[col.reshape(-1)]
+    Xk = X.to(ct) if K == 1 else X.to(ct).repeat_interleave(K, dim=0)  # each slot's row of X
+    N.index_add_(0, col.reshape(-1), g.reshape(-1, 1) * Xk)  # sequential on CPU
+    out = g.reshape(-1, 1) * N.index_select(0, col.reshape(-1))
     return out if K == 1 else out.view(m, K, d).sum(1)
 
 
@@ -223,3 +223,37 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
     out -= c * lr * (E + E.T)
     out += c * c * Qc
     return out.to(Q.dtype)
+
+
+class _LogSumExpRows(torch.autograd.Function):
+    """The row max and the softmax p in one pass; the normaliser ``max - log p[argmax]`` (p at
+    the max is 1 / sum exp(Z - max)); p kept for the backward, ``grad * p``."""
+
+    @staticmethod
+    def forward(ctx, Z: Tensor) -> Tensor:
+        top, arg = Z.max(1, keepdim=True)
+        p = torch.softmax(Z, 1)
+        ctx.save_for_backward(p)
+        return top - p.gather(1, arg).log()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> Tensor:
+        (p,) = ctx.saved_tensors
+        return grad * p
+
+
+def logsumexp_rows(Z: Tensor, *, impl: str = "auto") -> Tensor:
+    """log sum_j exp(Z[i, j]) per row of a floating (m, n) Z, n >= 1: (m, 1), differentiable,
+    -inf entries (masked slots) taking no mass. The sampled softmaxes' normaliser (the exact
+    head's ``loss="sampled"``, the sampled and hierarchical softmax baselines). Not
+    ``torch.logsumexp``: on the CPU its exp, and its gradient's ``exp(Z - lse)``, take a slow
+    path for every shifted entry below about -87 (float32's smallest normal), 12x at 256 x 65
+    once a model's outputs spread that far (docs/kernels.md); the softmax kernel does not.
+    torch on every device (``impl`` is checked, no kernel of its own)."""
+    if not isinstance(Z, Tensor):
+        raise TypeError(f"Z must be a torch.Tensor, got {type(Z).__name__}")
+    if not Z.is_floating_point() or Z.dim() != 2 or Z.shape[1] < 1:
+        raise ValueError(f"Z must be a floating (m, n) tensor with n >= 1, got {Z.dtype} {tuple(Z.shape)}")
+    _use_triton(Z, impl)
+    return _LogSumExpRows.apply(Z)

@@ -16,7 +16,7 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j]; padding slots give 0."""
     ct = torch.promote_types(V.dtype, X.dtype)
     safe, valid = idx.clamp(min=0), idx >= 0
-    rows = V[safe].to(ct)  # (m, K, d)
+    rows = V.index_select(0, safe.reshape(-1)).view(*idx.shape, -1).to(ct)  # (m, K, d): V[safe]
     A = torch.einsum("mkd,md->mk", rows, X.to(ct))
     if x0 is not None:
         A = A + x0.to(ct)[:, None]
@@ -28,7 +28,7 @@ def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     ct = torch.promote_types(V.dtype, G.dtype)
     safe, valid = idx.clamp(min=0), idx >= 0
     w = torch.where(valid, G.to(ct), torch.zeros((), dtype=ct, device=G.device))
-    return torch.einsum("mk,mkd->md", w, V[safe].to(ct))
+    return torch.einsum("mk,mkd->md", w, V.index_select(0, safe.reshape(-1)).view(*idx.shape, -1).to(ct))
 
 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:
@@ -47,7 +47,7 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     summed = torch.zeros(uniq.numel(), X.shape[1], dtype=ct, device=V.device)
     # Stable order: index_add over a sorted permutation is sequential on CPU.
     order = torch.argsort(inv, stable=True)
-    summed.index_add_(0, inv[order], contrib[order])
+    summed.index_add_(0, inv[order], contrib.index_select(0, order))
     V.index_add_(0, uniq, (alpha * summed).to(V.dtype))
     return V
 
@@ -115,3 +115,8 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
     HMH = (4 * P @ Q @ P + 2 * P @ F.T + 2 * F @ P + num_classes * torch.outer(u, u)
            + torch.outer(u, y) + torch.outer(y, u) + H.T @ YYH)
     return c * c * Q - c * lr * (E + E.T) + lr * lr * HMH
+
+
+def logsumexp_rows(Z: Tensor) -> Tensor:
+    """log sum_j exp(Z[i, j]) per row, (m, 1); -inf entries take no mass."""
+    return torch.logsumexp(Z, 1, keepdim=True)

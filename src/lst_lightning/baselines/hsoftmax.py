@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import lst_kernels as lk
+
 from ..heads.base import OutputHead
 from ..heads.samplers import check_class_counts
 from .row_sparse import row_gather
@@ -117,7 +119,7 @@ class HierarchicalSoftmaxHead(OutputHead):
             logits = logits + self.bias[members]
         logits = logits.float().masked_fill(~inside, float("-inf"))
         pos = (safe.reshape(-1) - first[:, 0]).unsqueeze(1)
-        lp_within = (logits.gather(1, pos) - torch.logsumexp(logits, dim=1, keepdim=True)).reshape(m, K)
+        lp_within = (logits.gather(1, pos) - lk.logsumexp_rows(logits)).reshape(m, K)
         return lp_cluster + lp_within
 
     def _grouped_log_prob(self, hidden: Tensor, idx: Tensor) -> Tensor:
@@ -141,7 +143,7 @@ class HierarchicalSoftmaxHead(OutputHead):
         rows = slots // K
         pos = flat[slots] - torch.repeat_interleave(lo, per_cluster)
         counts = per_cluster.tolist()
-        within = [(lg.gather(1, p[:, None])[:, 0] - torch.logsumexp(lg, 1))
+        within = [(lg.gather(1, p[:, None]) - lk.logsumexp_rows(lg))[:, 0]
                   for lg, p in ((F.linear(h, wc, bc).float(), p)
                                 for h, wc, bc, p in zip(hidden[rows].split(counts), w, b, pos.split(counts)))]
         lp = self.cluster_log_prob(hidden)[rows, c]

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+import lst_kernels as lk
+
 from .samplers import make_sampler
 from .linear import LinearClassHead
 from .row_sparse import row_gather
@@ -152,5 +154,5 @@ class SampledSoftmaxHead(LinearClassHead):
             o_n = self.class_logits(hidden, neg)
         o_n = (o_n.float() - correction).masked_fill(hit, float("-inf"))
         o_z = o_t.float().masked_fill(~first, float("-inf"))  # each target class once in Z
-        log_z = torch.logsumexp(torch.cat([o_z, o_n], 1), dim=1, keepdim=True)
+        log_z = lk.logsumexp_rows(torch.cat([o_z, o_n], 1))
         return reduce_rows((val * (log_z - o_t.float())).sum(1), self.reduction)

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+import lst_kernels as lk
+
 from .base import SphericalLoss
 from .mse import MSELoss
 from .spherical_softmax import SphericalSoftmaxLoss
@@ -105,7 +107,7 @@ class SampledCompositeLoss(SphericalLoss):
         neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
         o_t = torch.where(slots.first, A, neg_inf)
         o_n = torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))
-        log_z = torch.logsumexp(torch.cat([o_t, o_n], 1), dim=1, keepdim=True)
+        log_z = lk.logsumexp_rows(torch.cat([o_t, o_n], 1))
         return (T * (log_z - A)).sum(1)  # T is 0 on padding
 
     def with_slots(self, q, s, A, T, A_neg, slots: SampledSlots, *, num_classes, y_sq=None):

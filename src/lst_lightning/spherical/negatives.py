@@ -166,8 +166,8 @@ class NegativeSampling:
         cols, uniq, inv, slots = self.draw(idx, q.dtype)  # q is in the head's dtype
         sh = head.sharding  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:
-            V_u = head.V[uniq] if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
-            A_neg = torch.addmm(ht[:, None], Ht, V_u[inv].T)  # (H U^T) V[neg]^T + H omega: one GEMM
+            V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
+            A_neg = torch.addmm(ht[:, None], Ht, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
             A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn

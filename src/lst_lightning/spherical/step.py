@@ -202,7 +202,7 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     Y = torch.linalg.solve_triangular(LU, X, upper=True, left=False)  # (X P L) R = X U
     Y = torch.linalg.solve_triangular(LU, Y, upper=False, unitriangular=True, left=False)  # X P
     P = torch.lu_unpack(LU, pivots, unpack_data=False)[0]
-    return Y[:, P.argmax(1)], info  # X = (X P) P^T
+    return Y.index_select(1, P.argmax(1)), info  # X = (X P) P^T
 
 
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
