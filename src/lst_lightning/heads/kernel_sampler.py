@@ -7,8 +7,8 @@ import functools
 import torch
 from torch import Tensor
 
-from ...heads.samplers import Sampler, check_num_samples
 from .kernel_functions import Kernel, QuadraticKernel, RandomFourierKernel
+from .samplers import Sampler, check_num_samples
 from .sum_tree import KernelSumTree
 
 DRAWS = ("auto", "tree", "direct")
