@@ -59,7 +59,7 @@ class Negatives:
     ``num``: S negatives; ``sampler``: "log_uniform" (Zipf over frequency-sorted ids),
     "unigram" (``class_counts ** power``, + ``smoothing``), "uniform", or "quadratic"
     (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
-    ``leaf_size`` classes a leaf; None: max(16, d + 2)); ``shared``: one draw for the whole
+    ``leaf_size`` classes a leaf; None: max(16, width + 1)); ``shared``: one draw for the whole
     batch (one dense block) or S per row (the quadratic proposal: per row only); ``seed``:
     of the head's own generator (None: the head's init seed); ``remove_accidental_hits``: a
     negative equal to one of its row's targets is masked out (and the correction uses the
