@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lst_lightning.baselines.samplers import KernelSumTree
-from lst_lightning.baselines.samplers.kernel_functions import QuadraticKernel, RandomFourierKernel
+from lst_lightning.heads.kernel_functions import QuadraticKernel, RandomFourierKernel
 
 
 def build_ms(tree, C, reps: int) -> float:

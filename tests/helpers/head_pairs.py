@@ -1,5 +1,7 @@
 """The naive/factored head pair the spherical tests compare step after step, and
 their batches: padding, classes repeated within a row and across rows."""
+import io
+
 import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
@@ -53,6 +55,66 @@ def step_both(f, n, H, idx, val=None, scale=1.0):
     (scale * Lf).backward()
     (scale * Ln).backward()
     return rel(Lf, Ln), rel(Hf.grad, Hn.grad), rel(f.weight(), n.weight())
+
+
+def hard_batch(m=7, K=3, classes=8, d=6):
+    """K > 1 targets over a few classes (sampled negatives hit them: accidental hits),
+    padding -1 and -100, a class repeated within a row and across rows, a fully padded row."""
+    H = torch.randn(m, d, dtype=torch.float64)
+    idx = torch.randint(0, classes, (m, K))
+    idx[0, -1] = -1
+    idx[1, 1] = idx[1, 0]
+    idx[2, 0] = idx[0, 0]
+    idx[3, 2] = -100
+    idx[4] = -1
+    return H, idx
+
+
+def run_hard(f, n, steps=5, tol=1e-10, **kw):
+    """``steps`` steps of both heads on hard batches (``hard_batch(**kw)``): loss, dL/dH and W equal."""
+    for _ in range(steps):
+        errs = step_both(f, n, *hard_batch(**kw))
+        assert max(errs) < tol, f"relative errors (loss, dL/dH, W) = {errs}"
+
+
+def assert_resumes_alike(make, batches, before=3, after=3):
+    """A head (``make()``) trained ``before`` steps, saved, loaded into a fresh one: the next
+    ``after`` steps of both give bit-identical losses and W. Returns the loaded head."""
+    f = make()
+    for _ in range(before):
+        H, idx = batches()
+        f(H.clone().requires_grad_(), idx).backward()
+    buf = io.BytesIO()
+    torch.save(f.state_dict(), buf)
+    g = make()
+    buf.seek(0)
+    g.load_state_dict(torch.load(buf, weights_only=False))
+    for _ in range(after):
+        H, idx = batches()
+        Lf, Lg = f(H.clone().requires_grad_(), idx), g(H.clone().requires_grad_(), idx)
+        Lf.backward()
+        Lg.backward()
+        assert torch.equal(Lf, Lg)
+    assert torch.equal(f.weight(), g.weight())
+    return g
+
+
+def accumulate_both(f, n, batches, steps=2, micro=2, tol=1e-10):
+    """Both heads attached to an optimizer, ``micro`` micro-batches (``batches()``: H, idx) per
+    optimizer step: dL/dH and, after each step, W equal within ``tol``."""
+    fo, no = (torch.optim.SGD([torch.zeros(1, requires_grad=True)]) for _ in range(2))
+    f.attach(fo)
+    n.attach(no)
+    for _ in range(steps):
+        for _ in range(micro):
+            H, idx = batches()
+            Hf, Hn = H.clone().requires_grad_(), H.clone().requires_grad_()
+            f(Hf, idx).backward()
+            n(Hn, idx).backward()
+            assert rel(Hf.grad, Hn.grad) < tol
+        fo.step()
+        no.step()
+        assert rel(f.weight(), n.weight()) < tol
 
 
 def run_steps(f, n, steps, m, K, classes=10, tol=1e-9, vals=False):

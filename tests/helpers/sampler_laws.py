@@ -2,7 +2,7 @@
 import torch
 from scipy.stats import chisquare
 
-from lst_lightning.baselines.samplers.kernel_functions import QuadraticKernel, RandomFourierKernel
+from lst_lightning.heads.kernel_functions import QuadraticKernel, RandomFourierKernel
 
 
 def empirical(ids, n):

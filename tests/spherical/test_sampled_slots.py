@@ -3,8 +3,6 @@ loss losses/sampled_composite.py): the factored step equals the naive head's ste
 drawn negatives, in float64, over several steps (loss, dL/dH and the implicit W after each),
 shared per batch (one dense block) and drawn per row (extra slots); the draws are the head's
 own, reproducible from the seed and resumed exactly; bad settings are refused in one line."""
-import io
-
 import pytest
 import torch
 
@@ -13,7 +11,8 @@ from lst_lightning.spherical.negatives import unique_column_gram
 
 import lst_kernels as lk
 
-from head_pairs import assert_untouched, make_pair, rel, state_of, step_both
+import head_pairs
+from head_pairs import accumulate_both, assert_resumes_alike, assert_untouched, make_pair, state_of, step_both
 
 D, d = 40, 6
 
@@ -27,24 +26,12 @@ def pair(shared=True, num=6, sampler="log_uniform", gram=0.0, mu=1.0, spherical=
                      loss_kwargs=dict(mu=mu, gram=gram, spherical=spherical, spherical_kwargs=skw), **kw)
 
 
-def hard_batch(m=7, K=3, classes=8):
-    """K > 1 targets over a few classes (log-uniform negatives hit them: accidental hits),
-    padding -1 and -100, a class repeated within a row and across rows, a fully padded row."""
-    H = torch.randn(m, d, dtype=torch.float64)
-    idx = torch.randint(0, classes, (m, K))
-    idx[0, -1] = -1
-    idx[1, 1] = idx[1, 0]
-    idx[2, 0] = idx[0, 0]
-    idx[3, 2] = -100
-    idx[4] = -1
-    return H, idx
+def hard_batch(**kw):
+    return head_pairs.hard_batch(d=d, **kw)
 
 
 def run(f, n, steps=5, **kw):
-    for _ in range(steps):
-        H, idx = hard_batch(**kw)
-        errs = step_both(f, n, H, idx)
-        assert max(errs) < 1e-10, f"relative errors (loss, dL/dH, W) = {errs}"
+    head_pairs.run_hard(f, n, steps, d=d, **kw)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -83,7 +70,7 @@ def test_accidental_hits_and_repeated_negatives(shared):
     torch.manual_seed(2)
     f, n = pair(shared=shared, num=40)
     H, idx = hard_batch()
-    cols, uniq, _, slots = f.negatives.draw(idx, torch.float64)
+    cols, uniq, _, slots = f.negatives.draw(f, idx)
     assert bool(slots.hit.any())
     assert uniq is None or uniq.numel() < cols.numel()
     f.negatives.generator.manual_seed(11)
@@ -107,19 +94,7 @@ def test_fused_step_and_exact_accumulation_equal_the_naive_head(shared):
     run(f, n, steps=3)
     # two micro-batches per optimizer step: one exact step on their union (negatives as slots)
     f, n = pair(shared=shared)
-    fo, no = torch.optim.SGD([torch.zeros(1, requires_grad=True)]), torch.optim.SGD([torch.zeros(1, requires_grad=True)])
-    f.attach(fo)
-    n.attach(no)
-    for _ in range(2):
-        for _ in range(2):
-            H, idx = hard_batch()
-            Hf, Hn = H.clone().requires_grad_(), H.clone().requires_grad_()
-            f(Hf, idx).backward()
-            n(Hn, idx).backward()
-            assert rel(Hf.grad, Hn.grad) < 1e-10
-        fo.step()
-        no.step()
-        assert rel(f.weight(), n.weight()) < 1e-10
+    accumulate_both(f, n, hard_batch)
 
 
 def test_device_flags_step_equals_the_host_checked_step():
@@ -137,34 +112,19 @@ def test_the_draws_are_reproducible_from_the_seed():
     a = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, seed=5))
     b = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, seed=5))
     c = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, seed=6))
-    da, db, dc = (h.negatives.draw(idx, torch.float32)[0] for h in (a, b, c))
+    da, db, dc = (h.negatives.draw(h, idx)[0] for h in (a, b, c))
     assert torch.equal(da, db) and not torch.equal(da, dc)
     # no seed: the head's own init seed (a head made from one generator draws alike)
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     h1 = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, shared=False), generator=g1)
     h2 = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=9, shared=False), generator=g2)
-    assert torch.equal(h1.negatives.draw(idx, torch.float32)[0], h2.negatives.draw(idx, torch.float32)[0])
+    assert torch.equal(h1.negatives.draw(h1, idx)[0], h2.negatives.draw(h2, idx)[0])
 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_resume_mid_run_gives_the_same_next_draws_and_steps(shared):
     torch.manual_seed(6)
-    f, _ = pair(shared=shared)
-    for _ in range(3):
-        H, idx = hard_batch()
-        f(H.clone().requires_grad_(), idx).backward()
-    buf = io.BytesIO()
-    torch.save(f.state_dict(), buf)
-    g, _ = pair(shared=shared)  # a fresh head, its generator at the start
-    buf.seek(0)
-    g.load_state_dict(torch.load(buf, weights_only=False))
-    for _ in range(3):
-        H, idx = hard_batch()
-        Lf, Lg = f(H.clone().requires_grad_(), idx), g(H.clone().requires_grad_(), idx)
-        Lf.backward()
-        Lg.backward()
-        assert torch.equal(Lf, Lg)
-    assert torch.equal(f.weight(), g.weight())
+    assert_resumes_alike(lambda: pair(shared=shared)[0], hard_batch)  # the fresh head's generator at the start
 
 
 def test_a_state_saved_with_other_negatives_is_refused_untouched():
@@ -197,8 +157,10 @@ def test_shared_block_gram_equals_the_slot_gram():
 @pytest.mark.parametrize("settings,match", [
     (dict(num=0), "num must be a positive int"),
     (dict(num=True), "num must be a positive int"),
-    (dict(sampler="rff"), "the RF proposal not"),
-    (dict(sampler="quadratic"), "not built for the implicit W"),
+    (dict(sampler="rff"), "RF-softmax proposal is not drawn"),
+    (dict(sampler="quadratic"), "set negatives.shared=False"),
+    (dict(sampler="quadratic", shared=False, alpha=0.0), "alpha must be a finite number > 0"),
+    (dict(sampler="quadratic", shared=False, leaf_size=0), "leaf_size must be a positive int"),
     (dict(sampler="exact"), "sampler must be one of"),
     (dict(sampler="unigram"), "needs negatives.class_counts"),
     (dict(sampler="unigram", class_counts=torch.ones(D), power="x"), "power must be a finite number"),

@@ -1,7 +1,8 @@
 """Proposal distributions over classes for sampled classes, shared by the sampled-softmax
-baseline (``lst_lightning.baselines.samplers``, which adds the kernel proposals) and the
-exact head's sampled slots (``lst_lightning.spherical.negatives``): the base class and the
-static proposals (uniform, log-uniform, unigram), torch only.
+baseline (``lst_lightning.baselines.samplers``, the registry by name) and the exact head's
+sampled slots (``lst_lightning.spherical.negatives``): the base class and the static
+proposals (uniform, log-uniform, unigram), torch only; the kernel proposals are in
+``kernel_sampler.py``.
 
 A sampler draws negative classes and reports their log-probability under the
 distribution it actually drew from, which the sampled softmax needs for its

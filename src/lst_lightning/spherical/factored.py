@@ -102,6 +102,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         if driving.step == "cuda_graph":
             raise ValueError("negatives with step='cuda_graph': the draw runs on the host each step and a "
                              "captured graph would replay one draw; use step='autograd' or 'fused'")
+        if self.negatives.kernel is not None and driving.parallel != "none":
+            raise ValueError(f"negatives.sampler={self.negatives.settings.sampler!r} with parallel="
+                             f"{driving.parallel!r}: its sum-tree holds every row of V in one process; use "
+                             "parallel='none' or a static sampler")
 
     @property
     def sharded(self) -> bool:
@@ -197,6 +201,12 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for a, blk in row_blocks(self.V):
             torch.addmm(self.omega, blk, self.U, out=W[a:a + blk.shape[0]])
         return W
+
+    def _proposal_rows(self, rows: Tensor | None = None) -> Tensor:
+        """The rows a kernel proposal's tree holds (negatives.py): [v_c, 1], for the query
+        [U h, h.omega] (h.w_c = (U h).v_c + h.omega: a step moves only the rows it writes)."""
+        V = self.V if rows is None else self.V[rows]
+        return torch.cat([V, V.new_ones(V.shape[0], 1)], 1)
 
     @torch.no_grad()
     def reset_weight(self, W: Tensor | None = None) -> None:

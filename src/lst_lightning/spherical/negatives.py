@@ -9,8 +9,9 @@ O(m d^2 + m S d), with the same V, U, Q, wbar, omega.
 - ``Negatives``: the settings (how many, which sampler, shared per batch or drawn per row,
   the seed), validated once.
 - ``NegativeSampling`` (``head.negatives``, built by the shell, base.py, for the factored
-  and the naive head alike): the proposal, the head's own generator (its state is in the
-  head's extra state: a resumed run draws the same next negatives), the draw with its
+  and the naive head alike): the proposal (a static table, or the quadratic kernel's
+  sum-tree over the head's rows, kernel_proposal.py), the head's own generator (its state is
+  in the head's extra state: a resumed run draws the same next negatives), the draw with its
   correction and accidental-hit mask, and, for the factored head, the loss and its
   gradients on (q, s, A, A_neg).
 - ``SharedBlock``: shared negatives as ONE dense block of S columns, not m S slots: their
@@ -27,6 +28,7 @@ The step (step.py) enters this module only when the head has negatives.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,16 +36,20 @@ from torch import Tensor
 
 import lst_kernels as lk
 
+from ..heads.kernel_functions import QUADRATIC_ALPHA
 from ..heads.samplers import STATIC_SAMPLERS
 from ..heads.targets import first_occurrence
 from ..losses import SampledSlots
+from .kernel_proposal import KernelProposal
 
-#: the kernel proposals of the sampled-softmax baseline, not yet drawn for the implicit W
-KERNEL_SAMPLERS = ("rff", "quadratic")
-KERNEL_REFUSAL = ("not built for the implicit W = V U + 1 omega^T (issue 31): the quadratic proposal would be exact "
-                  "((h.w_c)^2 = ([U h, h.omega].[v_c, 1])^2, a sum-tree over V's rows updated where the step "
-                  "scatters, rebuilt when a repair moves all of V), the RF proposal not (it normalises w_c, whose "
-                  "norm moves with U for every class at every step); use 'log_uniform', 'unigram' or 'uniform'")
+#: the kernel proposals the exact head draws (per row: q depends on each row's h)
+KERNEL_SAMPLERS = ("quadratic",)
+SAMPLER_NAMES = (*STATIC_SAMPLERS, *KERNEL_SAMPLERS)
+RFF_REFUSAL = ("the RF-softmax proposal is not drawn for the implicit W = V U + 1 omega^T: its kernel is on "
+               "w_c / ||w_c||, whose norm moves with U for every class at every step (a tree over it is O(D d^2) "
+               "a step), and one over V's rows would draw a law of the factors, not of W, that the naive "
+               "reference cannot draw; use 'quadratic' (exact: its tree moves only with the rows the step writes) "
+               "or a static sampler")
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,13 @@ class Negatives:
     """The sampled classes of each training step, validated on construction.
 
     ``num``: S negatives; ``sampler``: "log_uniform" (Zipf over frequency-sorted ids),
-    "unigram" (``class_counts ** power``, + ``smoothing``) or "uniform"; ``shared``: one
-    draw for the whole batch (one dense block) or S per row; ``seed``: of the head's own
-    generator (None: the head's init seed); ``remove_accidental_hits``: a negative equal to
-    one of its row's targets is masked out (and the correction uses the law it was drawn
-    from, q / (1 - q_T))."""
+    "unigram" (``class_counts ** power``, + ``smoothing``), "uniform", or "quadratic"
+    (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
+    ``leaf_size`` classes a leaf; None: max(16, width + 1)); ``shared``: one draw for the whole
+    batch (one dense block) or S per row (the quadratic proposal: per row only); ``seed``:
+    of the head's own generator (None: the head's init seed); ``remove_accidental_hits``: a
+    negative equal to one of its row's targets is masked out (and the correction uses the
+    law it was drawn from, q / (1 - q_T), q_T of that row)."""
 
     num: int = 64
     sampler: str = "log_uniform"
@@ -64,15 +72,26 @@ class Negatives:
     remove_accidental_hits: bool = True
     power: float = 0.75
     smoothing: float = 0.0
+    alpha: float = QUADRATIC_ALPHA
+    leaf_size: int | None = None
     class_counts: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
             raise ValueError(f"negatives.num must be a positive int, got {self.num!r}")
-        if self.sampler in KERNEL_SAMPLERS:
-            raise ValueError(f"negatives.sampler={self.sampler!r}: {KERNEL_REFUSAL}")
-        if self.sampler not in STATIC_SAMPLERS:
-            raise ValueError(f"negatives.sampler must be one of {sorted(STATIC_SAMPLERS)}, got {self.sampler!r}")
+        if self.sampler == "rff":
+            raise ValueError(f"negatives.sampler='rff': {RFF_REFUSAL}")
+        if self.sampler not in SAMPLER_NAMES:
+            raise ValueError(f"negatives.sampler must be one of {sorted(SAMPLER_NAMES)}, got {self.sampler!r}")
+        if self.sampler in KERNEL_SAMPLERS and self.shared is True:
+            raise ValueError(f"negatives.sampler={self.sampler!r} draws per row (its q depends on each row's h): "
+                             "shared=True would need one law for the whole batch; set negatives.shared=False")
+        number = isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
+        if not (number and math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"negatives.alpha must be a finite number > 0, got {self.alpha!r}")
+        if self.leaf_size is not None and (isinstance(self.leaf_size, bool) or not isinstance(self.leaf_size, int)
+                                           or self.leaf_size < 1):
+            raise ValueError(f"negatives.leaf_size must be a positive int or None, got {self.leaf_size!r}")
         if self.sampler == "unigram" and self.class_counts is None:
             raise ValueError("negatives.sampler='unigram' needs negatives.class_counts (one count per class)")
         for name in ("shared", "remove_accidental_hits"):
@@ -98,15 +117,24 @@ class Negatives:
         """The settings but the counts (what a checkpoint records and compares)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "class_counts"}
 
+    @classmethod
+    def saved(cls, settings: dict) -> dict:
+        """A checkpoint's settings, with the defaults of those it predates (alpha, leaf_size)."""
+        return {**{f.name: f.default for f in dataclasses.fields(cls) if f.name != "class_counts"}, **settings}
+
 
 class NegativeSampling:
     """``head.negatives``: the proposal, the head's generator and the draw."""
 
     def __init__(self, settings: Negatives, num_classes: int, seed: int):
         self.settings = settings
-        kw = {"class_counts": settings.class_counts, "power": settings.power,
-              "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
-        self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
+        self.sampler = self.kernel = None
+        if settings.sampler in KERNEL_SAMPLERS:  # a sum-tree over the head's rows, built at the first draw
+            self.kernel = KernelProposal(num_classes, settings.alpha, settings.leaf_size)
+        else:
+            kw = {"class_counts": settings.class_counts, "power": settings.power,
+                  "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
+            self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
         self._q = {}  # the proposal's q on each (device, dtype) the targets came on: made once
@@ -116,7 +144,7 @@ class NegativeSampling:
         return {"settings": self.settings.public(), "rng": self.generator.get_state()}
 
     def check_state(self, state: dict) -> None:
-        if state["settings"] != self.settings.public():
+        if Negatives.saved(state["settings"]) != self.settings.public():
             raise ValueError(f"the state was saved with negatives {state['settings']} but this head has "
                              f"{self.settings.public()}")
 
@@ -125,11 +153,16 @@ class NegativeSampling:
         self.generator.set_state(state["rng"])
 
     # -- the draw ---------------------------------------------------------------------------
-    def draw(self, idx: Tensor, dtype: torch.dtype):
+    def draw(self, head, idx: Tensor, query: Tensor | None = None):
         """S negatives (shared: (S,); per row: (m, S)), drawn on the host from the head's
-        generator; their correction ``log(k q / (1 - q_T))`` and accidental-hit mask, (m, S)."""
-        st, (m, S) = self.settings, (idx.shape[0], self.settings.num)
-        neg, log_q = self.sampler.sample(S if st.shared else m * S, generator=self.generator)
+        generator; their correction ``log(k q / (1 - q_T))`` and accidental-hit mask, (m, S).
+        ``query``: each row's query of the kernel proposal (the factored head: [H U^T, H omega];
+        the naive head: H), unused by a static one."""
+        st, (m, S), dtype = self.settings, (idx.shape[0], self.settings.num), head.dtype
+        if self.kernel is not None:  # per row, from each row's law (shared is refused)
+            neg, log_q = self.kernel.sample(head, query, S, self.generator)
+        else:
+            neg, log_q = self.sampler.sample(S if st.shared else m * S, generator=self.generator)
         uniq = inv = None
         if st.shared:
             uniq, inv = torch.unique(neg, sorted=True, return_inverse=True)  # on the host: no device sync
@@ -141,10 +174,7 @@ class NegativeSampling:
         if st.remove_accidental_hits:
             hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
             kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
-            key = (idx.device, dtype)
-            if key not in self._q:
-                self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
-            q_t = torch.where(first, self._q[key][idx.clamp(min=0)],
+            q_t = torch.where(first, self._target_q(idx, dtype, query),
                               torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
@@ -152,6 +182,21 @@ class NegativeSampling:
             kept = torch.full((m, 1), float(S), dtype=dtype, device=idx.device)
             log_rest = torch.zeros((m, 1), dtype=dtype, device=idx.device)
         return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit, first)
+
+    def _target_q(self, idx: Tensor, dtype: torch.dtype, query: Tensor | None) -> Tensor:
+        """q of each row's targets (m, K), under the law its negatives were drawn from."""
+        if self.kernel is not None:
+            return self.kernel.log_q(query, idx).to(idx.device, dtype).exp()
+        key = (idx.device, dtype)
+        if key not in self._q:
+            self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
+        return self._q[key][idx.clamp(min=0)]
+
+    def moved(self, head, idx: Tensor | None) -> None:
+        """After the step's write into V's rows ``idx`` (None: all of V, a fold): a kernel
+        proposal's tree follows them."""
+        if self.kernel is not None:
+            self.kernel.moved(head, idx)
 
     def slots_part(self) -> "PerRowSlots":
         """Exact accumulation's records carry every negative as a slot: their Yd Yd^T by unique columns."""
@@ -163,7 +208,8 @@ class NegativeSampling:
         """The draw, the negatives' outputs, the composite loss and its gradients by autograd.
         Returns (L, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives
         as extra slots (the general path); shared, they stay apart in a ``SharedBlock``."""
-        cols, uniq, inv, slots = self.draw(idx, q.dtype)  # q is in the head's dtype
+        query = None if self.kernel is None else torch.cat([Ht, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
+        cols, uniq, inv, slots = self.draw(head, idx, query)
         sh = head.sharding  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:
             V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once

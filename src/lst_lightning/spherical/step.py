@@ -302,6 +302,8 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
         head.Q.copy_(Q)
         head.wbar.copy_(new.wbar)
     head._version += 1
+    if head.negatives is not None:  # a kernel proposal's tree follows the rows just written (a fold: all of V)
+        head.negatives.moved(head, None if new.fold else fwd.idx)
 
 
 @torch.no_grad()

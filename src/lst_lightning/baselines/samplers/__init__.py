@@ -1,13 +1,13 @@
 """Proposal distributions for sampled softmax, selectable by name: the static ones
-(``lst_lightning.heads.samplers``, shared with the exact head's sampled slots) and the
-kernel ones of this package."""
+(``lst_lightning.heads.samplers``) and the kernel ones (``lst_lightning.heads.kernel_sampler``),
+both shared with the exact head's sampled slots, and the exact softmax."""
 from __future__ import annotations
 
 import inspect
 
+from ...heads.kernel_sampler import ExactSoftmaxSampler, KernelSampler, QuadraticSampler, RFFSampler
 from ...heads.samplers import LogUniformSampler, Sampler, UniformSampler, UnigramSampler
-from .kernel_sampler import ExactSoftmaxSampler, KernelSampler, QuadraticSampler, RFFSampler
-from .sum_tree import KernelSumTree
+from ...heads.sum_tree import KernelSumTree
 
 SAMPLERS: dict[str, type[Sampler]] = {
     "uniform": UniformSampler,

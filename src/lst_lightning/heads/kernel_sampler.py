@@ -7,8 +7,8 @@ import functools
 import torch
 from torch import Tensor
 
-from ...heads.samplers import Sampler, check_num_samples
-from .kernel_functions import Kernel, QuadraticKernel, RandomFourierKernel
+from .kernel_functions import QUADRATIC_ALPHA, Kernel, QuadraticKernel, RandomFourierKernel
+from .samplers import Sampler, check_num_samples
 from .sum_tree import KernelSumTree
 
 DRAWS = ("auto", "tree", "direct")
@@ -63,17 +63,26 @@ class KernelSampler(Sampler):
             raise RuntimeError("the sampler has no class embeddings yet: call sync(embeddings) first")
         return hidden.detach()
 
-    @_full_precision
     def sample(self, num_samples, hidden=None, generator=None):
+        ids, log_q = self.sample_float64(num_samples, hidden, generator)
+        return ids, log_q.float()
+
+    def log_prob(self, classes, hidden=None):
+        return self.log_prob_float64(classes, hidden).float()
+
+    @_full_precision
+    def sample_float64(self, num_samples, hidden=None, generator=None) -> tuple[Tensor, Tensor]:
+        """``sample`` with log q in float64 (the exact head's correction in its float64 state)."""
         hidden, S = self._check_hidden(hidden), check_num_samples(num_samples)
         if self.uses_tree(S):
             return self.tree.sample(hidden, S, generator)
         probs = self.tree.direct_probs(hidden)
         ids = torch.multinomial(probs, S, replacement=True, generator=generator)
-        return ids, probs.gather(1, ids).log().float()
+        return ids, probs.gather(1, ids).log()
 
     @_full_precision
-    def log_prob(self, classes, hidden=None):
+    def log_prob_float64(self, classes, hidden=None) -> Tensor:
+        """``log_prob`` in float64."""
         # The walk's law for a few classes is O(K F log n): no need for the direct way here.
         return self.tree.log_prob(self._check_hidden(hidden), classes)
 
@@ -95,8 +104,8 @@ class RFFSampler(KernelSampler):
 class QuadraticSampler(KernelSampler):
     """Quadratic-kernel proposal alpha (h.c)^2 + 1; leaves of about d classes suit its O(d) leaf cost."""
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, alpha: float = 100.0, leaf_size: int | None = None,
-                 draw: str = "auto"):
+    def __init__(self, *, num_classes: int, hidden_dim: int, alpha: float = QUADRATIC_ALPHA,
+                 leaf_size: int | None = None, draw: str = "auto"):
         super().__init__(num_classes=num_classes, kernel=QuadraticKernel(hidden_dim, alpha), draw=draw,
                          leaf_size=max(16, hidden_dim) if leaf_size is None else leaf_size)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lst_lightning.baselines.samplers import KernelSumTree
-from lst_lightning.baselines.samplers.kernel_functions import QuadraticKernel, RandomFourierKernel
+from lst_lightning.heads.kernel_functions import QuadraticKernel, RandomFourierKernel
+from lst_lightning.heads.sum_tree import KernelSumTree
 
 from sampler_laws import KERNELS, assert_draws_follow
 

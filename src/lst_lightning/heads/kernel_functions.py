@@ -2,7 +2,8 @@
 
 Each kernel gives the query features of hidden rows, what the sum-tree keeps
 per class (``leaf_state``), the kernel values of a row against such states,
-and the summed features of a block of classes (what a tree node stores).
+and the summed features of a block of classes (what a tree node stores). They compute
+in float32, or in float64 when given float64 (the exact head's float64 state).
 """
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+#: the quadratic kernel's alpha by default (the baseline's sampler and the exact head's negatives)
+QUADRATIC_ALPHA = 100.0
+
+
+def working(x: Tensor) -> Tensor:
+    """x in the kernels' working dtype: float64 stays float64, anything else float32."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 class Kernel(nn.Module):
@@ -53,14 +62,15 @@ class RandomFourierKernel(Kernel):
         self.register_buffer("omega", torch.randn(hidden_dim, num_features, generator=g) * math.sqrt(nu))
 
     def query(self, hidden):
-        z = F.normalize(hidden.float(), dim=-1) @ self.omega
+        hidden = working(hidden)
+        z = F.normalize(hidden, dim=-1) @ self.omega.to(hidden.dtype)
         return torch.cat([z.cos(), z.sin()], -1) / math.sqrt(self.num_features)
 
     def leaf_state(self, emb):
         return self.query(emb)
 
     def leaf_values(self, q, hidden, state):
-        return torch.matmul(state, q.unsqueeze(-1)).squeeze(-1)
+        return torch.matmul(state, q.to(state.dtype).unsqueeze(-1)).squeeze(-1)
 
     def block_sums(self, state, mask):
         return (state * mask.unsqueeze(-1)).sum(1)
@@ -70,7 +80,7 @@ class QuadraticKernel(Kernel):
     """Blanc & Rendle (2018): K(h, c) = alpha (h.c)^2 + 1, phi(z) = [sqrt(alpha) vec(z z^T), 1]:
     F = d^2 + 1, so a tree node stores sum c c^T and a count; a leaf costs only O(d)."""
 
-    def __init__(self, hidden_dim: int, alpha: float = 100.0):
+    def __init__(self, hidden_dim: int, alpha: float = QUADRATIC_ALPHA):
         super().__init__()
         if not (alpha > 0 and math.isfinite(alpha)):
             raise ValueError(f"alpha must be a finite number > 0, got {alpha}")
@@ -78,15 +88,15 @@ class QuadraticKernel(Kernel):
         self.feature_dim = hidden_dim * hidden_dim + 1
 
     def query(self, hidden):
-        h = hidden.float()
+        h = working(hidden)
         outer = self.alpha * (h.unsqueeze(-1) * h.unsqueeze(-2)).flatten(-2)
         return torch.cat([outer, torch.ones_like(outer[..., :1])], -1)
 
     def leaf_state(self, emb):
-        return emb.float()
+        return working(emb)
 
     def leaf_values(self, q, hidden, state):
-        dot = torch.matmul(state, hidden.float().unsqueeze(-1)).squeeze(-1)
+        dot = torch.matmul(state, hidden.to(state.dtype).unsqueeze(-1)).squeeze(-1)
         return self.alpha * dot * dot + 1.0
 
     def block_sums(self, state, mask):

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from lst_lightning.baselines.samplers.kernel_functions import RandomFourierKernel
+from lst_lightning.heads.kernel_functions import RandomFourierKernel
 
 
 def test_rff_kernel_is_unbiased_gaussian():

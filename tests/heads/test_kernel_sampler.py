@@ -67,3 +67,19 @@ def test_direct_and_tree_draws_share_one_law(name, kwargs):
     assert not auto.uses_tree(8) and auto.uses_tree(1)  # 60 classes: direct for 8 draws, tree for 1
     with pytest.raises(ValueError, match="draw"):
         make_sampler(name, num_classes=n, hidden_dim=d, draw="fast", **kwargs)
+
+
+@pytest.mark.parametrize("name,kwargs", [("rff", {"num_features": 16, "nu": 2.0}), ("quadratic", {"alpha": 2.0})])
+def test_float64_embeddings_give_a_float64_tree_and_law(name, kwargs):
+    """The exact head's float64 state: the tree and log q in float64 (sample_float64,
+    log_prob_float64), equal to the direct law to rounding; sample/log_prob stay float32."""
+    n, d = 60, 4
+    C, h = torch.randn(n, d, dtype=torch.float64), torch.randn(3, d, dtype=torch.float64)
+    s = make_sampler(name, num_classes=n, hidden_dim=d, leaf_size=4, draw="tree", **kwargs)
+    s.sync(C)
+    assert s.tree.sums.dtype == torch.float64
+    ids, log_q = s.sample_float64(50, h, generator=torch.Generator().manual_seed(2))
+    assert log_q.dtype == torch.float64
+    torch.testing.assert_close(log_q, s.direct_probs(h).gather(1, ids).log(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(s.log_prob_float64(ids, h), log_q, rtol=1e-12, atol=1e-12)
+    assert s.sample(5, h)[1].dtype == s.log_prob(ids, h).dtype == torch.float32

@@ -131,7 +131,7 @@ class KernelSumTree(nn.Module):
 
     @torch.no_grad()
     def sample(self, hidden: Tensor, num_samples: int, generator=None) -> tuple[Tensor, Tensor]:
-        """(m, S) class ids drawn for each row of hidden, and their log q (float32)."""
+        """(m, S) class ids drawn for each row of hidden, and their log q (float64)."""
         if not self.built:
             raise RuntimeError("sample() before build()")
         m = hidden.shape[0]
@@ -159,11 +159,11 @@ class KernelSumTree(nn.Module):
             pick = torch.multinomial(p, 1, generator=generator)
             ids[sl] = rows.gather(1, pick)[:, 0]
             logq[sl] = lq + p.gather(1, pick)[:, 0].double().log()
-        return ids.reshape(m, num_samples), logq.float().reshape(m, num_samples)
+        return ids.reshape(m, num_samples), logq.reshape(m, num_samples)
 
     @torch.no_grad()
     def log_prob(self, hidden: Tensor, classes: Tensor) -> Tensor:
-        """log q of classes (m, K) under row j's walk: O(K F log n); padding (-1) gives 0."""
+        """log q (float64) of classes (m, K) under row j's walk: O(K F log n); padding (-1) gives 0."""
         m, K = classes.shape
         safe = classes.clamp(min=0).reshape(-1)
         q_all = self.kernel.query(hidden)
@@ -182,7 +182,7 @@ class KernelSumTree(nn.Module):
             p, _ = self._leaf_probs(q, h, leaf_node - self.num_blocks)
             out[sl] = lq + p.gather(1, (c % self.leaf_size)[:, None])[:, 0].double().log()
         out = out.reshape(m, K)
-        return torch.where(classes >= 0, out, torch.zeros_like(out)).float()
+        return torch.where(classes >= 0, out, torch.zeros_like(out))
 
     @torch.no_grad()
     def direct_probs(self, hidden: Tensor) -> Tensor:
