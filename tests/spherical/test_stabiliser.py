@@ -65,6 +65,30 @@ def test_stabilise_repairs_an_ill_conditioned_u_without_changing_w(sv_method):
 
 
 
+@pytest.mark.parametrize("sv_method", ["power", "svd"])
+def test_several_fixes_take_one_pass_over_v_and_keep_w(monkeypatch, sv_method):
+    """Three singular values out of range, at most 8 fixes: U's are fixed one by one (power)
+    or together (svd), V's transforms composed and applied in ONE pass; W unchanged."""
+    import lst_lightning.spherical.stabiliser as stab
+    f, _ = make_pair("zloss", d=8, stabiliser={"sv_method": sv_method})
+    W = f.weight()
+    S = torch.tensor([0.05, 0.2, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0], dtype=torch.float64)
+    R = torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0]
+    U = R @ torch.diag(S) @ torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64))[0].T
+    f.U.copy_(U)
+    f.Uinv.copy_(torch.linalg.inv(U))
+    f.V.copy_(torch.linalg.solve(U.T, (W - f.omega).T).T)  # keeps W = V U + 1 omega^T
+    passes = []
+    blocks = stab.in_place_blocks
+    monkeypatch.setattr(stab, "in_place_blocks", lambda X: passes.append(1) or blocks(X))
+    f.stabilise()
+    assert len(passes) == 1 and int(f.sv_fixes) >= 3 and int(f.unfactorizations) == 0, f.stats()
+    torch.testing.assert_close(f.weight(), W, rtol=1e-10, atol=1e-10)
+    sig = torch.linalg.svdvals(f.U)
+    assert f.stabiliser.sv_min - 1e-6 <= float(sig.min()) and float(sig.max()) <= f.stabiliser.sv_max + 1e-6
+    torch.testing.assert_close(f.Uinv @ f.U, torch.eye(8, dtype=torch.float64))
+
+
 def test_bookkeeping_refresh_is_exact():
     f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7})
     run_steps(f, n, steps=20, m=3, K=2)

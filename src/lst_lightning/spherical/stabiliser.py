@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .blocks import row_blocks
+from .blocks import in_place_blocks
 
 
 INVERSE_ROUTES = ("auto", "woodbury", "solve", "products")
@@ -126,7 +126,7 @@ class Repairs:
     @torch.no_grad()
     def fold_into_v(self, head, U: Tensor) -> None:
         """V <- V U, U = U^-1 = I: W unchanged, O(D d^2)."""
-        for _, blk in row_blocks(head.V):
+        for _, blk in in_place_blocks(head.V):
             blk.copy_(blk @ U)
         eye = torch.eye(head.width, dtype=head.dtype, device=head.device)
         head.U.copy_(eye)
@@ -136,18 +136,37 @@ class Repairs:
         head.cond_estimate.fill_(1.0)
         head._version += 1
 
-    def _rescale_directions(self, head, P: Tensor, sigma: Tensor, target: Tensor) -> None:
-        """Set U's singular values ``sigma`` (left vectors: columns of P) to ``target``.
+    def _rescale_directions(self, head, P: Tensor, sigma: Tensor, target: Tensor,
+                            pending: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """Set U's singular values ``sigma`` (left vectors: orthonormal columns of P) to ``target``.
 
-        U <- (I + P diag(alpha) P^T) U, V and U^-1 <- X (I + P diag(beta) P^T), with
-        (1 + alpha)(1 + beta) = 1, so W = V U is unchanged; O(D d k) for k columns."""
+        U <- (I + P diag(alpha) P^T) U and U^-1 <- U^-1 (I + P diag(beta) P^T), with
+        (1 + alpha)(1 + beta) = 1; V's factor (I + P diag(beta) P^T) is composed into
+        ``pending`` = (A, C), V's transform I + A C A^T so far (None: I), and returned:
+        ``_transform_v`` applies it in one O(D d k) pass, W = V U unchanged."""
         alpha = target / sigma - 1.0
         beta = -alpha / (1.0 + alpha)
         head.U.add_(P @ (alpha[:, None] * (P.T @ head.U)))
         head.Uinv.add_((head.Uinv @ P) @ (beta[:, None] * P.T))
-        for _, blk in row_blocks(head.V):
-            blk.add_((blk @ P) @ (beta[:, None] * P.T))
         head.sv_fixes += P.shape[1]
+        if pending is None:
+            return P, torch.diag(beta)
+        # (I + A C A^T)(I + P B P^T) = I + [A, P] [[C, C A^T P B], [0, B]] [A, P]^T
+        A, C = pending
+        k, j = C.shape[0], P.shape[1]
+        top = torch.cat([C, C @ (A.T @ P) * beta[None, :]], 1)
+        bottom = torch.cat([C.new_zeros(j, k), torch.diag(beta)], 1)
+        return torch.cat([A, P], 1), torch.cat([top, bottom])
+
+    @staticmethod
+    def _transform_v(head, pending: tuple[Tensor, Tensor] | None) -> None:
+        """V <- V (I + A C A^T): every fix of one check in one pass over V."""
+        if pending is None:
+            return
+        A, C = pending
+        CAt = C @ A.T
+        for _, blk in in_place_blocks(head.V):
+            blk.addmm_(blk @ A, CAt)
         head._version += 1
 
     def _power(self, A: Tensor, v: Tensor) -> tuple[float, Tensor]:
@@ -181,12 +200,13 @@ class Repairs:
             if k > st.max_sv_fixes:
                 self.unfactorize(head)
             elif k:
-                self._rescale_directions(head, P[:, bad], sig[bad], torch.ones_like(sig[bad]))
+                self._transform_v(head, self._rescale_directions(head, P[:, bad], sig[bad], torch.ones_like(sig[bad]),
+                                                                 None))
                 self.refresh_uinv(head)
             sig = torch.linalg.svdvals(head.U)  # of U after the fixes (I after an unfactorisation)
             smax, smin = float(sig[0]), float(sig[-1])
         else:
-            fixes = 0
+            fixes, pending = 0, None  # V's transform: one pass over V after the last fix
             while True:
                 smax, u_max = self._power(head.U, head.u_max)
                 inv_smin, u_min = self._power(head.Uinv.T, head.u_min)  # left vectors of U at sigma_min
@@ -196,13 +216,16 @@ class Repairs:
                 if lo <= smin and smax <= hi:
                     break
                 if fixes >= st.max_sv_fixes:
+                    self._transform_v(head, pending)  # (V, U) as the fixes left them, then V <- V U
+                    pending = None
                     self.unfactorize(head)
                     smax = smin = 1.0
                     break
                 u, sigma = (u_min, smin) if smin < lo else (u_max, smax)
                 one = torch.ones(1, dtype=head.dtype, device=head.device)
-                self._rescale_directions(head, u[:, None], one * sigma, one)
+                pending = self._rescale_directions(head, u[:, None], one * sigma, one, pending)
                 fixes += 1
+            self._transform_v(head, pending)
             if fixes:
                 self.refresh_uinv(head)
         head.cond_estimate.fill_(smax / smin)
