@@ -4,18 +4,7 @@ import torch
 
 from lst_lightning.losses import LOSSES, make_loss
 
-KWARGS = {"zloss": {"a": 0.3, "b": 3.0}}
-
-
-def random_batch(m=5, D=40, K=3):
-    O = torch.randn(m, D, dtype=torch.float64)
-    idx = torch.randint(0, D, (m, K))
-    idx[0, 1] = -1           # padding
-    idx[1, 2] = idx[1, 0]    # a class repeated within a row
-    idx[2, 0] = idx[3, 0]    # and across rows
-    T = torch.rand(m, K, dtype=torch.float64) * (idx >= 0)
-    return O, idx, T
-
+from loss_cases import KWARGS, random_batch
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_factored_form_equals_dense_form(name):

@@ -49,3 +49,12 @@ def test_bad_input_is_one_line(bad, message):
 def test_impl_is_checked():
     with pytest.raises(ValueError, match="impl must be one of"):
         logsumexp_rows(torch.zeros(2, 3), impl="cuda")
+
+
+def test_with_softmax_gives_the_softmax_outside_autograd():
+    Z = case(5, 6, 9, 50.0, torch.float64).requires_grad_()
+    lse, p = logsumexp_rows(Z, with_softmax=True)
+    ref_lse, ref_p = reference.logsumexp_rows(Z.detach(), with_softmax=True)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(p, ref_p, rtol=1e-13, atol=1e-13)
+    assert not lse.requires_grad and not p.requires_grad

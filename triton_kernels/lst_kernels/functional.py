@@ -226,15 +226,13 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
 
 
 class _LogSumExpRows(torch.autograd.Function):
-    """The row max and the softmax p in one pass; the normaliser ``max - log p[argmax]`` (p at
-    the max is 1 / sum exp(Z - max)); p kept for the backward, ``grad * p``."""
+    """``logsumexp_rows(Z, with_softmax=True)``, p kept for the backward, ``grad * p``."""
 
     @staticmethod
     def forward(ctx, Z: Tensor) -> Tensor:
-        top, arg = Z.max(1, keepdim=True)
-        p = torch.softmax(Z, 1)
+        lse, p = logsumexp_rows(Z, with_softmax=True)
         ctx.save_for_backward(p)
-        return top - p.gather(1, arg).log()
+        return lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -243,17 +241,25 @@ class _LogSumExpRows(torch.autograd.Function):
         return grad * p
 
 
-def logsumexp_rows(Z: Tensor, *, impl: str = "auto") -> Tensor:
+def logsumexp_rows(Z: Tensor, *, with_softmax: bool = False, impl: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
     """log sum_j exp(Z[i, j]) per row of a floating (m, n) Z, n >= 1: (m, 1), differentiable,
     -inf entries (masked slots) taking no mass. The sampled softmaxes' normaliser (the exact
-    head's ``loss="sampled"``, the sampled and hierarchical softmax baselines). Not
+    head's ``loss="sampled"``, the sampled softmax baseline, the hierarchical softmax's
+    row-sparse training). Not
     ``torch.logsumexp``: on the CPU its exp, and its gradient's ``exp(Z - lse)``, take a slow
     path for every shifted entry below about -87 (float32's smallest normal), 12x at 256 x 65
     once a model's outputs spread that far (docs/kernels.md); the softmax kernel does not.
-    torch on every device (``impl`` is checked, no kernel of its own)."""
+    ``with_softmax``: (the normaliser, softmax(Z)) outside autograd, for a loss whose
+    gradient is written in closed form. torch on every device (``impl`` is checked, no
+    kernel of its own)."""
     if not isinstance(Z, Tensor):
         raise TypeError(f"Z must be a torch.Tensor, got {type(Z).__name__}")
     if not Z.is_floating_point() or Z.dim() != 2 or Z.shape[1] < 1:
         raise ValueError(f"Z must be a floating (m, n) tensor with n >= 1, got {Z.dtype} {tuple(Z.shape)}")
     _use_triton(Z, impl)
-    return _LogSumExpRows.apply(Z)
+    if not with_softmax:
+        return _LogSumExpRows.apply(Z)
+    with torch.no_grad():  # the row max and the softmax p; p at the max is 1 / sum exp(Z - max)
+        top, arg = Z.max(1, keepdim=True)
+        p = torch.softmax(Z, 1)
+        return top - p.gather(1, arg).log(), p

@@ -117,6 +117,7 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
     return c * c * Q - c * lr * (E + E.T) + lr * lr * HMH
 
 
-def logsumexp_rows(Z: Tensor) -> Tensor:
-    """log sum_j exp(Z[i, j]) per row, (m, 1); -inf entries take no mass."""
-    return torch.logsumexp(Z, 1, keepdim=True)
+def logsumexp_rows(Z: Tensor, with_softmax: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log sum_j exp(Z[i, j]) per row, (m, 1); -inf entries take no mass. ``with_softmax``: and softmax(Z)."""
+    lse = torch.logsumexp(Z, 1, keepdim=True)
+    return (lse, torch.softmax(Z, 1)) if with_softmax else lse

@@ -119,7 +119,8 @@ class HierarchicalSoftmaxHead(OutputHead):
             logits = logits + self.bias[members]
         logits = logits.float().masked_fill(~inside, float("-inf"))
         pos = (safe.reshape(-1) - first[:, 0]).unsqueeze(1)
-        lp_within = (logits.gather(1, pos) - lk.logsumexp_rows(logits)).reshape(m, K)
+        # torch.logsumexp, as scores() normalises: a target's score and the full scores agree to the bit (ranks)
+        lp_within = (logits.gather(1, pos) - torch.logsumexp(logits, dim=1, keepdim=True)).reshape(m, K)
         return lp_cluster + lp_within
 
     def _grouped_log_prob(self, hidden: Tensor, idx: Tensor) -> Tensor:

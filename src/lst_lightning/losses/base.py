@@ -10,6 +10,7 @@ the test of factored against naive also checks the (q, s, a) rewriting.
 """
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 
@@ -49,6 +50,19 @@ class SphericalLoss(nn.Module):
     def dense(self, O: Tensor, Y: Tensor) -> Tensor:
         """The same per-example losses from the full output O (m, D) and dense targets Y (m, D)."""
         raise NotImplementedError
+
+    def grads(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, weight: Tensor, *, num_classes: int,
+              y_sq: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The per-example losses (m,) and the gradients of ``sum_i weight_i l_i`` (a row of
+        weight 0 adds nothing, whatever its loss) with respect to q, s and A: by autograd on
+        these m-sized tensors. A loss may give them in closed form instead (tests/losses
+        hold each to this)."""
+        with torch.enable_grad():
+            q, s, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
+            per = self(q, s, A, T, num_classes=num_classes, y_sq=y_sq)
+            L = (torch.where(weight != 0, per, torch.zeros((), dtype=per.dtype, device=per.device)) * weight).sum()
+            gq, gs, GA = torch.autograd.grad(L, (q, s, A), materialize_grads=True)
+        return per.detach(), gq, gs, GA
 
     def score(self, O: Tensor) -> Tensor:
         """The model's own score of each class from its outputs O (any shape): higher is more

@@ -114,6 +114,31 @@ class SampledCompositeLoss(SphericalLoss):
         """Per-row losses from q, s, the target outputs A (m, K) and the negatives' A_neg (m, S)."""
         return self.sampled_ce(A, T, A_neg, slots) + self.forward(q, s, A, T, num_classes=num_classes, y_sq=y_sq)
 
+    def with_slots_grads(self, q, s, A, T, A_neg, slots: SampledSlots, weight, *, num_classes, y_sq=None):
+        """``with_slots``'s per-row losses and the gradients of ``sum_i weight_i l_i`` with respect
+        to q, s, A and A_neg, the factored head's step: the CE's in closed form (w = weight_i
+        sum_k t_k; p the softmax over the slots: dL/dA_neg = w p on the negatives, dL/dA_k =
+        w p_k on a class's first slot - weight_i t_k), the spherical term's by its ``grads``.
+        Held to autograd of ``with_slots`` by tests/losses."""
+        zero = torch.zeros((), dtype=A.dtype, device=A.device)
+        neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
+        K = A.shape[1]
+        Zc = torch.cat([torch.where(slots.first, A, neg_inf),
+                        torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))], 1)
+        log_z, p = lk.logsumexp_rows(Zc, with_softmax=True)
+        per = (T * (log_z - A)).sum(1)
+        wT = T * torch.where(weight != 0, weight, zero)[:, None]
+        G = wT.sum(1, keepdim=True) * p
+        GA = torch.where(slots.first, G[:, :K], zero) - wT
+        gq = self.gram * weight
+        gs = torch.zeros_like(s)
+        if self.gram:
+            per = per + self.gram * q
+        if self.mu:
+            sph, sq, ss, sA = self.spherical.grads(q, s, A, T, self.mu * weight, num_classes=num_classes, y_sq=y_sq)
+            per, gq, gs, GA = per + self.mu * sph, gq + sq, gs + ss, GA + sA
+        return per, gq, gs, GA, G[:, K:]
+
     def with_slots_dense(self, O, Y, T, A_neg, slots: SampledSlots, *, idx):
         """The same per-row losses from the explicit outputs O (m, D): the reference."""
         A = torch.where(idx >= 0, O.gather(1, idx.clamp(min=0)), torch.zeros((), dtype=O.dtype, device=O.device))

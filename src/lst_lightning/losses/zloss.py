@@ -44,6 +44,25 @@ class ZLoss(SphericalLoss):
         var = (q / num_classes)[:, None] - mu * mu
         return (T * self._per_slot(A, mu, var)).sum(1)
 
+    def grads(self, q, s, A, T, weight, *, num_classes, y_sq=None):
+        """In closed form (autograd's small ops cost more than the arithmetic). With
+        u = a (b - z) and g_k = -w t_k sigmoid(u_k) = dL/dz_k: dL/dA = g / sigma,
+        dL/dvar = -sum_k g_k z_k / (2 sigma^2) (0 where var was clamped),
+        dL/dmu = -sum_k g_k / sigma - 2 mu dL/dvar; then dL/dq = dL/dvar / D, dL/ds = dL/dmu / D."""
+        D = num_classes
+        mu = (s / D)[:, None]
+        var = (q / D)[:, None] - mu * mu
+        sigma = torch.sqrt(var.clamp_min(0.0) + self.eps)
+        z = (A - mu) / sigma
+        u = self.a * (self.b - z)
+        per = (T * F.softplus(u) / self.a).sum(1)
+        slope = torch.where(u > 20.0, torch.ones((), dtype=u.dtype, device=u.device), torch.sigmoid(u))  # softplus's
+        g = -(T * slope) * torch.where(weight != 0, weight, 0.0)[:, None]
+        GA = g / sigma
+        d_var = torch.where(var >= 0, -(g * z).sum(1, keepdim=True) / (2.0 * sigma * sigma), 0.0)
+        d_mu = -GA.sum(1, keepdim=True) - 2.0 * mu * d_var
+        return per, d_var[:, 0] / D, d_mu[:, 0] / D, GA
+
     def dense(self, O, Y):
         mu = O.mean(1, keepdim=True)
         var = O.var(1, unbiased=False, keepdim=True)

@@ -516,6 +516,15 @@ class SphericalHeadBase(OutputHead):
         same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
         return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
+    def row_weights(self, idx: Tensor, dtype: torch.dtype) -> Tensor:
+        """d reduce(per, idx) / d per (m,): 1/n on the rows with a real slot (n as ``reduction``
+        says; 1 for "sum"), 0 on a fully padded row."""
+        real = (idx >= 0).any(1)
+        if self.reduction == "sum":
+            return real.to(dtype)
+        n = real.sum().clamp_min(1) if self.reduction == "mean_real" else idx.shape[0]
+        return real.to(dtype) / n
+
     def reduce(self, per_example: Tensor, idx: Tensor) -> Tensor:
         """The minibatch loss from per-example losses; a fully padded row (every slot -1)
         contributes nothing, for every loss (the squared error would see a zero target)."""

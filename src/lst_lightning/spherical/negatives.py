@@ -174,29 +174,20 @@ class NegativeSampling:
         if st.remove_accidental_hits:
             hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
             kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
-            q_t = torch.where(first, self._target_q(idx, dtype, query),
-                              torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
+            if self.kernel is not None:  # q of each row's targets, under the law its negatives were drawn from
+                q_idx = self.kernel.log_q(query, idx).to(idx.device, dtype).exp()
+            else:
+                key = (idx.device, dtype)
+                if key not in self._q:
+                    self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
+                q_idx = self._q[key][idx.clamp(min=0)]
+            q_t = torch.where(first, q_idx, torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
             hit = torch.zeros((m, S), dtype=torch.bool, device=idx.device)
             kept = torch.full((m, 1), float(S), dtype=dtype, device=idx.device)
             log_rest = torch.zeros((m, 1), dtype=dtype, device=idx.device)
         return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit, first)
-
-    def _target_q(self, idx: Tensor, dtype: torch.dtype, query: Tensor | None) -> Tensor:
-        """q of each row's targets (m, K), under the law its negatives were drawn from."""
-        if self.kernel is not None:
-            return self.kernel.log_q(query, idx).to(idx.device, dtype).exp()
-        key = (idx.device, dtype)
-        if key not in self._q:
-            self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
-        return self._q[key][idx.clamp(min=0)]
-
-    def moved(self, head, idx: Tensor | None) -> None:
-        """After the step's write into V's rows ``idx`` (None: all of V, a fold): a kernel
-        proposal's tree follows them."""
-        if self.kernel is not None:
-            self.kernel.moved(head, idx)
 
     def slots_part(self) -> "PerRowSlots":
         """Exact accumulation's records carry every negative as a slot: their Yd Yd^T by unique columns."""
@@ -205,7 +196,7 @@ class NegativeSampling:
     # -- the factored step's loss (step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, Ht: Tensor,
                        ht: Tensor):
-        """The draw, the negatives' outputs, the composite loss and its gradients by autograd.
+        """The draw, the negatives' outputs, the composite loss and its gradients (in closed form).
         Returns (L, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives
         as extra slots (the general path); shared, they stay apart in a ``SharedBlock``."""
         query = None if self.kernel is None else torch.cat([Ht, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
@@ -217,16 +208,13 @@ class NegativeSampling:
         else:
             A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn
-        with torch.enable_grad():
-            q, s, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
-            A_neg = A_neg.detach().requires_grad_()
-            y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
-            per = loss_fn.with_slots(q, s, A, T, A_neg, slots, num_classes=head.num_classes, y_sq=y_sq)
-            L = head.reduce(per, idx)
-            gq, gs, GA, G_neg = torch.autograd.grad(L, (q, s, A, A_neg), materialize_grads=True)
+        y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
+        per, gq, gs, GA, G_neg = loss_fn.with_slots_grads(q, s, A, T, A_neg, slots, head.row_weights(idx, q.dtype),
+                                                          num_classes=head.num_classes, y_sq=y_sq)
+        L = head.reduce(per, idx)
         if self.settings.shared:
-            return L.detach(), gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
-        return (L.detach(), gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
+            return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
+        return (L, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
                 PerRowSlots())
 
 

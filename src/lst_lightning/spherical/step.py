@@ -302,8 +302,8 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
         head.Q.copy_(Q)
         head.wbar.copy_(new.wbar)
     head._version += 1
-    if head.negatives is not None:  # a kernel proposal's tree follows the rows just written (a fold: all of V)
-        head.negatives.moved(head, None if new.fold else fwd.idx)
+    if head.negatives is not None and head.negatives.kernel is not None:  # its tree follows the rows just written
+        head.negatives.kernel.moved(head, None if new.fold else fwd.idx)  # (a fold: all of V)
 
 
 @torch.no_grad()
