@@ -245,10 +245,10 @@ def logsumexp_rows(Z: Tensor, *, with_softmax: bool = False, impl: str = "auto")
     """log sum_j exp(Z[i, j]) per row of a floating (m, n) Z, n >= 1: (m, 1), differentiable,
     -inf entries (masked slots) taking no mass. The sampled softmaxes' normaliser (the exact
     head's ``loss="sampled"``, the sampled softmax baseline, the hierarchical softmax's
-    row-sparse training). Not
-    ``torch.logsumexp``: on the CPU its exp, and its gradient's ``exp(Z - lse)``, take a slow
-    path for every shifted entry below about -87 (float32's smallest normal), 12x at 256 x 65
-    once a model's outputs spread that far (docs/kernels.md); the softmax kernel does not.
+    row-sparse training). Not ``torch.logsumexp``: on the CPU its exp, and its gradient's
+    ``exp(Z - lse)``, take a slow path for every shifted entry below about -87 (float32's
+    smallest normal), 12x at 256 x 65 once a model's outputs spread that far
+    (docs/kernels.md); the softmax kernel does not.
     ``with_softmax``: (the normaliser, softmax(Z)) outside autograd, for a loss whose
     gradient is written in closed form. torch on every device (``impl`` is checked, no
     kernel of its own)."""
