@@ -133,6 +133,17 @@ def test_tiny_run_with_mean_over_real_rows(tmp_path):
     assert abs(real["val"]["loss"] - mean["val"]["loss"]) <= 1e-3 * abs(mean["val"]["loss"])
 
 
+def test_checkpoints_off_saves_nothing(tmp_path):
+    """The checkpoint entry off (``enabled: false``, the large-D sweeps' setting, or
+    ``~callbacks.checkpoint``): no checkpoint at all, not Lightning's own ModelCheckpoint in
+    its place; on by default."""
+    run(cfg_of(*FAST, "+callbacks.checkpoint.enabled=false"), tmp_path / "off")
+    run(cfg_of(*FAST, "~callbacks.checkpoint"), tmp_path / "removed")
+    run(cfg_of(*FAST), tmp_path / "on")
+    assert not list((tmp_path / "off").rglob("*.ckpt")) and not list((tmp_path / "removed").rglob("*.ckpt"))
+    assert list((tmp_path / "on").rglob("*.ckpt"))
+
+
 def test_tiny_run_lstm_and_synthetic(tmp_path):
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "model=lstm", "data=synthetic", "~data.vocab_size",
                      "data.num_classes=3000", "data.input_vocab_size=500", "data.context_size=3"), tmp_path)

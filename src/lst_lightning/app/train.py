@@ -215,6 +215,8 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         trainer_kwargs["strategy"] = fsdp2_strategy()
     trainer = pl.Trainer(
         **trainer_kwargs, logger=run.loggers or False, callbacks=callbacks,
+        # callbacks.checkpoint.enabled=false saves nothing (not Lightning's own checkpoint instead)
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
         default_root_dir=str(run_dir), enable_progress_bar=bool(cfg.callbacks.rich_progress),
         # files replaced atomically, written in the background by default (checkpoint_io.py)
         plugins=[AsyncAtomicCheckpointIO() if OmegaConf.select(cfg, "callbacks.checkpoint.asynchronous", default=True)
