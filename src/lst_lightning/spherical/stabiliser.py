@@ -12,7 +12,8 @@ unchanged:
 - an upper bound on cond(U) is carried from step to step (times cond(B)); when it
   exceeds ``cond_trigger``, or every ``check_every`` steps, U^-1 is recomputed and
   U's singular values are brought back into ``[sv_min, sv_max]`` (``sv_method``:
-  ``"power"`` iteration or a full ``"svd"``), each fix an O(D d) rank-one update of V;
+  ``"power"`` iteration or a full ``"svd"``), each fix a rank-one update, V's of one
+  check composed and applied in one O(D d k) pass;
   more than ``max_sv_fixes`` at once fold U into V ("unfactorize");
 - U^-1 is recomputed every ``uinv_refresh_every`` steps (Woodbury updates drift), Q and
   wbar from (V, U, omega) every ``q_refresh_every`` steps (O(D d^2); 0: never).
