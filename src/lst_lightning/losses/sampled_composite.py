@@ -123,11 +123,11 @@ class SampledCompositeLoss(SphericalLoss):
         zero = torch.zeros((), dtype=A.dtype, device=A.device)
         neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
         K = A.shape[1]
-        Zc = torch.cat([torch.where(slots.first, A, neg_inf),
+        Zc = torch.cat([torch.where(slots.first, A, neg_inf),  # sampled_ce's logits
                         torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))], 1)
         log_z, p = lk.logsumexp_rows(Zc, with_softmax=True)
         per = (T * (log_z - A)).sum(1)
-        wT = T * torch.where(weight != 0, weight, zero)[:, None]
+        wT = T * weight[:, None]
         G = wT.sum(1, keepdim=True) * p
         GA = torch.where(slots.first, G[:, :K], zero) - wT
         gq = self.gram * weight

@@ -49,6 +49,7 @@ class ZLoss(SphericalLoss):
         u = a (b - z) and g_k = -w t_k sigmoid(u_k) = dL/dz_k: dL/dA = g / sigma,
         dL/dvar = -sum_k g_k z_k / (2 sigma^2) (0 where var was clamped),
         dL/dmu = -sum_k g_k / sigma - 2 mu dL/dvar; then dL/dq = dL/dvar / D, dL/ds = dL/dmu / D."""
+        # forward's z, as _per_slot makes it, written out: u, z and sigma are all needed here
         D = num_classes
         mu = (s / D)[:, None]
         var = (q / D)[:, None] - mu * mu
@@ -57,7 +58,7 @@ class ZLoss(SphericalLoss):
         u = self.a * (self.b - z)
         per = (T * F.softplus(u) / self.a).sum(1)
         slope = torch.where(u > 20.0, torch.ones((), dtype=u.dtype, device=u.device), torch.sigmoid(u))  # softplus's
-        g = -(T * slope) * torch.where(weight != 0, weight, 0.0)[:, None]
+        g = -(T * slope) * weight[:, None]
         GA = g / sigma
         d_var = torch.where(var >= 0, -(g * z).sum(1, keepdim=True) / (2.0 * sigma * sigma), 0.0)
         d_mu = -GA.sum(1, keepdim=True) - 2.0 * mu * d_var

@@ -525,15 +525,12 @@ class SphericalHeadBase(OutputHead):
         n = real.sum().clamp_min(1) if self.reduction == "mean_real" else idx.shape[0]
         return real.to(dtype) / n
 
-    def reduce(self, per_example: Tensor, idx: Tensor) -> Tensor:
-        """The minibatch loss from per-example losses; a fully padded row (every slot -1)
-        contributes nothing, for every loss (the squared error would see a zero target)."""
-        real = (idx >= 0).any(1)
-        total = torch.where(real, per_example, torch.zeros((), dtype=per_example.dtype, device=real.device)).sum()
-        if self.reduction == "sum":
-            return total
-        n = real.sum().clamp_min(1) if self.reduction == "mean_real" else per_example.shape[0]
-        return total / n
+    def reduce(self, per_example: Tensor, idx: Tensor, weight: Tensor | None = None) -> Tensor:
+        """The minibatch loss from per-example losses, ``sum_i row_weights_i l_i`` (``weight``:
+        row_weights already made); a fully padded row (every slot -1) contributes nothing,
+        whatever its loss, for every loss (the squared error would see a zero target)."""
+        w = self.row_weights(idx, per_example.dtype) if weight is None else weight
+        return (torch.where(w != 0, per_example, torch.zeros((), dtype=w.dtype, device=w.device)) * w).sum()
 
     # -- the counters --------------------------------------------------------------------
     def _zero_counters(self) -> None:

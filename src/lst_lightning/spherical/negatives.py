@@ -209,9 +209,10 @@ class NegativeSampling:
             A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn
         y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
-        per, gq, gs, GA, G_neg = loss_fn.with_slots_grads(q, s, A, T, A_neg, slots, head.row_weights(idx, q.dtype),
+        weight = head.row_weights(idx, q.dtype)
+        per, gq, gs, GA, G_neg = loss_fn.with_slots_grads(q, s, A, T, A_neg, slots, weight,
                                                           num_classes=head.num_classes, y_sq=y_sq)
-        L = head.reduce(per, idx)
+        L = head.reduce(per, idx, weight)
         if self.settings.shared:
             return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
         return (L, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),

@@ -207,7 +207,7 @@ class Repairs:
             sig = torch.linalg.svdvals(head.U)  # of U after the fixes (I after an unfactorisation)
             smax, smin = float(sig[0]), float(sig[-1])
         else:
-            fixes, pending = 0, None  # V's transform: one pass over V after the last fix
+            fixes, pending, unfold = 0, None, False  # V's transform: one pass over V after the last fix
             while True:
                 smax, u_max = self._power(head.U, head.u_max)
                 inv_smin, u_min = self._power(head.Uinv.T, head.u_min)  # left vectors of U at sigma_min
@@ -217,16 +217,16 @@ class Repairs:
                 if lo <= smin and smax <= hi:
                     break
                 if fixes >= st.max_sv_fixes:
-                    self._transform_v(head, pending)  # (V, U) as the fixes left them, then V <- V U
-                    pending = None
-                    self.unfactorize(head)
-                    smax = smin = 1.0
+                    unfold = True
                     break
                 u, sigma = (u_min, smin) if smin < lo else (u_max, smax)
                 one = torch.ones(1, dtype=head.dtype, device=head.device)
                 pending = self._rescale_directions(head, u[:, None], one * sigma, one, pending)
                 fixes += 1
             self._transform_v(head, pending)
+            if unfold:  # (V, U) as the fixes left them, then V <- V U
+                self.unfactorize(head)
+                smax = smin = 1.0
             if fixes:
                 self.refresh_uinv(head)
         head.cond_estimate.fill_(smax / smin)
