@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Timer
 import torch
 from torch import Tensor, nn
 
@@ -36,6 +37,15 @@ def check_distributed(head: OutputHead, world_size: int) -> None:
     if head.parallel == "none":
         raise ValueError(f"{name} with parallel=none would train a different head on each of the "
                          f"{world_size} processes: set head.parallel to one of {list(head.parallel_modes)}")
+
+
+def time_spent(timer) -> float:
+    """The share of ``trainer.max_time`` spent (Lightning's ``Timer``; it restores the elapsed
+    time on resume), 0 without a time budget."""
+    if timer is None or timer.time_remaining() is None:
+        return 0.0
+    elapsed = timer.time_elapsed()
+    return elapsed / max(elapsed + timer.time_remaining(), 1e-9)
 
 
 def as_rows(hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -122,9 +132,10 @@ class LanguageModel(pl.LightningModule):
         # row-sparse parameters (sparse embeddings, head.sparse rows) go to a row-sparse
         # optimiser (optimizer.embedding); optimizer.head_lr gives an ordinary head groups of its own
         opt = make_optimizer(self, self.optim_cfg, head=self.head)
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1  # inf: no step limit
+        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None) if self._trainer else None
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_factor(step, total_steps=int(total), **self.sched_cfg))
+            opt, lambda step: lr_factor(step, total_steps=total, time_spent=time_spent(timer), **self.sched_cfg))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
