@@ -63,7 +63,7 @@ def test_the_sampled_loss_turns_on_the_spherical_heads_negatives_only():
     the other losses leave it null (off)."""
     assert yaml.safe_load((CONF / "head" / "negatives" / "sampled.yaml").read_text()) == {}
     for head in ("factored", "naive"):
-        assert cfg_of(f"head={head}").head.negatives.num == 64
+        assert cfg_of(f"head={head}").head.negatives.num is None
         assert cfg_of(f"head={head}", "loss=zloss").head.negatives is None
         assert cfg_of(f"head={head}", "head.negatives.num=8").head.negatives.num == 8
     for head in ("softmax", "sampled", "hsoftmax", "adaptive"):

@@ -63,8 +63,8 @@ def test_every_config_composes(experiment):
 def test_default_config():
     cfg = cfg_of()
     assert cfg.head._target_ == "lst_lightning.spherical.FactoredSphericalHead"
-    assert cfg.head.loss == "sampled" and cfg.head.negatives.num == 64
-    assert cfg.head.loss_kwargs == {"mu": 1.0, "spherical": "zloss", "spherical_kwargs": None, "gram": 0.0}
+    assert cfg.head.loss == "sampled" and cfg.head.negatives.num is None
+    assert cfg.head.loss_kwargs == {"mu": None, "spherical": "zloss", "spherical_kwargs": None, "gram": 0.0}
     assert cfg.data.source == "embedded" and cfg.trainer.accelerator == "cpu"
     assert cfg.logger.wandb.mode == "offline" and cfg.logger.csv
     assert run_name(cfg) == "FactoredSphericalHead-sampled"

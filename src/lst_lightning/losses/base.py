@@ -37,6 +37,11 @@ class SphericalLoss(nn.Module):
         """The head's lr for D = ``num_classes`` classes when none is given."""
         return cls.default_lr
 
+    def for_classes(self, num_classes: int) -> "SphericalLoss":
+        """This loss for D = ``num_classes`` classes: itself, unless a setting left null follows a
+        rule in D (the composite loss's mu)."""
+        return self
+
     def forward(self, q: Tensor, s: Tensor, A: Tensor, T: Tensor, *, num_classes: int,
                 y_sq: Tensor | None = None) -> Tensor:
         """Per-example losses (m,).

@@ -60,20 +60,49 @@ class SampledCompositeLoss(SphericalLoss):
     default_lr = 8.0
     small_D_lr = 2.0
     large_D = 100_000
+    #: S, the sampled classes of a step (the head's ``negatives.num`` when it is null), and mu
+    #: (``mu`` null): 64 and 1 (the best at 2 000 steps at 10^5 and 10^6); from D = ``huge_D``
+    #: classes ``huge_D_num`` and ``huge_D_mu`` with the head's lr ``huge_D_lr``: at 10^6 and equal
+    #: time (the lr decaying over it) ahead of S 64, mu 1, lr 8 and of the sampled softmax at
+    #: its best S on three seeds (docs/benchmarks.md, "S, mu and the lr at 10^6")
+    default_num = 64
+    default_mu = 1.0
+    huge_D = 1_000_000
+    huge_D_num = 512
+    huge_D_mu = 0.3
+    huge_D_lr = 16.0
 
     @classmethod
     def default_lr_for(cls, num_classes: int) -> float:
+        if num_classes >= cls.huge_D:
+            return cls.huge_D_lr
         return cls.default_lr if num_classes >= cls.large_D else cls.small_D_lr
 
-    def __init__(self, mu: float = 1.0, spherical: str = "zloss", spherical_kwargs: dict | None = None,
+    @classmethod
+    def default_num_for(cls, num_classes: int) -> int:
+        """S for D = ``num_classes`` classes when the head's negatives leave it null."""
+        return cls.huge_D_num if num_classes >= cls.huge_D else cls.default_num
+
+    def for_classes(self, num_classes: int) -> "SampledCompositeLoss":
+        """This loss with ``mu`` for D = ``num_classes`` classes: itself when mu is set, else a
+        copy with the rule in D's (the head calls this once, at construction)."""
+        if self.mu_setting is not None:
+            return self
+        return type(self)(mu=self.huge_D_mu if num_classes >= self.huge_D else self.default_mu,
+                          spherical=self.spherical_name, spherical_kwargs=self.spherical_kwargs, gram=self.gram)
+
+    def __init__(self, mu: float | None = None, spherical: str = "zloss", spherical_kwargs: dict | None = None,
                  gram: float = 0.0):
         super().__init__()
         if spherical not in _SPHERICAL:
             raise ValueError(f"spherical must be one of {sorted(_SPHERICAL)}, got {spherical!r}")
-        for name, v in (("mu", mu), ("gram", gram)):
+        for name, v in (("mu", 0.0 if mu is None else mu), ("gram", gram)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and v < float("inf")):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        self.mu, self.gram = float(mu), float(gram)
+                rule = " or None (the rule in D)" if name == "mu" else ""
+                raise ValueError(f"{name} must be a finite number >= 0{rule}, got {v!r}")
+        #: mu as given (None: the rule in D, ``for_classes``); ``mu`` the one in use (alone, without a head: 1)
+        self.mu_setting = None if mu is None else float(mu)
+        self.mu, self.gram = self.default_mu if mu is None else float(mu), float(gram)
         self.spherical_name, self.spherical_kwargs = spherical, dict(spherical_kwargs or {})
         self.spherical = _SPHERICAL[spherical](**self.spherical_kwargs)
         self.needs_y_sq = self.spherical.needs_y_sq

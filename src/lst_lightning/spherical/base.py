@@ -10,6 +10,7 @@ The parts the shell holds are called only when they have something to do:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -165,7 +166,8 @@ class SphericalHeadBase(OutputHead):
         self.bias, self.reduction = bool(bias), reduction
         #: columns of the implicit W: the hidden size, plus one constant column for the bias.
         self.width = hidden_dim + int(self.bias)
-        self.loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
+        loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
+        self.loss_fn = loss_fn.for_classes(num_classes)  # settings left null follow the loss's rule in D
         self.has_log_prob = self.loss_fn.normalised
         self.lr = lr if lr is not None else self.loss_fn.default_lr_for(num_classes)  # the loss's own (Z-loss: 1.0)
         self.weight_decay = weight_decay
@@ -201,6 +203,8 @@ class SphericalHeadBase(OutputHead):
             raise ValueError(f"loss {self.loss_fn.name!r} needs negatives (e.g. negatives=dict(num=64))"
                              if settings is None else
                              f"negatives need a loss with sampled classes ('sampled'), not {self.loss_fn.name!r}")
+        if settings is not None and settings.num is None:  # the loss's S for this D
+            settings = dataclasses.replace(settings, num=self.loss_fn.default_num_for(num_classes))
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
 
     @property

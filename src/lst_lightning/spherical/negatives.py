@@ -56,8 +56,8 @@ RFF_REFUSAL = ("the RF-softmax proposal is not drawn for the implicit W = V U + 
 class Negatives:
     """The sampled classes of each training step, validated on construction.
 
-    ``num``: S negatives; ``sampler``: "log_uniform" (Zipf over frequency-sorted ids),
-    "unigram" (``class_counts ** power``, + ``smoothing``), "uniform", or "quadratic"
+    ``num``: S negatives (None: the loss's choice for D, ``default_num_for``); ``sampler``:
+    "log_uniform" (Zipf over frequency-sorted ids), "unigram" (``class_counts ** power``, + ``smoothing``), "uniform", or "quadratic"
     (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
     ``leaf_size`` classes a leaf; None: max(16, width + 1)); ``shared``: one draw for the whole
     batch (one dense block) or S per row (the quadratic proposal: per row only); ``seed``:
@@ -65,7 +65,7 @@ class Negatives:
     negative equal to one of its row's targets is masked out (and the correction uses the
     law it was drawn from, q / (1 - q_T), q_T of that row)."""
 
-    num: int = 64
+    num: int | None = None
     sampler: str = "log_uniform"
     shared: bool = True
     seed: int | None = None
@@ -77,8 +77,9 @@ class Negatives:
     class_counts: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
-        if isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1:
-            raise ValueError(f"negatives.num must be a positive int, got {self.num!r}")
+        if self.num is not None and (isinstance(self.num, bool) or not isinstance(self.num, int) or self.num < 1):
+            raise ValueError(f"negatives.num must be a positive int or None (the loss's choice for D), "
+                             f"got {self.num!r}")
         if self.sampler == "rff":
             raise ValueError(f"negatives.sampler='rff': {RFF_REFUSAL}")
         if self.sampler not in SAMPLER_NAMES:
