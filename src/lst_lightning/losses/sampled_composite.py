@@ -54,41 +54,32 @@ class SampledCompositeLoss(SphericalLoss):
     sampled = True
     #: the softmax term makes the outputs logits: the model's distribution is softmax(o)
     outputs_are_logits = True
-    #: the head's lr from D = ``large_D`` classes: the best at 10^5 and 10^6 (mu 1, S 64,
-    #: log-uniform; docs/sampled_slots_tuning.md); below, ``small_D_lr``: the best on the real
-    #: corpus at its own D (33 155) and level at 10^4 (docs/benchmarks.md, "The default")
-    default_lr = 8.0
-    small_D_lr = 2.0
+    #: the head's lr, S (the head's ``negatives.num`` when it is null) and mu (``mu`` null) by
+    #: D. Below ``large_D`` classes ``small_D_*``: the best on the real corpus at its own D
+    #: (33 155) and level at 10^4 (docs/benchmarks.md, "The default"). From ``large_D``:
+    #: ``large_D_*``, ahead of S 64, mu 1, lr 8 (the 2 000-step grids' best,
+    #: docs/sampled_slots_tuning.md) at equal time with the lr decaying over it, at 10^5 (two
+    #: seeds), 10^6 (four) and 10^7 (one) (docs/benchmarks.md, "S, mu and the lr at 10^6")
+    small_D_lr, small_D_num, small_D_mu = 2.0, 64, 1.0
     large_D = 100_000
-    #: S, the sampled classes of a step (the head's ``negatives.num`` when it is null), and mu
-    #: (``mu`` null): 64 and 1 (the best at 2 000 steps at 10^5 and 10^6); from D = ``huge_D``
-    #: classes ``huge_D_num`` and ``huge_D_mu`` with the head's lr ``huge_D_lr``: at 10^6 and equal
-    #: time (the lr decaying over it) ahead of S 64, mu 1, lr 8 and of the sampled softmax at
-    #: its best S on three seeds (docs/benchmarks.md, "S, mu and the lr at 10^6")
-    default_num = 64
-    default_mu = 1.0
-    huge_D = 1_000_000
-    huge_D_num = 512
-    huge_D_mu = 0.3
-    huge_D_lr = 16.0
+    large_D_lr, large_D_num, large_D_mu = 16.0, 512, 0.3
+    default_mu = small_D_mu  # a loss alone, without a head's D
 
     @classmethod
     def default_lr_for(cls, num_classes: int) -> float:
-        if num_classes >= cls.huge_D:
-            return cls.huge_D_lr
-        return cls.default_lr if num_classes >= cls.large_D else cls.small_D_lr
+        return cls.large_D_lr if num_classes >= cls.large_D else cls.small_D_lr
 
     @classmethod
     def default_num_for(cls, num_classes: int) -> int:
         """S for D = ``num_classes`` classes when the head's negatives leave it null."""
-        return cls.huge_D_num if num_classes >= cls.huge_D else cls.default_num
+        return cls.large_D_num if num_classes >= cls.large_D else cls.small_D_num
 
     def for_classes(self, num_classes: int) -> "SampledCompositeLoss":
         """This loss with ``mu`` for D = ``num_classes`` classes: itself when mu is set, else a
         copy with the rule in D's (the head calls this once, at construction)."""
         if self.mu_setting is not None:
             return self
-        return type(self)(mu=self.huge_D_mu if num_classes >= self.huge_D else self.default_mu,
+        return type(self)(mu=self.large_D_mu if num_classes >= self.large_D else self.small_D_mu,
                           spherical=self.spherical_name, spherical_kwargs=self.spherical_kwargs, gram=self.gram)
 
     def __init__(self, mu: float | None = None, spherical: str = "zloss", spherical_kwargs: dict | None = None,
