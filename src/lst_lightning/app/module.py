@@ -12,8 +12,8 @@ import time
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Timer
 import torch
+from lightning.pytorch.callbacks import Timer
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead

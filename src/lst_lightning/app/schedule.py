@@ -25,12 +25,10 @@ def lr_factor(step: int, *, name: str, warmup_steps: int, total_steps: float, mi
         raise ValueError(f"scheduler.over must be one of {OVER}, not {over!r}")
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    t = (step - warmup_steps) / (total_steps - warmup_steps) if total_steps > warmup_steps else 0.0
-    if over == "budget":
-        t = max(t, time_spent)
     if name == "constant":
         return 1.0
-    t = min(1.0, t)
+    t = (step - warmup_steps) / (total_steps - warmup_steps) if total_steps > warmup_steps else 0.0
+    t = min(1.0, max(t, time_spent) if over == "budget" else t)
     if name == "linear":
         return 1.0 - (1.0 - min_factor) * t
     return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * t))

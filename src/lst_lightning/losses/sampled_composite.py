@@ -63,7 +63,6 @@ class SampledCompositeLoss(SphericalLoss):
     small_D_lr, small_D_num, small_D_mu = 2.0, 64, 1.0
     large_D = 100_000
     large_D_lr, large_D_num, large_D_mu = 16.0, 512, 0.3
-    default_mu = small_D_mu  # a loss alone, without a head's D
 
     @classmethod
     def default_lr_for(cls, num_classes: int) -> float:
@@ -74,13 +73,18 @@ class SampledCompositeLoss(SphericalLoss):
         """S for D = ``num_classes`` classes when the head's negatives leave it null."""
         return cls.large_D_num if num_classes >= cls.large_D else cls.small_D_num
 
+    @classmethod
+    def default_mu_for(cls, num_classes: int) -> float:
+        """mu for D = ``num_classes`` classes when ``mu`` is null."""
+        return cls.large_D_mu if num_classes >= cls.large_D else cls.small_D_mu
+
     def for_classes(self, num_classes: int) -> "SampledCompositeLoss":
         """This loss with ``mu`` for D = ``num_classes`` classes: itself when mu is set, else a
         copy with the rule in D's (the head calls this once, at construction)."""
         if self.mu_setting is not None:
             return self
-        return type(self)(mu=self.large_D_mu if num_classes >= self.large_D else self.small_D_mu,
-                          spherical=self.spherical_name, spherical_kwargs=self.spherical_kwargs, gram=self.gram)
+        return type(self)(mu=self.default_mu_for(num_classes), spherical=self.spherical_name,
+                          spherical_kwargs=self.spherical_kwargs, gram=self.gram)
 
     def __init__(self, mu: float | None = None, spherical: str = "zloss", spherical_kwargs: dict | None = None,
                  gram: float = 0.0):
@@ -91,9 +95,10 @@ class SampledCompositeLoss(SphericalLoss):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and v < float("inf")):
                 rule = " or None (the rule in D)" if name == "mu" else ""
                 raise ValueError(f"{name} must be a finite number >= 0{rule}, got {v!r}")
-        #: mu as given (None: the rule in D, ``for_classes``); ``mu`` the one in use (alone, without a head: 1)
+        #: mu as given (None: the rule in D, ``for_classes``); ``mu`` the one in use (alone,
+        #: without a head's D: the small-D value)
         self.mu_setting = None if mu is None else float(mu)
-        self.mu, self.gram = self.default_mu if mu is None else float(mu), float(gram)
+        self.mu, self.gram = self.small_D_mu if mu is None else float(mu), float(gram)
         self.spherical_name, self.spherical_kwargs = spherical, dict(spherical_kwargs or {})
         self.spherical = _SPHERICAL[spherical](**self.spherical_kwargs)
         self.needs_y_sq = self.spherical.needs_y_sq

@@ -57,7 +57,8 @@ class Negatives:
     """The sampled classes of each training step, validated on construction.
 
     ``num``: S negatives (None: the loss's choice for D, ``default_num_for``); ``sampler``:
-    "log_uniform" (Zipf over frequency-sorted ids), "unigram" (``class_counts ** power``, + ``smoothing``), "uniform", or "quadratic"
+    "log_uniform" (Zipf over frequency-sorted ids), "unigram" (``class_counts ** power``, +
+    ``smoothing``), "uniform", or "quadratic"
     (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
     ``leaf_size`` classes a leaf; None: max(16, width + 1)); ``shared``: one draw for the whole
     batch (one dense block) or S per row (the quadratic proposal: per row only); ``seed``:
