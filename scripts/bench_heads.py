@@ -81,7 +81,8 @@ class HeadSpec:
 
 
 # the spherical losses; the composite loss="sampled" with the head's negatives at their defaults
-# (64 log-uniform classes shared by the batch: one dense block), as lst-train loss=sampled
+# (S log-uniform classes shared by the batch, one dense block; S by D as for the sampled softmax
+# below, heads.samplers.default_num_samples), as lst-train loss=sampled
 HEADS = [HeadSpec("factored", loss, self_updating=True)
          for loss in ("zloss", *sorted(n for n in LOSSES if n != "zloss"))]
 # The factored head's GPU paths: train_step with no host reads (sync_every > 1), and that step in a CUDA graph.
@@ -190,7 +191,7 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
     elif spec.head == "adaptive":
         head = AdaptiveSoftmaxHead(cutoffs=[float(c) for c in spec.variant.split(",")], div_value=4.0, **kw)
     elif spec.head == "sampled":
-        head = SampledSoftmaxHead(num_samples=64, sampler=variant, bias=False, sparse=sparse, **kw)
+        head = SampledSoftmaxHead(sampler=variant, bias=False, sparse=sparse, **kw)
     else:
         raise ValueError(f"unknown head {spec.head!r}")
     return head, head

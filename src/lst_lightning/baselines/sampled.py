@@ -21,6 +21,7 @@ import lst_kernels as lk
 from .samplers import make_sampler
 from .linear import LinearClassHead
 from .row_sparse import row_gather
+from ..heads.samplers import default_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
 
@@ -35,13 +36,16 @@ class SampledSoftmaxHead(LinearClassHead):
     makes q a worse match of the softmax: ``log q`` is always that of the
     law actually drawn from, so the correction stays right.
 
+    ``num_samples``: S, the negatives a step draws (None: 64 below 10^5 classes, 512 from
+    there, its best at equal time, ``heads.samplers.default_num_samples``).
+
     ``sparse``: the training step's gradient of W and b holds only the rows it read
     (targets and negatives; ``sparse_parameters()``), for a row-sparse optimiser
     (``torch.optim.SparseAdam``): the step then costs O(m S d) whatever D. False: dense
     gradients (D x d), for any optimiser. Evaluation is the same either way.
     """
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int = 64,
+    def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int | None = None,
                  sampler: str = "log_uniform", sampler_kwargs: dict | None = None,
                  class_counts: Tensor | None = None, remove_accidental_hits: bool = True,
                  resync_every: int = 100, bias: bool = False, init_std: float | None = None,
@@ -49,8 +53,9 @@ class SampledSoftmaxHead(LinearClassHead):
                  dtype: torch.dtype | None = None, device=None):
         if not isinstance(sparse, bool):
             raise ValueError(f"sparse must be true or false, got {sparse!r}")
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+        if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
+                                        or num_samples < 1):
+            raise ValueError(f"num_samples must be a positive int or None (S for D), got {num_samples!r}")
         if not isinstance(resync_every, int) or resync_every < 1:
             raise ValueError(f"resync_every must be a positive int, got {resync_every!r}")
         sampler_module = make_sampler(sampler, num_classes=num_classes, hidden_dim=hidden_dim,
@@ -60,7 +65,8 @@ class SampledSoftmaxHead(LinearClassHead):
         self.sampler = sampler_module.to(device) if device is not None else sampler_module
         self.sampler_name = sampler
         self.sparse = sparse
-        self.num_samples = num_samples
+        #: S (None: S for D, ``heads.samplers.default_num_samples``: 64 below 10^5 classes, 512 from there)
+        self.num_samples = default_num_samples(self.num_classes) if num_samples is None else num_samples
         self.remove_accidental_hits = bool(remove_accidental_hits)
         self.resync_every = resync_every
         self._synced_version: int | None = None

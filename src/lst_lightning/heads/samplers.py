@@ -63,6 +63,19 @@ class Sampler(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} reads no class embeddings")
 
 
+#: S, the classes a step samples, when a head leaves it null: the sampled softmax
+#: (``SampledSoftmaxHead``) and the exact head's slots (``negatives.num``) alike. Below
+#: ``LARGE_D`` classes 64; from there 512, each head's best at equal time with the lr decaying
+#: over it (docs/benchmarks.md, "S, mu and the lr at 10^6": the sampled softmax 0.430 at S 512
+#: against 0.389 at S 64 at 10^5, 0.343 against 0.315 at 10^6).
+SMALL_D_NUM_SAMPLES, LARGE_D, LARGE_D_NUM_SAMPLES = 64, 100_000, 512
+
+
+def default_num_samples(num_classes: int) -> int:
+    """S for D = ``num_classes`` classes (``SMALL_D_NUM_SAMPLES`` / ``LARGE_D_NUM_SAMPLES``)."""
+    return LARGE_D_NUM_SAMPLES if num_classes >= LARGE_D else SMALL_D_NUM_SAMPLES
+
+
 def check_num_samples(num_samples) -> int:
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")

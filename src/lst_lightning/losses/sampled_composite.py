@@ -54,24 +54,20 @@ class SampledCompositeLoss(SphericalLoss):
     sampled = True
     #: the softmax term makes the outputs logits: the model's distribution is softmax(o)
     outputs_are_logits = True
-    #: the head's lr, S (the head's ``negatives.num`` when it is null) and mu (``mu`` null) by
-    #: D. Below ``large_D`` classes ``small_D_*``: the best on the real corpus at its own D
+    #: the head's lr and mu (``mu`` null) by D; S follows its own rule in D, shared with the
+    #: sampled softmax (``heads.samplers.default_num_samples``: 64 below 10^5 classes, 512 from
+    #: there). Below ``large_D`` classes ``small_D_*``: the best on the real corpus at its own D
     #: (33 155) and level at 10^4 (docs/benchmarks.md, "The default"). From ``large_D``:
-    #: ``large_D_*``, ahead of S 64, mu 1, lr 8 (the 2 000-step grids' best,
+    #: ``large_D_*`` (with S 512), ahead of S 64, mu 1, lr 8 (the 2 000-step grids' best,
     #: docs/sampled_slots_tuning.md) at equal time with the lr decaying over it, at 10^5 (two
     #: seeds), 10^6 (four) and 10^7 (one) (docs/benchmarks.md, "S, mu and the lr at 10^6")
-    small_D_lr, small_D_num, small_D_mu = 2.0, 64, 1.0
+    small_D_lr, small_D_mu = 2.0, 1.0
     large_D = 100_000
-    large_D_lr, large_D_num, large_D_mu = 16.0, 512, 0.3
+    large_D_lr, large_D_mu = 16.0, 0.3
 
     @classmethod
     def default_lr_for(cls, num_classes: int) -> float:
         return cls.large_D_lr if num_classes >= cls.large_D else cls.small_D_lr
-
-    @classmethod
-    def default_num_for(cls, num_classes: int) -> int:
-        """S for D = ``num_classes`` classes when the head's negatives leave it null."""
-        return cls.large_D_num if num_classes >= cls.large_D else cls.small_D_num
 
     @classmethod
     def default_mu_for(cls, num_classes: int) -> float:

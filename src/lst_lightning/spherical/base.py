@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..heads.base import OutputHead
+from ..heads.samplers import default_num_samples
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from .blocks import BLOCK
@@ -203,8 +204,8 @@ class SphericalHeadBase(OutputHead):
             raise ValueError(f"loss {self.loss_fn.name!r} needs negatives (e.g. negatives=dict(num=64))"
                              if settings is None else
                              f"negatives need a loss with sampled classes ('sampled'), not {self.loss_fn.name!r}")
-        if settings is not None and settings.num is None:  # the loss's S for this D
-            settings = dataclasses.replace(settings, num=self.loss_fn.default_num_for(num_classes))
+        if settings is not None and settings.num is None:  # S for this D, as every sampling head
+            settings = dataclasses.replace(settings, num=default_num_samples(num_classes))
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
 
     @property

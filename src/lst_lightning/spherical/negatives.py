@@ -56,7 +56,7 @@ RFF_REFUSAL = ("the RF-softmax proposal is not drawn for the implicit W = V U + 
 class Negatives:
     """The sampled classes of each training step, validated on construction.
 
-    ``num``: S negatives (None: the loss's choice for D, ``default_num_for``); ``sampler``:
+    ``num``: S negatives (None: S for D, ``heads.samplers.default_num_samples``); ``sampler``:
     "log_uniform" (Zipf over frequency-sorted ids), "unigram" (``class_counts ** power``, +
     ``smoothing``), "uniform", or "quadratic"
     (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
