@@ -28,14 +28,16 @@ import multiprocessing
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
 from benchlib import (add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure, write_csv,
                       wrote)
 
-import lightning.pytorch as pl
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.trainer.states import RunningStage
 
 from lst_lightning.app.configs import config_dir
 from lst_lightning.app.train import run
@@ -73,33 +75,40 @@ PRESETS = {
 }
 
 
-class ValidationCurve(pl.Callback):
+class ValidationCurve(Timer):
     """(training seconds, step, val metrics) at every validation; validation time excluded.
-    With ``budget_s``: stops training once that many training seconds have passed (so
-    that a head whose evaluation is slow gets the same training time as the others)."""
+    With ``budget_s``: Lightning's ``Timer`` on that clock, so training stops once that many
+    training seconds have passed (a head whose evaluation is slow gets the same training time
+    as the others) and the app's schedule (``scheduler.over=budget``) decays over them."""
 
     def __init__(self, budget_s: float | None = None):
+        super().__init__(duration=None if budget_s is None else timedelta(seconds=budget_s))
         self.points: list[dict] = []
-        self.budget_s = budget_s
         self._train_s = 0.0
         self._since: float | None = None
 
-    def train_seconds(self) -> float:
+    @property
+    def state_key(self) -> str:  # beside Lightning's own Timer (--budget-clock wall: trainer.max_time)
+        return "ValidationCurve"
+
+    def time_elapsed(self, stage: str = RunningStage.TRAINING) -> float:
+        """Training seconds, validation excluded (other stages: Lightning's own)."""
+        if RunningStage(stage) != RunningStage.TRAINING:
+            return super().time_elapsed(stage)
         return self._train_s + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if self.budget_s is not None and self.train_seconds() >= self.budget_s:
-            trainer.should_stop = True  # Lightning validates once more before it stops
-
     def on_train_start(self, trainer, pl_module):
+        super().on_train_start(trainer, pl_module)
         self._since = time.perf_counter()
 
     def on_validation_start(self, trainer, pl_module):
+        super().on_validation_start(trainer, pl_module)
         if self._since is not None:
             self._train_s += time.perf_counter() - self._since
             self._since = None
 
     def on_validation_end(self, trainer, pl_module):
+        super().on_validation_end(trainer, pl_module)
         if not trainer.sanity_checking:
             val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
             self.points.append({"train_s": self._train_s, "step": trainer.global_step, **val})

@@ -51,11 +51,19 @@ def test_time_spent_reads_lightnings_timer_and_its_restored_time():
     assert time_spent(timer) == pytest.approx(0.25)
 
 
+class Clock(Timer):
+    """A caller's own Timer beside Lightning's, no budget (quality_table.py's ValidationCurve)."""
+
+    @property
+    def state_key(self):
+        return "Clock"
+
+
 @pytest.mark.parametrize("over", ["budget", "steps"])
 def test_a_run_with_a_time_budget_decays_over_it(tmp_path, over):
     """Lightning's Timer (trainer.max_time) drives the schedule: 90 % of a day's budget spent
     (restored as on resume), 1 of 4 steps taken: over the budget the lr is near its floor,
-    over the steps it has barely decayed."""
+    over the steps it has barely decayed. A Timer without a budget ahead of it is passed over."""
     torch.manual_seed(0)
     body = NgramMLP(30, 2, embed_dim=4, hidden_sizes=[8], hidden_dim=6)
     model = LanguageModel(body, SoftmaxHead(num_classes=30, hidden_dim=6),
@@ -64,7 +72,7 @@ def test_a_run_with_a_time_budget_decays_over_it(tmp_path, over):
     timer = Timer(duration=timedelta(days=1))
     timer.load_state_dict({"time_elapsed": {"train": 0.9 * 86400}})
     data = [(torch.randint(0, 30, (8, 2)), torch.randint(0, 30, (8,))) for _ in range(4)]
-    trainer = pl.Trainer(max_steps=4, callbacks=[timer], logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(max_steps=4, callbacks=[Clock(), timer], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
     trainer.fit(model, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
     factor = trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0](1)

@@ -119,7 +119,7 @@ def test_train_clock_budget_stops_after_training_time_only(monkeypatch):
     monkeypatch.setattr(qt.time, "perf_counter", lambda: now[0])
 
     trainer = SimpleNamespace(should_stop=False, sanity_checking=False, callback_metrics={}, global_step=0,
-                              state=SimpleNamespace(fn="fit"))
+                              state=SimpleNamespace(fn="fit"), strategy=SimpleNamespace(broadcast=lambda x: x))
     curve = qt.ValidationCurve(budget_s=10.0)
     curve.on_train_start(trainer, None)
     now[0] = 6.0
@@ -132,6 +132,26 @@ def test_train_clock_budget_stops_after_training_time_only(monkeypatch):
     now[0] = 110.0
     curve.on_train_batch_end(trainer, None, None, None, 2)
     assert trainer.should_stop
+
+
+def test_train_clock_is_the_schedules_clock(monkeypatch):
+    """--budget-clock train: the app's schedule (scheduler.over=budget) reads the same clock,
+    so the lr decays over the training seconds; a slow validation does not count."""
+    from lst_lightning.app.module import time_spent  # noqa: PLC0415
+
+    now = [0.0]
+    monkeypatch.setattr(qt.time, "perf_counter", lambda: now[0])
+    trainer = SimpleNamespace(sanity_checking=False, callback_metrics={}, global_step=0, state=SimpleNamespace(fn="fit"))
+    curve = qt.ValidationCurve(budget_s=10.0)
+    assert time_spent(curve) == 0.0
+    curve.on_train_start(trainer, None)
+    now[0] = 4.0
+    curve.on_validation_start(trainer, None)
+    now[0] = 50.0  # a slow validation
+    curve.on_validation_end(trainer, None)
+    now[0] = 55.0
+    assert time_spent(curve) == pytest.approx(0.9)
+    assert time_spent(qt.ValidationCurve()) == 0.0  # --budget-clock wall: Lightning's own Timer is the budget
 
 
 def test_budget_on_the_train_clock_with_timed_validation(sandbox, tmp_path):

@@ -133,7 +133,9 @@ class LanguageModel(pl.LightningModule):
         # optimiser (optimizer.embedding); optimizer.head_lr gives an ordinary head groups of its own
         opt = make_optimizer(self, self.optim_cfg, head=self.head)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1  # inf: no step limit
-        timer = next((c for c in self.trainer.callbacks if isinstance(c, Timer)), None) if self._trainer else None
+        # the time budget: Lightning's Timer (trainer.max_time, or one of the caller's) that has one
+        timers = [c for c in self.trainer.callbacks if isinstance(c, Timer)] if self._trainer else []
+        timer = next((c for c in timers if c.time_remaining() is not None), None)
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=total, time_spent=time_spent(timer), **self.sched_cfg))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
