@@ -148,9 +148,10 @@ class SampledSoftmaxHead(LinearClassHead):
                 hit = torch.zeros_like(neg, dtype=torch.bool)
                 kept, log_rest = torch.full_like(neg[:, :1], self.num_samples), torch.zeros_like(log_q[:, :1])
             correction = log_q + kept.log() - log_rest
-            # Rows this step trains, kept (over accumulated forwards) until the next sync.
-            new_rows = [idx[valid], neg.reshape(-1)] + ([] if self._touched is None else [self._touched])
-            self._touched = torch.unique(torch.cat(new_rows))
+            if self.sampler.needs_embeddings:  # rows this step trains, kept (over accumulated
+                # forwards) until the next sync; a static sampler never syncs, so never keeps them
+                new_rows = [idx[valid], neg.reshape(-1)] + ([] if self._touched is None else [self._touched])
+                self._touched = torch.unique(torch.cat(new_rows))
         o_t = self.class_logits(hidden, idx)
         if neg.dim() == 2 and not self.sampler.conditional:
             # Shared negatives: one (m, S) matmul against S rows.
