@@ -66,8 +66,9 @@ class Sampler(nn.Module):
 #: S, the classes a step samples, when a head leaves it null: the sampled softmax
 #: (``SampledSoftmaxHead``) and the exact head's slots (``negatives.num``) alike. Below
 #: ``LARGE_D`` classes 64; from there 512, each head's best at equal time with the lr decaying
-#: over it (docs/benchmarks.md, "S, mu and the lr at 10^6": the sampled softmax 0.430 at S 512
-#: against 0.389 at S 64 at 10^5, 0.343 against 0.315 at 10^6).
+#: over it (docs/benchmarks.md, "The sampled softmax's growing step, fixed": the sampled softmax
+#: 0.430 at S 512 against 0.389 at S 64 at 10^5, 0.343 against 0.315 at 10^6, both measured
+#: before its step was fixed; not re-swept since).
 SMALL_D_NUM_SAMPLES, LARGE_D, LARGE_D_NUM_SAMPLES = 64, 100_000, 512
 
 

@@ -61,7 +61,7 @@ class SampledCompositeLoss(SphericalLoss):
     #: ``large_D_*`` (with S 512), at equal time with the lr decaying over it: lr 16 and S 512
     #: ahead of the 2 000-step grids' lr 8 and S 64 (docs/sampled_slots_tuning.md); mu 0.1
     #: ahead of 0.3 at 10^5 (two seeds) and on five seeds of seven at 10^6 (docs/benchmarks.md,
-    #: "S, mu and the lr at 10^6" and "mu 0.1, and the sampled softmax at its best S, shipped")
+    #: "S, mu and the lr at 10^6" and "The sampled softmax's growing step, fixed")
     small_D_lr, small_D_mu = 2.0, 1.0
     large_D = 100_000
     large_D_lr, large_D_mu = 16.0, 0.1
