@@ -37,9 +37,11 @@ GPU_TEST_PATHS = ["tests/spherical", "tests/baselines", "tests/heads", "tests/ls
                   "tests/scripts/test_bench_whole_step.py"]
 # The cubin compile of every launch is checked on the CPU by the suite; on the GPU the kernels run.
 NOT_ON_THE_GPU = "tests/lst_kernels/test_compile_for_gpu.py"
-# The heads at D = 10^6 in the quality comparison (quality_table.py names): the sampled-slots
-# head (issue 31's lead) in the place of the spherical softmax, known far behind at 10^6.
-QUALITY_HEADS = ["factored-zloss", "factored-sampled", "softmax", "hsoftmax", "adaptive", "sampled-log_uniform"]
+# The heads at D = 10^6 in the quality comparison (quality_table.py names), the contested pair
+# first (the default head and the sampled softmax: issue 31's question), so that a step cut short
+# by its limit loses the least telling rows (on the H100, 26 Nov, each run took 35-40 s with
+# its start, and the sampled softmax, then last, was cut).
+QUALITY_HEADS = ["factored-sampled", "sampled-log_uniform", "adaptive", "softmax", "factored-zloss", "hsoftmax"]
 TARGET = re.compile(r"^(PASS|FAIL|UNMEASURED)\s+(.*)$")
 
 
@@ -94,7 +96,7 @@ def call1(out: Path, smoke: bool) -> list[Step]:
             # the smoke run failed (the machine's Triton, say): the factored head on its torch ops
             Step("bench_heads", [*bench, "--D", "10000,793471,20000000", "--d", "512,300", "--m", "128,1024",
                                  "--all-losses-up-to", "10000", "--budget-s", "0.1", "--deadline-s", "120",
-                                 "--out", str(out)], 180, if_previous_failed={"LST_KERNELS": "torch"})]
+                                 "--out", str(out)], 150, if_previous_failed={"LST_KERNELS": "torch"})]
 
 
 def call2(out: Path, smoke: bool) -> list[Step]:
@@ -115,7 +117,7 @@ def call2(out: Path, smoke: bool) -> list[Step]:
               "--budget-s", "0.3", "--deadline-s", "75"]
     quality += ["--preset", "large_D", "--budget-s", "15", "--val-every-s", "5", "--heads", *QUALITY_HEADS,
                 "-o", "trainer=gpu"]
-    return [Step("whole_step", whole, 110), Step("quality_large_D", quality, 200)]
+    return [Step("whole_step", whole, 110), Step("quality_large_D", quality, 230)]
 
 
 CALLS = {"call1": call1, "call2": call2}
