@@ -85,9 +85,11 @@ class HeadSpec:
 # below, heads.samplers.default_num_samples), as lst-train loss=sampled
 HEADS = [HeadSpec("factored", loss, self_updating=True)
          for loss in ("zloss", *sorted(n for n in LOSSES if n != "zloss"))]
-# The factored head's GPU paths: train_step with no host reads (sync_every > 1), and that step in a CUDA graph.
+# The factored head's GPU paths: train_step with no host reads (sync_every > 1), and that step in a
+# CUDA graph; with loss="sampled" the draw of its sampled classes is inside the graph (the app's default loss).
 HEADS += [HeadSpec("factored_sync", "zloss", self_updating=True, cuda_only=True),
-          HeadSpec("factored_graph", "zloss", self_updating=True, cuda_only=True)]
+          HeadSpec("factored_graph", "zloss", self_updating=True, cuda_only=True),
+          HeadSpec("factored_graph", "sampled", self_updating=True, cuda_only=True)]
 FACTORED = ("factored", "factored_sync", "factored_graph")
 LINEAR_IN_D = ("naive", "softmax", "logits_ce")  # the heads whose step scores all D classes
 SYNC_EVERY = 64

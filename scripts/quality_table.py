@@ -50,6 +50,8 @@ HEADS: dict[str, list[str]] = {
     "naive-zloss": ["head=naive", "loss=zloss"],
     # sampled classes inside the exact step (issue 31): the composite loss and the head's negatives
     "factored-sampled": ["head=factored", "loss=sampled"],
+    # the same step replayed from a CUDA graph, its draw inside (GPU only; flags read every 64 steps)
+    "factored-sampled-graph": ["head=factored", "loss=sampled", "head.step=cuda_graph", "head.sync_every=64"],
     "softmax": ["head=softmax"],
     "hsoftmax": ["head=hsoftmax"],
     "adaptive": ["head=adaptive"],

@@ -1,7 +1,9 @@
 """The naive/factored head pair the spherical tests compare step after step, and
-their batches: padding, classes repeated within a row and across rows."""
+their batches: padding, classes repeated within a row and across rows; ``no_host_reads``."""
+import contextlib
 import io
 
+import pytest
 import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
@@ -12,6 +14,17 @@ LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}, "sampled": {"spherical_kwargs": {"a": 
 #: the composite loss needs sampled classes: both heads of a pair draw the same ones (one seed)
 HEAD_KW = {"sampled": {"negatives": {"num": 5, "seed": 7}}}
 D, d = 60, 8  # the sizes of ``deferred`` heads
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Any read of a tensor's value into Python (the host synchronisations on a GPU) raises."""
+    def refuse(*_a, **_k):
+        raise AssertionError("the step read a device value on the host")
+    with monkeypatch.context() as mp:
+        for name in ("__bool__", "__float__", "__int__", "__index__", "item", "tolist"):
+            mp.setattr(torch.Tensor, name, refuse)
+        yield
 
 
 def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, stabiliser=None, **kw):
@@ -149,6 +162,17 @@ def state(head):
 
 def state_of(head):
     return {k: v.clone() for k, v in head.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def assert_load_refused(head, saved: dict, match: str, generator) -> None:
+    """Loading ``saved`` into ``head`` is refused in one line matching ``match``; the head's
+    state and ``generator``'s state (its negatives' draws) are left as they were."""
+    before, rng = state_of(head), generator.get_state()
+    with pytest.raises(ValueError, match=match) as err:
+        head.load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    assert_untouched(head, before)
+    assert torch.equal(generator.get_state(), rng)
 
 
 def assert_untouched(head, before):

@@ -1,6 +1,7 @@
 """The factored head on a CUDA device: equal to the naive head step for step, and its step
 replayed from a CUDA graph bit for bit the eager sync-free step over many steps, the lr
-changed at every step without a new capture. CUDA only (``-m gpu``): the first call of the
+changed at every step without a new capture, with and without sampled classes drawn inside
+the graph. CUDA only (``-m gpu``): the first call of the
 GPU session runs them (docs/benchmarks.md, "The GPU session: two calls")."""
 import copy
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from lst_lightning.losses import LOSSES
+from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical.graph_step import CudaGraphStep
 
 from head_pairs import batch, deferred, make_pair, run_steps, state
@@ -43,3 +45,29 @@ def test_graph_step_is_the_eager_step_bit_for_bit(D, d, m, K):
         assert torch.equal(loss_g, loss_e) and torch.equal(dH_g, dH_e), f"step {i}"
     assert step.graph is graph  # no new capture
     assert state(graphed) == state(eager) and int(graphed.steps) == int(eager.steps) == 200
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("D,d,m,K,S", [(60, 8, 16, 2, 40), (100_000, 512, 1024, 1, 512)])
+def test_graph_step_with_sampled_classes_is_the_eager_step_bit_for_bit(D, d, m, K, S, shared):
+    """loss="sampled": the negatives drawn inside the graph by the head's device generator, a new
+    draw at each replay (the eager head draws from an equal generator), 100 steps, lr changed at
+    every step; at D = 60, S = 40 the draws repeat and hit the targets in every step."""
+    eager = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=S, shared=shared, seed=3), sync_every=8,
+                                  device="cuda", dtype=torch.float32, lr=0.5, init_std=0.1)
+    graphed = copy.deepcopy(eager)
+    eager.negatives.draw_on(eager.device)  # what CudaGraphStep does to the graphed head
+    step = CudaGraphStep(graphed, m=m, K=K)
+    graph = step.graph
+    assert state(graphed) == state(eager)
+    assert torch.equal(graphed.negatives.device_generator.get_state(), eager.negatives.device_generator.get_state())
+    for i in range(100):
+        eager.lr = graphed.lr = 0.5 / (1 + 0.1 * i)
+        H, idx = batch(m, d, D, K, dtype=torch.float32)
+        H, idx = H.cuda(), idx.cuda()
+        loss_e, dH_e = eager.train_step(H, idx)
+        loss_g, dH_g = step(H, idx)
+        assert torch.equal(loss_g, loss_e) and torch.equal(dH_g, dH_e), f"step {i}"
+    assert step.graph is graph
+    assert state(graphed) == state(eager) and int(graphed.steps) == int(eager.steps) == 100
+    assert torch.equal(graphed.negatives.device_generator.get_state(), eager.negatives.device_generator.get_state())

@@ -1,7 +1,6 @@
 """The factored head's training step with no host synchronisation (``sync_every > 1``):
 exact against the naive head, no read of a device value inside the step, and bad or
 non-finite input still skipped, state untouched, and reported at the next read."""
-import contextlib
 import warnings
 
 import pytest
@@ -9,18 +8,7 @@ import torch
 
 from lst_lightning.spherical import NaiveSphericalHead
 
-from head_pairs import D, batch, d, deferred, make_pair, run_steps, state, step
-
-
-@contextlib.contextmanager
-def no_host_reads(monkeypatch):
-    """Any read of a tensor's value into Python (the host synchronisations on a GPU) raises."""
-    def refuse(*_a, **_k):
-        raise AssertionError("the step read a device value on the host")
-    with monkeypatch.context() as mp:
-        for name in ("__bool__", "__float__", "__int__", "__index__", "item", "tolist"):
-            mp.setattr(torch.Tensor, name, refuse)
-        yield
+from head_pairs import D, batch, d, deferred, make_pair, no_host_reads, run_steps, state, step
 
 
 @pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "mse"])

@@ -3,16 +3,21 @@ loss losses/sampled_composite.py): the factored step equals the naive head's ste
 drawn negatives, in float64, over several steps (loss, dL/dH and the implicit W after each),
 shared per batch (one dense block) and drawn per row (extra slots); the draws are the head's
 own, reproducible from the seed and resumed exactly; bad settings are refused in one line."""
+import traceback
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lst_lightning.spherical import FactoredSphericalHead, Negatives, step
-from lst_lightning.spherical.negatives import unique_column_gram
+from lst_lightning.spherical.graph_step import at_zero_lr
+from lst_lightning.spherical.negatives import padded_unique, unique_column_gram
 
 import lst_kernels as lk
 
 import head_pairs
-from head_pairs import accumulate_both, assert_resumes_alike, assert_untouched, make_pair, state_of, step_both
+from head_pairs import (accumulate_both, assert_load_refused, assert_resumes_alike, assert_untouched, make_pair,
+                        no_host_reads, state_of, step_both)
 
 D, d = 40, 6
 
@@ -194,12 +199,19 @@ def test_loss_and_negatives_go_together_and_modes_not_taken_are_refused():
         FactoredSphericalHead(D, d, loss="sampled")
     with pytest.raises(ValueError, match="negatives need a loss with sampled classes"):
         FactoredSphericalHead(D, d, loss="zloss", negatives=dict(num=4))
-    f = FactoredSphericalHead(D, d, loss="sampled", negatives=Negatives(num=4), sync_every=2)
+    f = FactoredSphericalHead(D, d, loss="sampled", negatives=Negatives(num=4, sampler="quadratic", shared=False),
+                              sync_every=2)
     before = state_of(f)
-    with pytest.raises(ValueError, match="cuda_graph"):
+    with pytest.raises(ValueError, match="cuda_graph") as err:  # its sum-tree is on the host
         f.step = "cuda_graph"
-    assert f.step == "autograd"
+    assert "\n" not in str(err.value) and f.step == "autograd"
     assert_untouched(f, before)
+    with pytest.raises(ValueError, match="host"):
+        f.negatives.draw_on("cpu")
+    # a static sampler draws inside the graph (CudaGraphStep: on CUDA; tests/spherical/test_cuda.py)
+    g = FactoredSphericalHead(D, d, loss="sampled", negatives=Negatives(num=4), sync_every=2)
+    g.step = "cuda_graph"
+    assert g.step == "cuda_graph"
 
 
 def test_default_heads_never_enter_the_negatives_code(monkeypatch):
@@ -257,3 +269,100 @@ def test_bf16_autocast_leaves_the_step_in_the_heads_own_precision():
             Lf.backward()
         g(H.clone().float().requires_grad_(), idx).backward()
     assert torch.equal(f.weight(), g.weight())
+
+
+# -- drawn on the device: what a CUDA graph captures (step="cuda_graph"; graph_step.py) -------
+@pytest.mark.parametrize("ids", [[5, 1, 5, 9, 1, 1, 0, 9], [3, 3, 3, 3], [7, 2, 0, 4], [8]])
+def test_padded_unique_is_torch_unique_in_fixed_shapes(ids):
+    ids = torch.tensor(ids)
+    uniq, inv = padded_unique(ids)
+    ref, ref_inv = torch.unique(ids, sorted=True, return_inverse=True)
+    u = ref.numel()
+    assert uniq.shape == inv.shape == ids.shape
+    assert torch.equal(uniq[:u], ref) and torch.equal(inv, ref_inv)
+    assert bool((uniq[u:] == ids.max()).all())  # padded with the largest: still sorted
+    assert torch.equal(torch.searchsorted(uniq, ids), ref_inv)
+
+
+def device_drawing_pair(shared, num):
+    f, n = pair(shared=shared, num=num)
+    for h in (f, n):
+        h.negatives.draw_on("cpu")  # the device's own generator and the graph's static shapes
+    f.sync_every = 3  # a graph's step: device flags, no host read
+    return f, n
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_draws_on_the_device_equal_the_naive_head(shared):
+    """The step a CUDA graph captures, on the CPU: the draw from the device generator, shared
+    negatives coalesced in fixed shapes (columns past the distinct ones carry zero gradients),
+    40 negatives over 40 classes (repeats and accidental hits in every draw), K = 3, padding."""
+    torch.manual_seed(7)
+    f, n = device_drawing_pair(shared, num=40)
+    host = f.negatives.generator.get_state()
+    _, idx = hard_batch()
+    cols, uniq, _, slots = f.negatives.draw(f, idx)
+    assert bool(slots.hit.any()) and (uniq is None or uniq.numel() == cols.numel())  # padded to S
+    f.negatives.device_generator.manual_seed(12)
+    n.negatives.device_generator.manual_seed(12)
+    run(f, n, steps=4)
+    f.sync()
+    assert int(f.steps) == 4 and int(f.skipped_nonfinite) == 0
+    assert torch.equal(f.negatives.generator.get_state(), host)  # the host generator draws no more
+
+
+def test_device_draws_resume_alike_and_a_host_drawn_state_is_refused_untouched():
+    torch.manual_seed(8)
+    assert_resumes_alike(lambda: device_drawing_pair(True, num=6)[0], hard_batch)
+    host_drawn, _ = pair()
+    f, _ = device_drawing_pair(True, num=6)
+    assert_load_refused(f, host_drawn.state_dict(), "drawn on the host", f.negatives.device_generator)
+
+
+def test_the_graphs_warm_up_undoes_its_draws():
+    """CudaGraphStep warms up with real steps at lr 0 (at_zero_lr): they leave the head and the
+    generator where they were, so the graph's first replay draws what the eager step would."""
+    torch.manual_seed(9)
+    f, _ = device_drawing_pair(True, num=6)
+    f.step = "fused"
+    before, draws = state_of(f), f.negatives.device_generator.get_state()
+    with at_zero_lr(f):
+        for _ in range(3):
+            f.train_step(*hard_batch())
+    assert_untouched(f, before)
+    assert torch.equal(f.negatives.device_generator.get_state(), draws)
+
+
+class NoDataDependentShapes(TorchDispatchMode):
+    """Raises on an op whose output shape depends on the data (a CUDA graph cannot capture it),
+    called from the negatives' code (the CPU references of lst_kernels have their own)."""
+
+    OPS = ("aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::nonzero", "aten::masked_select")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.OPS and any(
+                f.filename.endswith(("negatives.py", "sampled_composite.py", "samplers.py"))
+                for f in traceback.extract_stack()):
+            raise AssertionError(f"{func._schema.name}: a shape that depends on the data")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_the_device_draw_reads_nothing_on_the_host_in_fixed_shapes(monkeypatch, shared):
+    """What the graph captures (train_step, flags on the device) with the draw on the device:
+    no host read and no data-dependent shape; the host draw (torch.unique) is caught by the same
+    check, so it can fail."""
+    def steps(head):
+        for _ in range(3):
+            head.train_step(*hard_batch())
+    f = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=30, shared=shared, seed=1), sync_every=8,
+                              dtype=torch.float64)
+    f.negatives.draw_on("cpu")
+    steps(f)  # the proposal's q made once, outside the capture (CudaGraphStep's warm-up)
+    with no_host_reads(monkeypatch), NoDataDependentShapes():
+        steps(f)
+    if shared:
+        host = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=30, seed=1), sync_every=8,
+                                     dtype=torch.float64)
+        with NoDataDependentShapes(), pytest.raises(AssertionError, match="depends on the data"):
+            steps(host)

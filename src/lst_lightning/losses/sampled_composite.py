@@ -126,7 +126,7 @@ class SampledCompositeLoss(SphericalLoss):
     def sampled_ce(A: Tensor, T: Tensor, A_neg: Tensor, slots: SampledSlots) -> Tensor:
         """Per-row sampled-softmax CE: ``sum_k t_k (logsumexp(Z) - a_k)``, Z the targets (each
         class once, padding out) and the corrected negatives that are no accidental hit."""
-        neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
+        neg_inf = torch.full((), float("-inf"), dtype=A.dtype, device=A.device)  # no host copy: graphs
         o_t = torch.where(slots.first, A, neg_inf)
         o_n = torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))
         log_z = lk.logsumexp_rows(torch.cat([o_t, o_n], 1))
@@ -143,7 +143,7 @@ class SampledCompositeLoss(SphericalLoss):
         w p_k on a class's first slot - weight_i t_k), the spherical term's by its ``grads``.
         Held to autograd of ``with_slots`` by tests/losses."""
         zero = torch.zeros((), dtype=A.dtype, device=A.device)
-        neg_inf = torch.tensor(float("-inf"), dtype=A.dtype, device=A.device)
+        neg_inf = torch.full((), float("-inf"), dtype=A.dtype, device=A.device)  # no host copy: graphs
         K = A.shape[1]
         Zc = torch.cat([torch.where(slots.first, A, neg_inf),  # sampled_ce's logits
                         torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))], 1)

@@ -99,9 +99,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """The modes sampled classes do not take yet, each refused in one line with the reason."""
         if self.negatives is None:
             return
-        if driving.step == "cuda_graph":
-            raise ValueError("negatives with step='cuda_graph': the draw runs on the host each step and a "
-                             "captured graph would replay one draw; use step='autograd' or 'fused'")
+        if driving.step == "cuda_graph" and self.negatives.kernel is not None:
+            raise ValueError(f"negatives.sampler={self.negatives.settings.sampler!r} with step='cuda_graph': "
+                             "its sum-tree is kept on the host; use a static sampler or step='fused'")
         if self.negatives.kernel is not None and driving.parallel != "none":
             raise ValueError(f"negatives.sampler={self.negatives.settings.sampler!r} with parallel="
                              f"{driving.parallel!r}: its sum-tree holds every row of V in one process; use "

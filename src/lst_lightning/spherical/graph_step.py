@@ -1,9 +1,12 @@
 """The factored head's whole training step captured in one CUDA graph.
 
-A step is some forty small kernels (GEMMs of m x d and d x d, the sparse
+A step is a few hundred small kernels (GEMMs of m x d and d x d, the sparse
 kernels, the loss); on a GPU their launch gaps, not their work, decide the time
 at moderate m. Replaying a captured graph launches them all at once. Needs the
-step to read nothing on the host (``sync_every > 1``) and fixed shapes (m, K).
+step to read nothing on the host (``sync_every > 1``) and fixed shapes (m, K). With
+sampled classes (``loss="sampled"``) the draw is part of the graph: the head's
+negatives draw on the device from a generator registered with the graph
+(``NegativeSampling.draw_on``), so each replay draws anew.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ def at_zero_lr(head: "FactoredSphericalHead"):
     Uses the head's public API only: its buffers, ``step_checks`` (device flags: ``Driving(
     "cuda_graph", ...)`` needs ``sync_every > 1``), ``sync_every`` and ``pin_device_lr``."""
     counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
+    draws = None if head.negatives is None else head.negatives.state()  # the steps' draws are undone too
     checks = head.step_checks
     saved = checks.calls, checks.synced, head.sync_every
     head.sync_every = 1 << 62
@@ -35,6 +39,8 @@ def at_zero_lr(head: "FactoredSphericalHead"):
     finally:
         for k, v in counters.items():
             head.get_buffer(k).copy_(v)
+        if draws is not None:
+            head.negatives.load_state(draws)
         checks.calls, checks.synced, head.sync_every = saved
         head.pin_device_lr(None)
 
@@ -57,8 +63,12 @@ class CudaGraphStep:
         self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)
         self.idx = torch.zeros(m, K, dtype=torch.long, device=dev)
         self.val = torch.zeros(m, K, dtype=head.dtype, device=dev)
+        if head.negatives is not None:  # sampled classes drawn inside the graph, by a device generator
+            head.negatives.draw_on(dev)
         self._warm_up(warmup)
         self.graph = torch.cuda.CUDAGraph()
+        if head.negatives is not None:  # each replay draws anew, from the generator's state then
+            self.graph.register_generator_state(head.negatives.device_generator)
         with torch.cuda.graph(self.graph):
             self.loss, self.dH = head.train_step(self.H, self.idx, self.val)
 

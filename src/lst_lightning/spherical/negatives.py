@@ -139,20 +139,54 @@ class NegativeSampling:
             self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
+        #: the generator of the device the draws run on since ``draw_on`` (None: on the host)
+        self.device_generator = None
+        self._device_rng = None  # a checkpoint's device generator state, set when draw_on makes it
         self._q = {}  # the proposal's q on each (device, dtype) the targets came on: made once
 
-    # -- resume: the generator's state in the head's extra state --------------------------
+    def draw_on(self, device: torch.device) -> None:
+        """Draw on ``device`` from now on, reading nothing on the host (a CUDA graph captures
+        the step, ``step="cuda_graph"``): the proposal's tables move there, a generator of that
+        device draws (seeded once from the host generator, or given a checkpoint's state), and
+        shared negatives are coalesced by a sort of static shape (``padded_unique``) instead of
+        ``torch.unique`` on the host. A kernel proposal (its sum-tree is on the host) is refused."""
+        device = torch.device(device)
+        if self.kernel is not None:
+            raise ValueError(f"negatives.sampler={self.settings.sampler!r} draws from a sum-tree kept on the "
+                             "host: it cannot draw on the device; use a static sampler")
+        if self.device_generator is not None and self.device_generator.device == device:
+            return
+        self.sampler.to(device)
+        generator = torch.Generator(device=device)
+        if self._device_rng is not None:
+            generator.set_state(self._device_rng)
+        else:
+            generator.manual_seed(int(torch.randint(2 ** 62, (), generator=self.generator)))
+        self.device_generator = generator
+
+    # -- resume: the generators' states in the head's extra state ---------------------------
     def state(self) -> dict:
-        return {"settings": self.settings.public(), "rng": self.generator.get_state()}
+        out = {"settings": self.settings.public(), "rng": self.generator.get_state()}
+        if self.device_generator is not None:
+            out["device_rng"] = self.device_generator.get_state()
+        elif self._device_rng is not None:
+            out["device_rng"] = self._device_rng
+        return out
 
     def check_state(self, state: dict) -> None:
         if Negatives.saved(state["settings"]) != self.settings.public():
             raise ValueError(f"the state was saved with negatives {state['settings']} but this head has "
                              f"{self.settings.public()}")
+        if self.device_generator is not None and state.get("device_rng") is None:
+            raise ValueError("the state was saved with negatives drawn on the host but this head draws them on "
+                             "its device (step='cuda_graph'): resume it with the step it was saved with")
 
     def load_state(self, state: dict) -> None:
         self.check_state(state)
         self.generator.set_state(state["rng"])
+        self._device_rng = state.get("device_rng")
+        if self.device_generator is not None:  # else set when draw_on makes the device generator
+            self.device_generator.set_state(self._device_rng)
 
     # -- the draw ---------------------------------------------------------------------------
     def draw(self, head, idx: Tensor, query: Tensor | None = None):
@@ -164,9 +198,12 @@ class NegativeSampling:
         if self.kernel is not None:  # per row, from each row's law (shared is refused)
             neg, log_q = self.kernel.sample(head, query, S, self.generator)
         else:
-            neg, log_q = self.sampler.sample(S if st.shared else m * S, generator=self.generator)
+            neg, log_q = self.sampler.sample(S if st.shared else m * S,
+                                             generator=self.device_generator or self.generator)
         uniq = inv = None
-        if st.shared:
+        if st.shared and self.device_generator is not None:  # static shapes, no host read
+            uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
+        elif st.shared:
             uniq, inv = torch.unique(neg, sorted=True, return_inverse=True)  # on the host: no device sync
             uniq, inv = uniq.to(idx.device, non_blocking=True), inv.to(idx.device, non_blocking=True)
         neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
@@ -216,9 +253,26 @@ class NegativeSampling:
                                                           num_classes=head.num_classes, y_sq=y_sq)
         L = head.reduce(per, idx, weight)
         if self.settings.shared:
-            return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
+            return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u,
+                                                   padded=self.device_generator is not None)
         return (L, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
                 PerRowSlots())
+
+
+def padded_unique(ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.unique(ids, sorted=True, return_inverse=True)`` in shapes fixed by ids (n,), for
+    a step that reads nothing on the host (a CUDA graph): ``uniq`` (n,) holds the u distinct ids
+    in increasing order, then n - u copies of the largest (still sorted, so ``searchsorted``
+    finds each id's first place); ``inv`` (n,) each id's place among the first u. The block's
+    columns past u get no draw, so a gradient of zero: they add exact zeros to every product
+    and to V's rows (SharedBlock)."""
+    s, order = torch.sort(ids)
+    new = torch.ones_like(s, dtype=torch.bool)
+    new[1:] = s[1:] != s[:-1]
+    seg = torch.cumsum(new, 0) - 1  # each sorted id's place among the distinct ones
+    inv = torch.empty_like(seg).scatter_(0, order, seg)
+    uniq = s[-1:].expand(s.shape[0]).clone().scatter_(0, seg, s)
+    return uniq, inv
 
 
 def unique_column_gram(idx: Tensor, G: Tensor) -> Tensor:
@@ -254,19 +308,28 @@ class SharedBlock:
     ``cols`` (S,) the draw, ``uniq`` (u,) its distinct classes, ``inv`` (S,) each draw's
     place among them, ``G_neg`` (m, S) dL/dA_neg, ``V_u`` (u, d) their rows of V at the
     forward (the step's V: it changes only at the write); ``G_u`` (m, u) the step's
-    gradients on the unique columns (repeated negatives summed), set by ``hidden``."""
+    gradients on the unique columns (repeated negatives summed), set by ``hidden``.
+    ``padded``: ``uniq`` is ``padded_unique``'s (S columns, those past the distinct ones
+    unused; the draw on the device): the sums over repeated columns are then taken by
+    products with a 0/1 matrix, in a fixed order (no float atomics on a GPU: the eager step
+    and its CUDA graph give the same bits)."""
 
     shared = True
 
-    def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor, V_u: Tensor):
+    def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor, V_u: Tensor, padded: bool = False):
         self.cols, self.uniq, self.inv, self.G_neg, self.V_u = cols, uniq, inv, G_neg, V_u
+        self.padded = padded
         self.G_u = None
 
     def hidden(self, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
         """Their part of Yd V (one GEMM) and of Yd's row sums; G_u, the step's gradients
         coalesced to the unique columns (repeated negatives summed)."""
         m, u = self.G_neg.shape[0], self.uniq.numel()
-        self.G_u = self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
+        if self.padded:  # G_u = G_neg E, E[j, inv[j]] = 1
+            E = self.G_neg.new_zeros(self.inv.numel(), u).scatter_(1, self.inv[:, None], 1.0)
+            self.G_u = (self.G_neg * grad) @ E
+        else:
+            self.G_u = self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
         return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + self.G_u.sum(1)
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
@@ -287,6 +350,9 @@ class SharedBlock:
         pos = torch.searchsorted(uniq, idx.clamp(min=0)).clamp(max=uniq.numel() - 1)
         on_neg = (idx >= 0) & (uniq[pos] == idx)
         GA_on = torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device))
+        if self.padded:  # a row's targets on one column (a class repeated in the row) summed in order
+            cols = torch.arange(uniq.numel(), device=pos.device)
+            return GA - GA_on, self.G_u + (GA_on[:, :, None] * (pos[:, :, None] == cols)).sum(1)
         return GA - GA_on, self.G_u.scatter_add(1, pos, GA_on)
 
     def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, sharding) -> None:
