@@ -252,6 +252,13 @@ def test_bad_input_fails_before_training(tmp_path, overrides, error, match):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results.json").exists()
 
 
+def test_a_graph_step_off_the_gpu_fails_before_training(tmp_path):
+    with pytest.raises(ValueError, match="CUDA graph, but this run trains on cpu") as err:
+        run(cfg_of(*FAST, "head=factored", "head.step=cuda_graph", "head.sync_every=4"), tmp_path)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results.json").exists()
+
+
 def test_console_script_from_another_directory(tmp_path):
     exe = Path(sys.executable).parent / "lst-train"
     out = subprocess.run([str(exe), "--cfg", "job", "head=naive", "loss=mse"], cwd=tmp_path,

@@ -113,6 +113,15 @@ def check_accumulation(cfg: DictConfig, head) -> None:
                          f"trainer.accumulate_grad_batches={accumulate} must be 1")
 
 
+def check_graph_step(head, trainer) -> None:
+    """``head.step=cuda_graph`` replays the head's step from a CUDA graph: a run on another
+    device is refused before training, in one line."""
+    device = trainer.strategy.root_device
+    if getattr(head, "step", None) == "cuda_graph" and device.type != "cuda":
+        raise ValueError(f"head.step=cuda_graph replays the head's step from a CUDA graph, but this run trains on "
+                         f"{device.type}: use trainer=gpu, or head.step=fused on {device.type}")
+
+
 def check_strategy(trainer) -> None:
     """Several processes train under DDP (ddp, ddp_spawn, ddp_fork) or with the body sharded by
     FSDP2 (``strategy=fsdp2``: fsdp_body.py; docs/multi_gpu.md); the other strategies that
@@ -140,8 +149,8 @@ def check_strategy(trainer) -> None:
 
 def check_built(cfg: DictConfig, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
-    any process is started: the strategy, the head with accumulation, the head and the
-    processes, a sharded head and spawn."""
+    any process is started: the strategy, the head with accumulation, a graph step on its
+    device, the head and the processes, a sharded head and spawn."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
     from .module import check_distributed  # noqa: PLC0415
@@ -149,6 +158,7 @@ def check_built(cfg: DictConfig, module, trainer) -> None:
     head = module.head
     check_strategy(trainer)
     check_accumulation(cfg, head)
+    check_graph_step(head, trainer)
     check_distributed(head, trainer.world_size)
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
