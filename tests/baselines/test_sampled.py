@@ -147,16 +147,18 @@ def test_kernel_sampler_tree_follows_accumulated_gradients():
     torch.testing.assert_close(head.sampler.tree.sums, KernelTreeOf(head), rtol=1e-5, atol=1e-5)
 
 
-def test_sampled_num_samples_follows_d_as_the_exact_heads_slots():
-    """S left null is 64 below 10^5 classes and 512 from there, the same S as the exact head's
-    slots draw at that D; a given S is kept; a bad one is refused in one line."""
+def test_sampled_num_samples_follows_d():
+    """S left null is 64 below 10^5 classes, 512 from there (the same S as the exact head's
+    slots draw), 1024 from 10^6 (the sampled softmax's own best there; the exact head keeps
+    512); a given S is kept; a bad one is refused in one line."""
     from lst_lightning.spherical import FactoredSphericalHead  # noqa: PLC0415
 
-    for num_classes, S in ((1000, 64), (99_999, 64), (100_000, 512)):
+    for num_classes, S, S_exact in ((1000, 64, 64), (99_999, 64, 64), (100_000, 512, 512), (999_999, 512, 512),
+                                    (10**6, 1024, 512), (10**7, 1024, 512)):
         head = SampledSoftmaxHead(num_classes=num_classes, hidden_dim=2, device="meta")
         exact = FactoredSphericalHead(num_classes=num_classes, hidden_dim=2, loss="sampled", negatives={},
                                       device="meta")
-        assert head.num_samples == exact.negatives.settings.num == S
+        assert (head.num_samples, exact.negatives.settings.num) == (S, S_exact)
     assert SampledSoftmaxHead(num_classes=10**6, hidden_dim=2, num_samples=8, device="meta").num_samples == 8
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="num_samples must be a positive int or None"):

@@ -21,7 +21,7 @@ import lst_kernels as lk
 from .samplers import make_sampler
 from .linear import LinearClassHead
 from .row_sparse import row_gather
-from ..heads.samplers import default_num_samples
+from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
 
@@ -37,7 +37,7 @@ class SampledSoftmaxHead(LinearClassHead):
     law actually drawn from, so the correction stays right.
 
     ``num_samples``: S, the negatives a step draws (None: 64 below 10^5 classes, 512 from
-    there, its best at equal time, ``heads.samplers.default_num_samples``).
+    there, 1024 from 10^6, its best at equal time, ``heads.samplers.sampled_softmax_num_samples``).
 
     ``sparse``: the training step's gradient of W and b holds only the rows it read
     (targets and negatives; ``sparse_parameters()``), for a row-sparse optimiser
@@ -65,8 +65,8 @@ class SampledSoftmaxHead(LinearClassHead):
         self.sampler = sampler_module.to(device) if device is not None else sampler_module
         self.sampler_name = sampler
         self.sparse = sparse
-        #: S (None: S for D, ``heads.samplers.default_num_samples``: 64 below 10^5 classes, 512 from there)
-        self.num_samples = default_num_samples(self.num_classes) if num_samples is None else num_samples
+        #: S (None: S for D, ``heads.samplers.sampled_softmax_num_samples``)
+        self.num_samples = sampled_softmax_num_samples(self.num_classes) if num_samples is None else num_samples
         self.remove_accidental_hits = bool(remove_accidental_hits)
         self.resync_every = resync_every
         self._synced_version: int | None = None
