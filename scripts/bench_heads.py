@@ -80,7 +80,7 @@ class HeadSpec:
         return (self.head, self.variant)
 
 
-# the spherical losses; the composite loss="sampled" with the head's negatives at their defaults
+# the spherical losses; the composite loss="sampled" with the head's negatives and preconditioner at their defaults
 # (S log-uniform classes shared by the batch, one dense block; S by D as for the sampled softmax
 # below, heads.samplers.default_num_samples), as lst-train loss=sampled
 HEADS = [HeadSpec("factored", loss, self_updating=True)
@@ -177,8 +177,8 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
             kw["sync_every"] = SYNC_EVERY
         lr, loss_kwargs = loss_settings(spec.variant, D)
         kw.update(loss=spec.variant, loss_kwargs=loss_kwargs, lr=lr, bias=False)
-        if LOSSES[spec.variant].sampled:
-            kw["negatives"] = {}  # on, at their defaults
+        if LOSSES[spec.variant].sampled:  # lst-train's default head: negatives and the preconditioner on
+            kw["negatives"], kw["preconditioner"] = {}, {}
         head = cls(**kw)  # draws its D x d matrix on the device itself
         return head, head
     kw["dtype"] = dtype

@@ -1,12 +1,13 @@
 """Which project files and functions one training step of a head enters.
 
 ``python scripts/trace_step.py`` builds a ``FactoredSphericalHead`` (bias column; the
-Z-loss, or with ``--loss sampled`` lst-train's default, sampled classes inside the step),
+Z-loss, or with ``--loss sampled`` lst-train's default, sampled classes inside the step and
+the right preconditioner),
 takes one warm-up step, then traces one more ``head(H, idx).backward()`` with
 ``sys.setprofile`` and prints every file of ``src/`` and ``triton_kernels/`` it enters,
 with the functions (lambdas and comprehensions count: each is a call a reader follows).
 Issue "One step, one path" holds the Z-loss step to at most 6 files and 45 functions, and
-the default loss=sampled's step to 9 files and 46 functions (tests/spherical/test_step_path.py).
+the default loss=sampled's step to 10 files and 48 functions (tests/spherical/test_step_path.py).
 """
 from __future__ import annotations
 
@@ -41,13 +42,15 @@ def trace_step(head, H, idx) -> dict[str, set[str]]:
 
 def default_step_path(num_classes: int = 1000, hidden_dim: int = 16, m: int = 8, k: int = 1, loss: str = "zloss"):
     """The trace of the factored head's second training step (the first one warms up), with
-    ``loss`` ("zloss": the spherical step; "sampled": lst-train's default, its negatives on)."""
+    ``loss`` ("zloss": the spherical step; "sampled": lst-train's default, its negatives and
+    preconditioner on)."""
     import torch
 
     from lst_lightning.spherical import FactoredSphericalHead
     g = torch.Generator().manual_seed(0)
     head = FactoredSphericalHead(num_classes=num_classes, hidden_dim=hidden_dim, loss=loss, bias=True,
-                                 generator=g, negatives={} if loss == "sampled" else None)
+                                 generator=g, negatives={} if loss == "sampled" else None,
+                                 preconditioner={} if loss == "sampled" else None)
     H = torch.randn(m, hidden_dim, generator=g, requires_grad=True)
     idx = torch.randint(0, num_classes, (m, k), generator=g)
     head(H, idx).backward()

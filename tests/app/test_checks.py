@@ -62,6 +62,14 @@ def test_negatives_with_another_loss_are_refused_in_one_line():
     check_overrides(["-m", "loss=zloss,sampled", "head.negatives.num=8"])    # a sweep: the job decides
 
 
+def test_preconditioner_settings_with_another_loss_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="head.preconditioner.beta=0.9: .*loss=sampled.*turn it on first: "
+                                         "head/preconditioner=sampled"):
+        check_overrides(["loss=zloss", "head.preconditioner.beta=0.9"])
+    check_overrides(["head.preconditioner.beta=0.9"])                                   # the default loss
+    check_overrides(["loss=zloss", "head/preconditioner=sampled", "head.preconditioner.beta=0.9"])
+
+
 def test_loss_settings_and_other_overrides_pass():
     check_overrides(["loss.kwargs.a=-1", "loss=mse", "trainer.max_steps=3", "head.lr=3", "-m", "--cfg"])
     check_overrides(["head=factored,naive", "head.lr=3", "optimizer.head_lr=0.1"])

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, parameters, settings_schema
 from lst_lightning.heads import FactoredSphericalHead
+from lst_lightning.spherical.preconditioner import Preconditioner
 from lst_lightning.spherical.stabiliser import Stabiliser
 
 from app_configs import CONF, cfg_of, group
@@ -68,6 +69,22 @@ def test_the_sampled_loss_turns_on_the_spherical_heads_negatives_only():
         assert cfg_of(f"head={head}", "head.negatives.num=8").head.negatives.num == 8
     for head in ("softmax", "sampled", "hsoftmax", "adaptive"):
         assert "negatives" not in cfg_of(f"head={head}").head
+
+
+def test_the_sampled_loss_turns_on_the_spherical_heads_preconditioner():
+    """loss=sampled (the default) gives the spherical heads the right preconditioner at the
+    code's defaults (head/preconditioner/sampled.yaml is empty); null turns it off; the other
+    losses leave it off unless head/preconditioner=sampled; the other heads never see the key."""
+    assert yaml.safe_load((CONF / "head" / "preconditioner" / "sampled.yaml").read_text()) == {}
+    defaults = dataclasses.asdict(Preconditioner())
+    for head in ("factored", "naive"):
+        assert dict(cfg_of(f"head={head}").head.preconditioner) == defaults
+        assert cfg_of(f"head={head}", "head.preconditioner=null").head.preconditioner is None
+        assert cfg_of(f"head={head}", "head.preconditioner.damping=0.3").head.preconditioner.damping == 0.3
+        assert cfg_of(f"head={head}", "loss=zloss").head.preconditioner is None
+        assert dict(cfg_of(f"head={head}", "loss=zloss", "head/preconditioner=sampled").head.preconditioner) == defaults
+    for head in ("softmax", "sampled", "hsoftmax", "adaptive"):
+        assert "preconditioner" not in cfg_of(f"head={head}").head
 
 
 def test_the_schemas_are_the_constructors():

@@ -11,13 +11,15 @@ from lst_lightning.spherical import FactoredSphericalHead
 
 WORLD, D, d, K, STEPS = 2, 50, 6, 3, 8
 ROWS = [5, 3]  # ranks hold different numbers of rows
-#: sampled classes inside the step (loss=sampled), 7 log-uniform negatives: name -> (parallel, shared by the batch)
+#: sampled classes inside the step (loss=sampled), 7 log-uniform negatives, with the right preconditioner
+#: (as lst-train's default head): name -> (parallel, shared by the batch)
 NEGATIVE_MODES = {"replicated_negatives": ("replicated", True), "sharded_negatives": ("sharded", True),
                   "sharded_negatives_per_row": ("sharded", False)}
 
 
 def negatives(shared: bool) -> dict:
-    return {"loss": "sampled", "negatives": {"num": 7, "shared": shared}}
+    return {"loss": "sampled", "negatives": {"num": 7, "shared": shared},
+            "preconditioner": {"beta": 0.9, "damping": 0.05}}
 
 
 def make_head(mode, **kw):

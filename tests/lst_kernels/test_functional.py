@@ -89,6 +89,12 @@ def test_q_update_factors_matches_the_reference_and_the_m_route(shape):
         fused = lst_kernels.q_update_factors(*args, impl="torch")
         close(fused, reference.q_update_factors(*args))
         close(fused, reference.q_update(s["Q"], s["H"], dH, M, lr, c))
+        # a right preconditioner P: the M route with H P on the update's side
+        A = torch.randn(d, d, dtype=s["H"].dtype)
+        P = A @ A.T / d + torch.eye(d, dtype=A.dtype)
+        fused = lst_kernels.q_update_factors(*args, P=P, impl="torch")
+        close(fused, reference.q_update_factors(*args, P=P))
+        close(fused, reference.q_update(s["Q"], s["H"] @ P, dH, M, lr, c))
 
 
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(

@@ -114,3 +114,9 @@ def test_reference_q_update_factors_is_gram_of_updated_w(shape, c):
     YYH = s["Yd"] @ s["Yd"].T @ s["H"]
     Q_new = ref.q_update_factors(s["Q"], s["H"], s["gq"], s["Z"], s["gs"], s["ybar"], D, YYH, lr, c)
     torch.testing.assert_close(Q_new, W_new.T @ W_new)
+    # with a right preconditioner (a symmetric positive definite d x d P): W_new = c W - lr dO^T H P
+    A = torch.randn(d, d, dtype=s["H"].dtype)
+    P = A @ A.T / d + torch.eye(d, dtype=A.dtype)
+    W_new = c * s["W"] - lr * s["dO"].T @ s["H"] @ P
+    Q_new = ref.q_update_factors(s["Q"], s["H"], s["gq"], s["Z"], s["gs"], s["ybar"], D, YYH, lr, c, P=P)
+    torch.testing.assert_close(Q_new, W_new.T @ W_new)

@@ -52,9 +52,10 @@ def test_graph_step_is_the_eager_step_bit_for_bit(D, d, m, K):
 def test_graph_step_with_sampled_classes_is_the_eager_step_bit_for_bit(D, d, m, K, S, shared):
     """loss="sampled": the negatives drawn inside the graph by the head's device generator, a new
     draw at each replay (the eager head draws from an equal generator), 100 steps, lr changed at
-    every step; at D = 60, S = 40 the draws repeat and hit the targets in every step."""
+    every step; at D = 60, S = 40 the draws repeat and hit the targets in every step. With the
+    right preconditioner, as lst-train's default head (its Cholesky factorisation in the graph)."""
     eager = FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=S, shared=shared, seed=3), sync_every=8,
-                                  device="cuda", dtype=torch.float32, lr=0.5, init_std=0.1)
+                                  device="cuda", dtype=torch.float32, lr=0.5, init_std=0.1, preconditioner={})
     graphed = copy.deepcopy(eager)
     eager.negatives.draw_on(eager.device)  # what CudaGraphStep does to the graphed head
     step = CudaGraphStep(graphed, m=m, K=K)

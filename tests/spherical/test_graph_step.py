@@ -39,7 +39,7 @@ def test_steps_at_zero_lr_change_no_bit():
     """The CUDA graph's warm-up runs real steps at lr 0: they must leave the head as it was."""
     from lst_lightning.spherical.graph_step import at_zero_lr
 
-    head = deferred(sync_every=2, weight_decay=0.01)
+    head = deferred(sync_every=2, weight_decay=0.01, preconditioner={"beta": 0.9})  # its moments move at lr 0 too
     for _ in range(3):
         step(head, *batch(16, d, D, 2))  # U away from I; U^-1 stale (2m > d)
     before, counters = state(head), (int(head.steps), head._calls, head.lr)

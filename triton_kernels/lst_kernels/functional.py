@@ -191,11 +191,14 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
 
 
 def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, ybar: Tensor, num_classes: int,
-                     YYH: Tensor, lr: float | Tensor, c: float | Tensor, *, impl: str = "auto") -> Tensor:
+                     YYH: Tensor, lr: float | Tensor, c: float | Tensor, *, P: Tensor | None = None,
+                     impl: str = "auto") -> Tensor:
     """``q_update`` without the m x m M: Q_new from d x d products of the step's factors,
     ``Z = (g_s 1^T + Yd) W`` and ``YYH = Yd Yd^T H`` (``gram_rows``). 3 m d^2 + 3 d^3
     multiply-adds against 3 m^2 d + m d^2 for ``m_matrix`` and ``q_update``: the cheaper
-    route from m ~ 1.4 d. torch on every device (``impl`` is checked, no kernel of its own)."""
+    route from m ~ 1.4 d. ``P`` (d, d), symmetric: the step W_new = c W - lr dO^T H P
+    (a right preconditioner), Q_new = c^2 Q - c lr (P E + E^T P) + lr^2 P H^T M H P with
+    E = H^T dH; None: P = I. torch on every device (``impl`` is checked, no kernel of its own)."""
     m, d = _tensor("H", H, (None, None)).shape
     _tensor("Q", Q, (d, d))
     for name, t in (("Z", Z), ("YYH", YYH)):
@@ -206,6 +209,7 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     _scalar("lr", lr)
     _scalar("c", c)
+    right = P if P is None else _tensor("P", P, (d, d))
     _use_triton(Q, impl, H, gq, Z, gs, ybar, YYH)
     # One GEMM for P = H^T diag(g_q) H, F = H^T Z and H^T YYH; then E = H^T dH = 2 P Q + F
     # and H^T M H's P-terms 4 P Q P + 2 F P + 2 P F^T = 2 E P + 2 (F P)^T ([E; F] P: one GEMM).
@@ -218,8 +222,12 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
     EF_P = torch.cat([E, F]) @ P
     uy = H.T @ torch.stack([gs, ybar], 1)
     u, y = uy[:, 0], uy[:, 1]
-    out = (2.0 * lr * lr) * (EF_P[:d] + EF_P[d:].T)
-    out += lr * lr * (num_classes * torch.outer(u, u) + torch.outer(u, y) + torch.outer(y, u) + HYYH)
+    HMH = 2.0 * (EF_P[:d] + EF_P[d:].T)  # H^T M H
+    HMH += num_classes * torch.outer(u, u) + torch.outer(u, y) + torch.outer(y, u) + HYYH
+    if right is not None:
+        right = right.to(ct)
+        E, HMH = right @ E, right @ HMH @ right  # (P E)^T = E^T P
+    out = (lr * lr) * HMH
     out -= c * lr * (E + E.T)
     out += c * c * Qc
     return out.to(Q.dtype)

@@ -139,6 +139,7 @@ def check_overrides(args: Iterable[str]) -> None:
     args = list(args)
     check_head_lr(args)
     check_negatives(args)
+    check_preconditioner(args)
     for arg in args:
         if arg.startswith("-") or "=" not in arg:
             continue
@@ -159,6 +160,20 @@ def check_negatives(args: list[str]) -> None:
         if arg.lstrip("+~").startswith("head.negatives."):
             raise ValueError(f"{arg}: head.negatives are the sampled classes of loss=sampled (the default); "
                              f"with loss={losses[-1]} there are none (drop loss={losses[-1]}, or this override)")
+
+
+def check_preconditioner(args: list[str]) -> None:
+    """``head.preconditioner.*`` with another loss than ``sampled`` (whose head files turn it on)
+    and no ``head/preconditioner=sampled``: one line, not Hydra's assertion on a null node."""
+    losses = [a.split("=", 1)[1] for a in args if a.lstrip("+~").startswith("loss=")]
+    if not losses or losses[-1] == "sampled" or "," in losses[-1]:
+        return
+    if any(a.lstrip("+~").startswith("head/preconditioner=") for a in args):
+        return
+    for arg in args:
+        if arg.lstrip("+~").startswith("head.preconditioner."):
+            raise ValueError(f"{arg}: the preconditioner is on with loss=sampled (the default); with "
+                             f"loss={losses[-1]} turn it on first: head/preconditioner=sampled {arg}")
 
 
 def check_data(data: DictConfig) -> None:

@@ -76,10 +76,11 @@ def _nested_dataclass(p: inspect.Parameter, namespace: dict) -> type | None:
     return next((t for t in found if isinstance(t, type) and dataclasses.is_dataclass(t)), None)
 
 
-# Settings taken as a dataclass whose null default means "none" (the spherical heads'
-# sampled classes), not "the dataclass's defaults" (the factored head's stabiliser): null in
-# the schema, checked against the dataclass's fields when given.
-OFF_WHEN_NULL = {"negatives"}
+# Settings taken as a dataclass where null means "none" (the spherical heads' sampled
+# classes, their preconditioner), not "the dataclass's defaults" (the factored head's
+# stabiliser): nullable in the schema, null by default where the constructor's default is
+# None, else the dataclass's defaults; checked against the dataclass's fields when given.
+OFF_WHEN_NULL = {"negatives", "preconditioner"}
 
 
 def _field(name: str, default, nested: type | None = None) -> tuple:
@@ -87,8 +88,9 @@ def _field(name: str, default, nested: type | None = None) -> tuple:
     Any), a nested dataclass for a dataclass's settings (null by default for OFF_WHEN_NULL)."""
     if nested is not None:
         schema = mirror(nested)
-        if name in OFF_WHEN_NULL and default is None:
-            return name, Optional[schema], dataclasses.field(default=None)  # noqa: UP045 (OmegaConf reads Optional)
+        if name in OFF_WHEN_NULL:  # noqa: UP045 below (OmegaConf reads Optional)
+            return name, Optional[schema], (dataclasses.field(default=None) if default is None  # noqa: UP045
+                                            else dataclasses.field(default_factory=schema))
         return name, schema, dataclasses.field(default_factory=schema)
     if isinstance(default, (bool, int, float, str)):
         return name, type(default), dataclasses.field(default=default)

@@ -28,6 +28,7 @@ from .checks import HostChecks
 from .driving import Driving
 from .multi_process import Sharding
 from .negatives import NegativeSampling, Negatives
+from .preconditioner import Preconditioner
 from .pending import PendingRows, check_loss_scale, check_max_rows
 
 STATE_DTYPES = (torch.float32, torch.float64)
@@ -149,7 +150,7 @@ class SphericalHeadBase(OutputHead):
                  bias: bool = True, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX,
-                 negatives: Negatives | dict | None = None):
+                 negatives: Negatives | dict | None = None, preconditioner: Preconditioner | dict | None = None):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -207,6 +208,8 @@ class SphericalHeadBase(OutputHead):
         if settings is not None and settings.num is None:  # S for this D, as every sampling head
             settings = dataclasses.replace(settings, num=default_num_samples(num_classes))
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
+        #: the right preconditioner of the update (preconditioner.py); None: the plain SGD step
+        self.preconditioner = Preconditioner.of(preconditioner)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -265,6 +268,7 @@ class SphericalHeadBase(OutputHead):
                "loss": {"name": self.loss_fn.name, **self.loss_fn.hparams()}}
         if self.negatives is not None:  # the generator's state: a resumed run draws the same negatives
             out["negatives"] = self.negatives.state()
+        out["preconditioner"] = None if self.preconditioner is None else dataclasses.asdict(self.preconditioner)
         return out
 
     def set_extra_state(self, state) -> None:
@@ -279,6 +283,11 @@ class SphericalHeadBase(OutputHead):
         mine = {"name": self.loss_fn.name, **self.loss_fn.hparams()}
         if saved is not None and saved != mine:
             raise ValueError(f"the state was saved with loss {saved} but this head has {mine}")
+        extra = state_dict.get(prefix + "_extra_state", {})
+        mine_pre = None if self.preconditioner is None else dataclasses.asdict(self.preconditioner)
+        if "preconditioner" in extra and extra["preconditioner"] != mine_pre:
+            raise ValueError(f"the state was saved with preconditioner {extra['preconditioner']} but this head "
+                             f"has {mine_pre}")
         saved_neg = state_dict.get(prefix + "_extra_state", {}).get("negatives")
         if saved_neg is not None and self.negatives is not None:
             self.negatives.check_state(saved_neg)
@@ -289,7 +298,7 @@ class SphericalHeadBase(OutputHead):
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, loss={self.loss_fn.name}, "
                 f"lr={self.lr}, weight_decay={self.weight_decay}, bias={self.bias}, reduction={self.reduction}, "
-                f"ignore_index={self.ignore_index}")
+                f"ignore_index={self.ignore_index}, preconditioner={self.preconditioner}")
 
     # -- the step: what subclasses provide ------------------------------------------------
     def _forward_step(self, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, object]:

@@ -25,10 +25,12 @@ if TYPE_CHECKING:  # the head imports this module, not the other way round
 @contextlib.contextmanager
 def at_zero_lr(head: "FactoredSphericalHead"):
     """Steps taken inside run at lr = 0: W, U, V, Q... keep their bits (a zero step adds
-    exact zeros) and the counters are put back, with no flag read or repair meanwhile.
+    exact zeros) and the counters and the preconditioner's moments are put back, with no flag
+    read or repair meanwhile.
     Uses the head's public API only: its buffers, ``step_checks`` (device flags: ``Driving(
     "cuda_graph", ...)`` needs ``sync_every > 1``), ``sync_every`` and ``pin_device_lr``."""
     counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
+    counters.update({k: head.get_buffer(k).clone() for k in ("input_moment", "input_moment_weight")})  # moved by lr 0 too
     draws = None if head.negatives is None else head.negatives.state()  # the steps' draws are undone too
     checks = head.step_checks
     saved = checks.calls, checks.synced, head.sync_every

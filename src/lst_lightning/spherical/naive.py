@@ -1,5 +1,6 @@
 """The reference: an explicit D x d weight matrix, the loss on the full output,
-autograd for every gradient, and a plain SGD step. O(m D d) per minibatch.
+autograd for every gradient, and a plain SGD step (with a right preconditioner P, the
+step with dW P: preconditioner.py). O(m D d) per minibatch.
 """
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .base import SphericalHeadBase, own_precision
-from .state import STEP_COUNTERS
+from .state import INPUT_MOMENTS, STEP_COUNTERS
 
 
 class NaiveSphericalHead(SphericalHeadBase):
@@ -18,7 +19,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         super().__init__(num_classes, hidden_dim, *args, **kwargs)
         # The factored head's initial W for the same seed (drawn in blocks on the head's device).
         self.register_buffer("W", self._init_rows(0, num_classes, self._factory["device"]))
-        for buf in STEP_COUNTERS:  # steps, skipped_nonfinite (state.py)
+        for buf in STEP_COUNTERS + INPUT_MOMENTS:  # steps, skipped_nonfinite; the preconditioner's (state.py)
             self.register_buffer(buf.name, buf.initial(self))
 
     def weight(self) -> Tensor:
@@ -28,6 +29,8 @@ class NaiveSphericalHead(SphericalHeadBase):
     def reset_weight(self, W: Tensor | None = None) -> None:
         if W is None:  # the head as constructed
             self._zero_counters()
+            for buf in INPUT_MOMENTS:
+                getattr(self, buf.name).copy_(buf.initial(self, self.device))
             W = self._init_rows(0, self.num_classes, self.device)
         if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
             raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got "
@@ -60,39 +63,46 @@ class NaiveSphericalHead(SphericalHeadBase):
             Wl = self.W.detach().requires_grad_()  # W changes only after autograd.grad ran
             draw = None if self.negatives is None else self.negatives.draw(self, idx, Hx)
             L = self._dense(Hl, idx, T, Wl, draw)
-        return L.detach(), (L, Hl, Wl)
+        return L.detach(), (L, Hl, Wl, (idx >= 0).any(1))
 
     @torch.no_grad()
     def _hidden_grad(self, saved, grad_out):
-        L, Hl, _ = saved
+        L, Hl, _, _ = saved
         return torch.autograd.grad(L, Hl, grad_out, retain_graph=True)[0]
 
     @torch.no_grad()
     def _pending_record(self, saved, weight):
-        L, _, Wl = saved
-        return torch.autograd.grad(L, Wl, weight, retain_graph=True)[0]
+        L, Hl, Wl, real = saved
+        return torch.autograd.grad(L, Wl, weight, retain_graph=True)[0], Hl.detach(), real
 
     @torch.no_grad()
     def _apply_records(self, records: list) -> None:
-        dW = sum(records)
-        self._apply_dW(torch.zeros(()), dW)
+        dW = sum(r[0] for r in records)
+        self._apply_dW(torch.zeros(()), dW, torch.cat([r[1] for r in records]), torch.cat([r[2] for r in records]))
 
     @torch.no_grad()
     def _backward_step(self, saved, grad_out):
-        L, Hl, Wl = saved
+        L, Hl, Wl, real = saved
         dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
-        return self._apply_dW(dH, dW)
+        return self._apply_dW(dH, dW, Hl.detach(), real)
 
-    def _apply_dW(self, dH: Tensor, dW: Tensor) -> Tensor:
-        """The SGD step with dL/dW, unless something is non-finite; dL/dH (zeros when skipped)."""
-        if not (torch.isfinite(dH).all() and torch.isfinite(dW).all()):
+    def _apply_dW(self, dH: Tensor, dW: Tensor, Hx: Tensor, real: Tensor) -> Tensor:
+        """The SGD step with dL/dW (times P), unless something is non-finite; dL/dH (zeros when skipped)."""
+        if not (torch.isfinite(dH).all() and torch.isfinite(dW).all() and torch.isfinite(Hx).all()):
             self._skip("hidden states or loss gradients")
             return torch.zeros_like(dH)
+        moments = None
+        if self.preconditioner is not None:
+            moments = self.preconditioner.step(self.input_moment, self.input_moment_weight, Hx, real)
+            dW = dW @ moments.P
         W_new = self.W - self.lr * (dW + self.weight_decay * self.W)
-        if not torch.isfinite(W_new).all():
+        if not (torch.isfinite(W_new).all() and (moments is None or moments.ok)):
             self._skip("weights after the step")
             return torch.zeros_like(dH)
         self.W.copy_(W_new)
+        if moments is not None:
+            self.input_moment.copy_(moments.moment)
+            self.input_moment_weight.copy_(moments.weight)
         self.steps += 1
         self._version += 1
         return dH

@@ -41,6 +41,7 @@ from ..heads.samplers import STATIC_SAMPLERS
 from ..heads.targets import first_occurrence
 from ..losses import SampledSlots
 from .kernel_proposal import KernelProposal
+from .settings import settings_from
 
 #: the kernel proposals the exact head draws (per row: q depends on each row's h)
 KERNEL_SAMPLERS = ("quadratic",)
@@ -105,15 +106,7 @@ class Negatives:
     @classmethod
     def of(cls, value) -> "Negatives | None":
         """The settings from a Negatives, a dict of some of its fields (a Hydra config), or None (off)."""
-        if value is None or isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise TypeError(f"negatives must be a Negatives, a dict or None, got {type(value).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"unknown negatives setting(s) {unknown}; the settings are {names}")
-        return cls(**value)
+        return None if value is None else settings_from(cls, value, "negatives")
 
     def public(self) -> dict:
         """The settings but the counts (what a checkpoint records and compares)."""

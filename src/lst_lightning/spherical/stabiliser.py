@@ -20,13 +20,13 @@ unchanged:
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .blocks import in_place_blocks
+from .settings import settings_from
 
 
 INVERSE_ROUTES = ("auto", "woodbury", "solve", "products")
@@ -75,18 +75,10 @@ class Stabiliser:
         """The settings from a Stabiliser, a dict of some of its fields (a Hydra config) or None."""
         if value is None:
             return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise TypeError(f"stabiliser must be a Stabiliser, a dict or None, got {type(value).__name__}")
-        if "woodbury" in value and "inverse" not in value:  # the setting's name before 26 Nov 2026
+        if isinstance(value, dict) and "woodbury" in value and "inverse" not in value:  # its name before 26 Nov 2026
             value = {**value, "inverse": LEGACY_WOODBURY.get(value["woodbury"], value["woodbury"])}
             del value["woodbury"]
-        unknown = set(value) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown stabiliser setting(s) {sorted(unknown)}; the settings are "
-                             f"{[f.name for f in dataclasses.fields(cls)]}")
-        return cls(**value)
+        return settings_from(cls, value, "stabiliser")
 
 
 #: The repair counters, beside ``steps`` and ``skipped_nonfinite``.

@@ -3,7 +3,7 @@ is also its value after ``reset_weight()``), whether every rank holds it alike, 
 whether it is part of the exact state a step changes.
 
 ``FactoredSphericalHead`` registers its buffers from this table (``NaiveSphericalHead``
-its two step counters), ``reset_weight()``
+its two step counters and the preconditioner's moments), ``reset_weight()``
 restores them from it, the multi-process code broadcasts and hashes the replicated
 ones, and the tests compare heads by the exact ones: a new buffer is one new row here.
 """
@@ -76,12 +76,17 @@ STATE: tuple[Buffer, ...] = (
     Buffer("_lr_t", "scalar", "state", "zeros", replicated=False, persistent=False),       # lr on the device
     Buffer("_bad_input", "scalar", "bool", "zeros", replicated=False, persistent=False),   # a bad target id
     Buffer("cond_bound", "scalar", "float64", "ones", exact=True),   # >= cond(U), carried from step to step
+    # the right preconditioner's running moment of the inputs and its weight (preconditioner.py)
+    Buffer("input_moment", "square", "state", "zeros", exact=True),
+    Buffer("input_moment_weight", "scalar", "state", "zeros", exact=True),
     Buffer("cond_estimate", "scalar", "float64", "ones"),            # measured at the last check
     *(Buffer(n, "scalar", "long", "zeros") for n in REPAIR_COUNTERS),
 )
 
 #: The step counters, which the naive head holds too (every counter is declared here only).
 STEP_COUNTERS = tuple(b for b in STATE if b.name in ("steps", "skipped_nonfinite"))
+#: The preconditioner's moments, which the naive head holds too.
+INPUT_MOMENTS = tuple(b for b in STATE if b.name in ("input_moment", "input_moment_weight"))
 #: What every rank holds alike (V too, unless sharded).
 REPLICATED_STATE = tuple(b.name for b in STATE if b.replicated)
 #: The exact state: equal bits here mean the same W, bookkeeping and conditioning bound.

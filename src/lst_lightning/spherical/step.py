@@ -40,6 +40,7 @@ class SavedForward:
     GA: Tensor
     input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
     neg: object = None  # sampled classes (negatives.py): a SharedBlock or PerRowSlots; None when off
+    real: Tensor | None = None  # the rows with a target (the preconditioner's moments count these only)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class NewState:
     # floats when the checks are read on the host; device tensors under device flags
     cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor | float
+    moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -100,9 +102,10 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     if route != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
+    real = (idx >= 0).any(1)
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
-        return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg)
+        return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd
     loss_fn = head.loss_fn
     with torch.enable_grad():
@@ -110,7 +113,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
         y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
         L = head.reduce(loss_fn(q, s_, A, T, num_classes=head.num_classes, y_sq=y_sq), idx)
         gq, gs, GA = torch.autograd.grad(L, (q, s_, A), materialize_grads=True)  # mse ignores s
-    return L.detach(), SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok)
+    return L.detach(), SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
 
 
 # -- backward ------------------------------------------------------------------------------------
@@ -212,51 +215,58 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     lr = head.step_checks.lr(head) if deferred else head.lr  # device flags: a device scalar a graph reads
     m = Hx.shape[0]
     c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
-    kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H)
+    kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H P)
+    # The update's side of H: X = H P with the right preconditioner (preconditioner.py), else H.
+    # B's eigenvalues are those of the symmetric I - Hb^T diag(kappa) Hb, Hb = H L (P = L L^T).
+    moments = None if head.preconditioner is None else \
+        head.preconditioner.step(head.input_moment, head.input_moment_weight, Hx, fwd.real)
+    X, Hb = (Hx, Hx) if moments is None else (Hx @ moments.P, Hx @ moments.L)
     use_woodbury = fwd.HUinv is not None
-    G = Hx @ Hx.T if use_woodbury else None
+    G = X @ Hx.T if use_woodbury else None  # H P H^T = Hb Hb^T
     if deferred:  # bounds on the device; no fold (the next read of the flags repairs U)
-        fold, cond_step = head.step_checks.step_bounds(head, Hx, G, kappa)
+        fold, cond_step = head.step_checks.step_bounds(head, Hb, G, kappa)
         rho = None
     else:
-        fold, cond_step, rho = fold_and_cond(head, Hx, G, kappa)
-    U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * Hx)  # U B, reusing H U^T
-    omega_new = c * head.omega - lr * (Hx.T @ (2.0 * gq * fwd.ht + gs))
+        fold, cond_step, rho = fold_and_cond(head, Hb, G, kappa)
+    U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
+    omega_new = c * head.omega - lr * (X.T @ (2.0 * gq * fwd.ht + gs))
     info, inverse_ok = None, True
     if fold:
-        Uinv_new, HUinv_new = None, Hx  # V absorbs U B; U = U^-1 = I
+        Uinv_new, HUinv_new = None, X  # V absorbs U B; U = U^-1 = I
     elif use_woodbury:
-        # B^-1 = (1/c)(I - H^T C (I_m + H H^T C)^-1 H), C = -diag(kappa): no division by g_q.
+        # B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q.
         S = torch.eye(m, dtype=Hx.dtype, device=Hx.device) - G * kappa[None, :]
-        R, info = torch.linalg.solve_ex(S, fwd.HUinv)  # _ex: a singular S is a flag, not a sync
+        XUinv = fwd.HUinv if moments is None else X @ head.Uinv
+        R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
         KR = kappa[:, None] * R
         Uinv_new = (head.Uinv + Hx.T @ KR) / c
-        HUinv_new = (fwd.HUinv + G @ KR) / c
+        HUinv_new = (XUinv + G @ KR) / c
     else:
         Uinv_new = None
         # device flags: no host read, as many factors as rho up to ~0.9 needs, the residual a flag
         factors = None if inverse_route(head, m) != "products" else \
             MAX_FACTORS if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
         if factors is not None:  # U_new^-1 by d x d products alone
-            A = (kappa[:, None] * Hx).T @ Hx  # B = c (I - A)
+            A = (kappa[:, None] * Hx).T @ X  # B = c (I - A)
             Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
             inverse_ok = residual <= residual_tolerance(Hx.dtype)
             if not deferred and not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
                 Uinv_new, inverse_ok = None, True
         if Uinv_new is not None:
-            HUinv_new = Hx @ Uinv_new
+            HUinv_new = X @ Uinv_new
         else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
-            HUinv_new, info = solve_right(U_new, Hx)
+            HUinv_new, info = solve_right(U_new, X)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     if uses_m_matrix(m, Hx.shape[1]):
         yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
-        Q_new = lk.q_update(head.Q, Hx, dH, M, lr, c)
+        Q_new = lk.q_update(head.Q, X, dH, M, lr, c)
     else:  # Yd Yd^T H without Yd Yd^T
         YYH = lk.gram_rows(fwd.idx, GA, Hx) if fwd.neg is None else fwd.neg.gram_rows(fwd.idx, GA, Hx)
-        Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c)
-    wbar_new = c * head.wbar - lr * (Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
+        Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c,
+                                    P=None if moments is None else moments.P)
+    wbar_new = c * head.wbar - lr * (X.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
     total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
     if Uinv_new is not None:
         total = total + Uinv_new.sum()
@@ -267,8 +277,10 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if info is not None:
         ok &= (info == 0).all()
     ok &= inverse_ok  # device flags: a products route whose residual stayed above rounding skips the step
+    if moments is not None:
+        ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
-                    fold=fold, cond_step=cond_step, ok=ok, lr=lr)
+                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments)
 
 
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
@@ -301,9 +313,17 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
         head.omega.copy_(new.omega)
         head.Q.copy_(Q)
         head.wbar.copy_(new.wbar)
+    if new.moments is not None:
+        write_moments(head, new.moments, ok if masked else None)
     head._version += 1
     if head.negatives is not None and head.negatives.kernel is not None:  # its tree follows the rows just written
         head.negatives.kernel.moved(head, None if new.fold else fwd.idx)  # (a fold: all of V)
+
+
+def write_moments(head, moments, ok: Tensor | None = None) -> None:
+    """The preconditioner's running moment and its weight, written with the step (masked by ``ok``)."""
+    for buf, new in ((head.input_moment, moments.moment), (head.input_moment_weight, moments.weight)):
+        buf.copy_(new if ok is None else torch.where(ok, new, buf))
 
 
 @torch.no_grad()
@@ -369,7 +389,7 @@ def pending_record(head, fwd: SavedForward, weight: Tensor):
     """What one micro-batch keeps for the optimizer's step: its rows and loss gradients
     (shared negatives as extra slots of every row: the records are stepped by the general path)."""
     idx, GA = (fwd.idx, fwd.GA) if fwd.neg is None or not fwd.neg.shared else fwd.neg.as_slots(fwd.idx, fwd.GA)
-    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight
+    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight, fwd.real
 
 
 @torch.no_grad()
@@ -381,9 +401,10 @@ def apply_records(head, records: list) -> None:
     idx = torch.cat([pad(r[1], (0, K - r[1].shape[1]), value=-1) for r in records])
     gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
     GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
+    real = torch.cat([r[5] for r in records])
     route = inverse_route(head, Hx.shape[0])
     if route != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
     neg = None if head.negatives is None else head.negatives.slots_part()  # Yd Yd^T by unique columns
-    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, neg=neg), gq.new_ones(()))
+    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, neg=neg, real=real), gq.new_ones(()))

@@ -1,0 +1,83 @@
+"""The right preconditioner of the output layer's update (issue 31): W <- c W - lr dO^T H P.
+
+The exact step needs the update of W to be ``dO^T`` times something of m rows; any d x d
+matrix P on the right keeps it so. With P the inverse of the damped second moment of the
+head's inputs (the input factor of K-FAC, or Shampoo's right factor with power -1) the
+step is preconditioned along the hidden directions, for every class at once, and stays
+exact and O(m d^2 + d^3): the factored head takes ``X = H P`` where the plain step takes
+H on the update's side (``U B``, omega, wbar, Q's bookkeeping, the rows scattered into V),
+and the naive head steps with ``dW P`` (naive.py). dL/dH is unchanged.
+
+    S_t = beta S_{t-1} + (1 - beta) H^T H / m,    w_t = beta w_{t-1} + (1 - beta)
+    (over the m rows with a target; a batch with none leaves S and w as they were)
+    tau = tr(S_t / w_t) / d
+    P   = tau (1 + damping) (S_t / w_t + damping tau I)^-1
+
+``w_t`` corrects the running mean for its start at zero; the factor ``tau (1 + damping)``
+makes P = I wherever the inputs are white (S = tau I), so the head's lr keeps its meaning.
+P's eigenvalues lie in (0, (1 + damping) / damping]. The moments are two buffers of the
+head's exact state (``input_moment``, ``input_moment_weight``; state.py), written with the
+step: a skipped step leaves them untouched, a checkpoint resumes them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .settings import settings_from
+
+
+@dataclass(frozen=True)
+class Preconditioner:
+    """``beta``: the running mean's decay, in [0, 1) (0: this batch's moment alone);
+    ``damping``: added to S as a fraction of its mean eigenvalue, > 0."""
+
+    beta: float = 0.99
+    damping: float = 0.1
+
+    def __post_init__(self):
+        for name, lo, hi in (("beta", 0.0, 1.0), ("damping", 0.0, math.inf)):
+            v = getattr(self, name)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            low_ok = v >= lo if name == "beta" else v > lo
+            if not (number and math.isfinite(v) and low_ok and v < hi):
+                bounds = "in [0, 1)" if name == "beta" else "finite and > 0"
+                raise ValueError(f"preconditioner.{name} must be a number {bounds}, got {v!r}")
+
+    @classmethod
+    def of(cls, value) -> "Preconditioner | None":
+        """The settings from a Preconditioner, a dict of some of its fields (a Hydra config), or None (off)."""
+        return None if value is None else settings_from(cls, value, "preconditioner")
+
+    def step(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
+        """This step's moments (computed aside: the head's buffers are not touched), P and a
+        factor L with P = L L^T (for the symmetric bounds of the step, step.py). ``real`` (m,):
+        the rows with a target, the only ones counted (a batch without any leaves the moments
+        as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""
+        w = Hx.shape[1]
+        real = torch.ones(Hx.shape[0], dtype=torch.bool, device=Hx.device) if real is None else real
+        n = real.sum()
+        keep = torch.where(n > 0, self.beta, 1.0).to(Hx.dtype)  # the old moment's share
+        Hr = torch.where(real[:, None], Hx, 0.0)
+        S = moment * keep + (Hr.T @ Hr) * ((1.0 - keep) / n.clamp(min=1))
+        t = weight * keep + (1.0 - keep)
+        mean = S / t
+        tau = mean.diagonal().mean().clamp_min(torch.finfo(Hx.dtype).tiny)  # H = 0 throughout: P = I (1 + damping) / damping
+        eye = torch.eye(w, dtype=Hx.dtype, device=Hx.device)
+        C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
+        Cinv = torch.linalg.solve_triangular(C, eye, upper=False)
+        L = (tau * (1.0 + self.damping)).sqrt() * Cinv.T  # P = L L^T = tau (1 + damping) C^-T C^-1
+        return Moments(S, t, L @ L.T, L, info == 0)
+
+
+@dataclass
+class Moments:
+    """One step's new running moment and its weight, P, L (P = L L^T), and whether the factorisation held."""
+    moment: Tensor
+    weight: Tensor
+    P: Tensor
+    L: Tensor
+    ok: Tensor
