@@ -100,17 +100,19 @@ def test_an_exported_model_saves_and_loads_as_an_ordinary_one(tmp_path):
 
 
 
-def test_sampled_classes_train_logits_the_exported_models_held_out_perplexity_falls():
+@pytest.mark.parametrize("preconditioner", [None, {}])
+def test_sampled_classes_train_logits_the_exported_models_held_out_perplexity_falls(preconditioner):
     """loss="sampled" trains o as logits: the exported model is an ordinary one whose
     distribution is softmax(o) (SphericalSampling leaves o as it is), so generate() samples
     from it as from any model. Its perplexity on held-out text (the +1 rule, other starts)
-    is finite and falls with training."""
+    is finite and falls with training; with the right preconditioner (lst-train's default) too."""
     def text(starts):  # token t + 1 follows token t
         return (starts[:, None] + torch.arange(12)[None, :]) % VOCAB
 
     g = torch.Generator().manual_seed(0)
     held_out = text(torch.arange(0, VOCAB, 5))
-    model = factor_lm_head(tiny("llama"), loss="sampled", negatives=dict(num=8, seed=0), lr=0.5)
+    model = factor_lm_head(tiny("llama"), loss="sampled", negatives=dict(num=8, seed=0), lr=0.5,
+                           preconditioner=preconditioner)
     loss_fn = model.lm_head.loss_fn
 
     def perplexity():

@@ -150,3 +150,16 @@ def test_bad_settings_are_refused_in_one_line(value, match):
     with pytest.raises((ValueError, TypeError), match=match) as err:
         FactoredSphericalHead(D, d, preconditioner=value)
     assert "\n" not in str(err.value)
+
+
+def test_bf16_autocast_leaves_the_step_in_the_heads_own_precision():
+    torch.manual_seed(9)
+    f, g = pair("sampled")[0], pair("sampled")[0]
+    g.load_state_dict(f.state_dict())  # the same W, moments and generator
+    for _ in range(3):
+        H, idx = hard_batch()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            f(H.clone().float().requires_grad_(), idx).backward()
+        g(H.clone().float().requires_grad_(), idx).backward()
+    assert torch.equal(f.weight(), g.weight()) and torch.equal(f.input_moment, g.input_moment)
+    assert float(f.input_moment_weight) > 0
