@@ -139,6 +139,11 @@ def test_white_inputs_give_the_identity_and_zero_inputs_a_finite_p():
     assert torch.allclose(mom.P, torch.eye(4, dtype=torch.float64)) and bool(mom.ok)
     mom = pre.step(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx * 0)
     assert bool(mom.ok) and torch.isfinite(mom.P).all()
+    # a first batch without a row with a target: the moments stay as they were, P finite
+    pre = Preconditioner(beta=0.9)
+    none = torch.zeros(4, dtype=torch.bool)
+    mom = pre.step(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx, none)
+    assert bool(mom.ok) and torch.isfinite(mom.P).all() and float(mom.weight) == 0 and not mom.moment.any()
 
 
 @pytest.mark.parametrize("value,match", [

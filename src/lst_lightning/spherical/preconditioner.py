@@ -64,7 +64,7 @@ class Preconditioner:
         Hr = torch.where(real[:, None], Hx, 0.0)
         S = moment * keep + (Hr.T @ Hr) * ((1.0 - keep) / n.clamp(min=1))
         t = weight * keep + (1.0 - keep)
-        mean = S / t
+        mean = S / t.clamp_min(torch.finfo(Hx.dtype).tiny)  # t = 0: no row with a target yet, S = 0
         tau = mean.diagonal().mean().clamp_min(torch.finfo(Hx.dtype).tiny)  # H = 0 throughout: P = I (1 + damping) / damping
         eye = torch.eye(w, dtype=Hx.dtype, device=Hx.device)
         C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
