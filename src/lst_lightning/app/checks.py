@@ -150,30 +150,33 @@ def check_overrides(args: Iterable[str]) -> None:
             check_loss_key(key[len("loss."):], value)
 
 
+def other_loss(args: list[str]) -> str | None:
+    """The loss a command line chooses when it is one other than ``sampled`` (whose head files
+    turn the negatives and the preconditioner on); None for the default or a sweep."""
+    losses = [a.split("=", 1)[1] for a in args if a.lstrip("+~").startswith("loss=")]
+    return None if not losses or losses[-1] == "sampled" or "," in losses[-1] else losses[-1]
+
+
 def check_negatives(args: list[str]) -> None:
     """``head.negatives.*`` with another loss than ``sampled`` (the loss that turns them on):
     one line, not Hydra's assertion on a null node."""
-    losses = [a.split("=", 1)[1] for a in args if a.lstrip("+~").startswith("loss=")]
-    if not losses or losses[-1] == "sampled" or "," in losses[-1]:
-        return
-    for arg in args:
+    loss = other_loss(args)
+    for arg in args if loss else ():
         if arg.lstrip("+~").startswith("head.negatives."):
             raise ValueError(f"{arg}: head.negatives are the sampled classes of loss=sampled (the default); "
-                             f"with loss={losses[-1]} there are none (drop loss={losses[-1]}, or this override)")
+                             f"with loss={loss} there are none (drop loss={loss}, or this override)")
 
 
 def check_preconditioner(args: list[str]) -> None:
-    """``head.preconditioner.*`` with another loss than ``sampled`` (whose head files turn it on)
-    and no ``head/preconditioner=sampled``: one line, not Hydra's assertion on a null node."""
-    losses = [a.split("=", 1)[1] for a in args if a.lstrip("+~").startswith("loss=")]
-    if not losses or losses[-1] == "sampled" or "," in losses[-1]:
-        return
-    if any(a.lstrip("+~").startswith("head/preconditioner=") for a in args):
+    """``head.preconditioner.*`` with another loss than ``sampled`` and no
+    ``head/preconditioner=sampled``: one line, not Hydra's assertion on a null node."""
+    loss = other_loss(args)
+    if loss is None or any(a.lstrip("+~").startswith("head/preconditioner=") for a in args):
         return
     for arg in args:
         if arg.lstrip("+~").startswith("head.preconditioner."):
             raise ValueError(f"{arg}: the preconditioner is on with loss=sampled (the default); with "
-                             f"loss={losses[-1]} turn it on first: head/preconditioner=sampled {arg}")
+                             f"loss={loss} turn it on first: head/preconditioner=sampled {arg}")
 
 
 def check_data(data: DictConfig) -> None:

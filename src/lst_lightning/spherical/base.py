@@ -268,8 +268,12 @@ class SphericalHeadBase(OutputHead):
                "loss": {"name": self.loss_fn.name, **self.loss_fn.hparams()}}
         if self.negatives is not None:  # the generator's state: a resumed run draws the same negatives
             out["negatives"] = self.negatives.state()
-        out["preconditioner"] = None if self.preconditioner is None else dataclasses.asdict(self.preconditioner)
+        out["preconditioner"] = self._preconditioner_settings()
         return out
+
+    def _preconditioner_settings(self) -> dict | None:
+        """What a checkpoint records of the preconditioner, and compares when loaded."""
+        return None if self.preconditioner is None else dataclasses.asdict(self.preconditioner)
 
     def set_extra_state(self, state) -> None:
         self.lr, self.weight_decay = state["lr"], state["weight_decay"]
@@ -279,16 +283,15 @@ class SphericalHeadBase(OutputHead):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         without_placeholder_extra_state(state_dict, prefix)
         # Refuse a state saved with another loss before any buffer is overwritten.
-        saved = state_dict.get(prefix + "_extra_state", {}).get("loss")
+        extra = state_dict.get(prefix + "_extra_state", {})
+        saved = extra.get("loss")
         mine = {"name": self.loss_fn.name, **self.loss_fn.hparams()}
         if saved is not None and saved != mine:
             raise ValueError(f"the state was saved with loss {saved} but this head has {mine}")
-        extra = state_dict.get(prefix + "_extra_state", {})
-        mine_pre = None if self.preconditioner is None else dataclasses.asdict(self.preconditioner)
-        if "preconditioner" in extra and extra["preconditioner"] != mine_pre:
+        if "preconditioner" in extra and extra["preconditioner"] != self._preconditioner_settings():
             raise ValueError(f"the state was saved with preconditioner {extra['preconditioner']} but this head "
-                             f"has {mine_pre}")
-        saved_neg = state_dict.get(prefix + "_extra_state", {}).get("negatives")
+                             f"has {self._preconditioner_settings()}")
+        saved_neg = extra.get("negatives")
         if saved_neg is not None and self.negatives is not None:
             self.negatives.check_state(saved_neg)
         self._version += 1

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from .driving import Driving
+from .state import INPUT_MOMENTS
 
 if TYPE_CHECKING:  # the head imports this module, not the other way round
     from .factored import FactoredSphericalHead
@@ -30,7 +31,7 @@ def at_zero_lr(head: "FactoredSphericalHead"):
     Uses the head's public API only: its buffers, ``step_checks`` (device flags: ``Driving(
     "cuda_graph", ...)`` needs ``sync_every > 1``), ``sync_every`` and ``pin_device_lr``."""
     counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
-    counters.update({k: head.get_buffer(k).clone() for k in ("input_moment", "input_moment_weight")})  # moved by lr 0 too
+    counters.update({b.name: head.get_buffer(b.name).clone() for b in INPUT_MOMENTS})  # moved at lr 0 too
     draws = None if head.negatives is None else head.negatives.state()  # the steps' draws are undone too
     checks = head.step_checks
     saved = checks.calls, checks.synced, head.sync_every

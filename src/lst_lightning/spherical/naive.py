@@ -63,7 +63,7 @@ class NaiveSphericalHead(SphericalHeadBase):
             Wl = self.W.detach().requires_grad_()  # W changes only after autograd.grad ran
             draw = None if self.negatives is None else self.negatives.draw(self, idx, Hx)
             L = self._dense(Hl, idx, T, Wl, draw)
-        return L.detach(), (L, Hl, Wl, (idx >= 0).any(1))
+        return L.detach(), (L, Hl, Wl, None if self.preconditioner is None else (idx >= 0).any(1))
 
     @torch.no_grad()
     def _hidden_grad(self, saved, grad_out):
@@ -78,7 +78,8 @@ class NaiveSphericalHead(SphericalHeadBase):
     @torch.no_grad()
     def _apply_records(self, records: list) -> None:
         dW = sum(r[0] for r in records)
-        self._apply_dW(torch.zeros(()), dW, torch.cat([r[1] for r in records]), torch.cat([r[2] for r in records]))
+        real = None if records[0][2] is None else torch.cat([r[2] for r in records])
+        self._apply_dW(torch.zeros(()), dW, torch.cat([r[1] for r in records]), real)
 
     @torch.no_grad()
     def _backward_step(self, saved, grad_out):
@@ -86,7 +87,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
         return self._apply_dW(dH, dW, Hl.detach(), real)
 
-    def _apply_dW(self, dH: Tensor, dW: Tensor, Hx: Tensor, real: Tensor) -> Tensor:
+    def _apply_dW(self, dH: Tensor, dW: Tensor, Hx: Tensor, real: Tensor | None) -> Tensor:
         """The SGD step with dL/dW (times P), unless something is non-finite; dL/dH (zeros when skipped)."""
         if not (torch.isfinite(dH).all() and torch.isfinite(dW).all() and torch.isfinite(Hx).all()):
             self._skip("hidden states or loss gradients")
@@ -101,8 +102,7 @@ class NaiveSphericalHead(SphericalHeadBase):
             return torch.zeros_like(dH)
         self.W.copy_(W_new)
         if moments is not None:
-            self.input_moment.copy_(moments.moment)
-            self.input_moment_weight.copy_(moments.weight)
+            moments.write(self)
         self.steps += 1
         self._version += 1
         return dH

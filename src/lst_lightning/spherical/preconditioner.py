@@ -39,13 +39,11 @@ class Preconditioner:
     damping: float = 0.1
 
     def __post_init__(self):
-        for name, lo, hi in (("beta", 0.0, 1.0), ("damping", 0.0, math.inf)):
-            v = getattr(self, name)
-            number = isinstance(v, (int, float)) and not isinstance(v, bool)
-            low_ok = v >= lo if name == "beta" else v > lo
-            if not (number and math.isfinite(v) and low_ok and v < hi):
-                bounds = "in [0, 1)" if name == "beta" else "finite and > 0"
-                raise ValueError(f"preconditioner.{name} must be a number {bounds}, got {v!r}")
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if not (number(self.beta) and 0.0 <= self.beta < 1.0):
+            raise ValueError(f"preconditioner.beta must be a number in [0, 1), got {self.beta!r}")
+        if not (number(self.damping) and math.isfinite(self.damping) and self.damping > 0):
+            raise ValueError(f"preconditioner.damping must be a number finite and > 0, got {self.damping!r}")
 
     @classmethod
     def of(cls, value) -> "Preconditioner | None":
@@ -81,3 +79,8 @@ class Moments:
     P: Tensor
     L: Tensor
     ok: Tensor
+
+    def write(self, head, ok: Tensor | None = None) -> None:
+        """Into the head's buffers, with its step (where ``ok``, a device flag, when given)."""
+        for buf, new in ((head.input_moment, self.moment), (head.input_moment_weight, self.weight)):
+            buf.copy_(new if ok is None else torch.where(ok, new, buf))

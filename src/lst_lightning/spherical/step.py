@@ -102,7 +102,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     if route != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
-    real = (idx >= 0).any(1)
+    real = None if head.preconditioner is None else (idx >= 0).any(1)  # the rows its moments count
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
         return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
@@ -314,16 +314,10 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
         head.Q.copy_(Q)
         head.wbar.copy_(new.wbar)
     if new.moments is not None:
-        write_moments(head, new.moments, ok if masked else None)
+        new.moments.write(head, ok if masked else None)
     head._version += 1
     if head.negatives is not None and head.negatives.kernel is not None:  # its tree follows the rows just written
         head.negatives.kernel.moved(head, None if new.fold else fwd.idx)  # (a fold: all of V)
-
-
-def write_moments(head, moments, ok: Tensor | None = None) -> None:
-    """The preconditioner's running moment and its weight, written with the step (masked by ``ok``)."""
-    for buf, new in ((head.input_moment, moments.moment), (head.input_moment_weight, moments.weight)):
-        buf.copy_(new if ok is None else torch.where(ok, new, buf))
 
 
 @torch.no_grad()
@@ -401,7 +395,7 @@ def apply_records(head, records: list) -> None:
     idx = torch.cat([pad(r[1], (0, K - r[1].shape[1]), value=-1) for r in records])
     gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
     GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
-    real = torch.cat([r[5] for r in records])
+    real = None if records[0][5] is None else torch.cat([r[5] for r in records])
     route = inverse_route(head, Hx.shape[0])
     if route != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)
