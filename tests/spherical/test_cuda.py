@@ -17,12 +17,13 @@ from head_pairs import batch, deferred, make_pair, run_steps, state
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("loss", sorted(LOSSES))
-def test_factored_equals_naive_on_cuda(loss):
+@pytest.mark.parametrize("loss,preconditioner", [(loss, None) for loss in sorted(LOSSES)] + [pytest.param("sampled", {}, id="sampled-preconditioned")])
+def test_factored_equals_naive_on_cuda(loss, preconditioner):
     """float32 factored head on the GPU (its Triton kernels) against the float64 naive head;
-    padding, a class repeated within a row and across rows (head_pairs.batch)."""
+    padding, a class repeated within a row and across rows (head_pairs.batch); and lst-train's
+    default, ``loss=sampled`` with the right preconditioner."""
     f, n = make_pair(loss, D=3000, d=64, bias=True, dtype=torch.float32, ref_dtype=torch.float64,
-                     lr=0.02, weight_decay=0.001, device="cuda")
+                     lr=0.02, weight_decay=0.001, device="cuda", preconditioner=preconditioner)
     assert f.V.is_cuda and n.W.is_cuda
     # as tests/spherical/test_factored.py's float32 test: the spherical softmax amplifies rounding
     tol = 1e-2 if loss == "spherical_softmax" else 2e-4
