@@ -49,9 +49,10 @@ HEADS: dict[str, list[str]] = {
        for loss in ("zloss", "spherical_softmax", "taylor_softmax", "mse")},
     "naive-zloss": ["head=naive", "loss=zloss"],
     # sampled classes inside the exact step (issue 31): the composite loss and the head's negatives
+    # (head.step=auto: on one GPU its step replayed from a CUDA graph, the draw inside; app/step_choice.py)
     "factored-sampled": ["head=factored", "loss=sampled"],
-    # the same step replayed from a CUDA graph, its draw inside (GPU only; flags read every 64 steps)
-    "factored-sampled-graph": ["head=factored", "loss=sampled", "head.step=cuda_graph", "head.sync_every=64"],
+    # the same head's eager step (on the CPU, what auto chooses anyway)
+    "factored-sampled-eager": ["head=factored", "loss=sampled", "head.step=autograd"],
     "softmax": ["head=softmax"],
     "hsoftmax": ["head=hsoftmax"],
     "adaptive": ["head=adaptive"],

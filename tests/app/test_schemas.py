@@ -98,8 +98,9 @@ def test_the_schemas_are_the_constructors():
     cfg = cfg_of("head=factored").head
     assert dict(cfg.stabiliser) == dataclasses.asdict(Stabiliser())
     sig = inspect.signature(FactoredSphericalHead.__init__).parameters
-    assert (cfg.sync_every, cfg.step, cfg.parallel) == (sig["sync_every"].default, sig["step"].default,
-                                                         sig["parallel"].default)
+    assert (cfg.sync_every, cfg.parallel) == (sig["sync_every"].default, sig["parallel"].default)
+    assert cfg.step == "auto"  # the app's choice by device (app/step_choice.py); the code's default is autograd
+    assert sig["step"].default == "autograd"
 
 
 def test_every_setting_is_a_key_that_refuses_a_typo():

@@ -29,6 +29,7 @@ from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries
 from .resume import resolve_ckpt_path
 from .schemas import not_null_defaults
+from .step_choice import AUTO, choose_step
 from .wiring import Run, instantiate_group
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ def make_head(cfg: DictConfig, num_classes: int, hidden_dim: int, class_counts: 
     head_cfg = OmegaConf.to_container(cfg.head, resolve=True)
     for name in not_null_defaults(cls) & {k for k, v in head_cfg.items() if v is None}:
         del head_cfg[name]
+    if head_cfg.get("step") == AUTO:
+        del head_cfg["step"]  # the code's default until the trainer is built (choose_step)
     negatives = head_cfg.get("negatives")
     if isinstance(negatives, dict) and negatives.get("sampler") == "unigram" and negatives.get("class_counts") is None:
         extra["negatives"] = {**negatives, "class_counts": class_counts}  # the spherical heads' unigram: the data's
@@ -232,6 +235,8 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         plugins=[AsyncAtomicCheckpointIO() if OmegaConf.select(cfg, "callbacks.checkpoint.asynchronous", default=True)
                  else AtomicCheckpointIO()],
     )
+    if cfg.head.get("step") == AUTO:
+        choose_step(module.head, trainer)
     check_built(cfg, module, trainer)
     return dm, module, trainer
 
