@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     bodies = [b.strip() for b in args.bodies.split(",") if b.strip()]
     if set(bodies) - set(BODIES):
         p.error(f"unknown bodies {sorted(set(bodies) - set(BODIES))}; choose from {list(BODIES)}")
-    heads = WHOLE_HEADS + ([GRAPH_SPEC] if args.device == "cuda" else [])
+    heads = ([GRAPH_SPEC] if args.device == "cuda" else []) + WHOLE_HEADS  # first: before --deadline-s cuts
     if args.heads:
         want = {h.strip() for h in args.heads.split(",") if h.strip()} | {"factored/zloss"}
         heads = [s for s in heads if s.head in want or f"{s.head}/{s.variant}" in want]
