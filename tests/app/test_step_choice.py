@@ -63,11 +63,13 @@ def test_the_heads_own_refusal_leaves_it_as_it_was(caplog):
 
 
 def test_the_app_defaults_to_auto_and_trains_on_the_cpu_with_autograd(tmp_path):
-    from lst_lightning.app.train import build  # noqa: PLC0415
+    from lst_lightning.app.train import build, run  # noqa: PLC0415
 
     cfg = cfg_of(*FAST, "head=factored")
     assert cfg.head.step == "auto"
     _, module, _ = build(cfg, tmp_path)
     assert (module.head.step, module.head.sync_every) == ("autograd", 1)
+    # results.json says which step ran
+    assert run(cfg_of(*FAST, "head=factored", "test=false"), tmp_path / "run")["head_step"] == "autograd"
     _, module, _ = build(cfg_of(*FAST, "head=factored", "head.step=fused"), tmp_path / "fused")
     assert module.head.step == "fused"

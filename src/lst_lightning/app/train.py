@@ -292,6 +292,8 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": loss_name(cfg),
                      "num_classes": dm.num_classes, "val": val,
                      "train_steps": steps}
+    if isinstance(getattr(module.head, "step", None), str):  # the factored head's step as it ran (head.step=auto)
+        results["head_step"] = module.head.step
     if cfg.get("test", True):
         test = trainer.test(module, datamodule=dm, verbose=False)[0]
         results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}
