@@ -150,11 +150,11 @@ def test_kernel_sampler_tree_follows_accumulated_gradients():
 def test_sampled_num_samples_follows_d():
     """S left null is 64 below 10^5 classes, 512 from there (the same S as the exact head's
     slots draw), 1024 from 10^6 (the sampled softmax's own best there; the exact head keeps
-    512); a given S is kept; a bad one is refused in one line."""
+    512 up to 10^7, then 1024); a given S is kept; a bad one is refused in one line."""
     from lst_lightning.spherical import FactoredSphericalHead  # noqa: PLC0415
 
     for num_classes, S, S_exact in ((1000, 64, 64), (99_999, 64, 64), (100_000, 512, 512), (999_999, 512, 512),
-                                    (10**6, 1024, 512), (10**7, 1024, 512)):
+                                    (10**6, 1024, 512), (10**7, 1024, 1024)):
         head = SampledSoftmaxHead(num_classes=num_classes, hidden_dim=2, device="meta")
         exact = FactoredSphericalHead(num_classes=num_classes, hidden_dim=2, loss="sampled", negatives={},
                                       device="meta")

@@ -85,7 +85,7 @@ def test_config_defaults_are_the_losss_own(name):
 def test_the_head_lr_follows_the_losss_rule_in_d():
     """A head built without an lr, S or mu takes its loss's for its D: the composite loss's are
     lr 2, S 64, mu 1 below 10^5 classes (the real corpus at its own D) and lr 16, S 512, mu 0.1
-    from there; the others' lr is one number at every D."""
+    from there, S 1024 from 10^7; the others' lr is one number at every D."""
     from lst_lightning.losses import SampledCompositeLoss  # noqa: PLC0415
     from lst_lightning.spherical import FactoredSphericalHead  # noqa: PLC0415
 
@@ -93,7 +93,7 @@ def test_the_head_lr_follows_the_losss_rule_in_d():
         [2.0, 2.0, 2.0, 16.0, 16.0, 16.0]
     assert {make_loss("zloss").default_lr_for(D) for D in (10, 10**7)} == {1.0}
     for D, lr, S, mu in ((1000, 2.0, 64, 1.0), (99_999, 2.0, 64, 1.0), (200_000, 16.0, 512, 0.1),
-                         (10**6, 16.0, 512, 0.1)):
+                         (10**6, 16.0, 512, 0.1), (10**7, 16.0, 1024, 0.1)):
         head = FactoredSphericalHead(num_classes=D, hidden_dim=4, loss="sampled", negatives={}, device="meta")
         assert (head.lr, head.negatives.settings.num, head.loss_fn.mu) == (lr, S, mu)
         assert head.loss_fn.hparams()["mu"] == mu  # what a checkpoint records and compares

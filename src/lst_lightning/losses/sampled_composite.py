@@ -56,7 +56,8 @@ class SampledCompositeLoss(SphericalLoss):
     outputs_are_logits = True
     #: the head's lr and mu (``mu`` null) by D; S follows its own rule in D, shared with the
     #: sampled softmax up to 10^6 classes (``heads.samplers.default_num_samples``: 64 below 10^5
-    #: classes, 512 from there; the sampled softmax alone takes 1024 from 10^6). Below
+    #: classes, 512 from there; the sampled softmax takes 1024 from 10^6, the slots from 10^7:
+    #: ``heads.samplers.slots_num_samples``). Below
     #: ``large_D`` classes ``small_D_*``: the best on the real corpus at its own D (33 155) and
     #: level at 10^4 (docs/benchmarks.md, "The default"). From ``large_D``:
     #: ``large_D_*`` (with S 512), at equal time with the lr decaying over it: lr 16 and S 512

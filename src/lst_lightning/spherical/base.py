@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..heads.base import OutputHead
-from ..heads.samplers import default_num_samples
+from ..heads.samplers import slots_num_samples
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from .blocks import BLOCK
@@ -206,7 +206,7 @@ class SphericalHeadBase(OutputHead):
                              if settings is None else
                              f"negatives need a loss with sampled classes ('sampled'), not {self.loss_fn.name!r}")
         if settings is not None and settings.num is None:  # S for this D, as every sampling head
-            settings = dataclasses.replace(settings, num=default_num_samples(num_classes))
+            settings = dataclasses.replace(settings, num=slots_num_samples(num_classes))
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
         #: the right preconditioner of the update (preconditioner.py); None: the plain SGD step
         self.preconditioner = Preconditioner.of(preconditioner)
