@@ -1,4 +1,6 @@
 """The two-rank run and its one-process reference, made once per session: they spawn processes."""
+import warnings
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -8,8 +10,19 @@ from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_
 
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dist")
-    mp.spawn(worker, args=(str(tmp / "rdv"), str(tmp)), nprocs=WORLD, join=True)
+    """The two ranks' results. A rank killed by a signal is run again once, with a warning:
+    gloo aborted a rank once in the ninth session's suite ("terminate called without an active
+    exception", not reproduced in 8 reruns; docs/multi_gpu.md saw it at a DDP job's exit). A
+    fault that kills a rank twice, or raises, still fails every test that uses this."""
+    for attempt in (1, 2):
+        tmp = tmp_path_factory.mktemp("dist")
+        try:
+            mp.spawn(worker, args=(str(tmp / "rdv"), str(tmp)), nprocs=WORLD, join=True)
+            break
+        except mp.ProcessExitedException as e:
+            if attempt == 2 or e.signal_name is None:
+                raise
+            warnings.warn(f"two-rank run: {e}; running it again", RuntimeWarning, stacklevel=1)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
