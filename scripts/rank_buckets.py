@@ -7,7 +7,9 @@ the rule for the classes it has seen often enough; a fresh draw it can only rank
 classes' prior, their frequency. Class ids are frequency ranks, so the buckets are
 decades of the target's id: rule / fresh x [0, 10), [10, 100), ... For each bucket: the
 examples, MRR, top-1 and top-10 error, from the run's own head (``target_rank``, as the
-app's validation).
+app's validation), and ``frequent_in_top10``: how many of the ten most frequent classes
+(ids 0-9) the model's top 10 holds, on average. A fresh draw among those ten is missed when
+the top 10 gives their places to other classes (a context's false positives).
 
     uv run python scripts/rank_buckets.py RUN_DIR [RUN_DIR ...] [--out DIR]
 
@@ -31,11 +33,12 @@ from omegaconf import OmegaConf
 from lst_lightning.app.train import build
 
 EDGES = [0, 10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000, 100_000_000]
-COLUMNS = ["run", "target", "ids", "examples", "mrr", "top1_error", "top10_error"]
+COLUMNS = ["run", "target", "ids", "examples", "mrr", "top1_error", "top10_error", "frequent_in_top10"]
 
 
-def ranks_of(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rank, target, last context token) of every validation example, from the run's checkpoint."""
+def ranks_of(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rank, target, last context token, how many of ids 0-9 are in the top 10) of every
+    validation example, from the run's checkpoint."""
     cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
     if "synthetic" not in str(cfg.data._target_).lower():
         raise ValueError(f"{run_dir}: rank_buckets reads the synthetic task's rule; this run trained on "
@@ -48,22 +51,28 @@ def ranks_of(run_dir: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dm, module, _ = build(cfg, tmp)
     module.load_state_dict(torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"])
     module.eval()
-    ranks, targets, last = [], [], []
+    ranks, targets, last, frequent = [], [], [], []
     with torch.no_grad():
         for context, target in dm.val_dataloader():
-            ranks.append(module.head.target_rank(module(context), target, module.score_chunk_size))
+            hidden = module(context)
+            ranks.append(module.head.target_rank(hidden, target, module.score_chunk_size))
+            top = module.head.topk(hidden, 10, module.score_chunk_size)[1]
+            frequent.append((top < 10).sum(1))
             targets.append(target)
             last.append(context[:, -1])
-    return torch.cat(ranks).double(), torch.cat(targets), torch.cat(last)
+    return torch.cat(ranks).double(), torch.cat(targets), torch.cat(last), torch.cat(frequent).double()
 
 
-def bucket_rows(name: str, rank: torch.Tensor, target: torch.Tensor, last: torch.Tensor) -> list[dict]:
-    """One row for all the examples, then one per (rule or fresh, decade of the target's id) that has any."""
+def bucket_rows(name: str, rank: torch.Tensor, target: torch.Tensor, last: torch.Tensor,
+                frequent: torch.Tensor) -> list[dict]:
+    """One row for all the examples, then one per (rule or fresh, decade of the target's id)
+    that has any. ``frequent``: per example, how many of ids 0-9 its top 10 holds."""
     def row(kind: str, ids: str, sel: torch.Tensor) -> dict:
         r = rank[sel]
         return dict(run=name, target=kind, ids=ids, examples=int(sel.sum()), mrr=round(float((1 / r).mean()), 4),
                     top1_error=round(float((r > 1).double().mean()), 4),
-                    top10_error=round(float((r > 10).double().mean()), 4))
+                    top10_error=round(float((r > 10).double().mean()), 4),
+                    frequent_in_top10=round(float(frequent[sel].mean()), 2))
 
     rule = target == (last ^ 1)
     rows = [row("all", "all", torch.ones_like(rule))]
