@@ -661,6 +661,17 @@ def parse_ints(text: str) -> list[int]:
     return out
 
 
+def size_order(Ds: list[int], ds: list[int]) -> list[tuple[int, int]]:
+    """(D, d) in the order they are timed: the targets' d first, every D of it (up to the
+    flatness pair's 2 x 10^7), then the other d (the paper's 300) up to 2M, the paper's D
+    first, their larger D last: a run cut short by --deadline-s still has the targets and
+    the paper's headline."""
+    first = TARGET["d"] if TARGET["d"] in ds else ds[0]
+    return sorted(((D, d) for d in ds for D in Ds),
+                  key=lambda k: (k[1] != first, k[0] > 2_000_000, ds.index(k[1]),
+                                 k[1] != first and k[0] != PAPER["D"], k[0]))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
@@ -741,11 +752,7 @@ def main(argv: list[str] | None = None) -> int:
             runner.run_head(spec, Dp, ds[0], [ms[0]], torch.device("cpu"), "fp32")
         else:
             runner.paper_naive_cpu()
-    # The targets' d first, every D of it (up to the flatness pair's 2 x 10^7), then the other d
-    # (the paper's 300) up to 2M, their larger D last: a run cut short still has the targets.
-    first = TARGET["d"] if TARGET["d"] in ds else ds[0]
-    for D, d in sorted(((D, d) for d in ds for D in Ds),
-                       key=lambda k: (k[1] != first, k[0] > 2_000_000, ds.index(k[1]), k[0])):
+    for D, d in size_order(Ds, ds):
         here = [s for s in heads if s.head not in FACTORED or s.variant == "zloss" or D <= args.all_losses_up_to]
         runner.run_size(D, d, ms, here)
         write_outputs(runner.rows, stem, title, with_plot=False)

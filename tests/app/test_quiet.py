@@ -35,3 +35,33 @@ def test_redirected_output_shows_progress_and_no_chatter(tmp_path):
     assert out.count("GPU available") == 1  # not once from Lightning's own handler and once from Hydra's
     assert f"Results: {run_dir.resolve() / 'results.json'}" in proc.stdout
     assert (run_dir / "results.json").is_file()
+
+
+SHOW = """
+import logging, sys
+from lst_lightning.app.quiet import show_our_lines
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, format="root: %(message)s")
+show_our_lines(sys.argv[2])
+show_our_lines(sys.argv[2])  # idempotent: one line each, not two
+logging.getLogger("lst_lightning.app.step_choice").info("head.step=auto: the choice")
+logging.getLogger("lst_lightning.app.step_choice").debug("not shown")
+logging.getLogger("other").info("not ours")
+"""
+
+
+@pytest.mark.parametrize("logging_configured", [False, True])
+def test_our_info_lines_show_once_where_nothing_configured_logging(tmp_path, logging_configured):
+    """``scripts/quality_table.py`` calls ``train.run`` without Hydra's logging: the step's
+    choice and the progress still show, once, and go to the run's log file; where the caller
+    configured logging (Hydra, the user), its handlers show them and nothing is added."""
+    log_file = tmp_path / "train.log"
+    proc = subprocess.run([sys.executable, "-c", SHOW, "configured" if logging_configured else "bare", str(log_file)],
+                          capture_output=True, text=True, check=True)
+    if logging_configured:
+        assert proc.stderr.splitlines() == ["root: head.step=auto: the choice", "root: not ours"]
+        assert not log_file.exists()
+    else:
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].endswith("[lst_lightning.app.step_choice][INFO] - head.step=auto: the choice")
+        assert log_file.read_text().splitlines() == lines

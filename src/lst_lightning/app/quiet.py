@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 # INFO that says nothing about the run: shown from WARNING up
 CHATTY = ("gensim", "datasets", "urllib3", "filelock", "fsspec")
@@ -15,6 +16,8 @@ CHATTY = ("gensim", "datasets", "urllib3", "filelock", "fsspec")
 ADVERTISEMENT = "💡 Tip:"
 # a warning raised outside these modules is not ours to show
 OURS = r"(?!lst_lightning|lst_kernels)"
+#: this package's lines where nothing configured logging: Hydra's job-log format
+LINE_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
 
 
 class _NoAdvertisements(logging.Filter):
@@ -46,3 +49,21 @@ def one_handler_for_lightning() -> None:
             for h in list(lg.handlers):
                 lg.removeHandler(h)
             lg.propagate = True
+
+
+def show_our_lines(log_file: str | Path | None = None) -> None:
+    """Where nothing configured logging (a script calling ``train.run``, as
+    ``scripts/quality_table.py`` does; a spawned worker), this package's INFO lines (the
+    progress, ``head.step=auto``'s choice) go to stderr, and to ``log_file`` where given.
+    Under ``lst-train`` Hydra's handlers show them. Idempotent."""
+    if logging.getLogger().handlers:
+        return
+    ours = logging.getLogger("lst_lightning")
+    ours.setLevel(logging.INFO)
+    have = {getattr(h, "baseFilename", None) for h in ours.handlers}
+    new = [] if None in have else [logging.StreamHandler()]
+    if log_file is not None and str(Path(log_file).resolve()) not in have:
+        new.append(logging.FileHandler(log_file))
+    for h in new:
+        h.setFormatter(logging.Formatter(LINE_FORMAT))
+        ours.addHandler(h)

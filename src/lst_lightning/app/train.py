@@ -26,7 +26,7 @@ from .checks import check_config, check_overrides
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
-from .quiet import one_handler_for_lightning, quiet_libraries
+from .quiet import one_handler_for_lightning, quiet_libraries, show_our_lines
 from .resume import resolve_ckpt_path
 from .schemas import not_null_defaults
 from .step_choice import AUTO, choose_step
@@ -184,6 +184,8 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     from .module import LanguageModel  # noqa: PLC0415
 
     one_handler_for_lightning()
+    if pl.utilities.rank_zero_only.rank == 0:
+        show_our_lines()  # head.step=auto's choice shown where nothing configured logging
     run_dir = Path(run_dir)
     resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # ckpt_path=last with nothing to resume fails here
     tcfg = cfg.trainer

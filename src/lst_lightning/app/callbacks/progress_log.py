@@ -35,16 +35,11 @@ class ProgressLog(pl.Callback):
         self._tokens = 0
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        from ..quiet import quiet_libraries  # noqa: PLC0415
+        from ..quiet import quiet_libraries, show_our_lines  # noqa: PLC0415
 
         quiet_libraries()  # again: a spawned worker starts with default filters
-        if trainer.is_global_zero and not logging.getLogger().hasHandlers() and not log.handlers:
-            log.setLevel(logging.INFO)
-            log.addHandler(logging.StreamHandler())
-            if self.log_file:
-                log.addHandler(logging.FileHandler(self.log_file))
-            for h in log.handlers:
-                h.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        if trainer.is_global_zero:
+            show_our_lines(self.log_file)
 
     def on_train_start(self, trainer, pl_module) -> None:
         self._start, self._first_step, self._tokens = time.perf_counter(), trainer.global_step, 0
