@@ -14,6 +14,10 @@ def test_target_score_and_rank_agree_with_full_scores(name):
         full = torch.cat([s for _, s in head.score_chunks(h, chunk_size=5)], 1)
     target = head.target_score(h, t)
     torch.testing.assert_close(target, full.gather(1, t[:, None])[:, 0])
-    assert torch.equal(head.target_rank(h, t, chunk_size=5), 1 + (full > target[:, None]).sum(1))
+    # ties count against the target; its own column is left out: the chunks' rounding of its
+    # score (here 5 classes a chunk against target_score's one chunk) must not move its rank
+    at_or_above = full >= target[:, None]
+    at_or_above[torch.arange(m), t] = False
+    assert torch.equal(head.target_rank(h, t, chunk_size=5), 1 + at_or_above.sum(1))
     if head.has_log_prob:
         torch.testing.assert_close(head.log_prob(h, t), torch.log_softmax(full, 1).gather(1, t[:, None])[:, 0])

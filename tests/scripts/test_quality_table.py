@@ -39,6 +39,16 @@ def test_merge_needs_a_folder_to_merge_with(sandbox):
 
 def test_update_results_merge_replaces_only_the_rows_rerun(sandbox):
     csv_name = f"quality_table_{qt.machine_name()}.csv"
+    if not (sandbox.results / csv_name).exists():  # a machine with no committed table of its own (CI's
+        # is whichever it gets): a committed one stands in under its name, in the sandbox only
+        source = sorted(sandbox.results.glob("quality_table_*.csv"))[0]
+        stand_in = read(source)
+        curves = source.with_name(source.stem + "_curves.json")
+        (sandbox.results / f"quality_table_{qt.machine_name()}_curves.json").write_bytes(curves.read_bytes())
+        with (sandbox.results / csv_name).open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(stand_in[0]))
+            writer.writeheader()
+            writer.writerows({**r, "machine": qt.machine_name()} for r in stand_in)
     committed = read(sandbox.results / csv_name)
     changed = sandbox.run_update(qt.main, [*tiny(), "--merge"])
     assert csv_name in changed
