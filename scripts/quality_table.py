@@ -53,6 +53,8 @@ HEADS: dict[str, list[str]] = {
     "factored-sampled": ["head=factored", "loss=sampled"],
     # the same head's eager step (on the CPU, what auto chooses anyway)
     "factored-sampled-eager": ["head=factored", "loss=sampled", "head.step=autograd"],
+    # with the Neumann factors of the GPU's step read from its rho every sync (opt-in until timed)
+    "factored-sampled-adaptive": ["head=factored", "loss=sampled", "head.stabiliser.neumann=adaptive"],
     "softmax": ["head=softmax"],
     "hsoftmax": ["head=hsoftmax"],
     "adaptive": ["head=adaptive"],

@@ -152,3 +152,84 @@ def test_float32_on_the_products_route_stays_with_the_float64_naive_head(monkeyp
                      weight_decay=0.001, stabiliser={"inverse": "products"})
     run_steps(f, n, steps=50, m=33, K=3, classes=200, tol=2e-4)
     assert spy.products >= 45 and spy.products + spy.solves + int(f.folds) == 50, (spy.products, f.stats())
+
+
+def test_the_adaptive_rule_takes_the_factors_of_four_times_the_rho_seen():
+    f32 = torch.float32
+    assert iu.adaptive_factors(0.0, 1.0, 4.0, False, f32) == iu.ADAPTIVE_MIN_FACTORS == 2
+    assert iu.adaptive_factors(0.045, 1.0, 4.0, False, f32) == 2  # the default run's largest at 10^6
+    assert iu.adaptive_factors(0.1, 1.0, 4.0, False, f32) == 3
+    assert iu.adaptive_factors(0.1, 1.0, 4.0, True, f32) == iu.MAX_FACTORS  # after a skipped step
+    assert iu.adaptive_factors(0.3, 1.0, 4.0, False, f32) == iu.MAX_FACTORS  # 4 rho past the products' reach
+    assert iu.adaptive_factors(float("nan"), 1.0, 4.0, False, f32) == iu.MAX_FACTORS
+
+
+class FactorSpy:
+    """The factors each call of the products route took."""
+
+    def __init__(self, monkeypatch):
+        self.factors = []
+        products = step_module.uinv_by_products
+
+        def spy(U_new, Uinv, A, c, factors):
+            self.factors.append(factors)
+            return products(U_new, Uinv, A, c, factors)
+
+        monkeypatch.setattr(step_module, "uinv_by_products", spy)
+
+
+def test_device_flags_with_adaptive_factors_equal_the_naive_head(monkeypatch):
+    """``neumann="adaptive"``: six factors until the first read of the flags, then fewer, read
+    by read; step for step the naive head's, nothing skipped."""
+    torch.manual_seed(3)
+    spy = FactorSpy(monkeypatch)
+    f, n = make_pair("zloss", bias=True, lr=0.05, weight_decay=0.01)
+    g = deferred(loss_kwargs=f.loss_fn.hparams(), weight_decay=0.01, sync_every=3,
+                 stabiliser={"inverse": "products", "neumann": "adaptive"})
+    g.reset_weight(f.weight())
+    run_steps(g, n, steps=30, m=16, K=3)
+    assert spy.factors[:3] == [iu.MAX_FACTORS] * 3 and min(spy.factors[3:]) < iu.MAX_FACTORS
+    assert len(spy.factors) == 30 and int(g.steps) == 30 and int(g.skipped_nonfinite) == 0
+
+
+def test_max_keeps_six_factors_under_device_flags(monkeypatch):
+    spy = FactorSpy(monkeypatch)
+    g = deferred(sync_every=2, stabiliser={"inverse": "products"})
+    for _ in range(6):
+        H, idx = torch.randn(8, g.hidden_dim, dtype=torch.float64), torch.randint(0, g.num_classes, (8, 1))
+        g.train_step(H, idx)
+    assert Stabiliser().neumann == "max" and spy.factors == [iu.MAX_FACTORS] * 6
+
+
+def test_a_skipped_step_puts_the_adaptive_factors_back_at_the_maximum(monkeypatch):
+    """Four times the rho seen may not cover the next steps: a step whose products miss the
+    residual is skipped and counted (as with six factors past their reach), and the next read
+    takes the maximum again."""
+    spy = FactorSpy(monkeypatch)
+    g = deferred(loss="mse", loss_kwargs={}, lr=0.2, bias=False, sync_every=2,
+                 stabiliser={"inverse": "products", "neumann": "adaptive"})
+    small = torch.randn(4, g.hidden_dim, dtype=torch.float64) * 0.05
+    for _ in range(4):  # two reads of small steps: the factors fall to the least
+        g.train_step(small, torch.randint(0, g.num_classes, (4, 1)))
+    assert g.step_checks.factors == iu.ADAPTIVE_MIN_FACTORS
+    H = torch.zeros(1, g.hidden_dim, dtype=torch.float64)
+    H[0, 0] = math.sqrt(3.0)  # rho = 1.2: the series diverges, the residual fails, the step is skipped
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        g.train_step(H, torch.tensor([[3]]))
+        g.train_step(small[:1], torch.tensor([[5]]))  # the read: one skipped step since the last
+    assert int(g.skipped_nonfinite) == 1 and g.step_checks.factors == iu.MAX_FACTORS
+    assert spy.factors[-2:] == [iu.ADAPTIVE_MIN_FACTORS, iu.ADAPTIVE_MIN_FACTORS]
+    with pytest.raises(ValueError, match="neumann must be one of"):
+        Stabiliser(neumann="fewest")
+
+
+def test_a_checkpoint_keeps_the_adaptive_factors():
+    g = deferred(sync_every=2, stabiliser={"inverse": "products", "neumann": "adaptive"})
+    for _ in range(4):
+        g.train_step(torch.randn(4, g.hidden_dim, dtype=torch.float64) * 0.05, torch.randint(0, g.num_classes, (4, 1)))
+    chosen = g.step_checks.factors
+    assert chosen < iu.MAX_FACTORS
+    fresh = deferred(sync_every=2, stabiliser={"inverse": "products", "neumann": "adaptive"})
+    assert fresh.step_checks.factors == iu.MAX_FACTORS
+    fresh.load_state_dict(g.state_dict())
+    assert fresh.step_checks.factors == chosen

@@ -22,6 +22,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from .inverse_update import MAX_FACTORS, adaptive_factors
 from .step import largest_eig_bounds
 
 
@@ -58,6 +59,10 @@ class DeviceFlags(HostChecks):
         super().__init__()
         self.lr_filled = None    # the lr held in the device scalar head._lr_t
         self.pinned = False      # pin_lr(): the device lr holds a value of its own
+        #: the products route's Neumann factors a step (Stabiliser.neumann: "max" keeps them there)
+        self.factors = MAX_FACTORS
+        #: "adaptive": the largest rho bound of the steps since the last read, on the device
+        self.rho_max: Tensor | None = None
 
     def screen(self, head, idx: Tensor, T: Tensor):
         """Bad ids become padding and raise the flag; the step is void (``input_ok`` False)."""
@@ -85,6 +90,11 @@ class DeviceFlags(HostChecks):
         """The bounds stay on the device; a nearly singular B is not folded here (the next
         read of the flags repairs U: its conditioning bound went up)."""
         rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=False)
+        if head.repairs.settings.neumann == "adaptive":  # kept for the next read (adapt_factors)
+            rho = torch.maximum(rho_pos, rho_neg)
+            if self.rho_max is None:  # made by the first step, before any graph captures one
+                self.rho_max = torch.zeros_like(rho)
+            self.rho_max.copy_(torch.maximum(self.rho_max, rho))
         return False, torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
 
     def count(self, head, ok: Tensor) -> bool:
@@ -107,7 +117,20 @@ class DeviceFlags(HostChecks):
             warnings.warn(f"{type(head).__name__}: {skipped - skipped_prev} step(s) with non-finite or invalid "
                           f"values since the last check were skipped, the head's state left untouched "
                           f"({skipped} skipped so far)", RuntimeWarning, stacklevel=3)
+        self.adapt_factors(head, skipped > skipped_prev)
         return n_prev, steps, bool(bad)
+
+    def adapt_factors(self, head, skipped: bool) -> None:
+        """``Stabiliser.neumann="adaptive"``: the factors of the steps up to the next read, from
+        the largest rho bound since the last (then reset); the maximum after a skipped step."""
+        if head.repairs.settings.neumann != "adaptive":
+            self.factors = MAX_FACTORS
+            return
+        if self.rho_max is None:  # no step on the products route yet
+            return
+        self.factors = adaptive_factors(float(self.rho_max), float(head.cond_bound),
+                                        head.repairs.settings.cond_trigger, skipped, head.dtype)
+        self.rho_max.zero_()
 
     def raise_bad_input(self, head) -> None:
         head._bad_input.zero_()

@@ -183,6 +183,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def get_extra_state(self):
         out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
+        if self.step_checks.deferred and self.repairs.settings.neumann == "adaptive":  # a resumed run goes on
+            out["neumann_factors"] = self.step_checks.factors  # with the factors its last read chose
         if self.V.shape[0] != self.num_classes:  # V is one rank's shard: which rows (checked on load)
             out[V_ROWS] = (self.row_lo, self.row_hi)
         return out
@@ -191,6 +193,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         super().set_extra_state(state)
         self._uinv_fresh = bool(state.get("uinv_fresh", False))  # unknown: refresh when needed
         self.step_checks.synced = (int(self.steps), int(self.skipped_nonfinite))  # buffers load before extra state
+        if self.step_checks.deferred and "neumann_factors" in state:
+            self.step_checks.factors = int(state["neumann_factors"])
 
     # -- the implicit W -----------------------------------------------------------------
     @torch.no_grad()

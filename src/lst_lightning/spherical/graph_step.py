@@ -52,8 +52,10 @@ class CudaGraphStep:
     """``step(H, target_idx) -> (loss, dL/dH)``: ``head.train_step`` replayed from a graph.
 
     The lr is read from a device scalar at each replay (a schedule needs no new
-    capture); the head's flags are read every ``head.sync_every`` replays. The
-    returned tensors are the graph's own outputs: use them before the next call.
+    capture); the head's flags are read every ``head.sync_every`` replays. With
+    ``Stabiliser.neumann="adaptive"`` a read may change the step's Neumann factors: the
+    step is captured once for each number it takes. The returned tensors are the graph's
+    own outputs: use them before the next call.
     """
 
     def __init__(self, head: "FactoredSphericalHead", m: int, K: int = 1, hidden_dtype: torch.dtype | None = None,
@@ -68,12 +70,23 @@ class CudaGraphStep:
         self.val = torch.zeros(m, K, dtype=head.dtype, device=dev)
         if head.negatives is not None:  # sampled classes drawn inside the graph, by a device generator
             head.negatives.draw_on(dev)
-        self._warm_up(warmup)
-        self.graph = torch.cuda.CUDAGraph()
+        self.warmup = warmup
+        #: one graph per number of Neumann factors the step took when it was captured
+        #: (``Stabiliser.neumann="adaptive"`` changes it at a read of the flags): (graph, loss, dH)
+        self.graphs: dict[int, tuple] = {}
+        self._capture()
+
+    def _capture(self) -> tuple:
+        """Capture the step as it runs now (its factors: ``head.step_checks.factors``)."""
+        head = self.head
+        self._warm_up(self.warmup)
+        graph = torch.cuda.CUDAGraph()
         if head.negatives is not None:  # each replay draws anew, from the generator's state then
-            self.graph.register_generator_state(head.negatives.device_generator)
-        with torch.cuda.graph(self.graph):
-            self.loss, self.dH = head.train_step(self.H, self.idx, self.val)
+            graph.register_generator_state(head.negatives.device_generator)
+        with torch.cuda.graph(graph):
+            loss, dH = head.train_step(self.H, self.idx, self.val)
+        self.graphs[head.step_checks.factors] = captured = (graph, loss, dH)
+        return captured
 
     @torch.no_grad()
     def _warm_up(self, n: int) -> None:
@@ -100,6 +113,7 @@ class CudaGraphStep:
         else:
             self.val.copy_(target_val.reshape(idx.shape))
         head.device_lr()  # refill lr outside the graph
-        self.graph.replay()
+        graph, loss, dH = self.graphs.get(head.step_checks.factors) or self._capture()
+        graph.replay()
         head.count_replay()  # counted on the host: the flags read every sync_every replays
-        return self.loss, self.dH
+        return loss, dH

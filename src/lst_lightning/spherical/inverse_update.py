@@ -44,6 +44,25 @@ def neumann_factors(rho: float, cond_bound: float, dtype: torch.dtype) -> int | 
     return k if k <= MAX_FACTORS else None
 
 
+#: ``Stabiliser.neumann="adaptive"``: the next steps' factors are those for this many times
+#: the largest rho bound of the steps before, at twice the larger of cond(U)'s bound and the
+#: repairs' trigger, and never fewer than ADAPTIVE_MIN_FACTORS
+ADAPTIVE_MARGIN = 4.0
+ADAPTIVE_MIN_FACTORS = 2
+
+
+def adaptive_factors(rho_max: float, cond_bound: float, cond_trigger: float, skipped: bool,
+                     dtype: torch.dtype) -> int:
+    """The Neumann factors of the next steps under device flags (``neumann="adaptive"``), from
+    the largest rho bound ``rho_max`` since the last read of the flags: MAX_FACTORS after a
+    read that found a skipped step (its residual may have failed) or where the margin's rho
+    needs more."""
+    if skipped:
+        return MAX_FACTORS
+    k = neumann_factors(min(ADAPTIVE_MARGIN * rho_max, 0.99), 2.0 * max(cond_bound, cond_trigger), dtype)
+    return MAX_FACTORS if k is None else max(k, ADAPTIVE_MIN_FACTORS)
+
+
 def uinv_by_products(U_new: Tensor, Uinv: Tensor, A: Tensor, c, factors: int) -> tuple[Tensor, Tensor]:
     """(U_new^-1, the Frobenius norm of the residual ``I - U_new Y`` before the Newton-Schulz
     steps), for ``U_new = c U (I - A)`` and ``Uinv`` = U^-1; ``c`` a float or a device scalar."""

@@ -30,6 +30,7 @@ from .settings import settings_from
 
 
 INVERSE_ROUTES = ("auto", "woodbury", "solve", "products")
+NEUMANN_RULES = ("max", "adaptive")
 #: ``woodbury=`` as it was: "always" the Woodbury update, "never" the solve
 LEGACY_WOODBURY = {"always": "woodbury", "never": "solve", "auto": "auto"}
 
@@ -53,6 +54,12 @@ class Stabiliser:
     #: d x d products alone ("products": no factorisation; capturable in a CUDA graph);
     #: "auto": products on a GPU, on a CPU Woodbury when 2 m <= d, else the solve (measured).
     inverse: str = "auto"
+    #: Under device flags (``sync_every > 1``, a CUDA graph's step) the products route cannot
+    #: read rho on the host: "max" takes ``MAX_FACTORS`` Neumann factors every step (enough
+    #: for rho up to about 0.9); "adaptive" takes as many as four times the largest rho bound
+    #: since the last read of the flags needs (at least 2), read with the flags, and the
+    #: maximum again after a read that found a skipped step (inverse_update.py).
+    neumann: str = "max"
 
     def __post_init__(self):
         if not 0 < self.sv_min < 1 < self.sv_max:
@@ -63,6 +70,8 @@ class Stabiliser:
             raise ValueError(f"cond_trigger must be > 1, got {self.cond_trigger}")
         if not 0 < self.fold_tol < 1:
             raise ValueError(f"fold_tol must be in (0, 1), got {self.fold_tol}")
+        if self.neumann not in NEUMANN_RULES:
+            raise ValueError(f"neumann must be one of {list(NEUMANN_RULES)}, got {self.neumann!r}")
         if self.inverse not in INVERSE_ROUTES:
             raise ValueError(f"inverse must be one of {list(INVERSE_ROUTES)}, got {self.inverse!r}")
         for name in ("check_every", "uinv_refresh_every", "q_refresh_every", "power_iters", "max_sv_fixes"):

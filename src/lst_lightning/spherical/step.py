@@ -22,7 +22,7 @@ from torch import Tensor
 
 import lst_kernels as lk
 
-from .inverse_update import MAX_FACTORS, neumann_factors, residual_tolerance, uinv_by_products
+from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
 
 
 @dataclass
@@ -245,7 +245,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         Uinv_new = None
         # device flags: no host read, as many factors as rho up to ~0.9 needs, the residual a flag
         factors = None if inverse_route(head, m) != "products" else \
-            MAX_FACTORS if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
+            head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
         if factors is not None:  # U_new^-1 by d x d products alone
             A = (kappa[:, None] * Hx).T @ X  # B = c (I - A)
             Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
