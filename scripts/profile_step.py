@@ -2,17 +2,14 @@
 bench_heads.py's factored paths (the autograd step, ``train_step`` with no host reads, and that
 step replayed from a CUDA graph), at the step target's size by default.
 
-    python3 scripts/profile_step.py --out DIR [--D 793471 --d 512 --m 1024] [--inverse products,solve]
-        [--neumann max,adaptive] [--smoke]
+    python3 scripts/profile_step.py --out DIR [--D 793471 --d 512 --m 1024] [--inverse products,solve] [--smoke]
 
 For each path it prints, and writes to ``profile_step_<machine>.txt`` in DIR: the wall time of a
 step (CUDA events, median of 20), the device time its kernels take (their sum, per step), the
 kernels launched per step, and the 20 operators that hold the device longest. Wall far above
 device time is the host's part (launches, syncs); device time is what a graph or fusion leaves.
 ``--inverse`` profiles each path once per route to H U_new^-1 (``Stabiliser.inverse``:
-auto, woodbury, solve, products), side by side; ``--neumann`` likewise each rule for the
-Neumann factors of the sync-free paths on the products route (``Stabiliser.neumann``: max,
-adaptive). ``--smoke`` runs it on the CPU at a tiny size
+auto, woodbury, solve, products), side by side. ``--smoke`` runs it on the CPU at a tiny size
 (the CUDA-only paths skipped): tests.
 """
 from __future__ import annotations
@@ -28,27 +25,25 @@ from benchlib import cuda_clock, machine_name, perf_clock
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_heads import SYNC_EVERY, TARGET, HeadSpec, build, make_batches
-from lst_lightning.spherical.stabiliser import INVERSE_ROUTES, NEUMANN_RULES, Repairs, Stabiliser
+from bench_heads import TARGET, HeadSpec, build, make_batches
+from lst_lightning.spherical.stabiliser import INVERSE_ROUTES, Repairs, Stabiliser
 
 PATHS = ("factored", "factored_sync", "factored_graph")
 
 
 def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps: int, inverse: str,
-                 loss: str = "zloss", neumann: str = "max") -> str:
+                 loss: str = "zloss") -> str:
     spec = HeadSpec(name, loss, self_updating=True, cuda_only=name != "factored")
     if spec.cuda_only and device.type != "cuda":
         return f"== {name}: skipped (CUDA only)\n"
     head, make = build(spec, D, d, torch.float32, device)
-    # before its first step (and a graph's capture)
-    head.repairs = Repairs(Stabiliser(inverse=inverse, neumann=neumann))
+    head.repairs = Repairs(Stabiliser(inverse=inverse))  # before its first step (and a graph's capture)
     try:
         step = make(make_batches(D, d, m, torch.float32, device))
     except ValueError as exc:  # a mode the head refuses (negatives in a CUDA graph): said, not profiled
         return f"== {spec.head}, loss={loss}: refused: {exc}\n"
     clock = cuda_clock if device.type == "cuda" else perf_clock
-    # "adaptive": past the first read of the flags, where the factors fall (and a graph is captured again)
-    for _ in range(5 + (SYNC_EVERY if neumann == "adaptive" else 0)):
+    for _ in range(5):
         step()
     wall_ms = statistics.median(1e3 * clock(step) for _ in range(steps))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -63,8 +58,7 @@ def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps:
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     table = events.table(sort_by=sort, row_limit=20, max_name_column_width=60)
     stats = {k: v for k, v in head.stats().items() if v}  # the repairs' counters after every step run
-    rule = "" if neumann == "max" else f", neumann={neumann} ({head.step_checks.factors} factors)"
-    return (f"== {spec.head}, loss={loss}, inverse={inverse}{rule}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
+    return (f"== {spec.head}, loss={loss}, inverse={inverse}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
             f"{len(kernels) / steps:.0f} kernels/step\n{2 * steps + 5} steps, {stats}\n{table}\n")
 
 
@@ -77,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--loss", default="zloss", help="the factored head's loss (sampled: its negatives at their defaults)")
     p.add_argument("--inverse", default="auto", help=f"comma-separated routes to H U_new^-1: {','.join(INVERSE_ROUTES)}")
-    p.add_argument("--neumann", default="max",
-                   help="comma-separated Stabiliser.neumann rules: max,adaptive (adaptive: the sync-free "
-                        "paths on the products route only; the host-checked step picks its factors each step)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -91,17 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     routes = [r.strip() for r in args.inverse.split(",") if r.strip()]
     if not routes or set(routes) - set(INVERSE_ROUTES):
         p.error(f"--inverse takes routes from {list(INVERSE_ROUTES)}, got {args.inverse!r}")
-    rules = [r.strip() for r in args.neumann.split(",") if r.strip()]
-    if not rules or set(rules) - set(NEUMANN_RULES):
-        p.error(f"--neumann takes rules from {list(NEUMANN_RULES)}, got {args.neumann!r}")
     for head in PATHS:
         for route in routes:
-            for rule in rules:
-                if rule != "max" and (head == "factored" or route != "products"):
-                    continue  # the rule acts under device flags on the products route only
-                part = profile_path(head, args.D, args.d, args.m, device, args.steps, route, args.loss, rule)
-                print(part, flush=True)
-                text += part
+            part = profile_path(head, args.D, args.d, args.m, device, args.steps, route, args.loss)
+            print(part, flush=True)
+            text += part
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"profile_step_{machine_name()}.txt"
     path.write_text(text)
