@@ -169,6 +169,12 @@ def build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.devi
     return module, lambda batches: make_step(module, loss_of, spec.self_updating, batches)
 
 
+def app_head_kwargs(loss: str) -> dict:
+    """What lst-train gives the factored head besides its loss: with a sampled loss (its
+    default head) the negatives and the right preconditioner on, at their settings for D."""
+    return {"negatives": {}, "preconditioner": {}} if LOSSES[loss].sampled else {}
+
+
 def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.device):
     kw = dict(num_classes=D, hidden_dim=d, device=device)
     if spec.head in (*FACTORED, "naive"):
@@ -177,8 +183,7 @@ def _build(spec: HeadSpec, D: int, d: int, dtype: torch.dtype, device: torch.dev
             kw["sync_every"] = SYNC_EVERY
         lr, loss_kwargs = loss_settings(spec.variant, D)
         kw.update(loss=spec.variant, loss_kwargs=loss_kwargs, lr=lr, bias=False)
-        if LOSSES[spec.variant].sampled:  # lst-train's default head: negatives and the preconditioner on
-            kw["negatives"], kw["preconditioner"] = {}, {}
+        kw.update(app_head_kwargs(spec.variant))
         head = cls(**kw)  # draws its D x d matrix on the device itself
         return head, head
     kw["dtype"] = dtype

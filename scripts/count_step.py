@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from bench_heads import TARGET
+from bench_heads import TARGET, app_head_kwargs
 from lst_lightning.spherical import FactoredSphericalHead
 
 #: source files whose frames name a call site (the innermost one of them is the site)
@@ -65,9 +65,8 @@ class StepCounter(TorchDispatchMode):
 def make_head(D: int, d: int, loss: str, sync_every: int, inverse: str) -> FactoredSphericalHead:
     """The factored head as lst-train builds it for ``loss`` (sampled: negatives and the
     preconditioner at their settings for D), its step driven as ``sync_every`` says."""
-    kw = {"negatives": {}, "preconditioner": {}} if loss == "sampled" else {}
     return FactoredSphericalHead(num_classes=D, hidden_dim=d, loss=loss, sync_every=sync_every,
-                                 stabiliser={"inverse": inverse}, **kw)
+                                 stabiliser={"inverse": inverse}, **app_head_kwargs(loss))
 
 
 def count(D: int, d: int, m: int, loss: str = "zloss", sync_every: int = 64, inverse: str = "products",
