@@ -35,19 +35,23 @@ def test_every_buffer_is_on_the_cuda_device():
 
 
 
-def test_steps_at_zero_lr_change_no_bit():
-    """The CUDA graph's warm-up runs real steps at lr 0: they must leave the head as it was."""
+@pytest.mark.parametrize("inverse,dtype", [("auto", torch.float64), ("products", torch.float32)])
+def test_steps_at_zero_lr_change_no_bit(inverse, dtype):
+    """The CUDA graph's warm-up runs real steps at lr 0: they must leave the head as it was.
+    "auto" on the CPU solves (2 m > d: U^-1 left stale); "products", the GPU's route, refines
+    U^-1 by Newton-Schulz steps even at lr 0 (a graph captured again mid-run met this)."""
     from lst_lightning.spherical.graph_step import at_zero_lr
 
-    head = deferred(sync_every=2, weight_decay=0.01, preconditioner={"beta": 0.9})  # its moments move at lr 0 too
+    head = deferred(sync_every=2, weight_decay=0.01, preconditioner={"beta": 0.9},  # its moments move at lr 0 too
+                    stabiliser={"inverse": inverse}, dtype=dtype)
     for _ in range(3):
-        step(head, *batch(16, d, D, 2))  # U away from I; U^-1 stale (2m > d)
+        step(head, *batch(16, d, D, 2, dtype=dtype))  # U away from I
     before, counters = state(head), (int(head.steps), head._calls, head.lr)
     with at_zero_lr(head):
         for _ in range(3):
-            head.train_step(*batch(16, d, D, 2))
+            head.train_step(*batch(16, d, D, 2, dtype=dtype))
     assert state(head) == before and (int(head.steps), head._calls, head.lr) == counters
-    step(head, *batch(16, d, D, 2))  # and the lr is back
+    step(head, *batch(16, d, D, 2, dtype=dtype))  # and the lr is back
     assert state(head) != before
 
 

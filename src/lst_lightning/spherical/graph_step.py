@@ -17,21 +17,26 @@ import torch
 from torch import Tensor
 
 from .driving import Driving
-from .state import INPUT_MOMENTS
+from .state import STATE
 
 if TYPE_CHECKING:  # the head imports this module, not the other way round
     from .factored import FactoredSphericalHead
 
 
+#: what a step at lr 0 may change, put back after it: every buffer but V's rows (a zero step
+#: adds exact zeros to them), so the counters, the preconditioner's moments, and U^-1, which the
+#: products route refines by Newton-Schulz steps at any lr (d x d: cheap to keep)
+SMALL_STATE = tuple(b.name for b in STATE if b.shape != "rows")
+
+
 @contextlib.contextmanager
 def at_zero_lr(head: "FactoredSphericalHead"):
-    """Steps taken inside run at lr = 0: W, U, V, Q... keep their bits (a zero step adds
-    exact zeros) and the counters and the preconditioner's moments are put back, with no flag
-    read or repair meanwhile.
+    """Steps taken inside run at lr = 0 and leave the head's state as it was, bit for bit:
+    V keeps its bits (a zero step adds exact zeros), the rest is put back (``SMALL_STATE``),
+    with no flag read or repair meanwhile.
     Uses the head's public API only: its buffers, ``step_checks`` (device flags: ``Driving(
     "cuda_graph", ...)`` needs ``sync_every > 1``), ``sync_every`` and ``pin_device_lr``."""
-    counters = {k: v.clone() for k, v in head.named_buffers() if v.dtype == torch.long}
-    counters.update({b.name: head.get_buffer(b.name).clone() for b in INPUT_MOMENTS})  # moved at lr 0 too
+    kept = {k: head.get_buffer(k).clone() for k in SMALL_STATE}
     draws = None if head.negatives is None else head.negatives.state()  # the steps' draws are undone too
     checks = head.step_checks
     saved = checks.calls, checks.synced, head.sync_every
@@ -40,7 +45,7 @@ def at_zero_lr(head: "FactoredSphericalHead"):
     try:
         yield
     finally:
-        for k, v in counters.items():
+        for k, v in kept.items():
             head.get_buffer(k).copy_(v)
         if draws is not None:
             head.negatives.load_state(draws)
