@@ -75,8 +75,8 @@ def pytest_argv(paths: list[str], junit: Path, *extra: str) -> list[str]:
 
 def call1(out: Path, smoke: bool) -> list[Step]:
     """Correct, then fast: the gpu-marked tests, the kernel tests natively (every kernel against
-    its reference in float32, float64 and bf16, odd shapes, repeated classes), the factored
-    step's profile (profile_step.py, the products and the solve route side by side), then
+    its reference in float32, float64 and bf16, odd shapes, repeated classes), the default
+    head's step profiled (profile_step.py, its graph at 2 and 6 Neumann factors side by side), then
     bench_heads.py: a smoke run of the factored paths (the Triton compiles), then the sizes of
     the targets (D = 10^4, 793 471 and 2 x 10^7 at d = 512, the paper's d = 300)."""
     # smoke: one file of each (collecting every path costs 20 s here), a few kernel cases
@@ -88,14 +88,16 @@ def call1(out: Path, smoke: bool) -> list[Step]:
     bench = [PY, "scripts/bench_heads.py"]
     factored = ["--heads", "factored/zloss,factored_sync,factored_graph"]
     tests = [Step("gpu_tests", gpu, 80, junit=out / "call1_gpu_junit.xml"),
-             Step("kernel_tests", kernels, 50, junit=out / "call1_kernels_junit.xml")]
-    # the factored step's profile, both routes to H U_new^-1 side by side: its tables go into the log
-    profile = [PY, "scripts/profile_step.py", "--inverse", "products,solve"]
+             Step("kernel_tests", kernels, 40, junit=out / "call1_kernels_junit.xml")]
+    # the default head's step profiled (lst-train's loss=sampled with its negatives and P), the
+    # graph and the sync-free step at 2 and at 6 Neumann factors side by side (what neumann=adaptive
+    # saves where a trained model's rho asks for 2): its tables go into the log
+    profile = [PY, "scripts/profile_step.py", "--loss", "sampled", "--inverse", "products", "--factors", "2,6"]
     if smoke:
         return [*tests, Step("profile_step", [*profile, "--smoke", "--out", tempfile.mkdtemp()], 60),
                 Step("bench_heads", [*bench, "--smoke", "--D", "50", "--out", str(out)], 120)]
     scratch = Path(tempfile.mkdtemp(prefix="bench_heads_smoke_"))
-    return [*tests, Step("profile_step", [*profile, "--out", str(scratch)], 40),
+    return [*tests, Step("profile_step", [*profile, "--out", str(scratch)], 50),
             Step("bench_heads_smoke", [*bench, "--smoke", *factored, "--out", str(scratch)], 40),
             # the smoke run failed (the machine's Triton, say): the factored head on its torch ops
             Step("bench_heads", [*bench, "--D", "10000,793471,20000000", "--d", "512,300", "--m", "128,1024",

@@ -9,8 +9,14 @@ step (CUDA events, median of 20), the device time its kernels take (their sum, p
 kernels launched per step, and the 20 operators that hold the device longest. Wall far above
 device time is the host's part (launches, syncs); device time is what a graph or fusion leaves.
 ``--inverse`` profiles each path once per route to H U_new^-1 (``Stabiliser.inverse``:
-auto, woodbury, solve, products), side by side. ``--smoke`` runs it on the CPU at a tiny size
-(the CUDA-only paths skipped): tests.
+auto, woodbury, solve, products), side by side. ``--factors 2,6`` profiles the steps that read
+their checks as device flags (``factored_sync``, ``factored_graph``) once per number of Neumann
+factors on the products route, pinned (a read of the flags keeps them), in place of their
+unpinned runs: what
+``Stabiliser.neumann="adaptive"`` saves where a trained model's rho asks for 2, timed side by
+side (the random inputs here would keep 6 under either rule; a step whose residual check then
+fails is masked, its kernels run all the same). ``--smoke`` runs it on the CPU at a tiny size
+(the CUDA graph skipped): tests.
 """
 from __future__ import annotations
 
@@ -26,18 +32,28 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench_heads import TARGET, HeadSpec, build, make_batches
+from lst_lightning.spherical.inverse_update import MAX_FACTORS
 from lst_lightning.spherical.stabiliser import INVERSE_ROUTES, Repairs, Stabiliser
 
 PATHS = ("factored", "factored_sync", "factored_graph")
 
 
+def pin_factors(head, factors: int) -> None:
+    """Hold the products route's Neumann factors at ``factors`` whatever the flags read (timing only)."""
+    checks = head.step_checks
+    checks.factors = factors
+    checks.adapt_factors = lambda head, skipped: None  # this object's reads keep them
+
+
 def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps: int, inverse: str,
-                 loss: str = "zloss") -> str:
-    spec = HeadSpec(name, loss, self_updating=True, cuda_only=name != "factored")
+                 loss: str = "zloss", factors: int | None = None) -> str:
+    spec = HeadSpec(name, loss, self_updating=True, cuda_only=name == "factored_graph")
     if spec.cuda_only and device.type != "cuda":
         return f"== {name}: skipped (CUDA only)\n"
     head, make = build(spec, D, d, torch.float32, device)
     head.repairs = Repairs(Stabiliser(inverse=inverse))  # before its first step (and a graph's capture)
+    if factors is not None:
+        pin_factors(head, factors)
     try:
         step = make(make_batches(D, d, m, torch.float32, device))
     except ValueError as exc:  # a mode the head refuses (negatives in a CUDA graph): said, not profiled
@@ -58,7 +74,8 @@ def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps:
     sort = "device_time_total" if device.type == "cuda" else "cpu_time_total"
     table = events.table(sort_by=sort, row_limit=20, max_name_column_width=60)
     stats = {k: v for k, v in head.stats().items() if v}  # the repairs' counters after every step run
-    return (f"== {spec.head}, loss={loss}, inverse={inverse}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
+    pinned = "" if factors is None else f", factors={factors}"
+    return (f"== {spec.head}, loss={loss}, inverse={inverse}{pinned}: D={D:,} d={d} m={m}: wall {wall_ms:.3f} ms/step, kernels {device_ms:.3f} ms/step, "
             f"{len(kernels) / steps:.0f} kernels/step\n{2 * steps + 5} steps, {stats}\n{table}\n")
 
 
@@ -71,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--loss", default="zloss", help="the factored head's loss (sampled: its negatives at their defaults)")
     p.add_argument("--inverse", default="auto", help=f"comma-separated routes to H U_new^-1: {','.join(INVERSE_ROUTES)}")
+    p.add_argument("--factors", default="", help="comma-separated Neumann factors to pin, each profiled on the "
+                   "products route for the device-flag paths (factored_sync, factored_graph)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -82,11 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     routes = [r.strip() for r in args.inverse.split(",") if r.strip()]
     if not routes or set(routes) - set(INVERSE_ROUTES):
         p.error(f"--inverse takes routes from {list(INVERSE_ROUTES)}, got {args.inverse!r}")
-    for head in PATHS:
-        for route in routes:
-            part = profile_path(head, args.D, args.d, args.m, device, args.steps, route, args.loss)
-            print(part, flush=True)
-            text += part
+    try:
+        pinned = [int(k) for k in args.factors.split(",") if k.strip()]
+    except ValueError:
+        pinned = [0]
+    if any(not 1 <= k <= MAX_FACTORS for k in pinned):
+        p.error(f"--factors takes numbers of Neumann factors from 1 to {MAX_FACTORS}, got {args.factors!r}")
+    # with --factors the device-flag paths run pinned only (unpinned, they take MAX_FACTORS: a pinned run)
+    runs = [(head, route, None) for head in PATHS if not pinned or head == "factored" for route in routes]
+    runs += [(head, "products", k) for head in PATHS if head != "factored" for k in pinned]
+    for head, route, factors in runs:
+        part = profile_path(head, args.D, args.d, args.m, device, args.steps, route, args.loss, factors)
+        print(part, flush=True)
+        text += part
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"profile_step_{machine_name()}.txt"
     path.write_text(text)

@@ -25,7 +25,8 @@ def test_call1_smoke_runs_the_gpu_and_kernel_tests_and_bench_heads(tmp_path):
     text = summary(tmp_path, "call1")
     assert "kernel_tests  ok" in text and kernels in text
     assert "gpu_tests" in text and "profile_step  ok" in text
-    assert "== factored, loss=zloss, inverse=products" in (tmp_path / "call1_log.txt").read_text()  # the profile, in the log
+    log = (tmp_path / "call1_log.txt").read_text()  # the profile of the default head, pinned factors side by side
+    assert "== factored, loss=sampled, inverse=products" in log and "== factored_sync, loss=sampled, inverse=products, factors=2" in log
     (path,) = tmp_path.glob("bench_heads_smoke_*.csv")
     rows = list(csv.DictReader(path.open()))
     assert any(r["head"] == "factored" and r["status"] == "ok" for r in rows)
