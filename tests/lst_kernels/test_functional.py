@@ -16,14 +16,48 @@ OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_row
        "q_update_factors", "logsumexp_rows")
 
 
+#: the ops that sort the step's ids, and can take that sort made once (``order=``, keyword-only)
+SORTING = ("scatter_add_rows_", "gram_rows")
+
+
 def test_every_op_is_one_public_function_with_the_reference_signature_and_impl():
-    assert set(OPS) == {n for n in lst_kernels.__all__ if n != "reference"}
+    assert set(OPS) == {n for n in lst_kernels.__all__ if n not in ("reference", "SortedIds")}
     for name in OPS:
         op = getattr(lst_kernels, name)
         assert op is getattr(functional, name), name
         params = inspect.signature(op).parameters
-        assert list(params)[:-1] == list(inspect.signature(getattr(reference, name)).parameters), name
-        assert params["impl"].kind is inspect.Parameter.KEYWORD_ONLY and params["impl"].default == "auto"
+        own = ["order", "impl"] if name in SORTING else ["impl"]
+        assert list(params)[-len(own):] == own, name
+        assert list(params)[:-len(own)] == list(inspect.signature(getattr(reference, name)).parameters), name
+        for p in own:
+            assert params[p].kind is inspect.Parameter.KEYWORD_ONLY
+        assert params["impl"].default == "auto" and (name not in SORTING or params["order"].default is None)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(24, 3, 4, 5)])
+def test_sorted_ids_are_the_stable_sort_of_the_flat_ids(shape):
+    m, K, D, d = shape
+    _, idx, _, _ = make_case(m, K, D, d, "cpu")
+    keys, perm = lst_kernels.SortedIds.of(idx.int())
+    flat = idx.reshape(-1)
+    assert keys.dtype == perm.dtype == torch.int64 and torch.equal(keys, flat[perm])
+    assert bool((keys[1:] >= keys[:-1]).all())
+    same = keys[1:] == keys[:-1]
+    assert bool((perm[1:][same] > perm[:-1][same]).all())  # equal ids in batch order
+
+
+def test_a_bad_order_is_refused_and_changes_nothing():
+    V, idx, G, X = make_case(6, 2, 9, 5, "cpu")
+    before = V.clone()
+    keys, perm = lst_kernels.SortedIds.of(idx)
+    for bad, err, match in [((keys, perm), TypeError, "order must be lst_kernels.SortedIds"),
+                            (lst_kernels.SortedIds(keys[:-1], perm[:-1]), ValueError, r"order.keys must have shape \(12,\)"),
+                            (lst_kernels.SortedIds(keys, perm.float()), TypeError, "order.perm must be int64 or int32")]:
+        with pytest.raises(err, match=match):
+            lst_kernels.scatter_add_rows_(V, idx, G, X, 0.5, order=bad)
+        with pytest.raises(err, match=match):
+            lst_kernels.gram_rows(idx, G, X, order=bad)
+    assert torch.equal(V, before)
 
 
 def test_the_choice_of_implementation():
@@ -70,8 +104,22 @@ def test_gram_rows_matches_the_reference(shape):
 def test_gram_rows_through_the_triton_scatter_and_gather(shape):
     m, K, D, d = shape
     V, idx, G, X = make_case(m, K, D, d, KERNEL_DEVICES[0])
-    close(lst_kernels.gram_rows(idx, G, X, impl="triton").double().cpu(),
-          reference.gram_rows(idx.cpu(), G.double().cpu(), X.double().cpu()), rtol=2e-5)
+    out = lst_kernels.gram_rows(idx, G, X, impl="triton")
+    close(out.double().cpu(), reference.gram_rows(idx.cpu(), G.double().cpu(), X.double().cpu()), rtol=2e-5)
+    # the step's one sort of the ids handed in: the same bits (its scatter then sorts nothing)
+    assert torch.equal(lst_kernels.gram_rows(idx, G, X, order=lst_kernels.SortedIds.of(idx), impl="triton"), out)
+
+
+@pytest.mark.skipif(not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)")
+@pytest.mark.parametrize("shape", SHAPES + [(12, 3, 4, 5)])
+def test_the_triton_scatter_with_the_sort_handed_in_gives_the_same_bits(shape):
+    m, K, D, d = shape
+    V, idx, G, X = make_case(m, K, D, d, KERNEL_DEVICES[0])
+    own, handed = V.clone(), V.clone()
+    lst_kernels.scatter_add_rows_(own, idx, G, X, -0.3, impl="triton")
+    lst_kernels.scatter_add_rows_(handed, idx, G, X, -0.3, order=lst_kernels.SortedIds.of(idx), impl="triton")
+    assert torch.equal(own, handed)
+    close(handed, reference.scatter_add_rows_(V.clone(), idx, G, X, -0.3))
 
 
 @pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])

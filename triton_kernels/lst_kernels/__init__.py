@@ -3,15 +3,16 @@
 One public function per op (``functional.py``): its argument check, then Triton on CUDA
 tensors when Triton is importable, the plain-torch implementation otherwise (CPU, or
 ``LST_KERNELS=torch``; ``impl=`` forces either). Each op's plain-torch reference is in
-``reference.py``; each Triton launcher in ``<op>_kernel(s).py``.
+``reference.py``; each Triton launcher in ``<op>_kernel(s).py``. ``SortedIds`` is the sort
+of a step's ids that the ops which sort them can share (``order=``).
 """
 from __future__ import annotations
 
 from . import reference
-from .functional import (gather_dot, gather_sum, gram_rows, logsumexp_rows, m_matrix, q_update, q_update_factors,
-                         scatter_add_rows_, sparse_gram)
+from .functional import (SortedIds, gather_dot, gather_sum, gram_rows, logsumexp_rows, m_matrix, q_update,
+                         q_update_factors, scatter_add_rows_, sparse_gram)
 
 __all__ = [
     "gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
-    "q_update_factors", "logsumexp_rows", "reference",
+    "q_update_factors", "logsumexp_rows", "SortedIds", "reference",
 ]

@@ -9,7 +9,9 @@ itself (``reference.py``); ``m_matrix`` and ``q_update`` run the same products a
 two GEMMs each, tested against the term-by-term references. ``gram_rows`` and
 ``q_update_factors`` (Q's update without the m x m M, for m > ~1.4 d: spherical/step.py)
 have no kernel of their own: a sort, the deterministic scatter and gather (Triton on CUDA)
-and torch's GEMMs on every device.
+and torch's GEMMs on every device. ``SortedIds.of(idx)`` is the one sort of a step's ids that
+``gram_rows``, the scatter inside it and the write's ``scatter_add_rows_`` can share (``order=``):
+one device sort instead of three, the same bits.
 
 Index values are not range-checked here (that needs a host sync): padding is -1, and the
 Triton kernels skip any index outside [0, D).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,6 +58,29 @@ def _scalar(name: str, x: object) -> None:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(x.shape)}")
     elif isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{name} must be a number or a one-element tensor, got {type(x).__name__}")
+
+
+class SortedIds(NamedTuple):
+    """The flat ids of ``idx`` (m, K) sorted stably: ``keys`` (m K,) int64, ascending, padding
+    (-1) first, and ``perm``, each key's flat position j K + k (equal ids in batch order)."""
+
+    keys: Tensor
+    perm: Tensor
+
+    @classmethod
+    def of(cls, idx: Tensor) -> "SortedIds":
+        flat = _tensor("idx", idx, (None, None), index=True).reshape(-1).to(torch.int64)
+        return cls(*torch.sort(flat, stable=True))
+
+
+def _order(order: object, n: int) -> SortedIds:
+    """``order`` as the SortedIds of n ids (its type and shapes; that it sorts this op's ids is
+    the caller's word: checking it would read the device)."""
+    if not isinstance(order, SortedIds):
+        raise TypeError(f"order must be lst_kernels.SortedIds (SortedIds.of(idx)), got {type(order).__name__}")
+    _tensor("order.keys", order.keys, (n,), index=True)
+    _tensor("order.perm", order.perm, (n,), index=True)
+    return order
 
 
 def _use_triton(first: Tensor, impl: str, *others) -> bool:
@@ -93,17 +119,20 @@ def gather_sum(V: Tensor, idx: Tensor, G: Tensor, *, impl: str = "auto") -> Tens
 
 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor, *,
-                      impl: str = "auto") -> Tensor:
+                      order: SortedIds | None = None, impl: str = "auto") -> Tensor:
     """V[idx[j, k]] += alpha G[j, k] X[j] in place, repeated rows summed in batch order
-    (deterministic, no float atomics); ``alpha`` may be a device scalar (CUDA graphs)."""
+    (deterministic, no float atomics); ``alpha`` may be a device scalar (CUDA graphs).
+    ``order``: ``SortedIds.of(idx)`` made already (the Triton path sorts otherwise)."""
     d = _tensor("V", V, (None, None)).shape[1]
     m, K = _tensor("idx", idx, (None, None), index=True).shape
     _tensor("G", G, (m, K))
     _tensor("X", X, (m, d))
     _scalar("alpha", alpha)
+    if order is not None:
+        _order(order, m * K)
     if _use_triton(V, impl, idx, G, X, alpha):
         from .scatter_add_rows_kernel import scatter_add_rows_ as launch  # noqa: PLC0415
-        return launch(V, idx, G, X, alpha)
+        return launch(V, idx, G, X, alpha, order)
     return reference.scatter_add_rows_(V, idx, G, X, alpha)
 
 
@@ -116,25 +145,27 @@ def sparse_gram(idx: Tensor, G: Tensor, *, impl: str = "auto") -> Tensor:
     return reference.sparse_gram(idx, G)
 
 
-def gram_rows(idx: Tensor, G: Tensor, X: Tensor, *, impl: str = "auto") -> Tensor:
-    """Yd Yd^T X (m, d) in O(m K d) plus a sort of the m K ids, never the m x m Yd Yd^T:
-    the slots coalesced to their distinct columns (static shapes: no host sync, CUDA graphs
-    capture it), N = Yd^T X on them, then Yd N."""
+def gram_rows(idx: Tensor, G: Tensor, X: Tensor, *, order: SortedIds | None = None, impl: str = "auto") -> Tensor:
+    """Yd Yd^T X (m, d) in O(m K d) plus a sort of the m K ids (``order``: made already), never
+    the m x m Yd Yd^T: the slots coalesced to their distinct columns (static shapes: no host
+    sync, CUDA graphs capture it), N = Yd^T X on them, then Yd N."""
     m, K = _tensor("idx", idx, (None, None), index=True).shape
     _tensor("G", G, (m, K))
     d = _tensor("X", X, (m, None)).shape[1]
+    ids, perm = SortedIds.of(idx) if order is None else _order(order, m * K)
     ct = torch.promote_types(G.dtype, X.dtype)
     flat = idx.reshape(-1)
     g = torch.where(flat >= 0, G.reshape(-1).to(ct), torch.zeros((), dtype=ct, device=G.device))  # padding: 0
-    ids, order = torch.sort(flat)
     first = torch.ones_like(ids)
     first[1:] = ids[1:] != ids[:-1]
-    col = torch.empty_like(flat)
-    col[order] = torch.cumsum(first, 0) - 1  # each slot's column among the distinct ones (< m K)
+    col_sorted = torch.cumsum(first, 0) - 1  # each slot's column among the distinct ones (< m K), in id order
+    col = torch.empty_like(col_sorted)
+    col[perm] = col_sorted
     col, g = col.view(m, K), g.view(m, K)
     N = torch.zeros(m * K, d, dtype=ct, device=X.device)
     if _use_triton(X, impl, idx, G):  # the deterministic kernels (no float atomics)
-        scatter_add_rows_(N, col, g, X.to(ct), 1.0, impl="triton")
+        # col is the ids relabelled in their order: the ids' stable sort is col's, no second sort
+        scatter_add_rows_(N, col, g, X.to(ct), 1.0, order=SortedIds(col_sorted, perm), impl="triton")
         return gather_sum(N, col, g, impl="triton")
     Xk = X.to(ct) if K == 1 else X.to(ct).repeat_interleave(K, dim=0)  # each slot's row of X
     N.index_add_(0, col.reshape(-1), g.reshape(-1, 1) * Xk)  # sequential on CPU

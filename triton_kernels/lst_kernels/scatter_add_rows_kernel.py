@@ -43,14 +43,16 @@ def _scatter_add_rows_kernel(V, KEYS, PERM, G, X, ALPHA, n, K, d, D, stride_vr, 
         tl.store(ptr, (old + alpha * acc).to(V.dtype.element_ty), mask=cmask)
 
 
-def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:
-    """V[idx[j, k]] += alpha * G[j, k] * X[j], in place, deterministic; returns V."""
+def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
+                      order: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """V[idx[j, k]] += alpha * G[j, k] * X[j], in place, deterministic; returns V. ``order``:
+    (keys, perm), the flat ids' stable sort, when the caller has it (functional.SortedIds)."""
     m, K = idx.shape
     D, d = V.shape
     if m * K == 0 or d == 0:
         return V
     # One sort on the device, no host sync: a fixed grid of m*K programs finds the runs.
-    keys, perm = torch.sort(idx.reshape(-1).to(torch.int64), stable=True)
+    keys, perm = torch.sort(idx.reshape(-1).to(torch.int64), stable=True) if order is None else order
     alpha_arg, alpha_ptr = scalar_arg(alpha)
     grid = (m * K, triton.cdiv(d, BLOCK_D))
     _scatter_add_rows_kernel[grid](V, keys, perm, G.contiguous(), X.contiguous(), alpha_arg,

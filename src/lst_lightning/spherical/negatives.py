@@ -291,8 +291,8 @@ class PerRowSlots:
         # torch.unique syncs a GPU with the host: under device flags the slot-pair form
         return lk.sparse_gram(idx, GA) if head.step_checks.deferred else unique_column_gram(idx, GA)
 
-    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor) -> Tensor:
-        return lk.gram_rows(idx, GA, X)
+    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor, order: lk.SortedIds | None = None) -> Tensor:
+        return lk.gram_rows(idx, GA, X, order=order)
 
 
 class SharedBlock:
@@ -332,10 +332,10 @@ class SharedBlock:
         GA_off, Y_u = self._split(idx, GA)
         return torch.addmm(lk.sparse_gram(idx, GA_off), Y_u, Y_u.T)
 
-    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor) -> Tensor:
+    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor, order: lk.SortedIds | None = None) -> Tensor:
         """Yd Yd^T X, split as ``gram``: gram_rows(the other targets) + Y_u (Y_u^T X)."""
         GA_off, Y_u = self._split(idx, GA)
-        return torch.addmm(lk.gram_rows(idx, GA_off, X), Y_u, Y_u.T @ X.to(Y_u.dtype))
+        return torch.addmm(lk.gram_rows(idx, GA_off, X, order=order), Y_u, Y_u.T @ X.to(Y_u.dtype))
 
     def _split(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
         """The targets' gradients off the block's columns, and Y_u (m x u): G_u plus those on them."""

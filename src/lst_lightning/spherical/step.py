@@ -59,6 +59,7 @@ class NewState:
     cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor | float
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
+    order: lk.SortedIds | None = None  # the step's ids sorted once, for every op that sorts them
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -258,12 +259,14 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
             HUinv_new, info = solve_right(U_new, X)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
+    order = lk.SortedIds.of(fwd.idx)  # one sort of the ids: Yd Yd^T H and the write's scatter share it
     if uses_m_matrix(m, Hx.shape[1]):
         yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
         Q_new = lk.q_update(head.Q, X, dH, M, lr, c)
     else:  # Yd Yd^T H without Yd Yd^T
-        YYH = lk.gram_rows(fwd.idx, GA, Hx) if fwd.neg is None else fwd.neg.gram_rows(fwd.idx, GA, Hx)
+        YYH = lk.gram_rows(fwd.idx, GA, Hx, order=order) if fwd.neg is None else \
+            fwd.neg.gram_rows(fwd.idx, GA, Hx, order)
         Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c,
                                     P=None if moments is None else moments.P)
     wbar_new = c * head.wbar - lr * (X.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
@@ -280,7 +283,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if moments is not None:
         ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
-                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments)
+                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order)
 
 
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
@@ -301,7 +304,7 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     sh = head.sharding
     rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
-    lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr)
+    lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr, order=new.order if sh.alone else None)
     if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
         fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None, sh)
     Q = 0.5 * (new.Q + new.Q.T)
