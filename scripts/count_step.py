@@ -37,26 +37,34 @@ from lst_lightning.spherical import FactoredSphericalHead
 OURS = ("/lst_lightning/", "/lst_kernels/")
 
 
+def call_site() -> str:
+    """``file:function`` of the innermost frame of this project's code on the stack."""
+    return next((f"{Path(fr.filename).name}:{fr.name}" for fr in reversed(traceback.extract_stack())
+                 if any(o in fr.filename for o in OURS)), "elsewhere")
+
+
 class StepCounter(TorchDispatchMode):
-    """Counts, under it, every operator but views, and the FLOPs of each matrix product by the
-    innermost frame of this project's code that made it (``file:function``)."""
+    """Counts, under it, every operator but views, by name and by the innermost frame of this
+    project's code that ran it (``file:function``), and the FLOPs of each matrix product by that frame."""
 
     def __init__(self):
         super().__init__()
         self.width = 0
         self.ops: Counter[str] = Counter()
+        self.sites: Counter[str] = Counter()
         self.flops: Counter[str] = Counter()
         self.gemms: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not func.is_view:
-            self.ops[str(func.overloadpacket)] += 1
+        if func.is_view:
+            return out
+        site = call_site()
+        self.ops[str(func.overloadpacket)] += 1
+        self.sites[site] += 1
         counter = flop_registry.get(func.overloadpacket)
         if counter is not None:
-            site = next((f"{Path(fr.filename).name}:{fr.name}" for fr in reversed(traceback.extract_stack())
-                         if any(o in fr.filename for o in OURS)), "elsewhere")
             self.flops[site] += counter(*args, **kwargs, out_val=out)
             self.gemms[site] += 1
         return out
@@ -95,6 +103,9 @@ def table(c: StepCounter, D: int, d: int, m: int, loss: str, sync_every: int, in
              "| where | products | units of 2 m d^2 |", "|---|---:|---:|"]
     for site, f in sorted(c.flops.items(), key=lambda kv: -kv[1]):
         lines.append(f"| `{site}` | {c.gemms[site]} | {f / unit:.2f} |")
+    lines += ["", "Operators by where they run (`reference.py`: the CPU's torch form of a sparse op, which a",
+              "GPU runs as one Triton kernel, two with its sort):", "", "| where | operators |", "|---|---:|"]
+    lines += [f"| `{site}` | {n} |" for site, n in c.sites.most_common()]
     lines += ["", "| operator | a step |", "|---|---:|"]
     lines += [f"| `{op}` | {n} |" for op, n in c.ops.most_common()]
     return "\n".join(lines) + "\n"
