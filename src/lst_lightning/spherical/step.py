@@ -107,14 +107,14 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForw
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
         return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
-    # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K), by autograd
+    # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
+    # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
     loss_fn = head.loss_fn
-    with torch.enable_grad():
-        q, s_, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
-        y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
-        L = head.reduce(loss_fn(q, s_, A, T, num_classes=head.num_classes, y_sq=y_sq), idx)
-        gq, gs, GA = torch.autograd.grad(L, (q, s_, A), materialize_grads=True)  # mse ignores s
-    return L.detach(), SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
+    y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
+    weight = head.row_weights(idx, q.dtype)
+    per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=head.num_classes, y_sq=y_sq)
+    L = head.reduce(per, idx, weight)
+    return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
 
 
 # -- backward ------------------------------------------------------------------------------------
