@@ -59,7 +59,7 @@ class NewState:
     cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor | float
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
-    order: lk.SortedIds | None = None  # the step's ids sorted once, for every op that sorts them
+    order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -259,12 +259,13 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
             HUinv_new, info = solve_right(U_new, X)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
-    order = lk.SortedIds.of(fwd.idx)  # one sort of the ids: Yd Yd^T H and the write's scatter share it
+    order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if uses_m_matrix(m, Hx.shape[1]):
         yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
         Q_new = lk.q_update(head.Q, X, dH, M, lr, c)
     else:  # Yd Yd^T H without Yd Yd^T
+        order = lk.SortedIds.of(fwd.idx)
         YYH = lk.gram_rows(fwd.idx, GA, Hx, order=order) if fwd.neg is None else \
             fwd.neg.gram_rows(fwd.idx, GA, Hx, order)
         Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c,
