@@ -6,12 +6,12 @@ that fixed order and writes its row of V once. Same inputs, same bits.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from ._launch import BLOCK_D, scalar_arg
+from .functional import SortedIds
 
 
 @triton.jit
@@ -44,15 +44,15 @@ def _scatter_add_rows_kernel(V, KEYS, PERM, G, X, ALPHA, n, K, d, D, stride_vr, 
 
 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
-                      order: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                      order: SortedIds | None = None) -> Tensor:
     """V[idx[j, k]] += alpha * G[j, k] * X[j], in place, deterministic; returns V. ``order``:
-    (keys, perm), the flat ids' stable sort, when the caller has it (functional.SortedIds)."""
+    ``SortedIds.of(idx)`` when the caller has it."""
     m, K = idx.shape
     D, d = V.shape
     if m * K == 0 or d == 0:
         return V
     # One sort on the device, no host sync: a fixed grid of m*K programs finds the runs.
-    keys, perm = torch.sort(idx.reshape(-1).to(torch.int64), stable=True) if order is None else order
+    keys, perm = SortedIds.of(idx) if order is None else order
     alpha_arg, alpha_ptr = scalar_arg(alpha)
     grid = (m * K, triton.cdiv(d, BLOCK_D))
     _scatter_add_rows_kernel[grid](V, keys, perm, G.contiguous(), X.contiguous(), alpha_arg,
