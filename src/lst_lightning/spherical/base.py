@@ -30,21 +30,12 @@ from .multi_process import Sharding
 from .negatives import NegativeSampling, Negatives
 from .preconditioner import Preconditioner
 from .pending import PendingRows, check_loss_scale, check_max_rows
+from .precision import own_math
 
 STATE_DTYPES = (torch.float32, torch.float64)
 #: "mean": over all m rows (padded rows count, adding 0); "mean_real": over the rows with at
 #: least one real target (as F.cross_entropy with ignore_index); "sum".
 REDUCTIONS = ("mean", "mean_real", "sum")
-
-
-def own_precision(method):
-    """Run a head method with autocast off on the head's device: the head does its math in
-    its state dtype whatever autocast context (bf16/fp16 mixed precision) the caller is in."""
-    @functools.wraps(method)
-    def wrapped(self, *args, **kwargs):
-        with torch.autocast(self.device.type, enabled=False):
-            return method(self, *args, **kwargs)
-    return wrapped
 
 
 class _ForwardToken:
@@ -71,7 +62,7 @@ class _HeadLoss(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         head, token = ctx.head, ctx.token
         name = type(head).__name__
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with own_math(grad_out.device.type, head.tf32):
             grad = grad_out.to(head._factory["dtype"])
             if token is None:  # eval mode: a frozen head
                 head._warn_once("eval", f"{name} is in eval mode: its loss gives the body dL/dH but the head "
@@ -145,7 +136,8 @@ class SphericalHeadBase(OutputHead):
                  bias: bool = True, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX,
-                 negatives: Negatives | dict | None = None, preconditioner: Preconditioner | dict | None = None):
+                 negatives: Negatives | dict | None = None, preconditioner: Preconditioner | dict | None = None,
+                 tf32: bool = False):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -157,6 +149,11 @@ class SphericalHeadBase(OutputHead):
             raise ValueError(f"ignore_index must be an int outside the class ids [0, {num_classes}) "
                              f"(default {IGNORE_INDEX}), got {ignore_index!r}")
         self.ignore_index = ignore_index
+        if not isinstance(tf32, bool):
+            raise ValueError(f"tf32 must be a bool, got {tf32!r}")
+        #: float32 matrix products in TensorFloat-32 on a GPU (opt-in: the exact step's products in
+        #: full float32 by default, whatever the loop's torch.set_float32_matmul_precision)
+        self.tf32 = tf32
         if dtype not in STATE_DTYPES:
             raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
@@ -427,7 +424,7 @@ class SphericalHeadBase(OutputHead):
         gives H its gradient and applies the exact SGD step to the head. A compiled model
         (``torch.compile(model)``) runs the head outside its graphs, and the head's step runs
         compiled itself where it pays (``compile_step``)."""
-        with torch.autocast(self._factory["device"].type, enabled=False):  # the head's math in its dtype
+        with own_math(self._factory["device"].type, self.tf32):  # the head's math in its dtype and precision
             step = self.training and torch.is_grad_enabled()
             if self.sharding.alone:
                 Hx, idx, T = self.prepare(H, target_idx, target_val, step=step)

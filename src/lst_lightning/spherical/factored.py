@@ -26,13 +26,14 @@ from torch import Tensor
 
 from . import compiled
 from . import step as exact
-from .base import SphericalHeadBase, _AppliedLoss, own_precision, without_placeholder_extra_state
+from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .blocks import row_blocks
 from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
 from .driving import PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import sharding_for
+from .precision import own_precision
 from .shard_files import load_rows
 from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Repairs, Stabiliser, fell_due

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import SphericalHeadBase, own_precision
+from .base import SphericalHeadBase
+from .precision import own_precision
 from .state import INPUT_MOMENTS, STEP_COUNTERS
 
 

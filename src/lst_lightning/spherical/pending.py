@@ -34,6 +34,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from .precision import own_math
+
 #: Default bound on the rows a head keeps between optimizer steps (memory: about
 #: rows x (d + 3 + 2K) values of the head's dtype).
 MAX_PENDING_ROWS = 1 << 20
@@ -139,7 +141,7 @@ class PendingRows:
             return
         records = self.records
         self.discard()
-        with torch.autocast(head.device.type, enabled=False):  # the head's math in its own dtype
+        with own_math(head.device.type, head.tf32):  # the head's math in its own dtype and precision
             head._apply_records(records)
 
 

@@ -1,0 +1,140 @@
+"""The factored head's step compiled whole, measured: its graph breaks (``torch._dynamo.explain``),
+the kernels Inductor makes of it (fused loops, matrix products and other calls, read from the
+code it generates: on a GPU each is one launch), its compile time, and its time against the
+same step eager, side by side in one run (one torch thread on a CPU); on a GPU also inside a
+CUDA graph (``CudaGraphStep``).
+
+    python3 scripts/compiled_step.py [--D 793471 --d 512 --m 1024] [--loss zloss sampled]
+        [--inverse products] [--steps 5] [--smoke] [--out DIR | --update-results]
+
+``--loss sampled`` is lst-train's default head (sampled classes and the right preconditioner at
+their settings for D). ``--inverse products`` (the default) is the GPU's route to U_new^-1, the
+step a GPU compiles; ``--inverse auto`` the CPU's. Writes ``compiled_step.csv`` (a row per
+loss) into a fresh run directory, ``--out DIR``, or with ``--update-results`` appends it to the
+committed ``benchmarks/results/compiled_step.csv`` through ``scripts/results_pages.py add``.
+``--smoke``: tiny sizes, one step, for the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# benchlib first: in a bare checkout (the GPU machine) it puts the package on the path.
+from benchlib import ROOT, add_output_args, clock_for, interleaved_times, output_dir, write_csv, wrote
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from bench_heads import TARGET, app_head_kwargs, loss_settings, make_batches
+from lst_lightning.spherical import FactoredSphericalHead
+from lst_lightning.spherical import step as exact
+from lst_lightning.spherical.graph_step import CudaGraphStep
+
+SMOKE = {"D": 300, "d": 16, "m": 32}
+COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "graphs", "breaks", "ops", "fused_loops", "products",
+           "other_calls", "kernels", "compile_s", "eager_ms", "compiled_ms", "graph_ms", "speedup"]
+#: a line of Inductor's wrapper that launches one kernel: its generated loops (C++ on a CPU, Triton
+#: on a GPU), a library matrix product, or another call (a sort, a scan, a solve, the project's kernels)
+FUSED = re.compile(r"^\s*(cpp_fused_\w+|triton_\w+\.run|triton_\w+)\(")
+PRODUCT = re.compile(r"^\s*(\w+ = )?extern_kernels\.(mm|addmm|bmm|baddbmm|_mm_plus_mm)\(")
+OTHER = re.compile(r"^\s*(\w+ = )?(extern_kernels\.\w+|aten\.\w+|torch\.ops\.\w+\.\w+|\w+_kernel\w*\.run)[.(\w]*\(")
+
+
+def wrapper_calls(code: str) -> dict[str, int]:
+    """Kernels per call of Inductor's wrapper ``code``: its ``call`` function's launches by kind."""
+    body = code.split("def call(", 1)[1].split("\ndef ", 1)[0]
+    counts = {"fused_loops": 0, "products": 0, "other_calls": 0}
+    for line in body.splitlines():
+        if FUSED.match(line):
+            counts["fused_loops"] += 1
+        elif PRODUCT.match(line):
+            counts["products"] += 1
+        elif OTHER.match(line) and "reinterpret_tensor" not in line and "empty_strided" not in line:
+            counts["other_calls"] += 1
+    return counts
+
+
+def make_head(loss: str, D: int, d: int, inverse: str, device: torch.device, compile_step: bool):
+    lr, loss_kwargs = loss_settings(loss, D)
+    return FactoredSphericalHead(D, d, loss=loss, loss_kwargs=loss_kwargs, lr=lr, bias=False, device=device,
+                                 stabiliser={"inverse": inverse}, compile_step=compile_step,
+                                 generator=torch.Generator().manual_seed(0), **app_head_kwargs(loss))
+
+
+def explained(head, H, idx) -> tuple[int, int, int]:
+    """(graphs, graph breaks, operators) of the step's device part as Dynamo traces it."""
+    Hx, idx, T = head.prepare(H.detach(), idx, None, step=True)
+    draws = exact.before_step(head, Hx.shape[0])
+    out = torch._dynamo.explain(exact.deferred_step)(head, Hx, idx, T, draws)
+    torch._dynamo.reset()
+    return out.graph_count, out.graph_break_count, out.op_count
+
+
+def measure(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device: torch.device) -> dict:
+    eager, fast = (make_head(loss, D, d, inverse, device, c) for c in (False, True))
+    batches = make_batches(D, d, m, torch.float32, device)
+    graphs, breaks, ops = explained(eager, *batches[0])
+    H, idx = batches[0]
+    t0 = time.perf_counter()
+    _, codes = run_and_get_code(fast.train_step, H.detach(), idx)  # compiles: the wrapper's code
+    compile_s = time.perf_counter() - t0
+    kernels = {"fused_loops": 0, "products": 0, "other_calls": 0}
+    for code in codes:
+        for k, v in wrapper_calls(code).items():
+            kernels[k] += v
+    cycle = iter(range(1 << 30))
+
+    def stepper(step):
+        return lambda: step(*(lambda b: (b[0].detach(), b[1]))(batches[next(cycle) % len(batches)]))
+
+    steppers = {"eager": (stepper(eager.train_step), 1), "compiled": (stepper(fast.train_step), 1)}
+    if device.type == "cuda":  # the compiled step inside a CUDA graph (step="cuda_graph"'s unit)
+        steppers["graph"] = (stepper(CudaGraphStep(make_head(loss, D, d, inverse, device, True), m, 1)), 1)
+    times = interleaved_times(steppers, rounds=steps, warmup=1, clock=clock_for(device))
+    ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+    return {"device": device.type, "loss": loss, "inverse": inverse, "D": D, "d": d, "m": m, "graphs": graphs,
+            "breaks": breaks, "ops": ops, **kernels, "kernels": sum(kernels.values()), "compile_s": round(compile_s, 1),
+            "eager_ms": ms["eager"], "compiled_ms": ms["compiled"], "graph_ms": ms.get("graph"),
+            "speedup": round(ms["eager"] / ms["compiled"], 3)}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--D", type=int, default=TARGET["D"])
+    p.add_argument("--d", type=int, default=TARGET["d"])
+    p.add_argument("--m", type=int, default=TARGET["m"])
+    p.add_argument("--loss", nargs="+", default=["zloss", "sampled"], choices=["zloss", "sampled"])
+    p.add_argument("--inverse", default="products", choices=["products", "auto"])
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each, in alternation")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, one timed step (the test suite)")
+    add_output_args(p)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.D, args.d, args.m, args.steps = SMOKE["D"], SMOKE["d"], SMOKE["m"], 1
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    rows = []
+    for loss in args.loss:
+        rows.append(measure(loss, args.D, args.d, args.m, args.inverse, args.steps, device))
+        print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    out = output_dir(args, "compiled_step")
+    if args.update_results:  # appended to the committed tidy CSV, with the commit, date and torch of the run
+        raw = write_csv(out / "compiled_step_run.csv", rows, COLUMNS)
+        command = "python3 scripts/compiled_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "results_pages.py"), "add", "compiled_step", str(raw),
+                        "--command", command], check=True)
+        raw.unlink()
+    else:
+        wrote(write_csv(out / "compiled_step.csv", rows, COLUMNS))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
