@@ -5,8 +5,8 @@ its device flags read on the host every ``GRAPH_SYNC_EVERY`` steps (or every
 ``head.sync_every`` steps where that is above 1); elsewhere it is the autograd step. Eager on
 a GPU, the step is bound by the host (about 260 kernel launches and a host read a step);
 replayed from a graph it is bit for bit the eager sync-free step (tests/spherical/test_cuda.py)
-and took twice the steps in the same 15 s at D = 10^6 on an H200 (docs/benchmarks.md, "The
-fourth GPU session"). ``head.step=autograd`` (or ``fused``, ``cuda_graph``) chooses by hand.
+and took twice the steps in the same 15 s at D = 10^6 on an H200 (docs/results/quality.md).
+``head.step=autograd`` (or ``fused``, ``cuda_graph``) chooses by hand.
 """
 from __future__ import annotations
 
