@@ -42,7 +42,7 @@ def pin_factors(head, factors: int) -> None:
     """Hold the products route's Neumann factors at ``factors`` whatever the flags read (timing only)."""
     checks = head.step_checks
     checks.factors = factors
-    checks.adapt_factors = lambda head, skipped: None  # this object's reads keep them
+    checks.adapt_factors = lambda *args: None  # this object's reads keep them
 
 
 def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps: int, inverse: str,

@@ -1,14 +1,16 @@
 """``head.step=auto`` (the app's default for the factored head): a CUDA graph on one CUDA
-device where nothing refuses it, else the autograd step. The run's trainer is a stand-in
-here (no GPU in CI); the graph itself is tested on CUDA by tests/spherical/test_cuda.py."""
+device where nothing refuses it, else the autograd step; device flags either way. The run's
+trainer is a stand-in here (no GPU in CI); the graph itself is tested on CUDA by
+tests/spherical/test_cuda.py."""
 import logging
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from lst_lightning.app.step_choice import GRAPH_SYNC_EVERY, choose_step, graph_refusal
+from lst_lightning.app.step_choice import choose_step, graph_refusal
 from lst_lightning.spherical import FactoredSphericalHead
+from lst_lightning.spherical.driving import SYNC_EVERY
 
 from app_configs import FAST, cfg_of
 
@@ -26,8 +28,9 @@ def test_one_cuda_device_replays_the_step_from_a_graph(caplog):
     h = head()
     with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
         choose_step(h, trainer())
-    assert (h.step, h.sync_every) == ("cuda_graph", GRAPH_SYNC_EVERY)
-    assert "replayed from a CUDA graph, its flags read every 64 steps" in caplog.text
+    assert (h.step, h.sync_every) == ("cuda_graph", SYNC_EVERY)
+    # the head is on the CPU here: its step is not compiled (on the GPU it is)
+    assert f"eager step replayed from a CUDA graph, its flags read every {SYNC_EVERY} steps" in caplog.text
 
 
 def test_a_sync_every_given_above_one_is_kept():
@@ -47,7 +50,7 @@ def test_what_refuses_the_graph_leaves_the_autograd_step(run, why, caplog):
     h = head()
     with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
         choose_step(h, trainer(**run))
-    assert (h.step, h.sync_every) == ("autograd", 1)
+    assert (h.step, h.sync_every) == ("autograd", SYNC_EVERY)
     # said where the run trains on a GPU, silent on the CPU
     assert (why in caplog.text) == (run.get("device", "cuda") == "cuda")
 
@@ -58,8 +61,14 @@ def test_the_heads_own_refusal_leaves_it_as_it_was(caplog):
     h = head(negatives={"num": 8, "sampler": "quadratic", "shared": False})
     with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
         choose_step(h, trainer())
-    assert (h.step, h.sync_every) == ("autograd", 1)
+    assert (h.step, h.sync_every) == ("autograd", SYNC_EVERY)
     assert "its sum-tree is kept on the host" in caplog.text
+
+
+def test_host_checks_refuse_the_graph():
+    h = head(sync_every=1)
+    choose_step(h, trainer())
+    assert (h.step, h.sync_every) == ("autograd", 1)
 
 
 def test_the_app_defaults_to_auto_and_trains_on_the_cpu_with_autograd(tmp_path):
@@ -68,7 +77,7 @@ def test_the_app_defaults_to_auto_and_trains_on_the_cpu_with_autograd(tmp_path):
     cfg = cfg_of(*FAST, "head=factored")
     assert cfg.head.step == "auto"
     _, module, _ = build(cfg, tmp_path)
-    assert (module.head.step, module.head.sync_every) == ("autograd", 1)
+    assert (module.head.step, module.head.sync_every) == ("autograd", SYNC_EVERY)
     # results.json says which step ran
     assert run(cfg_of(*FAST, "head=factored", "test=false"), tmp_path / "run")["head_step"] == "autograd"
     _, module, _ = build(cfg_of(*FAST, "head=factored", "head.step=fused"), tmp_path / "fused")

@@ -285,7 +285,8 @@ def test_fused_head_step_trains_like_autograd(tmp_path, step, sync_every):
 
 def test_cuda_graph_head_step_needs_a_sync_free_head_at_build(tmp_path):
     """Refused when the head is built, not at the first step."""
-    over = [*FAST, "head=factored", "head.step=cuda_graph", "trainer.limit_train_batches=2", "test=false"]
+    over = [*FAST, "head=factored", "head.step=cuda_graph", "head.sync_every=1", "trainer.limit_train_batches=2",
+            "test=false"]
     # the head's ValueError, wrapped by Hydra's instantiate (the console script prints its one line)
     with pytest.raises(InstantiationException, match=r"needs sync_every > 1"):
         run(cfg_of(*over), tmp_path)

@@ -27,12 +27,15 @@ def no_host_reads(monkeypatch):
         yield
 
 
-def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, stabiliser=None, **kw):
-    """A factored head (with ``stabiliser`` settings) and a naive head, both at one random W."""
+def make_pair(loss, D=60, d=8, bias=False, dtype=torch.float64, ref_dtype=None, scale=0.3, stabiliser=None,
+              sync_every=None, **kw):
+    """A factored head (with ``stabiliser`` settings; ``sync_every``: its checks, None the
+    head's default, device flags) and a naive head, both at one random W."""
     args = dict(num_classes=D, hidden_dim=d, loss=loss, loss_kwargs=LOSS_KW.get(loss, {}), bias=bias)
     args.update(HEAD_KW.get(loss, {}))
     args.update(kw)
-    f = FactoredSphericalHead(dtype=dtype, stabiliser=stabiliser, **args)
+    f = FactoredSphericalHead(dtype=dtype, stabiliser=stabiliser, **args,
+                              **({} if sync_every is None else {"sync_every": sync_every}))
     n = NaiveSphericalHead(dtype=ref_dtype or dtype, **args)
     W0 = torch.randn(D, d + bias, dtype=torch.float64) * scale
     f.reset_weight(W0.to(dtype))

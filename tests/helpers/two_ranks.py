@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from lst_lightning.spherical import FactoredSphericalHead
+from lst_lightning.spherical.collectives import bit_hash
+from lst_lightning.spherical.state import EXACT_STATE
 
 WORLD, D, d, K, STEPS = 2, 50, 6, 3, 8
 ROWS = [5, 3]  # ranks hold different numbers of rows
@@ -118,32 +120,37 @@ def worker(rank, rdv, out):
     fresh.load_state_dict(state)
     res["reloaded_equal"] = torch.equal(fresh.V, head.V) and fresh.state_hash() == head.state_hash()
     res["full_v"] = full
-    # One rank's bad target: every rank raises, no rank's state changes.
-    head = make_head("replicated")
-    head.distribute()
-    before = head.state_hash()
-    H, idx = global_batch(0)
-    idx = idx[rows].clone()
-    if rank == 1:
-        idx[0, 0] = D
-    try:
-        head(H[rows].clone().requires_grad_(), idx).backward()
-        res["bad_input"] = None
-    except ValueError as e:
-        res["bad_input"] = str(e)
-    res["bad_input_untouched"] = head.state_hash() == before
-    # A replica that drifts by one bit is caught at the next checksum, on every rank.
-    head = make_head("replicated", checksum_every=2)
-    head.distribute()
-    H, idx = global_batch(0)
-    head(H[rows].clone().requires_grad_(), idx[rows]).backward()
-    if rank == 1:
-        head.U[0, 0] = torch.nextafter(head.U[0, 0], torch.tensor(math.inf, dtype=torch.float64))
-    try:
+    # One rank's bad target: every rank raises, no rank's state changes; with the checks read at
+    # once (sync_every=1) at this step, under device flags at the next read of the flags.
+    for sync_every, key in ((1, "bad_input"), (2, "bad_input_deferred")):
+        head = make_head("replicated", sync_every=sync_every)
+        head.distribute()
+        H, idx = global_batch(0)
         head(H[rows].clone().requires_grad_(), idx[rows]).backward()
-        res["diverged"] = None
-    except RuntimeError as e:
-        res["diverged"] = str(e)
+        before = bit_hash([getattr(head, n) for n in EXACT_STATE])  # (a void step counts itself skipped)
+        idx = idx[rows].clone()
+        if rank == 1:
+            idx[0, 0] = D
+        try:
+            head(H[rows].clone().requires_grad_(), idx).backward()
+            res[key] = None
+        except ValueError as e:
+            res[key] = str(e)
+        res[f"{key}_untouched"] = bit_hash([getattr(head, n) for n in EXACT_STATE]) == before
+    # A replica that drifts by one bit is caught at the next checksum, on every rank (under
+    # device flags at a read of the flags: every 2 steps here).
+    for sync_every, key in ((1, "diverged"), (2, "diverged_deferred")):
+        head = make_head("replicated", checksum_every=2, sync_every=sync_every)
+        head.distribute()
+        H, idx = global_batch(0)
+        head(H[rows].clone().requires_grad_(), idx[rows]).backward()
+        if rank == 1:
+            head.U[0, 0] = torch.nextafter(head.U[0, 0], torch.tensor(math.inf, dtype=torch.float64))
+        try:
+            head(H[rows].clone().requires_grad_(), idx[rows]).backward()
+            res[key] = None
+        except RuntimeError as e:
+            res[key] = str(e)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -189,14 +189,27 @@ def test_a_model_without_a_body_of_its_own_is_refused():
 
 
 def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
-    model = factor_lm_head(tiny("qwen2"))
-    model.train()
     ids, mask, labels = batch()
     labels[0, 4] = VOCAB
+    model = factor_lm_head(tiny("qwen2"), sync_every=1)  # checks read at once: the forward raises
+    model.train()
     before = state(model)
     with pytest.raises(ValueError, match="outside"):
         model(input_ids=ids, attention_mask=mask, labels=labels)
     assert same_state(before, state(model))
+    # device flags (the default): the step is void, and the next read of the flags says which
+    model = factor_lm_head(tiny("qwen2"))
+    model.train()
+    before = state(model)
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    with pytest.raises(ValueError, match=r"the batch of step 1 had target ids outside \[0, "):
+        model.lm_head.sync()
+    after = state(model)
+    assert int(after["lm_head.skipped_nonfinite"]) == 1 and int(after["lm_head.steps"]) == 0
+    # (uinv_fresh: the CPU's solve route marks U^-1 for a refresh from U, taken or not: the host
+    # cannot know which without a read; the refresh is exact)
+    assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("lm_head.") and
+               not k.endswith(("steps", "skipped_nonfinite", "uinv_fresh")))
 
 
 def test_a_model_whose_parameters_fsdp1_flattened_is_refused_in_training_and_nothing_changes():

@@ -203,15 +203,25 @@ def test_tied_softcapped_and_patched_models_are_refused_unchanged():
 
 
 def test_bad_targets_get_one_line_and_no_step():
-    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
     ids, targets = rows()
+    bad_id = targets.masked_fill(targets == 3, PADDED)
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5, sync_every=1)  # checks read at once
     before = state(model)
-    for bad, says in ((targets[:, 1:], "targets must have the shape of idx"),
-                      (targets.masked_fill(targets == 3, PADDED), "outside")):
+    for bad, says in ((targets[:, 1:], "targets must have the shape of idx"), (bad_id, "outside")):
         with pytest.raises(ValueError, match=says):
             model(ids, targets=bad).backward()
     after = state(model)
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # device flags (the default): a bad shape raises at once, a bad id at the next read, naming its step
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+    before = state(model)
+    with pytest.raises(ValueError, match="targets must have the shape of idx"):
+        model(ids, targets=targets[:, 1:]).backward()
+    model(ids, targets=bad_id).backward()
+    with pytest.raises(ValueError, match="the batch of step 1 had target ids outside"):
+        factored_head(model).sync()
+    after = state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before if "skipped_nonfinite" not in k)
 
 
 def test_the_compiled_model_steps_as_the_eager_one():

@@ -82,7 +82,12 @@ def test_gradient_accumulation_under_the_trainer_is_exact(tmp_path):
     whole, halves = trained_with(tmp_path / "a", 4, 1), trained_with(tmp_path / "b", 2, 2)
     assert int(halves["lm_head.steps"]) == 3
     assert not torch.allclose(whole["lm_head.V"], tiny("llama").lm_head.weight.double())
-    assert all(torch.allclose(whole[k], halves[k], rtol=1e-9, atol=1e-10) for k in whole)
+    # the repair at the end of training (the read of the flags) brings U's singular values to 1:
+    # its power iterations' vectors and estimates of those nearly equal values are ill-determined
+    # by-products (W is not), left out
+    by_products = ("u_max", "u_min", "cond_estimate", "cond_bound")
+    assert all(torch.allclose(whole[k], halves[k], rtol=1e-9, atol=1e-10) for k in whole if
+               not k.endswith(by_products))
 
 
 def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():
@@ -111,8 +116,9 @@ def test_a_trainer_that_raised_mid_window_leaves_no_head_silently_attached(tmp_p
     """A bad label in the 2nd micro-batch makes train() raise with one micro-batch's rows kept
     for an optimizer step that never comes. Plain loss.backward() afterwards does not grow
     them forever without a step: the next window's forward raises with the fix, and after
-    head.detach() the head steps in each backward again."""
-    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    head.detach() the head steps in each backward again. (Checks read at once, sync_every=1: the
+    label raises in its micro-batch; device flags: the next test.)"""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, sync_every=1)
     head = model.lm_head
     trainer = failing_trainer(model, tmp_path)
     with pytest.raises(ValueError, match="outside"):
@@ -129,10 +135,20 @@ def test_a_trainer_that_raised_mid_window_leaves_no_head_silently_attached(tmp_p
     assert trainer.optimizer is not None
 
 
+def test_under_device_flags_a_bad_label_voids_its_window_and_train_raises_at_its_end(tmp_path):
+    """Device flags (the default): the window with the bad label is not stepped, training goes on
+    to its end, where the read of the flags raises naming the step; the head is detached."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    head = model.lm_head
+    with pytest.raises(ValueError, match=r"the batch of step 1 had target ids outside"):
+        failing_trainer(model, tmp_path).train()
+    assert not head.attached and int(head.steps) == 1 and int(head.skipped_nonfinite) == 1
+
+
 def test_a_head_whose_trainer_is_gone_drops_its_rows_with_a_warning(tmp_path):
     """The same failure with the Trainer dropped: its optimizer is gone, so the next training
     forward drops the kept rows with a warning and the head steps in each backward again."""
-    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, sync_every=1)
     head = model.lm_head
     try:
         failing_trainer(model, tmp_path).train()

@@ -26,9 +26,15 @@ def test_eval_mode_and_no_grad_do_not_update():
 
 
 
+def checked_at_once(cls, **kw):
+    """A head that reads each check as it is made: the naive head, the factored head with
+    ``sync_every=1`` (device flags, its default, report at the next read: test_device_flags.py)."""
+    return cls(**kw, **({"sync_every": 1} if cls is FactoredSphericalHead else {}))
+
+
 @pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
 def test_bad_input_is_refused_and_state_untouched(cls):
-    head = cls(num_classes=20, hidden_dim=4, loss="zloss", bias=False)
+    head = checked_at_once(cls, num_classes=20, hidden_dim=4, loss="zloss", bias=False)
     before = state_of(head)
     H = torch.randn(3, 4, requires_grad=True)
     ok = torch.tensor([1, 2, 3])
@@ -66,7 +72,7 @@ def test_bad_input_is_refused_and_state_untouched(cls):
 
 @pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
 def test_non_finite_steps_are_skipped_counted_and_warned_sparingly(cls):
-    head = cls(num_classes=20, hidden_dim=4, loss="spherical_softmax", bias=False)
+    head = checked_at_once(cls, num_classes=20, hidden_dim=4, loss="spherical_softmax", bias=False)
     before = state_of(head)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -52,7 +52,7 @@ def test_bad_target_is_skipped_then_reported():
     bad[2, 1] = D + 7
     grad = step(head, H, bad)  # no error yet: nothing is read inside the step
     assert state(head) == before and torch.equal(grad, torch.zeros_like(grad))
-    with pytest.raises(ValueError, match=r"outside \[0, 60\)"):
+    with pytest.raises(ValueError, match=r"the batch of step 2 had target ids outside \[0, 60\)"):
         step(head, H, idx)  # the 3rd step reads the flag
     assert int(head.steps) == 2 and int(head.skipped_nonfinite) == 1
     step(head, H, idx)  # the flag was cleared

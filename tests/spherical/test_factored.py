@@ -6,6 +6,7 @@ import torch
 
 from lst_lightning.losses import LOSSES
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, step
+from lst_lightning.spherical.driving import SYNC_EVERY
 
 from head_pairs import (
     LOSS_KW,
@@ -25,9 +26,14 @@ from head_pairs import (
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("m,K", [(1, 1), (7, 3)])
-def test_exact_float64(loss, bias, m, K):
-    f, n = make_pair(loss, bias=bias, lr=0.05, weight_decay=0.01)
-    run_steps(f, n, steps=40, m=m, K=K, tol=1e-9)
+@pytest.mark.parametrize("sync_every", [1, SYNC_EVERY])  # checks read at once; device flags (the default)
+def test_exact_float64(loss, bias, m, K, sync_every):
+    f, n = make_pair(loss, bias=bias, lr=0.05, weight_decay=0.01, sync_every=sync_every)
+    # The squared error at m = 1 takes nearly singular steps here (2 lr ||h||^2 near 1): the
+    # host-checked step folds them into V at once, device flags repair U only at the next read
+    # (up to 32 steps on): its rounding grows with cond(U) meanwhile, to 6e-9 (measured).
+    tol = 1e-7 if (loss, m, sync_every) == ("mse", 1, SYNC_EVERY) else 1e-9
+    run_steps(f, n, steps=40, m=m, K=K, tol=tol)
     assert int(f.steps) == 40
 
 

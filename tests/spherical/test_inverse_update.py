@@ -84,7 +84,7 @@ class Spy:
 def test_the_products_route_equals_the_naive_head(monkeypatch, loss, m):
     torch.manual_seed(1)
     spy = Spy(monkeypatch)
-    f, n = make_pair(loss, bias=True, lr=0.05, weight_decay=0.01, stabiliser={"inverse": "products"})
+    f, n = make_pair(loss, bias=True, lr=0.05, weight_decay=0.01, stabiliser={"inverse": "products"}, sync_every=1)
     run_steps(f, n, steps=25, m=m, K=3)  # K > 1, padding, classes repeated within and across rows
     # a step whose rho needs more than MAX_FACTORS (or that folds) solves instead: rarely here
     assert spy.products >= 20 and spy.products + spy.solves + int(f.folds) == 25, (spy.products, f.stats())
@@ -106,7 +106,7 @@ def test_device_flags_on_the_products_route_equal_the_naive_head(monkeypatch):
 
 def test_past_the_products_reach_a_host_checked_step_solves_instead(monkeypatch):
     spy = Spy(monkeypatch)
-    f, n = make_pair("mse", d=8, lr=0.2, stabiliser={"inverse": "products"})
+    f, n = make_pair("mse", d=8, lr=0.2, stabiliser={"inverse": "products"}, sync_every=1)
     H = torch.zeros(1, 8, dtype=torch.float64)
     H[0, 0] = math.sqrt(3.0)  # rho = 2 lr ||h||^2 = 1.2: the Neumann series diverges; |1 - rho| > fold_tol
     assert max(step_both(f, n, H, torch.tensor([[3]]))) < 1e-10

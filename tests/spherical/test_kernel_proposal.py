@@ -120,14 +120,14 @@ def test_repairs_and_folds_rebuild_the_tree_and_keep_the_steps_equal(monkeypatch
     """Singular-value fixes at every step (check_every=1, a narrow band) move all of V: the
     next draw rebuilds the tree; a fold inside the step too. The steps stay the naive head's."""
     torch.manual_seed(4)
-    f, n = pair(lr=0.5, stabiliser={"check_every": 1, "sv_min": 0.999, "sv_max": 1.001})
+    f, n = pair(lr=0.5, stabiliser={"check_every": 1, "sv_min": 0.999, "sv_max": 1.001}, sync_every=1)
     run(f, n, steps=4)
     assert int(f.sv_fixes) + int(f.unfactorizations) > 0
     assert f.negatives.kernel.builds > 1
     f.negatives.kernel.sync(f)
     assert_tree_is_rebuilt_tree(f)
-    # every step folded into V (V <- V U B): each next draw rebuilds
-    f, n = pair()
+    # every step folded into V (V <- V U B; a host-checked step's): each next draw rebuilds
+    f, n = pair(sync_every=1)
     monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0))
     run(f, n, steps=3)
     assert int(f.folds) == 3 and f.negatives.kernel.builds == 3 and f.negatives.kernel.synced is None

@@ -68,11 +68,16 @@ def test_one_ranks_bad_input_raises_on_every_rank_and_changes_nothing(ranks):
     assert "rank 1's input to the head was invalid (ValueError:" in ranks[0]["bad_input"]
     assert "outside [0, 50)" in ranks[0]["bad_input"]  # the message of the rank that saw it
     assert all(r["bad_input_untouched"] for r in ranks)
+    # device flags: every rank voids the step and raises at the read, naming the step
+    for r in ranks:
+        assert "the batch of step 2 had target ids outside [0, 50)" in r["bad_input_deferred"]
+        assert r["bad_input_deferred_untouched"]
 
 
 def test_a_diverged_replica_fails_loudly_on_every_rank(ranks):
     for r in ranks:
-        assert r["diverged"] is not None and "replicas diverged" in r["diverged"]
+        for key in ("diverged", "diverged_deferred"):
+            assert r[key] is not None and "replicas diverged" in r[key], key
 
 
 def test_sharded_head_alone_is_the_whole_head():

@@ -72,7 +72,9 @@ def test_ignore_index_is_padding_and_configurable(cls):
     mine = head_at(cls, "zloss", W, ignore_index=-7)(H, torch.tensor([[1, -7], [2, 3], [-7, -1], [4, 4]]))
     assert torch.equal(got, want) and torch.equal(mine, want)
     with pytest.raises(ValueError, match="outside"):  # -100 is a bad id once ignore_index is another
-        head_at(cls, "zloss", W, ignore_index=-7)(H, torch.tensor([1, -100, 2, 3]))
+        head = head_at(cls, "zloss", W, ignore_index=-7)
+        head(H, torch.tensor([1, -100, 2, 3])).backward()  # the naive head raises here,
+        head.sync()  # the factored head at its next read of the flags
     for bad in (3, 0, 1.5, True):
         with pytest.raises(ValueError, match="ignore_index"):
             cls(30, 6, ignore_index=bad)

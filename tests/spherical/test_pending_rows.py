@@ -101,9 +101,8 @@ def test_attach_refuses_heads_that_step_in_their_forward():
     f = deferred(sync_every=1, step="fused")
     with pytest.raises(ValueError, match="step='fused'"):
         f.attach(dummy_optimizer())
-    f = deferred(sync_every=4)
-    with pytest.raises(ValueError, match="sync_every"):
-        f.attach(dummy_optimizer())
+    f = deferred(sync_every=4)  # device flags wait for the optimizer's step as host checks do
+    f.attach(dummy_optimizer())
     with pytest.raises(TypeError, match="Optimizer"):
         f.attach(object())
 

@@ -25,7 +25,7 @@ def test_inverse_routes_and_sv_methods(inverse, sv_method):
 
 def test_singular_step_is_folded_and_stays_exact():
     # m = 1, squared error: B = I - 2 lr h h^T is exactly singular at lr = 1 / (2 ||h||^2).
-    f, n = make_pair("mse", lr=0.01)
+    f, n = make_pair("mse", lr=0.01, sync_every=1)  # host checks: a fold is decided at once
     for _ in range(3):
         H, idx = batch(1, 8, 60, 1)
         Hx = H.clone()
@@ -37,7 +37,7 @@ def test_singular_step_is_folded_and_stays_exact():
 
 
 def test_large_steps_trigger_conditioning_checks_before_the_period():
-    f, n = make_pair("mse", d=8, lr=0.08, stabiliser={"check_every": 0, "uinv_refresh_every": 0})
+    f, n = make_pair("mse", d=8, lr=0.08, stabiliser={"check_every": 0, "uinv_refresh_every": 0}, sync_every=1)
     run_steps(f, n, steps=60, m=4, K=1)
     s = f.stats()
     assert s["checks"] > 0 and s["sv_fixes"] > 0, s  # the conditioning trigger alone fired
@@ -90,7 +90,7 @@ def test_several_fixes_take_one_pass_over_v_and_keep_w(monkeypatch, sv_method):
 
 
 def test_bookkeeping_refresh_is_exact():
-    f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7})
+    f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7}, sync_every=1)
     run_steps(f, n, steps=20, m=3, K=2)
     W = f.weight()
     torch.testing.assert_close(f.Q, W.T @ W)
@@ -141,10 +141,10 @@ def test_stabiliser_settings_from_a_config_dict():
         s.sv_min = 0.1  # a head's settings change only by a new Stabiliser
 
 
-def _large_gq_step(dtype, inverse):
+def _large_gq_step(dtype, inverse, sync_every=1):
     """A head and a batch whose g_q is large (lr 8, the loss scaled by 1e4 upstream): the cheap
-    bounds cannot rule out a nearly singular B, so the step computes B's eigenvalues."""
-    f, _ = make_pair("zloss", d=8, lr=8.0, dtype=dtype, stabiliser={"inverse": inverse})
+    bounds cannot rule out a nearly singular B, so the host-checked step computes B's eigenvalues."""
+    f, _ = make_pair("zloss", d=8, lr=8.0, dtype=dtype, stabiliser={"inverse": inverse}, sync_every=sync_every)
     H, idx = batch(4 if inverse == "woodbury" else 12, 8, 60, 2)
     return f, (3.0 * H).to(dtype), idx
 
@@ -190,6 +190,12 @@ def test_large_gq_steps_never_raise(dtype, inverse):
     for _ in range(3):
         (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # folded, stepped or skipped: never raised
     assert torch.isfinite(f.weight()).all() and f.stats()["eig_checks"] >= 1, f.stats()
+    # device flags compute no eigenvalues: a step is taken or masked out, never raised
+    f, H, idx = _large_gq_step(dtype, inverse, sync_every=2)
+    for _ in range(4):
+        (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()
+    s = f.stats()
+    assert torch.isfinite(f.weight()).all() and s["steps"] + s["skipped_nonfinite"] == 4, s
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -200,7 +206,7 @@ def test_the_probes_crash_setting_never_raises(dtype):
     stays finite."""
     torch.manual_seed(0)
     f = FactoredSphericalHead(500, 16, loss="sampled", loss_kwargs=dict(gram=1.0), lr=8.0, dtype=dtype,
-                              negatives=dict(num=16, seed=1))
+                              negatives=dict(num=16, seed=1), sync_every=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the skipped steps' warnings
         for _ in range(10):

@@ -4,8 +4,9 @@ Each function checks its arguments first (bad input raises TypeError/ValueError 
 anything runs or changes), then picks its implementation inline: the Triton launcher of
 ``<op>_kernel(s).py`` for CUDA tensors when Triton is importable, the plain-torch one
 otherwise. ``impl`` forces the choice ("torch", "triton"; "auto" also honours
-``LST_KERNELS=torch``). The torch implementation of the four sparse ops is the reference
-itself (``reference.py``); ``m_matrix`` and ``q_update`` run the same products arranged in
+``LST_KERNELS=torch``). The torch implementation of three sparse ops is the reference
+itself (``reference.py``), and the scatter's is the reference's sums in static shapes (no
+host read: ``torch.compile`` takes it whole), tested bit for bit against it; ``m_matrix`` and ``q_update`` run the same products arranged in
 two GEMMs each, tested against the term-by-term references. ``gram_rows`` and
 ``q_update_factors`` (Q's update without the m x m M, for m > ~1.4 d: spherical/step.py)
 have no kernel of their own: a sort, the deterministic scatter and gather (Triton on CUDA)
@@ -133,7 +134,26 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     if _use_triton(V, impl, idx, G, X, alpha):
         from .scatter_add_rows_kernel import scatter_add_rows_ as launch  # noqa: PLC0415
         return launch(V, idx, G, X, alpha, order)
-    return reference.scatter_add_rows_(V, idx, G, X, alpha)
+    return _scatter_add_rows_static(V, idx, G, X, alpha, order)
+
+
+def _scatter_add_rows_static(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
+                             order: SortedIds | None) -> Tensor:
+    """The reference's sums in shapes fixed by idx (no ``torch.unique``, no boolean mask: no
+    host read, ``torch.compile`` takes it whole): the m K slots sorted stably, each run of
+    equal ids summed in batch order into one row of an (m K, d) buffer, then one ``index_add_``
+    into V, the buffer's unused rows adding exact zeros to row 0. The reference's bits."""
+    m, K = idx.shape
+    ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
+    keys, perm = SortedIds.of(idx) if order is None else order
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    run = torch.cumsum(first, 0) - 1  # each sorted slot's run of equal ids
+    contrib = G.to(ct).reshape(-1, 1) * (X.to(ct) if K == 1 else X.to(ct).repeat_interleave(K, dim=0))
+    contrib = torch.where((keys >= 0)[:, None], contrib.index_select(0, perm), 0.0)  # padding adds nothing
+    summed = torch.zeros(m * K, X.shape[1], dtype=ct, device=V.device).index_add_(0, run, contrib)
+    rows = torch.zeros_like(keys).scatter_(0, run, keys.clamp(min=0))  # each run's row of V
+    return V.index_add_(0, rows, (alpha * summed).to(V.dtype))
 
 
 def sparse_gram(idx: Tensor, G: Tensor, *, impl: str = "auto") -> Tensor:

@@ -1,21 +1,17 @@
-"""``head.step=auto``, the app's choice of where the factored head's step runs.
+"""``head.step=auto``, the app's choice of how the factored head's step is driven.
 
-On one CUDA device, where nothing refuses it, the step is replayed from a CUDA graph with
-its device flags read on the host every ``GRAPH_SYNC_EVERY`` steps (or every
-``head.sync_every`` steps where that is above 1); elsewhere it is the autograd step. Eager on
-a GPU, the step is bound by the host (about 260 kernel launches and a host read a step);
-replayed from a graph it is bit for bit the eager sync-free step (tests/spherical/test_cuda.py)
-and took twice the steps in the same 15 s at D = 10^6 on an H200 (docs/results/quality.md).
-``head.step=autograd`` (or ``fused``, ``cuda_graph``) chooses by hand.
+The step's device part runs compiled whole on a GPU (``head.compile_step=auto``;
+spherical/compiled.py), its checks device flags read every ``head.sync_every`` steps. On one
+CUDA device, where nothing refuses it, that step is also replayed from a CUDA graph (its
+launches in one); elsewhere (several processes, accumulation, a loss scaler, the CPU) it is
+the autograd step. ``head.step=autograd`` (or ``fused``, ``cuda_graph``) chooses by hand,
+``head.compile_step=false`` turns the compilation off.
 """
 from __future__ import annotations
 
 import logging
 
 AUTO = "auto"
-#: how often a step replayed from a CUDA graph reads its device flags on the host, where
-#: head.sync_every is left at 1
-GRAPH_SYNC_EVERY = 64
 
 log = logging.getLogger(__name__)
 
@@ -36,22 +32,19 @@ def graph_refusal(trainer) -> str | None:
 
 
 def choose_step(head, trainer) -> None:
-    """Set ``head.step`` (and ``head.sync_every``) for ``head.step=auto``: from a CUDA graph
-    where ``graph_refusal`` finds nothing and the head takes it, else autograd; the choice
-    logged where the run trains on a GPU."""
+    """Set ``head.step`` for ``head.step=auto``: from a CUDA graph where ``graph_refusal`` finds
+    nothing and the head takes it, else autograd; the choice logged where the run trains on a GPU."""
     why = graph_refusal(trainer)
     if why is None:
-        sync_every = head.sync_every
         try:
-            head.sync_every = sync_every if sync_every > 1 else GRAPH_SYNC_EVERY
             head.step = "cuda_graph"
-        except ValueError as e:  # the head's own refusal (a sampler whose tables stay on the host)
-            head.sync_every = sync_every
+        except ValueError as e:  # the head's own refusal (sync_every=1, a sampler whose tables stay on the host)
             why = str(e)
+    compiled = "compiled" if head.compiles else "eager"
     if why is None:
-        log.info("head.step=auto: the head's step replayed from a CUDA graph, its flags read every %d steps "
-                 "(head.step=autograd for the eager step)", head.sync_every)
+        log.info("head.step=auto: the head's %s step replayed from a CUDA graph, its flags read every %d steps "
+                 "(head.step=autograd for the step without a graph)", compiled, head.sync_every)
     else:
         head.step = "autograd"
         if trainer.strategy.root_device.type == "cuda":
-            log.info("head.step=auto: the autograd step, not a CUDA graph: %s", why)
+            log.info("head.step=auto: the %s autograd step, not a CUDA graph: %s", compiled, why)

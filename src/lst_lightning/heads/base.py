@@ -46,6 +46,9 @@ class OutputHead(nn.Module):
     #: True when the training step leaves its checks on the device (read every few
     #: steps): the loop must not read the loss on the host each step either.
     deferred_checks: bool = False
+    #: True when the head's own training step runs compiled (the factored head on a GPU:
+    #: ``compile_step``); a loop that compiles its model leaves such a head out of its graph.
+    compiles: bool = False
     #: "mean" or "sum" over the rows of a batch.
     reduction: str = "mean"
 

@@ -115,9 +115,17 @@ class StaticSampler(Sampler):
         self.register_buffer("cdf", torch.cumsum(probs, 0))
 
     def sample(self, num_samples, hidden=None, generator=None):
-        n = check_num_samples(num_samples)
-        u = torch.rand(n, dtype=torch.float64, device=self.cdf.device, generator=generator) * self.cdf[-1]
-        idx = torch.searchsorted(self.cdf, u, right=True).clamp_(max=self.num_classes - 1)
+        return self.at(self.uniforms(check_num_samples(num_samples), generator))
+
+    def uniforms(self, num_samples: int, generator=None) -> Tensor:
+        """The randomness of a draw of ``num_samples``: uniforms in [0, 1), float64, on the
+        table's device. Drawn apart from ``at`` so that a compiled step, which cannot take a
+        ``torch.Generator``, is handed them."""
+        return torch.rand(num_samples, dtype=torch.float64, device=self.cdf.device, generator=generator)
+
+    def at(self, u: Tensor) -> tuple[Tensor, Tensor]:
+        """The classes drawn by the uniforms ``u`` (inverse CDF) and their log q: ``sample``'s result."""
+        idx = torch.searchsorted(self.cdf, u * self.cdf[-1], right=True).clamp_(max=self.num_classes - 1)
         return idx, self.log_q[idx].float()
 
     def log_prob(self, classes, hidden=None):

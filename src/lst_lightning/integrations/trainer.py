@@ -15,6 +15,11 @@ token count (``average_tokens_across_devices``), and before each checkpoint a sh
 head's V is gathered on rank 0, so that the checkpoint holds all of V and resumes on any
 number of processes; at the end of training too, for ``trainer.save_model()``.
 
+The head's device flags (its checks, read every ``sync_every`` steps) are read at the end of
+training too: a bad label since the last read raises there, naming its step, which left the
+head untouched. (Not at a checkpoint: a read runs the repairs that fell due, and a run's state
+must not depend on where it was saved.)
+
 The head is attached with ``accumulate=gradient_accumulation_steps``: when ``train()``
 raises inside an accumulation window (a bad label in a micro-batch), the head stays
 attached to that Trainer's optimizer (the Trainer has no exception hook), and a later
@@ -80,8 +85,11 @@ def head_follows_trainer():
 
         def on_train_end(self, args, state, control, **kwargs):
             if self.head is not None:
-                self.head.detach()
-                self.head.lr = self.base_lr
+                try:  # the flags of the last steps read: a bad batch among them raises from train()
+                    self.head.sync()
+                finally:
+                    self.head.detach()
+                    self.head.lr = self.base_lr
                 # for trainer.save_model() / save_pretrained() after training, on rank 0 only:
                 # the whole V while the head is unchanged (hf.py checks its version)
                 self.patch.whole_v = gather_for_checkpoint(self.head)

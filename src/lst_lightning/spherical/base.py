@@ -93,13 +93,8 @@ class _HeadLoss(torch.autograd.Function):
                     dH = pending.keep(head, ctx.saved, grad)
                 else:
                     scale = pending.loss_scale
-                    if grad.numel() == 1 and "weight" not in head._warned and not head.step_checks.deferred \
-                            and float(grad) != scale:
-                        head._warn_once("weight", f"{name}: the loss reached the head multiplied by "
-                                                  f"{float(grad) / scale:g} and the head stepped with that factor. "
-                                                  "If this is gradient accumulation or a loss scaler, attach the "
-                                                  "head to the optimizer (head.attach(optimizer, scaler); "
-                                                  "Lightning: the HeadSteps callback) for one exact step")
+                    if grad.numel() == 1 and "weight" not in head._warned:  # warned at once, or at the next read
+                        head.step_checks.note_loss_factor(head, grad, scale)
                     dH = head._backward_step(ctx.saved, grad / scale)
                     if scale != 1.0:
                         dH = dH * scale
@@ -179,7 +174,7 @@ class SphericalHeadBase(OutputHead):
         # (the device as its tensors name it: "cuda" is cuda:<current>, or "cuda" != H.device)
         self._factory = {"dtype": dtype, "device": torch.empty(0, device=device).device}
         #: how the step is driven (driving.py): the naive head steps in backward, one process
-        self.driving = Driving()
+        self.driving = Driving(sync_every=1, compile=False)
         #: how the step checks itself: at once on the host (the factored head: device flags
         #: with ``sync_every > 1``; checks.py)
         self.step_checks = HostChecks()
@@ -372,6 +367,10 @@ class SphericalHeadBase(OutputHead):
     def cannot_accumulate(self) -> str | None:
         return None  # attach() makes it step at the optimizer's step (pending.py)
 
+    def sync(self) -> None:
+        """Read the step's checks now (the factored head's device flags); a head whose every
+        check is read as it is made has nothing to read."""
+
     @property
     def in_training_step(self) -> bool:
         """Whether a forward now is a training step (the head updates itself in backward)."""
@@ -422,9 +421,12 @@ class SphericalHeadBase(OutputHead):
             Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         return Hx
 
+    @torch.compiler.disable  # a compiled model calls the head as it is: the step compiles itself (compiled.py)
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
-        gives H its gradient and applies the exact SGD step to the head."""
+        gives H its gradient and applies the exact SGD step to the head. A compiled model
+        (``torch.compile(model)``) runs the head outside its graphs, and the head's step runs
+        compiled itself where it pays (``compile_step``)."""
         with torch.autocast(self._factory["device"].type, enabled=False):  # the head's math in its dtype
             step = self.training and torch.is_grad_enabled()
             if self.sharding.alone:
@@ -519,6 +521,12 @@ class SphericalHeadBase(OutputHead):
         """The one exact step on every row kept since the last one (the optimizer's step
         hook calls it; a loop may call it itself). Nothing kept: nothing happens."""
         self.pending.apply(self)
+
+    def _warn_loss_factor(self, factor: float) -> None:
+        self._warn_once("weight", f"{type(self).__name__}: the loss reached the head multiplied by {factor:g} and "
+                                  "the head stepped with that factor. If this is gradient accumulation or a loss "
+                                  "scaler, attach the head to the optimizer (head.attach(optimizer, scaler); "
+                                  "Lightning: the HeadSteps callback) for one exact step")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -40,14 +40,21 @@ class HostChecks:
         self.calls = 0           # training steps run (host count; device flags)
         self.synced = (0, 0)     # (steps, skipped) at the last host read
 
+    def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
+        """A backward whose loss reached the head multiplied by a factor (not the loss scale):
+        warned once, at once."""
+        if float(grad) != scale:
+            head._warn_loss_factor(float(grad) / scale)
+
     def read(self, head):
-        """(steps at the last read, steps now, bad input) or None when no step ran since."""
+        """(steps at the last read, steps now, cond(U)'s bound, the step of a bad batch: 0) or
+        None when no step ran since."""
         n = int(head.steps)
         n_prev = self.synced[0]
         if n == n_prev:
             return None
         self.synced = (n, int(head.skipped_nonfinite))
-        return n_prev, n, False
+        return n_prev, n, None, 0
 
 
 class DeviceFlags(HostChecks):
@@ -64,19 +71,34 @@ class DeviceFlags(HostChecks):
         #: "adaptive": the largest rho bound of the steps since the last read, on the device
         self.rho_max: Tensor | None = None
 
+    def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
+        """The factor the loss reached the head with, kept on the device where it is not the loss
+        scale: warned once at the next read."""
+        head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale, head._loss_factor))
+
     def screen(self, head, idx: Tensor, T: Tensor):
-        """Bad ids become padding and raise the flag; the step is void (``input_ok`` False)."""
+        """Bad ids become padding and the step is void (``input_ok`` False); the first such
+        step since the last read is recorded (``head._bad_input``: its number, from 1)."""
         bad = (idx < -1) | (idx >= head.num_classes)
         input_ok = ~bad.any()
-        head._bad_input |= ~input_ok
+        first = (head._bad_input == 0) & ~input_ok
+        head._bad_input.copy_(torch.where(first, head.steps + head.skipped_nonfinite + 1, head._bad_input))
         return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
 
-    def lr(self, head) -> Tensor:
-        """lr as a device scalar, refilled (outside any graph capture) when lr changed: a
-        captured graph reads it at each replay."""
+    def before_step(self, head) -> None:
+        """The host's part before a step: lr refilled into the device scalar ``head._lr_t``
+        (outside any graph capture) when it changed, which the step reads (a captured graph
+        and a compiled step at each call: no recompile for a new lr); the adaptive rule's rho
+        bound made once."""
         if not self.pinned and self.lr_filled != head.lr and not capturing():
             head._lr_t.fill_(head.lr)
             self.lr_filled = head.lr
+        if self.rho_max is None and head.repairs.settings.neumann == "adaptive":
+            self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
+
+    def lr(self, head) -> Tensor:
+        """lr as the device scalar the step reads, refilled when lr changed (``before_step``)."""
+        self.before_step(head)
         return head._lr_t
 
     def pin_lr(self, head, value: float | None) -> None:
@@ -91,52 +113,61 @@ class DeviceFlags(HostChecks):
         read of the flags repairs U: its conditioning bound went up)."""
         rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=False)
         if head.repairs.settings.neumann == "adaptive":  # kept for the next read (adapt_factors)
-            rho = torch.maximum(rho_pos, rho_neg)
-            if self.rho_max is None:  # made by the first step, before any graph captures one
-                self.rho_max = torch.zeros_like(rho)
-            self.rho_max.copy_(torch.maximum(self.rho_max, rho))
+            self.rho_max.copy_(torch.maximum(self.rho_max, torch.maximum(rho_pos, rho_neg)))
         return False, torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
 
-    def count(self, head, ok: Tensor) -> bool:
+    def count(self, head, ok: Tensor) -> None:
+        """The step counted on the device: taken where ``ok``, else skipped."""
         head.steps += ok
         head.skipped_nonfinite += ~ok
-        if capturing():  # a captured step is counted by its replays (head.count_replay)
-            return False
-        return self.tick(head)
 
     def tick(self, head) -> bool:
-        """One more step run; whether the flags are due to be read (every ``sync_every``)."""
+        """One more step run (on the host, after its device part); whether the flags are due to
+        be read (every ``sync_every``). A step being captured is counted by its replays
+        (``head.count_replay``), not here."""
+        if capturing():
+            return False
         self.calls += 1
         return self.calls % head.sync_every == 0
 
     def read(self, head):
-        """Read the flags (one host synchronisation) and warn about skipped steps."""
-        steps, skipped, bad = torch.stack([head.steps, head.skipped_nonfinite, head._bad_input.long()]).tolist()
+        """Read the flags, in one host transfer (the steps taken and skipped, the step of a bad
+        batch, cond(U)'s bound, a loss factor and the adaptive rule's rho bound), and warn about
+        skipped steps and a loss that reached the head multiplied.
+        (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch or 0)."""
+        flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
+        if self.rho_max is not None:
+            flags.append(self.rho_max)
+        steps, skipped, bad, cond_bound, factor, *rho_max = torch.stack([f.to(torch.float64) for f in flags]).tolist()
+        steps, skipped, bad = int(steps), int(skipped), int(bad)
+        if factor:
+            head._warn_loss_factor(factor)
+            head._loss_factor.zero_()
         (n_prev, skipped_prev), self.synced = self.synced, (steps, skipped)
         if any(k & (k - 1) == 0 for k in range(skipped_prev + 1, skipped + 1)):
             warnings.warn(f"{type(head).__name__}: {skipped - skipped_prev} step(s) with non-finite or invalid "
                           f"values since the last check were skipped, the head's state left untouched "
                           f"({skipped} skipped so far)", RuntimeWarning, stacklevel=3)
-        self.adapt_factors(head, skipped > skipped_prev)
-        return n_prev, steps, bool(bad)
+        self.adapt_factors(head, skipped > skipped_prev, rho_max[0] if rho_max else None, cond_bound)
+        return n_prev, steps, cond_bound, bad
 
-    def adapt_factors(self, head, skipped: bool) -> None:
+    def adapt_factors(self, head, skipped: bool, rho_max: float | None, cond_bound: float) -> None:
         """``Stabiliser.neumann="adaptive"``: the factors of the steps up to the next read, from
         the largest rho bound since the last (then reset); the maximum after a skipped step."""
         if head.repairs.settings.neumann != "adaptive":
             self.factors = MAX_FACTORS
             return
-        if self.rho_max is None:  # no step on the products route yet
+        if rho_max is None:  # no step yet
             return
-        self.factors = adaptive_factors(float(self.rho_max), float(head.cond_bound),
-                                        head.repairs.settings.cond_trigger, skipped, head.dtype)
+        self.factors = adaptive_factors(rho_max, cond_bound, head.repairs.settings.cond_trigger, skipped, head.dtype)
         self.rho_max.zero_()
 
-    def raise_bad_input(self, head) -> None:
+    def raise_bad_input(self, head, step: int) -> None:
         head._bad_input.zero_()
-        raise ValueError(f"a batch since the last check (at most {head.sync_every} steps) had target ids "
-                         f"outside [0, {head.num_classes}) (class ids or -1 for padding); that step was "
-                         "skipped and left the head's state untouched")
+        raise ValueError(f"{type(head).__name__}: the batch of step {step} had target ids outside "
+                         f"[0, {head.num_classes}) (class ids, or -1 for padding); that step was skipped and left "
+                         f"the head's state untouched (device flags are read every sync_every={head.sync_every} "
+                         "steps; sync_every=1 checks each batch as it comes)")
 
 
 def checks_for(deferred: bool, old: HostChecks | None = None) -> HostChecks:

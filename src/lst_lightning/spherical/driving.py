@@ -12,21 +12,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .compiled import COMPILE_MODES
+
 STEP_MODES = ("autograd", "fused", "cuda_graph")
+#: how often the step's device flags are read on the host by default: one host
+#: synchronisation every 32 steps (checks.py; 1 reads each check as it is made)
+SYNC_EVERY = 32
 PARALLEL_MODES = ("none", "replicated", "sharded")
 
 
 @dataclass(frozen=True)
 class Driving:
     step: str = "autograd"
-    sync_every: int = 1
+    sync_every: int = SYNC_EVERY
     parallel: str = "none"
+    #: the step's device part compiled whole (compiled.py): "auto" (on a CUDA device), True, False
+    compile: bool | str = "auto"
 
     def __post_init__(self):
         if self.step not in STEP_MODES:
             raise ValueError(f"step must be one of {STEP_MODES}, not {self.step!r}")
         if isinstance(self.sync_every, bool) or not (isinstance(self.sync_every, int) and self.sync_every >= 1):
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
+        if not any(self.compile is mode for mode in COMPILE_MODES[1:]) and self.compile != COMPILE_MODES[0]:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.step == "cuda_graph" and self.sync_every == 1:
@@ -46,6 +55,4 @@ class Driving:
         over micro-batches, a loss scaler's unscaled step), or None when it can."""
         if self.step != "autograd":
             return f"step={self.step!r} steps in the forward (use step='autograd')"
-        if self.deferred_checks:
-            return f"sync_every={self.sync_every} defers its checks (use sync_every=1)"
         return None

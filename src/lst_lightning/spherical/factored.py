@@ -24,12 +24,13 @@ import warnings
 import torch
 from torch import Tensor
 
+from . import compiled
 from . import step as exact
 from .base import SphericalHeadBase, _AppliedLoss, own_precision, without_placeholder_extra_state
 from .blocks import row_blocks
 from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
-from .driving import PARALLEL_MODES, STEP_MODES, Driving
+from .driving import PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import sharding_for
 from .shard_files import load_rows
@@ -58,7 +59,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     parallel_modes = tuple(p for p in PARALLEL_MODES if p != "none")  # the modes of more than one process
 
     # the step: functions of the head's state and the batch (step.py), named as its methods
-    _forward_step = exact.forward
+    _forward_step = exact.forward_step
     _backward_step = exact.backward
     _hidden_grad = exact.hidden_grad
     _pending_record = exact.pending_record
@@ -66,14 +67,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
                  generator: torch.Generator | None = None, stabiliser: Stabiliser | dict | None = None,
-                 parallel: str = "none", checksum_every: int = 100, sync_every: int = 1,
-                 step: str = "autograd", **kwargs):
+                 parallel: str = "none", checksum_every: int = 100, sync_every: int = SYNC_EVERY,
+                 step: str = "autograd", compile_step: bool | str = "auto", **kwargs):
         super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
         #: the repairs, with their settings (stabiliser.py)
         self.repairs = Repairs(Stabiliser.of(stabiliser))
         #: how the step is driven: step, sync_every and parallel, validated together once (driving.py).
-        self.driving = Driving(step, sync_every, parallel)
-        self._refuse_with_negatives(self.driving)
+        self.driving = Driving(step, sync_every, parallel, compile_step)
+        self._refuse(self.driving)
         self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
         if not (isinstance(checksum_every, int) and checksum_every >= 0):
             raise ValueError(f"checksum_every must be an int >= 0, got {checksum_every!r}")
@@ -95,8 +96,12 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """The repairs' settings."""
         return self.repairs.settings
 
-    def _refuse_with_negatives(self, driving: Driving) -> None:
-        """The modes sampled classes do not take yet, each refused in one line with the reason."""
+    def _refuse(self, driving: Driving) -> None:
+        """The modes this head cannot take (``compile_step=True`` where its step cannot compile, the
+        modes sampled classes do not take yet), each refused in one line with the reason."""
+        why = compiled.refusal(self, driving) if driving.compile is True else None
+        if why is not None:
+            raise ValueError(f"compile_step=True: this head's step cannot be compiled whole: {why}")
         if self.negatives is None:
             return
         if driving.step == "cuda_graph" and self.negatives.kernel is not None:
@@ -128,7 +133,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     @step.setter
     def step(self, value: str) -> None:
         driving = dataclasses.replace(self.driving, step=value)  # validated with sync_every and parallel
-        self._refuse_with_negatives(driving)
+        self._refuse(driving)
         self.driving = driving
         self._graph = None
 
@@ -138,8 +143,27 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        self.driving = dataclasses.replace(self.driving, sync_every=value)
+        driving = dataclasses.replace(self.driving, sync_every=value)
+        self._refuse(driving)
+        self.driving = driving
         self.step_checks = checks_for(self.driving.deferred_checks, self.step_checks)
+
+    @property
+    def compile_step(self) -> bool | str:
+        """Whether the step's device part runs compiled whole (compiled.py): "auto" (on a CUDA
+        device, where nothing refuses it), True or False."""
+        return self.driving.compile
+
+    @compile_step.setter
+    def compile_step(self, value: bool | str) -> None:
+        driving = dataclasses.replace(self.driving, compile=value)
+        self._refuse(driving)
+        self.driving = driving
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the step runs compiled now (``compile_step`` on this device, nothing refusing it)."""
+        return compiled.compiles(self)
 
     @property
     def parallel(self) -> str:
@@ -192,7 +216,11 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def set_extra_state(self, state) -> None:
         super().set_extra_state(state)
         self._uinv_fresh = bool(state.get("uinv_fresh", False))  # unknown: refresh when needed
-        self.step_checks.synced = (int(self.steps), int(self.skipped_nonfinite))  # buffers load before extra state
+        # buffers load before extra state; the flags are read every sync_every steps counted from the
+        # first (taken or skipped), so that a resumed run reads them, and repairs, where the run never
+        # stopped would
+        steps, skipped = int(self.steps), int(self.skipped_nonfinite)
+        self.step_checks.synced, self.step_checks.calls = (steps, skipped), steps + skipped
         if self.step_checks.deferred and "neumann_factors" in state:
             self.step_checks.factors = int(state["neumann_factors"])
 
@@ -308,15 +336,16 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         read = self.step_checks.read(self)
         if read is None:
             return
-        n_prev, n, bad_input = read
-        self.run_due(n_prev, n)
-        if bad_input:
-            self.step_checks.raise_bad_input(self)
+        n_prev, n, cond_bound, bad_step = read
+        self.run_due(n_prev, n, cond_bound)
+        if bad_step:
+            self.step_checks.raise_bad_input(self, bad_step)
 
     @torch.no_grad()
-    def run_due(self, n_prev: int, n: int) -> None:
-        """The repairs that fell due between step n_prev and step n, and the replica check."""
-        self.repairs.run_due(self, n_prev, n)
+    def run_due(self, n_prev: int, n: int, cond_bound: float | None = None) -> None:
+        """The repairs that fell due between step n_prev and step n, and the replica check
+        (``cond_bound``: cond(U)'s bound as the flags read it; None: read here)."""
+        self.repairs.run_due(self, n_prev, n, cond_bound)
         if fell_due(self.checksum_every, n_prev, n):
             self.check_replicas()
 
@@ -448,8 +477,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return logp[:, 0] if target_idx.dim() == 1 else logp
 
     def stats(self) -> dict[str, float]:
-        """Counters of every repair and the conditioning of U, for logging."""
-        out: dict[str, float] = {n: int(getattr(self, n)) for n in ("steps", "skipped_nonfinite", *REPAIR_COUNTERS)}
-        out["cond_estimate"] = float(self.cond_estimate)
-        out["cond_bound"] = float(self.cond_bound)
-        return out
+        """Counters of every repair and the conditioning of U, for logging: one host transfer."""
+        counters = ("steps", "skipped_nonfinite", *REPAIR_COUNTERS)
+        names = (*counters, "cond_estimate", "cond_bound")
+        values = torch.stack([getattr(self, n).to(torch.float64) for n in names]).tolist()
+        return {n: int(v) if n in counters else v for n, v in zip(names, values)}

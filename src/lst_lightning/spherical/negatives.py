@@ -182,19 +182,36 @@ class NegativeSampling:
             self.device_generator.set_state(self._device_rng)
 
     # -- the draw ---------------------------------------------------------------------------
-    def draw(self, head, idx: Tensor, query: Tensor | None = None):
-        """S negatives (shared: (S,); per row: (m, S)), drawn on the host from the head's
-        generator; their correction ``log(k q / (1 - q_T))`` and accidental-hit mask, (m, S).
-        ``query``: each row's query of the kernel proposal (the factored head: [H U^T, H omega];
-        the naive head: H), unused by a static one."""
+    def uniforms(self, head, m: int) -> Tensor | None:
+        """The randomness of the next draw for m rows, from the head's generator (the device's
+        after ``draw_on``), and the proposal's q made once on the head's device: the host's
+        part of a draw, outside a compiled step. None for a kernel proposal (it draws itself)."""
+        if self.kernel is not None:
+            return None
+        key = (head.device, head.dtype)
+        if key not in self._q:
+            self._q[key] = self.sampler.log_q.to(*key).exp()
+        S = self.settings.num
+        return self.sampler.uniforms(S if self.settings.shared else m * S,
+                                     generator=self.device_generator or self.generator)
+
+    def static_shapes(self, head) -> bool:
+        """Whether shared negatives are coalesced in shapes fixed by S (``padded_unique``): on
+        the device (``draw_on``) and under device flags, where the step reads nothing on the host."""
+        return self.device_generator is not None or head.step_checks.deferred
+
+    def draw(self, head, idx: Tensor, query: Tensor | None = None, u: Tensor | None = None):
+        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (None: drawn
+        here, ``uniforms``); their correction ``log(k q / (1 - q_T))`` and accidental-hit mask,
+        (m, S). ``query``: each row's query of the kernel proposal (the factored head: [H U^T,
+        H omega]; the naive head: H), unused by a static one."""
         st, (m, S), dtype = self.settings, (idx.shape[0], self.settings.num), head.dtype
         if self.kernel is not None:  # per row, from each row's law (shared is refused)
             neg, log_q = self.kernel.sample(head, query, S, self.generator)
         else:
-            neg, log_q = self.sampler.sample(S if st.shared else m * S,
-                                             generator=self.device_generator or self.generator)
+            neg, log_q = self.sampler.at(self.uniforms(head, m) if u is None else u)
         uniq = inv = None
-        if st.shared and self.device_generator is not None:  # static shapes, no host read
+        if st.shared and self.static_shapes(head):  # static shapes, no host read
             uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
         elif st.shared:
             uniq, inv = torch.unique(neg, sorted=True, return_inverse=True)  # on the host: no device sync
@@ -209,10 +226,7 @@ class NegativeSampling:
             if self.kernel is not None:  # q of each row's targets, under the law its negatives were drawn from
                 q_idx = self.kernel.log_q(query, idx).to(idx.device, dtype).exp()
             else:
-                key = (idx.device, dtype)
-                if key not in self._q:
-                    self._q[key] = self.sampler.log_q.to(idx.device, dtype).exp()
-                q_idx = self._q[key][idx.clamp(min=0)]
+                q_idx = self._q[(idx.device, dtype)][idx.clamp(min=0)]
             q_t = torch.where(first, q_idx, torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
@@ -227,12 +241,13 @@ class NegativeSampling:
 
     # -- the factored step's loss (step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, Ht: Tensor,
-                       ht: Tensor):
-        """The draw, the negatives' outputs, the composite loss and its gradients (in closed form).
-        Returns (L, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives
-        as extra slots (the general path); shared, they stay apart in a ``SharedBlock``."""
+                       ht: Tensor, u: Tensor | None = None):
+        """The draw (by the uniforms ``u``, None: drawn here), the negatives' outputs, the composite
+        loss and its gradients (in closed form). Returns (L, g_q, g_s, G_A, idx, step part): per
+        row, idx and G_A carry the negatives as extra slots (the general path); shared, they stay
+        apart in a ``SharedBlock``."""
         query = None if self.kernel is None else torch.cat([Ht, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
-        cols, uniq, inv, slots = self.draw(head, idx, query)
+        cols, uniq, inv, slots = self.draw(head, idx, query, u)
         sh = head.sharding  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:
             V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
@@ -246,8 +261,7 @@ class NegativeSampling:
                                                           num_classes=head.num_classes, y_sq=y_sq)
         L = head.reduce(per, idx, weight)
         if self.settings.shared:
-            return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u,
-                                                   padded=self.device_generator is not None)
+            return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u, padded=self.static_shapes(head))
         return (L, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
                 PerRowSlots())
 

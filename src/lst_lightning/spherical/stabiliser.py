@@ -108,13 +108,15 @@ class Repairs:
     def __init__(self, settings: Stabiliser):
         self.settings = settings
 
-    def run_due(self, head, n_prev: int, n: int) -> None:
-        """The repairs that fell due between step n_prev and step n."""
+    def run_due(self, head, n_prev: int, n: int, cond_bound: float | None = None) -> None:
+        """The repairs that fell due between step n_prev and step n (``cond_bound``: cond(U)'s
+        bound as read with the flags; None: read here)."""
         st = self.settings
         if fell_due(st.q_refresh_every, n_prev, n):
             head.refresh_bookkeeping()
             head.q_refreshes += 1
-        if fell_due(st.check_every, n_prev, n) or float(head.cond_bound) > st.cond_trigger:
+        cond_bound = float(head.cond_bound) if cond_bound is None else cond_bound
+        if fell_due(st.check_every, n_prev, n) or cond_bound > st.cond_trigger:
             self.stabilise(head)
         elif fell_due(st.uinv_refresh_every, n_prev, n) and head._uinv_fresh:
             self.refresh_uinv(head)  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)

@@ -74,7 +74,10 @@ STATE: tuple[Buffer, ...] = (
     Buffer("skipped_nonfinite", "scalar", "long", "zeros"),
     *(Buffer(n, "vector", "state", "power") for n in POWER_STARTS),
     Buffer("_lr_t", "scalar", "state", "zeros", replicated=False, persistent=False),       # lr on the device
-    Buffer("_bad_input", "scalar", "bool", "zeros", replicated=False, persistent=False),   # a bad target id
+    # the first step since the last read of the flags with a bad target id (numbered from 1; 0: none)
+    Buffer("_bad_input", "scalar", "long", "zeros", replicated=False, persistent=False),
+    # the factor the loss reached a backward with, where not the loss scale (0: none since the read)
+    Buffer("_loss_factor", "scalar", "float64", "zeros", replicated=False, persistent=False),
     Buffer("cond_bound", "scalar", "float64", "ones", exact=True),   # >= cond(U), carried from step to step
     # the right preconditioner's running moment of the inputs and its weight (preconditioner.py)
     Buffer("input_moment", "square", "state", "zeros", exact=True),

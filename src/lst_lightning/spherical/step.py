@@ -14,7 +14,9 @@ checks.py), ``head.sharding`` when more than one process shares the step
 """
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ from torch import Tensor
 
 import lst_kernels as lk
 
+from . import compiled
 from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
 
 
@@ -93,19 +96,31 @@ def inverse_route(head, m: int) -> str:
     return "woodbury" if 2 * m <= head.width else "solve"
 
 
+# -- the host's part of a step, before the device's -------------------------------------------
+def before_step(head, m: int, draw: bool = True) -> Tensor | None:
+    """What a step needs from the host, done before its device part (which a compiled step
+    runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
+    (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
+    graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
+    if inverse_route(head, m) != "solve" and not head._uinv_fresh:
+        head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
+    if head.step_checks.deferred:
+        head.step_checks.before_step(head)
+    return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
+
+
 @torch.no_grad()
-def forward(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
-    """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H."""
+def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = None) -> tuple[Tensor, SavedForward]:
+    """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
+    ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here)."""
     input_ok = True
     if head.step_checks.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
     route = inverse_route(head, Hx.shape[0])
-    if route != "solve" and not head._uinv_fresh:
-        head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
     real = None if head.preconditioner is None else (idx >= 0).any(1)  # the rows its moments count
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
-        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht)
+        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht, draws)
         return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
@@ -213,7 +228,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
     Hx = fwd.Hx
     deferred = head.step_checks.deferred
-    lr = head.step_checks.lr(head) if deferred else head.lr  # device flags: a device scalar a graph reads
+    lr = head._lr_t if deferred else head.lr  # device flags: a device scalar (before_step refills it)
     m = Hx.shape[0]
     c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H P)
@@ -319,9 +334,29 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
         head.wbar.copy_(new.wbar)
     if new.moments is not None:
         new.moments.write(head, ok if masked else None)
-    head._version += 1
     if head.negatives is not None and head.negatives.kernel is not None:  # its tree follows the rows just written
         head.negatives.kernel.moved(head, None if new.fold else fwd.idx)  # (a fold: all of V)
+
+
+@torch.no_grad()
+def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
+    """``backward``'s device part under device flags (``sync_every > 1``): every check a flag
+    that masks the write, the step counted on the device; it reads nothing on the host and
+    changes no Python value (a compiled step runs it whole; ``after_step`` does the rest)."""
+    dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
+    ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
+    new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
+    ok = ok & new.ok
+    write(head, fwd, new, ok)
+    head.step_checks.count(head, ok)
+    return torch.where(ok, dH, 0.0)
+
+
+def after_step(head) -> None:
+    """The host's part of a step under device flags, after the device's: the step is ticked,
+    and every ``sync_every`` steps the flags are read and the repairs due run (``head.sync()``)."""
+    if head.step_checks.tick(head):
+        head.sync()
 
 
 @torch.no_grad()
@@ -331,27 +366,21 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     Checks read on the host (``sync_every == 1``): a failed check skips the step and counts
     it at once. Device flags (``sync_every > 1``): every check is a flag that masks the
     write, read by ``head.sync()`` every ``sync_every`` steps (checks.py)."""
+    head._version += 1  # the state moves: a backward of any other forward is stale from here
+    if head.step_checks.deferred:
+        dH = compiled.run(head, deferred_backward, fwd, grad)
+        after_step(head)
+        return dH
     checks = head.step_checks
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
-    finite = torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-    if checks.deferred:
-        ok = fwd.input_ok & finite
-    elif not bool(finite):
+    if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
-    else:
-        ok = True
     new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
-    if checks.deferred:
-        ok = ok & new.ok
-    elif not bool(new.ok):
+    if not bool(new.ok):
         head._skip("state after the step")
         return torch.zeros_like(dH)
-    write(head, fwd, new, ok)
-    if checks.deferred:
-        if checks.count(head, ok):  # every sync_every steps: read the flags, run the repairs due
-            head.sync()
-        return torch.where(ok, dH, 0.0)
+    write(head, fwd, new)
     head.steps += 1
     # the repairs (and, multi-process, the replica check) that fell due at this step
     n_prev, n = checks.synced[0], int(head.steps)
@@ -370,14 +399,36 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
 
 # -- the whole step in one call, and exact accumulation ----------------------------------------
 @torch.no_grad()
+def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
+    """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
+    where the head's step is: ``compiled.run``)."""
+    draws = before_step(head, Hx.shape[0])
+    return compiled.run(head, forward, Hx, idx, T, draws)
+
+
+@torch.no_grad()
+def deferred_step(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The whole step's device part under device flags: forward, dL/dH, the checks as flags,
+    the write and the device counts, in one function that reads nothing on the host (what
+    ``torch.compile(fullgraph=True)`` takes whole). The loss and dL/dH (m, width)."""
+    loss, fwd = forward(head, Hx, idx, T, draws)
+    return loss, deferred_backward(head, fwd, loss.new_ones(()))
+
+
+@torch.no_grad()
 def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
     """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH."""
     sh, rows = head.sharding, None
     if not sh.alone:
         Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
-    loss, fwd = forward(head, Hx, idx, T)
-    head._version += 1  # a pending autograd backward from an earlier forward is now stale
-    dH = backward(head, fwd, loss.new_ones(()))
+    draws = before_step(head, Hx.shape[0])
+    if head.step_checks.deferred:
+        head._version += 1  # the state moves: a pending backward of an earlier forward is stale
+        loss, dH = compiled.run(head, deferred_step, Hx, idx, T, draws)
+        after_step(head)
+    else:
+        loss, fwd = forward(head, Hx, idx, T, draws)
+        dH = backward(head, fwd, loss.new_ones(()))
     if rows is not None:
         dH = sh.own_rows(dH, rows)
     return loss, dH[:, : head.hidden_dim].to(H.dtype)
@@ -387,7 +438,7 @@ def pending_record(head, fwd: SavedForward, weight: Tensor):
     """What one micro-batch keeps for the optimizer's step: its rows and loss gradients
     (shared negatives as extra slots of every row: the records are stepped by the general path)."""
     idx, GA = (fwd.idx, fwd.GA) if fwd.neg is None or not fwd.neg.shared else fwd.neg.as_slots(fwd.idx, fwd.GA)
-    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight, fwd.real
+    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight, fwd.real, fwd.input_ok
 
 
 @torch.no_grad()
@@ -400,9 +451,26 @@ def apply_records(head, records: list) -> None:
     gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
     GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
     real = None if records[0][5] is None else torch.cat([r[5] for r in records])
+    input_ok = functools.reduce(operator.and_, [r[6] for r in records])  # device flags: a bad micro-batch voids the step
+    before_step(head, Hx.shape[0], draw=False)  # the records carry their negatives as slots
+    if head.step_checks.deferred:
+        head._version += 1
+        compiled.run(head, records_step, Hx, idx, gq, gs, GA, real, input_ok)
+        after_step(head)
+        return
+    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real), gq.new_ones(()))
+
+
+def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
+                    input_ok: Tensor | bool = True) -> SavedForward:
+    """The records' step as a forward had made it: their products with the current state."""
     route = inverse_route(head, Hx.shape[0])
-    if route != "solve" and not head._uinv_fresh:
-        head.repairs.refresh_uinv(head)
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
     neg = None if head.negatives is None else head.negatives.slots_part()  # Yd Yd^T by unique columns
-    backward(head, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, neg=neg, real=real), gq.new_ones(()))
+    return SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
+
+
+@torch.no_grad()
+def records_step(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor) -> None:
+    """Exact accumulation's step under device flags, its device part whole (as ``deferred_step``)."""
+    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok), gq.new_ones(()))

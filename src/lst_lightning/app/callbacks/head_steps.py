@@ -1,7 +1,8 @@
 """Self-updating heads step at Lightning's optimizer step: exact gradient accumulation
 (``accumulate_grad_batches``) and the unscaled step, skipped with the optimizer's,
-under a ``GradScaler`` (``precision="16-mixed"``). Works with any LightningModule that
-holds spherical heads; the app's ``LanguageModel`` adds it itself."""
+under a ``GradScaler`` (``precision="16-mixed"``); their device flags are read at the end of
+training. Works with any LightningModule that holds spherical
+heads; the app's ``LanguageModel`` adds it itself."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
@@ -20,14 +21,21 @@ class HeadSteps(pl.Callback):
     """Attach every self-updating head of the module to the (one) optimizer at the start of
     training when steps accumulate or a scaler scales the loss; detach at the end, and when
     training raises (the rows kept for a step that will not come are dropped). A head
-    that cannot wait for the optimizer (``step="fused"``, ``sync_every > 1``) is refused
-    then, before any step, with the reason."""
+    that cannot wait for the optimizer (``step="fused"``) is refused then, before any step,
+    with the reason. Every head's device flags (``head.sync()``) are read at the end of
+    training: a bad batch since the last read raises there, naming its step. (Not at a
+    checkpoint: a read runs the repairs that fell due, and a run's state must not depend on
+    where it was saved.)"""
 
     def __init__(self):
         self._heads: list[SphericalHeadBase] = []
 
+    @staticmethod
+    def _all_heads(pl_module: pl.LightningModule) -> list[SphericalHeadBase]:
+        return [m for m in pl_module.modules() if isinstance(m, SphericalHeadBase)]
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        heads = [m for m in pl_module.modules() if isinstance(m, SphericalHeadBase)]
+        heads = self._all_heads(pl_module)
         scaler = grad_scaler(trainer)
         accumulate = trainer.accumulate_grad_batches
         if not heads or (accumulate == 1 and scaler is None):
@@ -44,9 +52,16 @@ class HeadSteps(pl.Callback):
         self._heads = heads
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        try:  # the flags of the last steps read: a bad batch among them raises from fit()
+            for head in self._all_heads(pl_module):
+                head.sync()
+        finally:
+            self._detach()
+
+    def _detach(self) -> None:
         for head in self._heads:
             head.detach()
         self._heads = []
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self.on_train_end(trainer, pl_module)
+        self._detach()

@@ -1,0 +1,61 @@
+"""The factored step's device part compiled whole (``compile``; docs/factored_head.md,
+"The compiled step").
+
+Under device flags (``sync_every > 1``) a step splits into a host part that reads nothing on
+the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms; and
+``after_step``: the version, the tick of the flags) and a device part that changes no Python
+value (``deferred_step``: forward, dL/dH, the checks as flags, the write; or its halves
+``forward`` and ``deferred_backward`` for the autograd step, and ``records_step`` for exact
+accumulation). ``run`` calls the device part compiled by ``torch.compile(fullgraph=True)``:
+one graph (a break is an error, not a silent fallback), shapes static per graph (a batch of
+another m or K compiles one of its own), lr a device scalar (a new lr is no recompile).
+Inductor fuses the step's few hundred small operators into a few dozen kernels.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+#: ``compile``: "auto" (on a CUDA device, where nothing refuses it), True (required: a head whose
+#: step cannot compile raises, with the reason) or False (the eager step)
+COMPILE_MODES = ("auto", True, False)
+
+_compiled: dict = {}
+
+
+def compiled(fn):
+    """``fn`` compiled whole, once per function: ``fullgraph`` (a graph break raises), static
+    shapes, without autograd. The function itself is compiled, not its ``torch.no_grad()``
+    wrapper, whose one code object every wrapped function shares (and with it Dynamo's cache
+    and its limit of recompiles)."""
+    out = _compiled.get(fn)
+    if out is None:
+        out = _compiled[fn] = torch.no_grad()(torch.compile(inspect.unwrap(fn), fullgraph=True, dynamic=False))
+    return out
+
+
+def refusal(head, driving=None) -> str | None:
+    """Why ``head``'s step (driven as ``driving``, default its own) cannot be compiled whole, or None."""
+    driving = head.driving if driving is None else driving
+    if not driving.deferred_checks:
+        return "sync_every=1 reads each check on the host as it is made (compiling needs device flags, sync_every > 1)"
+    if driving.parallel == "sharded":
+        return "parallel='sharded' all-reduces between the step's parts"
+    if head.negatives is not None and head.negatives.kernel is not None:
+        return f"negatives.sampler={head.negatives.settings.sampler!r} draws from a sum-tree kept on the host"
+    return None
+
+
+def compiles(head) -> bool:
+    """Whether ``head``'s step runs compiled: ``compile=True``, or "auto" on a CUDA device,
+    where nothing refuses it."""
+    mode = head.driving.compile
+    if mode is False or (mode == "auto" and head.device.type != "cuda"):
+        return False
+    return refusal(head) is None
+
+
+def run(head, fn, *args):
+    """``fn(head, *args)``, one of step.py's device parts: compiled where ``compiles(head)``."""
+    return (compiled(fn) if compiles(head) else fn)(head, *args)

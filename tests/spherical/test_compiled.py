@@ -1,0 +1,179 @@
+"""The step's device part compiled whole (compiled.py): one graph with no break, equal to the
+eager step in float64 to 1e-12 (Inductor's fused loops reorder sums: rounding), to the naive
+head, bit for bit on resume within the compiled mode, and no recompile across lr changes,
+batches of one shape or a resumed head. On every route: the fused step, the autograd step
+(forward and backward, two graphs) and exact accumulation. ``compile_step=True`` is refused
+in one line where the step cannot be compiled."""
+import io
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, compiled
+from lst_lightning.spherical import step as step_module
+
+from head_pairs import rel
+
+D, d, m, K = 300, 8, 12, 3
+DEFAULT = dict(loss="sampled", negatives=dict(num=8, seed=3), preconditioner={})  # lst-train's default head
+ZLOSS = dict(loss="zloss")
+
+
+@pytest.fixture
+def fresh():
+    """Dynamo's caches emptied before and after: each test counts its own graphs."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def aot_eager(monkeypatch, fresh):
+    """Dynamo and AOTAutograd without Inductor's code generation: the same graphs and their
+    functionalised mutations in a fraction of the compile time."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    monkeypatch.setattr(compiled, "_compiled", {})
+
+
+def head(kind, compile_step, dtype=torch.float64, **kw):
+    return FactoredSphericalHead(D, d, **kind, lr=0.1, weight_decay=0.01, dtype=dtype, compile_step=compile_step,
+                                 generator=torch.Generator().manual_seed(0), **kw)
+
+
+def batches(n, seed=0):
+    """K > 1 targets with padding, a class repeated in a row and classes shared across rows."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        H = torch.randn(m, d, generator=g, dtype=torch.float64)
+        idx = torch.randint(0, 40, (m, K), generator=g)
+        idx[0, -1] = -1
+        idx[1, 1] = idx[1, 0]
+        idx[2, 0] = idx[0, 0]
+        out.append((H, idx))
+    return out
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("kind", [ZLOSS, DEFAULT], ids=["zloss", "default"])
+def test_every_device_part_traces_as_one_graph_without_a_break(kind):
+    h = head(kind, False)
+    H, idx = batches(1)[0]
+    Hx, idx, T = h.prepare(H, idx, None, step=True)
+    draws = step_module.before_step(h, m)
+    explained = torch._dynamo.explain(step_module.deferred_step)(h, Hx, idx, T, draws)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    if kind is DEFAULT:  # the autograd step's two halves and exact accumulation's step
+        _, fwd = step_module.forward(h, Hx, idx, T, draws)
+        for fn, args in ((step_module.forward, (Hx, idx, T, draws)),
+                         (step_module.deferred_backward, (fwd, Hx.new_ones(()))),
+                         (step_module.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok))):
+            explained = torch._dynamo.explain(fn)(h, *args)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), (fn, explained.break_reasons)
+
+
+def test_the_compiled_default_step_equals_the_eager_and_the_naive_head(fresh):
+    """Inductor: 100 fused steps of lst-train's default head (sampled classes, the right
+    preconditioner) in float64, the lr changed every 10 steps, against the same head eager
+    (1e-12: the fused loops sum in another order) and the naive head (1e-9, as every pair
+    test); one graph for all of it, none more for a resumed head, which steps bit for bit as
+    the head it was saved from."""
+    eager, fast = head(DEFAULT, False), head(DEFAULT, True)
+    naive = NaiveSphericalHead(D, d, **DEFAULT, lr=0.1, weight_decay=0.01, dtype=torch.float64)
+    naive.reset_weight(eager.weight())
+    for h in (eager, fast):
+        h.step = "fused"
+    assert fast.compiles and not eager.compiles
+    worst = {"eager": 0.0, "naive": 0.0}
+    for i, (H, idx) in enumerate(batches(100)):
+        if i % 10 == 9:
+            for h in (eager, fast, naive):
+                h.lr *= 0.9
+        Hs = [H.clone().requires_grad_() for _ in range(3)]
+        losses = [h(x, idx) for h, x in zip((eager, fast, naive), Hs)]
+        for L in losses:
+            L.backward()
+        worst["eager"] = max(worst["eager"], rel(losses[1], losses[0]), rel(Hs[1].grad, Hs[0].grad))
+        worst["naive"] = max(worst["naive"], rel(losses[1], losses[2]), rel(Hs[1].grad, Hs[2].grad))
+    fast.sync(), eager.sync()
+    worst["eager"] = max(worst["eager"], rel(fast.weight(), eager.weight()))
+    worst["naive"] = max(worst["naive"], rel(fast.weight(), naive.weight()))
+    assert worst["eager"] <= 1e-12 and worst["naive"] <= 1e-9, worst
+    assert int(fast.steps) == 100 and graphs() == 1  # no recompile across lr changes and batches
+    # resume within the compiled mode: bit for bit, with the same graph
+    buf = io.BytesIO()
+    torch.save(fast.state_dict(), buf)
+    buf.seek(0)
+    again = head(DEFAULT, True)
+    again.step = "fused"
+    again.load_state_dict(torch.load(buf, weights_only=False))
+    for H, idx in batches(5, seed=1):
+        a, b = (h.train_step(H, idx) for h in (fast, again))
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert torch.equal(fast.weight(), again.weight()) and graphs() == 1
+
+
+def twins(kind, steps_fn):
+    """The same steps on an eager head and a compiled one: (worst relative gap, the compiled head)."""
+    eager, fast = head(kind, False), head(kind, True)
+    worst = steps_fn(eager, fast)
+    for h in (eager, fast):
+        h.sync()
+    return max(worst, rel(fast.weight(), eager.weight())), fast
+
+
+def autograd_steps(eager, fast, n=6):
+    worst = 0.0
+    for H, idx in batches(n):
+        Hs = [H.clone().requires_grad_() for _ in range(2)]
+        for h, x in zip((eager, fast), Hs):
+            h(x, idx).backward()
+        worst = max(worst, rel(Hs[1].grad, Hs[0].grad))
+    return worst
+
+
+def accumulated_steps(eager, fast, n=3, micro=2):
+    opts = [torch.optim.SGD([torch.zeros(1, requires_grad=True)]) for _ in range(2)]
+    for h, opt in zip((eager, fast), opts):
+        h.attach(opt, accumulate=micro)
+    data = batches(n * micro)
+    for s in range(n):
+        for H, idx in data[s * micro:(s + 1) * micro]:
+            for h in (eager, fast):
+                (h(H.clone().requires_grad_(), idx) / micro).backward()
+        for opt in opts:
+            opt.step()
+    return 0.0
+
+
+@pytest.mark.parametrize("kind", [ZLOSS, DEFAULT], ids=["zloss", "default"])
+def test_the_autograd_step_and_exact_accumulation_run_compiled(aot_eager, kind):
+    gap, fast = twins(kind, autograd_steps)
+    assert gap <= 1e-12 and int(fast.steps) == 6
+    assert graphs() == 2  # the forward and the backward, once each
+    gap, fast = twins(kind, accumulated_steps)
+    assert gap <= 1e-12 and int(fast.steps) == 3
+    assert graphs() == 3  # and the records' step
+
+
+def test_compile_step_true_is_refused_in_one_line_where_the_step_cannot_compile():
+    for kw, why in ((dict(sync_every=1), "sync_every=1 reads each check on the host"),
+                    (dict(parallel="sharded"), "parallel='sharded' all-reduces"),
+                    (dict(loss="sampled", negatives=dict(num=4, sampler="quadratic", shared=False)), "sum-tree")):
+        with pytest.raises(ValueError, match=f"compile_step=True: .*{why}") as err:
+            FactoredSphericalHead(D, d, compile_step=True, **kw)
+        assert "\n" not in str(err.value)
+    h = FactoredSphericalHead(D, d, compile_step=True)
+    with pytest.raises(ValueError, match="sync_every=1"):
+        h.sync_every = 1
+    assert h.sync_every > 1 and h.compiles
+    auto = FactoredSphericalHead(D, d)
+    assert auto.compile_step == "auto" and not auto.compiles  # auto: on a CUDA device only
+    with pytest.raises(ValueError, match="compile must be one of"):
+        FactoredSphericalHead(D, d, compile_step="yes")

@@ -1,0 +1,67 @@
+"""No host read a step: the factored head's default step reads the device on the host only
+when its flags are read, every ``sync_every`` steps (and in the repairs that fall due then):
+at most 0.1 reads a step on each way a loop drives it. The counter (tests/helpers/host_reads.py)
+fails on the host-checked step, which reads at every step."""
+import pytest
+import torch
+
+from lst_lightning.spherical import FactoredSphericalHead
+
+from host_reads import HostReads
+
+D, d, m, K = 300, 8, 16, 3
+STEPS = 128
+MAX_READS_A_STEP = 0.1
+
+
+def head(**kw):
+    return FactoredSphericalHead(D, d, loss="sampled", negatives=dict(num=8), preconditioner={}, **kw)
+
+
+def batch():
+    idx = torch.randint(-1, D, (m, K))
+    idx[0, 1] = idx[0, 0]  # a class repeated in a row
+    return torch.randn(m, d), idx
+
+
+def autograd_steps(h, steps):
+    for _ in range(steps):
+        H, idx = batch()
+        h(H.requires_grad_(), idx).backward()
+
+
+def fused_steps(h, steps):
+    h.step = "fused"
+    autograd_steps(h, steps)
+
+
+def accumulated_steps(h, steps, micro=2):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    h.attach(opt, accumulate=micro)
+    for _ in range(steps):
+        autograd_steps(h, micro)
+        opt.step()
+
+
+ROUTES = {"autograd": autograd_steps, "fused": fused_steps, "accumulated": accumulated_steps}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_default_step_reads_the_host_at_most_once_in_ten_steps(route):
+    torch.manual_seed(0)
+    h = head()
+    ROUTES[route](h, 2)  # the proposal's table made on the head's device, once
+    with HostReads() as reads:
+        ROUTES[route](h, STEPS)
+    assert int(h.steps) == STEPS + 2
+    assert reads.count / STEPS <= MAX_READS_A_STEP, reads.sites
+    assert reads.count >= STEPS // h.sync_every  # the flags are read: one transfer each time
+
+
+def test_the_host_checked_step_reads_at_every_step():
+    """sync_every=1 reads each check as it is made: the counter sees it."""
+    h = head(sync_every=1)
+    autograd_steps(h, 2)
+    with HostReads() as reads:
+        autograd_steps(h, 8)
+    assert reads.count >= 8 * 2, reads.sites
