@@ -19,7 +19,7 @@ wall times across runs). Settings:
   asynchronous); with no validation here, it saves nothing periodic in a run under 10 minutes;
 - ``budget``: the defaults with a trigger every 0.6 s, so that only the 5 % bound spaces
   the saves: what the default rule costs when saves are due all the time;
-- ``steps1000_sync``: the old defaults (every 1 000 steps, written before training goes on);
+- ``steps1000_sync``: every 1 000 steps, each save written before training goes on;
 - ``steps1000_async``: the same, written in the background.
 
 Then, per D, the cost of recomputing what the factored head could leave out of a checkpoint

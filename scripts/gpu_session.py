@@ -1,17 +1,20 @@
-"""The GPU session, as two calls of the device tool on one warm machine (docs/benchmarks.md,
-"The GPU session: two calls"): a lease is 15 minutes of device time, the machine's start
-included. Each call runs its steps one after the other, each in its own process (a CUDA
-error in one does not poison the next), tees their output into ``<call>_log.txt`` in the
-output folder and ends that log with a table: each step's exit status and time, the tests'
-counts from their junit XML, and every PASS / FAIL / UNMEASURED target line the benchmarks
-printed.
+"""The GPU benchmark suite: the CUDA checks and the benchmarks of the GPU targets, on any
+machine with a CUDA GPU (docs/gpu.md: what it runs, what it needs, how long it takes).
 
-    python3 scripts/gpu_session.py call1 --out $OUT   # -m gpu and kernel tests natively, bench_heads.py
-    python3 scripts/gpu_session.py call2 --out $OUT   # bench_whole_step.py --device cuda, quality at D = 10^6
+    python3 scripts/gpu_session.py --out DIR                 # every part, in order
+    python3 scripts/gpu_session.py tests kernels --out DIR   # some of them
+    python3 scripts/gpu_session.py --list                    # the parts and their time limits
+
+The parts: ``tests`` (the gpu-marked tests), ``kernels`` (the kernel tests, native), ``profile``
+(profile_step.py), ``heads`` (bench_heads.py at the targets' sizes), ``whole_step``
+(bench_whole_step.py on the GPU), ``quality`` (every head at D = 10^6 for the same training time).
+Each step runs in its own process (a CUDA error in one does not poison the next), under its own
+time limit; the suite tees their output into ``gpu_session_log.txt`` in ``--out`` and ends that log
+with a table: each step's exit status and time, the tests' counts from their junit XML, and every
+PASS / FAIL / UNMEASURED target line the benchmarks printed. Every file lies directly in ``--out``.
 
 ``--smoke`` runs the same steps at tiny sizes on whatever device is there (CPU in the test
-suite, tests/scripts/test_gpu_session.py). Every file a call writes lies directly in
-``--out`` (the device tool brings back at most 8 files): call1 6, call2 8.
+suite, tests/scripts/test_gpu_session.py).
 """
 from __future__ import annotations
 
@@ -31,19 +34,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
-# The test paths of call 1 that collect without the app's frameworks (hydra, wandb, datasets
-# are not on the GPU machine): every gpu-marked test of the suite lies in them.
+# The test paths that collect without the app's frameworks (hydra, wandb, datasets may be absent
+# from a GPU machine's Python): every gpu-marked test of the suite lies in them.
 GPU_TEST_PATHS = ["tests/spherical", "tests/baselines", "tests/heads", "tests/lst_kernels",
                   "tests/scripts/test_bench_whole_step.py"]
 # The cubin compile of every launch is checked on the CPU by the suite; on the GPU the kernels run.
 NOT_ON_THE_GPU = "tests/lst_kernels/test_compile_for_gpu.py"
 # The heads at D = 10^6 in the quality comparison (quality_table.py names), the contested ones
 # first (the default head, its step replayed from a CUDA graph by head.step=auto, with its Neumann
-# factors fixed and adaptive (Stabiliser.neumann; the eager step, host-bound, was measured in four
-# sessions: quality_table.py's factored-sampled-eager), and the sampled softmax: issue 31's
-# question), so that a step cut short by its limit loses the least telling
-# rows (on the H100, 26 Nov, each run took 35-40 s with its start, and the sampled softmax, then
-# last, was cut).
+# factors fixed and adaptive (Stabiliser.neumann), and the sampled softmax), so that a step cut
+# short by its limit loses the least telling rows.
 QUALITY_HEADS = ["factored-sampled", "factored-sampled-adaptive", "sampled-log_uniform", "adaptive", "softmax",
                  "factored-zloss", "hsoftmax"]
 TARGET = re.compile(r"^(PASS|FAIL|UNMEASURED)\s+(.*)$")
@@ -73,60 +73,77 @@ def pytest_argv(paths: list[str], junit: Path, *extra: str) -> list[str]:
             "--import-mode=importlib", f"--junitxml={junit}", *extra]
 
 
-def call1(out: Path, smoke: bool) -> list[Step]:
-    """Correct, then fast: the gpu-marked tests, the kernel tests natively (every kernel against
-    its reference in float32, float64 and bf16, odd shapes, repeated classes), the default
-    head's step profiled (profile_step.py, its graph at 2 and 6 Neumann factors side by side), then
-    bench_heads.py: a smoke run of the factored paths (the Triton compiles), then the sizes of
-    the targets (D = 10^4, 793 471 and 2 x 10^7 at d = 512, the paper's d = 300)."""
-    # smoke: one file of each (collecting every path costs 20 s here), a few kernel cases
-    gpu = pytest_argv(["tests/spherical/test_cuda.py"] if smoke else GPU_TEST_PATHS, out / "call1_gpu_junit.xml",
-                      "-m", "gpu", *workers(4))
-    kernels = pytest_argv(["tests/lst_kernels/test_gather_dot_kernel.py"] if smoke else ["tests/lst_kernels"],
-                          out / "call1_kernels_junit.xml", "-m", "not slow", "--deselect", NOT_ON_THE_GPU,
-                          *(["-k", "shape1"] if smoke else workers(8)))
+def tests(out: Path, smoke: bool) -> list[Step]:
+    """The gpu-marked tests: the factored head on CUDA against the float64 naive head step for
+    step, every loss; its step replayed from a CUDA graph bit-identical to the eager step; the
+    Liger and cut-cross-entropy heads against torch."""
+    junit = out / "gpu_tests_junit.xml"
+    # smoke: one file (collecting every path costs 20 s on a 2-core CPU)
+    argv = pytest_argv(["tests/spherical/test_cuda.py"] if smoke else GPU_TEST_PATHS, junit, "-m", "gpu", *workers(4))
+    return [Step("gpu_tests", argv, 80, junit=junit)]
+
+
+def kernels(out: Path, smoke: bool) -> list[Step]:
+    """The kernel tests natively: every kernel against its reference in float32, float64 and bf16,
+    odd shapes, repeated classes."""
+    junit = out / "kernel_tests_junit.xml"
+    argv = pytest_argv(["tests/lst_kernels/test_gather_dot_kernel.py"] if smoke else ["tests/lst_kernels"], junit,
+                       "-m", "not slow", "--deselect", NOT_ON_THE_GPU, *(["-k", "shape1"] if smoke else workers(8)))
+    return [Step("kernel_tests", argv, 40, junit=junit)]
+
+
+def profile(out: Path, smoke: bool) -> list[Step]:
+    """The default head's step profiled (lst-train's loss=sampled with its negatives and P): eager,
+    sync-free and from a graph, the last two at 2 and at 6 Neumann factors side by side; its
+    tables go into the log."""
+    argv = [PY, "scripts/profile_step.py", "--loss", "sampled", "--inverse", "products", "--factors", "2,6",
+            "--out", tempfile.mkdtemp(prefix="profile_step_")]
+    return [Step("profile_step", [*argv, "--smoke"] if smoke else argv, 60 if smoke else 50)]
+
+
+def heads(out: Path, smoke: bool) -> list[Step]:
+    """bench_heads.py: a smoke run of the factored paths (the Triton compiles), then the targets'
+    sizes (D = 10^4, 793 471 and 2 x 10^7 at d = 512, the paper's d = 300); if the smoke run
+    fails (the machine's Triton, say), the full run times the factored head on its torch ops."""
     bench = [PY, "scripts/bench_heads.py"]
-    factored = ["--heads", "factored/zloss,factored_sync,factored_graph"]
-    tests = [Step("gpu_tests", gpu, 80, junit=out / "call1_gpu_junit.xml"),
-             Step("kernel_tests", kernels, 40, junit=out / "call1_kernels_junit.xml")]
-    # the default head's step profiled (lst-train's loss=sampled with its negatives and P), the
-    # graph and the sync-free step at 2 and at 6 Neumann factors side by side (what neumann=adaptive
-    # saves where a trained model's rho asks for 2): its tables go into the log
-    profile = [PY, "scripts/profile_step.py", "--loss", "sampled", "--inverse", "products", "--factors", "2,6"]
     if smoke:
-        return [*tests, Step("profile_step", [*profile, "--smoke", "--out", tempfile.mkdtemp()], 60),
-                Step("bench_heads", [*bench, "--smoke", "--D", "50", "--out", str(out)], 120)]
+        return [Step("bench_heads", [*bench, "--smoke", "--D", "50", "--out", str(out)], 120)]
     scratch = Path(tempfile.mkdtemp(prefix="bench_heads_smoke_"))
-    return [*tests, Step("profile_step", [*profile, "--out", str(scratch)], 50),
-            Step("bench_heads_smoke", [*bench, "--smoke", *factored, "--out", str(scratch)], 40),
-            # the smoke run failed (the machine's Triton, say): the factored head on its torch ops
+    factored = ["--heads", "factored/zloss,factored_sync,factored_graph"]
+    return [Step("bench_heads_smoke", [*bench, "--smoke", *factored, "--out", str(scratch)], 40),
             Step("bench_heads", [*bench, "--D", "10000,793471,20000000", "--d", "512,300", "--m", "128,1024",
                                  "--all-losses-up-to", "10000", "--budget-s", "0.1", "--deadline-s", "120",
                                  "--out", str(out)], 150, if_previous_failed={"LST_KERNELS": "torch"})]
 
 
-def call2(out: Path, smoke: bool) -> list[Step]:
-    """The whole step on the GPU (D = 793 471 and 10^6: the ratios to the full and hierarchical
-    softmax, the flatness pair), then every head at D = 10^6 for the same training time,
-    validation curves against training wall-clock."""
-    whole = [PY, "scripts/bench_whole_step.py", "--out", str(out)]
-    quality = [PY, "scripts/quality_table.py", "--tasks", "synthetic", "--modes", "budget", "--budget-clock",
-               "train", "--stem", "quality_large_D", "--out", str(out)]
+def whole_step(out: Path, smoke: bool) -> list[Step]:
+    """The whole training step on the GPU: D = 793 471 (the ratios to the full and hierarchical
+    softmax) and 10^6 (the flatness pair, its D = 10^4 model built beside it), 2 048 tokens a
+    step (at 256 every head's whole step is bound by kernel launches on an H100 or H200)."""
+    argv = [PY, "scripts/bench_whole_step.py", "--out", str(out)]
     if smoke:
-        whole += ["--smoke", "--D", "50", "--bodies", "ngram_mlp", "--heads", "softmax"]
-        quality += ["--preset", "quick", "--budget-s", "1", "--heads", "factored-zloss"]
-        return [Step("whole_step", whole, 120), Step("quality_large_D", quality, 180)]
-    # 793 471: the ratios to the full and hierarchical softmax; 10^6: the flatness pair (its
-    # D = 10^4 model is built beside it). 2 048 tokens a step: at the CPU's 256 every head's
-    # whole step was launch-bound on the H200 (4-10 ms, 26 Nov); files whole_step_tokens2048_*
-    whole += ["--device", "cuda", "--tokens", "2048", "--D", "793471,1000000", "--all-losses-up-to", "0",
-              "--budget-s", "0.3", "--deadline-s", "75"]
-    quality += ["--preset", "large_D", "--budget-s", "15", "--val-every-s", "5", "--heads", *QUALITY_HEADS,
-                "-o", "trainer=gpu"]
-    return [Step("whole_step", whole, 110), Step("quality_large_D", quality, 260)]
+        return [Step("whole_step", [*argv, "--smoke", "--D", "50", "--bodies", "ngram_mlp", "--heads", "softmax"],
+                     120)]
+    return [Step("whole_step", [*argv, "--device", "cuda", "--tokens", "2048", "--D", "793471,1000000",
+                                "--all-losses-up-to", "0", "--budget-s", "0.3", "--deadline-s", "75"], 110)]
 
 
-CALLS = {"call1": call1, "call2": call2}
+def quality(out: Path, smoke: bool) -> list[Step]:
+    """Every head at D = 10^6 trained for the same 15 s (validation excluded), validated on the
+    same 512 held-out examples every 5 s: curves against training time."""
+    argv = [PY, "scripts/quality_table.py", "--tasks", "synthetic", "--modes", "budget", "--budget-clock", "train",
+            "--stem", "quality_large_D", "--out", str(out)]
+    if smoke:
+        return [Step("quality_large_D", [*argv, "--preset", "quick", "--budget-s", "1", "--heads", "factored-zloss"],
+                     180)]
+    return [Step("quality_large_D", [*argv, "--preset", "large_D", "--budget-s", "15", "--val-every-s", "5",
+                                     "--heads", *QUALITY_HEADS, "-o", "trainer=gpu"], 260)]
+
+
+#: the parts in the order the suite runs them: correct first, then fast, then quality
+PARTS = {"tests": tests, "kernels": kernels, "profile": profile, "heads": heads, "whole_step": whole_step,
+         "quality": quality}
+LOG = "gpu_session_log.txt"
 
 
 def junit_counts(path: Path | None) -> str:
@@ -160,7 +177,7 @@ def run_step(step: Step, log) -> tuple[int, float, list[str]]:
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
-            log.flush()  # what a cut-off call returns is what reached the file
+            log.flush()  # a run cut off keeps what reached the file
             if TARGET.match(line.strip()):
                 targets.append(line.strip())
         rc = proc.wait()
@@ -187,22 +204,39 @@ def versions() -> str:
     return f"torch {torch.__version__}, triton {tri}, {cuda}"
 
 
+def plan(parts: list[str], out: Path, smoke: bool) -> list[Step]:
+    return [step for part in parts for step in PARTS[part](out, smoke)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("call", choices=sorted(CALLS))
-    p.add_argument("--out", type=Path, required=True, help="the folder every file goes into ($OUT on the GPU)")
+    p.add_argument("parts", nargs="*", metavar="PART", help=f"some of {', '.join(PARTS)} (default: all, in that order)")
+    p.add_argument("--out", type=Path, help="the folder every file goes into")
     p.add_argument("--smoke", action="store_true", help="the same steps at tiny sizes (CPU, tests)")
+    p.add_argument("--list", action="store_true", help="print each part's steps and time limits, and run nothing")
     args = p.parse_args(argv)
+    unknown = [x for x in args.parts if x not in PARTS]
+    if unknown:
+        p.error(f"unknown part(s) {', '.join(unknown)}: the parts are {', '.join(PARTS)}")
+    parts = [x for x in PARTS if x in args.parts] if args.parts else list(PARTS)
+    if args.list:
+        for part in parts:
+            limits = ", ".join(f"{s.name} {s.timeout_s:.0f} s" for s in PARTS[part](Path("OUT"), args.smoke))
+            print(f"{part:<11} {limits}")
+        total = sum(s.timeout_s for s in plan(parts, Path("OUT"), args.smoke))
+        print(f"at most {total:.0f} s in all")
+        return 0
+    if args.out is None:
+        p.error("--out is required")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    steps = CALLS[args.call](out, args.smoke)
     rows = []
-    with (out / f"{args.call}_log.txt").open("w") as log:
-        header = f"{args.call}{' --smoke' if args.smoke else ''}: {versions()}"
+    with (out / LOG).open("w") as log:
+        header = f"{' '.join(parts)}{' --smoke' if args.smoke else ''}: {versions()}"
         print(header, flush=True)
         log.write(header + "\n")
         failed = False
-        for step in steps:
+        for step in plan(parts, out, args.smoke):
             if failed and step.if_previous_failed is not None:
                 step.env.update(step.if_previous_failed)
                 step.name += " (" + " ".join(f"{k}={v}" for k, v in step.if_previous_failed.items()) + ")"
@@ -210,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             failed = rc != 0
             rows.append((step.name, "ok" if rc == 0 else f"exit {rc}", f"{seconds:.0f} s", junit_counts(step.junit)))
             rows += [("  target", t.split()[0], "", " ".join(t.split()[1:])) for t in targets]
-        table = "\n".join(["", f"=== {args.call} summary", *("  ".join(c for c in r if c) for r in rows)])
+        table = "\n".join(["", "=== summary", *("  ".join(c for c in r if c) for r in rows)])
         print(table, flush=True)
         log.write(table + "\n")
     return 0 if all(r[1] in ("ok", "PASS", "FAIL", "UNMEASURED") for r in rows) else 1

@@ -121,8 +121,8 @@ def test_integrations_import_transformers_only_inside_functions():
 
 
 def test_data_imports_datasets_and_gensim_only_inside_functions():
-    """The synthetic task's data module runs where neither is installed (the lent GPU
-    machine, docs/benchmarks.md): they are imported only where a corpus is loaded."""
+    """The synthetic task's data module runs where neither is installed (a GPU machine with
+    torch but not the app's frameworks, docs/gpu.md): they are imported only where a corpus is loaded."""
     bad = top_level_imports("data", {"datasets", "gensim"})
     assert not bad, "\n".join(bad)
 

@@ -29,9 +29,9 @@ def test_factored_head_learns_the_synthetic_rule(tmp_path):
 def test_default_head_learns_at_large_D(tmp_path):
     """D = 10^5 classes and input tokens, every learning default as shipped (head, loss, init,
     lr, body), a fixed number of steps: the ranking must be well above the class frequencies
-    on the same held-out examples. The Z-loss head with the old initialisation (std
-    1/sqrt(d + 1)) stayed at the unigram ranking here (docs/learning_at_scale.md); the default
-    is now the sampled classes inside the exact step (loss=sampled)."""
+    on the same held-out examples (the Z-loss head initialised at std 1/sqrt(d + 1) stays at the
+    unigram ranking here: docs/learning_at_scale.md). The default is the sampled classes inside
+    the exact step (loss=sampled)."""
     res = run(cfg_of("logger=csv", "callbacks=minimal", "data=synthetic", "data.num_classes=100000",
                      "data.input_vocab_size=100000", "data.max_eval_examples=1024", "trainer.max_steps=600",
                      "trainer.limit_val_batches=0", "metrics.simlex=false"), tmp_path)

@@ -29,7 +29,7 @@ def test_softmax_matches_dense(chunked, chunk_elements, bias, K):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("K", [1, 3])
 def test_softmax_on_a_torch_without_linear_cross_entropy(monkeypatch, bias, K):
-    """torch before 2.13 (the lent GPU machine's 2.11) has no F.linear_cross_entropy: the
+    """torch before 2.13 (2.11, 2.12) has no F.linear_cross_entropy: the
     head computes the same loss and gradients unfused."""
     head = SoftmaxHead(num_classes=D, hidden_dim=d, bias=bias)
     if bias:

@@ -40,6 +40,17 @@ class Texts(Dataset):
         return self.rows[i]
 
 
+def as_a_fresh_launch():
+    """No process group until the Trainer makes one, as in a process torchrun has just started:
+    the head is built alone and joins the group when training begins (after a checkpoint loads)."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_steps=None, resume=None,
           tokens_over_world=True, bad_rank=None):
     """One Trainer run; returns the model's state (a sharded V gathered whole on rank 0), the
@@ -48,6 +59,8 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
 
     from lst_lightning.integrations import export_dense_head, factor_lm_head, head_follows_trainer
 
+    if "WORLD_SIZE" in os.environ:
+        as_a_fresh_launch()
     model = factor_lm_head(tiny_llama(), loss="zloss", lr=0.5, dtype=torch.float64, parallel=parallel)
     if bad_rank is not None and int(os.environ.get("RANK", "0")) == bad_rank:
         def bad_label(module, args, kwargs):
@@ -108,11 +121,8 @@ def runs(out):
 
 
 def worker(rank, port, out):
-    from accelerate.state import AcceleratorState
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
-    AcceleratorState._reset_state(reset_partial_state=True)  # a forked copy of the parent's one-process state
     torch.set_num_threads(1)
     res = runs(out)
     torch.save(res, out / f"rank{rank}.pt")

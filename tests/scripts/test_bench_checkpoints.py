@@ -11,7 +11,7 @@ import types
 import bench_checkpoints as bc
 import pytest
 
-MACHINE = "AMD-EPYC-2cores"  # the committed CSV's
+MACHINE = "AMD-EPYC-2cores"
 
 
 @pytest.mark.slow  # four lst-train processes: about two minutes on the 2-core machine
@@ -66,6 +66,7 @@ def test_a_series_is_appended_to_the_committed_csv(sandbox, monkeypatch):
     monkeypatch.setattr(bc, "machine_name", lambda: MACHINE)
     monkeypatch.setattr(bc, "recompute_cost", lambda D, d: {"recompute_s": 0.5, "recomputable_bytes": 7, "V_mb": 1.0})
     path = sandbox.results / f"checkpoints_{MACHINE}.csv"
+    sandbox.run_update(bc.main, ["--D", "10000", "--settings", "none", "--series", "E: an earlier one"])
     before = path.read_text()
     changed = sandbox.run_update(bc.main, ["--D", "10000", "--settings", "none", "budget", "--series", "F: a test"])
     assert f"checkpoints_{MACHINE}.csv" in changed

@@ -249,7 +249,7 @@ def test_only_the_heads_that_score_every_class_are_guessed_too_slow_from_a_small
 def test_sizes_are_timed_targets_first_then_the_papers_size():
     """--deadline-s stops the run after a size: the target's d at every D comes first (the
     flatness pair's 2 x 10^7 included), then the paper's (793 471, 300) before the other D of
-    d = 300 (the fifth GPU session lost the paper's graph row to the deadline behind D = 10^4)."""
+    d = 300 (so that a deadline does not cut the paper's size behind D = 10^4)."""
     order = bh.size_order([10_000, 793_471, 20_000_000], [512, 300])
     assert order == [(10_000, 512), (793_471, 512), (20_000_000, 512),
                      (793_471, 300), (10_000, 300), (20_000_000, 300)]

@@ -11,8 +11,8 @@ from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_
 @pytest.fixture(scope="session")
 def ranks(tmp_path_factory):
     """The two ranks' results. A rank killed by a signal is run again once, with a warning:
-    gloo aborted a rank once in the ninth session's suite ("terminate called without an active
-    exception", not reproduced in 8 reruns; docs/multi_gpu.md saw it at a DDP job's exit). A
+    gloo has aborted a rank once in a suite run ("terminate called without an active exception",
+    not reproduced in 8 reruns; docs/multi_gpu.md notes it at a DDP job's exit). A
     fault that kills a rank twice, or raises, still fails every test that uses this."""
     for attempt in (1, 2):
         tmp = tmp_path_factory.mktemp("dist")

@@ -1,8 +1,7 @@
 """The factored head on a CUDA device: equal to the naive head step for step, and its step
 replayed from a CUDA graph bit for bit the eager sync-free step over many steps, the lr
 changed at every step without a new capture, with and without sampled classes drawn inside
-the graph. CUDA only (``-m gpu``): the first call of the
-GPU session runs them (docs/benchmarks.md, "The GPU session: two calls")."""
+the graph. CUDA only (``-m gpu``): the GPU suite's ``tests`` part runs them (docs/gpu.md)."""
 import copy
 
 import pytest

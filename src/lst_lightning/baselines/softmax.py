@@ -30,7 +30,7 @@ def _load_impl(impl: str):
 
 #: cut-cross-entropy's CUDA kernels index W with 32-bit offsets: an H200 run at D = 2 x 10^7,
 #: d = 512 (10^10 elements) ended in an illegal memory access, which poisons the process's
-#: CUDA context (26 Nov 2026; fine at 793 471 x 512)
+#: CUDA context (793 471 x 512 runs)
 CCE_MAX_ELEMENTS = 2**31 - 1
 
 
@@ -84,7 +84,7 @@ class SoftmaxHead(LinearClassHead):
         W = self._keys(self.weight)
         if self.impl == "torch":
             if not hasattr(F, "linear_cross_entropy"):
-                # torch before 2.13 (the lent GPU machine has 2.11): the same loss, unfused,
+                # torch before 2.13 (2.11, 2.12): the same loss, unfused,
                 # its (rows, D) logits made whole. Benchmarks say which torch they ran on.
                 return F.cross_entropy(F.linear(x, W, self.bias), target, ignore_index=-1, reduction=reduction)
             options = None

@@ -3,8 +3,8 @@ documents (one ``text`` column), from the embedded Wikipedia extract, local file
 the hub. Everything goes through ``datasets`` so caching and hub names share one path.
 
 ``datasets`` is imported where a corpus is loaded, not at the top: the synthetic task's data
-module imports this module, and must run where ``datasets`` is not installed (the lent GPU
-machine: docs/benchmarks.md, "The GPU session: two calls").
+module imports this module, and must run where ``datasets`` is not installed (a GPU machine
+with torch but not the app's frameworks: docs/gpu.md).
 """
 from __future__ import annotations
 

@@ -64,19 +64,13 @@ class Sampler(nn.Module):
 
 
 #: S, the classes a step samples, when a head leaves it null: the sampled softmax
-#: (``SampledSoftmaxHead``) and the exact head's slots (``negatives.num``) alike. Below
-#: ``LARGE_D`` classes 64; from there 512, each head's best at equal time with the lr decaying
-#: over it (docs/benchmarks.md, "The sampled softmax's growing step, fixed": the sampled softmax
-#: 0.430 at S 512 against 0.389 at S 64 at 10^5, 0.343 against 0.315 at 10^6, before its step
-#: was fixed). From ``HUGE_D`` classes the sampled softmax alone takes ``HUGE_D_NUM_SAMPLES``
-#: (``sampled_softmax_num_samples``): re-swept after the fix (docs/benchmarks.md, "S re-swept
-#: after the fix"), at 10^6 S 1024 beat S 512 on seven seeds of seven (mean MRR +0.004, top-10
-#: error -0.015) and S 2048 (seed 0: 0.359 against 0.344); at 10^5 S 1024 and 512 were level
-#: (two seeds). The exact head's slots keep 512 there: S 1024 was mixed on two seeds
-#: (MRR -0.005 and +0.015); they take ``HUGE_D_NUM_SAMPLES`` from ``SLOTS_HUGE_D`` classes
-#: (``slots_num_samples``): at 10^7 S 1024 beat S 512 on three seeds of three, with the
-#: right preconditioner (MRR +0.003 to +0.008, top-10 error -0.008 to -0.012; docs/benchmarks.md,
-#: "Where the top-10 gap comes from").
+#: (``SampledSoftmaxHead``) and the exact head's slots (``negatives.num``) alike, 64 below
+#: ``LARGE_D`` classes and 512 from there; from ``HUGE_D`` classes the sampled softmax takes
+#: ``HUGE_D_NUM_SAMPLES`` (``sampled_softmax_num_samples``), the exact head's slots from
+#: ``SLOTS_HUGE_D`` (``slots_num_samples``). Each is its head's best for the same training time
+#: with the lr decaying over it (docs/results/equal_time.md, "Every setting run"): at 10^6 the
+#: sampled softmax at S 1024 ahead of S 512, the slots at S 512 ahead of S 1024; at 10^7 the
+#: slots at S 1024 ahead of S 512; at 10^5 S 512 and 1024 level for the sampled softmax.
 SMALL_D_NUM_SAMPLES, LARGE_D, LARGE_D_NUM_SAMPLES = 64, 100_000, 512
 HUGE_D, HUGE_D_NUM_SAMPLES = 1_000_000, 1024
 SLOTS_HUGE_D = 10_000_000

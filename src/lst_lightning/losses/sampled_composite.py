@@ -57,13 +57,11 @@ class SampledCompositeLoss(SphericalLoss):
     #: the head's lr and mu (``mu`` null) by D; S follows its own rule in D, shared with the
     #: sampled softmax up to 10^6 classes (``heads.samplers.default_num_samples``: 64 below 10^5
     #: classes, 512 from there; the sampled softmax takes 1024 from 10^6, the slots from 10^7:
-    #: ``heads.samplers.slots_num_samples``). Below
-    #: ``large_D`` classes ``small_D_*``: the best on the real corpus at its own D (33 155) and
-    #: level at 10^4 (docs/benchmarks.md, "The default"). From ``large_D``:
-    #: ``large_D_*`` (with S 512), at equal time with the lr decaying over it: lr 16 and S 512
-    #: ahead of the 2 000-step grids' lr 8 and S 64 (docs/sampled_slots_tuning.md); mu 0.1
-    #: ahead of 0.3 at 10^5 (two seeds) and on five seeds of seven at 10^6 (docs/benchmarks.md,
-    #: "S, mu and the lr at 10^6" and "The sampled softmax's growing step, fixed")
+    #: ``heads.samplers.slots_num_samples``). Below ``large_D`` classes ``small_D_*``: the best on
+    #: the embedded corpus at its own D (33 155; benchmarks/results/quality_own_D_sampled_lr_*.csv).
+    #: From ``large_D``: ``large_D_*``, the best for the same training time with the lr decaying over
+    #: it (docs/sampled_slots_tuning.md; docs/results/equal_time.md: mu 0.1 ahead of 0.3, lr 16
+    #: and S 512 ahead of lr 8 and S 64)
     small_D_lr, small_D_mu = 2.0, 1.0
     large_D = 100_000
     large_D_lr, large_D_mu = 16.0, 0.1

@@ -386,7 +386,12 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         else:
             raise RuntimeError("the ranks hold different V: distribute() a sharded head before training it")
         self.sharding = new
-        self.refresh_bookkeeping()  # also bumps the version: no stale backward survives this
+        if int(self.steps):
+            # Q and wbar, rank 0's as V is, hold W^T W and W^T 1 already: recomputed, they would
+            # move by rounding, and a run resumed from a checkpoint would leave the run it continues.
+            self._version += 1  # no stale backward survives this
+        else:
+            self.refresh_bookkeeping()  # also bumps the version
 
     @torch.no_grad()
     def gather_v(self, dst: int = 0) -> Tensor | None:

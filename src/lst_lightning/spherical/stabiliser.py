@@ -84,7 +84,7 @@ class Stabiliser:
         """The settings from a Stabiliser, a dict of some of its fields (a Hydra config) or None."""
         if value is None:
             return cls()
-        if isinstance(value, dict) and "woodbury" in value and "inverse" not in value:  # its name before 26 Nov 2026
+        if isinstance(value, dict) and "woodbury" in value and "inverse" not in value:  # the setting's former name
             value = {**value, "inverse": LEGACY_WOODBURY.get(value["woodbury"], value["woodbury"])}
             del value["woodbury"]
         return settings_from(cls, value, "stabiliser")

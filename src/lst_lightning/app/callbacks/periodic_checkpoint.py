@@ -43,9 +43,9 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ..checkpoint_io import AsyncAtomicCheckpointIO, copy_atomically, link_atomically
 
 
-#: bytes per second assumed for a first save, before one is timed: measured on the 2-core
-#: development machine, 1.2 GB from the snapshot to the file on disk in 6.7 s (D = 10^6,
-#: docs/benchmarks.md, "Checkpoints"), rounded down
+#: bytes per second assumed for a first save, before one is timed: below what a 2-core CPU
+#: machine writes (1.2 GB from the snapshot to the file on disk in 4.2 s at D = 10^6,
+#: docs/results/checkpoints.md), with a margin
 FIRST_SAVE_BYTES_PER_S = 150e6
 
 

@@ -1,0 +1,774 @@
+"""The results pages, made from the measurements: ``docs/results/<benchmark>.md`` (tables and
+plots), the index ``docs/results/README.md`` and the README's key figures, all generated
+from the tidy CSVs in ``benchmarks/results/`` (one per benchmark; numeric columns, and the
+machine, torch version, commit, date and command of every row).
+
+    uv run python scripts/results_pages.py            # write every page, plot and the README's figures
+    uv run python scripts/results_pages.py --check    # list what differs from what this script makes
+    uv run python scripts/results_pages.py add BENCHMARK RAW.csv --command "..."   # add a run's rows
+
+``add`` appends the rows of a benchmark script's own CSV (``--out DIR``) to the benchmark's
+tidy CSV, with this checkout's commit, today's date, the torch version and the command. Pages
+are never edited by hand: tests/scripts/test_results_pages.py fails when a committed page, plot
+or the README's figures differ from what this script makes of the committed CSVs.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import math
+import re
+import statistics
+import subprocess
+import sys
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "benchmarks" / "results"
+PAGES = ROOT / "docs" / "results"
+README = ROOT / "README.md"
+#: the columns every row of a tidy CSV ends with
+META = ("machine", "torch", "commit", "date", "command")
+#: text columns (every other column of a tidy CSV is numeric, or empty where not measured)
+TEXT = {*META, "head", "variant", "dtype", "device", "status", "impl", "group", "run", "task", "mode", "clock",
+        "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check", "what"}
+KEY_START = "<!-- key figures: made by scripts/results_pages.py from benchmarks/results/; do not edit -->"
+KEY_END = "<!-- end of key figures -->"
+
+Row = dict[str, object]
+
+
+# --- reading the data -------------------------------------------------------------------
+
+def load(name: str) -> list[Row]:
+    """The rows of ``benchmarks/results/<name>.csv``: numbers as float (int where whole), None where empty."""
+    rows = []
+    with (DATA / f"{name}.csv").open(newline="") as fh:
+        for raw in csv.DictReader(fh):
+            rows.append({k: v if k in TEXT else number(v) for k, v in raw.items()})
+    return rows
+
+
+def number(text: str):
+    if text == "":
+        return None
+    x = float(text)
+    return int(x) if x.is_integer() and "." not in text and "e" not in text.lower() else x
+
+
+def short_machine(name: str) -> str:
+    return {"AMD-EPYC-2cores": "2-core AMD EPYC (CPU)", "Intel-Xeon-2cores": "2-core Intel Xeon (CPU)",
+            "NVIDIA-H100-80GB-HBM3": "NVIDIA H100", "NVIDIA-H200": "NVIDIA H200"}.get(name, name)
+
+
+def short_torch(version: str) -> str:
+    return version.split("+")[0]
+
+
+# --- formatting -------------------------------------------------------------------------
+
+def fmt(x, digits: int = 3) -> str:
+    """A number for a table: about ``digits`` significant figures, thousands spaced, empty for None."""
+    if x is None or isinstance(x, float) and math.isnan(x):
+        return ""
+    if isinstance(x, str):
+        return x
+    if isinstance(x, int):
+        return f"{x:,}".replace(",", " ")
+    if x == 0:
+        return "0"
+    if abs(x) >= 1000:
+        return f"{x:,.0f}".replace(",", " ")
+    if abs(x) < 1e-3:
+        return f"{x:.1e}"
+    places = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{places}f}"
+
+
+def big(D) -> str:
+    """A class count as written in the docs: 10^6, 2 x 10^7, 793 471."""
+    exp = math.floor(math.log10(D))
+    lead = D / 10 ** exp
+    if lead == 1:
+        return f"10^{exp}"
+    if lead.is_integer():
+        return f"{int(lead)} x 10^{exp}"
+    if (10 * lead).is_integer():
+        return f"{lead:.1f} x 10^{exp}"
+    return fmt(D)
+
+
+def table(header: list[str], rows: Iterable[list], right_from: int = 1) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i < right_from else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance(rows: list[Row]) -> str:
+    """Which machine, torch, commit and date made the rows, and the command, with a count."""
+    groups: dict[tuple, int] = defaultdict(int)
+    for r in rows:
+        groups[tuple(r[k] for k in META)] += 1
+    body = [[short_machine(m), short_torch(t), f"`{c}`", d, f"`{cmd}`", str(n)]
+            for (m, t, c, d, cmd), n in sorted(groups.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][4], kv[0]))]
+    return table(["machine", "torch", "commit", "date", "command", "rows"], body, right_from=5)
+
+
+def mean_se(xs: list[float]) -> tuple[float, float]:
+    m = statistics.fmean(xs)
+    return m, (statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else float("nan"))
+
+
+def signed(x: float, digits: int = 3) -> str:
+    return f"{x:+.{digits}f}"
+
+
+def with_se(m_se: tuple[float, float]) -> str:
+    """A mean difference and its standard error (none for one seed)."""
+    m, se = m_se
+    return signed(m) if math.isnan(se) else f"{signed(m)} ± {se:.3f}"
+
+
+# --- plots (SVG, byte-for-byte reproducible with the locked matplotlib) ------------------
+
+def pyplot():
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams.update({"svg.hashsalt": "lst-lightning", "svg.fonttype": "none", "font.size": 9,
+                                "path.simplify": False})
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    return plt
+
+
+def svg(fig) -> str:
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
+    pyplot().close(fig)
+    return buf.getvalue()
+
+
+def line_panels(panels: list[tuple[str, dict[str, list[tuple[float, float]]]]], xlabel: str, ylabel: str) -> str:
+    """Log-log lines, one panel per (title, {label: [(x, y), ...]})."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels):
+        for label, pts in lines.items():
+            pts = sorted(pts)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+        ax.set(xscale="log", yscale="log", title=title, xlabel=xlabel)
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel(ylabel)
+    axes[0][-1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    return svg(fig)
+
+
+# --- the pages ----------------------------------------------------------------------------
+
+@dataclass
+class Page:
+    name: str          # benchmarks/results/<name>.csv -> docs/results/<name>.md
+    title: str
+    script: str        # what measures it
+    about: str         # what a row is
+    body: Callable[[list[Row]], tuple[str, dict[str, str]]]  # rows -> (markdown, {file: svg text})
+
+
+def header(page: Page) -> str:
+    script = page.script if "`" in page.script else f"`{page.script}`"
+    return (f"# {page.title}\n\n{page.about}\n\nMeasured by {script}. Data: "
+            f"[benchmarks/results/{page.name}.csv](../../benchmarks/results/{page.name}.csv); this page is made by "
+            "`scripts/results_pages.py` from it (edit the data or the script, never the page).\n")
+
+
+# head_step: every head's step over D (bench_heads.py)
+
+#: the heads drawn in the step plot, in its legend's order
+STEP_LINES = [("factored/zloss", "factored, Z-loss (autograd)"), ("factored_graph/zloss", "factored, Z-loss (CUDA graph)"),
+              ("factored/sampled", "factored, loss=sampled"), ("naive/zloss", "naive (explicit W)"),
+              ("softmax/torch", "softmax, F.linear_cross_entropy"), ("logits_ce/torch", "softmax, logits + CE"),
+              ("softmax/cce", "softmax, cut-cross-entropy"), ("softmax/liger", "softmax, Liger-Kernel"),
+              ("hsoftmax/sqrt_mass", "hierarchical softmax"), ("hsoftmax/sqrt_mass,sparse", "hierarchical softmax"),
+              ("adaptive/0.05,0.25", "adaptive softmax"), ("sampled/log_uniform", "sampled softmax"),
+              ("sampled/log_uniform,sparse", "sampled softmax")]
+FACTORED_PATHS = ("factored/zloss", "factored_sync/zloss", "factored_graph/zloss")
+
+
+def main_size(rows: list[Row], machine: str) -> tuple[int, int]:
+    """The (d, m) a machine's step table shows: the GPU targets' 512 x 1024, the CPU's 300 x 128."""
+    return (512, 1024) if machine.startswith("NVIDIA") else (300, 128)
+
+
+def ok_ms(rows: list[Row], machine: str, name: str, D: int, d: int, m: int, device: str | None = None):
+    for r in rows:
+        if (r["machine"], f"{r['head']}/{r['variant']}", r["D"], r["d"], r["m"]) == (machine, name, D, d, m) \
+                and r["status"] == "ok" and (device is None or r["device"] == device):
+            return r["median_ms"]
+    return None
+
+
+def fastest_factored(rows: list[Row], machine: str, D: int, d: int, m: int) -> tuple[float, str]:
+    times = [(ok_ms(rows, machine, p, D, d, m, "cuda" if machine.startswith("NVIDIA") else None), p) for p in FACTORED_PATHS]
+    return min((t, p) for t, p in times if t is not None)
+
+
+def head_step_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    out, panels = [], []
+    for machine in sorted({r["machine"] for r in rows}, key=lambda m: (m.startswith("NVIDIA"), m)):
+        rs = [r for r in rows if r["machine"] == machine and r["device"] != "cpu" or
+              r["machine"] == machine and machine.startswith("AMD")]
+        sizes = sorted({(r["d"], r["m"]) for r in rs}, key=lambda s: (s != main_size(rows, machine), s))
+        for d, m in sizes:
+            cells = [r for r in rs if (r["d"], r["m"]) == (d, m)]
+            Ds = sorted({r["D"] for r in cells})
+            names = list(dict.fromkeys(f"{r['head']}/{r['variant']}" for r in cells))
+            body = []
+            for n in names:
+                dtype = next(r["dtype"] for r in cells if f"{r['head']}/{r['variant']}" == n)
+                times = [ok_ms(rows, machine, n, D, d, m) for D in Ds]
+                if any(t is not None for t in times):
+                    body.append([f"`{n}` ({dtype})", *[t if t is not None else "" for t in times]])
+            out.append(f"\n\n## {short_machine(machine)}: d = {d}, m = {m}\n\nMedian ms a step (forward, backward and "
+                       "update); an empty cell was not measured, and the row's `status` in the CSV says why.\n\n"
+                       + table(["head", *[f"D = {big(D)}" for D in Ds]], body))
+        d, m = main_size(rows, machine)
+        lines: dict[str, list] = defaultdict(list)
+        for name, label in STEP_LINES:
+            for r in rs:
+                if f"{r['head']}/{r['variant']}" == name and (r["d"], r["m"]) == (d, m) and r["status"] == "ok":
+                    lines[label].append((r["D"], r["median_ms"]))
+        panels.append((f"{short_machine(machine)}, d = {d}, m = {m}", {k: v for k, v in lines.items() if v}))
+    gpu = "NVIDIA-H100-80GB-HBM3"
+    D0, D1, Dp = 10_000, 20_000_000, 793_471
+    t0, p0 = fastest_factored(rows, gpu, D0, 512, 1024)
+    t1, p1 = fastest_factored(rows, gpu, D1, 512, 1024)
+    tp, pp = fastest_factored(rows, gpu, Dp, 512, 1024)
+    cce = ok_ms(rows, gpu, "softmax/cce", Dp, 512, 1024)
+    naive_host = ok_ms(rows, gpu, "naive/zloss", Dp, 300, 128, "cpu")
+    naive_gpu = ok_ms(rows, gpu, "naive/zloss", Dp, 300, 128, "cuda")
+    tpp, ppp = fastest_factored(rows, gpu, Dp, 300, 128)
+    summary = (
+        "\n## What holds\n\n"
+        f"- The factored step is flat in D: on the H100 at d = 512, m = 1024 it takes {fmt(t0)} ms at D = {big(D0)} "
+        f"and {fmt(t1)} ms at D = {big(D1)} ({fmt(t1 / t0)}x; the fastest of its paths at each D).\n"
+        f"- At D = {fmt(Dp)}, d = 512, m = 1024 on the H100: {fmt(tp)} ms (`{pp}`) against {fmt(cce)} ms for "
+        f"cut-cross-entropy in bf16 ({fmt(cce / tp)}x). The step's target of 0.2 ms is not met.\n"
+        f"- At the paper's size (D = {fmt(Dp)}, d = 300, m = 128): {fmt(tpp)} ms on the H100 against the naive head's "
+        f"{fmt(naive_host)} ms on the host ({fmt(naive_host / tpp)}x) and {fmt(naive_gpu)} ms on the GPU "
+        f"({fmt(naive_gpu / tpp)}x).\n"
+        "- On the CPU every baseline's step grows with D and the factored step does not (table below).\n")
+    plot = line_panels(panels, "D (classes)", "ms a step")
+    return (summary + "\n![step time against D](head_step.svg)\n" + "".join(out)
+            + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {"head_step.svg": plot})
+
+
+# head_step_cpu: the factored step against torch's fused softmax and the naive head (bench_head_cpu.py)
+
+def head_step_cpu_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    full = [r for r in rows if r["run"] == "full"]
+
+    def ms(group, impl, D):
+        return next(r["ms"] for r in full if (r["group"], r["impl"], r["D"]) == (group, impl, D))
+
+    lce = [r for r in full if r["group"] == "vs_linear_cross_entropy"]
+    nav = [r for r in full if r["group"].startswith("vs_naive")]
+    flat = sorted((r for r in full if r["group"] == "flat_in_D"), key=lambda r: r["D"])
+    Dl, Dn = lce[0]["D"], nav[0]["D"]
+    f_l, o_l = ms("vs_linear_cross_entropy", "factored", Dl), next(r["ms"] for r in lce if r["impl"] != "factored")
+    f_n, o_n = next(r["ms"] for r in nav if r["impl"] == "factored"), next(r["ms"] for r in nav if r["impl"] != "factored")
+    text = (
+        "\n## What holds\n\n"
+        f"- Against torch's `F.linear_cross_entropy` + SGD (D = {fmt(Dl)}, d = {lce[0]['d']}, m = {lce[0]['m']}): "
+        f"{fmt(f_l)} ms against {fmt(o_l)} ms, **{fmt(o_l / f_l)}x**.\n"
+        f"- Against the naive explicit-W head at the paper's CPU size (D = {fmt(Dn)}, d = {nav[0]['d']}, "
+        f"m = {nav[0]['m']}): {fmt(f_n)} ms against {fmt(o_n)} ms, **{fmt(o_n / f_n)}x** (the paper reports 763x).\n"
+        f"- Flat in D: {fmt(flat[-1]['ms'])} ms at D = {big(flat[-1]['D'])} against {fmt(flat[0]['ms'])} ms at "
+        f"D = {big(flat[0]['D'])} ({fmt(flat[-1]['ms'] / flat[0]['ms'])}x).\n\n"
+        "`F.linear_cross_entropy` is given explicit chunks of 2^24 logits (its own choice ran 20-40x slower on this "
+        "CPU). One torch thread.\n")
+    body = [[r["run"], r["group"], r["impl"], r["D"], r["d"], r["m"], r["ms"]] for r in rows]
+    return (text + "\n## Every row\n\n" + table(["run", "comparison", "step", "D", "d", "m", "ms"], body, right_from=3)
+            + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {})
+
+
+# whole_step: body + head + optimizers (bench_whole_step.py)
+
+def whole_step_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    out = []
+    keys = sorted({(r["machine"], r["tokens"], r["body"]) for r in rows},
+                  key=lambda k: (k[0].startswith("NVIDIA"), k))
+    for machine, tokens, body in keys:
+        cells = [r for r in rows if (r["machine"], r["tokens"], r["body"]) == (machine, tokens, body)
+                 and r["head"] != "factored_at_10k" and r["status"] == "ok"]
+        Ds = sorted({r["D"] for r in cells})
+        names = list(dict.fromkeys(f"{r['head']}/{r['variant']}" for r in cells))
+        lines = []
+        for n in names:
+            by_D = {}
+            for r in cells:
+                if f"{r['head']}/{r['variant']}" == n:
+                    by_D[r["D"]] = r  # the latest row of a head and D
+            lines.append([f"`{n}`", *[f"{fmt(by_D[D]['median_ms'])} ({fmt(by_D[D]['ratio'])}x)" if D in by_D else ""
+                                      for D in Ds]])
+        out.append(f"\n\n## {short_machine(machine)}: {body}, {tokens} tokens a step\n\nMedian ms a whole step, and in "
+                   "brackets its ratio to the factored Z-loss model timed beside it on the same batch.\n\n"
+                   + table(["head", *[f"D = {big(D)}" for D in Ds]], lines))
+    flat = [r for r in rows if r["head"] == "factored_at_10k" and r["status"] == "ok"]
+    flat_lines = [[short_machine(r["machine"]), r["body"], f"`{r['variant']}`", r["tokens"], r["D"], r["median_ms"],
+                   r["factored_ms"], r["factored_ms"] / r["median_ms"]] for r in flat]
+    text = ("\n## Flat in D\n\nThe factored model at D beside the same model at D = 10^4, timed in alternation "
+            "(medians; a GPU step's p90 is in the CSV).\n\n"
+            + table(["machine", "body", "loss", "tokens", "D", "ms at 10^4", "ms at D", "D / 10^4"], flat_lines,
+                    right_from=3))
+    return (text + "".join(out) + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {})
+
+
+# quality: every head for the same time (quality_table.py)
+
+def quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    out = []
+    key = lambda r: (r["machine"], r["task"], r["num_classes"], r["mode"], r["budget_s"] or 0, r["date"], r["commit"])  # noqa: E731
+    groups = sorted({key(r) for r in rows}, key=lambda k: (not k[0].startswith("NVIDIA"), -k[2], k[3], -k[4], k[5], k))
+    for k in groups:
+        machine, task, D, mode, budget, date, commit = k
+        cells = sorted((r for r in rows if key(r) == k), key=lambda r: (-(r["mrr"] or 0), r["head"]))
+        lines = [[f"`{r['head']}`", r["train_steps"], r["step_time_ms"], r["mrr"], r["top1_error"], r["top10_error"],
+                  r["top100_error"], r["perplexity"]] for r in cells]
+        what = f"{budget} s of training each" if mode == "budget" else "the same steps"
+        out.append(f"\n\n## {short_machine(machine)}: {task}, D = {big(D)}, {what}; `{commit}`, {date}\n\n"
+                   + table(["head", "steps", "ms a step", "MRR", "top-1 err", "top-10 err", "top-100 err",
+                            "perplexity"], lines))
+    note = ("\nValidation metrics (the `budget` runs) or test metrics (the `epochs` runs) on the same held-out "
+            "examples for every head of a table; one seed each. `factored-sampled` is `lst-train`'s default head "
+            "(the factored head with `loss=sampled`); on one GPU it replays its step from a CUDA graph "
+            "(`head.step=auto`), `factored-sampled-eager` is the eager step. Each table is one run of the script "
+            "(one commit); compare within a table.\n")
+    return note + "".join(out) + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+
+
+# equal_time: lst-train's default against the sampled softmax, seed by seed
+
+def rules():
+    """The settings each head takes by D, from the code (one truth: a change of a rule changes the page)."""
+    from lst_lightning.heads.samplers import sampled_softmax_num_samples, slots_num_samples  # noqa: PLC0415
+    from lst_lightning.losses.sampled_composite import SampledCompositeLoss as L  # noqa: PLC0415
+
+    sampled_lr = float(re.search(r"head_lr:\s*([0-9.]+)", (ROOT / "conf/head/sampled.yaml").read_text()).group(1))
+
+    def default(r: Row) -> bool:
+        return (r["head"] == "factored" and r["preconditioner"] == 1 and r["S"] == slots_num_samples(r["D"])
+                and r["mu"] == L.default_mu_for(r["D"]) and r["head_lr"] == L.default_lr_for(r["D"]))
+
+    def sampled(r: Row) -> bool:
+        return (r["head"] == "sampled_softmax" and r["S"] == sampled_softmax_num_samples(r["D"])
+                and r["head_lr"] == sampled_lr)
+
+    return default, sampled
+
+
+def setting(r: Row) -> str:
+    if r["head"] == "sampled_softmax":
+        return f"sampled softmax, S {r['S']}, lr {r['head_lr']:g}"
+    return f"factored, S {r['S']}, mu {r['mu']:g}, lr {r['head_lr']:g}, {'with' if r['preconditioner'] else 'without'} P"
+
+
+def regime(r: Row) -> tuple:
+    return (r["D"], r["train_size"], r["budget_s"], r["machine"])
+
+
+def paired(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
+    """(D, training examples, budget, machine) -> the seeds run by both the default and the sampled
+    softmax at their rules: (default's, sampled softmax's) metrics, each the mean of its runs of that seed."""
+    default, sampled = rules()
+    mine, theirs = defaultdict(list), defaultdict(list)
+    for r in rows:
+        if default(r):
+            mine[(*regime(r), r["seed"])].append(r)
+        elif sampled(r):
+            theirs[(*regime(r), r["seed"])].append(r)
+
+    def mean(rs: list[Row]) -> Row:
+        return {k: statistics.fmean(r[k] for r in rs) for k in ("val_mrr", "val_top10_error")} | {"rows": rs}
+
+    pairs = defaultdict(list)
+    for key in sorted(mine.keys() & theirs.keys()):
+        pairs[key[:-1]].append((mean(mine[key]), mean(theirs[key])))
+    return pairs
+
+
+def pair_summary(pairs: list[tuple[Row, Row]]) -> dict:
+    dm = [a["val_mrr"] - b["val_mrr"] for a, b in pairs]
+    dt = [a["val_top10_error"] - b["val_top10_error"] for a, b in pairs]
+    return dict(n=len(pairs), mrr=mean_se(dm), top10=mean_se(dt), mrr_ahead=sum(x > 0 for x in dm),
+                top10_ahead=sum(x < 0 for x in dt))
+
+
+def equal_time_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    pairs = paired(rows)
+    lines = []
+    for (D, ts, budget, machine), ps in sorted(pairs.items()):
+        s = pair_summary(ps)
+        lines.append([big(D), big(ts), f"{budget} s", short_machine(machine), str(s["n"]),
+                      with_se(s["mrr"]), f"{s['mrr_ahead']} of {s['n']}",
+                      with_se(s["top10"]), f"{s['top10_ahead']} of {s['n']}"])
+    text = ("\n`lst-train`'s own command on the synthetic Zipf task for a fixed time, the lr decaying over it "
+            "(`scheduler.over=budget`), validation on the same held-out examples: **the default** (the factored "
+            "head, `loss=sampled`, its right preconditioner P, S, mu and lr by D as the code sets them) against "
+            "**the sampled softmax** (row-sparse rows under SparseAdam, S by D as the code sets it, its tuned lr). "
+            "The rules are read from the code, so a change of a default changes which rows count.\n\n"
+            "## The default against the sampled softmax, seed for seed\n\n"
+            "Differences are the default's minus the sampled softmax's (mean ± standard error over seeds): MRR "
+            "higher is better, top-10 error lower is better.\n\n"
+            + table(["D", "training examples", "time", "machine", "seeds", "MRR", "default ahead",
+                     "top-10 error", "default ahead"], lines, right_from=4))
+    groups: dict[tuple, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[(*regime(r), setting(r))].append(r)
+    all_lines = []
+    for (D, ts, budget, machine, name), rs in sorted(groups.items()):
+        mrr, top10 = mean_se([r["val_mrr"] for r in rs]), mean_se([r["val_top10_error"] for r in rs])
+        all_lines.append([big(D), big(ts), f"{budget} s", short_machine(machine), name, str(len(rs)),
+                          f"{fmt(mrr[0])}", f"{fmt(top10[0])}", fmt(statistics.fmean(r["steps"] for r in rs))])
+    text += ("\n\n## Every setting run\n\nMeans over the seeds run (one row of the CSV a seed).\n\n"
+             + table(["D", "training examples", "time", "machine", "setting", "seeds", "MRR", "top-10 error",
+                      "steps"], all_lines, right_from=5))
+    return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+
+
+# checkpoints (bench_checkpoints.py)
+
+def checkpoints_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    lines = [[big(r["D"]), r["setting"], r["long_steps"], r["step_ms"], r["ratio_to_none"], r["periodic_saves"],
+              r["save_held_s"], r["save_written_s"], f"{fmt(100 * r['in_run_share'], 2)} %", r["ckpt_mb"]] for r in rows]
+    text = ("\n`lst-train` on the synthetic task (input vocabulary = D), no validation. `in-run share`: the periodic "
+            "saves' seconds (the longer of the time a save held training and the time until it was on disk) over "
+            "the run's training wall time, measured inside the long run. `ratio` compares the per-step time of "
+            "two runs (their wall-time difference over their step difference): a noisy measure, about ±10 % on "
+            "this machine. Settings: `none` (no periodic save), `default` (every 10 minutes and after validation, "
+            "within 5 % of the wall time, written in the background), `budget` (the same rule with a save due "
+            "every 0.6 s).\n\n"
+            + table(["D", "setting", "long run (steps)", "ms a step", "ratio to none", "periodic saves",
+                     "held (s)", "on disk (s)", "in-run share", "checkpoint (MB)"], rows=lines, right_from=2))
+    return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+
+
+def plain_body(columns: list[tuple[str, str]], about: str = "") -> Callable[[list[Row]], tuple[str, dict[str, str]]]:
+    """A page that lists every row: ``columns`` as (CSV column, heading)."""
+    def body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+        text = (f"\n{about}\n" if about else "") + "\n" + table(
+            ["machine", *[h for _, h in columns]],
+            [[short_machine(r["machine"]), *[r[c] if r[c] is not None else "" for c, _ in columns]] for r in rows],
+            right_from=1 + sum(1 for c, _ in columns if c in TEXT))
+        return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+    return body
+
+
+def configured_head_lr(head: str) -> float:
+    """A baseline's ``optimizer.head_lr`` as its config sets it (conf/head/<head>.yaml)."""
+    return float(re.search(r"head_lr:\s*([0-9.]+)", (ROOT / "conf" / "head" / f"{head}.yaml").read_text()).group(1))
+
+
+def baseline_lr_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    lrs = sorted({r["head_lr"] for r in rows})
+    lines = []
+    for head in dict.fromkeys(r["head"] for r in rows):
+        by_lr = {r["head_lr"]: r for r in rows if r["head"] == head}
+        best = max(by_lr.values(), key=lambda r: r["val_mrr"])["head_lr"]
+        cells = []
+        for lr in lrs:
+            r = by_lr.get(lr)
+            cell = "" if r is None else fmt(r["val_mrr"]) + (f" ({fmt(r['test_mrr'])})" if r["test_mrr"] else "")
+            cells.append(f"**{cell}**" if r is not None and lr == best else cell)
+        lines.append([f"`head={head}`", *cells, f"{configured_head_lr(head):g}"])
+    text = ("\nEach ordinary head's own lr (`optimizer.head_lr`, Adam on its parameters; the body at "
+            "`optimizer.lr=0.002`), 1 000 steps of the synthetic task at D = 10^4, the n-gram body, seed 0: "
+            "validation MRR on 4 096 held-out examples (the test MRR in brackets), the best in bold. The last "
+            "column is the lr each head's config sets (read from `conf/head/<head>.yaml`). The full softmax's "
+            "best here, 0.512, does not carry over to the embedded corpus, where 0.128 is within 0.006 of the best.\n\n"
+            + table(["head", *[f"{lr:g}" for lr in lrs], "configured"], lines))
+    return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+
+
+def two_commands_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    train = [r for r in rows if r["what"] == "lst-train"]
+    tests = [r for r in rows if r["what"] == "pytest"]
+    text = "\n## `uv run lst-train`\n\n" + table(
+        ["machine", "date", "wall (s)", "ms a step", "steps", "test MRR", "test top-10 error", "unigram MRR",
+         "unigram top-10 error"],
+        [[short_machine(r["machine"]), r["date"], r["wall_s"], r["ms_per_step"], r["steps"], r["test_mrr"],
+          r["test_top10_error"], r["unigram_mrr"], r["unigram_top10_error"]] for r in train], right_from=2)
+    text += "\n\nThe wall time includes the start, validation and the test split; uv's cache was warm.\n"
+    text += "\n## `uv run pytest`\n\n" + table(
+        ["machine", "date", "wall (s)", "passed", "skipped"],
+        [[short_machine(r["machine"]), r["date"], r["wall_s"], r["passed"], r["skipped"]] for r in tests], right_from=2)
+    return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+
+
+PAGE_LIST = [
+    Page("two_commands", "The two commands", "`uv run lst-train` and `uv run pytest` on a fresh checkout",
+         "A row: one run of `uv run lst-train` (the default model on the embedded corpus) or of the test suite.",
+         two_commands_body),
+    Page("head_step", "The output layer's step, every head", "scripts/bench_heads.py",
+         "A row: one head (`head/variant`) at one size (D classes, hidden size d, m rows a step) on one machine: "
+         "the median, 10th and 90th percentile of its step (forward, backward, update). The spherical heads keep "
+         "float32 state; on a GPU the softmax-family baselines run in bf16.", head_step_body),
+    Page("head_step_cpu", "The factored step against torch and the naive head, on CPU", "scripts/bench_head_cpu.py",
+         "A row: one step (the factored head's, or the one it is compared with) at one size, each comparison timed "
+         "in alternation (median).", head_step_cpu_body),
+    Page("whole_step", "The whole training step against D", "scripts/bench_whole_step.py",
+         "A row: the whole training step (body forward and backward, the head, the optimizers) of one body and head "
+         "at one D, input vocabulary = D, with a row-sparse input embedding under SparseAdam; every model is timed "
+         "in alternation with the factored Z-loss model on the same batch (`ratio`).", whole_step_body),
+    Page("equal_time", "The default against the sampled softmax at equal time", "`uv run lst-train` (the command in each row)",
+         "A row: one `lst-train` run for a fixed time: its setting, seed, steps and validation metrics.",
+         equal_time_body),
+    Page("quality", "Every head trained for the same time", "scripts/quality_table.py",
+         "A row: one head trained with the n-gram MLP body for a fixed time (`budget`) or number of steps "
+         "(`epochs`), its validation or test metrics and step time.", quality_body),
+    Page("baseline_lr", "The baselines' lr", "`uv run lst-train` (the command in each row)",
+         "A row: one baseline head trained at one lr of its own (`optimizer.head_lr`).", baseline_lr_body),
+    Page("checkpoints", "What checkpoints cost", "scripts/bench_checkpoints.py",
+         "A row: one checkpoint setting at one D: the step time, the periodic saves made in the long run and "
+         "their share of its wall time.", checkpoints_body),
+    Page("routes", "Every multi-process route on two processes", "scripts/bench_routes.py",
+         "A row: one route (`lst-train` DDP or FSDP2, the HF Trainer, litgpt under Fabric) with the head replicated "
+         "or sharded, two gloo processes on one machine: bytes each rank sends a step and the time a step.",
+         plain_body([("route", "route"), ("head", "head"), ("D", "D"), ("bytes_per_step", "bytes a rank a step"),
+                     ("head_bytes_per_step", "the head's bytes"), ("body_allreduce_bytes", "body all-reduce bytes"),
+                     ("ms_per_step", "ms a step"), ("max_rss_mb", "max RSS (MB)")],
+                    "d = 128, 256 head rows per rank, 20 timed steps after 3; `lst-train` with its default "
+                    "`loss=sampled`, the HF and litgpt routes with the Z-loss.")),
+    Page("sharded", "The vocabulary-sharded head over processes", "scripts/bench_sharded.py",
+         "A row: the sharded head at one D over `world` gloo processes on one machine.",
+         plain_body([("D", "D"), ("d", "d"), ("world", "processes"), ("global_batch", "global batch"),
+                     ("step_ms", "ms a step"), ("v_gb_per_rank", "V per rank (GB)"),
+                     ("comm_mb_per_step", "MB exchanged a step"), ("setup_s", "setup (s)")],
+                    "Two processes and the machine's other jobs share 2 cores; the global batch doubles with the "
+                    "processes and the m x m terms of the step quadruple.")),
+    Page("sparse_exchange", "The row-sparse gradient exchange", "scripts/bench_sparse_exchange.py",
+         "A row: the exchange of a row-sparse input embedding's gradient over `world` gloo processes at one D.",
+         plain_body([("D", "D"), ("d", "d"), ("world", "processes"), ("rows_touched_max", "rows touched (max)"),
+                     ("bytes_per_step", "bytes a step"), ("dense_grad_bytes", "a dense gradient's bytes"),
+                     ("exchange_ms", "ms an exchange")])),
+    Page("mixed_precision_drift", "bf16-mixed against float32 training", "scripts/mixed_precision_drift.py",
+         "A row: the same training in bf16-mixed and in float32 (same seed and data): how far apart the head's W "
+         "and the body end.",
+         plain_body([("route", "route"), ("head", "head"), ("loss", "loss"), ("steps", "steps"),
+                     ("rel_diff_W", "rel. diff of W"), ("diff_over_update_W", "the same over W's update"),
+                     ("rel_diff_body", "rel. diff of the body")],
+                    "`user_module`: a plain LightningModule (D = 2000, d = 32); `lst_train`: "
+                    "`lst-train experiment=tiny`.")),
+    Page("samplers", "The kernel samplers: tree against direct sampling", "scripts/bench_samplers.py",
+         "A row: one kernel proposal over n classes: drawing through the sum tree against computing all n kernel "
+         "values and `torch.multinomial`.",
+         plain_body([("kernel", "kernel"), ("n", "n"), ("feature_dim", "features"), ("direct_ms", "direct (ms)"),
+                     ("tree_ms", "tree (ms)"), ("direct_over_tree", "direct / tree"),
+                     ("tree_update_ms", "tree update (ms)")],
+                    "16 rows x 64 draws a call, d = 32, one thread.")),
+    Page("gpu_checks", "The CUDA tests", "scripts/gpu_session.py tests kernels",
+         "A row: one run of the gpu-marked tests or of the kernel tests on a GPU, from the suite's junit XML.",
+         plain_body([("check", "tests"), ("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"),
+                     ("seconds", "seconds")],
+                    "The H200's two failures are `test_graph_step_with_adaptive_factors_is_the_eager_step_bit_for_bit` "
+                    "(the opt-in `neumann=adaptive` step, its graph captured again mid-run): that run measured the "
+                    "code before commit `cce5ac8`, which fixes the cause (held on the CPU by "
+                    "`tests/spherical/test_graph_step.py`); no GPU run of the fixed code is recorded.")),
+]
+PAGES_BY_NAME = {p.name: p for p in PAGE_LIST}
+
+
+# --- the README's key figures ----------------------------------------------------------------
+
+@dataclass
+class Figure:
+    what: str
+    value: str
+    rows: list[Row]
+    page: str
+
+
+def where(rows: list[Row]) -> str:
+    """'machine, torch x, date' of the rows a figure comes from."""
+    ms = sorted({short_machine(r["machine"]) for r in rows})
+    ts = sorted({short_torch(r["torch"]) for r in rows})
+    ds = sorted({r["date"] for r in rows})
+    return f"{' and '.join(ms)}, torch {' and '.join(ts)}, {ds[0] if len(ds) == 1 else ds[0] + ' to ' + ds[-1]}"
+
+
+def key_figures() -> list[Figure]:
+    figs = []
+    two = [r for r in load("two_commands") if r["what"] == "lst-train"][-1]
+    figs.append(Figure("`uv run lst-train`, the default, from start to its metrics",
+                       f"{fmt(two['wall_s'])} s, {fmt(two['ms_per_step'])} ms a step; test MRR {fmt(two['test_mrr'])} "
+                       f"against the unigram's {fmt(two['unigram_mrr'])}", [two], "two_commands"))
+    cpu = [r for r in load("head_step_cpu") if r["run"] == "full"]
+    lce = [r for r in cpu if r["group"] == "vs_linear_cross_entropy"]
+    f, o = (next(r["ms"] for r in lce if (r["impl"] == "factored") == want) for want in (True, False))
+    figs.append(Figure(f"head step, factored vs torch `F.linear_cross_entropy` + SGD, D = {fmt(lce[0]['D'])}, "
+                       f"d = {lce[0]['d']}, m = {lce[0]['m']}", f"{fmt(f)} vs {fmt(o)} ms: **{fmt(o / f)}x**",
+                       lce, "head_step_cpu"))
+    nav = [r for r in cpu if r["group"].startswith("vs_naive")]
+    f, o = (next(r["ms"] for r in nav if (r["impl"] == "factored") == want) for want in (True, False))
+    figs.append(Figure(f"head step, factored vs the naive explicit-W head, the paper's size (D = {fmt(nav[0]['D'])}, "
+                       f"d = {nav[0]['d']}, m = {nav[0]['m']})", f"{fmt(f)} vs {fmt(o)} ms: **{fmt(o / f)}x**",
+                       nav, "head_step_cpu"))
+    steps = load("head_step")
+    gpu = "NVIDIA-H100-80GB-HBM3"
+    t0, _ = fastest_factored(steps, gpu, 10_000, 512, 1024)
+    t1, _ = fastest_factored(steps, gpu, 20_000_000, 512, 1024)
+    tp, pp = fastest_factored(steps, gpu, 793_471, 512, 1024)
+    cce = ok_ms(steps, gpu, "softmax/cce", 793_471, 512, 1024)
+    used = [r for r in steps if r["machine"] == gpu and r["d"] == 512 and r["m"] == 1024]
+    figs.append(Figure("head step on a GPU, D = 793 471, d = 512, m = 1024: factored (CUDA graph) vs cut-cross-entropy (bf16)",
+                       f"{fmt(tp)} vs {fmt(cce)} ms: **{fmt(cce / tp)}x**", used, "head_step"))
+    figs.append(Figure("head step on a GPU, D = 2 x 10^7 against D = 10^4 (d = 512, m = 1024)",
+                       f"{fmt(t1)} / {fmt(t0)} ms: **{fmt(t1 / t0)}**", used, "head_step"))
+    whole = [r for r in load("whole_step") if r["machine"] == "NVIDIA-H200" and r["D"] == 1_000_000
+             and r["body"] == "ngram_mlp" and r["status"] == "ok"]
+    mine = next(r for r in whole if (r["head"], r["variant"]) == ("factored_graph", "sampled"))
+    theirs = next(r for r in whole if (r["head"], r["variant"]) == ("sampled", "log_uniform,sparse"))
+    figs.append(Figure("whole step on a GPU, D = 10^6, n-gram MLP, 2 048 tokens: the default (CUDA graph) vs the "
+                       "sampled softmax", f"{fmt(mine['median_ms'])} vs {fmt(theirs['median_ms'])} ms",
+                       [mine, theirs], "whole_step"))
+    q = [r for r in load("quality") if r["machine"] == "NVIDIA-H200" and r["budget_s"] == 45]
+    a, b = (next(r for r in q if r["head"] == h) for h in ("factored-sampled", "sampled-log_uniform"))
+    figs.append(Figure("validation MRR after 45 s of training on a GPU, D = 10^6: the default vs the sampled softmax",
+                       f"**{fmt(a['mrr'])}** vs {fmt(b['mrr'])} (top-10 error {fmt(a['top10_error'])} vs "
+                       f"{fmt(b['top10_error'])})", [a, b], "quality"))
+    eq = load("equal_time")
+    key = (1_000_000, 4_000_000, 150)
+    ps = [p for k, v in paired(eq).items() if k[:3] == key for p in v]
+    s = pair_summary(ps)
+    figs.append(Figure("validation MRR after 150 s on a CPU, D = 10^6, every example seen once: the default minus "
+                       "the sampled softmax", f"{signed(s['mrr'][0])} (ahead on {s['mrr_ahead']} seeds of {s['n']}; "
+                       f"top-10 error {signed(s['top10'][0])})", [r for p in ps for side in p for r in side["rows"]],
+                       "equal_time"))
+    return figs
+
+
+def key_figures_block() -> str:
+    lines = [KEY_START, "", "| what | figure | measured on |", "|---|---|---|"]
+    for f in key_figures():
+        lines.append(f"| {f.what} | {f.value} | [{where(f.rows)}](docs/results/{f.page}.md) |")
+    return "\n".join([*lines, "", KEY_END])
+
+
+def readme_text(current: str) -> str:
+    """The README with its key-figures block made anew (the text between the markers)."""
+    a, b = current.index(KEY_START), current.index(KEY_END) + len(KEY_END)
+    return current[:a] + key_figures_block() + current[b:]
+
+
+# --- everything the script makes -------------------------------------------------------------
+
+def index_page() -> str:
+    lines = ["# Results", "",
+             "One page per benchmark, each made by `scripts/results_pages.py` from its tidy CSV in "
+             "[benchmarks/results/](../../benchmarks/results/README.md) (numeric columns, and the machine, torch "
+             "version, commit, date and command of every row). `uv run python scripts/results_pages.py` remakes "
+             "them all; `tests/scripts/test_results_pages.py` fails when a page differs from what the data makes.",
+             "", "| page | measured by | machines |", "|---|---|---|"]
+    for p in PAGE_LIST:
+        ms = sorted({short_machine(r["machine"]) for r in load(p.name)})
+        lines.append(f"| [{p.title}]({p.name}.md) | {p.script} | {', '.join(ms)} |")
+    return "\n".join(lines) + "\n"
+
+
+def expected() -> dict[Path, str]:
+    """Every file this script makes, with its text."""
+    files = {PAGES / "README.md": index_page()}
+    for p in PAGE_LIST:
+        body, plots = p.body(load(p.name))
+        files[PAGES / f"{p.name}.md"] = header(p) + body
+        files.update({PAGES / name: text for name, text in plots.items()})
+    files[README] = readme_text(README.read_text())
+    return files
+
+
+def differing(files: dict[Path, str]) -> list[Path]:
+    made = {p for p in PAGES.glob("*") if p.is_file()}
+    stale = sorted(made - files.keys())
+    return stale + [p for p, text in files.items() if not p.exists() or p.read_text() != text]
+
+
+def write_all() -> list[Path]:
+    files = expected()
+    PAGES.mkdir(parents=True, exist_ok=True)
+    for p in {q for q in PAGES.glob("*") if q.is_file()} - files.keys():
+        p.unlink()
+    changed = []
+    for path, text in files.items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            changed.append(path)
+    return changed
+
+
+# --- adding a run's rows ---------------------------------------------------------------------
+
+def commit_of_checkout() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def add_rows(benchmark: str, raw: Path, command: str, *, machine: str | None = None, torch_version: str | None = None,
+             commit: str | None = None, date: str | None = None) -> int:
+    """Append the rows of a benchmark script's CSV to ``benchmarks/results/<benchmark>.csv``; returns how many.
+    Columns the tidy CSV lacks are dropped; the meta columns come from the raw rows where they have them."""
+    target = DATA / f"{benchmark}.csv"
+    with target.open(newline="") as fh:
+        columns = next(csv.reader(fh))
+    if machine is None or torch_version is None:
+        import torch  # noqa: PLC0415
+
+        from lst_lightning.app.machine import machine_name  # noqa: PLC0415
+
+        machine = machine or machine_name()
+        torch_version = torch_version or torch.__version__
+    meta = {"machine": machine, "torch": torch_version, "commit": commit or commit_of_checkout(),
+            "date": date or datetime.date.today().isoformat(), "command": command}
+    with raw.open(newline="") as fh:
+        rows = [{**meta, **{k: v for k, v in r.items() if v != "" or k not in meta}} for r in csv.DictReader(fh)]
+    for r in rows:
+        for c in columns:
+            if c not in TEXT and r.get(c) not in (None, ""):
+                float(r[c])  # a numeric column holds numbers only
+    with target.open("a", newline="") as fh:
+        csv.DictWriter(fh, columns, extrasaction="ignore", lineterminator="\n").writerows(rows)
+    return len(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="action")
+    add = sub.add_parser("add", help="append a run's rows to a benchmark's tidy CSV")
+    add.add_argument("benchmark", choices=sorted(PAGES_BY_NAME))
+    add.add_argument("raw", type=Path, help="the CSV the benchmark script wrote")
+    add.add_argument("--command", required=True, help="the command that made it")
+    add.add_argument("--machine", help="default: this machine's name")
+    add.add_argument("--torch", help="default: this environment's torch")
+    p.add_argument("--check", action="store_true", help="list the files that differ and exit 1 if any")
+    args = p.parse_args(argv)
+    if args.action == "add":
+        n = add_rows(args.benchmark, args.raw, args.command, machine=args.machine, torch_version=args.torch)
+        print(f"added {n} rows to benchmarks/results/{args.benchmark}.csv; now run scripts/results_pages.py")
+        return 0
+    if args.check:
+        bad = differing(expected())
+        for path in bad:
+            print(f"differs: {path.relative_to(ROOT)}")
+        return 1 if bad else 0
+    for path in write_all():
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

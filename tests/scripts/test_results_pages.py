@@ -1,0 +1,74 @@
+"""scripts/results_pages.py: the committed results pages, their plots and the README's key
+figures are what the script makes of the committed CSVs, byte for byte; the CSVs are tidy."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import results_pages as rp
+
+
+@pytest.fixture(scope="module")
+def made():
+    return rp.expected()
+
+
+def test_every_committed_page_plot_and_the_readme_figures_are_what_the_data_makes(made):
+    assert rp.differing(made) == [], "run: uv run python scripts/results_pages.py"
+
+
+def test_the_readme_holds_at_most_eight_key_figures_each_naming_machine_torch_and_date(made):
+    assert len(made[rp.README].splitlines()) <= 150  # a newcomer reads it in five minutes
+    block = made[rp.README].split(rp.KEY_START)[1].split(rp.KEY_END)[0]
+    rows = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    assert 1 <= len(rows) <= 8
+    for row in rows:
+        measured_on = row.split(" | ")[-1]
+        assert "torch 2." in measured_on and "20" in measured_on and "docs/results/" in measured_on, row
+
+
+@pytest.mark.parametrize("page", rp.PAGE_LIST, ids=lambda p: p.name)
+def test_every_csv_is_tidy(page):
+    """Every row names its machine, torch, commit, date and command; every other column not named as
+    text holds numbers only."""
+    with (rp.DATA / f"{page.name}.csv").open(newline="") as fh:
+        reader = csv.DictReader(fh)
+        assert list(reader.fieldnames[-5:]) == list(rp.META)
+        rows = list(reader)
+    assert rows
+    for r in rows:
+        assert all(r[k] for k in rp.META), r
+        assert len(r["date"]) == 10 and r["date"][4] == "-", r["date"]
+        for k, v in r.items():
+            if k not in rp.TEXT and v != "":
+                float(v)
+
+
+def test_a_changed_figure_makes_the_check_fail(made, monkeypatch):
+    """The check compares bytes: one changed measurement changes a page."""
+    loaded = {p.name: rp.load(p.name) for p in rp.PAGE_LIST}
+    loaded["sharded"][0]["step_ms"] += 1
+    monkeypatch.setattr(rp, "load", loaded.__getitem__)
+    changed = rp.expected()
+    assert changed[rp.PAGES / "sharded.md"] != made[rp.PAGES / "sharded.md"]
+
+
+def test_add_appends_a_runs_rows_with_their_provenance(tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "sharded.csv").write_text((rp.DATA / "sharded.csv").read_text())
+    monkeypatch.setattr(rp, "DATA", data)
+    raw = tmp_path / "bench_sharded_x.csv"
+    raw.write_text("machine,D,d,m_per_rank,world,global_batch,step_ms,v_gb_per_rank,comm_mb_per_step,setup_s,extra\n"
+                   "box,1000,8,4,2,8,1.5,0.1,0.01,2.0,ignored\n")
+    n = rp.add_rows("sharded", raw, "python scripts/bench_sharded.py --D 1000", torch_version="2.13.0", commit="abc1234",
+                    date="2030-01-02")
+    assert n == 1
+    last = list(csv.DictReader((data / "sharded.csv").open()))[-1]
+    assert (last["machine"], last["D"], last["step_ms"], last["commit"], last["date"]) == (
+        "box", "1000", "1.5", "abc1234", "2030-01-02")
+    assert last["command"] == "python scripts/bench_sharded.py --D 1000" and "extra" not in last
+    bad = tmp_path / "bad.csv"
+    bad.write_text("machine,D,step_ms\nbox,1000,fast\n")
+    with pytest.raises(ValueError):
+        rp.add_rows("sharded", bad, "x", machine="box", torch_version="2.13.0", commit="a", date="2030-01-02")

@@ -1,0 +1,48 @@
+"""The documentation's links: every relative link of the README, the changelog and docs/ names a
+file of the repository, and every #anchor a heading of that file (GitHub's slugs)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "results" / "README.md",
+         *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    body = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(m.group(1)) for m in re.finditer(r"^#+ (.*)$", body, flags=re.M)}
+
+
+def links(path: Path) -> list[str]:
+    body = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return [m.group(1) for m in LINK.finditer(body) if not re.match(r"[a-z]+://|mailto:", m.group(1))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(page):
+    bad = []
+    for link in links(page):
+        target, _, anchor = link.partition("#")
+        path = (page.parent / target).resolve() if target else page
+        if not path.exists():
+            bad.append(link)
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            bad.append(link)
+    assert not bad, f"{page.relative_to(ROOT)}: {bad}"
+
+
+def test_slugs_are_githubs():
+    assert slug("The losses (`lst_lightning.losses`)") == "the-losses-lst_lightninglosses"
+    assert slug("Refused, with one line saying why (and nothing changed)") == \
+        "refused-with-one-line-saying-why-and-nothing-changed"
