@@ -18,6 +18,7 @@ import datetime
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -189,6 +190,22 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
     return path
+
+
+def save_rows(args: argparse.Namespace, out: Path, name: str, rows: list[dict], columns: list[str],
+              argv: list[str] | None) -> None:
+    """A run's rows: ``<name>.csv`` in ``out``; with ``--update-results`` appended instead to the
+    committed tidy ``benchmarks/results/<name>.csv`` by ``scripts/results_pages.py add``, which
+    records the commit, date, torch version and the command (the script and ``argv``)."""
+    if not args.update_results:
+        wrote(write_csv(out / f"{name}.csv", rows, columns))
+        return
+    raw = write_csv(out / f"{name}_run.csv", rows, columns)
+    script = Path(sys.argv[0]).name if argv is None else f"{name}.py"
+    command = f"python3 scripts/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "results_pages.py"), "add", name, str(raw),
+                    "--command", command], check=True)
+    raw.unlink()
 
 
 def wrote(*paths: Path) -> None:

@@ -1,8 +1,11 @@
 """The factored head's step compiled whole, measured: its graph breaks (``torch._dynamo.explain``),
 the kernels Inductor makes of it (fused loops, matrix products and other calls, read from the
 code it generates: on a GPU each is one launch), its compile time, and its time against the
-same step eager, side by side in one run (one torch thread on a CPU); on a GPU also inside a
-CUDA graph (``CudaGraphStep``).
+same step eager, side by side in one run (one torch thread on a CPU): the fused step (lst-train's
+unit, ``train_step``) eager and compiled, on a GPU also inside a CUDA graph (``CudaGraphStep``);
+and compiled as the other loops drive it, the autograd step (a plain loop, the HF Trainer,
+Fabric) and exact accumulation's (an attached head: the Trainer's and lst-train's with
+gradient accumulation).
 
     python3 scripts/compiled_step.py [--D 793471 --d 512 --m 1024] [--loss zloss sampled]
         [--inverse products] [--steps 5] [--smoke] [--out DIR | --update-results]
@@ -19,13 +22,10 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 # benchlib first: in a bare checkout (the GPU machine) it puts the package on the path.
-from benchlib import ROOT, add_output_args, clock_for, interleaved_times, output_dir, write_csv, wrote
+from benchlib import add_output_args, clock_for, interleaved_times, output_dir, save_rows
 
 import torch
 from torch._inductor.utils import run_and_get_code
@@ -36,8 +36,14 @@ from lst_lightning.spherical import step as exact
 from lst_lightning.spherical.graph_step import CudaGraphStep
 
 SMOKE = {"D": 300, "d": 16, "m": 32}
+#: the GPU targets at the target size (TARGET's D, d, m): the compiled step's milliseconds with no
+#: graph and inside the graph, and the autograd and accumulated steps' (the HF Trainer's, Fabric's
+#: routes) against lst-train's graph step
+MAX_MS = {"zloss": 0.4, "sampled": 0.6}
+MAX_ROUTE_RATIO = 1.2
 COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "graphs", "breaks", "ops", "fused_loops", "products",
-           "other_calls", "kernels", "compile_s", "eager_ms", "compiled_ms", "graph_ms", "speedup"]
+           "other_calls", "kernels", "compile_s", "eager_ms", "compiled_ms", "graph_ms", "autograd_ms",
+           "accumulated_ms", "speedup"]
 #: a line of Inductor's wrapper that launches one kernel: its generated loops (C++ on a CPU, Triton
 #: on a GPU), a library matrix product, or another call (a sort, a scan, a solve, the project's kernels)
 FUSED = re.compile(r"^\s*(cpp_fused_\w+|triton_\w+\.run|triton_\w+)\(")
@@ -75,32 +81,78 @@ def explained(head, H, idx) -> tuple[int, int, int]:
     return out.graph_count, out.graph_break_count, out.op_count
 
 
-def measure(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device: torch.device) -> dict:
+def measure(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device: torch.device,
+            backend: str = "inductor") -> dict:
     eager, fast = (make_head(loss, D, d, inverse, device, c) for c in (False, True))
     batches = make_batches(D, d, m, torch.float32, device)
     graphs, breaks, ops = explained(eager, *batches[0])
     H, idx = batches[0]
     t0 = time.perf_counter()
-    _, codes = run_and_get_code(fast.train_step, H.detach(), idx)  # compiles: the wrapper's code
+    if backend == "inductor":
+        _, codes = run_and_get_code(fast.train_step, H.detach(), idx)  # compiles: the wrapper's code
+        kernels = {"fused_loops": 0, "products": 0, "other_calls": 0}
+        for code in codes:
+            for k, v in wrapper_calls(code).items():
+                kernels[k] += v
+    else:  # no generated code to read
+        fast.train_step(H.detach(), idx)
+        kernels = {"fused_loops": None, "products": None, "other_calls": None}
     compile_s = time.perf_counter() - t0
-    kernels = {"fused_loops": 0, "products": 0, "other_calls": 0}
-    for code in codes:
-        for k, v in wrapper_calls(code).items():
-            kernels[k] += v
     cycle = iter(range(1 << 30))
 
     def stepper(step):
         return lambda: step(*(lambda b: (b[0].detach(), b[1]))(batches[next(cycle) % len(batches)]))
 
-    steppers = {"eager": (stepper(eager.train_step), 1), "compiled": (stepper(fast.train_step), 1)}
+    steppers = {"eager": (stepper(eager.train_step), 1), "compiled": (stepper(fast.train_step), 1),
+                "autograd": (stepper(autograd_step(make_head(loss, D, d, inverse, device, True))), 1),
+                "accumulated": (stepper(accumulated_step(make_head(loss, D, d, inverse, device, True))), 1)}
     if device.type == "cuda":  # the compiled step inside a CUDA graph (step="cuda_graph"'s unit)
         steppers["graph"] = (stepper(CudaGraphStep(make_head(loss, D, d, inverse, device, True), m, 1)), 1)
     times = interleaved_times(steppers, rounds=steps, warmup=1, clock=clock_for(device))
     ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
     return {"device": device.type, "loss": loss, "inverse": inverse, "D": D, "d": d, "m": m, "graphs": graphs,
-            "breaks": breaks, "ops": ops, **kernels, "kernels": sum(kernels.values()), "compile_s": round(compile_s, 1),
+            "breaks": breaks, "ops": ops, **kernels, "compile_s": round(compile_s, 1),
+            "kernels": None if kernels["products"] is None else sum(kernels.values()),
             "eager_ms": ms["eager"], "compiled_ms": ms["compiled"], "graph_ms": ms.get("graph"),
+            "autograd_ms": ms["autograd"], "accumulated_ms": ms["accumulated"],
             "speedup": round(ms["eager"] / ms["compiled"], 3)}
+
+
+def autograd_step(head):
+    """The compiled step as a plain loop, the HF Trainer or Fabric drive it: the head's forward,
+    then ``backward()`` (two graphs: the forward, the update)."""
+    def step(H, idx):
+        head(H.requires_grad_(), idx).backward()
+    return step
+
+
+def accumulated_step(head):
+    """The step of exact accumulation (the HF Trainer's and lst-train's with accumulation): the
+    head attached to an optimizer, one micro-batch and the optimizer's step (the records' graph)."""
+    opt = torch.optim.SGD([torch.zeros(1, device=head.device, requires_grad=True)])
+    head.attach(opt)
+
+    def step(H, idx):
+        head(H.requires_grad_(), idx).backward()
+        opt.step()
+    return step
+
+
+def targets(row: dict) -> list[str]:
+    """PASS / FAIL lines of the GPU targets for a row at the target size on CUDA; UNMEASURED elsewhere."""
+    name = f"compiled step, loss={row['loss']}"
+    at_target = row["device"] == "cuda" and all(row[k] == TARGET[k] for k in ("D", "d", "m"))
+    if not at_target or row["inverse"] != "products":
+        return [f"UNMEASURED {name}: the targets are for D={TARGET['D']}, d={TARGET['d']}, m={TARGET['m']} on a GPU"]
+    limit = MAX_MS[row["loss"]]
+    lines = [f"{'PASS' if row[k] <= limit else 'FAIL'} {name}, {what}: {row[k]:.3f} ms (target <= {limit} ms)"
+             for k, what in (("compiled_ms", "no graph"), ("graph_ms", "inside a CUDA graph"))]
+    for k, route in (("autograd_ms", "the autograd step (a plain loop, Fabric)"),
+                     ("accumulated_ms", "the accumulated step (the HF Trainer)")):
+        ratio = row[k] / row["graph_ms"]
+        lines.append(f"{'PASS' if ratio <= MAX_ROUTE_RATIO else 'FAIL'} {name}, {route}: {ratio:.2f} x lst-train's "
+                     f"graph step (target <= {MAX_ROUTE_RATIO} x)")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -113,8 +165,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=5, help="timed steps of each, in alternation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one timed step (the test suite)")
+    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
+                   help="torch.compile's backend (aot_eager: the same graphs without Inductor's code: no kernel counts)")
     add_output_args(p)
     args = p.parse_args(argv)
+    if args.backend != "inductor":
+        compile_ = torch.compile
+        torch.compile = lambda fn, **kw: compile_(fn, backend=args.backend, **kw)
     if args.smoke:
         args.D, args.d, args.m, args.steps = SMOKE["D"], SMOKE["d"], SMOKE["m"], 1
     device = torch.device(args.device)
@@ -122,17 +179,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.set_num_threads(1)
     rows = []
     for loss in args.loss:
-        rows.append(measure(loss, args.D, args.d, args.m, args.inverse, args.steps, device))
+        rows.append(measure(loss, args.D, args.d, args.m, args.inverse, args.steps, device, args.backend))
         print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-    out = output_dir(args, "compiled_step")
-    if args.update_results:  # appended to the committed tidy CSV, with the commit, date and torch of the run
-        raw = write_csv(out / "compiled_step_run.csv", rows, COLUMNS)
-        command = "python3 scripts/compiled_step.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "results_pages.py"), "add", "compiled_step", str(raw),
-                        "--command", command], check=True)
-        raw.unlink()
-    else:
-        wrote(write_csv(out / "compiled_step.csv", rows, COLUMNS))
+        print("\n".join(targets(rows[-1])), flush=True)
+    save_rows(args, output_dir(args, "compiled_step"), "compiled_step", rows, COLUMNS, argv)
     return rows
 
 

@@ -5,9 +5,11 @@ machine with a CUDA GPU (docs/gpu.md: what it runs, what it needs, how long it t
     python3 scripts/gpu_session.py tests kernels --out DIR   # some of them
     python3 scripts/gpu_session.py --list                    # the parts and their time limits
 
-The parts: ``tests`` (the gpu-marked tests), ``kernels`` (the kernel tests, native), ``profile``
+The parts: ``tests`` (the gpu-marked tests), ``kernels`` (the kernel tests, native), ``compiled``
+(compiled_step.py: the compiled step against its targets), ``profile``
 (profile_step.py), ``heads`` (bench_heads.py at the targets' sizes), ``whole_step``
-(bench_whole_step.py on the GPU), ``quality`` (every head at D = 10^6 for the same training time).
+(bench_whole_step.py on the GPU), ``quality`` (every head at D = 10^6 for the same training time),
+``tf32`` (tf32_drift.py: TF32 products against float64).
 Each step runs in its own process (a CUDA error in one does not poison the next), under its own
 time limit; the suite tees their output into ``gpu_session_log.txt`` in ``--out`` and ends that log
 with a table: each step's exit status and time, the tests' counts from their junit XML, and every
@@ -92,6 +94,25 @@ def kernels(out: Path, smoke: bool) -> list[Step]:
     return [Step("kernel_tests", argv, 40, junit=junit)]
 
 
+def compiled(out: Path, smoke: bool) -> list[Step]:
+    """The factored head's step compiled whole (compiled_step.py) at the target size, the Z-loss's
+    and the default head's: graph breaks, Inductor's kernels a step, eager against compiled against
+    compiled inside a CUDA graph, and the autograd and accumulated steps (the HF Trainer's and
+    Fabric's routes) against the graph step, with PASS / FAIL lines for the targets."""
+    step = [PY, "scripts/compiled_step.py", "--out", str(out)]
+    if smoke:  # aot_eager: Dynamo's graphs without Inductor's code generation (a CPU compiles it slowly)
+        return [Step("compiled_step", [*step, "--smoke", "--backend", "aot_eager", "--loss", "zloss"], 120)]
+    return [Step("compiled_step", step, 240)]
+
+
+def tf32(out: Path, smoke: bool) -> list[Step]:
+    """The drift of TF32 products (``tf32=True``, opt-in) against float64 over 10^4 steps, beside
+    full float32 products (tf32_drift.py)."""
+    drift = [PY, "scripts/tf32_drift.py", "--out", str(out)]
+    return [Step("tf32_drift", [*drift, "--smoke", "--loss", "zloss"] if smoke else [*drift, "--steps", "10000"],
+                 60 if smoke else 120)]
+
+
 def profile(out: Path, smoke: bool) -> list[Step]:
     """The default head's step profiled (lst-train's loss=sampled with its negatives and P): eager,
     sync-free and from a graph, the last two at 2 and at 6 Neumann factors side by side; its
@@ -141,8 +162,8 @@ def quality(out: Path, smoke: bool) -> list[Step]:
 
 
 #: the parts in the order the suite runs them: correct first, then fast, then quality
-PARTS = {"tests": tests, "kernels": kernels, "profile": profile, "heads": heads, "whole_step": whole_step,
-         "quality": quality}
+PARTS = {"tests": tests, "kernels": kernels, "compiled": compiled, "profile": profile, "heads": heads,
+         "whole_step": whole_step, "quality": quality, "tf32": tf32}
 LOG = "gpu_session_log.txt"
 
 

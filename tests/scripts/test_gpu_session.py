@@ -17,16 +17,19 @@ def summary(out):
 
 
 def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
-    assert gs.main(["tests", "kernels", "profile", "heads", "--out", str(tmp_path), "--smoke"]) == 0
+    assert gs.main(["tests", "kernels", "compiled", "profile", "heads", "tf32", "--out", str(tmp_path), "--smoke"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if not n.startswith("bench_heads_")] == [
-        gs.LOG, "gpu_tests_junit.xml", "kernel_tests_junit.xml"]
+        "compiled_step.csv", gs.LOG, "gpu_tests_junit.xml", "kernel_tests_junit.xml", "tf32_drift.csv"]
+    (row,) = list(csv.DictReader((tmp_path / "compiled_step.csv").open()))
+    assert (row["graphs"], row["breaks"]) == ("1", "0")  # the step compiled whole
     assert sorted(p.suffix for p in tmp_path.glob("bench_heads_*")) == [".csv", ".md", ".png"]
     kernels = gs.junit_counts(tmp_path / "kernel_tests_junit.xml")
     assert int(kernels.split()[0]) > 0 and " 0 failed, 0 errors" in kernels, kernels
     text = summary(tmp_path)
     assert "kernel_tests  ok" in text and kernels in text
     assert "gpu_tests" in text and "profile_step  ok" in text
+    assert "compiled_step  ok" in text and "tf32_drift  ok" in text
     log = (tmp_path / gs.LOG).read_text()  # the profile of the default head, pinned factors side by side
     assert "== factored, loss=sampled, inverse=products" in log and "== factored_sync, loss=sampled, inverse=products, factors=2" in log
     (path,) = tmp_path.glob("bench_heads_smoke_*.csv")

@@ -177,3 +177,92 @@ def test_compile_step_true_is_refused_in_one_line_where_the_step_cannot_compile(
     assert auto.compile_step == "auto" and not auto.compiles  # auto: on a CUDA device only
     with pytest.raises(ValueError, match="compile must be one of"):
         FactoredSphericalHead(D, d, compile_step="yes")
+
+
+# -- on a CUDA device (``-m gpu``; the GPU suite's ``tests`` part) --------------------------------
+def cuda_head(kind, compile_step, dtype=torch.float32, num_classes=D, width=d):
+    return FactoredSphericalHead(num_classes, width, **kind, lr=0.1, weight_decay=0.01, dtype=dtype, device="cuda",
+                                 compile_step=compile_step, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", [ZLOSS, DEFAULT], ids=["zloss", "default"])
+def test_on_cuda_the_compiled_step_equals_the_eager_one_and_the_naive_head(kind):
+    """Inductor's Triton kernels and the project's (traced by Dynamo into the graph): in float64
+    the compiled step is the eager one to 1e-12, in float32 the naive float64 head's to 2e-4 (as
+    test_cuda.py's float32 pair), over 50 fused steps with the lr changed."""
+    eager, fast = cuda_head(kind, False, torch.float64), cuda_head(kind, True, torch.float64)
+    f32 = cuda_head(kind, True)
+    naive = NaiveSphericalHead(D, d, **kind, lr=0.1, weight_decay=0.01, dtype=torch.float64, device="cuda")
+    naive.reset_weight(eager.weight())
+    assert fast.compiles and f32.compiles and not eager.compiles
+    gap = {"eager": 0.0, "naive": 0.0}
+    for i, (H, idx) in enumerate(batches(50)):
+        H, idx = H.cuda(), idx.cuda()
+        for h in (eager, fast, f32, naive):
+            h.lr = 0.1 / (1 + 0.05 * i)
+        (Le, ge), (Lf, gf), (L32, g32) = (h.train_step(H, idx) for h in (eager, fast, f32))
+        Hn = H.clone().requires_grad_()
+        naive(Hn, idx).backward()
+        gap["eager"] = max(gap["eager"], rel(Lf, Le), rel(gf, ge))
+        gap["naive"] = max(gap["naive"], rel(g32, Hn.grad))
+    for h in (eager, fast, f32):
+        h.sync()
+    gap["eager"] = max(gap["eager"], rel(fast.weight(), eager.weight()))
+    gap["naive"] = max(gap["naive"], rel(f32.weight(), naive.weight()))
+    assert gap["eager"] <= 1e-12 and gap["naive"] <= 2e-4, gap
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("route", ["fused", "autograd", "accumulated", "cuda_graph"])
+def test_on_cuda_the_default_step_never_waits_for_the_gpu(route):
+    """Under ``torch.cuda.set_sync_debug_mode("error")`` any host synchronisation raises: the
+    default head's compiled step runs sync_every - 1 steps on each route without one (the read of
+    the flags, every sync_every steps, is the only one), its first steps (the compile, a capture)
+    taken before."""
+    h = cuda_head(DEFAULT, True)
+    data = [(H.cuda(), idx.cuda()) for H, idx in batches(h.sync_every + 2)]
+    opt = torch.optim.SGD([torch.zeros(1, device="cuda", requires_grad=True)])
+    if route == "accumulated":
+        h.attach(opt)
+    if route in ("fused", "cuda_graph"):
+        h.step = route
+
+    def one(H, idx):
+        h(H.clone().requires_grad_(), idx).backward()
+        if route == "accumulated":
+            opt.step()
+
+    for H, idx in data[:2]:
+        one(H, idx)
+    h.sync()  # its own read, before the checked steps: the next read is sync_every steps on
+    calls = h.step_checks.calls
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for H, idx in data[2:2 + h.sync_every - 1 - calls % h.sync_every]:
+            one(H, idx)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    h.sync()
+    assert int(h.skipped_nonfinite) == 0 and int(h.steps) >= h.sync_every - 1
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_compiled_step_updates_v_in_place_without_a_copy_of_it():
+    """V (D x d, 1 GB here) is written in place by the compiled step: its storage stays, and the
+    step's peak memory above what was allocated before it stays far below one copy of V."""
+    D_big, d_big = 2_000_000, 128
+    h = cuda_head(DEFAULT, True, num_classes=D_big, width=d_big)
+    H = torch.randn(256, d_big, device="cuda")
+    idx = torch.randint(0, D_big, (256, 2), device="cuda")
+    h.train_step(H, idx)  # compiles
+    ptr, v_bytes = h.V.data_ptr(), h.V.numel() * h.V.element_size()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    for _ in range(3):
+        h.train_step(H, idx)
+    torch.cuda.synchronize()
+    assert h.V.data_ptr() == ptr
+    assert torch.cuda.max_memory_allocated() - before < v_bytes / 8
