@@ -236,3 +236,30 @@ def test_the_compiled_model_steps_as_the_eager_one():
         assert torch.allclose(a, b, rtol=1e-6)
     assert int(factored_head(compiled).steps) == 3
     assert torch.allclose(factored_head(compiled).weight(), factored_head(eager).weight(), atol=1e-6)
+
+
+def test_a_fabric_loop_reads_the_host_at_most_once_in_ten_optimizer_steps():
+    """litgpt's loop shape under Fabric (accumulation 2, the head attached to the optimizer):
+    the head's device flags every 64 steps and the repairs then due are the only host reads of
+    the package's, counted from the third optimizer step to the last of 66."""
+    from host_reads import HostReads  # noqa: PLC0415
+
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(model, optimizer)
+    head = factored_head(model.module)
+    head.attach(optimizer)
+    ids, targets = rows(m=4, seed=3)
+    reads = HostReads()
+    for step in range(66):
+        if step == 2:
+            reads.__enter__()
+        for k in range(2):
+            with fabric.no_backward_sync(model, enabled=k == 0):
+                fabric.backward(model(ids[2 * k:2 * k + 2], targets=targets[2 * k:2 * k + 2]) / 2)
+        optimizer.step()
+        optimizer.zero_grad()
+    reads.__exit__(None, None, None)
+    assert int(head.steps) == 66
+    assert 1 <= reads.count <= 0.1 * 64, reads.sites

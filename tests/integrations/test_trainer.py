@@ -160,3 +160,33 @@ def test_a_head_whose_trainer_is_gone_drops_its_rows_with_a_warning(tmp_path):
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
     loss.backward()
     assert not head.attached and head.pending_rows == 0 and int(head.steps) == 1
+
+
+def test_the_trainer_route_reads_the_host_at_most_once_in_ten_optimizer_steps(tmp_path):
+    """The HF Trainer with accumulation 2, 64 optimizer steps: the head's device flags are read
+    every 64 steps and at the end of training (with the repairs then due): at most 0.1 host reads
+    of the package's a step, counted from the third step (the first ones build the proposal
+    tables and compile nothing on the CPU, but set up)."""
+    from transformers import TrainerCallback  # noqa: PLC0415
+
+    from host_reads import HostReads  # noqa: PLC0415
+
+    class Count(TrainerCallback):
+        reads = HostReads()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                self.reads.__enter__()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.reads.__exit__(None, None, None)
+
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=66, learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, seed=0)
+    count = Count()
+    Trainer(model=model, args=args, train_dataset=Rows(n=264), callbacks=[head_follows_trainer(), count]).train()
+    assert int(model.lm_head.steps) == 66
+    assert count.reads.count / 64 <= 0.1, count.reads.sites
+    assert count.reads.count >= 1  # the read at the end of training, at least

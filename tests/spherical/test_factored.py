@@ -31,8 +31,8 @@ def test_exact_float64(loss, bias, m, K, sync_every):
     f, n = make_pair(loss, bias=bias, lr=0.05, weight_decay=0.01, sync_every=sync_every)
     # The squared error at m = 1 takes nearly singular steps here (2 lr ||h||^2 near 1): the
     # host-checked step folds them into V at once, device flags repair U only at the next read
-    # (up to 32 steps on): its rounding grows with cond(U) meanwhile, to 6e-9 (measured).
-    tol = 1e-7 if (loss, m, sync_every) == ("mse", 1, SYNC_EVERY) else 1e-9
+    # (up to 64 steps on): its rounding grows with cond(U) meanwhile, to 3e-7 (measured).
+    tol = 1e-6 if (loss, m, sync_every) == ("mse", 1, SYNC_EVERY) else 1e-9
     run_steps(f, n, steps=40, m=m, K=K, tol=tol)
     assert int(f.steps) == 40
 

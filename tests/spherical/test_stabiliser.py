@@ -17,7 +17,8 @@ from head_pairs import batch, make_pair, rel, run_steps, step_both
 @pytest.mark.parametrize("sv_method", ["power", "svd"])
 def test_inverse_routes_and_sv_methods(inverse, sv_method):
     # m > d takes the solve with "auto" on a CPU; here every route is forced.
-    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"inverse": inverse, "sv_method": sv_method})
+    # device flags read every 8 steps: the repairs run at the reads
+    f, n = make_pair("mse", d=6, lr=0.03, stabiliser={"inverse": inverse, "sv_method": sv_method}, sync_every=8)
     run_steps(f, n, steps=40, m=9, K=2)
     assert int(f.checks) > 0 and int(f.sv_fixes) > 0, f.stats()  # mse shrinks U: repairs must run
 

@@ -70,6 +70,7 @@ class DeviceFlags(HostChecks):
         self.factors = MAX_FACTORS
         #: "adaptive": the largest rho bound of the steps since the last read, on the device
         self.rho_max: Tensor | None = None
+        self.read_at = -1  # the steps run (``calls``) at the last read
 
     def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
         """The factor the loss reached the head with, kept on the device where it is not the loss
@@ -131,10 +132,13 @@ class DeviceFlags(HostChecks):
         return self.calls % head.sync_every == 0
 
     def read(self, head):
-        """Read the flags, in one host transfer (the steps taken and skipped, the step of a bad
+        """Read the flags, in one host transfer (none when no step ran since the last read) (the steps taken and skipped, the step of a bad
         batch, cond(U)'s bound, a loss factor and the adaptive rule's rho bound), and warn about
         skipped steps and a loss that reached the head multiplied.
         (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch or 0)."""
+        if self.calls == self.read_at:
+            return None
+        self.read_at = self.calls
         flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
         if self.rho_max is not None:
             flags.append(self.rho_max)

@@ -16,8 +16,8 @@ from .compiled import COMPILE_MODES
 
 STEP_MODES = ("autograd", "fused", "cuda_graph")
 #: how often the step's device flags are read on the host by default: one host
-#: synchronisation every 32 steps (checks.py; 1 reads each check as it is made)
-SYNC_EVERY = 32
+#: synchronisation every 64 steps (checks.py; 1 reads each check as it is made)
+SYNC_EVERY = 64
 PARALLEL_MODES = ("none", "replicated", "sharded")
 
 

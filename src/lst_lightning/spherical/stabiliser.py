@@ -152,7 +152,7 @@ class Repairs:
         beta = -alpha / (1.0 + alpha)
         head.U.add_(P @ (alpha[:, None] * (P.T @ head.U)))
         head.Uinv.add_((head.Uinv @ P) @ (beta[:, None] * P.T))
-        head.sv_fixes += P.shape[1]
+        head.sv_fixes += (alpha != 0).sum()  # (a direction already in the band is a fix of 0: not counted)
         if pending is None:
             return P, torch.diag(beta)
         # (I + A C A^T)(I + P B P^T) = I + [A, P] [[C, C A^T P B], [0, B]] [A, P]^T
@@ -173,13 +173,39 @@ class Repairs:
             blk.addmm_(blk @ A, CAt)
         head._version += 1
 
-    def _power(self, A: Tensor, v: Tensor) -> tuple[float, Tensor]:
-        """Largest singular value of A and its left singular vector, warm-started at v."""
+    def _power(self, A: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Largest singular value of A (a device scalar) and its left singular vector, warm-started at v."""
         v = v / v.norm().clamp_min(1e-30)
         for _ in range(self.settings.power_iters):
             w = A @ (A.T @ v)
             v = w / w.norm().clamp_min(1e-30)
-        return float((A.T @ v).norm()), v
+        return (A.T @ v).norm(), v
+
+    def _extremes_on_device(self, head) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(sigma_max, its left vector, 1 / sigma_min, its left vector) of U by warm-started power
+        iterations (U^-T's largest for sigma_min), on the device; the warm starts move on."""
+        smax, u_max = self._power(head.U, head.u_max)
+        inv_smin, u_min = self._power(head.Uinv.T, head.u_min)  # left vectors of U at sigma_min
+        head.u_max.copy_(u_max)
+        head.u_min.copy_(u_min)
+        return smax, u_max, inv_smin, u_min
+
+    def _extremes(self, head) -> tuple[float, float]:
+        """U's largest and smallest singular values, read on the host in one transfer."""
+        smax, _, inv_smin, _ = self._extremes_on_device(head)
+        smax, inv_smin = torch.stack([smax, inv_smin]).tolist()
+        return smax, 1.0 / inv_smin
+
+    def _fix_one_extreme(self, head, pending):
+        """Bring the smallest singular value of U to 1 where it is below sv_min, else the largest
+        where it is above sv_max, else nothing (a rescale by 1): decided on the device."""
+        smax, u_max, inv_smin, u_min = self._extremes_on_device(head)
+        low = inv_smin * self.settings.sv_min > 1.0
+        high = smax > self.settings.sv_max
+        u = torch.where(low, u_min, u_max)
+        sigma = torch.where(low, 1.0 / inv_smin, smax)
+        target = torch.where(low | high, torch.ones_like(sigma), sigma)
+        return self._rescale_directions(head, u[:, None], sigma[None], target[None], pending)
 
     @torch.no_grad()
     def stabilise(self, head) -> None:
@@ -210,27 +236,18 @@ class Repairs:
             sig = torch.linalg.svdvals(head.U)  # of U after the fixes (I after an unfactorisation)
             smax, smin = float(sig[0]), float(sig[-1])
         else:
-            fixes, pending, unfold = 0, None, False  # V's transform: one pass over V after the last fix
-            while True:
-                smax, u_max = self._power(head.U, head.u_max)
-                inv_smin, u_min = self._power(head.Uinv.T, head.u_min)  # left vectors of U at sigma_min
-                smin = 1.0 / inv_smin
-                head.u_max.copy_(u_max)
-                head.u_min.copy_(u_min)
-                if lo <= smin and smax <= hi:
-                    break
-                if fixes >= st.max_sv_fixes:
-                    unfold = True
-                    break
-                u, sigma = (u_min, smin) if smin < lo else (u_max, smax)
-                one = torch.ones(1, dtype=head.dtype, device=head.device)
-                pending = self._rescale_directions(head, u[:, None], one * sigma, one, pending)
-                fixes += 1
-            self._transform_v(head, pending)
-            if unfold:  # (V, U) as the fixes left them, then V <- V U
-                self.unfactorize(head)
-                smax = smin = 1.0
-            if fixes:
+            smax, smin = self._extremes(head)  # one host read
+            if not (lo <= smin and smax <= hi):
+                # up to max_sv_fixes fixes on the device, each of the extreme singular value that is
+                # out of the band (a fix of 0 once both are in it): no host read between them
+                pending = None
+                for _ in range(st.max_sv_fixes):
+                    pending = self._fix_one_extreme(head, pending)
+                self._transform_v(head, pending)  # V's transform: one pass over V after the last fix
+                smax, smin = self._extremes(head)  # one more host read
+                if not (lo <= smin and smax <= hi):  # (V, U) as the fixes left them, then V <- V U
+                    self.unfactorize(head)
+                    smax = smin = 1.0
                 self.refresh_uinv(head)
         head.cond_estimate.fill_(smax / smin)
         head.cond_bound.fill_(smax / smin)

@@ -134,7 +134,7 @@ def test_accumulation_without_the_callback_warns_once():
                          enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=2)
     with pytest.warns(UserWarning, match="multiplied by 0.5.*HeadSteps") as caught:
         trainer.fit(Plain(head), data())
-        head.sync()  # device flags: said at the next read of the flags (every 32 steps; here, by hand)
+        head.sync()  # device flags: said at the next read of the flags (every 64 steps; here, by hand)
     assert sum("multiplied by" in str(w.message) for w in caught) == 1
     assert int(head.steps) == 6  # half steps, as warned
 

@@ -1,0 +1,43 @@
+"""lst-train's route reads the host at most once in ten optimizer steps: the factored head's
+device flags every 64 steps, the repairs then due, the head's stats and the progress line when
+logged. Counted (tests/helpers/host_reads.py) from the third optimizer step to the last, on one
+device, with and without gradient accumulation (the read at the end of training, once a run,
+after that)."""
+import lightning.pytorch as pl
+import pytest
+
+from lst_lightning.app.train import build
+
+from app_configs import FAST, cfg_of
+from host_reads import HostReads
+
+STEPS = 130
+
+
+class CountFrom(pl.Callback):
+    """HostReads from optimizer step 2 to the end of the last one."""
+
+    def __init__(self):
+        self.reads = HostReads()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 2 and batch_idx % trainer.accumulate_grad_batches == 0:
+            self.reads.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == STEPS and (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.reads.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lst_train_reads_the_host_at_most_once_in_ten_steps(tmp_path, accumulate):
+    cfg = cfg_of(*FAST, "head=factored", "test=false", "trainer.limit_val_batches=0",
+                 f"trainer.limit_train_batches={STEPS * accumulate}", f"trainer.accumulate_grad_batches={accumulate}",
+                 "trainer.log_every_n_steps=50")
+    dm, module, trainer = build(cfg, tmp_path)
+    count = CountFrom()
+    trainer.callbacks.append(count)
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == STEPS and int(module.head.steps) == STEPS
+    assert count.reads.count / (STEPS - 2) <= 0.1, count.reads.sites
+    assert count.reads.count >= 1  # the flags are read (at step 64, 128)
