@@ -115,7 +115,8 @@ class StaticSampler(Sampler):
         self.register_buffer("cdf", torch.cumsum(probs, 0))
 
     def sample(self, num_samples, hidden=None, generator=None):
-        return self.at(self.uniforms(check_num_samples(num_samples), generator))
+        idx, log_q = self.at(self.uniforms(check_num_samples(num_samples), generator))
+        return idx, log_q.float()
 
     def uniforms(self, num_samples: int, generator=None) -> Tensor:
         """The randomness of a draw of ``num_samples``: uniforms in [0, 1), float64, on the
@@ -124,9 +125,10 @@ class StaticSampler(Sampler):
         return torch.rand(num_samples, dtype=torch.float64, device=self.cdf.device, generator=generator)
 
     def at(self, u: Tensor) -> tuple[Tensor, Tensor]:
-        """The classes drawn by the uniforms ``u`` (inverse CDF) and their log q: ``sample``'s result."""
+        """The classes drawn by the uniforms ``u`` (inverse CDF) and their log q in float64 (``sample``
+        gives it in float32)."""
         idx = torch.searchsorted(self.cdf, u * self.cdf[-1], right=True).clamp_(max=self.num_classes - 1)
-        return idx, self.log_q[idx].float()
+        return idx, self.log_q[idx]
 
     def log_prob(self, classes, hidden=None):
         return self.log_q[classes.clamp(min=0)].float()

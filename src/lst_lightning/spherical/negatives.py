@@ -332,8 +332,8 @@ class SharedBlock:
         """Their part of Yd V (one GEMM) and of Yd's row sums; G_u, the step's gradients
         coalesced to the unique columns (repeated negatives summed)."""
         m, u = self.G_neg.shape[0], self.uniq.numel()
-        if self.padded:  # G_u = G_neg E, E[j, inv[j]] = 1
-            E = self.G_neg.new_zeros(self.inv.numel(), u).scatter_(1, self.inv[:, None], 1.0)
+        if self.padded:  # G_u = G_neg E, E[j, inv[j]] = 1 (made by a comparison: Inductor 2.11 typed a scatter's E float32)
+            E = (self.inv[:, None] == torch.arange(u, device=self.inv.device)).to(self.G_neg.dtype)
             self.G_u = (self.G_neg * grad) @ E
         else:
             self.G_u = self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
