@@ -43,6 +43,30 @@ def global_batch(step):
     return H, idx
 
 
+def padded_batch(step):
+    """The global batch as the ranks share it under device flags (padded_rows.py): each rank's
+    rows padded to the most rows a rank holds (padding rows: H 0, ids -1), rank 0 first."""
+    H, idx = global_batch(step)
+    C = max(ROWS)
+    Hp, ip = H.new_zeros(WORLD * C, d), idx.new_full((WORLD * C, K), -1)
+    for r, n in enumerate(ROWS):
+        lo = sum(ROWS[:r])
+        Hp[r * C:r * C + n], ip[r * C:r * C + n] = H[lo:lo + n], idx[lo:lo + n]
+    return Hp, ip
+
+
+def train_padded(head):
+    """``train`` on the padded batches (the sampled classes drawn per row: one draw per
+    padded row): the gradients of H."""
+    grads = []
+    for step in range(STEPS):
+        H, idx = padded_batch(step)
+        H.requires_grad_()
+        head(H, idx).backward()
+        grads.append(H.grad)
+    return grads
+
+
 def eval_batch():
     g = torch.Generator().manual_seed(7)
     return torch.randn(sum(ROWS), d, generator=g, dtype=torch.float64), torch.randint(0, D, (sum(ROWS),), generator=g)

@@ -24,14 +24,16 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, mode):
 def test_two_ranks_with_negatives_equal_one_process_on_the_global_batch(ranks, single, name):
     """loss=sampled: each rank draws the same negatives from the head's seed, so the step on
     the world's rows is the one process's on the global batch; sharded, the block's rows of
-    V are all-reduced once and each rank scatters into its own."""
+    V are all-reduced once and each rank scatters into its own. Negatives drawn per row: the
+    ranks' rows padded to the largest rank's (device flags, padded_rows.py) draw as the one
+    process on the padded batches does (their draw is of the padded rows)."""
     mode, shared = NEGATIVE_MODES[name]
-    want = single[f"negatives_shared={shared}"]
+    want = single[f"negatives_shared={shared}" if shared else "negatives_per_padded_row"]
     res = [r[name] for r in ranks]
     W = torch.cat([r["W"] for r in res]) if mode == "sharded" else res[0]["W"]
     assert rel(W, want["W"]) < 1e-12 and rel(W, single["W"]) > 1e-3  # the negatives mattered
     for r, got in enumerate(res):
-        lo = sum(ROWS[:r])
+        lo = sum(ROWS[:r]) if shared else r * max(ROWS)
         for step in range(STEPS):
             assert rel(got["grads"][step], WORLD * want["grads"][step][lo:lo + ROWS[r]]) < 1e-12
     assert res[0]["hash"] == res[1]["hash"]
