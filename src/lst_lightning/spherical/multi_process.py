@@ -83,15 +83,15 @@ class Sharding:
         except (ValueError, TypeError) as e:
             out, err = None, e
         sizes = [0, 0] if out is None or out[1] is None else [out[0].shape[0], out[1].shape[1]]
-        said = self.pg.all_gather_ints([int(err is not None), *sizes], head.device)
-        if bool(said[:, 0].any()):  # all ranks raise, none has changed
+        said = self.pg.all_gather_ints([int(err is not None), *sizes], head.device).tolist()
+        if any(failed for failed, *_ in said):  # all ranks raise, none has changed
             said = self.pg.all_gather_objects(None if err is None else f"{type(err).__name__}: {err}")
             if err is not None:
                 raise err
             first = next(r for r, text in enumerate(said) if text is not None)
             raise ValueError(f"rank {first}'s input to the head was invalid ({said[first]}); no rank changed state")
         if padded:
-            self.padded.agree(head, said[:, 1:])
+            self.padded.agree(head, [sent for _, *sent in said])
         return out
 
     def collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):

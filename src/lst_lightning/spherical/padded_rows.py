@@ -61,10 +61,11 @@ class PaddedRows:
         self.header = self.rows = self.fault = None
 
     # -- the host's part, before the step --------------------------------------------------------
-    def agree(self, head, sizes: Tensor) -> None:
+    def agree(self, head, sizes: list[list[int]]) -> None:
         """The capacity from every rank's (rows, slots) of its first training batch (``sizes``,
         read on the host by ``Sharding.agree``) and ``head.rows_per_rank``."""
-        self.capacity = (max(int(sizes[:, 0].max()), head.rows_per_rank or 0), int(sizes[:, 1].max()))
+        rows, slots = zip(*sizes)
+        self.capacity = (max(*rows, head.rows_per_rank or 0), max(slots))
         dev = head.device
         self.header = torch.zeros(self.pg.world, 2, dtype=torch.int64, device=dev)
         self.rows = torch.zeros((), dtype=torch.int64, device=dev)
