@@ -109,12 +109,12 @@ def train_long(head, rank=None, micro=1):
     return torch.stack(losses)
 
 
-def void_input(mode, rank, case):
+def void_input(mode, rank, case, step="autograd"):
     """Three steps, then at the fourth (a read of the flags: sync_every=4) rank 1's input is bad
     (``case``: "shape", H with a column too many; "rows", more rows than the first step's;
     "rows_reserved", the same with ``head.rows_per_rank`` set, which takes them): what the
     fourth step raised, and whether it left the exact state untouched."""
-    head = make_head(mode, sync_every=4)
+    head = make_head(mode, sync_every=4, step=step)
     if case == "rows_reserved":
         head.rows_per_rank = ROWS[0] + 1
     head.distribute()
@@ -260,6 +260,7 @@ def worker(rank, rdv, out):
     for mode in ("replicated", "sharded"):
         for case in ("shape", "rows", "rows_reserved"):
             res[f"void_{mode}_{case}"] = void_input(mode, rank, case)
+    res["void_replicated_shape_fused"] = void_input("replicated", rank, "shape", step="fused")
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

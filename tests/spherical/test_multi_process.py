@@ -119,8 +119,10 @@ def test_two_ranks_padding_ragged_batches_equal_one_process_on_their_union(ranks
 def test_one_ranks_bad_shape_or_too_many_rows_raise_on_every_rank_at_the_next_read(ranks, mode):
     """After the first step no rank raises alone (the others would wait in the collective): the
     step is void on every rank and the next read raises on all of them, in one line, with that
-    rank's message and the step; the step changed no state. ``head.rows_per_rank`` takes more rows."""
-    shape = [r[f"void_{mode}_shape"] for r in ranks]
+    rank's message and the step; the step changed no state (the autograd step; replicated, the
+    fused one too). ``head.rows_per_rank`` takes more rows."""
+    shape = [r[f"void_{mode}_shape"] for r in ranks] + ([r["void_replicated_shape_fused"] for r in ranks]
+                                                        if mode == "replicated" else [])
     rows = [r[f"void_{mode}_rows"] for r in ranks]
     for got in shape:
         assert got["error"].startswith("FactoredSphericalHead: the batch of step 4 was void on every rank: rank 1's "
@@ -131,7 +133,7 @@ def test_one_ranks_bad_shape_or_too_many_rows_raise_on_every_rank_at_the_next_re
         assert "head.rows_per_rank" in got["error"]
     for got in shape + rows:
         assert "\n" not in got["error"] and got["untouched"] and got["steps"] == 3
-    assert shape[0]["error"] == shape[1]["error"] and rows[0]["error"] == rows[1]["error"]
+    assert len({got["error"] for got in shape}) == 1 and rows[0]["error"] == rows[1]["error"]
     for r in ranks:
         assert r[f"void_{mode}_rows_reserved"]["error"] is None and r[f"void_{mode}_rows_reserved"]["steps"] == 4
 
