@@ -72,7 +72,7 @@ class DeviceFlags(HostChecks):
         self.rho_max: Tensor | None = None
         #: several processes: the void step the last read found, (its rank, why: None for bad
         #: ids in that rank's rows; padded_rows.py)
-        self.void: tuple[int, str | None] | None = None
+        self.fault: tuple[int, str | None] | None = None
 
     def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
         """The factor the loss reached the head with, kept on the device where it is not the loss
@@ -146,19 +146,15 @@ class DeviceFlags(HostChecks):
         skipped steps and a loss that reached the head multiplied.
         (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch or 0)."""
         flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
-        padded = head.sharding.padded if head.sharding.padded.fault is not None else None
-        if padded is not None:  # several processes: the void step's rank and code
-            flags += padded.flags()
         if self.rho_max is not None:
             flags.append(self.rho_max)
-        values = torch.stack([f.to(torch.float64) for f in flags]).tolist()
-        fault = None
-        if padded is not None:
-            fault, values[5:7] = tuple(int(v) for v in values[5:7]), []
-        steps, skipped, bad, cond_bound, factor, *rho_max = values
+        padded = head.sharding.padded if head.sharding.padded.fault is not None else None
+        ranks = [] if padded is None else padded.flags()  # several processes: the void step's rank and code
+        values = torch.stack([f.to(torch.float64) for f in flags + ranks]).tolist()
+        steps, skipped, bad, cond_bound, factor, *rho_max = values[:len(flags)]
         steps, skipped, bad = int(steps), int(skipped), int(bad)
         if padded is not None:  # every rank reads at the same step: a void rank's message is gathered here
-            self.void = padded.read(fault if bad else None)
+            self.fault = padded.read(tuple(int(v) for v in values[len(flags):]) if bad else None)
         if factor:
             head._warn_loss_factor(factor)
             head._loss_factor.zero_()
@@ -184,12 +180,12 @@ class DeviceFlags(HostChecks):
     def raise_bad_input(self, head, step: int) -> None:
         """Raise for the void step ``step`` (as the read found it), in one line: its bad target
         ids; several processes: the rank whose rows held them, or the rank whose input failed
-        and its message (``self.void``, from the read)."""
+        and its message (``self.fault``, from the read)."""
         head._bad_input.zero_()
-        void, self.void = self.void, None
-        where = "" if void is None else f" in rank {void[0]}'s rows"
+        fault, self.fault = self.fault, None
+        where = "" if fault is None else f" in rank {fault[0]}'s rows"
         what = (f"had target ids outside [0, {head.num_classes}){where} (class ids, or -1 for padding)"
-                if void is None or void[1] is None else f"was void on every rank: rank {void[0]}'s input {void[1]}")
+                if fault is None or fault[1] is None else f"was void on every rank: rank {fault[0]}'s input {fault[1]}")
         raise ValueError(f"{type(head).__name__}: the batch of step {step} {what}; that step was skipped and left "
                          f"the head's state untouched (device flags are read every sync_every={head.sync_every} "
                          "steps; sync_every=1 checks each batch as it comes)")
