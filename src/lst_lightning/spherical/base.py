@@ -333,7 +333,9 @@ class SphericalHeadBase(OutputHead):
 
     def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None,
                             step: bool | None = None):
-        """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
+        """``prepare``, agreed on by every rank: one rank's bad input raises on all of them (a
+        training step under device flags after the first: at the next read of the flags,
+        the step void on every rank; padded_rows.py)."""
         self._ensure_distributed()
         step = self.in_training_step if step is None else step
         if self.sharding.alone:
