@@ -138,6 +138,15 @@ def test_one_ranks_bad_shape_or_too_many_rows_raise_on_every_rank_at_the_next_re
         assert r[f"void_{mode}_rows_reserved"]["error"] is None and r[f"void_{mode}_rows_reserved"]["steps"] == 4
 
 
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+def test_rows_per_rank_is_a_positive_int_or_none(value):
+    head = make_head("replicated")
+    with pytest.raises(ValueError, match="rows_per_rank must be a positive int or None"):
+        head.rows_per_rank = value
+    head.rows_per_rank = 8
+    head.rows_per_rank = None
+
+
 def test_a_diverged_replica_fails_loudly_on_every_rank(ranks):
     for r in ranks:
         for key in ("diverged", "diverged_deferred"):
