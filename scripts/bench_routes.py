@@ -89,7 +89,7 @@ def loopback_bytes() -> int | None:
 class CountingProcessGroup(ProcessGroup):
     """The factored head's process group, counting the bytes this rank sends at each of the
     head's collectives (spherical/collectives.py: every collective of the head's step, in
-    multi_process.py and factored.py, is one of these methods): the payload only, no
+    multi_process.py, padded_rows.py and factored.py, is one of these methods): the payload only, no
     framing, as ideal algorithms on P ranks send it. An all-gather of n bytes per rank:
     (P - 1) n; a (ring) all-reduce of n bytes: 2 (P - 1) / P n; a broadcast of n bytes:
     (P - 1) / P n (the source's (P - 1) n, averaged over the ranks). So the count compares
@@ -121,6 +121,11 @@ class CountingProcessGroup(ProcessGroup):
         if self.world > 1:  # this rank's pickle (the ranks' may differ; never on the hot path)
             self._add((self.world - 1) * len(pickle.dumps(obj)))
         return super().all_gather_objects(obj)
+
+    def gather_fixed(self, x):
+        if self.world > 1:
+            self._add((self.world - 1) * x.numel() * x.element_size())
+        return super().gather_fixed(x)
 
     def gather_ragged(self, tensors, fills):
         out, sizes = super().gather_ragged(tensors, fills)  # the counts: all_gather_ints above

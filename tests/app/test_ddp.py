@@ -12,12 +12,14 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from host_reads import by_file
 from hydra import compose, initialize_config_dir
 
 from lst_lightning.app.callbacks.sparse_gradients import BYTES_KEY
@@ -253,6 +255,69 @@ def test_two_ranks_accumulating_train_like_one_factored_head(tmp_path, parallel,
     assert_close_rel(body(state(tmp_path / "two")), body(state(tmp_path / "one")))
     assert_close_rel({"W": weight_of(tmp_path / "two", over)}, {"W": weight_of(tmp_path / "one", over)})
     assert_metrics_equal(r1, r2, splits=("val",))
+
+
+class _CountReads(pl.Callback):
+    """Each rank's host reads (``reads``, a HostReads entered around its run) by file from the
+    end of its first optimizer step to the end of its last training batch (before the
+    validation at the epoch's end), written at the end of training."""
+
+    def __init__(self, reads, out: Path):
+        self.reads, self.out, self.first, self.last = reads, out, None, None
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 1 and self.first is None:
+            self.first = Counter(self.reads.sites)
+        self.last = Counter(self.reads.sites)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save({"after": by_file(self.last - self.first), "steps": trainer.global_step},
+                   self.out / f"reads{trainer.global_rank}.pt")
+
+
+def _counting_rank(rank: int, world: int, port: int, overrides: list, run_dir: str, out: str) -> None:
+    from host_reads import HostReads  # noqa: PLC0415
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                      RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0")
+    with HostReads() as reads:
+        run(cfg_of(*overrides), run_dir, extra_callbacks=[_CountReads(reads, Path(out))])
+
+
+READ_STEPS = 64  # optimizer steps of the run whose host reads are counted (the flags read every 32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["replicated", "sharded"])
+def test_two_ranks_factored_head_reads_the_host_only_when_its_flags_are_read(tmp_path, parallel):
+    """Lightning DDP on two ranks (as torchrun starts them), two micro-batches an optimizer step,
+    64 steps, the factored head's default step (device flags): from the end of the first
+    optimizer step (the head joins the process group, the ranks agree on the capacity of their
+    rows) to the last training batch the head reads the host only at the reads of its flags
+    (every 32 steps: 2 in 63 steps), in the repairs those run when they fell due, and in
+    ``stats()`` when the app logs them. (The app's own reads are not the head's: the sampler's
+    ids, host data, in the data module; the progress log. The sparse input embedding's
+    exchange would read its row counts each step: this run's embedding is dense.)"""
+    import socket  # noqa: PLC0415
+
+    import torch.multiprocessing as mp  # noqa: PLC0415
+
+    over = [*COMMON, *FACTORED, "head.checksum_every=100", f"head.parallel={parallel}", "test=false",
+            "optimizer.embedding=dense", "model.sparse_embedding=false", f"data.batch_size={B // 2}",
+            "trainer.accumulate_grad_batches=2", f"trainer.limit_train_batches={2 * READ_STEPS}",
+            "trainer=ddp_cpu", "trainer.strategy=ddp", "trainer.devices=2"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_counting_rank, args=(2, port, over, str(tmp_path / "two"), str(tmp_path)), nprocs=2,
+                       start_method="fork")
+    for rank in range(2):
+        got = torch.load(tmp_path / f"reads{rank}.pt", weights_only=False)
+        assert got["steps"] == READ_STEPS
+        head = {f: n for f, n in got["after"].items() if f.startswith("src/lst_lightning/spherical/")}
+        allowed = {f"src/lst_lightning/spherical/{f}.py" for f in ("checks", "stabiliser", "factored")}
+        assert set(head) <= allowed, head
+        assert head.get("src/lst_lightning/spherical/checks.py", 0) / (READ_STEPS - 1) <= 0.1, head
 
 
 def weight_of(run_dir, over):

@@ -31,6 +31,14 @@ DATA_SHAPED = ("aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::uni
                "aten::masked_select")
 
 
+def by_file(sites: dict) -> collections.Counter:
+    """``sites`` (``file:line`` -> reads, as ``HostReads.sites``) summed by file."""
+    out: collections.Counter = collections.Counter()
+    for site, n in sites.items():
+        out[site.rsplit(":", 1)[0]] += n
+    return out
+
+
 def _ours(filename: str) -> bool:
     return filename.startswith(PACKAGE) and not filename.startswith(HOST_DATA)
 

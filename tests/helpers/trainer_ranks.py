@@ -2,6 +2,7 @@
 float64 Llama patched by ``factor_lm_head``, trained by the Trainer with
 ``head_follows_trainer()``; and the same training in one process, the reference.
 Used by tests/integrations/test_trainer_processes.py."""
+import contextlib
 import os
 from pathlib import Path
 
@@ -52,16 +53,21 @@ def as_a_fresh_launch():
 
 
 def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_steps=None, resume=None,
-          tokens_over_world=True, bad_rank=None):
+          tokens_over_world=True, bad_rank=None, count_reads=False, lr=0.5):
     """One Trainer run; returns the model's state (a sharded V gathered whole on rank 0), the
-    logged losses and the head's state hash."""
-    from transformers import Trainer, TrainingArguments
+    logged losses and the head's state hash; ``count_reads``: the package's host reads during
+    ``train()`` too (``reads``, ``read_sites``), and their count and sites at the end of the first
+    optimizer step (``reads_first``, ``sites_first``: the head joins the process group and the
+    ranks agree on their rows' capacity in it) and their count at the end of each step
+    (``reads_by_step``; the flags' last read comes after, at the end of training)."""
+    from host_reads import HostReads
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
     from lst_lightning.integrations import export_dense_head, factor_lm_head, head_follows_trainer
 
     if "WORLD_SIZE" in os.environ:
         as_a_fresh_launch()
-    model = factor_lm_head(tiny_llama(), loss="zloss", lr=0.5, dtype=torch.float64, parallel=parallel)
+    model = factor_lm_head(tiny_llama(), loss="zloss", lr=lr, dtype=torch.float64, parallel=parallel)
     if bad_rank is not None and int(os.environ.get("RANK", "0")) == bad_rank:
         def bad_label(module, args, kwargs):
             kwargs["labels"] = kwargs["labels"].clone()
@@ -79,8 +85,20 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
     at_start = []  # the head's steps at the first training forward (3 after resuming from checkpoint-3)
     model.register_forward_pre_hook(lambda module, args: at_start.append(int(head.steps)) if not at_start else None)
     try:
-        trainer = Trainer(model=model, args=args, train_dataset=Texts(), callbacks=[head_follows_trainer()])
-        trainer.train(resume_from_checkpoint=resume)
+        reads = HostReads() if count_reads else None
+        by_step, first = [], {}
+
+        class CountReads(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                if reads is not None:
+                    by_step.append(reads.count)
+                    if state.global_step == 1:
+                        first.update(reads_first=reads.count, sites_first=dict(reads.sites))
+
+        trainer = Trainer(model=model, args=args, train_dataset=Texts(),
+                          callbacks=[head_follows_trainer(), CountReads()])
+        with reads if count_reads else contextlib.nullcontext():
+            trainer.train(resume_from_checkpoint=resume)
     except ValueError as e:
         return {"error": str(e), "steps": int(head.steps), "hash": head.state_hash()}
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -89,6 +107,8 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
         state["lm_head.V"] = whole
     result = {"state": state, "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
               "hash": head.state_hash(), "rows": (head.row_lo, head.row_hi), "steps_at_start": at_start[0]}
+    if count_reads:
+        result.update(reads=reads.count, read_sites=dict(reads.sites), reads_by_step=by_step, **first)
     trainer.save_model(str(out_dir := Path(str(out)) / "final"))  # rank 0 writes it: a sharded head's V whole
     if head.sharded and trainer.args.process_index == 0:
         from safetensors.torch import load_file
@@ -113,6 +133,7 @@ def runs(out):
                                                save_steps=3)
         res[f"{parallel}_resumed"] = train(out / f"{parallel}_resumed", parallel, accumulate=2, steps=6,
                                            save_steps=3, resume=str(out / f"{parallel}_acc" / "checkpoint-3"))
+        res[f"{parallel}_reads"] = train(out / f"{parallel}_reads", parallel, accumulate=2, steps=6, count_reads=True)
     res["tokens_per_process"] = train(out / "per_process", accumulate=2, steps=6, tokens_over_world=False)
     res["bad_label"] = train(out / "bad", bad_rank=1)
     res["no_parallel_mode"] = train(out / "none", "none")
@@ -120,9 +141,23 @@ def runs(out):
     return res
 
 
-def worker(rank, port, out):
+#: optimizer steps of the runs whose host reads are counted at the default read interval
+LONG_STEPS = 64
+
+
+def long_runs(out):
+    """The host reads of LONG_STEPS optimizer steps of 2 micro-batches, replicated and sharded."""
+    return {parallel: train(out / f"{parallel}_long", parallel, accumulate=2, steps=LONG_STEPS, count_reads=True)
+            for parallel in ("replicated", "sharded")}
+
+
+def worker(rank, port, out, cases=runs):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD), RANK=str(rank),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    res = runs(out)
+    res = cases(out)
     torch.save(res, out / f"rank{rank}.pt")
+
+
+def long_worker(rank, port, out):
+    worker(rank, port, out, long_runs)

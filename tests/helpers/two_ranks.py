@@ -6,6 +6,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from host_reads import HostReads
 
 from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical.collectives import bit_hash
@@ -41,6 +42,101 @@ def global_batch(step):
     idx[1, 1] = idx[1, 0]
     idx[6, 0] = idx[0, 0]  # rank 1 shares a class with rank 0
     return H, idx
+
+
+def padded_batch(step):
+    """The global batch as the ranks share it under device flags (padded_rows.py): each rank's
+    rows padded to the most rows a rank holds (padding rows: H 0, ids -1), rank 0 first."""
+    H, idx = global_batch(step)
+    C = max(ROWS)
+    Hp, ip = H.new_zeros(WORLD * C, d), idx.new_full((WORLD * C, K), -1)
+    for r, n in enumerate(ROWS):
+        lo = sum(ROWS[:r])
+        Hp[r * C:r * C + n], ip[r * C:r * C + n] = H[lo:lo + n], idx[lo:lo + n]
+    return Hp, ip
+
+
+def train_padded(head):
+    """``train`` on the padded batches (the sampled classes drawn per row: one draw per
+    padded row): the gradients of H."""
+    grads = []
+    for step in range(STEPS):
+        H, idx = padded_batch(step)
+        H.requires_grad_()
+        head(H, idx).backward()
+        grads.append(H.grad)
+    return grads
+
+
+#: the long run whose host reads are counted: its steps, and every 8th step's rows per rank
+#: (an epoch's last batch: fewer rows than the first step's, which the ranks pad to)
+LONG_STEPS, SHORT_ROWS = 66, [2, 1]
+
+
+def rows_at(step):
+    return SHORT_ROWS if step % 8 == 7 else ROWS
+
+
+def long_batch(step):
+    """The long run's global batch of ``step``: random ids, padding slots among them."""
+    g = torch.Generator().manual_seed(200 + step)
+    M = sum(rows_at(step))
+    return torch.randn(M, d, generator=g, dtype=torch.float64), torch.randint(-1, D, (M, K), generator=g)
+
+
+def train_long(head, rank=None, micro=1):
+    """LONG_STEPS steps on rank ``rank``'s rows of each long batch (None: every row, one
+    process); ``micro`` > 1: that many batches a step, the head attached to the optimizer.
+    The loss of each step's first batch."""
+    opt = None
+    if micro > 1:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+        head.attach(opt, accumulate=micro)
+    losses = []
+    for step in range(LONG_STEPS):
+        for t in range(micro * step, micro * step + micro):
+            H, idx = long_batch(t)
+            rows = rows_at(t)
+            mine = slice(None) if rank is None else slice(sum(rows[:rank]), sum(rows[:rank + 1]))
+            loss = head(H[mine].clone().requires_grad_(), idx[mine])
+            loss.backward()
+            if t == micro * step:
+                losses.append(loss.detach())
+        if opt is not None:
+            opt.step()
+    if opt is not None:
+        head.detach()
+    return torch.stack(losses)
+
+
+def void_input(mode, rank, case, step="autograd"):
+    """Three steps, then at the fourth (a read of the flags: sync_every=4) rank 1's input is bad
+    (``case``: "shape", H with a column too many; "rows", more rows than the first step's;
+    "rows_reserved", the same with ``head.rows_per_rank`` set, which takes them): what the
+    fourth step raised, and whether it left the exact state untouched."""
+    head = make_head(mode, sync_every=4, step=step)
+    if case == "rows_reserved":
+        head.rows_per_rank = ROWS[0] + 1
+    head.distribute()
+    lo = sum(ROWS[:rank])
+    rows = slice(lo, lo + ROWS[rank])
+    for step in range(3):
+        H, idx = global_batch(step)
+        head(H[rows].clone().requires_grad_(), idx[rows]).backward()
+    before = bit_hash([getattr(head, n) for n in EXACT_STATE])
+    H, idx = global_batch(3)
+    H, idx = H[rows], idx[rows]
+    if rank == 1 and case == "shape":
+        H = torch.cat([H, H[:, :1]], 1)
+    elif rank == 1:
+        H, idx = torch.cat([H, H[:ROWS[0] + 1 - ROWS[1]]]), torch.cat([idx, idx[:ROWS[0] + 1 - ROWS[1]]])
+    try:
+        head(H.clone().requires_grad_(), idx).backward()
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"error": error, "untouched": bit_hash([getattr(head, n) for n in EXACT_STATE]) == before,
+            "steps": int(head.steps)}
 
 
 def eval_batch():
@@ -151,6 +247,20 @@ def worker(rank, rdv, out):
             res[key] = None
         except RuntimeError as e:
             res[key] = str(e)
+    # The default step (device flags) reads the host at its flags' reads only, ragged batches included.
+    for mode in ("replicated", "sharded"):
+        for micro in (1, 2):
+            head = make_head(mode)
+            head.distribute()
+            with HostReads() as reads:
+                losses = train_long(head, rank, micro)
+            res[f"reads_{mode}_{micro}"] = {"reads": reads.count, "sites": dict(reads.sites), "losses": losses,
+                                             "W": head.weight(), "steps": int(head.steps)}
+    # One rank's bad input under device flags after the first step: every rank raises at the next read.
+    for mode in ("replicated", "sharded"):
+        for case in ("shape", "rows", "rows_reserved"):
+            res[f"void_{mode}_{case}"] = void_input(mode, rank, case)
+    res["void_replicated_shape_fused"] = void_input("replicated", rank, "shape", step="fused")
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

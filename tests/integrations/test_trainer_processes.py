@@ -2,19 +2,39 @@
 replicated or sharded: two processes with batch B train like one process with 2B (float64),
 with gradient accumulation too; the Trainer's checkpoints resume exactly, and on one process; one rank's bad label
 stops both ranks with its message; a head without a multi-process mode is refused."""
+from collections import Counter
+
 import pytest
 import torch
 from forked_ranks import fork_ranks
-from trainer_ranks import WORLD, tiny_llama, train, worker
+from host_reads import by_file
+from trainer_ranks import LONG_STEPS, WORLD, long_worker, tiny_llama, train, worker
 
 from lst_lightning.spherical.state import POWER_STARTS
 
 MODES = ["replicated", "sharded"]
+MAX_READS_A_STEP = 0.1
+FLAGS = "src/lst_lightning/spherical/checks.py"  # the read of the device flags
+REPAIRS = "src/lst_lightning/spherical/stabiliser.py"  # the repairs a read runs when they fell due
+#: what else reads after the first step: at the end of training, a sharded head's V gathered whole
+#: (gather_v, one transfer a shard) for trainer.save_model()
+AT_THE_END = {"replicated": set(), "sharded": {"src/lst_lightning/spherical/multi_process.py"}}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return fork_ranks(worker, tmp_path_factory.mktemp("trainer_ranks"), WORLD)
+
+
+@pytest.fixture(scope="module")
+def long_ranks(tmp_path_factory):
+    return fork_ranks(long_worker, tmp_path_factory.mktemp("trainer_long"), WORLD)
+
+
+def reads_after_the_first_step(got) -> Counter:
+    """The package's host reads by file after the first optimizer step (in which the head joins
+    the process group and the ranks agree on the capacity of their rows)."""
+    return by_file(Counter(got["read_sites"]) - Counter(got["sites_first"]))
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +79,36 @@ def test_two_processes_accumulating_train_like_one(ranks, one_process, parallel)
     assert int(got["state"]["lm_head.steps"]) == 6  # one head step per optimizer step
     assert_same_model(got["state"], ref["state"])
     assert got["losses"] == pytest.approx(ref["losses"], rel=1e-9)
+
+
+@pytest.mark.parametrize("parallel", MODES)
+def test_two_processes_accumulating_read_the_host_only_when_the_flags_are_read(ranks, parallel):
+    """Device flags under the Trainer on two processes, two micro-batches a step: after the first
+    optimizer step no step reads the host (the ranks' rows padded to the capacity agreed in the
+    first, their errors device flags); the flags are read once, at the end of training (6 steps,
+    fewer than sync_every=32), with the repairs that fell due (and a sharded V gathered whole)."""
+    for r in range(WORLD):
+        got = ranks[r][f"{parallel}_reads"]
+        assert int(got["state"]["lm_head.steps"]) == 6 and len(got["reads_by_step"]) == 6
+        assert got["reads_by_step"][-1] == got["reads_first"], got["read_sites"]  # steps 2 to 6 read nothing
+        after = reads_after_the_first_step(got)
+        assert after[FLAGS] == 1 and set(after) <= {FLAGS, REPAIRS, *AT_THE_END[parallel]}, after
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", MODES)
+def test_two_processes_accumulating_read_the_host_at_most_once_in_ten_optimizer_steps(long_ranks, parallel):
+    """64 optimizer steps of two micro-batches on two processes: after the first, the package
+    reads the host at the reads of the flags (every 32 steps and at the end of training), at
+    most once in ten steps, and in what they run. The repairs those reads run when they fell due:
+    on this toy (lr 0.5 at D = 96) cond(U)'s bound passes cond_trigger by every read, and each
+    of stabilise's power iterations reads its estimate (stabiliser.py): 4 to 8 reads a repair."""
+    for r in range(WORLD):
+        got = long_ranks[r][parallel]
+        assert int(got["state"]["lm_head.steps"]) == LONG_STEPS
+        after = reads_after_the_first_step(got)
+        assert set(after) <= {FLAGS, REPAIRS, *AT_THE_END[parallel]}, after
+        assert after[FLAGS] / (LONG_STEPS - 1) <= MAX_READS_A_STEP, after
 
 
 def test_counting_tokens_per_process_trains_the_same_model(ranks, one_process):

@@ -77,6 +77,10 @@ class TwoRanks:
         out[:] = [obj] * len(out)
 
     @staticmethod
+    def all_gather_single(out, x, group=None):
+        out.copy_(torch.cat([x, x]))
+
+    @staticmethod
     def all_reduce(x, group=None):
         x.mul_(2)
 
@@ -99,11 +103,13 @@ def test_the_head_s_collectives_count_what_each_rank_sends(monkeypatch):
     assert H.shape == (6, 4) and rows == slice(0, 3)
     assert br.CountingProcessGroup.sent == 84 + 8 + 3 * (16 + 8)  # the counts, then 3 rows of 16 + 8 bytes
     assert pg.any(True) and br.CountingProcessGroup.sent == 172
+    assert pg.gather_fixed(torch.ones(3, 2)).shape == (6, 2)  # 24 bytes to the other rank
+    assert br.CountingProcessGroup.sent == 196
     pg.all_gather_objects("x")
     alone = br.CountingProcessGroup()  # one process: nothing sent
     alone.all_reduce_(torch.ones(10))
     alone.all_gather_ints([1])
-    assert br.CountingProcessGroup.sent == 172 + len(__import__("pickle").dumps("x"))
+    assert br.CountingProcessGroup.sent == 196 + len(__import__("pickle").dumps("x"))
 
 
 def test_every_collective_of_the_process_group_is_counted():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, worker
+from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, train_padded, worker
 
 
 @pytest.fixture(scope="session")
@@ -38,4 +38,8 @@ def single():
     for shared in (True, False):
         sampled = make_head("none", **negatives(shared))
         out[f"negatives_shared={shared}"] = {"grads": train(sampled, all_rows), "W": sampled.weight()}
+    # per row, under device flags, each rank's padded rows draw too: the one process on the padded
+    # batches, its mean over the real rows (every row of the global batch has a target)
+    padded = make_head("none", reduction="mean_real", **negatives(False))
+    out["negatives_per_padded_row"] = {"grads": train_padded(padded), "W": padded.weight()}
     return out

@@ -5,7 +5,20 @@ replicated, agreed input errors, divergence caught, a gathered V reloads into sh
 import pytest
 import torch
 
-from two_ranks import NEGATIVE_MODES, ROWS, STEPS, WORLD, D, d, make_head, rel, train
+from two_ranks import LONG_STEPS, NEGATIVE_MODES, ROWS, STEPS, WORLD, D, d, make_head, rel, train, train_long
+
+MAX_READS_A_STEP = 0.1
+
+
+@pytest.fixture(scope="module")
+def long_single():
+    """One process on every row of the long run's batches, one step a batch or a step on the
+    union of two (``micro``)."""
+    out = {}
+    for micro in (1, 2):
+        head = make_head("none")
+        out[micro] = {"losses": train_long(head, micro=micro), "W": head.weight()}
+    return out
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded", "sharded_sync_free"])
@@ -24,14 +37,16 @@ def test_two_ranks_equal_one_process_on_the_global_batch(ranks, single, mode):
 def test_two_ranks_with_negatives_equal_one_process_on_the_global_batch(ranks, single, name):
     """loss=sampled: each rank draws the same negatives from the head's seed, so the step on
     the world's rows is the one process's on the global batch; sharded, the block's rows of
-    V are all-reduced once and each rank scatters into its own."""
+    V are all-reduced once and each rank scatters into its own. Negatives drawn per row: the
+    ranks' rows padded to the largest rank's (device flags, padded_rows.py) draw as the one
+    process on the padded batches does (their draw is of the padded rows)."""
     mode, shared = NEGATIVE_MODES[name]
-    want = single[f"negatives_shared={shared}"]
+    want = single[f"negatives_shared={shared}" if shared else "negatives_per_padded_row"]
     res = [r[name] for r in ranks]
     W = torch.cat([r["W"] for r in res]) if mode == "sharded" else res[0]["W"]
     assert rel(W, want["W"]) < 1e-12 and rel(W, single["W"]) > 1e-3  # the negatives mattered
     for r, got in enumerate(res):
-        lo = sum(ROWS[:r])
+        lo = sum(ROWS[:r]) if shared else r * max(ROWS)
         for step in range(STEPS):
             assert rel(got["grads"][step], WORLD * want["grads"][step][lo:lo + ROWS[r]]) < 1e-12
     assert res[0]["hash"] == res[1]["hash"]
@@ -68,10 +83,68 @@ def test_one_ranks_bad_input_raises_on_every_rank_and_changes_nothing(ranks):
     assert "rank 1's input to the head was invalid (ValueError:" in ranks[0]["bad_input"]
     assert "outside [0, 50)" in ranks[0]["bad_input"]  # the message of the rank that saw it
     assert all(r["bad_input_untouched"] for r in ranks)
-    # device flags: every rank voids the step and raises at the read, naming the step
+    # device flags: every rank voids the step and raises at the read, naming the step and the rank
     for r in ranks:
-        assert "the batch of step 2 had target ids outside [0, 50)" in r["bad_input_deferred"]
+        assert "the batch of step 2 had target ids outside [0, 50) in rank 1's rows" in r["bad_input_deferred"]
         assert r["bad_input_deferred_untouched"]
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_the_default_step_on_two_ranks_reads_the_host_at_most_once_in_ten_steps(ranks, mode, micro):
+    """Device flags: the ranks' rows padded to the capacity agreed at the first step (one read),
+    the flags read every 32 steps; batches of fewer rows (every 8th) pad. ``micro`` 2: exact
+    accumulation, two batches an optimizer step."""
+    for r in ranks:
+        got = r[f"reads_{mode}_{micro}"]
+        assert got["steps"] == LONG_STEPS
+        assert got["reads"] / LONG_STEPS <= MAX_READS_A_STEP, got["sites"]
+        assert got["reads"] >= LONG_STEPS // 32, got["sites"]  # the flags are read: the counter sees them
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_two_ranks_padding_ragged_batches_equal_one_process_on_their_union(ranks, long_single, mode, micro):
+    """The padded batch's loss and step are the one process's on the ranks' rows: padding rows
+    add nothing, and the mean divides by the real rows."""
+    res = [r[f"reads_{mode}_{micro}"] for r in ranks]
+    want = long_single[micro]
+    W = torch.cat([r["W"] for r in res]) if mode == "sharded" else res[0]["W"]
+    assert rel(W, want["W"]) < 1e-12
+    for got in res:
+        assert rel(got["losses"], want["losses"]) < 1e-12
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_one_ranks_bad_shape_or_too_many_rows_raise_on_every_rank_at_the_next_read(ranks, mode):
+    """After the first step no rank raises alone (the others would wait in the collective): the
+    step is void on every rank and the next read raises on all of them, in one line, with that
+    rank's message and the step; the step changed no state (the autograd step; replicated, the
+    fused one too). ``head.rows_per_rank`` takes more rows."""
+    shape = [r[f"void_{mode}_shape"] for r in ranks] + ([r["void_replicated_shape_fused"] for r in ranks]
+                                                        if mode == "replicated" else [])
+    rows = [r[f"void_{mode}_rows"] for r in ranks]
+    for got in shape:
+        assert got["error"].startswith("FactoredSphericalHead: the batch of step 4 was void on every rank: rank 1's "
+                                       "input was invalid (ValueError: H has 7 columns but the head's hidden_dim is 6)")
+    for got in rows:
+        assert "the batch of step 4 was void on every rank: rank 1's input had 6 rows of 3 target slots, more than " \
+               "the 5 rows of 3 slots the ranks agreed at their first training step" in got["error"]
+        assert "head.rows_per_rank" in got["error"]
+    for got in shape + rows:
+        assert "\n" not in got["error"] and got["untouched"] and got["steps"] == 3
+    assert len({got["error"] for got in shape}) == 1 and rows[0]["error"] == rows[1]["error"]
+    for r in ranks:
+        assert r[f"void_{mode}_rows_reserved"]["error"] is None and r[f"void_{mode}_rows_reserved"]["steps"] == 4
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+def test_rows_per_rank_is_a_positive_int_or_none(value):
+    head = make_head("replicated")
+    with pytest.raises(ValueError, match="rows_per_rank must be a positive int or None"):
+        head.rows_per_rank = value
+    head.rows_per_rank = 8
+    head.rows_per_rank = None
 
 
 def test_a_diverged_replica_fails_loudly_on_every_rank(ranks):

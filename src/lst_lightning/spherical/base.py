@@ -182,6 +182,7 @@ class SphericalHeadBase(OutputHead):
         #: the process-group work (multi_process.py): one process, every collective the
         #: identity (the factored head holds a replicated or sharded one with ``parallel``)
         self.sharding = Sharding(num_classes)
+        self._rows_per_rank: int | None = None  # rows_per_rank: the ranks' first batches decide
         # The seed of the initial W (drawn on the host, so that a head built on the meta
         # device has one too): ``reset_weight()`` redraws the same W from it.
         number = isinstance(init_std, (int, float)) and not isinstance(init_std, bool)
@@ -329,12 +330,14 @@ class SphericalHeadBase(OutputHead):
 
     def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None,
                             step: bool | None = None):
-        """``prepare``, agreed on by every rank: one rank's bad input raises on all of them."""
+        """``prepare``, agreed on by every rank: one rank's bad input raises on all of them (a
+        training step under device flags after the first: at the next read of the flags,
+        the step void on every rank; padded_rows.py)."""
         self._ensure_distributed()
         step = self.in_training_step if step is None else step
         if self.sharding.alone:
             return self.prepare(H, target_idx, target_val, step=step)
-        return self.sharding.agree(lambda: self.prepare(H, target_idx, target_val, step=step), step, self.device)
+        return self.sharding.agree(self, lambda: self.prepare(H, target_idx, target_val, step=step), step)
 
     def weight(self) -> Tensor:
         """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""
@@ -430,6 +433,8 @@ class SphericalHeadBase(OutputHead):
                 Hx, idx, T = self.prepare(H, target_idx, target_val, step=step)
             else:
                 Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=step)
+                if self.sharding.padded.void:  # this rank's input voids the step: raised at the next read
+                    H = self.sharding.padded.void_hidden(self, H)
             if not step:
                 if torch.is_grad_enabled() and H.requires_grad and self.parallel == "none":
                     return _HeadLoss.apply(H, self, Hx, idx, T, None)  # eval mode: a frozen head
@@ -476,6 +481,22 @@ class SphericalHeadBase(OutputHead):
     @max_pending_rows.setter
     def max_pending_rows(self, value: int) -> None:
         self.pending.max_rows = check_max_rows(value)
+
+    @property
+    def rows_per_rank(self) -> int | None:
+        """Several processes under device flags: the rows each rank may send a training step,
+        at least (the ranks agree at their first training step on the largest of this and
+        their first batches' rows, and pad every batch to it: padded_rows.py); None: the
+        first batches' rows. Set it on every rank before the first step when later batches
+        may hold more rows than the first (a batch of more voids its step, raised at the
+        next read of the flags)."""
+        return self._rows_per_rank
+
+    @rows_per_rank.setter
+    def rows_per_rank(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"rows_per_rank must be a positive int or None, got {value!r}")
+        self._rows_per_rank = value
 
     @property
     def scaler_skips(self) -> int:
@@ -538,13 +559,18 @@ class SphericalHeadBase(OutputHead):
         same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
         return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
-    def row_weights(self, idx: Tensor, dtype: torch.dtype) -> Tensor:
+    def row_weights(self, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
         """d reduce(per, idx) / d per (m,): 1/n on the rows with a real slot (n as ``reduction``
-        says; 1 for "sum"), 0 on a fully padded row."""
+        says; 1 for "sum"), 0 on a fully padded row. ``rows``: the batch's rows that "mean"
+        divides by, a device count (the ranks' rows of a gathered batch padded to their
+        capacity: ``sharding.rows``); None: idx's rows."""
         real = (idx >= 0).any(1)
         if self.reduction == "sum":
             return real.to(dtype)
-        n = real.sum().clamp_min(1) if self.reduction == "mean_real" else idx.shape[0]
+        if self.reduction == "mean_real":
+            n = real.sum().clamp_min(1)
+        else:
+            n = idx.shape[0] if rows is None else rows
         return real.to(dtype) / n
 
     def reduce(self, per_example: Tensor, idx: Tensor, weight: Tensor | None = None) -> Tensor:

@@ -71,6 +71,9 @@ class DeviceFlags(HostChecks):
         #: "adaptive": the largest rho bound of the steps since the last read, on the device
         self.rho_max: Tensor | None = None
         self.read_at = -1  # the steps run (``calls``) at the last read
+        #: several processes: the void step the last read found, (its rank, why: None for bad
+        #: ids in that rank's rows; padded_rows.py)
+        self.fault: tuple[int, str | None] | None = None
 
     def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
         """The factor the loss reached the head with, kept on the device where it is not the loss
@@ -79,11 +82,18 @@ class DeviceFlags(HostChecks):
 
     def screen(self, head, idx: Tensor, T: Tensor):
         """Bad ids become padding and the step is void (``input_ok`` False); the first such
-        step since the last read is recorded (``head._bad_input``: its number, from 1)."""
+        step since the last read is recorded (``head._bad_input``: its number, from 1). The
+        ranks' rows padded to their capacity (padded_rows.py): a rank that sent none voids the
+        step too, and the first void step's rank is recorded."""
         bad = (idx < -1) | (idx >= head.num_classes)
         input_ok = ~bad.any()
+        padded = None if head.sharding.rows is None else head.sharding.padded
+        if padded is not None:
+            input_ok = input_ok & padded.ranks_ok()
         first = (head._bad_input == 0) & ~input_ok
         head._bad_input.copy_(torch.where(first, head.steps + head.skipped_nonfinite + 1, head._bad_input))
+        if padded is not None:
+            padded.note_fault(first, bad)
         return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
 
     def before_step(self, head) -> None:
@@ -132,18 +142,24 @@ class DeviceFlags(HostChecks):
         return self.calls % head.sync_every == 0
 
     def read(self, head):
-        """Read the flags, in one host transfer (none when no step ran since the last read) (the steps taken and skipped, the step of a bad
-        batch, cond(U)'s bound, a loss factor and the adaptive rule's rho bound), and warn about
-        skipped steps and a loss that reached the head multiplied.
-        (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch or 0)."""
+        """Read the flags in one host transfer (the steps taken and skipped, the step of a bad
+        batch, cond(U)'s bound, a loss factor, the adaptive rule's rho bound; several processes:
+        the void step's rank), and warn about skipped steps and a loss that reached the head
+        multiplied. (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch
+        or 0), or None when no step ran since the last read (nothing is read then)."""
         if self.calls == self.read_at:
             return None
         self.read_at = self.calls
         flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
         if self.rho_max is not None:
             flags.append(self.rho_max)
-        steps, skipped, bad, cond_bound, factor, *rho_max = torch.stack([f.to(torch.float64) for f in flags]).tolist()
+        padded = head.sharding.padded if head.sharding.padded.fault is not None else None
+        ranks = [] if padded is None else padded.flags()  # several processes: the void step's rank and code
+        values = torch.stack([f.to(torch.float64) for f in flags + ranks]).tolist()
+        steps, skipped, bad, cond_bound, factor, *rho_max = values[:len(flags)]
         steps, skipped, bad = int(steps), int(skipped), int(bad)
+        if padded is not None:  # every rank reads at the same step: a void rank's message is gathered here
+            self.fault = padded.read(tuple(int(v) for v in values[len(flags):]) if bad else None)
         if factor:
             head._warn_loss_factor(factor)
             head._loss_factor.zero_()
@@ -167,9 +183,15 @@ class DeviceFlags(HostChecks):
         self.rho_max.zero_()
 
     def raise_bad_input(self, head, step: int) -> None:
+        """Raise for the void step ``step`` (as the read found it), in one line: its bad target
+        ids; several processes: the rank whose rows held them, or the rank whose input failed
+        and its message (``self.fault``, from the read)."""
         head._bad_input.zero_()
-        raise ValueError(f"{type(head).__name__}: the batch of step {step} had target ids outside "
-                         f"[0, {head.num_classes}) (class ids, or -1 for padding); that step was skipped and left "
+        fault, self.fault = self.fault, None
+        where = "" if fault is None else f" in rank {fault[0]}'s rows"
+        what = (f"had target ids outside [0, {head.num_classes}){where} (class ids, or -1 for padding)"
+                if fault is None or fault[1] is None else f"was void on every rank: rank {fault[0]}'s input {fault[1]}")
+        raise ValueError(f"{type(head).__name__}: the batch of step {step} {what}; that step was skipped and left "
                          f"the head's state untouched (device flags are read every sync_every={head.sync_every} "
                          "steps; sync_every=1 checks each batch as it comes)")
 

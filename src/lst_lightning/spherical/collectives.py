@@ -62,6 +62,15 @@ class ProcessGroup:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def gather_fixed(self, x: Tensor) -> Tensor:
+        """Every rank's ``x`` (the same shape on every rank) concatenated along the first
+        dimension, rank 0 first: one all-gather, nothing read on the host."""
+        if self.world == 1:
+            return x
+        out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        return out
+
     def gather_rows(self, tensors: list[Tensor], fills: list[float]) -> tuple[list[Tensor], slice]:
         """Concatenate every rank's rows of each tensor, rank 0 first; ranks may hold
         different numbers of rows. Returns the gathered tensors and this rank's rows."""

@@ -9,6 +9,10 @@ object the head holds (``head.sharding``); the step calls it only when it is not
   wbar are replicated. The gather-dot and gather-sum are all-reduced (m K and m d
   values) and each rank scatters into its own rows only.
 
+A training step under device flags (``sync_every > 1``) shares the ranks' rows padded to a
+capacity agreed at the first step, with no host read (``PaddedRows``, padded_rows.py); with
+``sync_every=1`` the ranks' row counts are gathered and read, and the padding cut.
+
 Either way each rank gets ``world x dL/dH`` for its own rows, so that DDP's averaging
 of the body's gradients gives the gradient of the global-batch loss. A multi-process
 head starts unjoined (``joined`` False); ``head.distribute()`` (every rank, once
@@ -23,6 +27,7 @@ from torch import Tensor
 import lst_kernels as lk
 
 from .collectives import ProcessGroup
+from .padded_rows import PaddedRows
 from .state import REPLICATED_STATE
 
 
@@ -43,6 +48,11 @@ class Sharding:
         #: one process, joined, unsharded: every operation here is the identity, and the
         #: step (step.py, base.py) does not call into this object at all
         self.alone = joined and self.pg.world == 1 and not self.sharded
+        #: the training steps' rows under device flags, padded to the capacity agreed at the first
+        self.padded = PaddedRows(self.pg)
+        #: the real rows of the batch the step works on, a device count, where it was padded
+        #: (None: the batch's own rows); the "mean" reduction divides by it
+        self.rows: Tensor | None = None
 
     @property
     def world(self) -> int:
@@ -57,27 +67,41 @@ class Sharding:
         return 0, self.num_classes
 
     # -- the step ---------------------------------------------------------------------------
-    def agree(self, prepare, step: bool, device):
+    def agree(self, head, prepare, step: bool):
         """``prepare()``, agreed on by every rank that shares the step: one rank's bad input
-        raises on all of them, with that rank's message, before any of them changes."""
+        raises on all of them, with that rank's message, before any of them changes. A
+        training step under device flags: at the first, this read also agrees on the capacity
+        of the padded rows (padded_rows.py); at the later ones nothing is read, and a rank's
+        bad input voids the step on every rank, raised at the next read of the flags."""
         if not (self.world > 1 and (self.sharded or step)):
             return prepare()
+        padded = step and head.step_checks.deferred
+        if padded and self.padded.capacity is not None:
+            return self.padded.prepare(head, prepare)
         try:
             out, err = prepare(), None
         except (ValueError, TypeError) as e:
             out, err = None, e
-        if self.pg.any(err is not None, device):  # all ranks raise, none has changed
+        sizes = [0, 0] if out is None or out[1] is None else [out[0].shape[0], out[1].shape[1]]
+        said = self.pg.all_gather_ints([int(err is not None), *sizes], head.device).tolist()
+        if any(failed for failed, *_ in said):  # all ranks raise, none has changed
             said = self.pg.all_gather_objects(None if err is None else f"{type(err).__name__}: {err}")
             if err is not None:
                 raise err
             first = next(r for r, text in enumerate(said) if text is not None)
             raise ValueError(f"rank {first}'s input to the head was invalid ({said[first]}); no rank changed state")
+        if padded:
+            self.padded.agree(head, [sent for _, *sent in said])
         return out
 
     def collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):
         """The batch the step works on (all ranks' rows) and this rank's rows in it (None: all)."""
+        self.rows = None
         if self.world == 1 or not (training or self.sharded):
             return Hx, idx, T, None
+        if training and self.padded.code is not None:  # prepared under device flags: no host read
+            self.rows = self.padded.rows
+            return self.padded.gather(Hx, idx, T)
         (Hx, idx, T), rows = self.pg.gather_rows([Hx, idx, T], [0.0, -1, 0.0])
         return Hx, idx, T, rows
 

@@ -256,7 +256,7 @@ class NegativeSampling:
             A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn
         y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
-        weight = head.row_weights(idx, q.dtype)
+        weight = head.row_weights(idx, q.dtype, sh.rows)
         per, gq, gs, GA, G_neg = loss_fn.with_slots_grads(q, s, A, T, A_neg, slots, weight,
                                                           num_classes=head.num_classes, y_sq=y_sq)
         L = head.reduce(per, idx, weight)

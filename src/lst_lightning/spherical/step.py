@@ -126,7 +126,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
     loss_fn = head.loss_fn
     y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
-    weight = head.row_weights(idx, q.dtype)
+    weight = head.row_weights(idx, q.dtype, head.sharding.rows)
     per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=head.num_classes, y_sq=y_sq)
     L = head.reduce(per, idx, weight)
     return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, real=real)

@@ -1,0 +1,169 @@
+"""How the ranks of a multi-process head share each training step's rows under device flags
+(``sync_every > 1``) with no host read; a ``Sharding`` of several processes holds one
+(``sharding.padded``):
+
+- at the first training step the ranks agree on a capacity, in the one host read of
+  ``Sharding.agree`` (which raises a bad input on every rank at once there): the most rows C
+  and target slots K a rank sends, the largest of their first batches' (and of
+  ``head.rows_per_rank``);
+- at every step each rank sends a header (its rows m and an error code) and its rows padded
+  to C x K (padding rows: H 0, ids -1, values 0), in two all-gathers of a fixed size. The
+  step works on the gathered batch, the ranks' rows in rank order each followed by its
+  padding: padding rows add nothing to the step, and the "mean" reduction divides by the real
+  rows, the headers' sum (``rows``, a device count). A rank's own rows of dL/dH are the
+  static slice [rank C, rank C + m);
+- a rank whose input fails the host checks (``prepare``) or exceeds the capacity does not
+  raise (the other ranks would wait in the collective): it sends no rows and an error code,
+  keeps its message, and its H gets a zero gradient. Every rank voids the step on the device
+  (the gathered header folds into the step's ``input_ok``: ``DeviceFlags.screen``), the first
+  void step since the last read is recorded with its rank (``fault``), and the next read of
+  the flags raises on every rank, in one line, with that rank's message and the step's number.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .collectives import ProcessGroup
+
+#: a rank's error codes in the header and in ``fault``: its rows sent; its input failed the
+#: host checks; it had more rows or slots than the capacity; the gathered batch had bad ids
+SENT, INVALID, TOO_LARGE, BAD_IDS = 0, 1, 2, 3
+
+
+class _VoidHidden(torch.autograd.Function):
+    """No rows standing for a void rank's H: that H gets a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, H: Tensor, width: int, device: torch.device) -> Tensor:
+        ctx.like = (H.shape, H.dtype, H.device)
+        return torch.zeros(0, width, dtype=H.dtype, device=device)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype, device = ctx.like
+        return torch.zeros(shape, dtype=dtype, device=device), None, None
+
+
+class PaddedRows:
+    """The ranks' rows of each training step, padded to the capacity agreed at the first."""
+
+    def __init__(self, pg: ProcessGroup):
+        self.pg = pg
+        #: (rows C, slots K) a rank sends each step; None until the first training step
+        self.capacity: tuple[int, int] | None = None
+        #: this rank's code for the step ``prepare`` checked and ``gather`` sends (None: none checked)
+        self.code: int | None = None
+        #: this rank's message for its first void input since the last read of the flags
+        self.message: str | None = None
+        # on the device, made at the agreement: the last gathered header (world, 2: rows, code),
+        # its real rows (the sum), and the first void step's (rank, code) since the last read
+        self.header = self.rows = self.fault = None
+
+    # -- the host's part, before the step --------------------------------------------------------
+    def agree(self, head, sizes: list[list[int]]) -> None:
+        """The capacity from every rank's (rows, slots) of its first training batch (``sizes``,
+        read on the host by ``Sharding.agree``) and ``head.rows_per_rank``."""
+        rows, slots = zip(*sizes)
+        self.capacity = (max(*rows, head.rows_per_rank or 0), max(slots))
+        dev = head.device
+        self.header = torch.zeros(self.pg.world, 2, dtype=torch.int64, device=dev)
+        self.rows = torch.zeros((), dtype=torch.int64, device=dev)
+        self.fault = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.code = SENT
+
+    def prepare(self, head, prepare) -> tuple[Tensor, Tensor, Tensor]:
+        """``prepare()`` on this rank, its failure kept for the read: the checked batch, or no
+        rows where it failed or exceeds the capacity (``void``)."""
+        rows, slots = self.capacity
+        try:
+            Hx, idx, T = prepare()
+            if Hx.shape[0] > rows or idx.shape[1] > slots:
+                self.code, text = TOO_LARGE, (
+                    f"had {Hx.shape[0]} rows of {idx.shape[1]} target slots, more than the {rows} rows "
+                    f"of {slots} slots the ranks agreed at their first training step to send each step: set "
+                    "head.rows_per_rank on every rank before the first step to the most rows a rank's batch holds, "
+                    "pad the batches to one size, or use sync_every=1")
+            else:
+                self.code = SENT
+                return Hx, idx, T
+        except (ValueError, TypeError) as e:
+            self.code, text = INVALID, f"{type(e).__name__}: {e}"
+        if self.message is None:
+            self.message = text
+        return (torch.zeros(0, head.width, dtype=head.dtype, device=head.device),
+                torch.zeros(0, slots, dtype=torch.int64, device=head.device),
+                torch.zeros(0, slots, dtype=head.dtype, device=head.device))
+
+    @property
+    def void(self) -> bool:
+        """Whether this rank's input to the step being prepared failed (it sends no rows)."""
+        return self.code not in (None, SENT)
+
+    @staticmethod
+    def void_hidden(head, H) -> Tensor:
+        """What a void rank hands the step for its H: no rows, and a zero gradient for H."""
+        if isinstance(H, Tensor) and H.is_floating_point():
+            return _VoidHidden.apply(H, head.hidden_dim, head.device)
+        return torch.zeros(0, head.hidden_dim, dtype=head.dtype, device=head.device, requires_grad=True)
+
+    # -- the device's part: the exchange, and the step's flags -------------------------------------
+    def gather(self, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor, Tensor, slice]:
+        """Every rank's rows padded to the capacity, in two all-gathers and no host read; this
+        rank's rows in the gathered batch."""
+        (C, K), (m, k), world = self.capacity, idx.shape, self.pg.world
+        width = Hx.shape[1]
+        ints = idx.new_full((2 + C * K,), -1)
+        ints[0:1].fill_(m)
+        ints[1:2].fill_(self.code)
+        ints[2:].view(C, K)[:m, :k] = idx
+        floats = Hx.new_zeros(C * (width + K))
+        floats[:C * width].view(C, width)[:m] = Hx
+        floats[C * width:].view(C, K)[:m, :k] = T
+        ints = self.pg.gather_fixed(ints).view(world, -1)
+        floats = self.pg.gather_fixed(floats).view(world, -1)
+        self.header.copy_(ints[:, :2])
+        self.rows.copy_(self.header[:, 0].sum())
+        self.code = None
+        lo = self.pg.rank * C
+        return (floats[:, :C * width].reshape(world * C, width), ints[:, 2:].reshape(world * C, K),
+                floats[:, C * width:].reshape(world * C, K), slice(lo, lo + m))
+
+    def ranks_ok(self) -> Tensor:
+        """Device bool: every rank sent its rows this step."""
+        return (self.header[:, 1] == SENT).all()
+
+    def note_fault(self, first: Tensor, bad: Tensor) -> None:
+        """Record who voided the step where it is the first void step since the read (``first``):
+        the first rank that sent an error code, else the rank whose rows held the first bad id
+        (``bad``: the gathered batch's bad slots)."""
+        codes = self.header[:, 1]
+        failing = codes != SENT
+        sender = failing.to(torch.int64).argmax()
+        holder = bad.any(1).to(torch.int64).argmax() // self.capacity[0]
+        any_failing = failing.any()
+        rank = torch.where(any_failing, sender, holder)
+        code = torch.where(any_failing, codes.gather(0, sender.view(1))[0], BAD_IDS)
+        self.fault.copy_(torch.where(first, torch.stack([rank, code]), self.fault))
+
+    # -- the read of the flags ----------------------------------------------------------------------
+    def flags(self) -> list[Tensor]:
+        """What the read of the flags transfers for the exchange: the recorded (rank, code)."""
+        return [self.fault[0], self.fault[1]]
+
+    def read(self, fault: tuple[int, int] | None) -> tuple[int, str | None] | None:
+        """After a read of the flags that found a void step (``fault``: its (rank, code) as
+        read; None: no void step): its rank and why, None for bad ids in that rank's rows
+        (a void rank's own message is gathered: every rank reads the flags at the same step,
+        so every rank takes part). Every rank's message is dropped for the next reads."""
+        out = None
+        if fault is not None:
+            rank, code = fault
+            if code == BAD_IDS:
+                out = (rank, None)
+            else:
+                said = self.pg.all_gather_objects(self.message)
+                out = (rank, f"was invalid ({said[rank]})" if code == INVALID else said[rank])
+            self.fault.zero_()
+        self.message = None
+        return out
