@@ -18,6 +18,8 @@ OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_row
 
 #: the ops that sort the step's ids, and can take that sort made once (``order=``, keyword-only)
 SORTING = ("scatter_add_rows_", "gram_rows")
+#: the ops that take a product the step made already, keyword-only, beyond the reference's arguments
+MADE = {"q_update_factors": ["GqP"]}
 
 
 def test_every_op_is_one_public_function_with_the_reference_signature_and_impl():
@@ -26,12 +28,13 @@ def test_every_op_is_one_public_function_with_the_reference_signature_and_impl()
         op = getattr(lst_kernels, name)
         assert op is getattr(functional, name), name
         params = inspect.signature(op).parameters
-        own = ["order", "impl"] if name in SORTING else ["impl"]
+        own = (["order"] if name in SORTING else []) + MADE.get(name, []) + ["impl"]
         assert list(params)[-len(own):] == own, name
         assert list(params)[:-len(own)] == list(inspect.signature(getattr(reference, name)).parameters), name
         for p in own:
             assert params[p].kind is inspect.Parameter.KEYWORD_ONLY
         assert params["impl"].default == "auto" and (name not in SORTING or params["order"].default is None)
+        assert all(params[p].default is None for p in MADE.get(name, []))
 
 
 @pytest.mark.parametrize("shape", SHAPES + [(24, 3, 4, 5)])
@@ -125,7 +128,7 @@ def test_the_triton_scatter_with_the_sort_handed_in_gives_the_same_bits(shape):
 @pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])
 def test_q_update_factors_matches_the_reference_and_the_m_route(shape):
     """The fused d x d form against its term-by-term reference, and both against Q's update
-    through M (the route they replace where m > ~1.4 d), in float64."""
+    through M (the route they replace where m > d), in float64."""
     m, K, D, d = shape
     s = factored_state(m, K, D, d)
     YYH = reference.gram_rows(s["idx"], s["G"], s["H"])
@@ -143,6 +146,14 @@ def test_q_update_factors_matches_the_reference_and_the_m_route(shape):
         fused = lst_kernels.q_update_factors(*args, P=P, impl="torch")
         close(fused, reference.q_update_factors(*args, P=P))
         close(fused, reference.q_update(s["Q"], s["H"] @ P, dH, M, lr, c))
+        # H^T diag(g_q) H given, and a part of H^T Yd Yd^T H given whole (the rows' part then 0)
+        Gq = s["H"].T @ (s["gq"][:, None] * s["H"])
+        given = (*args[:7], torch.zeros_like(YYH), lr, c)
+        for right in (None, P):
+            GqP = None if right is None else Gq @ right
+            fused = lst_kernels.q_update_factors(*given, P=right, Gq=Gq, GqP=GqP, HYYH=s["H"].T @ YYH, impl="torch")
+            close(fused, reference.q_update_factors(*given, P=right, Gq=Gq, HYYH=s["H"].T @ YYH))
+            close(fused, reference.q_update_factors(*args, P=right))
 
 
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -171,6 +182,8 @@ def test_bad_input_raises_and_leaves_v_untouched(impl):
         (ValueError, lambda: op["gram_rows"](idx, G, X[:-1])),
         (ValueError, lambda: op["q_update_factors"](torch.eye(8, device=device), X, G[:, 0], X, G[:, 0], G[:, 0], 5,
                                                     X[:-1], 0.1, 1.0)),
+        (ValueError, lambda: op["q_update_factors"](torch.eye(8, device=device), X, G[:, 0], X, G[:, 0], G[:, 0], 5,
+                                                    X, 0.1, 1.0, Gq=torch.eye(7, device=device))),
         (ValueError, lambda: lst_kernels.gather_sum(V, idx, G, impl="cuda")),
     ]
     for exc, call in bad_calls:

@@ -120,3 +120,12 @@ def test_reference_q_update_factors_is_gram_of_updated_w(shape, c):
     W_new = c * s["W"] - lr * s["dO"].T @ s["H"] @ P
     Q_new = ref.q_update_factors(s["Q"], s["H"], s["gq"], s["Z"], s["gs"], s["ybar"], D, YYH, lr, c, P=P)
     torch.testing.assert_close(Q_new, W_new.T @ W_new)
+    # H^T diag(g_q) H given (Gq), and H^T Yd Yd^T H given in two parts: the even columns of Yd
+    # by rows (YYH), the odd ones whole (HYYH, d x d)
+    even = (torch.arange(D) % 2 == 0).to(s["Yd"].dtype)
+    Ye, Yo = s["Yd"] * even, s["Yd"] * (1 - even)
+    Gq = s["H"].T @ (s["gq"][:, None] * s["H"])
+    HYYH = s["H"].T @ Yo @ Yo.T @ s["H"]
+    Q_new = ref.q_update_factors(s["Q"], s["H"], s["gq"], s["Z"], s["gs"], s["ybar"], D, Ye @ Ye.T @ s["H"], lr, c,
+                                 P=P, Gq=Gq, HYYH=HYYH)
+    torch.testing.assert_close(Q_new, W_new.T @ W_new)

@@ -38,15 +38,17 @@ def test_exact_float64(loss, bias, m, K, sync_every):
 
 
 def test_the_q_route_is_the_one_with_fewer_multiply_adds():
-    """Through M (3 m^2 d + m d^2) below m ~ 1.4 d, from d x d products (3 m d^2 + 3 d^3) above."""
+    """Through M (3 m^2 d + m d^2) up to m = d, from d x d products (2 m d^2 + 2 d^3, H^T diag(g_q) H
+    formed for B) above."""
     assert step.uses_m_matrix(64, 129) and step.uses_m_matrix(7, 9) and step.uses_m_matrix(1, 8)
     assert not step.uses_m_matrix(256, 129) and not step.uses_m_matrix(1024, 513) and not step.uses_m_matrix(13, 9)
+    assert step.uses_m_matrix(129, 129) and not step.uses_m_matrix(130, 129)
 
 
 @pytest.mark.parametrize("route", ["m_matrix", "factors"])
 @pytest.mark.parametrize("loss", sorted(LOSSES))
 def test_both_routes_of_q_are_exact(loss, route, monkeypatch):
-    """Each route of Q's update forced at one size (m = 13 > 1.4 d: the rule takes the factors
+    """Each route of Q's update forced at one size (m = 13 > d: the rule takes the factors
     there), K = 3 with padding and repeated classes: the same W as the naive head."""
     monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
     f, n = make_pair(loss, bias=True, lr=0.05, weight_decay=0.01)

@@ -193,12 +193,23 @@ def test_device_flags_with_adaptive_factors_equal_the_naive_head(monkeypatch):
 
 
 def test_max_keeps_six_factors_under_device_flags(monkeypatch):
+    """``neumann="max"``: six factors at every step, reads or not; the default is "adaptive"."""
     spy = FactorSpy(monkeypatch)
-    g = deferred(sync_every=2, stabiliser={"inverse": "products"})
+    g = deferred(sync_every=2, stabiliser={"inverse": "products", "neumann": "max"})
     for _ in range(6):
         H, idx = torch.randn(8, g.hidden_dim, dtype=torch.float64), torch.randint(0, g.num_classes, (8, 1))
         g.train_step(H, idx)
-    assert Stabiliser().neumann == "max" and spy.factors == [iu.MAX_FACTORS] * 6
+    assert Stabiliser().neumann == "adaptive" and spy.factors == [iu.MAX_FACTORS] * 6
+
+
+def test_the_default_adapts_the_factors_under_device_flags(monkeypatch):
+    """The default rule: six factors until the first read of the flags, then those of the rho seen."""
+    spy = FactorSpy(monkeypatch)
+    g = deferred(sync_every=2, stabiliser={"inverse": "products"})
+    for _ in range(6):
+        H, idx = torch.randn(8, g.hidden_dim, dtype=torch.float64) * 0.05, torch.randint(0, g.num_classes, (8, 1))
+        g.train_step(H, idx)
+    assert spy.factors[:2] == [iu.MAX_FACTORS] * 2 and max(spy.factors[2:]) < iu.MAX_FACTORS
 
 
 def test_a_skipped_step_puts_the_adaptive_factors_back_at_the_maximum(monkeypatch):

@@ -60,8 +60,8 @@ def test_any_spherical_term_and_the_gramian_penalty(shared, spherical, mu, gram)
 @pytest.mark.parametrize("route", ["m_matrix", "factors"])
 @pytest.mark.parametrize("shared", [True, False])
 def test_both_routes_of_q_with_negatives(shared, route, monkeypatch):
-    """Q's update through M or from d x d products (the block's Yd Yd^T H as gram_rows of the
-    other targets + Y_u (Y_u^T H)), at m = 13 > 1.4 d (the rule's choice: the factors)."""
+    """Q's update through M or from d x d products (H^T Yd Yd^T H as H^T gram_rows(the other
+    targets) + the block's N_Y^T N_Y, N_Y = Y_u^T H), at m = 13 > d (the rule's choice: the factors)."""
     monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
     torch.manual_seed(3)
     f, n = pair(shared=shared, num=20)
@@ -141,12 +141,13 @@ def test_a_state_saved_with_other_negatives_is_refused_untouched():
     assert_untouched(g, before)
 
 
-def test_shared_block_gram_equals_the_slot_gram():
+@pytest.mark.parametrize("sync_every", [1, 4])  # the block's columns found on the host, or padded (device flags)
+def test_shared_block_gram_equals_the_slot_gram(sync_every):
     # Yd Yd^T of the dense block (sparse_gram of the targets off the block + Y_u Y_u^T, the
     # accidental hits joined to Y_u) equals the slot-pair form on the negatives written as
     # slots of every row (K = 3, padding, repeated classes, repeated negatives, hits).
     torch.manual_seed(7)
-    f, _ = pair(num=30)
+    f, _ = pair(num=30, sync_every=sync_every)
     H, idx = hard_batch()
     _, fwd = f._forward_step(f.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
     f._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
@@ -154,9 +155,13 @@ def test_shared_block_gram_equals_the_slot_gram():
     want = lk.reference.sparse_gram(idx_s, GA_s)
     torch.testing.assert_close(fwd.neg.gram(f, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(unique_column_gram(idx_s, GA_s), want, rtol=1e-12, atol=1e-12)
-    # Q's route without M: Yd Yd^T H as gram_rows of the targets off the block + Y_u (Y_u^T H)
-    torch.testing.assert_close(fwd.neg.gram_rows(fwd.idx, fwd.GA, fwd.Hx), lk.reference.gram_rows(idx_s, GA_s, fwd.Hx),
-                               rtol=1e-12, atol=1e-12)
+    # Q's route without M: H^T Yd Yd^T H as H^T gram_rows(the targets off the block) + N_Y^T N_Y,
+    # N_Y = Y_u^T H; N = G_u^T H kept for the write
+    H = fwd.Hx
+    assert (fwd.neg._hits(fwd.idx, fwd.GA)[0] >= 0).sum() >= 2  # accidental hits, their rows of N_Y scattered
+    YYH, HYYH = fwd.neg.gram_terms(fwd.idx, fwd.GA, H)
+    torch.testing.assert_close(H.T @ YYH + HYYH, H.T @ lk.reference.gram_rows(idx_s, GA_s, H), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fwd.neg.N, fwd.neg.G_u.T @ H, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("settings,match", [

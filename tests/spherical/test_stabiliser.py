@@ -8,7 +8,7 @@ import torch
 
 from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical.stabiliser import Stabiliser
-from lst_lightning.spherical.step import largest_eig_bounds
+from lst_lightning.spherical.step import eig_bounds
 
 from head_pairs import batch, make_pair, rel, run_steps, step_both
 
@@ -114,20 +114,33 @@ def test_long_float32_run_keeps_uinv_accurate(m):
     assert rel(f.Q, W.T @ W) < 1e-4
 
 
-@pytest.mark.parametrize("on_host", [True, False])
-@pytest.mark.parametrize("m,d,woodbury", [(3, 8, True), (12, 5, False)])
-def test_eigen_bounds_bound_the_eigenvalues(on_host, m, d, woodbury):
-    """Both step kinds' bounds are upper bounds on the largest eigenvalue of
-    H^T diag(kappa+) H and of H^T diag(kappa-) H, on fresh random inputs of both signs."""
+@pytest.mark.parametrize("preconditioned", [False, True])
+@pytest.mark.parametrize("m,d", [(3, 8), (12, 5)])
+def test_eigen_bounds_bound_the_eigenvalues(m, d, preconditioned):
+    """Every eigenvalue of A = H^T diag(kappa) H P lies in [-rho_neg, rho_pos] (``eig_bounds``),
+    on fresh random inputs of both signs over five decades of kappa, P symmetric positive definite
+    or I: from the d x d A (h^T P h bounded by lambda_max(P) ||h||^2) and from the m x m
+    diag(kappa) H P H^T (Woodbury's, h^T P h exact). Without P, neither bound is above A's
+    Frobenius norm."""
     for seed in range(20):
         g = torch.Generator().manual_seed(seed)
         H = torch.randn(m, d, generator=g, dtype=torch.float64)
         kappa = torch.randn(m, generator=g, dtype=torch.float64) * 10 ** (seed % 5 - 3)
-        G = H @ H.T if woodbury else None
-        bounds = largest_eig_bounds(H, G, kappa, on_host=on_host)
-        for w, bound in zip((kappa.clamp(min=0), (-kappa).clamp(min=0)), bounds):
-            top = float(torch.linalg.eigvalsh((w[:, None] * H).T @ H).max())
-            assert top <= float(bound) * (1 + 1e-12) + 1e-300
+        P = torch.eye(d, dtype=torch.float64)
+        if preconditioned:
+            M = torch.randn(d, d, generator=g, dtype=torch.float64)
+            P = torch.linalg.inv(M @ M.T / d + 0.1 * torch.eye(d, dtype=torch.float64))
+        A = (kappa[:, None] * H).T @ H @ P
+        ev = torch.linalg.eigvals(A).real
+        G = H @ P @ H.T
+        forms = [(A, H.pow(2).sum(1) * torch.linalg.eigvalsh(P).max()), (kappa[:, None] * G, G.diagonal())]
+        slack = 1e-12 * float(torch.linalg.matrix_norm(A))  # LAPACK's rounding of the eigenvalues (0 as 1e-16)
+        for form, sq in forms:
+            rho_pos, rho_neg = eig_bounds(form, sq, kappa)
+            assert float(ev.max()) <= float(rho_pos) + slack
+            assert -float(ev.min()) <= float(rho_neg) + slack
+            if not preconditioned:
+                assert max(float(rho_pos), float(rho_neg)) <= float(torch.linalg.matrix_norm(A)) * (1 + 1e-12)
 
 
 def test_stabiliser_settings_from_a_config_dict():

@@ -8,7 +8,7 @@ otherwise. ``impl`` forces the choice ("torch", "triton"; "auto" also honours
 itself (``reference.py``), and the scatter's is the reference's sums in static shapes (no
 host read: ``torch.compile`` takes it whole), tested bit for bit against it; ``m_matrix`` and ``q_update`` run the same products arranged in
 two GEMMs each, tested against the term-by-term references. ``gram_rows`` and
-``q_update_factors`` (Q's update without the m x m M, for m > ~1.4 d: spherical/step.py)
+``q_update_factors`` (Q's update without the m x m M, for m > d: spherical/step.py)
 have no kernel of their own: a sort, the deterministic scatter and gather (Triton on CUDA)
 and torch's GEMMs on every device. ``SortedIds.of(idx)`` is the one sort of a step's ids that
 ``gram_rows``, the scatter inside it and the write's ``scatter_add_rows_`` can share (``order=``):
@@ -243,13 +243,18 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
 
 def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, ybar: Tensor, num_classes: int,
                      YYH: Tensor, lr: float | Tensor, c: float | Tensor, *, P: Tensor | None = None,
+                     Gq: Tensor | None = None, HYYH: Tensor | None = None, GqP: Tensor | None = None,
                      impl: str = "auto") -> Tensor:
     """``q_update`` without the m x m M: Q_new from d x d products of the step's factors,
-    ``Z = (g_s 1^T + Yd) W`` and ``YYH = Yd Yd^T H`` (``gram_rows``). 3 m d^2 + 3 d^3
-    multiply-adds against 3 m^2 d + m d^2 for ``m_matrix`` and ``q_update``: the cheaper
-    route from m ~ 1.4 d. ``P`` (d, d), symmetric: the step W_new = c W - lr dO^T H P
+    ``Z = (g_s 1^T + Yd) W`` and ``YYH = Yd Yd^T H`` (``gram_rows``). 3 m d^2 + 2 d^3
+    multiply-adds (4 d^3 with ``P``; one m d^2 fewer with ``Gq``) against 3 m^2 d + m d^2 for
+    ``m_matrix`` and ``q_update``: the cheaper route from m ~ d. ``P`` (d, d), symmetric: the step W_new = c W - lr dO^T H P
     (a right preconditioner), Q_new = c^2 Q - c lr (P E + E^T P) + lr^2 P H^T M H P with
-    E = H^T dH; None: P = I. torch on every device (``impl`` is checked, no kernel of its own)."""
+    E = H^T dH; None: P = I. ``Gq`` (d, d): G = H^T diag(g_q) H made already (the step forms it
+    once: m d^2 fewer here), else made here. ``HYYH`` (d, d): a further part of H^T Yd Yd^T H
+    given whole (the shared negatives' block, N^T N), added to H^T YYH. ``GqP``: G P made already
+    (with ``P``: d^3 fewer), an argument of this fused form only. torch on every device (``impl``
+    is checked, no kernel of its own)."""
     m, d = _tensor("H", H, (None, None)).shape
     _tensor("Q", Q, (d, d))
     for name, t in (("Z", Z), ("YYH", YYH)):
@@ -260,26 +265,42 @@ def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, yb
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     _scalar("lr", lr)
     _scalar("c", c)
-    right = P if P is None else _tensor("P", P, (d, d))
-    _use_triton(Q, impl, H, gq, Z, gs, ybar, YYH)
-    # One GEMM for P = H^T diag(g_q) H, F = H^T Z and H^T YYH; then E = H^T dH = 2 P Q + F
-    # and H^T M H's P-terms 4 P Q P + 2 F P + 2 P F^T = 2 E P + 2 (F P)^T ([E; F] P: one GEMM).
+    for name, t in (("P", P), ("Gq", Gq), ("GqP", GqP), ("HYYH", HYYH)):
+        if t is not None:
+            _tensor(name, t, (d, d))
+    _use_triton(Q, impl, H, gq, Z, gs, ybar, YYH, P, Gq, GqP, HYYH)
+    # One GEMM for F = H^T Z, H^T YYH (and G = H^T diag(g_q) H where not given). With
+    # R' = D u u^T + u y^T + y u^T + H^T Yd Yd^T H, E = H^T dH = F + 2 G Q and E' = F + G Q:
+    #   H^T M H = 2 E G + 2 G F^T + R'   (the reference's terms), and
+    #   Q_new = c^2 Q - c lr (P E + E^T P) + lr^2 P H^T M H P = c^2 Q + T + T^T,
+    #   T = P (2 lr^2 E' (G P) + (lr^2 / 2) R' P - c lr E)
+    # (P E' G P + its transpose = P F G P + (P F G P)^T + 2 (G P)^T Q G P): the d x d products
+    # G Q, [E' | R'] [G P; P] and P (...), or without P G Q and E' G.
     ct = torch.promote_types(torch.promote_types(H.dtype, Z.dtype), Q.dtype)
     H, Qc = H.to(ct), Q.to(ct)
     gq, gs, ybar = gq.to(ct), gs.to(ct), ybar.to(ct)
-    B = H.T @ torch.cat([gq[:, None] * H, Z.to(ct), YYH.to(ct)], 1)
-    P, F, HYYH = B[:, :d], B[:, d:2 * d], B[:, 2 * d:]
-    E = torch.addmm(F, P, Qc, alpha=2.0)
-    EF_P = torch.cat([E, F]) @ P
+    cols = [Z.to(ct), YYH.to(ct)] if Gq is not None else [gq[:, None] * H, Z.to(ct), YYH.to(ct)]
+    B = H.T @ torch.cat(cols, 1)
+    G, (F, R) = (Gq.to(ct), B.split(d, 1)) if Gq is not None else (B[:, :d], B[:, d:].split(d, 1))
     uy = H.T @ torch.stack([gs, ybar], 1)
     u, y = uy[:, 0], uy[:, 1]
-    HMH = 2.0 * (EF_P[:d] + EF_P[d:].T)  # H^T M H
-    HMH += num_classes * torch.outer(u, u) + torch.outer(u, y) + torch.outer(y, u) + HYYH
-    if right is not None:
-        right = right.to(ct)
-        E, HMH = right @ E, right @ HMH @ right  # (P E)^T = E^T P
-    out = (lr * lr) * HMH
-    out -= c * lr * (E + E.T)
+    R = R + num_classes * torch.outer(u, u) + torch.outer(u, y) + torch.outer(y, u)  # R'
+    if HYYH is not None:
+        R = R + HYYH.to(ct)
+    GQ = G @ Qc
+    E1 = F + GQ  # E'
+    E = E1 + GQ
+    if P is None:
+        T = (2.0 * lr * lr) * (E1 @ G)
+        T += (0.5 * lr * lr) * R
+    else:
+        right = P.to(ct)
+        GP = G @ right if GqP is None else GqP.to(ct)
+        T = torch.cat([E1, R], 1) @ torch.cat([(2.0 * lr * lr) * GP, (0.5 * lr * lr) * right])
+    T -= c * lr * E
+    if P is not None:
+        T = right @ T
+    out = T + T.T
     out += c * c * Qc
     return out.to(Q.dtype)
 

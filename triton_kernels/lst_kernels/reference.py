@@ -98,26 +98,29 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
 
 
 def q_update_factors(Q: Tensor, H: Tensor, gq: Tensor, Z: Tensor, gs: Tensor, ybar: Tensor, num_classes: int,
-                     YYH: Tensor, lr: float | Tensor, c: float | Tensor, *, P: Tensor | None = None) -> Tensor:
+                     YYH: Tensor, lr: float | Tensor, c: float | Tensor, *, P: Tensor | None = None,
+                     Gq: Tensor | None = None, HYYH: Tensor | None = None) -> Tensor:
     """``q_update`` without M, term by term from dO = 2 diag(g_q) H W^T + g_s 1^T + Yd; with a
     right preconditioner ``P`` (symmetric) the Gram of W_new = c W - lr dO^T H P.
 
-    With P = H^T diag(g_q) H, F = H^T Z, u = H^T g_s, y = H^T ybar and ``YYH`` = Yd Yd^T H:
-    dH^T H = 2 Q P + F^T (so H^T dH = E = 2 P Q + F) and
-    H^T M H = (H^T dO)(H^T dO)^T = 4 P Q P + 2 P F^T + 2 F P + D u u^T + u y^T + y u^T + H^T YYH
-    (the cross terms of 2 P W^T with u 1^T and H^T Yd add up to 2 P F^T, as Z = g_s wbar^T + Yd W).
+    With G = H^T diag(g_q) H (``Gq`` when given), F = H^T Z, u = H^T g_s, y = H^T ybar and
+    ``YYH`` = Yd Yd^T H (``HYYH``, when given, a further d x d part of H^T Yd Yd^T H):
+    dH^T H = 2 Q G + F^T (so H^T dH = E = 2 G Q + F) and
+    H^T M H = (H^T dO)(H^T dO)^T = 4 G Q G + 2 G F^T + 2 F G + D u u^T + u y^T + y u^T + H^T Yd Yd^T H
+    (the cross terms of 2 G W^T with u 1^T and H^T Yd add up to 2 G F^T, as Z = g_s wbar^T + Yd W).
     With the right preconditioner R (``P`` here): W^T dO^T H R = E^T R, and H^T M H becomes R H^T M H R.
     """
     ct = torch.promote_types(torch.promote_types(H.dtype, Z.dtype), Q.dtype)
     R = None if P is None else P.to(ct)
     H, Z, YYH, Q = H.to(ct), Z.to(ct), YYH.to(ct), Q.to(ct)
     gq, gs, ybar = gq.to(ct), gs.to(ct), ybar.to(ct)
-    P = H.T @ (gq[:, None] * H)
+    G = H.T @ (gq[:, None] * H) if Gq is None else Gq.to(ct)
     F = H.T @ Z
     u, y = H.T @ gs, H.T @ ybar
-    E = 2 * P @ Q + F
-    HMH = (4 * P @ Q @ P + 2 * P @ F.T + 2 * F @ P + num_classes * torch.outer(u, u)
-           + torch.outer(u, y) + torch.outer(y, u) + H.T @ YYH)
+    HYYH = H.T @ YYH if HYYH is None else H.T @ YYH + HYYH.to(ct)
+    E = 2 * G @ Q + F
+    HMH = (4 * G @ Q @ G + 2 * G @ F.T + 2 * F @ G + num_classes * torch.outer(u, u)
+           + torch.outer(u, y) + torch.outer(y, u) + HYYH)
     if R is not None:
         E, HMH = R @ E, R @ HMH @ R
     return c * c * Q - c * lr * (E + E.T) + lr * lr * HMH

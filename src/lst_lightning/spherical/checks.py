@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .inverse_update import MAX_FACTORS, adaptive_factors
-from .step import largest_eig_bounds
+from .step import eig_bounds
 
 
 def capturing() -> bool:
@@ -119,10 +119,10 @@ class DeviceFlags(HostChecks):
         if value is not None:
             head._lr_t.fill_(value)
 
-    def step_bounds(self, head, Hx, G, kappa) -> tuple[bool, Tensor]:
-        """The bounds stay on the device; a nearly singular B is not folded here (the next
-        read of the flags repairs U: its conditioning bound went up)."""
-        rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=False)
+    def step_bounds(self, head, A, sq, kappa) -> tuple[bool, Tensor]:
+        """The bounds of B = c (I - A) (``step.eig_bounds``) stay on the device; a nearly singular
+        B is not folded here (the next read of the flags repairs U: its conditioning bound went up)."""
+        rho_pos, rho_neg = eig_bounds(A, sq, kappa)
         if head.repairs.settings.neumann == "adaptive":  # kept for the next read (adapt_factors)
             self.rho_max.copy_(torch.maximum(self.rho_max, torch.maximum(rho_pos, rho_neg)))
         return False, torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)

@@ -305,8 +305,9 @@ class PerRowSlots:
         # torch.unique syncs a GPU with the host: under device flags the slot-pair form
         return lk.sparse_gram(idx, GA) if head.step_checks.deferred else unique_column_gram(idx, GA)
 
-    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor, order: lk.SortedIds | None = None) -> Tensor:
-        return lk.gram_rows(idx, GA, X, order=order)
+    def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
+        """(Yd Yd^T H, None): the slots by rows (``lk.gram_rows``), nothing given whole."""
+        return lk.gram_rows(idx, GA, H, order=order), None
 
 
 class SharedBlock:
@@ -315,58 +316,70 @@ class SharedBlock:
     ``cols`` (S,) the draw, ``uniq`` (u,) its distinct classes, ``inv`` (S,) each draw's
     place among them, ``G_neg`` (m, S) dL/dA_neg, ``V_u`` (u, d) their rows of V at the
     forward (the step's V: it changes only at the write); ``G_u`` (m, u) the step's
-    gradients on the unique columns (repeated negatives summed), set by ``hidden``.
-    ``padded``: ``uniq`` is ``padded_unique``'s (S columns, those past the distinct ones
-    unused; the draw on the device): the sums over repeated columns are then taken by
-    products with a 0/1 matrix, in a fixed order (no float atomics on a GPU: the eager step
-    and its CUDA graph give the same bits)."""
+    gradients on the unique columns (repeated negatives summed), set by ``hidden``; ``N``
+    (u, d) = G_u^T H, set by ``gram_terms`` (Q's update from d x d products), which the write
+    reuses. ``padded``: ``uniq`` is ``padded_unique``'s (S columns, those past the distinct
+    ones unused; the draw on the device). The sums over repeated columns are the deterministic
+    scatter's (``lk.scatter_add_rows_``: in a fixed order, no float atomics on a GPU: the eager
+    step and its CUDA graph give the same bits)."""
 
     shared = True
 
     def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor, V_u: Tensor, padded: bool = False):
         self.cols, self.uniq, self.inv, self.G_neg, self.V_u = cols, uniq, inv, G_neg, V_u
         self.padded = padded
-        self.G_u = None
+        self.G_u = self.N = None
 
     def hidden(self, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
         """Their part of Yd V (one GEMM) and of Yd's row sums; G_u, the step's gradients
-        coalesced to the unique columns (repeated negatives summed)."""
-        m, u = self.G_neg.shape[0], self.uniq.numel()
-        if self.padded:  # G_u = G_neg E, E[j, inv[j]] = 1 (made by a comparison: Inductor 2.11 typed a scatter's E float32)
-            E = (self.inv[:, None] == torch.arange(u, device=self.inv.device)).to(self.G_neg.dtype)
-            self.G_u = (self.G_neg * grad) @ E
-        else:
-            self.G_u = self.G_neg.new_zeros(m, u).index_add_(1, self.inv, self.G_neg * grad)
-        return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + self.G_u.sum(1)
+        coalesced to the unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j],
+        O(m S))."""
+        G = self.G_neg * grad
+        m, S = G.shape
+        G_ut = lk.scatter_add_rows_(G.new_zeros(self.uniq.numel(), m), self.inv[:, None], G.new_ones(S, 1),
+                                    G.T.contiguous(), 1.0)
+        self.G_u = G_ut.T
+        return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1)
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
         too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the
         column sets are disjoint, so Yd Yd^T = sparse_gram(the other targets) + Y_u Y_u^T."""
-        GA_off, Y_u = self._split(idx, GA)
-        return torch.addmm(lk.sparse_gram(idx, GA_off), Y_u, Y_u.T)
+        hit, GA_on = self._hits(idx, GA)
+        if self.padded:  # a row's targets on one column (a class repeated in the row) summed in order
+            cols = torch.arange(self.uniq.numel(), device=hit.device)
+            Y_u = self.G_u + (GA_on[:, :, None] * (hit[:, :, None] == cols)).sum(1)
+        else:
+            Y_u = self.G_u.scatter_add(1, hit.clamp(min=0), GA_on)
+        return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
 
-    def gram_rows(self, idx: Tensor, GA: Tensor, X: Tensor, order: lk.SortedIds | None = None) -> Tensor:
-        """Yd Yd^T X, split as ``gram``: gram_rows(the other targets) + Y_u (Y_u^T X)."""
-        GA_off, Y_u = self._split(idx, GA)
-        return torch.addmm(lk.gram_rows(idx, GA_off, X, order=order), Y_u, Y_u.T @ X.to(Y_u.dtype))
+    def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
+        """H^T Yd Yd^T H in two terms, split as ``gram``: (Yd Yd^T H of the other targets, by rows:
+        ``lk.gram_rows``; the block's H^T Y_u Y_u^T H = N_Y^T N_Y, d x d). N_Y = Y_u^T H is
+        ``N`` = G_u^T H (one GEMM, kept for the write) plus the hits' rows, N_Y[hit] += GA h
+        (the deterministic scatter, O(m K d))."""
+        hit, GA_on = self._hits(idx, GA)
+        self.N = self.G_u.T @ H.to(self.G_u.dtype)
+        N_Y = lk.scatter_add_rows_(self.N.clone(), hit, GA_on, H.to(self.N.dtype), 1.0)
+        return lk.gram_rows(idx, GA - GA_on, H, order=order), N_Y.T @ N_Y
 
-    def _split(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
-        """The targets' gradients off the block's columns, and Y_u (m x u): G_u plus those on them."""
+    def _hits(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
+        """The targets on the block's columns: each slot's column among the block's (-1 off
+        them) and their gradients (0 off them)."""
         uniq = self.uniq
         pos = torch.searchsorted(uniq, idx.clamp(min=0)).clamp(max=uniq.numel() - 1)
         on_neg = (idx >= 0) & (uniq[pos] == idx)
-        GA_on = torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device))
-        if self.padded:  # a row's targets on one column (a class repeated in the row) summed in order
-            cols = torch.arange(uniq.numel(), device=pos.device)
-            return GA - GA_on, self.G_u + (GA_on[:, :, None] * (pos[:, :, None] == cols)).sum(1)
-        return GA - GA_on, self.G_u.scatter_add(1, pos, GA_on)
+        return (torch.where(on_neg, pos, -1),
+                torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device)))
 
-    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, sharding) -> None:
-        """V[u] += alpha G_u^T (H U_new^-1): one GEMM, one index_add_ (masked by ``ok`` under
-        device flags); sharded, into the rows this rank holds (the others add zeros to row 0)."""
-        G_u = self.G_u if ok is None else torch.where(ok, self.G_u, 0.0)
-        update = (alpha * (G_u.T @ HUinv)).to(V.dtype)
+    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, sharding, right: Tensor | None = None) -> None:
+        """V[u] += alpha G_u^T (H U_new^-1), masked by ``ok`` under device flags, one index_add_;
+        sharded, into the rows this rank holds (the others add zeros to row 0). As alpha N R
+        where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
+        was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
+        rows = self.G_u.T @ HUinv if right is None or self.N is None else self.N @ right.to(self.N.dtype)
+        update = alpha * rows
+        update = (update if ok is None else torch.where(ok, update, 0.0)).to(V.dtype)
         if not sharding.sharded:
             V.index_add_(0, self.uniq, update)
         elif V.shape[0]:

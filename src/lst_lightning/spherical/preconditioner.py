@@ -50,9 +50,13 @@ class Preconditioner:
         """The settings from a Preconditioner, a dict of some of its fields (a Hydra config), or None (off)."""
         return None if value is None else settings_from(cls, value, "preconditioner")
 
+    @property
+    def max_eig(self) -> float:
+        """A bound on P's largest eigenvalue, (1 + damping) / damping (S's are >= 0)."""
+        return (1.0 + self.damping) / self.damping
+
     def step(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
-        """This step's moments (computed aside: the head's buffers are not touched), P and a
-        factor L with P = L L^T (for the symmetric bounds of the step, step.py). ``real`` (m,):
+        """This step's moments (computed aside: the head's buffers are not touched) and P. ``real`` (m,):
         the rows with a target, the only ones counted (a batch without any leaves the moments
         as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""
         w = Hx.shape[1]
@@ -68,16 +72,15 @@ class Preconditioner:
         C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
         Cinv = torch.linalg.solve_triangular(C, eye, upper=False)
         L = (tau * (1.0 + self.damping)).sqrt() * Cinv.T  # P = L L^T = tau (1 + damping) C^-T C^-1
-        return Moments(S, t, L @ L.T, L, info == 0)
+        return Moments(S, t, L @ L.T, info == 0)
 
 
 @dataclass
 class Moments:
-    """One step's new running moment and its weight, P, L (P = L L^T), and whether the factorisation held."""
+    """One step's new running moment and its weight, P, and whether the factorisation held."""
     moment: Tensor
     weight: Tensor
     P: Tensor
-    L: Tensor
     ok: Tensor
 
     def write(self, head, ok: Tensor | None = None) -> None:

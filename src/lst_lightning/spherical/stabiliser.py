@@ -55,11 +55,12 @@ class Stabiliser:
     #: "auto": products on a GPU, on a CPU Woodbury when 2 m <= d, else the solve (measured).
     inverse: str = "auto"
     #: Under device flags (``sync_every > 1``, a CUDA graph's step) the products route cannot
-    #: read rho on the host: "max" takes ``MAX_FACTORS`` Neumann factors every step (enough
-    #: for rho up to about 0.9); "adaptive" takes as many as four times the largest rho bound
-    #: since the last read of the flags needs (at least 2), read with the flags, and the
-    #: maximum again after a read that found a skipped step (inverse_update.py).
-    neumann: str = "max"
+    #: read rho on the host: "adaptive" takes as many Neumann factors as four times the largest
+    #: rho bound since the last read of the flags needs (at least 2; ``MAX_FACTORS`` until the
+    #: first read), read with the flags, and the maximum again after a read that found a skipped
+    #: step (inverse_update.py); "max" takes ``MAX_FACTORS`` every step (enough for rho up to
+    #: about 0.9).
+    neumann: str = "adaptive"
 
     def __post_init__(self):
         if not 0 < self.sv_min < 1 < self.sv_max:

@@ -63,6 +63,7 @@ class NewState:
     lr: Tensor | float
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
+    right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -147,60 +148,55 @@ def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
     return (dH, gq, gs, GA, ybar, Z) if parts else dH
 
 
-def largest_eig_bounds(Hx: Tensor, G: Tensor | None, kappa: Tensor, on_host: bool):
-    """Upper bounds on the largest eigenvalues of H^T diag(kappa+) H and H^T diag(kappa-) H.
+def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
+    """Device scalars (rho_pos, rho_neg), both >= 0, with every eigenvalue of A in [-rho_neg, rho_pos].
 
-    Each is at most its trace sum(w ||h||^2) (O(m d)) and at most its Frobenius norm
-    (O(m^2) with G = H H^T at hand, else O(m d^2)). ``on_host``: floats, the Frobenius
-    norm only where the trace exceeds 0.05 (the trace is loose by up to a factor
-    min(m, d)); else device scalars, the smaller of both, with no host read."""
-    sq = Hx.pow(2).sum(1) if G is None else G.diagonal()
-    out = []
-    for w in (kappa.clamp(min=0), (-kappa).clamp(min=0)):
-        trace = w @ sq
-        if on_host and not float(trace) > 0.05:  # (NaN too: the step's finiteness check skips it)
-            out.append(float(trace))
-            continue
-        sw = w.sqrt()
-        if G is not None:
-            frob = torch.linalg.matrix_norm(G * sw[:, None] * sw[None, :])
-        else:
-            X = sw[:, None] * Hx
-            frob = torch.linalg.matrix_norm(X.T @ X)
-        out.append(float(frob) if on_host else torch.minimum(trace, frob))
-    return out
+    A is ``H^T diag(kappa) H P`` (d x d) or ``diag(kappa) H P H^T`` (m x m: the same nonzero
+    eigenvalues), P symmetric positive definite (I without a preconditioner): similar to the
+    symmetric ``L^T H^T diag(kappa) H L`` (P = L L^T), so its eigenvalues are real. They lie
+    - below the trace of its positive part and above minus that of its negative part:
+      ``sum(kappa+ h^T P h)``, ``sum(kappa- h^T P h)`` with ``sq`` (m,) h^T P h or a bound on it
+      (O(m d));
+    - within ``sqrt((n - 1) / n * tr(C^2))`` of their mean ``mu = tr(A) / n``, ``C = A - mu I``
+      (n x n), ``tr(C^2) = sum(C * C^T)``: the sum of the squared deviations (O(n^2)), the
+      largest of which is at most (n - 1) / n of it since the deviations sum to 0 (Wolkowicz and
+      Styan's bound; at most the Frobenius norm of the symmetric matrix similar to A).
+    Each bound is the smaller of the two. No host read."""
+    n = A.shape[0]
+    mu = A.diagonal().sum() / n
+    C = A - mu * torch.eye(n, dtype=A.dtype, device=A.device)
+    spread = (((n - 1) / n) * (C * C.T).sum()).clamp(min=0).sqrt()
+    trace_pos, trace_neg = kappa.clamp(min=0) @ sq, (-kappa).clamp(min=0) @ sq
+    return (torch.minimum(trace_pos, (mu + spread).clamp(min=0)),
+            torch.minimum(trace_neg, (spread - mu).clamp(min=0)))
 
 
 def uses_m_matrix(m: int, d: int) -> bool:
     """Q's update through the m x m M (3 m^2 d + m d^2 multiply-adds) rather than from d x d
-    products (``q_update_factors``: 3 m d^2 + 3 d^3): the cheaper below m ~ 1.4 d."""
-    return 3 * m * m + m * d <= 3 * m * d + 3 * d * d
+    products (``q_update_factors`` with H^T diag(g_q) H given, which the step forms for B:
+    2 m d^2 + 2 d^3): the cheaper up to m = d."""
+    return 3 * m * m + m * d <= 2 * m * d + 2 * d * d
 
 
-def fold_and_cond(head, Hx: Tensor, G: Tensor | None, kappa: Tensor) -> tuple[bool, float | None, float]:
+def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
-    bound on cond(B), and one on the spectral radius of H^T diag(kappa) H (the products
-    route's rho). The eigenvalues of B/c = I - H^T diag(kappa) H are computed only when
-    the cheap bounds cannot rule out one below 1/2 (O(min(m, d)^3): large steps only). When
+    bound on cond(B), and one on the spectral radius of A (the products route's rho), for
+    B = c (I - A) and A as ``eig_bounds`` takes it. The eigenvalues of A are computed only when
+    the cheap bounds cannot rule out one of B/c below 1/2 (O(n^3): large steps only). When
     that eigenvalue computation fails (or returns non-finite values) the bound is None: the
     step is skipped, counted in ``eig_failures`` and ``skipped_nonfinite``, never raised."""
-    rho_pos, rho_neg = largest_eig_bounds(Hx, G, kappa, on_host=True)
-    rho = max(rho_pos, rho_neg)  # the eigenvalues of H^T diag(kappa) H lie in [-rho_neg, rho_pos]
+    rho_pos, rho_neg = torch.stack(eig_bounds(A, sq, kappa)).tolist()  # one host read
+    rho = max(rho_pos, rho_neg)
     if rho_pos <= 0.5:
         return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho
-    m, d = Hx.shape
-    A = kappa[:, None] * G if G is not None else (kappa[:, None] * Hx).T @ Hx
     if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
         # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
         # would raise); the step's own finiteness check skips it and counts it
         return False, math.inf, math.inf
     head.eig_checks += 1
-    try:
-        if G is not None:  # nonzero eigenvalues of H^T diag(kappa) H are those of diag(kappa) G
-            ev = torch.linalg.eigvals(A).real
-            ev = torch.cat([ev, ev.new_zeros(1)]) if m < d else ev
-        else:
-            ev = torch.linalg.eigvalsh(A)
+    try:  # A's eigenvalues are real (eig_bounds); the m x m form lacks the 1s of B/c on A's null space
+        ev = torch.linalg.eigvals(A).real
+        ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < head.width else ev
     except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
         # ill-conditioned A) among others: the step is skipped and counted, never raised
         head.eig_failures += 1
@@ -229,26 +225,42 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     Hx = fwd.Hx
     deferred = head.step_checks.deferred
     lr = head._lr_t if deferred else head.lr  # device flags: a device scalar (before_step refills it)
-    m = Hx.shape[0]
+    m, w = Hx.shape
     c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
-    kappa = (2.0 * lr / c) * gq  # B = c (I - H^T diag(kappa) H P)
-    # The update's side of H: X = H P with the right preconditioner (preconditioner.py), else H.
-    # B's eigenvalues are those of the symmetric I - Hb^T diag(kappa) Hb, Hb = H L (P = L L^T).
+    kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
+    # The right preconditioner P (preconditioner.py; None: P = I). X = H P, the update's side of
+    # H, is formed where a route takes it whole (Woodbury, the solve, Q through M); the products
+    # route with Q from d x d products takes P in d x d products instead.
     moments = None if head.preconditioner is None else \
         head.preconditioner.step(head.input_moment, head.input_moment_weight, Hx, fwd.real)
-    X, Hb = (Hx, Hx) if moments is None else (Hx @ moments.P, Hx @ moments.L)
+    P = None if moments is None else moments.P
+    by_factors = not uses_m_matrix(m, w)  # Q's update from d x d products (else through M)
+    takes_x = not (inverse_route(head, m) == "products" and by_factors)
+    X = Hx if P is None else Hx @ P if takes_x else None
     use_woodbury = fwd.HUinv is not None
-    G = X @ Hx.T if use_woodbury else None  # H P H^T = Hb Hb^T
+    Gq = GqP = None  # H^T diag(g_q) H and G_q P, formed once where B is: its bounds, U B, the products, Q's update
+    if use_woodbury:  # A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T
+        G = X @ Hx.T
+        A, sq = kappa[:, None] * G, G.diagonal()  # h^T P h
+        U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
+    else:
+        Gq = Hx.T @ (gq[:, None] * Hx)
+        GqP = Gq if P is None else Gq @ P
+        A = (2.0 * lr / c) * GqP
+        U_new = head.U @ (c * torch.eye(w, dtype=A.dtype, device=A.device) - (2.0 * lr) * GqP)  # U B
+        sq = Hx.pow(2).sum(1)  # ||h||^2, times P's largest eigenvalue's bound: >= h^T P h
+        if P is not None:
+            sq = sq * head.preconditioner.max_eig
     if deferred:  # bounds on the device; no fold (the next read of the flags repairs U)
-        fold, cond_step = head.step_checks.step_bounds(head, Hb, G, kappa)
+        fold, cond_step = head.step_checks.step_bounds(head, A, sq, kappa)
         rho = None
     else:
-        fold, cond_step, rho = fold_and_cond(head, Hb, G, kappa)
-    U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
-    omega_new = c * head.omega - lr * (X.T @ (2.0 * gq * fwd.ht + gs))
-    info, inverse_ok = None, True
+        fold, cond_step, rho = fold_and_cond(head, A, sq, kappa)
+    omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)  # X^T (...) = P H^T (...)
+    omega_new = c * head.omega - lr * (omega_new if P is None else P @ omega_new)
+    info, inverse_ok, right = None, True, None
     if fold:
-        Uinv_new, HUinv_new = None, X  # V absorbs U B; U = U^-1 = I
+        Uinv_new, HUinv_new = None, Hx @ P if X is None else X  # V absorbs U B; U = U^-1 = I
     elif use_woodbury:
         # B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q.
         S = torch.eye(m, dtype=Hx.dtype, device=Hx.device) - G * kappa[None, :]
@@ -263,29 +275,30 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         factors = None if inverse_route(head, m) != "products" else \
             head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
         if factors is not None:  # U_new^-1 by d x d products alone
-            A = (kappa[:, None] * Hx).T @ X  # B = c (I - A)
             Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
             inverse_ok = residual <= residual_tolerance(Hx.dtype)
             if not deferred and not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
                 Uinv_new, inverse_ok = None, True
-        if Uinv_new is not None:
-            HUinv_new = X @ Uinv_new
+        if Uinv_new is not None:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
+            right = Uinv_new if P is None else P @ Uinv_new
+            HUinv_new = Hx @ right
         else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
-            HUinv_new, info = solve_right(U_new, X)
+            HUinv_new, info = solve_right(U_new, Hx @ P if X is None else X)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
-    if uses_m_matrix(m, Hx.shape[1]):
+    if not by_factors:
         yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
         Q_new = lk.q_update(head.Q, X, dH, M, lr, c)
-    else:  # Yd Yd^T H without Yd Yd^T
+    else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
-        YYH = lk.gram_rows(fwd.idx, GA, Hx, order=order) if fwd.neg is None else \
-            fwd.neg.gram_rows(fwd.idx, GA, Hx, order)
-        Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c,
-                                    P=None if moments is None else moments.P)
-    wbar_new = c * head.wbar - lr * (X.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar))
+        YYH, HYYH = (lk.gram_rows(fwd.idx, GA, Hx, order=order), None) if fwd.neg is None else \
+            fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
+        Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c, P=P, Gq=Gq,
+                                    GqP=GqP, HYYH=HYYH)
+    wbar_new = Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar)
+    wbar_new = c * head.wbar - lr * (wbar_new if P is None else P @ wbar_new)
     total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
     if Uinv_new is not None:
         total = total + Uinv_new.sum()
@@ -299,7 +312,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if moments is not None:
         ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
-                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order)
+                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right)
 
 
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
@@ -322,7 +335,7 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
     lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr, order=new.order if sh.alone else None)
     if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
-        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None, sh)
+        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None, sh, new.right)
     Q = 0.5 * (new.Q + new.Q.T)
     if masked:
         head.omega.copy_(torch.where(ok, new.omega, head.omega))
