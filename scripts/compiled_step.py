@@ -11,7 +11,9 @@ gradient accumulation).
         [--inverse products] [--steps 5] [--smoke] [--out DIR | --update-results]
 
 ``--loss sampled`` is lst-train's default head (sampled classes and the right preconditioner at
-their settings for D). ``--inverse products`` (the default) is the GPU's route to U_new^-1, the
+their settings for D). The rows have unit norm on average, as count_step.py's, and each head
+steps twice and reads its flags before it is measured: its Neumann factors (``neumann="adaptive"``)
+are those of a run's steady state. ``--inverse products`` (the default) is the GPU's route to U_new^-1, the
 step a GPU compiles; ``--inverse auto`` the CPU's. Writes ``compiled_step.csv`` (a row per
 loss) into a fresh run directory, ``--out DIR``, or with ``--update-results`` appends it to the
 committed ``benchmarks/results/compiled_step.csv`` through ``scripts/results_pages.py add``.
@@ -30,7 +32,7 @@ from benchlib import add_output_args, clock_for, interleaved_times, output_dir, 
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from bench_heads import TARGET, app_head_kwargs, loss_settings, make_batches
+from bench_heads import TARGET, app_head_kwargs, loss_settings
 from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical import step as exact
 from lst_lightning.spherical.graph_step import CudaGraphStep
@@ -41,7 +43,7 @@ SMOKE = {"D": 300, "d": 16, "m": 32}
 #: routes) against lst-train's graph step
 MAX_MS = {"zloss": 0.4, "sampled": 0.6}
 MAX_ROUTE_RATIO = 1.2
-COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "graphs", "breaks", "ops", "fused_loops", "products",
+COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "factors", "graphs", "breaks", "ops", "fused_loops", "products",
            "other_calls", "kernels", "compile_s", "eager_ms", "compiled_ms", "graph_ms", "autograd_ms",
            "accumulated_ms", "speedup"]
 #: a line of Inductor's wrapper that launches one kernel: its generated loops (C++ on a CPU, Triton
@@ -65,11 +67,21 @@ def wrapper_calls(code: str) -> dict[str, int]:
     return counts
 
 
-def make_head(loss: str, D: int, d: int, inverse: str, device: torch.device, compile_step: bool):
+def make_head(loss: str, D: int, d: int, inverse: str, device: torch.device, compile_step: bool, batches: list):
+    """The head as lst-train builds it, settled as count_step.py settles it: two runs of three eager
+    steps, each followed by a read of its flags, so that its Neumann factors are those of the steps
+    past the start (``Stabiliser.neumann="adaptive"``: the most until the first read); then its
+    step compiled or not."""
     lr, loss_kwargs = loss_settings(loss, D)
-    return FactoredSphericalHead(D, d, loss=loss, loss_kwargs=loss_kwargs, lr=lr, bias=False, device=device,
-                                 stabiliser={"inverse": inverse}, compile_step=compile_step,
+    head = FactoredSphericalHead(D, d, loss=loss, loss_kwargs=loss_kwargs, lr=lr, bias=False, device=device,
+                                 stabiliser={"inverse": inverse}, compile_step=False,
                                  generator=torch.Generator().manual_seed(0), **app_head_kwargs(loss))
+    for run in range(2):
+        for H, idx in batches[3 * run:3 * run + 3]:
+            head.train_step(H, idx)
+        head.sync()
+    head.compile_step = compile_step
+    return head
 
 
 def explained(head, H, idx) -> tuple[int, int, int]:
@@ -83,34 +95,39 @@ def explained(head, H, idx) -> tuple[int, int, int]:
 
 def measure(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device: torch.device,
             backend: str = "inductor") -> dict:
-    eager, fast = (make_head(loss, D, d, inverse, device, c) for c in (False, True))
-    batches = make_batches(D, d, m, torch.float32, device)
-    graphs, breaks, ops = explained(eager, *batches[0])
-    H, idx = batches[0]
+    # count_step.py's batches: rows of unit norm on average, one uniform target each
+    g = torch.Generator().manual_seed(0)
+    batches = [((torch.randn(m, d, generator=g) / d ** 0.5).to(device), torch.randint(0, D, (m,), generator=g).to(device))
+               for _ in range(8)]
+    eager, fast = (make_head(loss, D, d, inverse, device, c, batches) for c in (False, True))
+    graphs, breaks, ops = explained(eager, *batches[6])
+    H, idx = batches[6]
     t0 = time.perf_counter()
     if backend == "inductor":
-        _, codes = run_and_get_code(fast.train_step, H.detach(), idx)  # compiles: the wrapper's code
+        _, codes = run_and_get_code(fast.train_step, H, idx)  # compiles: the wrapper's code
         kernels = {"fused_loops": 0, "products": 0, "other_calls": 0}
         for code in codes:
             for k, v in wrapper_calls(code).items():
                 kernels[k] += v
     else:  # no generated code to read
-        fast.train_step(H.detach(), idx)
+        fast.train_step(H, idx)
         kernels = {"fused_loops": None, "products": None, "other_calls": None}
     compile_s = time.perf_counter() - t0
     cycle = iter(range(1 << 30))
 
     def stepper(step):
-        return lambda: step(*(lambda b: (b[0].detach(), b[1]))(batches[next(cycle) % len(batches)]))
+        return lambda: step(*batches[6 + next(cycle) % 2])
 
     steppers = {"eager": (stepper(eager.train_step), 1), "compiled": (stepper(fast.train_step), 1),
-                "autograd": (stepper(autograd_step(make_head(loss, D, d, inverse, device, True))), 1),
-                "accumulated": (stepper(accumulated_step(make_head(loss, D, d, inverse, device, True))), 1)}
+                "autograd": (stepper(autograd_step(make_head(loss, D, d, inverse, device, True, batches))), 1),
+                "accumulated": (stepper(accumulated_step(make_head(loss, D, d, inverse, device, True, batches))), 1)}
     if device.type == "cuda":  # the compiled step inside a CUDA graph (step="cuda_graph"'s unit)
-        steppers["graph"] = (stepper(CudaGraphStep(make_head(loss, D, d, inverse, device, True), m, 1)), 1)
+        graphed = make_head(loss, D, d, inverse, device, True, batches)
+        steppers["graph"] = (stepper(CudaGraphStep(graphed, m, 1)), 1)
     times = interleaved_times(steppers, rounds=steps, warmup=1, clock=clock_for(device))
     ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
-    return {"device": device.type, "loss": loss, "inverse": inverse, "D": D, "d": d, "m": m, "graphs": graphs,
+    return {"device": device.type, "loss": loss, "inverse": inverse, "D": D, "d": d, "m": m,
+            "factors": fast.step_checks.factors, "graphs": graphs,
             "breaks": breaks, "ops": ops, **kernels, "compile_s": round(compile_s, 1),
             "kernels": None if kernels["products"] is None else sum(kernels.values()),
             "eager_ms": ms["eager"], "compiled_ms": ms["compiled"], "graph_ms": ms.get("graph"),
@@ -175,6 +192,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.smoke:
         args.D, args.d, args.m, args.steps = SMOKE["D"], SMOKE["d"], SMOKE["m"], 1
     device = torch.device(args.device)
+    torch._inductor.config.fx_graph_cache = False  # each compile timed in full, not read from an earlier run's cache
     if device.type == "cpu":
         torch.set_num_threads(1)
     rows = []

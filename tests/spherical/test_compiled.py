@@ -73,7 +73,8 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
         _, fwd = step_module.forward(h, Hx, idx, T, draws)
         for fn, args in ((step_module.forward, (Hx, idx, T, draws)),
                          (step_module.deferred_backward, (fwd, Hx.new_ones(()))),
-                         (step_module.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok))):
+                         (step_module.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok,
+                                                     fwd.neg.cols, fwd.neg.G_neg))):
             explained = torch._dynamo.explain(fn)(h, *args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), (fn, explained.break_reasons)
 

@@ -236,8 +236,21 @@ class NegativeSampling:
         return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit, first)
 
     def slots_part(self) -> "PerRowSlots":
-        """Exact accumulation's records carry every negative as a slot: their Yd Yd^T by unique columns."""
+        """Exact accumulation's records of negatives drawn per row carry each as a slot: their Yd Yd^T
+        by unique columns."""
         return PerRowSlots()
+
+    def records_block(self, head, cols: Tensor, G_neg: Tensor) -> "SharedBlock":
+        """Exact accumulation's shared negatives: the micro-batches' draws side by side (``cols``,
+        k S) with their gradients block-diagonal (``G_neg``, M x k S: a row's own draw only), as one
+        block of the union's step, V's rows fetched now (W has not moved since the records' forwards)."""
+        if self.static_shapes(head):
+            uniq, inv = padded_unique(cols)
+        else:
+            uniq, inv = torch.unique(cols, sorted=True, return_inverse=True)
+        sh = head.sharding
+        V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)
+        return SharedBlock(cols, uniq, inv, G_neg, V_u, padded=self.static_shapes(head))
 
     # -- the factored step's loss (step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, Ht: Tensor,

@@ -448,10 +448,10 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Ten
 
 
 def pending_record(head, fwd: SavedForward, weight: Tensor):
-    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients
-    (shared negatives as extra slots of every row: the records are stepped by the general path)."""
-    idx, GA = (fwd.idx, fwd.GA) if fwd.neg is None or not fwd.neg.shared else fwd.neg.as_slots(fwd.idx, fwd.GA)
-    return fwd.Hx, idx, fwd.gq * weight, fwd.gs * weight, GA * weight, fwd.real, fwd.input_ok
+    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
+    shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
+    block = None if fwd.neg is None or not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg * weight)
+    return fwd.Hx, fwd.idx, fwd.gq * weight, fwd.gs * weight, fwd.GA * weight, fwd.real, fwd.input_ok, block
 
 
 @torch.no_grad()
@@ -465,25 +465,32 @@ def apply_records(head, records: list) -> None:
     GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
     real = None if records[0][5] is None else torch.cat([r[5] for r in records])
     input_ok = functools.reduce(operator.and_, [r[6] for r in records])  # device flags: a bad micro-batch voids the step
-    before_step(head, Hx.shape[0], draw=False)  # the records carry their negatives as slots
+    blocks = [r[7] for r in records if r[7] is not None]  # shared negatives: each micro-batch's own draw
+    cols = torch.cat([c for c, _ in blocks]) if blocks else None
+    G_neg = torch.block_diag(*[g for _, g in blocks]) if blocks else None
+    before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
     if head.step_checks.deferred:
         head._version += 1
-        compiled.run(head, records_step, Hx, idx, gq, gs, GA, real, input_ok)
+        compiled.run(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
         after_step(head)
         return
-    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real), gq.new_ones(()))
+    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), gq.new_ones(()))
 
 
 def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
-                    input_ok: Tensor | bool = True) -> SavedForward:
-    """The records' step as a forward had made it: their products with the current state."""
+                    input_ok: Tensor | bool = True, cols: Tensor | None = None,
+                    G_neg: Tensor | None = None) -> SavedForward:
+    """The records' step as a forward had made it: their products with the current state, and
+    their shared negatives as one block (``cols``, ``G_neg``; negatives per row: slots of idx)."""
     route = inverse_route(head, Hx.shape[0])
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
-    neg = None if head.negatives is None else head.negatives.slots_part()  # Yd Yd^T by unique columns
+    neg = None if head.negatives is None else head.negatives.slots_part() if cols is None else \
+        head.negatives.records_block(head, cols, G_neg)
     return SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
 
 
 @torch.no_grad()
-def records_step(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor) -> None:
+def records_step(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
+                 cols: Tensor | None = None, G_neg: Tensor | None = None) -> None:
     """Exact accumulation's step under device flags, its device part whole (as ``deferred_step``)."""
-    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok), gq.new_ones(()))
+    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg), gq.new_ones(()))
