@@ -148,10 +148,13 @@ def test_a_transformer_of_real_size_compiled_as_lst_train_compiles(sandbox, monk
     folder = sandbox.run_default(bw.main, ["--smoke", "--D", "60", "--bodies", "gpt_d1024", "--heads",
                                            "sampled/log_uniform,sparse", "--compile", "true"], "bench_whole_step")
     (path,) = folder.glob("whole_step_smoke_compiled_*.csv")
-    rows = {r["head"]: r for r in csv.DictReader(path.open())}
-    assert set(rows) == {"factored", "sampled"} and all(r["body"] == "gpt_d1024" for r in rows.values())
-    assert rows["sampled"]["compiled"] == "body and head (default mode)", rows["sampled"]
-    assert rows["factored"]["compiled"] == "body (default mode)", rows["factored"]
+    rows = {f"{r['head']}/{r['variant']}": r for r in csv.DictReader(path.open())}
+    assert set(rows) == {"factored/zloss", "sampled/log_uniform", "sampled/log_uniform,sparse"}, set(rows)
+    assert all(r["body"] == "gpt_d1024" for r in rows.values())
+    for name in ("sampled/log_uniform", "sampled/log_uniform,sparse"):  # dense rows, and static rows under RowAdam
+        assert rows[name]["compiled"] == "body and head (default mode)", rows[name]
+    assert "RowAdam" in rows["sampled/log_uniform,sparse"]["optimizers"]
+    assert rows["factored/zloss"]["compiled"] == "body (default mode)", rows["factored/zloss"]
     assert all(r["status"] == "ok" and r["head_share"] != "" for r in rows.values()), rows
 
 
