@@ -36,7 +36,8 @@ README = ROOT / "README.md"
 META = ("machine", "torch", "commit", "date", "command")
 #: text columns (every other column of a tidy CSV is numeric, or empty where not measured)
 TEXT = {*META, "head", "variant", "dtype", "device", "status", "impl", "group", "run", "task", "mode", "clock",
-        "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check", "what"}
+        "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check", "what",
+        "compiled", "measured_on"}
 KEY_START = "<!-- key figures: made by scripts/results_pages.py from benchmarks/results/; do not edit -->"
 KEY_END = "<!-- end of key figures -->"
 
@@ -572,6 +573,20 @@ PAGE_LIST = [
                      ("tree_ms", "tree (ms)"), ("direct_over_tree", "direct / tree"),
                      ("tree_update_ms", "tree update (ms)")],
                     "16 rows x 64 draws a call, d = 32, one thread.")),
+    Page("crossover", "Where the factored head pays, by its arithmetic", "scripts/crossover.py",
+         "A row: lst-train's default factored step (`loss=sampled`, the GPU's step) at one width d and m rows a step, "
+         "counted by `scripts/count_step.py` (its matrix products' FLOPs), and what it is worth in softmax classes.",
+         plain_body([("d", "d"), ("m", "m"), ("units", "units of 2 m d^2"), ("gflop", "GFLOP"),
+                     ("products", "products"), ("operators", "operators"),
+                     ("crossover_D", "full softmax as costly at D ="), ("S", "sampled softmax's S"),
+                     ("vs_sampled", "x its step"), ("measured_D", "measured crossover D"),
+                     ("measured_on", "measured on")],
+                    "A full softmax (fused or not) makes 6 m D d FLOPs a step, the sampled softmax with S shared "
+                    "classes about 6 m S d: the full softmax costs as much as the factored step at D = FLOPs / "
+                    "(6 m d), the sampled softmax at S = the same number. The factored step's count holds for "
+                    "every D from 10^5 to 10^7 (the same 512 sampled slots; counted at D = 10^5). The measured "
+                    "crossover, where a GPU's `bench_heads.py --sweep-d` gives one: the D at which the faster "
+                    "fused softmax in bf16 takes as long as the default step.")),
     Page("gpu_checks", "The CUDA tests", "scripts/gpu_session.py tests kernels",
          "A row: one run of the gpu-marked tests or of the kernel tests on a GPU, from the suite's junit XML.",
          plain_body([("check", "tests"), ("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"),
