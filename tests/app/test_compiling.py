@@ -136,3 +136,29 @@ def test_the_loss_is_read_every_n_steps_and_a_non_finite_one_names_its_step():
     checks.record(torch.tensor(float("nan")), 2)
     with pytest.raises(FloatingPointError, match="non-finite training loss at step 1 .read at step 3"):
         checks.record(torch.tensor(1.0), 3)
+
+
+class _Breaks(torch.nn.Module):
+    """A body whose forward reads a value on the host: a graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if float(y.sum()) > 0 else y
+
+
+def test_a_body_that_breaks_its_graph_is_refused_in_one_line_at_its_first_compiled_call(aot_eager):
+    from lst_lightning.app.compiling import TrainingForward  # noqa: PLC0415
+
+    body = _Breaks()
+    forward = TrainingForward(body, None)
+    x = torch.randn(2, 3)
+    forward(x)  # the first training call: eager
+    with pytest.raises(ValueError, match="compile: _Breaks cannot be compiled whole: .*compile=false") as e:
+        forward(x)
+    assert "\n" not in str(e.value)
+    body.eval()
+    forward(x)  # outside training: eager, nothing compiled

@@ -124,6 +124,9 @@ class TrainingForward:
         self.module_training = lambda: module.training
         self.eager = module.forward
         self.compiled = torch.compile(self.eager, fullgraph=True, dynamic=False, mode=mode)
+        # a CUDA graph's replay writes over its last outputs: the loop keeps its own copy (the
+        # loss it logs, the hidden states the head reads), which autograd passes through
+        self.copies = mode in ("reduce-overhead", "max-autotune")
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
@@ -133,11 +136,12 @@ class TrainingForward:
         if self.calls == 1:
             return self.eager(*args, **kwargs)
         try:
-            return self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as e:
+            out = self.compiled(*args, **kwargs)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as e:  # a graph break, a host read
             first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
             raise ValueError(f"compile: {self.name} cannot be compiled whole: {first}; compile=false runs it "
                              "eager") from e
+        return torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out) if self.copies else out
 
 
 def install(body: nn.Module, head: OutputHead, compiled: Compiled) -> None:
