@@ -1,11 +1,18 @@
 """Training-step time of every output head over D, d and m (issue 5), side by side.
 
     uv run python scripts/bench_heads.py [--smoke] [--out DIR | --update-results]
+    uv run python scripts/bench_heads.py --sweep-d [--smoke]   # d = 512 .. 4096 against the fused softmaxes
 
 On a GPU: D in {10k, 100k, 793 471, 2M, 10M, 20M}, d in {512, 300}, m in {128, 1024},
 CUDA-event medians, peak memory beyond the parameters, the issue's target checks.
 On CPU (one thread): D in {10k, 100k, 793 471}, d = 300, m = 128. ``--smoke``: every
 code path at tiny sizes in seconds. See docs/benchmarks.md.
+
+``--sweep-d`` (issue 52): d = 512, 1024, 2048 and 4096 at m = 1024 and D = 10^5 and 10^6 (each
+unless given), lst-train's default factored step (``loss=sampled``; on a GPU replayed from its
+CUDA graph) against torch's ``F.linear_cross_entropy`` and cut-cross-entropy in bf16: the
+measured side of ``scripts/crossover.py``'s counted crossover in D for each d. Its files are
+``bench_heads_dsweep_<machine>.*``.
 
 One run on one machine, the same sizes for every head: the factored head (each
 loss), the naive explicit-W head, torch's full softmax (``F.linear_cross_entropy``
@@ -61,6 +68,10 @@ SIZES = {
     "cpu": dict(D=[10_000, 100_000, 793_471], d=[300], m=[128]),
     "smoke": dict(D=[50, 300], d=[16], m=[6]),
 }
+# --sweep-d: the widths of real models, against the fused full softmaxes (the smoke run: tiny widths)
+SWEEP = {"full": dict(D=[100_000, 1_000_000], d=[512, 1024, 2048, 4096], m=[1024]),
+         "smoke": dict(D=[50, 300], d=[8, 16], m=[6])}
+SWEEP_HEADS = ("factored/sampled", "factored_graph/sampled", "softmax/torch", "softmax/cce")
 COLUMNS = ["machine", "device", "torch", "threads", "head", "variant", "dtype", "D", "d", "m", "median_ms",
            "p10_ms", "p90_ms", "steps", "peak_extra_mb", "param_mb", "status"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -681,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is there")
+    p.add_argument("--sweep-d", action="store_true",
+                   help="d = 512, 1024, 2048, 4096 (m = 1024, D = 10^5 and 10^6): the default factored step against "
+                        "F.linear_cross_entropy and cut-cross-entropy in bf16")
     p.add_argument("--D", type=parse_ints, help="class counts, e.g. 10000,100000 (default: by device)")
     p.add_argument("--d", type=parse_ints, help="hidden sizes")
     p.add_argument("--m", type=parse_ints, help="batch sizes")
@@ -724,7 +738,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda" if cuda else "cpu")
-    sizes = SIZES["smoke" if args.smoke else ("gpu" if cuda else "cpu")]
+    sizes = (SWEEP["smoke" if args.smoke else "full"] if args.sweep_d
+             else SIZES["smoke" if args.smoke else ("gpu" if cuda else "cpu")])
     Ds, ds, ms = args.D or sizes["D"], args.d or sizes["d"], args.m or sizes["m"]
     defaults = dict(dtype="bf16" if cuda else "fp32", threads=None if cuda else 1,
                     warmup=3 if cuda else 1, budget_s=0.25 if cuda else 2.0, min_steps=5 if cuda else 3,
@@ -737,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     heads = HEADS
+    if args.sweep_d and not args.heads:
+        heads = [s for s in HEADS if f"{s.head}/{s.variant}" in SWEEP_HEADS]
+        if cuda:  # on a GPU the default's step as lst-train runs it there: from its CUDA graph
+            heads = [s for s in heads if s.key != ("factored", "sampled")]
     if args.heads:
         want = {h.strip() for h in args.heads.split(",") if h.strip()}
         unknown = want - {s.head for s in HEADS} - {f"{s.head}/{s.variant}" for s in HEADS}
@@ -747,7 +766,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(soft_wrap=True)
     runner = Runner(args, device, console)
     machine = runner.common["machine"]
-    stem = output_dir(args, "bench_heads") / f"bench_heads_{'smoke_' if args.smoke else ''}{machine}"
+    kind = ("smoke_" if args.smoke else "") + ("dsweep_" if args.sweep_d else "")
+    stem = output_dir(args, "bench_heads") / f"bench_heads_{kind}{machine}"
     title = title_of([dict(runner.common, machine=machine, device=device.type)])
     console.print(f"[bold]{title}[/bold]: D={Ds} d={ds} m={ms}, baselines in {args.dtype}")
     if cuda and args.paper_cpu and any(s.key == ("naive", "zloss") for s in heads):

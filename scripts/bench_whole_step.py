@@ -1,11 +1,14 @@
-"""The whole training step (body forward + backward + optimizer + head) against D (issue 13).
+"""The whole training step (body forward + backward + optimizer + head) against D (issue 13),
+and the head's share of it for each body and head (issue 52).
 
-    uv run python scripts/bench_whole_step.py [--smoke] [--device cuda] [--out DIR | --update-results]
+    uv run python scripts/bench_whole_step.py [--smoke] [--device cuda] [--bodies ngram_mlp,gpt_d1024]
+        [--compile auto] [--out DIR | --update-results]
 
 Input vocabulary = output vocabulary = D, as in a language model, for D in {10k, 100k,
 793 471, 1M, 10M} as far as each fits (its memory is estimated first; a size that would
 not fit is recorded with the reason), for the n-gram MLP and the transformer body
-(``conf/model/ngram_mlp.yaml``, ``conf/model/gpt.yaml``) and every head: the factored
+(``conf/model/ngram_mlp.yaml``, ``conf/model/gpt.yaml``; ``--bodies`` adds the transformers of
+real size, ``gpt_d1024`` and ``gpt_d2048``) and every head: the factored
 head (each loss), the naive explicit-W head, the full softmax (``F.linear_cross_entropy``),
 the hierarchical, adaptive and sampled softmax. Each head is timed in alternation with
 the factored Z-loss head on the same body, batch and D, so that the machine's load falls
@@ -13,10 +16,16 @@ on both alike and the ratio is fair. A step is what ``lst-train`` does: the body
 ordinary heads under the app's optimizer (``LanguageModel.configure_optimizers`` with
 ``conf/config.yaml``'s ``optimizer``), the self-updating heads inside backward.
 
-The input embedding is row-sparse by default (``--embedding sparse``: ``nn.Embedding(sparse=True)``;
-dense rows of Adam would read and write all D x e of it every step). Where the app's
+The input embedding is row-sparse by default (``--embedding sparse``: the app's static rows under
+``RowAdam``; dense rows of Adam would read and write all D x e of it every step). Where the app's
 optimizer does not yet route sparse parameters to a row-sparse optimizer, the script
 stands in with ``torch.optim.SparseAdam`` for them and says so in the ``optimizers`` column.
+
+The head's share: each model's body alone (its forward, a backward from a fixed random
+projection of its output, the same optimizers, in which the head's parameters then have no
+gradient) is timed in the same alternation, and ``head_share`` = 1 - body step / whole step.
+``--compile`` compiles as ``lst-train compile=...`` does (app/compiling.py: the body, an ordinary
+head that compiles whole, ``RowAdam``'s update); the factored head takes its own compiled step.
 
 Outputs (CSV naming the machine, markdown tables with the target checks, log-log plot of
 step time against D) in a fresh run directory, ``--out DIR``, or ``--update-results``.
@@ -43,13 +52,15 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
+from lst_lightning.app.compiling import check_setting, choose, install
 from lst_lightning.app.configs import config_dir
 from lst_lightning.app.module import LanguageModel, as_rows
 from lst_lightning.app.optimizers import PairedOptimizer
 from lst_lightning.data.synthetic import SyntheticZipf
 
 SIZES = {"cpu": [10_000, 100_000, 793_471, 1_000_000, 10_000_000], "smoke": [60, 400]}
-BODIES = ("ngram_mlp", "gpt")
+BODIES = ("ngram_mlp", "gpt", "gpt_d1024", "gpt_d2048")
+DEFAULT_BODIES = ("ngram_mlp", "gpt")  # the transformers of real size: on a GPU (--bodies)
 TOKENS = 256            # target tokens per step (--tokens), both bodies: n-gram windows, or gpt's sequences
 SEQUENCE_LENGTH = 32    # gpt: TOKENS // SEQUENCE_LENGTH sequences a step
 NGRAM_CONTEXT = 4       # the synthetic data's default
@@ -68,9 +79,9 @@ GRAPH_SPEC = HeadSpec("factored_graph", "sampled", self_updating=True, cuda_only
 # The factored zloss model at D = 10k, timed beside the one at each larger D (its row's D):
 # ratio = step at 10k / step at D, measured side by side.
 FLAT_PAIR = HeadSpec("factored_at_10k", "zloss", self_updating=True)
-COLUMNS = ["machine", "device", "torch", "threads", "body", "embedding", "optimizers", "head", "variant", "D", "d",
-           "tokens", "median_ms", "p10_ms", "p90_ms", "steps", "factored_ms", "ratio", "tokens_per_s", "est_gb",
-           "status"]
+COLUMNS = ["machine", "device", "torch", "threads", "body", "embedding", "optimizers", "compiled", "head", "variant",
+           "D", "d", "tokens", "median_ms", "p10_ms", "p90_ms", "steps", "factored_ms", "ratio", "body_ms",
+           "head_share", "tokens_per_s", "est_gb", "status"]
 _ROW_SPARSE = (torch.optim.SparseAdam, torch.optim.Adagrad, torch.optim.SGD)
 
 
@@ -95,7 +106,8 @@ def make_body(name: str, D: int, sparse: bool, smoke: bool) -> nn.Module:
     cls = getattr(importlib.import_module(module), cls_name)
     if smoke:  # every code path, tiny widths
         cfg = {k: v for k, v in cfg.items() if k not in ("embed_dim", "hidden_sizes", "hidden_dim")}
-        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp" else {"embed_dim": 16, "num_heads": 2})
+        cfg.update({"embed_dim": 8, "hidden_sizes": [16]} if name == "ngram_mlp"
+                   else {"embed_dim": 16, "num_heads": 2, "num_layers": min(2, cfg.get("num_layers", 2))})
         cfg["hidden_dim"] = 16
     if "sparse_embedding" in inspect.signature(cls).parameters:
         cfg["sparse_embedding"] = sparse
@@ -155,15 +167,19 @@ class WholeStep:
     """One model (body + head) and its training step over a few fixed batches."""
 
     def __init__(self, body_name: str, spec: HeadSpec, D: int, sparse: bool, smoke: bool, batches=None,
-                 device: torch.device | str = "cpu", tokens: int = TOKENS):
+                 device: torch.device | str = "cpu", tokens: int = TOKENS, compile=False):
         torch.manual_seed(0)
         device = torch.device(device)
         self.body = make_body(body_name, D, sparse, smoke).to(device)
         head, _ = _build(spec, D, self.body.hidden_dim, torch.float32, device)
         if spec.head == GRAPH_SPEC.head:
             head.step = "cuda_graph"  # replayed from its graph in the forward, as lst-train's step on one GPU
-        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config())
+        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config()).to(device)
         self.head = head
+        # lst-train's compile= (app/compiling.py): the body, an ordinary head, RowAdam's update
+        self.module.compiled = choose(compile, self.body, head, device)
+        install(self.body, head, self.module.compiled)
+        self.compiled = self.module.compiled.describe().split(";")[0]
         self.optimizers, self.optimizer_names = optimizers_of(self.module)
         self.batches = batches if batches is not None else [
             (x.to(device), y.to(device)) for x, y in make_batches(self.body, D, tokens)]
@@ -177,6 +193,28 @@ class WholeStep:
         for o in self.optimizers:
             o.step()
         for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+
+class BodyStep:
+    """The body of a ``WholeStep`` alone: its forward, a backward from a fixed random projection
+    of its output, the same optimizers (the head's parameters get no gradient, so they stay)."""
+
+    def __init__(self, whole: WholeStep):
+        self.whole, self.i = whole, 0
+        x, _ = whole.batches[0]
+        with torch.no_grad():
+            width = whole.body(x).shape[-1]
+        self.probe = torch.randn(width, device=x.device, generator=torch.Generator(x.device).manual_seed(1))
+
+    def __call__(self) -> None:
+        w = self.whole
+        x, _ = w.batches[self.i % len(w.batches)]
+        self.i += 1
+        (w.body(x) @ self.probe).sum().backward()
+        for o in w.optimizers:
+            o.step()
+        for o in w.optimizers:
             o.zero_grad(set_to_none=True)
 
 
@@ -204,11 +242,14 @@ class Runner:
                            threads=torch.get_num_threads(), embedding=args.embedding, tokens=args.tokens)
 
     def record(self, body: str, spec: HeadSpec, D: int, d: int, status: str, times=None, partner=None,
-               optimizers: str = "", est: int = 0) -> None:
+               optimizers: str = "", est: int = 0, body_times=None, compiled: str = "") -> None:
         ms = [1e3 * t for t in times or []]
         med = statistics.median(ms) if ms else None
         ref = 1e3 * statistics.median(partner) if partner else None
-        row = dict(self.common, body=body, optimizers=optimizers, head=spec.head, variant=spec.variant, D=D, d=d,
+        body_ms = 1e3 * statistics.median(body_times) if body_times else None
+        row = dict(self.common, body=body, optimizers=optimizers, compiled=compiled, head=spec.head,
+                   variant=spec.variant, D=D, d=d, body_ms=round(body_ms, 4) if body_ms else "",
+                   head_share=round(max(0.0, 1 - body_ms / med), 4) if body_ms and ms else "",
                    median_ms=round(med, 4) if ms else "", p10_ms=round(quantile(ms, 0.1), 4) if ms else "",
                    p90_ms=round(quantile(ms, 0.9), 4) if ms else "", steps=len(ms),
                    factored_ms=round(ref, 4) if ref else "", ratio=round(med / ref, 4) if ms and ref else "",
@@ -217,7 +258,9 @@ class Runner:
         self.rows.append(row)
         shown = f"{med:.4g} ms" if ms else ""
         ratio = f"x{row['ratio']:.3g}" if row["ratio"] else ""
-        print(f"{body:9s} {spec.head + '/' + spec.variant:28s} D={D:>11,} {shown:>12s} {ratio:>9s}  {status}", flush=True)
+        share = f"head {row['head_share']:.0%}" if row["head_share"] != "" else ""
+        print(f"{body:9s} {spec.head + '/' + spec.variant:28s} D={D:>11,} {shown:>12s} {ratio:>9s} {share:>9s}  "
+              f"{status}", flush=True)
 
     def steps_for(self, first: float) -> int:
         a = self.args
@@ -235,7 +278,9 @@ class Runner:
                 self.record(body_name, spec, D, d, f"skipped: ~{ref_est / 2**30:.1f} GB with the factored head "
                             f"> {limit / 2**30:.1f} GB allowed (--max-gb)", est=ref_est)
             return
-        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke, device=self.device, tokens=a.tokens)
+        ref = WholeStep(body_name, ref_spec, D, sparse, a.smoke, device=self.device, tokens=a.tokens,
+                        compile=a.compile)
+        self.warm(ref)
         ref_times: list[float] = []
         for spec in heads:
             if spec.key == REFERENCE:
@@ -254,10 +299,14 @@ class Runner:
                             f"> --max-step-s {a.max_step_s}", est=est)
                 continue
             try:
-                step = WholeStep(body_name, spec, D, sparse, a.smoke, batches=ref.batches, device=self.device)
-                first = self.clock(step) + self.clock(ref)  # also the warm-up
+                step = WholeStep(body_name, spec, D, sparse, a.smoke, batches=ref.batches, device=self.device,
+                                 compile=a.compile)
+                alone = BodyStep(step)
+                self.warm(step, alone)
+                first = self.clock(step) + self.clock(ref) + self.clock(alone)  # also the warm-up
                 rounds = self.steps_for(first)
-                t = interleaved_times({"head": (step, 1), "ref": (ref, 1)}, rounds, warmup=0, clock=self.clock)
+                t = interleaved_times({"head": (step, 1), "ref": (ref, 1), "body": (alone, 1)}, rounds, warmup=0,
+                                      clock=self.clock)
             except ImportError as exc:
                 self.record(body_name, spec, D, d, f"skipped: {exc}", est=est)
                 continue
@@ -269,23 +318,34 @@ class Runner:
                     torch.cuda.empty_cache()
                 continue
             ref_times += t["ref"]
-            self.record(body_name, spec, D, d, "ok", t["head"], t["ref"], step.optimizer_names, est)
-            del step
+            self.record(body_name, spec, D, d, "ok", t["head"], t["ref"], step.optimizer_names, est, t["body"],
+                        step.compiled)
+            del step, alone
         if D > TARGETS["flat_lo"]:
             # Flat in D: the same model at D = 10k timed in alternation with this one (past the
             # deadline too: like the factored head's own row, it is the reference's part of a size).
             lo = WholeStep(body_name, ref_spec, TARGETS["flat_lo"], sparse, a.smoke, device=self.device,
-                           tokens=a.tokens)
+                           tokens=a.tokens, compile=a.compile)
+            self.warm(lo)
             first = self.clock(lo) + self.clock(ref)
             t = interleaved_times({"lo": (lo, 1), "ref": (ref, 1)}, self.steps_for(first), warmup=0,
                                   clock=self.clock)
             ref_times += t["ref"]
-            self.record(body_name, FLAT_PAIR, D, d, "ok", t["lo"], t["ref"], lo.optimizer_names, ref_est)
-        if not ref_times:  # the factored head alone
-            self.clock(ref)
-            ref_times = interleaved_times({"ref": (ref, 1)}, self.steps_for(self.clock(ref)), warmup=0,
-                                          clock=self.clock)["ref"]
-        self.record(body_name, ref_spec, D, d, "ok", ref_times, ref_times, ref.optimizer_names, ref_est)
+            self.record(body_name, FLAT_PAIR, D, d, "ok", t["lo"], t["ref"], lo.optimizer_names, ref_est,
+                        compiled=lo.compiled)
+        # the reference beside its body alone: its share (and its time, where nothing else was timed beside it)
+        alone = BodyStep(ref)
+        self.warm(alone)
+        t = interleaved_times({"ref": (ref, 1), "body": (alone, 1)},
+                              self.steps_for(self.clock(ref) + self.clock(alone)), warmup=0, clock=self.clock)
+        self.record(body_name, ref_spec, D, d, "ok", ref_times + t["ref"], ref_times + t["ref"], ref.optimizer_names,
+                    ref_est, t["body"], ref.compiled)
+
+    def warm(self, *steps) -> None:
+        """The calls before timing: a compiled forward compiles at the second (the first runs eager)."""
+        for _ in range(3 if self.args.compile not in (False, "false") else 1):
+            for step in steps:
+                step()
 
     def guess_s(self, body: str, spec: HeadSpec, D: int) -> float | None:
         """Seconds a step would take here, from this head's time at the largest smaller D (linear in D)."""
@@ -364,7 +424,8 @@ def pivot(rows: list[dict], body: str) -> str:
                 line[f"D={D:,}"] = "skipped"
                 continue
             ratio = "" if (r["head"], r["variant"]) == REFERENCE else f" ({float(r['ratio']):.3g}x)"
-            line[f"D={D:,}"] = f"{float(r['median_ms']):.4g} ms{ratio}"
+            share = f", head {float(r['head_share']):.0%}" if r.get("head_share") not in ("", None) else ""
+            line[f"D={D:,}"] = f"{float(r['median_ms']):.4g} ms{ratio}{share}"
         out.append(line)
     return markdown_table(out, ["head", *(f"D={D:,}" for D in Ds)], right=[f"D={D:,}" for D in Ds])
 
@@ -373,7 +434,8 @@ def markdown(rows: list[dict], checks: list[dict], title: str) -> str:
     parts = [f"# {title}", "", "Targets (issues 13 and 31):", "",
              markdown_table(checks, ["check", "value", "status"]), ""]
     for body in dict.fromkeys(r["body"] for r in rows):
-        parts += [f"## {body}: median whole step (x the factored zloss step timed beside it)", "", pivot(rows, body), ""]
+        parts += [f"## {body}: median whole step (x the factored zloss step timed beside it; the head's share: "
+                  "1 - the body alone / the whole step)", "", pivot(rows, body), ""]
     parts += ["## Every row", "", markdown_table(rows, [c for c in COLUMNS if c not in ("machine", "device", "torch")],
                                                  right=["D", "median_ms", "ratio", "tokens_per_s"]), ""]
     skipped = sorted({r["status"] for r in rows if r["status"] != "ok"})
@@ -429,11 +491,23 @@ def merged(kept: list[dict], rows: list[dict]) -> list[dict]:
     return sorted([r for r in kept if key(r) not in new] + rows, key=lambda r: int(r["D"]))
 
 
+def compile_setting(text: str):
+    """``--compile`` as lst-train's ``compile=`` holds it: auto, true, false or a mode."""
+    value = {"true": True, "false": False}.get(text.lower(), text)
+    try:
+        check_setting(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
     p.add_argument("--D", type=parse_ints, help=f"vocabulary sizes (default: {SIZES['cpu']})")
-    p.add_argument("--bodies", default=",".join(BODIES), help="comma-separated: " + ",".join(BODIES))
+    p.add_argument("--bodies", default=",".join(DEFAULT_BODIES), help="comma-separated: " + ",".join(BODIES))
+    p.add_argument("--compile", default="false", type=compile_setting,
+                   help="lst-train's compile= (auto, true, false, or a torch.compile mode; default false)")
     p.add_argument("--heads", default=None, help="comma-separated head or head/variant names (default: all): "
                    + ",".join(f"{s.head}/{s.variant}" for s in WHOLE_HEADS))
     p.add_argument("--all-losses-up-to", type=int, default=100_000,
@@ -478,10 +552,11 @@ def main(argv: list[str] | None = None) -> int:
     runner = Runner(args)
     machine = runner.common["machine"]
     batch = "" if args.tokens == TOKENS else f"tokens{args.tokens}_"  # another batch: files of its own
+    batch += "" if args.compile is False else "compiled_"
     stem = output_dir(args, "bench_whole_step") / f"whole_step_{'smoke_' if args.smoke else ''}{batch}{machine}"
     where = "the GPU" if args.device == "cuda" else f"{args.threads} CPU thread(s)"
     title = (f"Whole training step (body + head + optimizer), {machine}, torch {torch.__version__}, "
-             f"{where}, {args.tokens} tokens a step, {args.embedding} input embedding")
+             f"{where}, {args.tokens} tokens a step, {args.embedding} input embedding, compile={args.compile}")
     print(title, flush=True)
     for D in Ds:
         for body in bodies:

@@ -9,6 +9,10 @@ The parts: ``tests`` (the gpu-marked tests), ``kernels`` (the kernel tests, nati
 (compiled_step.py: the compiled step against its targets), ``profile``
 (profile_step.py), ``heads`` (bench_heads.py at the targets' sizes), ``whole_step``
 (bench_whole_step.py on the GPU), ``quality`` (every head at D = 10^6 for the same training time),
+
+``equal_time`` (the default against the sampled softmax, both compiled, 60 s each at D = 10^6, on
+the n-gram body and the d = 1024 transformer), ``dsweep`` (bench_heads.py --sweep-d: d = 512 to
+4096 against the fused softmaxes, and crossover.py's measured crossover beside the counted one),
 ``tf32`` (tf32_drift.py: TF32 products against float64).
 Each step runs in its own process (a CUDA error in one does not poison the next), under its own
 time limit; the suite tees their output into ``gpu_session_log.txt`` in ``--out`` and ends that log
@@ -161,9 +165,49 @@ def quality(out: Path, smoke: bool) -> list[Step]:
                                      "--heads", *QUALITY_HEADS, "-o", "trainer=gpu"], 260)]
 
 
+# equal_time's rivals (quality_table.py names): lst-train's default and the sampled softmax, each as
+# lst-train runs it on one GPU (compile=auto: the body and the sampled softmax's static rows compiled,
+# the default's own compiled step replayed from a CUDA graph)
+EQUAL_TIME_HEADS = ["factored-sampled", "sampled-log_uniform"]
+# equal_time's bodies: its stem -> the overrides (the transformer's smoke run: its preset at tiny widths)
+EQUAL_TIME_BODIES = {"equal_time_ngram": [], "equal_time_gpt_d1024": ["-o", "model=gpt_d1024"]}
+TINY_GPT = ["-o", "model.embed_dim=16", "-o", "model.num_layers=1", "-o", "model.num_heads=2",
+            "-o", "model.hidden_dim=16"]
+
+
+def equal_time(out: Path, smoke: bool) -> list[Step]:
+    """The default against the sampled softmax at D = 10^6 for the same 60 s of training (validation
+    excluded, every 15 s on the same 512 held-out examples: curves against training time), both
+    compiled as lst-train compiles them on one GPU, on the n-gram body and on the d = 1024
+    transformer (model=gpt_d1024); files named after the GPU."""
+    argv = [PY, "scripts/quality_table.py", "--tasks", "synthetic", "--modes", "budget", "--budget-clock", "train",
+            "--heads", *EQUAL_TIME_HEADS, "--out", str(out)]
+    if smoke:
+        return [Step(stem, [*argv, "--preset", "quick", "--budget-s", "1", "--stem", stem, *body,
+                            *(TINY_GPT if body else [])], 240) for stem, body in EQUAL_TIME_BODIES.items()]
+    # each run: its process's start (~10 s), 60 s of training (the compiles inside it, on both sides),
+    # four validations; the transformer's start and compiles take longer
+    full = [*argv, "--preset", "large_D", "--budget-s", "60", "--val-every-s", "15", "-o", "trainer=gpu"]
+    return [Step(stem, [*full, "--stem", stem, *body], limit)
+            for (stem, body), limit in zip(EQUAL_TIME_BODIES.items(), (170, 190))]
+
+
+def dsweep(out: Path, smoke: bool) -> list[Step]:
+    """bench_heads.py --sweep-d: lst-train's default factored step (from its CUDA graph) against
+    F.linear_cross_entropy and cut-cross-entropy in bf16 at d = 512, 1024, 2048 and 4096, m = 1024,
+    D = 10^5 and 10^6; then crossover.py: the D where the faster fused softmax meets the default,
+    measured, beside the committed count's."""
+    bench = [PY, "scripts/bench_heads.py", "--sweep-d", "--out", str(out)]
+    cross = [PY, "scripts/crossover.py", "--measured", str(out), "--out", str(out)]
+    if smoke:
+        return [Step("heads_dsweep", [*bench, "--smoke"], 60), Step("crossover", [*cross, "--smoke"], 60)]
+    return [Step("heads_dsweep", [*bench, "--budget-s", "0.1", "--deadline-s", "50"], 65),
+            Step("crossover", [*cross, "--counted", "benchmarks/results/crossover.csv"], 20)]
+
+
 #: the parts in the order the suite runs them: correct first, then fast, then quality
 PARTS = {"tests": tests, "kernels": kernels, "compiled": compiled, "profile": profile, "heads": heads,
-         "whole_step": whole_step, "quality": quality, "tf32": tf32}
+         "dsweep": dsweep, "equal_time": equal_time, "whole_step": whole_step, "quality": quality, "tf32": tf32}
 LOG = "gpu_session_log.txt"
 
 

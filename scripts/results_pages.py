@@ -35,8 +35,9 @@ README = ROOT / "README.md"
 #: the columns every row of a tidy CSV ends with
 META = ("machine", "torch", "commit", "date", "command")
 #: text columns (every other column of a tidy CSV is numeric, or empty where not measured)
-TEXT = {*META, "head", "variant", "dtype", "device", "status", "inverse", "precision", "impl", "group", "run", "task", "mode", "clock",
-        "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check", "what"}
+TEXT = {*META, "head", "variant", "dtype", "device", "status", "inverse", "precision", "impl", "group", "run", "task",
+        "mode", "clock", "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check",
+        "what", "compiled", "measured_on"}
 KEY_START = "<!-- key figures: made by scripts/results_pages.py from benchmarks/results/; do not edit -->"
 KEY_END = "<!-- end of key figures -->"
 
@@ -380,7 +381,8 @@ def setting(r: Row) -> str:
 
 
 def regime(r: Row) -> tuple:
-    return (r["D"], r["train_size"], r["budget_s"], r["machine"])
+    """(D, training examples, time, machine, the row-sparse optimiser of both sides' rows)."""
+    return (r["D"], r["train_size"], r["budget_s"], r["machine"], r["embedding"])
 
 
 def paired(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
@@ -413,32 +415,34 @@ def pair_summary(pairs: list[tuple[Row, Row]]) -> dict:
 def equal_time_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
     pairs = paired(rows)
     lines = []
-    for (D, ts, budget, machine), ps in sorted(pairs.items()):
+    for (D, ts, budget, machine, emb), ps in sorted(pairs.items()):
         s = pair_summary(ps)
-        lines.append([big(D), big(ts), f"{budget} s", short_machine(machine), str(s["n"]),
+        lines.append([big(D), big(ts), f"{budget} s", short_machine(machine), f"`{emb}`", str(s["n"]),
                       with_se(s["mrr"]), f"{s['mrr_ahead']} of {s['n']}",
                       with_se(s["top10"]), f"{s['top10_ahead']} of {s['n']}"])
     text = ("\n`lst-train`'s own command on the synthetic Zipf task for a fixed time, the lr decaying over it "
             "(`scheduler.over=budget`), validation on the same held-out examples: **the default** (the factored "
             "head, `loss=sampled`, its right preconditioner P, S, mu and lr by D as the code sets them) against "
-            "**the sampled softmax** (row-sparse rows under SparseAdam, S by D as the code sets it, its tuned lr). "
+            "**the sampled softmax** (row-sparse rows, S by D as the code sets it, its tuned lr). Both sides' "
+            "row-sparse rows (the input embedding's, the sampled softmax's) under one optimiser, `optimizer.embedding`: "
+            "torch's `sparse_adam`, or `row_adam` (the same arithmetic in static shapes). "
             "The rules are read from the code, so a change of a default changes which rows count.\n\n"
             "## The default against the sampled softmax, seed for seed\n\n"
             "Differences are the default's minus the sampled softmax's (mean ± standard error over seeds): MRR "
             "higher is better, top-10 error lower is better.\n\n"
-            + table(["D", "training examples", "time", "machine", "seeds", "MRR", "default ahead",
-                     "top-10 error", "default ahead"], lines, right_from=4))
+            + table(["D", "training examples", "time", "machine", "rows under", "seeds", "MRR", "default ahead",
+                     "top-10 error", "default ahead"], lines, right_from=5))
     groups: dict[tuple, list[Row]] = defaultdict(list)
     for r in rows:
         groups[(*regime(r), setting(r))].append(r)
     all_lines = []
-    for (D, ts, budget, machine, name), rs in sorted(groups.items()):
+    for (D, ts, budget, machine, emb, name), rs in sorted(groups.items()):
         mrr, top10 = mean_se([r["val_mrr"] for r in rs]), mean_se([r["val_top10_error"] for r in rs])
-        all_lines.append([big(D), big(ts), f"{budget} s", short_machine(machine), name, str(len(rs)),
+        all_lines.append([big(D), big(ts), f"{budget} s", short_machine(machine), f"`{emb}`", name, str(len(rs)),
                           f"{fmt(mrr[0])}", f"{fmt(top10[0])}", fmt(statistics.fmean(r["steps"] for r in rs))])
     text += ("\n\n## Every setting run\n\nMeans over the seeds run (one row of the CSV a seed).\n\n"
-             + table(["D", "training examples", "time", "machine", "setting", "seeds", "MRR", "top-10 error",
-                      "steps"], all_lines, right_from=5))
+             + table(["D", "training examples", "time", "machine", "rows under", "setting", "seeds", "MRR",
+                      "top-10 error", "steps"], all_lines, right_from=6))
     return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
 
 
@@ -590,6 +594,20 @@ PAGE_LIST = [
                     "The GPU targets at D = 793 471, d = 512, m = 1024: at most 45 kernels and 0.4 ms for the "
                     "Z-loss, 70 and 0.6 ms for the default; the autograd and accumulated steps within 1.2 x the "
                     "graph step.")),
+    Page("crossover", "Where the factored head pays, by its arithmetic", "scripts/crossover.py",
+         "A row: lst-train's default factored step (`loss=sampled`, the GPU's step) at one width d and m rows a step, "
+         "counted by `scripts/count_step.py` (its matrix products' FLOPs), and what it is worth in softmax classes.",
+         plain_body([("d", "d"), ("m", "m"), ("units", "units of 2 m d^2"), ("gflop", "GFLOP"),
+                     ("products", "products"), ("operators", "operators"),
+                     ("crossover_D", "full softmax as costly at D ="), ("S", "sampled softmax's S"),
+                     ("vs_sampled", "x its step"), ("measured_D", "measured crossover D"),
+                     ("measured_on", "measured on")],
+                    "A full softmax (fused or not) makes 6 m D d FLOPs a step, the sampled softmax with S shared "
+                    "classes about 6 m S d: the full softmax costs as much as the factored step at D = FLOPs / "
+                    "(6 m d), the sampled softmax at S = the same number. The factored step's count holds for "
+                    "every D from 10^5 to 10^7 (the same 512 sampled slots; counted at D = 10^5). The measured "
+                    "crossover, where a GPU's `bench_heads.py --sweep-d` gives one: the D at which the faster "
+                    "fused softmax in bf16 takes as long as the default step.")),
     Page("gpu_checks", "The CUDA tests", "scripts/gpu_session.py tests kernels",
          "A row: one run of the gpu-marked tests or of the kernel tests on a GPU, from the suite's junit XML.",
          plain_body([("check", "tests"), ("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"),

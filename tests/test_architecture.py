@@ -17,6 +17,9 @@ NEVER = {
     "spherical": FRAMEWORKS | {"lst_lightning." + p for p in ("baselines", "data", "models", "app")},
     "baselines": FRAMEWORKS | {"lst_lightning." + p for p in ("spherical", "losses", "data", "models", "app")},
     "models": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data", "app")},
+    # row-sparse tables in static shapes: torch only, below the bodies and the baselines that use them
+    "rows": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data", "models",
+                                                         "app", "integrations")},
     "data": {"hydra", "omegaconf", "wandb"} | {"lst_lightning." + p for p in ("heads", "spherical", "baselines",
                                                                             "losses", "models", "app")},
     # the bridges to other LM stacks: the exact head and its losses, never the app or the baselines;

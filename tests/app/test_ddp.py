@@ -131,12 +131,13 @@ class _ReportRanks(pl.Callback):
 
 
 @pytest.mark.parametrize("head,embedding", [("softmax", "sparse_sgd"), ("softmax", "sparse_adam"),
-                                           ("softmax", "dense"), ("hsoftmax", "sparse_sgd")])
+                                           ("softmax", "dense"), ("hsoftmax", "sparse_sgd"), ("hsoftmax", "row_adam")])
 def test_two_ranks_train_like_one_softmax(tmp_path, head, embedding):
     """An ordinary head: DDP averages its gradients with the body's; the input
     embedding's row-sparse ones are kept out of DDP and averaged by the app's all-gather
     exchange (callbacks.SparseGradients, the path NCCL takes too), which logs its bytes;
-    so are the hierarchical softmax's row-sparse class rows (head.sparse=true)."""
+    so are the hierarchical softmax's row-sparse class rows (head.sparse=true), and static rows
+    (row_adam: the hierarchical softmax's rows and the embedding's)."""
     over = [*(o for o in COMMON if not o.startswith("optimizer.embedding=")), f"head={head}",
             f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
     r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two")

@@ -1,5 +1,6 @@
-"""The row-sparse input side: PairedOptimizer against dense references (float64), the
-rows it touches, its state across a save and load, and sparse-aware gradient clipping."""
+"""The row-sparse input side: PairedOptimizer against dense references (float64), row_adam
+(static rows) against torch's SparseAdam, the rows it touches, its state across a save and
+load, and sparse-aware gradient clipping."""
 import copy
 
 import pytest
@@ -8,6 +9,7 @@ from torch import nn
 
 from lst_lightning.app.optimizers import PairedOptimizer, clip_gradients, make_optimizer
 from lst_lightning.models import NgramMLP
+from lst_lightning.rows import RowAdam, RowEmbedding, static_rows
 
 V, N = 50, 3
 CFG = {"name": "sgd", "lr": 0.3, "momentum": 0.0, "weight_decay": 0.0, "embedding_lr": None}
@@ -54,6 +56,31 @@ def test_sparse_sgd_equals_dense_sgd(clip):
     assert not torch.equal(dense.input_embedding.weight, body(False).input_embedding.weight)  # it moved
 
 
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+def test_row_adam_equals_sparse_adam_with_the_apps_clipping(clip):
+    """The same body and batches (repeated rows) under SparseAdam's sparse gradients and under
+    static rows with RowAdam, clipped by the app's clip_gradients: the same model, float64."""
+    coo, rows = body(True), body(True)
+    static_rows(rows)
+    assert isinstance(rows.input_embedding, RowEmbedding)
+    opt_c = make_optimizer(coo, {**CFG, "name": "adam", "embedding": "sparse_adam"})
+    opt_r = make_optimizer(rows, {**CFG, "name": "adam", "embedding": "row_adam"})
+    assert isinstance(opt_r.parts[1], RowAdam)
+    our_clip = None if clip is None else (lambda ps: clip_gradients(ps, 0.05 if clip == "norm" else 0.01, clip))
+    data = batches(5)
+    train(coo, opt_c, data, our_clip)
+    train(rows, opt_r, data, our_clip)
+    assert rows.input_embedding.weight.grad is None  # its rows' gradient lives in its RowGrad
+    for (k, a), b in zip(coo.state_dict().items(), rows.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=k)
+    assert not torch.equal(rows.input_embedding.weight, body(True).input_embedding.weight)  # it moved
+
+
+def test_row_adam_takes_only_static_rows():
+    with pytest.raises(ValueError, match="row_adam steps the tables with static rows"):
+        make_optimizer(body(True), {**CFG, "embedding": "row_adam"})  # no static_rows: torch's sparse gradients
+
+
 @pytest.mark.parametrize("name", ["sparse_adam", "adagrad", "sparse_sgd"])
 def test_only_the_batch_rows_are_touched(name):
     model = body(True)
@@ -91,9 +118,15 @@ def test_sparse_adam_is_lazy_adam():
     torch.testing.assert_close(model.input_embedding.weight.detach(), w, rtol=1e-9, atol=1e-12)
 
 
-def test_state_dict_resumes_exactly_and_the_schedule_sets_both_parts():
+@pytest.mark.parametrize("embedding", ["sparse_adam", "row_adam"])
+def test_state_dict_resumes_exactly_and_the_schedule_sets_both_parts(embedding):
     data = batches(6)
-    cfg = {**CFG, "name": "adam", "embedding": "sparse_adam"}
+    cfg = {**CFG, "name": "adam", "embedding": embedding}
+
+    def body(sparse: bool, seed: int = 0) -> NgramMLP:
+        model = globals()["body"](sparse, seed)
+        return static_rows(model) and model if embedding == "row_adam" else model
+
     full = body(True)
     opt = make_optimizer(full, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))

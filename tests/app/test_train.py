@@ -205,10 +205,11 @@ def _same(x, y) -> bool:
 @pytest.mark.parametrize("head,embedding", [(TOY, "sparse_adam"), (TOY_SOFTMAX, "sparse_adam"),
                                             (TOY_SOFTMAX, "adagrad"), (TOY_SOFTMAX, "dense"),
                                             ("factored", "sparse_adam"), ("sampled", "sparse_adam"),
-                                            ("hsoftmax", "adagrad")])
+                                            ("hsoftmax", "adagrad"), ("sampled", "row_adam")])
 def test_resume_is_bit_identical(tmp_path, head, embedding):
     """The row-sparse optimiser's state (and the dense one's) travels with the checkpoint;
-    the sampled and hierarchical softmax's row-sparse class rows (head.sparse=true) with it."""
+    the sampled and hierarchical softmax's row-sparse class rows (head.sparse=true) with it;
+    with row_adam, their static rows."""
     pick = f"head={head}" if "." not in head else f"head._target_={head}"
     over = [*FAST, pick, "trainer.max_epochs=2", "trainer.limit_train_batches=6", "model.dropout=0.2",
             "test=false", f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]

@@ -1,11 +1,15 @@
 """Row-sparse class rows (row_sparse.py) and the heads that use them (head.sparse=true):
 the sampled and hierarchical softmax with sparse gradients step exactly like their dense
-forms, touch only the rows they read, and a step's work does not grow with D."""
+forms, touch only the rows they read, and a step's work does not grow with D; with static
+rows (lst_lightning.rows) the same steps under RowAdam as under SparseAdam, and the sampled
+softmax's training forward compiles whole."""
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from lst_lightning.baselines import HierarchicalSoftmaxHead, SampledSoftmaxHead
 from lst_lightning.baselines.row_sparse import row_gather
+from lst_lightning.rows import RowAdam, static_rows
 
 from baseline_cases import D, d, m, make_targets, zipf_counts
 
@@ -158,3 +162,60 @@ def test_evaluation_is_the_same_in_both_forms(kind):
 def test_sparse_must_be_a_bool(cls):
     with pytest.raises(ValueError, match="sparse must be true or false"):
         cls(num_classes=D, hidden_dim=d, class_counts=zipf_counts(), sparse="yes")
+
+
+@pytest.mark.parametrize("kind,sampler,bias", [c for c in CASES if c[0] == "hsoftmax" or c[1] == "log_uniform"])
+@pytest.mark.parametrize("K", [1, 3])
+def test_static_rows_under_row_adam_step_like_sparse_adam(kind, sampler, bias, K):
+    """The row-sparse head (COO gradients, SparseAdam) and the same head with static rows
+    (RowAdam), three steps on fresh targets with padding and repeated classes: the same losses
+    and parameters."""
+    _, coo = make_pair(kind, sampler, bias=bias)
+    _, rows = make_pair(kind, sampler, bias=bias)
+    static_rows(rows, rows.sparse_parameters())
+    opts = [torch.optim.SparseAdam(coo.sparse_parameters(), lr=0.1), RowAdam(rows.sparse_parameters(), lr=0.1)]
+    for step in range(3):
+        h = torch.randn(m, d)
+        t = make_targets(K, seed=step + 11) if K > 1 else make_targets(3, seed=step + 11)[:, 0]
+        losses = []
+        for head, opt in zip((coo, rows), opts):
+            losses.append(loss_of(head, h, t, seed=step))
+            losses[-1].backward()
+            opt.step()
+            opt.zero_grad()
+        torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=1e-6)
+    assert all(p.grad is None for p in rows.sparse_parameters())
+    for (name, a), b in zip(coo.named_parameters(), rows.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_the_sampled_softmax_with_static_rows_compiles_whole_and_equals_eager():
+    """torch.compile(fullgraph) of its training forward (aot_eager: the graph, not Inductor's
+    code): one graph, no break, the eager loss and rows' gradients."""
+    _, head = make_pair("sampled", "log_uniform", n=200)
+    static_rows(head, head.sparse_parameters())
+    h, t = torch.randn(m, d), make_targets(3, seed=4)
+    want = loss_of(head, h, t)
+    want.backward()
+    rows = [p.row_grad.grad()[1].clone() for p in head.sparse_parameters()]
+    for p in head.sparse_parameters():
+        p.row_grad.zero_grad()
+    assert head.cannot_compile() is None
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(head.forward, fullgraph=True, dynamic=False, backend="aot_eager")
+    torch.manual_seed(5)
+    got = compiled(h, t)
+    got.backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for p, r in zip(head.sparse_parameters(), rows):
+        torch.testing.assert_close(p.row_grad.grad()[1], r, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
+def test_what_cannot_compile_says_why():
+    assert "torch sparse tensor" in make_pair("sampled", "log_uniform")[1].cannot_compile()
+    assert "sum-tree" in make_pair("sampled", "quadratic")[1].cannot_compile()
+    assert "only the data knows" in make_pair("hsoftmax")[1].cannot_compile()
+    assert make_pair("hsoftmax")[0].cannot_compile() is None  # the dense padded form compiles

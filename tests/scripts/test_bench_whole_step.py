@@ -21,17 +21,21 @@ def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
         reader = csv.DictReader(fh)
         assert reader.fieldnames == bw.COLUMNS
         rows = list(reader)
-    assert {(r["body"], r["head"]) for r in rows} == {(b, h) for b in bw.BODIES
+    assert {(r["body"], r["head"]) for r in rows} == {(b, h) for b in bw.DEFAULT_BODIES
                                                       for h in ("factored", "softmax", "hsoftmax", "naive")}
     assert {r["variant"] for r in rows if r["head"] == "factored"} == set(bw.EVERY_D_LOSSES)
     for r in rows:
         assert r["status"] == "ok" and float(r["median_ms"]) > 0 and int(r["steps"]) >= 2, r
         assert float(r["ratio"]) == pytest.approx(float(r["median_ms"]) / float(r["factored_ms"]), rel=1e-3)
+        # the head's share: 1 - the body alone / the whole step, timed side by side
+        assert 0 <= float(r["head_share"]) < 1 and float(r["body_ms"]) > 0, r
+        assert float(r["head_share"]) == pytest.approx(max(0, 1 - float(r["body_ms"]) / float(r["median_ms"])),
+                                                       abs=1e-3)
     assert sorted(p.suffix for p in folder.iterdir()) == [".csv", ".md", ".png"]
     assert "| check | value | status |" in path.with_suffix(".md").read_text()
 
 
-@pytest.mark.parametrize("body", bw.BODIES)
+@pytest.mark.parametrize("body", bw.DEFAULT_BODIES)
 def test_a_step_moves_only_the_batch_rows_of_a_sparse_embedding(body):
     spec = next(s for s in bw.WHOLE_HEADS if s.key == ("softmax", "torch"))
     step = bw.WholeStep(body, spec, 300, sparse=True, smoke=True)
@@ -42,7 +46,7 @@ def test_a_step_moves_only_the_batch_rows_of_a_sparse_embedding(body):
     moved = (emb.detach() != before).any(1).nonzero().flatten()
     assert set(moved.tolist()) == set(x.unique().tolist())
     assert not torch.equal(step.head.weight, head_before)  # the ordinary head is in an optimizer too
-    assert "SparseAdam" in step.optimizer_names or "Sparse" in step.optimizer_names
+    assert "RowAdam" in step.optimizer_names  # the app's default: static rows
 
 
 def test_memory_estimate_skips_what_does_not_fit(sandbox):
@@ -134,3 +138,28 @@ def test_tokens_must_fill_whole_sequences(capsys):
     with pytest.raises(SystemExit):
         bw.main(["--smoke", "--tokens", "100"])
     assert "--tokens must be a positive multiple of 32" in capsys.readouterr().err
+
+
+def test_a_transformer_of_real_size_compiled_as_lst_train_compiles(sandbox, monkeypatch):
+    """--bodies gpt_d1024 (its smoke widths) with --compile true: the body and the sampled softmax
+    compiled (aot_eager here), the factored head its own step; every row has the head's share."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: compile_(*a, **{**k, "mode": None, "backend": "aot_eager"}))
+    folder = sandbox.run_default(bw.main, ["--smoke", "--D", "60", "--bodies", "gpt_d1024", "--heads",
+                                           "sampled", "--compile", "true"], "bench_whole_step")
+    (path,) = folder.glob("whole_step_smoke_compiled_*.csv")
+    rows = {f"{r['head']}/{r['variant']}": r for r in csv.DictReader(path.open())}
+    assert set(rows) == {"factored/zloss", "sampled/log_uniform", "sampled/log_uniform,sparse"}, set(rows)
+    assert all(r["body"] == "gpt_d1024" for r in rows.values())
+    for name in ("sampled/log_uniform", "sampled/log_uniform,sparse"):  # dense rows, and static rows under RowAdam
+        assert rows[name]["compiled"] == "body and head (default mode)", rows[name]
+    assert "RowAdam" in rows["sampled/log_uniform,sparse"]["optimizers"]
+    assert rows["factored/zloss"]["compiled"] == "body (default mode)", rows["factored/zloss"]
+    assert all(r["status"] == "ok" and r["head_share"] != "" for r in rows.values()), rows
+
+
+def test_the_presets_of_real_size_are_what_their_names_say():
+    for name, width, layers in (("gpt_d1024", 1024, 12), ("gpt_d2048", 2048, 24)):
+        cfg = bw.model_config(name)
+        assert (cfg["embed_dim"], cfg["hidden_dim"], cfg["num_layers"]) == (width, width, layers)
+        assert cfg["embed_dim"] % cfg["num_heads"] == 0 and cfg["sparse_embedding"]

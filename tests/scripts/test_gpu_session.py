@@ -50,6 +50,47 @@ def test_the_whole_step_and_quality_parts_smoke(tmp_path):
     assert row["head"] == "factored-zloss" and int(row["train_steps"]) > 0 and not row.get("error"), row
 
 
+def test_the_d_sweep_part_smoke(tmp_path):
+    """dsweep: bench_heads.py --sweep-d (the default factored step and the fused softmaxes at two
+    widths) and crossover.py on its CSV, every file directly in --out."""
+    assert gs.main(["dsweep", "--out", str(tmp_path), "--smoke"]) == 0
+    text = summary(tmp_path)
+    assert "heads_dsweep  ok" in text and "crossover  ok" in text, text
+    (sweep,) = tmp_path.glob("bench_heads_smoke_dsweep_*.csv")
+    rows = list(csv.DictReader(sweep.open()))
+    assert {int(r["d"]) for r in rows} == {8, 16}
+    assert {(r["head"], r["variant"]) for r in rows if r["status"] == "ok"} == {("factored", "sampled"),
+                                                                              ("softmax", "torch")}
+    (cross,) = tmp_path.glob("crossover_*.csv")
+    assert [int(r["d"]) for r in csv.DictReader(cross.open())] == [8, 16]
+    assert all(p.is_file() for p in tmp_path.iterdir())
+
+
+@pytest.mark.slow  # four lst-train runs in fresh processes: about two minutes here
+def test_the_equal_time_part_smoke(tmp_path):
+    """equal_time: the default and the sampled softmax on the n-gram body and on the d = 1024
+    transformer (its smoke run at tiny widths), a table and curves for each body."""
+    assert gs.main(["equal_time", "--out", str(tmp_path), "--smoke"]) == 0
+    for stem in gs.EQUAL_TIME_BODIES:
+        (path,) = tmp_path.glob(f"{stem}_*.csv")
+        rows = {r["head"]: r for r in csv.DictReader(path.open())}
+        assert set(rows) == set(gs.EQUAL_TIME_HEADS), rows
+        assert all(int(r["train_steps"]) > 0 and not r.get("error") for r in rows.values()), rows
+        assert path.with_suffix(".png").is_file() and (tmp_path / f"{path.stem}_curves.json").is_file()
+
+
+def test_the_equal_time_pair_runs_both_sides_compiled_on_the_same_setting():
+    """On the GPU: the same budget, validation and preset for both heads, trainer=gpu (compile=auto
+    compiles there), the transformer of real size on its second body."""
+    steps = gs.equal_time(gs.ROOT / "OUT", smoke=False)
+    assert [s.name for s in steps] == list(gs.EQUAL_TIME_BODIES)
+    for s in steps:
+        assert s.argv[s.argv.index("--heads") + 1:][:2] == gs.EQUAL_TIME_HEADS
+        assert "trainer=gpu" in s.argv and s.argv[s.argv.index("--budget-s") + 1] == "60"
+        assert "compile=false" not in " ".join(s.argv)
+    assert "model=gpt_d1024" in steps[1].argv and "model=gpt_d1024" not in steps[0].argv
+
+
 def test_the_full_suite_takes_what_docs_gpu_md_says_and_writes_into_out(capsys):
     """The step limits add up to the bound docs/gpu.md states, and every file goes directly into --out."""
     assert gs.main(["--list"]) == 0

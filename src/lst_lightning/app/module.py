@@ -21,7 +21,10 @@ from .callbacks.head_steps import HeadSteps
 from .callbacks.sparse_gradients import SparseGradients
 from .fsdp_body import shard_body, whole
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
-from .optimizers import check_optimizer_config, clip_gradients, make_optimizer, sparse_embedding_params
+from .compiling import Compiled, install
+from .loss_checks import LossChecks
+from .optimizers import (check_optimizer_config, clip_gradients, has_gradient, make_optimizer, sparse_embedding_params,
+                         static_rows_for)
 from .schedule import lr_factor
 
 
@@ -62,7 +65,8 @@ def as_rows(hidden: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
 class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, topk: Sequence[int] = TOPK,
-                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None):
+                 perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
+                 check_every: int = 32):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")
@@ -70,9 +74,11 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"{type(head).__name__} (with this loss) defines no probabilities: "
                              "it cannot give perplexity; set metrics.perplexity=false or auto")
         self.body, self.head = body, head
-        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "sparse_adam",
+        self.optim_cfg = {"name": "sgd", "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0, "embedding": "row_adam",
                           "embedding_lr": None, "head_rows": None, "head_lr": None, **(optimizer or {})}
         # the body's sparse embedding, the head's sparse rows, every lr (optimizers.py)
+        check_optimizer_config(self.optim_cfg)
+        static_rows_for(body, head, self.optim_cfg)  # the tables row_adam steps, in static shapes
         check_optimizer_config(self.optim_cfg, self)
         if head.self_updating and self.optim_cfg["head_lr"] is not None:
             raise ValueError(f"optimizer.head_lr={self.optim_cfg['head_lr']} is the lr of an ordinary head's optimizer "
@@ -88,6 +94,10 @@ class LanguageModel(pl.LightningModule):
         self.val_ranks, self.test_ranks = RankMetrics(topk), RankMetrics(topk)
         self.val_ppl, self.test_ppl = Perplexity(), Perplexity()
         self.val_loss, self.test_loss = WeightedMean(), WeightedMean()
+        #: what ``compile`` compiles (compiling.py; set by the app before training, installed at fit start)
+        self.compiled = Compiled()
+        #: the loss read for non-finite values every ``check_every`` steps (heads without deferred checks)
+        self.loss_checks = LossChecks(check_every)
         self._head_distributed = False
         self._body_sharded = False  # configure_model: FSDP2 units made once
         self._fit_start = time.perf_counter()  # reset in on_train_start
@@ -131,7 +141,10 @@ class LanguageModel(pl.LightningModule):
     def configure_optimizers(self):
         # row-sparse parameters (sparse embeddings, head.sparse rows) go to a row-sparse
         # optimiser (optimizer.embedding); optimizer.head_lr gives an ordinary head groups of its own
-        opt = make_optimizer(self, self.optim_cfg, head=self.head)
+        world = self.trainer.world_size if self._trainer is not None else 1
+        # RowAdam's update compiled with the model, on one process (several exchange rows of any number)
+        rows = (self.compiled.mode or "") if self.compiled.any and world == 1 else None
+        opt = make_optimizer(self, self.optim_cfg, head=self.head, compiled_rows=rows)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1  # inf: no step limit
         # the time budget: Lightning's Timer (trainer.max_time, or one of the caller's) that has one
         timers = [c for c in self.trainer.callbacks if isinstance(c, Timer)] if self._trainer else []
@@ -143,7 +156,8 @@ class LanguageModel(pl.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # torch's clip_grad_norm_ refuses row-sparse gradients: clip them with the dense ones
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if gradient_clip_val and any(p.grad is not None and p.grad.is_sparse for p in params):
+        sparse = {id(p) for p in sparse_embedding_params(self)}
+        if gradient_clip_val and any(id(p) in sparse and has_gradient(p) for p in params):
             clip_gradients(params, float(gradient_clip_val), gradient_clip_algorithm or "norm")
         else:
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -161,8 +175,15 @@ class LanguageModel(pl.LightningModule):
         opt = self.optimizers(use_pl_optimizer=False)
         return opt.param_groups[0]["lr"] / self.optim_cfg["lr"]
 
+    def on_fit_start(self):
+        install(self.body, self.head, self.compiled)  # here: in each process (ddp_spawn's workers too)
+
     def on_train_start(self):
         self._fit_start = time.perf_counter()
+
+    def on_train_end(self):
+        if not self.head.deferred_checks:
+            self.loss_checks.read(self.global_step)
 
     def on_train_epoch_end(self):
         # Spawned workers do not hand global_step back to the launching process: this does.
@@ -177,11 +198,13 @@ class LanguageModel(pl.LightningModule):
         if self.head.self_updating:
             self.head.lr = self.head_base_lr * self.current_lr_factor()
         loss = self.head(*as_rows(self.body(context), target))
-        # A head with deferred checks masks a non-finite step itself; reading it here would
-        # make every step wait for the GPU.
-        if not self.head.deferred_checks and not torch.isfinite(loss):
-            # Raise before backward: the self-updating head has not changed yet.
+        # A head with deferred checks masks a non-finite step itself. A self-updating one without
+        # is read now, before backward changes it; an ordinary head's loss every check_every steps
+        # (a device flag: reading it every step would make every step wait for the GPU).
+        if self.head.self_updating and not self.head.deferred_checks and not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
+        if not self.head.self_updating:
+            self.loss_checks.record(loss, self.global_step)
         self.log("train/loss", loss.detach(), prog_bar=True)
         # wall-clock since fit start: learning curves against time (lst-compare)
         self.log("train/elapsed_s", time.perf_counter() - self._fit_start)

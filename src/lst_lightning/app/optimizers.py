@@ -4,6 +4,10 @@ for the parameters of sparse ``nn.Embedding`` modules (the body's input embeddin
 (``OutputHead.sparse_parameters()``: the sampled and hierarchical softmax's class rows
 with ``head.sparse=true``), which reads and writes only the rows a step touched
 (``optimizer.embedding``; a head's rows may take another, ``optimizer.head_rows``).
+``row_adam`` (the default) steps them in static shapes: ``static_rows_for`` gives those
+tables static rows (``lst_lightning.rows``: the gradient as the batch's (ids, rows), which
+``torch.compile`` takes whole) and ``RowAdam`` steps them; the others take torch's sparse
+COO gradients.
 An ordinary head's parameters may have their own lr (``optimizer.head_lr``): their own groups.
 
 Lightning's automatic optimisation drives one optimiser, so ``PairedOptimizer`` presents
@@ -20,10 +24,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..heads.base import OutputHead
+from ..rows import RowAdam, coalesce_rows, row_grad_of, static_rows
 
 DENSE = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-# optimizer.embedding: the optimiser of sparse embeddings' rows (dense: none may be sparse)
-EMBEDDING = ("sparse_adam", "sparse_sgd", "adagrad", "dense")
+# optimizer.embedding: the optimiser of sparse embeddings' rows (dense: none may be sparse);
+# row_adam: SparseAdam's arithmetic in static shapes (lst_lightning.rows)
+ROW_ADAM = "row_adam"
+EMBEDDING = (ROW_ADAM, "sparse_adam", "sparse_sgd", "adagrad", "dense")
 # optimizer.head_rows: the optimiser of a head's row-sparse class rows (null: optimizer.embedding's)
 HEAD_ROWS = (None, *EMBEDDING[:-1])
 
@@ -31,7 +38,8 @@ HEAD_ROWS = (None, *EMBEDDING[:-1])
 def sparse_embedding_params(module: nn.Module) -> list[nn.Parameter]:
     """The parameters with row-sparse gradients: the weights of the sparse ``nn.Embedding``
     modules and the heads' ``sparse_parameters()``."""
-    found = [m.weight for m in module.modules() if isinstance(m, nn.Embedding) and m.sparse]
+    found = [m.weight for m in module.modules()
+             if isinstance(m, nn.Embedding) and (m.sparse or row_grad_of(m.weight) is not None)]
     found += [p for m in module.modules() if isinstance(m, OutputHead) for p in m.sparse_parameters()]
     return list({id(p): p for p in found if p.requires_grad}.values())
 
@@ -55,6 +63,17 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
                          f"{list(EMBEDDING[:-1])}, or model.sparse_embedding=false and head.sparse=false")
 
 
+def static_rows_for(body: nn.Module, head: OutputHead, cfg: dict) -> None:
+    """Static rows (``lst_lightning.rows.static_rows``) for the tables ``row_adam`` steps: the
+    body's sparse embeddings under ``optimizer.embedding=row_adam``, the head's row-sparse
+    parameters under ``optimizer.head_rows`` (null: ``optimizer.embedding``) ``=row_adam``."""
+    name = cfg.get("embedding", "dense")
+    if name == ROW_ADAM:
+        static_rows(body)
+    if (cfg.get("head_rows") or name) == ROW_ADAM and head.sparse_parameters():
+        static_rows(head, head.sparse_parameters())
+
+
 def _dense_optimizer(groups: list, cfg: dict) -> torch.optim.Optimizer:
     kw = {"lr": cfg["lr"], "weight_decay": cfg.get("weight_decay", 0.0)}
     if cfg["name"] == "sgd":
@@ -62,8 +81,15 @@ def _dense_optimizer(groups: list, cfg: dict) -> torch.optim.Optimizer:
     return DENSE[cfg["name"]](groups, **kw)
 
 
-def _sparse_optimizer(groups: list, name: str, lr: float) -> torch.optim.Optimizer:
+def _sparse_optimizer(groups: list, name: str, lr: float, compiled: str | None = None) -> torch.optim.Optimizer:
     # No weight decay and no momentum: both would touch all D rows every step.
+    static = [p for g in groups for p in g["params"] if row_grad_of(p) is not None]
+    if (name == ROW_ADAM) != bool(static) or (static and len(static) != sum(len(g["params"]) for g in groups)):
+        raise ValueError(f"optimizer.embedding (or head_rows)={name}: row_adam steps the tables with static rows "
+                         "(lst_lightning.rows) and only those; sparse_adam, sparse_sgd and adagrad take torch's "
+                         "sparse gradients")
+    if name == ROW_ADAM:  # compiled: "" for torch.compile's default mode, else a mode's name
+        return RowAdam(groups, lr=lr, compiled=compiled is not None, mode=compiled or None)
     if name == "sparse_adam":
         return torch.optim.SparseAdam(groups, lr=lr)
     if name == "sparse_sgd":
@@ -78,13 +104,16 @@ def _groups(params: list, own: set[int], lr: float, own_lr: float, name: str) ->
     return [g for g in groups if g["params"]]
 
 
-def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None) -> torch.optim.Optimizer:
+def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None,
+                   compiled_rows: str | None = None) -> torch.optim.Optimizer:
     """The dense optimiser of ``cfg`` over the trainable parameters; with row-sparse
     parameters in ``module`` (sparse embeddings, a head's ``sparse_parameters()``), a
     ``PairedOptimizer`` whose second half (``cfg['embedding']``) steps their rows: the
     embedding's at lr ``cfg['embedding_lr']`` or ``cfg['lr']``, those of ``head`` (when
     given) in a group of their own at ``cfg['head_lr']`` or ``cfg['lr']``. With
-    ``cfg['head_lr']`` the head's dense parameters get a group of their own too."""
+    ``cfg['head_lr']`` the head's dense parameters get a group of their own too.
+    ``compiled_rows``: ``RowAdam``'s update through ``torch.compile`` in that mode ("": the
+    default mode; None: eager)."""
     check_optimizer_config(cfg, module)
     head_lr = cfg.get("head_lr")
     sparse = sparse_embedding_params(module)
@@ -108,7 +137,7 @@ def make_optimizer(module: nn.Module, cfg: dict, head: nn.Module | None = None) 
     for g in sparse_groups:
         by_name.setdefault(head_rows if g["name"] == "head_embedding" else name, []).append(g)
     parts = [_dense_optimizer(_groups(dense, own, lr, own_lr, "dense"), cfg)] if dense else []
-    parts += [_sparse_optimizer(groups, n, lr) for n, groups in by_name.items()]
+    parts += [_sparse_optimizer(groups, n, lr, compiled_rows) for n, groups in by_name.items()]
     return PairedOptimizer(*parts)
 
 
@@ -170,15 +199,40 @@ def _coalesced(p: Tensor) -> Tensor:
     return p.grad
 
 
+def _static_values(p: Tensor) -> Tensor | None:
+    """A table with static rows: its gradient coalesced in place (each row once, in static
+    shapes: ``coalesce_rows``; the padding's and the unused slots' rows zero), its rows; None
+    without a gradient."""
+    got = row_grad_of(p).grad()
+    if got is None:
+        return None
+    ids, rows = got
+    uids, summed = coalesce_rows(ids, rows)
+    ids.copy_(uids)
+    return rows.copy_(torch.where((uids >= 0).view(-1, *[1] * (rows.dim() - 1)), summed, 0))
+
+
+def has_gradient(p: Tensor) -> bool:
+    """Whether ``p`` has a gradient to step: its ``.grad``, or its static rows' (``lst_lightning.rows``)."""
+    rg = row_grad_of(p)
+    return p.grad is not None if rg is None else rg.grad() is not None
+
+
 @torch.no_grad()
 def clip_gradients(params, value: float, algorithm: str = "norm") -> None:
     """``clip_grad_norm_`` / ``clip_grad_value_`` over dense and row-sparse gradients:
     a sparse gradient counts with its coalesced values (the norm of the dense
-    gradient it stands for)."""
-    grads = [_coalesced(p) for p in params if p.grad is not None]
-    if not grads:
+    gradient it stands for), a table with static rows with its rows coalesced."""
+    vals = []
+    for p in params:
+        if row_grad_of(p) is not None:
+            v = _static_values(p)
+            vals += [] if v is None else [v]
+        elif p.grad is not None:
+            g = _coalesced(p)
+            vals.append(g._values() if g.is_sparse else g)
+    if not vals:
         return
-    vals = [g._values() if g.is_sparse else g for g in grads]
     if algorithm == "value":
         for v in vals:
             v.clamp_(-value, value)

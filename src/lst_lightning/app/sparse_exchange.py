@@ -1,7 +1,9 @@
 """Row-sparse gradients averaged over the processes by all-gathers, on any backend.
 
-A sparse input embedding (``nn.Embedding(sparse=True)``) and a ``head.sparse`` head's
-class rows get row-sparse gradients: (row ids, rows), only the rows a step read. DDP
+A sparse input embedding (``nn.Embedding(sparse=True)``, or with static rows a
+``RowEmbedding``) and a ``head.sparse`` head's class rows get row-sparse gradients: (row ids,
+rows), only the rows a step read (torch sparse COO tensors, or static rows' (ids, rows), whose
+average is handed back to their ``RowGrad``). DDP
 all-reduces those only over gloo; NCCL has no sparse all-reduce. So the app keeps these
 parameters out of DDP (``LanguageModel.setup``) and averages their gradients itself, the
 same way on every backend:
@@ -24,6 +26,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from ..rows import row_grad_of
 from ..spherical.collectives import ProcessGroup
 
 
@@ -61,6 +64,17 @@ def average_sparse_gradients(params: Iterable[nn.Parameter], group=None) -> int:
     if ProcessGroup.current(group).world == 1:
         return 0
     for p in params:
+        rows = row_grad_of(p)
+        if rows is not None:  # static rows (lst_lightning.rows): their (ids, rows) as a sparse gradient
+            got = rows.grad()
+            ids, values = got if got is not None else (p.new_empty(0, dtype=torch.int64), p.new_empty((0, *p.shape[1:])))
+            keep = ids >= 0
+            grad = torch.sparse_coo_tensor(ids[keep][None], values[keep], p.shape, check_invariants=False)
+            averaged, n = average_row_sparse(grad, group)
+            received += n
+            if got is not None or averaged._nnz():
+                rows.set_grad(averaged.indices()[0], averaged.values())
+            continue
         grad = p.grad
         if grad is None:
             grad = torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.int64, device=p.device),

@@ -23,6 +23,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_config, check_overrides
+from .compiling import choose as compile_choice
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
@@ -240,6 +241,10 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if cfg.head.get("step") == AUTO:
         choose_step(module.head, trainer)
     check_built(cfg, module, trainer)
+    module.compiled = compile_choice(cfg.get("compile", False), body, module.head, trainer.strategy.root_device,
+                                     trainer.world_size, trainer.accumulate_grad_batches)
+    if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or trainer.strategy.root_device.type == "cuda"):
+        log.info("compile=%s: %s", cfg.get("compile"), module.compiled.describe())
     return dm, module, trainer
 
 
@@ -296,6 +301,7 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
                      "train_steps": steps}
     if isinstance(getattr(module.head, "step", None), str):  # the factored head's step as it ran (head.step=auto)
         results["head_step"] = module.head.step
+    results["compiled"] = module.compiled.describe()  # what compile= compiled (compiling.py)
     if cfg.get("test", True):
         test = trainer.test(module, datamodule=dm, verbose=False)[0]
         results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}

@@ -74,6 +74,10 @@ class AdaptiveSoftmaxHead(OutputHead):
             lp = lp.masked_scatter(valid, out)
         return lp
 
+    def cannot_compile(self) -> str | None:
+        return ("nn.AdaptiveLogSoftmaxWithLoss picks each tail cluster's rows by their targets (nonzero: a size "
+                "only the data knows); a static form would score every tail for every row")
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         per_row = -(val * self._target_log_prob(hidden, idx)).sum(1)

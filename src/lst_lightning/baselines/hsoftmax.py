@@ -152,6 +152,13 @@ class HierarchicalSoftmaxHead(OutputHead):
             lp = lp + torch.cat(within)
         return lp.new_zeros(m * K).index_put((slots,), lp).reshape(m, K)
 
+    def cannot_compile(self) -> str | None:
+        if self.sparse:
+            return ("its row-sparse step reads the clusters the batch's targets fall in, a number of rows only the "
+                    "data knows; a static form pads every target to the largest cluster (head.sparse=false: "
+                    f"{self.max_cluster} rows a target, dense gradients)")
+        return None
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         lp = self._grouped_log_prob(hidden, idx) if self.sparse and self.training else self._slot_log_prob(hidden, idx)

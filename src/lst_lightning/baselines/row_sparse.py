@@ -1,11 +1,15 @@
 """Row-sparse gathers: the rows of a class table (W (D, d) or a bias (D,)) that a step
-reads, with a gradient that holds only those rows (a torch sparse COO tensor, as
-``nn.Embedding(sparse=True)`` gives), so that a row-sparse optimiser (``SparseAdam``)
-reads and writes only them and the step's cost does not grow with D."""
+reads, with a gradient that holds only those rows, so that a row-sparse optimiser reads and
+writes only them and the step's cost does not grow with D. Two forms: static rows, where the
+table has a ``RowGrad`` (``lst_lightning.rows.static_rows``: the gradient as (ids, rows) of the
+batch's size, stepped by ``RowAdam``; ``torch.compile`` takes it whole), or a torch sparse COO
+tensor (as ``nn.Embedding(sparse=True)`` gives, for ``SparseAdam``)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..rows import row_grad_of
 
 
 class _RowGather(torch.autograd.Function):
@@ -34,7 +38,11 @@ class _RowGather(torch.autograd.Function):
 def row_gather(table: Tensor, ids: Tensor, sparse: bool) -> Tensor:
     """``table[ids]`` (padding ids < 0 read row 0), shape ``ids.shape + table.shape[1:]``.
     ``sparse``: while autograd records, the gradient of ``table`` is row-sparse (only the
-    rows of the real ids, repeats summed by the optimiser's coalesce); else dense indexing."""
+    rows of the real ids, repeats summed by the optimiser): through the table's ``RowGrad``
+    where it has one (static rows), else a sparse COO tensor; else dense indexing."""
+    rows = row_grad_of(table) if sparse else None
+    if rows is not None:
+        return rows.gather(table, ids)
     if sparse and torch.is_grad_enabled() and table.requires_grad:
         return _RowGather.apply(table, ids)
     return table[ids.clamp(min=0)]

@@ -21,6 +21,7 @@ import lst_kernels as lk
 from .samplers import make_sampler
 from .linear import LinearClassHead
 from .row_sparse import row_gather
+from ..rows import row_grad_of
 from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
@@ -126,6 +127,34 @@ class SampledSoftmaxHead(LinearClassHead):
             hit[rows] = (n2.unsqueeze(2) == idx[rows].unsqueeze(1)).any(2)
         return neg, log_q, hit
 
+    def _sampled_logits(self, query: Tensor, idx: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
+        """The targets' logits (m, K) and the sampled classes' (m, S), from one gather of W (and
+        of b): the m K targets' rows, then the S shared classes' (or the m S drawn per row), so
+        that a row-sparse table is read once a step (static rows: one RowGrad a table)."""
+        m, K = idx.shape
+        shared = not self.sampler.conditional  # one (m, S) matmul against S rows
+        drawn = neg[0] if shared else neg.reshape(-1)
+        ids = torch.cat([idx.reshape(-1), drawn])
+        w = self._keys(self._rows(self.weight, ids))
+        b = None if self.bias is None else self._rows(self.bias, ids)
+        o_t = torch.einsum("mkd,md->mk", w[:m * K].view(m, K, -1), query)
+        if b is not None:
+            o_t = o_t + b[:m * K].view(m, K)
+        if shared:
+            return o_t, F.linear(query, w[m * K:], None if b is None else b[m * K:])
+        o_n = torch.einsum("mkd,md->mk", w[m * K:].view(m, -1, w.shape[-1]), query)
+        return o_t, o_n if b is None else o_n + b[m * K:].view(m, -1)
+
+    def cannot_compile(self) -> str | None:
+        if self.sampler.needs_embeddings:
+            return f"sampler={self.sampler_name!r} keeps a sum-tree of the class rows on the host"
+        if self.sampler.conditional:
+            return f"sampler={self.sampler_name!r} redraws, on the host, the rows whose every sample hit a target"
+        if self.sparse and row_grad_of(self.weight) is None:
+            return ("its row-sparse rows' gradient is a torch sparse tensor, whose size changes each step "
+                    "(static rows: optimizer.embedding=row_adam)")
+        return None
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, valid = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         if not self.training:
@@ -152,13 +181,7 @@ class SampledSoftmaxHead(LinearClassHead):
                 # forwards) until the next sync; a static sampler never syncs, so never keeps them
                 new_rows = [idx[valid], neg.reshape(-1)] + ([] if self._touched is None else [self._touched])
                 self._touched = torch.unique(torch.cat(new_rows))
-        o_t = self.class_logits(hidden, idx)
-        if neg.dim() == 2 and not self.sampler.conditional:
-            # Shared negatives: one (m, S) matmul against S rows.
-            b = None if self.bias is None else self._rows(self.bias, neg[0])
-            o_n = F.linear(query, self._keys(self._rows(self.weight, neg[0])), b)
-        else:
-            o_n = self.class_logits(hidden, neg)
+        o_t, o_n = self._sampled_logits(query, idx, neg)
         o_n = (o_n.float() - correction).masked_fill(hit, float("-inf"))
         o_z = o_t.float().masked_fill(~first, float("-inf"))  # each target class once in Z
         log_z = lk.logsumexp_rows(torch.cat([o_z, o_n], 1))

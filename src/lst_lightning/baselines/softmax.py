@@ -101,6 +101,13 @@ class SoftmaxHead(LinearClassHead):
             raise ValueError(f"SoftmaxHead(impl={self.impl!r}) runs on CUDA only; hidden is on {x.device}")
         return _load_impl(self.impl)(x, W, target, bias=self.bias, ignore_index=-1, reduction=reduction)
 
+    def cannot_compile(self) -> str | None:
+        if self.impl == "torch" and hasattr(F, "linear_cross_entropy"):
+            return "torch.compile does not trace F.linear_cross_entropy: torch's fused kernel runs as it is"
+        if self.impl != "torch":
+            return f"impl={self.impl!r} runs its own fused Triton kernels as they are"
+        return None
+
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         x = self._query(hidden)

@@ -65,6 +65,14 @@ class OutputHead(nn.Module):
         the optimizer accumulates its gradients."""
         return "it updates itself in backward" if self.self_updating else None
 
+    def cannot_compile(self) -> str | None:
+        """Why ``torch.compile`` cannot take this head's training forward whole (one graph, static
+        shapes, no host read), or None when it can. Under compilation a head leaves its host
+        checks to the loop (``heads.targets``: the loop reads the loss every few steps). A
+        self-updating head steps itself in backward: a loop leaves it out of its graph (the
+        factored head compiles its own step: ``compiles``)."""
+        return "it steps itself in backward (the factored head compiles its own step)" if self.self_updating else None
+
     def stats(self) -> dict[str, float]:
         """Counters worth logging (repairs, skipped steps...): none by default."""
         return {}

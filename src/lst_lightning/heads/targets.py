@@ -5,6 +5,11 @@ Every head takes ``target_idx`` (m,) or (m, K) int64 with -1 for padding (and
 ``target_val`` of the same shape (default 1 on each real slot). The loss of a
 softmax-type head is ``-sum_k t_k log p(idx_k | h)``, the same convention as the
 normalised spherical losses, and the minibatch loss is the mean (or sum) over the m rows.
+
+The checks that read a device value on the host (non-finite hidden states or loss, a class id
+out of range) are left out while ``torch.compile`` traces a head (a host read breaks its graph):
+a loop that compiles a head reads its loss for non-finite values every few steps instead
+(``LanguageModel``), and an id out of range fails in the gather.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ def check_hidden(hidden: Tensor, hidden_dim: int) -> None:
         raise ValueError(f"hidden must have shape (m, {hidden_dim}), got {tuple(hidden.shape)}")
     if not hidden.is_floating_point():
         raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
-    if not torch.isfinite(hidden).all():
+    if not torch.compiler.is_compiling() and not torch.isfinite(hidden).all():
         raise ValueError("hidden contains non-finite values (nan or inf)")
 
 
@@ -56,7 +61,7 @@ def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_clas
         raise ValueError(f"target_idx must have shape ({m},) or ({m}, K) with K >= 1, "
                          f"got {tuple(target_idx.shape)}")
     bad = (idx < -1) | (idx >= num_classes)
-    if check_range and bool(bad.any()):
+    if check_range and not torch.compiler.is_compiling() and bool(bad.any()):
         raise ValueError(f"target index {int(idx[bad][0])} is outside [0, {num_classes}): class ids must be "
                          f"in [0, {num_classes}), or -1 or ignore_index ({ignore_index}) for padding")
     valid = idx >= 0
@@ -70,7 +75,7 @@ def target_slots(target_idx: Tensor, target_val: Tensor | None, m: int, num_clas
                          f"got {tuple(target_val.shape)}")
     if device is not None and target_val.device != device:
         raise ValueError(f"target_val is on {target_val.device} but the head is on {device}")
-    if finite_values and not torch.isfinite(target_val).all():
+    if finite_values and not torch.compiler.is_compiling() and not torch.isfinite(target_val).all():
         raise ValueError("target_val contains non-finite values (nan or inf)")
     val = target_val.reshape(idx.shape).to(dtype)
     val = torch.where(valid, val, torch.zeros((), dtype=dtype, device=val.device))
@@ -112,7 +117,7 @@ def check_targets(hidden: Tensor, target_idx: Tensor, target_val: Tensor | None,
 def reduce_rows(per_example: Tensor, reduction: str) -> Tensor:
     """Mean or sum over the m rows; a non-finite loss is an error, not a silent nan."""
     out = per_example.mean() if reduction == "mean" else per_example.sum()
-    if not torch.isfinite(out):
+    if not torch.compiler.is_compiling() and not torch.isfinite(out):
         raise FloatingPointError(f"non-finite loss ({out.item()}): the head's parameters or inputs diverged")
     return out
 

@@ -1,0 +1,164 @@
+"""compile=: a compiled training run (the n-gram body and the sampled softmax with static rows,
+RowAdam's update) equals the eager run, its recompiles are counted and bounded, and what cannot
+be compiled whole is refused in one line (compile=true) or left eager (auto). torch.compile runs
+with the aot_eager backend here: the same graphs as Inductor's, without its C++ build."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import lst_lightning.rows.adam as row_adam
+from lst_lightning.app.compiling import Compiled, choose, install
+from lst_lightning.app.loss_checks import LossChecks
+from lst_lightning.app.module import LanguageModel, as_rows
+from lst_lightning.app.optimizers import clip_gradients, make_optimizer
+from lst_lightning.baselines import AdaptiveSoftmaxHead, SampledSoftmaxHead, SoftmaxHead
+from lst_lightning.models import LSTMBody, NgramMLP
+from lst_lightning.spherical import FactoredSphericalHead
+
+from host_reads import HostReads
+
+V, D, CTX, d = 60, 300, 3, 8
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """torch.compile with the aot_eager backend (and fresh caches), its counters from zero."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", functools.partial(lambda *a, **k: compile_(
+        *a, **{**{x: y for x, y in k.items() if x != "mode"}, "backend": "aot_eager"})))
+    monkeypatch.setattr(row_adam, "_compiled", {})
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def model(compiled: bool):
+    torch.manual_seed(0)
+    body = NgramMLP(V, CTX, embed_dim=4, hidden_sizes=[16], hidden_dim=d, sparse_embedding=True)
+    head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=16, bias=True, sparse=True)
+    lm = LanguageModel(body, head, optimizer={"name": "adam", "lr": 0.01, "embedding": "row_adam"})
+    lm.compiled = Compiled(body=compiled, head=compiled)
+    install(body, head, lm.compiled)
+    opt = make_optimizer(lm, lm.optim_cfg, head=head, compiled_rows="" if compiled else None)
+    return lm, opt
+
+
+def batches(sizes):
+    g = torch.Generator().manual_seed(1)
+    # ids repeat within a batch (40 of 60 input ids, Zipf-like targets)
+    return [(torch.randint(0, 40, (m, CTX), generator=g), torch.randint(0, D // 3, (m,), generator=g) ** 1)
+            for m in sizes]
+
+
+def train(lm, opt, data):
+    losses = []
+    lm.train()
+    for i, (x, y) in enumerate(data):
+        torch.manual_seed(100 + i)  # the sampled classes: the same draws eager and compiled
+        loss = lm.head(*as_rows(lm.body(x), y))
+        loss.backward()
+        clip_gradients([p for g in opt.param_groups for p in g["params"]], 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def test_a_compiled_run_equals_the_eager_run_and_recompiles_are_bounded(aot_eager):
+    data = batches([24] * 5 + [10])  # an epoch's last, smaller batch: one more graph each
+    eager, opt_e = model(False)
+    want = train(eager, opt_e, data)
+    assert counters["stats"]["unique_graphs"] == 0
+    comp, opt_c = model(True)
+    got = train(comp, opt_c, data)
+    # tolerance: float32, six steps of Adam; the graphs run torch's own ops (aot_eager)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for (k, a), b in zip(eager.state_dict().items(), comp.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    # the body and the head: a graph each for the batch of 24 and for the last of 10; RowAdam's
+    # update: a graph each for its three tables (the embedding, W, b), whose static rows keep their size
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2 * 2 + 3, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    train(comp, opt_c, batches([24, 10]))  # the same shapes again: no graph more
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_auto_compiles_on_a_gpu_what_compiles_whole_and_says_why_not_the_rest():
+    body = NgramMLP(V, CTX, sparse_embedding=True)
+    sampled = SampledSoftmaxHead(num_classes=D, hidden_dim=128, sparse=False)
+    c = choose("auto", body, sampled, CUDA)
+    assert (c.body, c.head, c.mode, c.why_not) == (True, True, "reduce-overhead", [])
+    c = choose("auto", body, SoftmaxHead(num_classes=D, hidden_dim=128), CUDA)
+    assert c.body and not c.head and "F.linear_cross_entropy" in c.describe()
+    c = choose("auto", body, FactoredSphericalHead(num_classes=D, hidden_dim=128), CUDA)
+    assert c.body and not c.head and "steps itself" in c.describe()
+    assert not choose("auto", body, sampled, CPU).any  # on the CPU: nothing
+    assert not choose("auto", body, sampled, CUDA, world_size=2).any
+    assert not choose("auto", body, sampled, CUDA, accumulate=2).any
+    assert not choose(False, body, sampled, CUDA).any
+    c = choose("max-autotune", body, sampled, CPU)
+    assert c.body and c.head and c.mode == "max-autotune"
+
+
+@pytest.mark.parametrize("body,head,match", [
+    (LSTMBody(V, CTX), SampledSoftmaxHead(num_classes=D, hidden_dim=128), "LSTMBody cannot be compiled whole: .*nn.LSTM"),
+    (NgramMLP(V, CTX), AdaptiveSoftmaxHead(num_classes=D, hidden_dim=128), "AdaptiveSoftmaxHead cannot be compiled"),
+    (NgramMLP(V, CTX), SampledSoftmaxHead(num_classes=D, hidden_dim=128, sparse=True), "torch sparse tensor"),
+])
+def test_compile_true_refuses_what_cannot_be_compiled_whole_in_one_line(body, head, match):
+    with pytest.raises(ValueError, match=match) as e:
+        choose(True, body, head, CPU)
+    assert "\n" not in str(e.value) and str(e.value).startswith("compile=true: ")
+
+
+def test_a_bad_setting_is_refused():
+    with pytest.raises(ValueError, match="compile must be auto, true, false or a torch.compile mode"):
+        choose("fast", NgramMLP(V, CTX), SoftmaxHead(num_classes=D, hidden_dim=128), CPU)
+
+
+def test_the_loss_is_read_every_n_steps_and_a_non_finite_one_names_its_step():
+    checks = LossChecks(check_every=4)
+    with HostReads() as reads:
+        for step in range(3):
+            checks.record(torch.tensor(1.0), step)
+    assert reads.count == 0  # no host read between the due steps
+    with pytest.raises(FloatingPointError, match="at step 3 "):
+        checks.record(torch.tensor(float("nan")), 3)  # due at step 3: read
+    checks = LossChecks(check_every=4)
+    checks.record(torch.tensor(float("inf")), 1)
+    checks.record(torch.tensor(float("nan")), 2)
+    with pytest.raises(FloatingPointError, match="non-finite training loss at step 1 .read at step 3"):
+        checks.record(torch.tensor(1.0), 3)
+
+
+class _Breaks(torch.nn.Module):
+    """A body whose forward reads a value on the host: a graph break."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if float(y.sum()) > 0 else y
+
+
+def test_a_body_that_breaks_its_graph_is_refused_in_one_line_at_its_first_compiled_call(aot_eager):
+    from lst_lightning.app.compiling import TrainingForward  # noqa: PLC0415
+
+    body = _Breaks()
+    forward = TrainingForward(body, None)
+    x = torch.randn(2, 3)
+    forward(x)  # the first training call: eager
+    with pytest.raises(ValueError, match="compile: _Breaks cannot be compiled whole: .*compile=false") as e:
+        forward(x)
+    assert "\n" not in str(e.value)
+    body.eval()
+    forward(x)  # outside training: eager, nothing compiled
