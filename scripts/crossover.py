@@ -23,7 +23,8 @@ fastest path).
 
 Writes ``crossover_<machine>.csv`` (a row per d and m, the machine the measured crossover ran on
 where there is one; ``results_pages.py add crossover`` takes it) and ``.md`` into a fresh run
-directory, ``--out DIR``, or with ``--update-results`` benchmarks/results/.
+directory or ``--out DIR``; with ``--update-results`` appends the rows to the committed tidy
+``benchmarks/results/crossover.csv`` instead.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import sys
 from pathlib import Path
 
 # benchlib first: in a bare checkout (the GPU machine) it puts the package on the path.
-from benchlib import add_output_args, machine_name, markdown_table, output_dir, write_csv, wrote
+from benchlib import add_output_args, machine_name, markdown_table, output_dir, save_rows, write_csv, wrote
 
 import torch
 
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"softmax steps at S = {row['S']}"
                   + (f"; measured on {row['measured_on']}: D = {row['measured_D']:,}" if row["measured_D"] != "" else ""),
                   flush=True)
+    if args.update_results:  # appended to the committed tidy CSV, with the commit, date and torch of the run
+        save_rows(args, output_dir(args, "crossover"), "crossover", rows, COLUMNS, argv)
+        return 0
     machine = next((r["measured_on"] for r in rows if r["measured_on"]), machine_name())
     stem = output_dir(args, "crossover") / f"crossover_{machine}"
     path = write_csv(stem.with_suffix(".csv"), rows, COLUMNS, machine=machine)

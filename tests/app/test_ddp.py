@@ -285,7 +285,7 @@ def _counting_rank(rank: int, world: int, port: int, overrides: list, run_dir: s
         run(cfg_of(*overrides), run_dir, extra_callbacks=[_CountReads(reads, Path(out))])
 
 
-READ_STEPS = 64  # optimizer steps of the run whose host reads are counted (the flags read every 32)
+READ_STEPS = 64  # optimizer steps of the run whose host reads are counted (the flags read every 64)
 
 
 @pytest.mark.slow
@@ -295,7 +295,7 @@ def test_two_ranks_factored_head_reads_the_host_only_when_its_flags_are_read(tmp
     64 steps, the factored head's default step (device flags): from the end of the first
     optimizer step (the head joins the process group, the ranks agree on the capacity of their
     rows) to the last training batch the head reads the host only at the reads of its flags
-    (every 32 steps: 2 in 63 steps), in the repairs those run when they fell due, and in
+    (every 64 steps), in the repairs those run when they fell due, and in
     ``stats()`` when the app logs them. (The app's own reads are not the head's: the sampler's
     ids, host data, in the data module; the progress log. The sparse input embedding's
     exchange would read its row counts each step: this run's embedding is dense.)"""

@@ -99,10 +99,10 @@ def test_two_processes_accumulating_read_the_host_only_when_the_flags_are_read(r
 @pytest.mark.parametrize("parallel", MODES)
 def test_two_processes_accumulating_read_the_host_at_most_once_in_ten_optimizer_steps(long_ranks, parallel):
     """64 optimizer steps of two micro-batches on two processes: after the first, the package
-    reads the host at the reads of the flags (every 32 steps and at the end of training), at
-    most once in ten steps, and in what they run. The repairs those reads run when they fell due:
-    on this toy (lr 0.5 at D = 96) cond(U)'s bound passes cond_trigger by every read, and each
-    of stabilise's power iterations reads its estimate (stabiliser.py): 4 to 8 reads a repair."""
+    reads the host at the reads of the flags (every 64 steps and at the end of training), at
+    most once in ten steps, and in what they run: the repairs those reads run when they fell due
+    (on this toy, lr 0.5 at D = 96, cond(U)'s bound passes cond_trigger by every read; a repair
+    reads U's extreme singular values before and after its fixes: two reads)."""
     for r in range(WORLD):
         got = long_ranks[r][parallel]
         assert int(got["state"]["lm_head.steps"]) == LONG_STEPS

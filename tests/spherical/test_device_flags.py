@@ -100,3 +100,27 @@ def test_naive_head_has_no_deferred_mode():
 
 
 
+
+
+def test_a_report_read_changes_nothing_the_steps_depend_on():
+    """``sync(repair=False)`` (the end of training's read): it reports a bad batch, but runs no
+    repair and keeps the read's window and the Neumann factors, so a head read so mid-run steps
+    bit for bit as one that was not (a run's state never depends on where it stopped)."""
+    torch.manual_seed(3)
+    kw = dict(sync_every=4, stabiliser={"check_every": 3, "inverse": "products"}, lr=0.3)
+    a, b = deferred(**kw), deferred(**kw)
+    b.load_state_dict(a.state_dict())
+    batches = [batch(6, d, D, 3) for _ in range(9)]
+    for i, (H, idx) in enumerate(batches):
+        for head in (a, b):
+            step(head, H, idx)
+        if i in (1, 5):
+            b.sync(repair=False)
+    assert state(a) == state(b) and a.step_checks.factors == b.step_checks.factors
+    assert int(a.checks) == int(b.checks) >= 1  # the repairs ran at the regular reads only
+    H, idx = batches[0]
+    bad = idx.clone()
+    bad[0, 0] = D
+    step(b, H, bad)
+    with pytest.raises(ValueError, match="the batch of step 10 had target ids outside"):
+        b.sync(repair=False)

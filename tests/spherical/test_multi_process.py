@@ -5,6 +5,7 @@ replicated, agreed input errors, divergence caught, a gathered V reloads into sh
 import pytest
 import torch
 
+from lst_lightning.spherical.driving import SYNC_EVERY
 from two_ranks import LONG_STEPS, NEGATIVE_MODES, ROWS, STEPS, WORLD, D, d, make_head, rel, train, train_long
 
 MAX_READS_A_STEP = 0.1
@@ -93,13 +94,13 @@ def test_one_ranks_bad_input_raises_on_every_rank_and_changes_nothing(ranks):
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_the_default_step_on_two_ranks_reads_the_host_at_most_once_in_ten_steps(ranks, mode, micro):
     """Device flags: the ranks' rows padded to the capacity agreed at the first step (one read),
-    the flags read every 32 steps; batches of fewer rows (every 8th) pad. ``micro`` 2: exact
+    the flags read every sync_every steps; batches of fewer rows (every 8th) pad. ``micro`` 2: exact
     accumulation, two batches an optimizer step."""
     for r in ranks:
         got = r[f"reads_{mode}_{micro}"]
         assert got["steps"] == LONG_STEPS
         assert got["reads"] / LONG_STEPS <= MAX_READS_A_STEP, got["sites"]
-        assert got["reads"] >= LONG_STEPS // 32, got["sites"]  # the flags are read: the counter sees them
+        assert got["reads"] >= LONG_STEPS // SYNC_EVERY, got["sites"]  # the flags are read: the counter sees them
 
 
 @pytest.mark.parametrize("micro", [1, 2])

@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..spherical.driving import SYNC_EVERY
+
 
 class LossChecks:
-    def __init__(self, check_every: int = 32):
+    def __init__(self, check_every: int = SYNC_EVERY):
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
         self.check_every = check_every

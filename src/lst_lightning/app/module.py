@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import Timer
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
+from ..spherical.driving import SYNC_EVERY
 from .callbacks.head_steps import HeadSteps
 from .callbacks.sparse_gradients import SparseGradients
 from .fsdp_body import shard_body, whole
@@ -66,7 +67,7 @@ class LanguageModel(pl.LightningModule):
     def __init__(self, body: nn.Module, head: OutputHead, *, optimizer: dict | None = None,
                  scheduler: dict | None = None, topk: Sequence[int] = TOPK,
                  perplexity: bool = False, score_chunk_size: int = 65536, simlex: dict | None = None,
-                 check_every: int = 32):
+                 check_every: int = SYNC_EVERY):
         super().__init__()
         if not isinstance(head, OutputHead):
             raise TypeError(f"head must be an OutputHead, got {type(head).__name__}")

@@ -16,9 +16,9 @@ head's V is gathered on rank 0, so that the checkpoint holds all of V and resume
 number of processes; at the end of training too, for ``trainer.save_model()``.
 
 The head's device flags (its checks, read every ``sync_every`` steps) are read at the end of
-training too: a bad label since the last read raises there, naming its step, which left the
-head untouched. (Not at a checkpoint: a read runs the repairs that fell due, and a run's state
-must not depend on where it was saved.)
+training too, as a report (``sync(repair=False)``: the repairs due wait for the next read, so
+that a run's state never depends on where it stopped or was saved): a bad label since the last
+read raises there, naming its step, which left the head untouched.
 
 The head is attached with ``accumulate=gradient_accumulation_steps``: when ``train()``
 raises inside an accumulation window (a bad label in a micro-batch), the head stays
@@ -86,7 +86,7 @@ def head_follows_trainer():
         def on_train_end(self, args, state, control, **kwargs):
             if self.head is not None:
                 try:  # the flags of the last steps read: a bad batch among them raises from train()
-                    self.head.sync()
+                    self.head.sync(repair=False)  # (a report: the state must not depend on where a run stopped)
                 finally:
                     self.head.detach()
                     self.head.lr = self.base_lr

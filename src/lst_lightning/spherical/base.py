@@ -367,9 +367,9 @@ class SphericalHeadBase(OutputHead):
     def cannot_accumulate(self) -> str | None:
         return None  # attach() makes it step at the optimizer's step (pending.py)
 
-    def sync(self) -> None:
-        """Read the step's checks now (the factored head's device flags); a head whose every
-        check is read as it is made has nothing to read."""
+    def sync(self, repair: bool = True) -> None:
+        """Read the step's checks now (the factored head's device flags; ``repair=False``: report
+        only, run no repair); a head whose every check is read as it is made has nothing to read."""
 
     @property
     def in_training_step(self) -> bool:

@@ -71,6 +71,7 @@ class DeviceFlags(HostChecks):
         #: "adaptive": the largest rho bound of the steps since the last read, on the device
         self.rho_max: Tensor | None = None
         self.read_at = -1  # the steps run (``calls``) at the last read
+        self.warned_skipped = 0  # the skipped steps warned about
         #: several processes: the void step the last read found, (its rank, why: None for bad
         #: ids in that rank's rows; padded_rows.py)
         self.fault: tuple[int, str | None] | None = None
@@ -141,15 +142,18 @@ class DeviceFlags(HostChecks):
         self.calls += 1
         return self.calls % head.sync_every == 0
 
-    def read(self, head):
+    def read(self, head, peek: bool = False):
         """Read the flags in one host transfer (the steps taken and skipped, the step of a bad
         batch, cond(U)'s bound, a loss factor, the adaptive rule's rho bound; several processes:
         the void step's rank), and warn about skipped steps and a loss that reached the head
         multiplied. (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch
-        or 0), or None when no step ran since the last read (nothing is read then)."""
+        or 0), or None when no step ran since the last read (nothing is read then). ``peek``: the
+        read changes nothing the steps depend on (the read's place in the run, the Neumann
+        factors): the next read takes the same window of steps, and its repairs, as without it."""
         if self.calls == self.read_at:
             return None
-        self.read_at = self.calls
+        if not peek:
+            self.read_at = self.calls
         flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
         if self.rho_max is not None:
             flags.append(self.rho_max)
@@ -163,12 +167,16 @@ class DeviceFlags(HostChecks):
         if factor:
             head._warn_loss_factor(factor)
             head._loss_factor.zero_()
-        (n_prev, skipped_prev), self.synced = self.synced, (steps, skipped)
-        if any(k & (k - 1) == 0 for k in range(skipped_prev + 1, skipped + 1)):
-            warnings.warn(f"{type(head).__name__}: {skipped - skipped_prev} step(s) with non-finite or invalid "
+        n_prev, skipped_prev = self.synced
+        warned = max(skipped_prev, self.warned_skipped)
+        if any(k & (k - 1) == 0 for k in range(warned + 1, skipped + 1)):
+            warnings.warn(f"{type(head).__name__}: {skipped - warned} step(s) with non-finite or invalid "
                           f"values since the last check were skipped, the head's state left untouched "
                           f"({skipped} skipped so far)", RuntimeWarning, stacklevel=3)
-        self.adapt_factors(head, skipped > skipped_prev, rho_max[0] if rho_max else None, cond_bound)
+        self.warned_skipped = skipped
+        if not peek:
+            self.synced = (steps, skipped)
+            self.adapt_factors(head, skipped > skipped_prev, rho_max[0] if rho_max else None, cond_bound)
         return n_prev, steps, cond_bound, bad
 
     def adapt_factors(self, head, skipped: bool, rho_max: float | None, cond_bound: float) -> None:

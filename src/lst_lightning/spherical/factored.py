@@ -330,15 +330,18 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self.sync()
 
     @torch.no_grad()
-    def sync(self) -> None:
+    def sync(self, repair: bool = True) -> None:
         """Read the step's checks (DeviceFlags: one host synchronisation; it warns about
         skipped steps), run the repairs that fell due since the last read, and raise if a
-        batch since then had bad targets. Nothing to read: nothing happens."""
-        read = self.step_checks.read(self)
+        batch since then had bad targets. Nothing to read: nothing happens. ``repair=False``
+        (the end of training): the read only reports, and changes nothing the next steps depend
+        on, so that a run's state never depends on where it stopped (and was resumed)."""
+        read = self.step_checks.read(self, peek=not repair) if self.step_checks.deferred else self.step_checks.read(self)
         if read is None:
             return
         n_prev, n, cond_bound, bad_step = read
-        self.run_due(n_prev, n, cond_bound)
+        if repair:
+            self.run_due(n_prev, n, cond_bound)
         if bad_step:
             self.step_checks.raise_bad_input(self, bad_step)
 

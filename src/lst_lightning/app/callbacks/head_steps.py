@@ -22,10 +22,9 @@ class HeadSteps(pl.Callback):
     training when steps accumulate or a scaler scales the loss; detach at the end, and when
     training raises (the rows kept for a step that will not come are dropped). A head
     that cannot wait for the optimizer (``step="fused"``) is refused then, before any step,
-    with the reason. Every head's device flags (``head.sync()``) are read at the end of
-    training: a bad batch since the last read raises there, naming its step. (Not at a
-    checkpoint: a read runs the repairs that fell due, and a run's state must not depend on
-    where it was saved.)"""
+    with the reason. Every head's device flags are read at the end of training
+    (``head.sync(repair=False)``: a report, no repair, since a run's state must not depend on
+    where it stopped): a bad batch since the last read raises there, naming its step."""
 
     def __init__(self):
         self._heads: list[SphericalHeadBase] = []
@@ -52,9 +51,9 @@ class HeadSteps(pl.Callback):
         self._heads = heads
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        try:  # the flags of the last steps read: a bad batch among them raises from fit()
-            for head in self._all_heads(pl_module):
-                head.sync()
+        try:  # the flags of the last steps read: a bad batch among them raises from fit() (no repair:
+            for head in self._all_heads(pl_module):  # the state must not depend on where a run stopped)
+                head.sync(repair=False)
         finally:
             self._detach()
 
