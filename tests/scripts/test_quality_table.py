@@ -37,6 +37,7 @@ def test_merge_needs_a_folder_to_merge_with(sandbox):
     assert not (sandbox.cwd / "outputs").exists()
 
 
+@pytest.mark.slow  # the results table's merge (two runs of the script, 25 s): the script's plumbing
 def test_update_results_merge_replaces_only_the_rows_rerun(sandbox):
     """This machine's table in the (sandboxed) results folder: a first run's row, plus a row of
     the head about to be rerun, marked; --merge keeps the first and replaces the second."""
@@ -58,6 +59,7 @@ def test_update_results_merge_replaces_only_the_rows_rerun(sandbox):
     assert next(r for r in rows if key(r) == rerun)["train_steps"] == "3"
 
 
+@pytest.mark.slow  # the same merge into --out (two runs, 25 s)
 def test_merge_with_an_earlier_run_in_out(sandbox, tmp_path):
     out = ["--out", str(tmp_path / "table")]
     qt.main([*tiny(), *out])
