@@ -77,7 +77,7 @@ class TwoRanks:
         out[:] = [obj] * len(out)
 
     @staticmethod
-    def all_gather_single(out, x, group=None):
+    def all_gather_into_tensor(out, x, group=None):
         out.copy_(torch.cat([x, x]))
 
     @staticmethod

@@ -68,7 +68,7 @@ class ProcessGroup:
         if self.world == 1:
             return x
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(out, x.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
         return out
 
     def gather_rows(self, tensors: list[Tensor], fills: list[float]) -> tuple[list[Tensor], slice]:
