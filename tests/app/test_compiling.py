@@ -96,7 +96,10 @@ def test_auto_compiles_on_a_gpu_what_compiles_whole_and_says_why_not_the_rest():
     c = choose("auto", body, sampled, CUDA)
     assert (c.body, c.head, c.mode, c.why_not) == (True, True, "reduce-overhead", [])
     c = choose("auto", body, SoftmaxHead(num_classes=D, hidden_dim=128), CUDA)
-    assert c.body and not c.head and "F.linear_cross_entropy" in c.describe()
+    if hasattr(torch.nn.functional, "linear_cross_entropy"):  # torch's fused kernel runs as it is
+        assert c.body and not c.head and "F.linear_cross_entropy" in c.describe()
+    else:  # torch 2.11 and 2.12: the same loss unfused, compiled with the body
+        assert c.body and c.head
     c = choose("auto", body, FactoredSphericalHead(num_classes=D, hidden_dim=128), CUDA)
     assert c.body and not c.head and "steps itself" in c.describe()
     assert not choose("auto", body, sampled, CPU).any  # on the CPU: nothing
