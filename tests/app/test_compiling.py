@@ -165,3 +165,19 @@ def test_a_body_that_breaks_its_graph_is_refused_in_one_line_at_its_first_compil
     assert "\n" not in str(e.value)
     body.eval()
     forward(x)  # outside training: eager, nothing compiled
+
+
+def test_the_embedding_optimizer_follows_the_compilation(tmp_path):
+    """optimizer.embedding=auto (the default): SparseAdam where the run runs eager (lst-train on a
+    CPU: faster there), RowAdam where it compiles (its static rows compile whole); a name given
+    is kept."""
+    from lst_lightning.app.optimizers import embedding_for  # noqa: PLC0415
+    from lst_lightning.app.train import build  # noqa: PLC0415
+
+    from app_configs import FAST, cfg_of  # noqa: PLC0415
+
+    assert (embedding_for("auto", False), embedding_for("auto", True), embedding_for("adagrad", True)) == (
+        "sparse_adam", "row_adam", "adagrad")
+    for setting, want in (("auto", "sparse_adam"), ("true", "row_adam")):
+        _, module, _ = build(cfg_of(*FAST, "head=sampled", f"compile={setting}"), tmp_path / setting)
+        assert module.optim_cfg["embedding"] == want, setting

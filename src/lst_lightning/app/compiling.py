@@ -77,6 +77,19 @@ def body_refusal(body: nn.Module) -> str | None:
     return None
 
 
+def run_refusal(setting, device: torch.device, world_size: int = 1, accumulate: int = 1) -> str | None:
+    """Why ``compile=setting`` compiles nothing on this run whatever its model, or None."""
+    if setting is False:
+        return "compile=false"
+    if accumulate != 1:
+        return f"trainer.accumulate_grad_batches={accumulate}: a compiled forward keeps one micro-batch's static rows"
+    if setting == AUTO and device.type != "cuda":
+        return f"it trains on {device.type} (compile=true compiles there too)"
+    if setting == AUTO and world_size > 1:
+        return f"{world_size} processes (compile=true compiles there too)"
+    return None
+
+
 def choose(setting, body: nn.Module, head: OutputHead, device: torch.device, world_size: int = 1,
            accumulate: int = 1) -> Compiled:
     """What ``compile=setting`` compiles for this run; ``true`` (or a mode) refuses, in one line, a
@@ -87,14 +100,7 @@ def choose(setting, body: nn.Module, head: OutputHead, device: torch.device, wor
     required = setting != AUTO
     mode = setting if setting in MODES and setting != "default" else (CUDA_MODE if device.type == "cuda" and
                                                                       setting in (AUTO, True) else None)
-    general = None
-    if accumulate != 1:
-        general = (f"trainer.accumulate_grad_batches={accumulate}: a compiled forward keeps one micro-batch's "
-                   "static rows")
-    elif not required and device.type != "cuda":
-        general = f"it trains on {device.type} (compile=true compiles there too)"
-    elif not required and world_size > 1:
-        general = f"{world_size} processes (compile=true compiles there too)"
+    general = run_refusal(setting, device, world_size, accumulate)
     if general is not None:
         if required:
             raise ValueError(f"compile={_shown(setting)}: {general}; use compile=false")

@@ -4,7 +4,7 @@ for the parameters of sparse ``nn.Embedding`` modules (the body's input embeddin
 (``OutputHead.sparse_parameters()``: the sampled and hierarchical softmax's class rows
 with ``head.sparse=true``), which reads and writes only the rows a step touched
 (``optimizer.embedding``; a head's rows may take another, ``optimizer.head_rows``).
-``row_adam`` (the default) steps them in static shapes: ``static_rows_for`` gives those
+``row_adam`` (the default where the run compiles: ``optimizer.embedding=auto``) steps them in static shapes: ``static_rows_for`` gives those
 tables static rows (``lst_lightning.rows``: the gradient as the batch's (ids, rows), which
 ``torch.compile`` takes whole) and ``RowAdam`` steps them; the others take torch's sparse
 COO gradients.
@@ -33,6 +33,14 @@ ROW_ADAM = "row_adam"
 EMBEDDING = (ROW_ADAM, "sparse_adam", "sparse_sgd", "adagrad", "dense")
 # optimizer.head_rows: the optimiser of a head's row-sparse class rows (null: optimizer.embedding's)
 HEAD_ROWS = (None, *EMBEDDING[:-1])
+#: optimizer.embedding=auto: row_adam where the run compiles (its static rows compile whole),
+#: sparse_adam where it runs eager (the same arithmetic, faster eager: SparseAdam's sparse tensors)
+AUTO_EMBEDDING = "auto"
+
+
+def embedding_for(setting: str, compiles: bool) -> str:
+    """``optimizer.embedding`` as the run takes it: ``auto`` is row_adam where the run compiles, else sparse_adam."""
+    return (ROW_ADAM if compiles else "sparse_adam") if setting == AUTO_EMBEDDING else setting
 
 
 def sparse_embedding_params(module: nn.Module) -> list[nn.Parameter]:

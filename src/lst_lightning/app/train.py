@@ -24,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from .checks import check_config, check_overrides
 from .compiling import choose as compile_choice
+from .compiling import run_refusal
+from .optimizers import embedding_for
 from .configs import config_dir
 from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
@@ -214,12 +216,6 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     simlex = None
     if m.simlex and getattr(dm, "vocab", None) is not None:
         simlex = {"pairs": read_simlex(), "index": dm.vocab.index, "skip": [dm.vocab.unk_id]}
-    module = LanguageModel(
-        body, head,
-        optimizer=OmegaConf.to_container(cfg.optimizer), scheduler=OmegaConf.to_container(cfg.scheduler),
-        topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
-    )
-
     run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
     run.loggers = instantiate_group(cfg.logger, run)
     callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
@@ -238,11 +234,20 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         plugins=[AsyncAtomicCheckpointIO() if OmegaConf.select(cfg, "callbacks.checkpoint.asynchronous", default=True)
                  else AtomicCheckpointIO()],
     )
+    # optimizer.embedding=auto: row_adam where the run compiles, sparse_adam where it runs eager
+    device, setting = trainer.strategy.root_device, cfg.get("compile", False)
+    optimizer = OmegaConf.to_container(cfg.optimizer)
+    optimizer["embedding"] = embedding_for(optimizer.get("embedding", "dense"), run_refusal(
+        setting, device, trainer.world_size, trainer.accumulate_grad_batches) is None)
+    module = LanguageModel(
+        body, head, optimizer=optimizer, scheduler=OmegaConf.to_container(cfg.scheduler),
+        topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,
+    )
     if cfg.head.get("step") == AUTO:
         choose_step(module.head, trainer)
     check_built(cfg, module, trainer)
-    module.compiled = compile_choice(cfg.get("compile", False), body, module.head, trainer.strategy.root_device,
-                                     trainer.world_size, trainer.accumulate_grad_batches)
+    module.compiled = compile_choice(setting, body, module.head, device, trainer.world_size,
+                                     trainer.accumulate_grad_batches)
     if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or trainer.strategy.root_device.type == "cuda"):
         log.info("compile=%s: %s", cfg.get("compile"), module.compiled.describe())
     return dm, module, trainer
