@@ -52,10 +52,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch import nn
 
-from lst_lightning.app.compiling import check_setting, choose, install
+from lst_lightning.app.compiling import check_setting, choose, install, run_refusal
 from lst_lightning.app.configs import config_dir
 from lst_lightning.app.module import LanguageModel, as_rows
-from lst_lightning.app.optimizers import PairedOptimizer
+from lst_lightning.app.optimizers import PairedOptimizer, embedding_for
 from lst_lightning.data.synthetic import SyntheticZipf
 
 SIZES = {"cpu": [10_000, 100_000, 793_471, 1_000_000, 10_000_000], "smoke": [60, 400]}
@@ -129,8 +129,11 @@ def make_batches(body: nn.Module, D: int, tokens: int = TOKENS, n: int = 4) -> l
     return [data[torch.arange(i * per_batch, (i + 1) * per_batch)] for i in range(n)]
 
 
-def app_optimizer_config() -> dict:
-    return dict(yaml.safe_load((Path(config_dir()) / "config.yaml").read_text())["optimizer"])
+def app_optimizer_config(compiles: bool = False) -> dict:
+    """lst-train's optimizer config, ``optimizer.embedding=auto`` resolved as lst-train resolves it."""
+    cfg = dict(yaml.safe_load((Path(config_dir()) / "config.yaml").read_text())["optimizer"])
+    cfg["embedding"] = embedding_for(cfg.get("embedding", "dense"), compiles)
+    return cfg
 
 
 def optimizers_of(module: LanguageModel) -> tuple[list[torch.optim.Optimizer], str]:
@@ -174,7 +177,8 @@ class WholeStep:
         head, _ = _build(spec, D, self.body.hidden_dim, torch.float32, device)
         if spec.head == GRAPH_SPEC.head:
             head.step = "cuda_graph"  # replayed from its graph in the forward, as lst-train's step on one GPU
-        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config()).to(device)
+        compiles = run_refusal(compile, device) is None  # as lst-train, before the module: embedding=auto
+        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config(compiles)).to(device)
         self.head = head
         # lst-train's compile= (app/compiling.py): the body, an ordinary head, RowAdam's update
         self.module.compiled = choose(compile, self.body, head, device)

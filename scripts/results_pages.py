@@ -182,9 +182,13 @@ class Page:
     body: Callable[[list[Row]], tuple[str, dict[str, str]]]  # rows -> (markdown, {file: svg text})
 
 
+def code(text: str) -> str:
+    """``text`` as code, unless it marks its code itself."""
+    return text if "`" in text else f"`{text}`"
+
+
 def header(page: Page) -> str:
-    script = page.script if "`" in page.script else f"`{page.script}`"
-    return (f"# {page.title}\n\n{page.about}\n\nMeasured by {script}. Data: "
+    return (f"# {page.title}\n\n{page.about}\n\nMeasured by {code(page.script)}. Data: "
             f"[benchmarks/results/{page.name}.csv](../../benchmarks/results/{page.name}.csv); this page is made by "
             "`scripts/results_pages.py` from it (edit the data or the script, never the page).\n")
 
@@ -713,7 +717,7 @@ def index_page() -> str:
              "", "| page | measured by | machines |", "|---|---|---|"]
     for p in PAGE_LIST:
         ms = sorted({short_machine(r["machine"]) for r in load(p.name)})
-        lines.append(f"| [{p.title}]({p.name}.md) | {p.script} | {', '.join(ms)} |")
+        lines.append(f"| [{p.title}]({p.name}.md) | {code(p.script)} | {', '.join(ms)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -181,3 +181,13 @@ def test_the_embedding_optimizer_follows_the_compilation(tmp_path):
     for setting, want in (("auto", "sparse_adam"), ("true", "row_adam")):
         _, module, _ = build(cfg_of(*FAST, "head=sampled", f"compile={setting}"), tmp_path / setting)
         assert module.optim_cfg["embedding"] == want, setting
+
+
+def test_language_model_refuses_an_unresolved_auto_embedding_in_one_line():
+    """lst-train resolves optimizer.embedding=auto; a LanguageModel built by hand from the config is told how."""
+    from lst_lightning.app.module import LanguageModel  # noqa: PLC0415
+    from lst_lightning.baselines.softmax import SoftmaxHead  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="embedding_for") as e:
+        LanguageModel(torch.nn.Embedding(10, 4), SoftmaxHead(num_classes=10, hidden_dim=4), optimizer={"embedding": "auto"})
+    assert "\n" not in str(e.value)

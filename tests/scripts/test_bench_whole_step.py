@@ -46,7 +46,9 @@ def test_a_step_moves_only_the_batch_rows_of_a_sparse_embedding(body):
     moved = (emb.detach() != before).any(1).nonzero().flatten()
     assert set(moved.tolist()) == set(x.unique().tolist())
     assert not torch.equal(step.head.weight, head_before)  # the ordinary head is in an optimizer too
-    assert "RowAdam" in step.optimizer_names  # the app's default: static rows
+    # lst-train's optimizer.embedding=auto: SparseAdam where the step runs eager, RowAdam where it compiles
+    assert step.optimizer_names == "Adam+SparseAdam"
+    assert bw.app_optimizer_config(compiles=True)["embedding"] == "row_adam"
 
 
 def test_memory_estimate_skips_what_does_not_fit(sandbox):

@@ -56,6 +56,9 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
     """Bad names and lrs; with ``module``, a sparse embedding with no row-sparse optimiser."""
     if cfg["name"] not in DENSE:
         raise ValueError(f"optimizer.name must be one of {sorted(DENSE)}, not {cfg['name']!r}")
+    if cfg.get("embedding") == AUTO_EMBEDDING:
+        raise ValueError("optimizer.embedding=auto is lst-train's choice, made once it knows whether the run compiles: "
+                         "pass embedding_for('auto', compiles) (row_adam or sparse_adam) to LanguageModel")
     if cfg.get("embedding", "dense") not in EMBEDDING:
         raise ValueError(f"optimizer.embedding must be one of {list(EMBEDDING)}, not {cfg.get('embedding')!r}")
     if cfg.get("head_rows") not in HEAD_ROWS:
