@@ -129,10 +129,10 @@ def make_batches(body: nn.Module, D: int, tokens: int = TOKENS, n: int = 4) -> l
     return [data[torch.arange(i * per_batch, (i + 1) * per_batch)] for i in range(n)]
 
 
-def app_optimizer_config(compiles: bool = False) -> dict:
+def app_optimizer_config(compiles: bool = False, device: torch.device | str = "cpu") -> dict:
     """lst-train's optimizer config, ``optimizer.embedding=auto`` resolved as lst-train resolves it."""
     cfg = dict(yaml.safe_load((Path(config_dir()) / "config.yaml").read_text())["optimizer"])
-    cfg["embedding"] = embedding_for(cfg.get("embedding", "dense"), compiles)
+    cfg["embedding"] = embedding_for(cfg.get("embedding", "dense"), compiles, device)
     return cfg
 
 
@@ -178,7 +178,7 @@ class WholeStep:
         if spec.head == GRAPH_SPEC.head:
             head.step = "cuda_graph"  # replayed from its graph in the forward, as lst-train's step on one GPU
         compiles = run_refusal(compile, device) is None  # as lst-train, before the module: embedding=auto
-        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config(compiles)).to(device)
+        self.module = LanguageModel(self.body, head, optimizer=app_optimizer_config(compiles, device)).to(device)
         self.head = head
         # lst-train's compile= (app/compiling.py): the body, an ordinary head, RowAdam's update
         self.module.compiled = choose(compile, self.body, head, device)

@@ -168,8 +168,8 @@ def test_a_body_that_breaks_its_graph_is_refused_in_one_line_at_its_first_compil
 
 
 def test_the_embedding_optimizer_follows_the_compilation(tmp_path):
-    """optimizer.embedding=auto (the default): SparseAdam where the run runs eager (lst-train on a
-    CPU: faster there), RowAdam where it compiles (its static rows compile whole); a name given
+    """optimizer.embedding=auto (the default): SparseAdam where the run runs eager on a CPU
+    (faster there), RowAdam where it compiles or trains on a GPU (its static rows compile whole); a name given
     is kept."""
     from lst_lightning.app.optimizers import embedding_for  # noqa: PLC0415
     from lst_lightning.app.train import build  # noqa: PLC0415
@@ -178,6 +178,9 @@ def test_the_embedding_optimizer_follows_the_compilation(tmp_path):
 
     assert (embedding_for("auto", False), embedding_for("auto", True), embedding_for("adagrad", True)) == (
         "sparse_adam", "row_adam", "adagrad")
+    # on a GPU, compiled or not (several processes, accumulation): static rows, no host read a step
+    assert (embedding_for("auto", False, "cuda"), embedding_for("sparse_adam", False, "cuda")) == (
+        "row_adam", "sparse_adam")
     for setting, want in (("auto", "sparse_adam"), ("true", "row_adam")):
         _, module, _ = build(cfg_of(*FAST, "head=sampled", f"compile={setting}"), tmp_path / setting)
         assert module.optim_cfg["embedding"] == want, setting

@@ -296,15 +296,16 @@ def test_two_ranks_factored_head_reads_the_host_only_when_its_flags_are_read(tmp
     optimizer step (the head joins the process group, the ranks agree on the capacity of their
     rows) to the last training batch the head reads the host only at the reads of its flags
     (every 64 steps), in the repairs those run when they fell due, and in
-    ``stats()`` when the app logs them. (The app's own reads are not the head's: the sampler's
-    ids, host data, in the data module; the progress log. The sparse input embedding's
-    exchange would read its row counts each step: this run's embedding is dense.)"""
+    ``stats()`` when the app logs them. The sparse input embedding under ``row_adam`` (what
+    ``optimizer.embedding=auto`` takes on a GPU) is averaged in fixed shapes: its exchange reads
+    the host only at its check, every 64 steps. (The app's other reads are not the head's: the
+    sampler's ids, host data, in the data module; the progress log.)"""
     import socket  # noqa: PLC0415
 
     import torch.multiprocessing as mp  # noqa: PLC0415
 
     over = [*COMMON, *FACTORED, "head.checksum_every=100", f"head.parallel={parallel}", "test=false",
-            "optimizer.embedding=dense", "model.sparse_embedding=false", f"data.batch_size={B // 2}",
+            "optimizer.embedding=row_adam", "model.sparse_embedding=true", f"data.batch_size={B // 2}",
             "trainer.accumulate_grad_batches=2", f"trainer.limit_train_batches={2 * READ_STEPS}",
             "trainer=ddp_cpu", "trainer.strategy=ddp", "trainer.devices=2"]
     with socket.socket() as sock:
@@ -319,6 +320,8 @@ def test_two_ranks_factored_head_reads_the_host_only_when_its_flags_are_read(tmp
         allowed = {f"src/lst_lightning/spherical/{f}.py" for f in ("checks", "stabiliser", "factored")}
         assert set(head) <= allowed, head
         assert head.get("src/lst_lightning/spherical/checks.py", 0) / (READ_STEPS - 1) <= 0.1, head
+        exchange = got["after"].get("src/lst_lightning/app/sparse_exchange.py", 0)
+        assert 1 <= exchange <= 2, got["after"]  # its check at step 64 (a transfer and its tolist)
 
 
 def weight_of(run_dir, over):

@@ -79,13 +79,16 @@ ACCUMULATING = [f"data.batch_size={B // 2}", "trainer.accumulate_grad_batches=2"
 CLIPPING = ["trainer.gradient_clip_val=0.05"]  # small enough to clip every step
 
 
-@pytest.mark.parametrize("parallel,two", [("replicated", ACCUMULATING), ("sharded", CLIPPING)],
-                         ids=["replicated-accumulating", "sharded-clipping"])
-def test_two_ranks_with_an_fsdp2_body_train_like_one(tmp_path, parallel, two):
+@pytest.mark.parametrize("parallel,two,embedding", [("replicated", ACCUMULATING, "sparse_sgd"),
+                                                    ("sharded", CLIPPING, "sparse_sgd"),
+                                                    ("replicated", ACCUMULATING, "row_adam")],
+                         ids=["replicated-accumulating", "sharded-clipping", "row_adam-accumulating"])
+def test_two_ranks_with_an_fsdp2_body_train_like_one(tmp_path, parallel, two, embedding):
     """With accumulation (two micro-batches of B/2 per rank and step: one exact head step on the
     world's four) and with gradient clipping (the norm over the body's shards and the whole
-    sparse embedding's rows)."""
-    over = [*COMMON, "optimizer.embedding=sparse_sgd", *(o for o in two if o.startswith("trainer.gradient_clip"))]
+    sparse embedding's rows); the embedding's rows as torch's sparse gradients, or static rows
+    (row_adam, what optimizer.embedding=auto takes on a GPU: averaged in fixed shapes)."""
+    over = [*COMMON, f"optimizer.embedding={embedding}", *(o for o in two if o.startswith("trainer.gradient_clip"))]
     report = tmp_path / "report"
     report.mkdir()
     r2 = two_ranks([*over, f"head.parallel={parallel}", *two], tmp_path / "two", report)

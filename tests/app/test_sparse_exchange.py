@@ -91,3 +91,82 @@ def test_one_process_returns_the_gradient_coalesced():
 def test_a_gradient_that_is_not_row_sparse_is_refused(grad):
     with pytest.raises(ValueError, match="sparse_dim 1"):
         average_row_sparse(grad)
+
+
+# static rows (RowGrad, optimizer.embedding=row_adam): each step's ids a rank gathers, -1 for
+# padding (its gradient ignored), repeats within a rank and rows shared by the ranks, ragged counts
+# (the capacity is the first step's larger), a rank with no gradient, then a rank over the capacity
+STATIC_STEPS = [([3, 3, -1, 7, 0, 9, 3], [7, 1, -1]), ([5, 5], [2, 4, 5, 6]), ([4, 0, -1, 4], None),
+                ([1, 2, 3, 4, 5, 6, 7, 8], [1])]
+
+
+def _static_worker(rank, rdv, out):
+    from host_reads import HostReads  # noqa: PLC0415
+
+    from lst_lightning.app.sparse_exchange import check_static_exchanges  # noqa: PLC0415
+    from lst_lightning.rows import RowGrad  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    D = 20
+    table = nn.Parameter(torch.zeros(D, d, dtype=torch.float64))
+    rows = RowGrad(table)
+    res = {"steps": [], "reads": [], "error": None}
+    for step, case in enumerate(STATIC_STEPS):
+        mine = case[rank]
+        rows.zero_grad()
+        ids = torch.tensor(mine if mine is not None else [], dtype=torch.int64)
+        g = torch.Generator().manual_seed(10 * step + rank)
+        vals = torch.randn(len(ids), d, generator=g, dtype=torch.float64)
+        if mine is not None:
+            (rows.gather(table, ids) * vals).sum().backward()
+        # the reference: the dense gradient (padding dropped) all-reduced and divided by the world size
+        dense = torch.zeros(D, d, dtype=torch.float64).index_add_(0, ids[ids >= 0], vals[ids >= 0])
+        dist.all_reduce(dense)
+        with HostReads() as reads:
+            received = average_sparse_gradients([table], step=step)
+        uids, summed = rows.grad()
+        got = torch.zeros(D, d, dtype=torch.float64).index_add_(0, uids[uids >= 0], summed[uids >= 0])
+        assert uids[uids >= 0].unique().numel() == (uids >= 0).sum()  # each id once
+        res["steps"].append({"got": got, "ref": dense / WORLD, "received": received})
+        res["reads"].append(dict(reads.sites))
+    try:
+        check_static_exchanges([table])
+    except ValueError as e:
+        res["error"] = str(e)
+    torch.save(res, os.path.join(out, f"static{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks_static(tmp_path_factory):
+    out = tmp_path_factory.mktemp("static")
+    mp.start_processes(_static_worker, args=(str(out / "rdv"), str(out)), nprocs=WORLD, start_method="fork")
+    return [torch.load(out / f"static{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def test_static_rows_average_equals_the_dense_all_reduce_with_no_host_read_after_the_first(two_ranks_static):
+    """In fixed shapes: the average of every step up to the one over the capacity equals the dense
+    reference; only the first exchange reads the host (the ranks agree on 7 rows, rank 0's first:
+    its padding slot counts)."""
+    for rank in range(WORLD):
+        r = two_ranks_static[rank]
+        for step in range(len(STATIC_STEPS) - 1):
+            torch.testing.assert_close(r["steps"][step]["got"], r["steps"][step]["ref"], rtol=1e-12, atol=1e-12)
+            assert r["steps"][step]["received"] == WORLD * (8 * 8 + 7 * d * 8)  # 7 ids + the count, 7 rows
+        # the agreement: all_gather_ints's one transfer (.cpu(), then its tolist() on the host)
+        assert {site.rsplit(":", 1)[0] for site in r["reads"][0]} == {
+            "src/lst_lightning/spherical/collectives.py", "src/lst_lightning/app/sparse_exchange.py"}, r["reads"][0]
+        assert all(not sites for sites in r["reads"][1:]), r["reads"]
+    for step in range(len(STATIC_STEPS)):
+        assert torch.equal(two_ranks_static[0]["steps"][step]["got"], two_ranks_static[1]["steps"][step]["got"])
+
+
+def test_a_rank_over_the_static_capacity_leaves_the_rows_untouched_and_every_rank_raises(two_ranks_static):
+    last = len(STATIC_STEPS) - 1  # rank 0 gathers 8 rows, one more than the 7 agreed
+    for rank in range(WORLD):
+        r = two_ranks_static[rank]
+        assert not r["steps"][last]["got"].any()  # no row of either rank is stepped
+        assert r["steps"][last]["ref"].any()  # though both ranks had some
+        assert f"at step {last} a rank's batch gathered 8 rows, more than the 7" in r["error"]
+        assert "\n" not in r["error"]

@@ -4,8 +4,8 @@ for the parameters of sparse ``nn.Embedding`` modules (the body's input embeddin
 (``OutputHead.sparse_parameters()``: the sampled and hierarchical softmax's class rows
 with ``head.sparse=true``), which reads and writes only the rows a step touched
 (``optimizer.embedding``; a head's rows may take another, ``optimizer.head_rows``).
-``row_adam`` (the default where the run compiles: ``optimizer.embedding=auto``) steps them in static shapes: ``static_rows_for`` gives those
-tables static rows (``lst_lightning.rows``: the gradient as the batch's (ids, rows), which
+``row_adam`` (``optimizer.embedding=auto``'s choice where the run compiles or trains on a GPU)
+steps them in static shapes: ``static_rows_for`` gives those tables static rows (``lst_lightning.rows``: the gradient as the batch's (ids, rows), which
 ``torch.compile`` takes whole) and ``RowAdam`` steps them; the others take torch's sparse
 COO gradients.
 An ordinary head's parameters may have their own lr (``optimizer.head_lr``): their own groups.
@@ -33,14 +33,18 @@ ROW_ADAM = "row_adam"
 EMBEDDING = (ROW_ADAM, "sparse_adam", "sparse_sgd", "adagrad", "dense")
 # optimizer.head_rows: the optimiser of a head's row-sparse class rows (null: optimizer.embedding's)
 HEAD_ROWS = (None, *EMBEDDING[:-1])
-#: optimizer.embedding=auto: row_adam where the run compiles (its static rows compile whole),
-#: sparse_adam where it runs eager (the same arithmetic, faster eager: SparseAdam's sparse tensors)
+#: optimizer.embedding=auto: row_adam where the run compiles or trains on a GPU (static rows: they
+#: compile whole, and no step reads the host, on several processes too), sparse_adam where it runs
+#: eager on a CPU (the same arithmetic, faster eager there: SparseAdam's sparse tensors)
 AUTO_EMBEDDING = "auto"
 
 
-def embedding_for(setting: str, compiles: bool) -> str:
-    """``optimizer.embedding`` as the run takes it: ``auto`` is row_adam where the run compiles, else sparse_adam."""
-    return (ROW_ADAM if compiles else "sparse_adam") if setting == AUTO_EMBEDDING else setting
+def embedding_for(setting: str, compiles: bool, device: torch.device | str = "cpu") -> str:
+    """``optimizer.embedding`` as the run takes it: ``auto`` is row_adam where the run compiles or
+    trains on a GPU, else sparse_adam."""
+    if setting != AUTO_EMBEDDING:
+        return setting
+    return ROW_ADAM if compiles or torch.device(device).type == "cuda" else "sparse_adam"
 
 
 def sparse_embedding_params(module: nn.Module) -> list[nn.Parameter]:
@@ -57,8 +61,8 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
     if cfg["name"] not in DENSE:
         raise ValueError(f"optimizer.name must be one of {sorted(DENSE)}, not {cfg['name']!r}")
     if cfg.get("embedding") == AUTO_EMBEDDING:
-        raise ValueError("optimizer.embedding=auto is lst-train's choice, made once it knows whether the run compiles: "
-                         "pass embedding_for('auto', compiles) (row_adam or sparse_adam) to LanguageModel")
+        raise ValueError("optimizer.embedding=auto is lst-train's choice, made once it knows the device and whether the run compiles: "
+                         "pass embedding_for('auto', compiles, device) (row_adam or sparse_adam) to LanguageModel")
     if cfg.get("embedding", "dense") not in EMBEDDING:
         raise ValueError(f"optimizer.embedding must be one of {list(EMBEDDING)}, not {cfg.get('embedding')!r}")
     if cfg.get("head_rows") not in HEAD_ROWS:

@@ -17,16 +17,27 @@ same way on every backend:
 
 Each rank receives world x (8 + n x (8 + row bytes)) bytes: it depends on the rows the
 step touched, never on the number of rows D of the table.
+
+Static rows (``optimizer.embedding=row_adam``: a ``RowGrad``'s ids and rows) are exchanged in
+fixed shapes, with no host read a step (``StaticRowsExchange``): the ranks agree on a capacity C
+at their first exchange (the most rows a rank sends, one host read), then each step every rank
+sends its ids and rows padded to C and its count, in two all-gathers of a fixed size; the rows
+of repeated ids are summed by ``coalesce_rows`` (a sort of fixed size) and divided by the world
+size. A rank with more than C rows sends none: every rank then leaves that step's rows of the
+table untouched, and the next ``check()`` (every ``SYNC_EVERY`` steps, and at the end of
+training) raises on every rank, in one line, naming the step.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
-from ..rows import row_grad_of
+from ..rows import RowGrad, row_grad_of
+from ..rows.coalesce import coalesce_rows
 from ..spherical.collectives import ProcessGroup
 
 
@@ -55,25 +66,88 @@ def average_row_sparse(grad: Tensor, group=None) -> tuple[Tensor, int]:
     return averaged, received
 
 
+class StaticRowsExchange:
+    """The average over the ranks of one table's static rows (a ``RowGrad``), in fixed shapes
+    after the first exchange (see the module docstring)."""
+
+    def __init__(self, table: nn.Parameter, pg: ProcessGroup, sizes: list[int]):
+        self.shape, self.pg = tuple(table.shape), pg
+        #: the rows a rank sends each step: the most a rank had at the first exchange
+        self.capacity = max(sizes)
+        #: on the device: the first step whose rows were left out (-1: none), and a rank's rows then
+        self.fault = torch.tensor([-1, 0], dtype=torch.int64, device=table.device)
+
+    def average(self, rows: RowGrad, step: int) -> int:
+        """``rows``' gradient replaced by the ranks' average (every rank's ids, repeated ids summed,
+        -1 on the slots no id fills); returns the bytes this rank received."""
+        got = rows.grad()
+        row_shape, dev = self.shape[1:], self.fault.device
+        ids, values = got if got is not None else (torch.empty(0, dtype=torch.int64, device=dev),
+                                                   torch.empty(0, *row_shape, dtype=rows.rows.dtype, device=dev))
+        n, C, world = ids.shape[0], self.capacity, self.pg.world
+        sent = n if n <= C else 0  # a rank over the capacity sends no rows, and its count
+        ids_out = torch.full((C + 1,), -1, dtype=torch.int64, device=dev)
+        ids_out[:sent] = ids[:sent]
+        ids_out[C] = n
+        rows_out = values.new_zeros((C, *row_shape))
+        rows_out[:sent] = values[:sent]
+        all_ids = self.pg.gather_fixed(ids_out).view(world, C + 1)
+        all_rows = self.pg.gather_fixed(rows_out)
+        counts = all_ids[:, C]
+        over = (counts > C).any()
+        uids, summed = coalesce_rows(torch.where(over, -1, all_ids[:, :C].reshape(-1)), all_rows)
+        first = (self.fault[0] < 0) & over
+        self.fault.copy_(torch.where(first, torch.stack([torch.full_like(counts[0], step), counts.max()]),
+                                     self.fault))
+        rows.set_grad(uids, summed / world)
+        return world * ((C + 1) * ids_out.element_size() + rows_out.numel() * rows_out.element_size())
+
+    def check(self) -> None:
+        """Raise, on every rank alike (the fault is the gathered counts'), for a step left out: one host read."""
+        step, n = self.fault.tolist()
+        if step >= 0:
+            raise ValueError(f"the row-sparse gradient of a table {self.shape}: at step {step} a rank's batch "
+                             f"gathered {n} rows, more than the {self.capacity} the ranks agreed at their first step, "
+                             "so every rank left that step's rows of the table untouched; keep every batch's shape "
+                             "the first one's (or smaller)")
+
+
+#: each static-rows table's exchange, made at its first exchange
+_EXCHANGES: "weakref.WeakKeyDictionary[RowGrad, StaticRowsExchange]" = weakref.WeakKeyDictionary()
+
+
+def static_rows_exchange(table: nn.Parameter, rows: RowGrad, pg: ProcessGroup) -> StaticRowsExchange:
+    """``table``'s exchange; the first call agrees on its capacity (every rank's rows, one host read)."""
+    ex = _EXCHANGES.get(rows)
+    if ex is None:
+        got = rows.grad()
+        n = got[0].shape[0] if got is not None else 0
+        ex = _EXCHANGES[rows] = StaticRowsExchange(table, pg, pg.all_gather_ints([n], table.device)[:, 0].tolist())
+    return ex
+
+
+def check_static_exchanges(params: Iterable[nn.Parameter]) -> None:
+    """``StaticRowsExchange.check`` for each of ``params`` exchanged so far."""
+    for p in params:
+        rows = row_grad_of(p)
+        if rows is not None and rows in _EXCHANGES:
+            _EXCHANGES[rows].check()
+
+
 @torch.no_grad()
-def average_sparse_gradients(params: Iterable[nn.Parameter], group=None) -> int:
+def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: int = 0) -> int:
     """Replace each parameter's row-sparse gradient by its average over the ranks (every
     rank must pass the same parameters in the same order); a rank that has no gradient
-    for one takes part with no rows. Returns the bytes this rank received."""
+    for one takes part with no rows. Static rows go in fixed shapes (``step``: the optimizer
+    step, named if a rank's rows had to be left out). Returns the bytes this rank received."""
     received = 0
-    if ProcessGroup.current(group).world == 1:
+    pg = ProcessGroup.current(group)
+    if pg.world == 1:
         return 0
     for p in params:
         rows = row_grad_of(p)
-        if rows is not None:  # static rows (lst_lightning.rows): their (ids, rows) as a sparse gradient
-            got = rows.grad()
-            ids, values = got if got is not None else (p.new_empty(0, dtype=torch.int64), p.new_empty((0, *p.shape[1:])))
-            keep = ids >= 0
-            grad = torch.sparse_coo_tensor(ids[keep][None], values[keep], p.shape, check_invariants=False)
-            averaged, n = average_row_sparse(grad, group)
-            received += n
-            if got is not None or averaged._nnz():
-                rows.set_grad(averaged.indices()[0], averaged.values())
+        if rows is not None:  # static rows (lst_lightning.rows)
+            received += static_rows_exchange(p, rows, pg).average(rows, step)
             continue
         grad = p.grad
         if grad is None:

@@ -234,11 +234,11 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
         plugins=[AsyncAtomicCheckpointIO() if OmegaConf.select(cfg, "callbacks.checkpoint.asynchronous", default=True)
                  else AtomicCheckpointIO()],
     )
-    # optimizer.embedding=auto: row_adam where the run compiles, sparse_adam where it runs eager
+    # optimizer.embedding=auto: row_adam where the run compiles or trains on a GPU, else sparse_adam
     device, setting = trainer.strategy.root_device, cfg.get("compile", False)
     optimizer = OmegaConf.to_container(cfg.optimizer)
     optimizer["embedding"] = embedding_for(optimizer.get("embedding", "dense"), run_refusal(
-        setting, device, trainer.world_size, trainer.accumulate_grad_batches) is None)
+        setting, device, trainer.world_size, trainer.accumulate_grad_batches) is None, device)
     module = LanguageModel(
         body, head, optimizer=optimizer, scheduler=OmegaConf.to_container(cfg.scheduler),
         topk=list(m.topk), perplexity=perplexity, score_chunk_size=m.score_chunk_size, simlex=simlex,

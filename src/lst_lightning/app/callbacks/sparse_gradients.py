@@ -9,8 +9,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from ...spherical.driving import SYNC_EVERY
 from ..optimizers import sparse_embedding_params
-from ..sparse_exchange import average_sparse_gradients
+from ..sparse_exchange import average_sparse_gradients, check_static_exchanges
 
 BYTES_KEY = "train/sparse_exchange_bytes"  # logged: what each rank received for these gradients per step
 
@@ -19,10 +20,12 @@ class SparseGradients(pl.Callback):
     """At fit start, rank 0's values of the row-sparse parameters go to every rank (what
     DDP does for the parameters it wraps); at every optimizer step, after all the
     micro-batches' backward passes and before clipping, their gradients are averaged over
-    the ranks. One process: nothing."""
+    the ranks; static rows' exchanges are checked every ``check_every`` steps and at the end
+    of training (one host read each). One process: nothing."""
 
-    def __init__(self):
+    def __init__(self, check_every: int = SYNC_EVERY):
         self.bytes_last_step = 0
+        self.check_every = check_every
 
     @staticmethod
     def _active(trainer: pl.Trainer) -> bool:
@@ -37,5 +40,12 @@ class SparseGradients(pl.Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         if not self._active(trainer):
             return
-        self.bytes_last_step = average_sparse_gradients(sparse_embedding_params(pl_module))
+        params = sparse_embedding_params(pl_module)
+        self.bytes_last_step = average_sparse_gradients(params, step=trainer.global_step)
         pl_module.log(BYTES_KEY, float(self.bytes_last_step))
+        if (trainer.global_step + 1) % self.check_every == 0:
+            check_static_exchanges(params)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active(trainer):
+            check_static_exchanges(sparse_embedding_params(pl_module))
