@@ -49,11 +49,15 @@ def _worker(rank, rdv, out):
     dist.destroy_process_group()
 
 
+def results_of(worker, out):
+    """``worker`` on WORLD forked gloo ranks; each rank's saved results."""
+    mp.start_processes(worker, args=(str(out / "rdv"), str(out)), nprocs=WORLD, start_method="fork")
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("exchange")
-    mp.start_processes(_worker, args=(str(out / "rdv"), str(out)), nprocs=WORLD, start_method="fork")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return results_of(_worker, tmp_path_factory.mktemp("exchange"))
 
 
 def test_all_gather_average_equals_the_dense_all_reduce_and_gloos_sparse_one(two_ranks):
@@ -134,15 +138,13 @@ def _static_worker(rank, rdv, out):
         check_static_exchanges([table])
     except ValueError as e:
         res["error"] = str(e)
-    torch.save(res, os.path.join(out, f"static{rank}.pt"))
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def two_ranks_static(tmp_path_factory):
-    out = tmp_path_factory.mktemp("static")
-    mp.start_processes(_static_worker, args=(str(out / "rdv"), str(out)), nprocs=WORLD, start_method="fork")
-    return [torch.load(out / f"static{r}.pt", weights_only=False) for r in range(WORLD)]
+    return results_of(_static_worker, tmp_path_factory.mktemp("static"))
 
 
 def test_static_rows_average_equals_the_dense_all_reduce_with_no_host_read_after_the_first(two_ranks_static):
