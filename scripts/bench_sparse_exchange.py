@@ -7,7 +7,9 @@ against the D x d gradient a dense all-reduce would carry.
 Each rank looks up m x context ids of an ``nn.Embedding(D, d, sparse=True)``, drawn from
 the synthetic task's Zipf law over the first ``--ids`` rows (the same ids for every D, so
 the rows touched are equal and any change with D would be the exchange's own), backward,
-then the exchange. Adds its rows to bench_sparse_exchange_<machine>.csv in a fresh run
+then the exchange. ``--gradient``: ``coo`` (torch's sparse gradient: its distinct rows, their
+count read on the host) and ``static`` (static rows, ``optimizer.embedding=row_adam``: every
+lookup's row, in fixed shapes, no host read). Adds its rows to bench_sparse_exchange_<machine>.csv in a fresh run
 directory (``--out DIR``: that folder's; ``--update-results``: benchmarks/results/'s).
 """
 from __future__ import annotations
@@ -27,31 +29,39 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lst_lightning.app.sparse_exchange import average_sparse_gradients
+from lst_lightning.rows import static_rows
 
 
 def run(rank: int, world: int, rdv: str, args, out: str) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=world)
     res = {}
-    for D in args.D:
-        emb = nn.Embedding(D, args.d, sparse=True)
-        ids = zipf_targets((args.m, args.context), min(args.ids, D), torch.Generator().manual_seed(1 + rank))
-        times, received = [], 0
-        for i in range(args.warmup + args.steps):
-            emb.zero_grad(set_to_none=True)
-            emb(ids).sum().backward()
-            dist.barrier()
-            t = time.perf_counter()
-            received = average_sparse_gradients([emb.weight])
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t)
-        res[D] = {"bytes": received, "ms": 1e3 * statistics.median(times), "rows": int(ids.unique().numel())}
+    for gradient in args.gradient:
+        for D in args.D:
+            model = nn.Sequential(nn.Embedding(D, args.d, sparse=True))
+            if gradient == "static":
+                static_rows(model)  # a RowEmbedding on the same weight
+            emb = model[0]
+            ids = zipf_targets((args.m, args.context), min(args.ids, D), torch.Generator().manual_seed(1 + rank))
+            times, received = [], 0
+            for i in range(args.warmup + args.steps):
+                emb.zero_grad(set_to_none=True)
+                if gradient == "static":
+                    emb.row_grad.zero_grad()
+                emb(ids).sum().backward()
+                dist.barrier()
+                t = time.perf_counter()
+                received = average_sparse_gradients([emb.weight], step=i)
+                if i >= args.warmup:
+                    times.append(time.perf_counter() - t)
+            res[gradient, D] = {"bytes": received, "ms": 1e3 * statistics.median(times),
+                                "rows": int(ids.unique().numel())}
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
 def measure(args) -> list[dict]:
-    """Each rank's {D: bytes received, median ms, distinct rows}."""
+    """Each rank's {(gradient, D): bytes received, median ms, distinct rows}."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(run, args=(args.world, os.path.join(tmp, "rdv"), args, tmp), nprocs=args.world,
                            start_method="fork")  # CPU: no torch re-import per rank
@@ -65,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--m", type=int, default=256, help="examples per rank")
     p.add_argument("--context", type=int, default=4, help="ids per example")
     p.add_argument("--ids", type=int, default=10_000, help="the ids are drawn from the first IDS rows")
+    p.add_argument("--gradient", nargs="+", choices=["coo", "static"], default=["coo", "static"],
+                   help="torch's sparse COO gradient, or static rows (row_adam's)")
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -76,12 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     out = output_dir(args, "bench_sparse_exchange")
     ranks = measure(args)
     rows = []
-    for D in args.D:
-        rows.append({"D": D, "d": args.d, "m_per_rank": args.m, "context": args.context, "world": args.world,
-                     "rows_touched_max": max(r[D]["rows"] for r in ranks),
-                     "bytes_per_step": max(r[D]["bytes"] for r in ranks),
-                     "exchange_ms": round(max(r[D]["ms"] for r in ranks), 3),
-                     "dense_grad_bytes": D * args.d * 4})
+    for key in ((g, D) for g in args.gradient for D in args.D):
+        rows.append({"gradient": key[0], "D": key[1], "d": args.d, "m_per_rank": args.m, "context": args.context,
+                     "world": args.world, "rows_touched_max": max(r[key]["rows"] for r in ranks),
+                     "bytes_per_step": max(r[key]["bytes"] for r in ranks),
+                     "exchange_ms": round(max(r[key]["ms"] for r in ranks), 3),
+                     "dense_grad_bytes": key[1] * args.d * 4})
         print(rows[-1])
     wrote(write_csv(out / f"bench_sparse_exchange_{machine_name()}.csv", rows, append=True))
 

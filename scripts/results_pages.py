@@ -37,7 +37,7 @@ META = ("machine", "torch", "commit", "date", "command")
 #: text columns (every other column of a tidy CSV is numeric, or empty where not measured)
 TEXT = {*META, "head", "variant", "dtype", "device", "status", "inverse", "precision", "impl", "group", "run", "task",
         "mode", "clock", "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check",
-        "what", "compiled", "measured_on"}
+        "what", "compiled", "measured_on", "gradient"}
 KEY_START = "<!-- key figures: made by scripts/results_pages.py from benchmarks/results/; do not edit -->"
 KEY_END = "<!-- end of key figures -->"
 
@@ -561,8 +561,10 @@ PAGE_LIST = [
                     "Two processes and the machine's other jobs share 2 cores; the global batch doubles with the "
                     "processes and the m x m terms of the step quadruple.")),
     Page("sparse_exchange", "The row-sparse gradient exchange", "scripts/bench_sparse_exchange.py",
-         "A row: the exchange of a row-sparse input embedding's gradient over `world` gloo processes at one D.",
-         plain_body([("D", "D"), ("d", "d"), ("world", "processes"), ("rows_touched_max", "rows touched (max)"),
+         "A row: the exchange of a row-sparse input embedding's gradient over `world` gloo processes at one D: "
+         "torch's sparse gradient (`coo`: the distinct rows, their counts read on the host) or static rows "
+         "(`static`, `optimizer.embedding=row_adam`: every lookup's row, in fixed shapes, no host read).",
+         plain_body([("gradient", "gradient"), ("D", "D"), ("d", "d"), ("world", "processes"), ("rows_touched_max", "rows touched (max)"),
                      ("bytes_per_step", "bytes a step"), ("dense_grad_bytes", "a dense gradient's bytes"),
                      ("exchange_ms", "ms an exchange")])),
     Page("mixed_precision_drift", "bf16-mixed against float32 training", "scripts/mixed_precision_drift.py",

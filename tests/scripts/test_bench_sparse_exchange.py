@@ -1,6 +1,6 @@
-"""scripts/bench_sparse_exchange.py: two forked gloo ranks on tiny tables; the bytes
-exchanged are the same for every D (the same rows touched) and the rows go to the CSV
-of the run directory."""
+"""scripts/bench_sparse_exchange.py: two forked gloo ranks on tiny tables, torch's sparse
+gradient and static rows; the bytes exchanged are the same for every D (the same rows touched)
+and the rows go to the CSV of the run directory."""
 from __future__ import annotations
 
 import csv
@@ -16,11 +16,14 @@ def test_bytes_do_not_change_with_D(sandbox):
     run_dir = sandbox.run_default(bse.main, TINY, "bench_sparse_exchange")
     with (run_dir / f"bench_sparse_exchange_{bse.machine_name()}.csv").open() as fh:
         rows = list(csv.DictReader(fh))
-    assert [r["D"] for r in rows] == ["300", "30000"]
-    small, large = rows
+    assert [(r["gradient"], r["D"]) for r in rows] == [("coo", "300"), ("coo", "30000"), ("static", "300"),
+                                                       ("static", "30000")]
+    small, large, static_small, static_large = rows
     assert int(small["bytes_per_step"]) == int(large["bytes_per_step"]) > 0
-    # each rank gets every rank's padded (id, row) pairs and the counts
+    # coo: each rank gets every rank's padded (id, row) pairs of its distinct rows, and the counts
     assert int(small["bytes_per_step"]) == 2 * (8 + int(small["rows_touched_max"]) * (8 + 4 * 4))
+    # static: every lookup's (id, row), m x context = 12 of them, and a count, in fixed shapes
+    assert int(static_small["bytes_per_step"]) == int(static_large["bytes_per_step"]) == 2 * (13 * 8 + 12 * 4 * 4)
     assert int(large["dense_grad_bytes"]) == 100 * int(small["dense_grad_bytes"])
 
 
@@ -34,4 +37,4 @@ def test_update_results_adds_to_the_committed_csv(sandbox):
     before = (sandbox.results / name).read_text().splitlines() if (sandbox.results / name).exists() else []
     assert sandbox.run_update(bse.main, TINY) == {name}
     after = (sandbox.results / name).read_text().splitlines()
-    assert after[:len(before)] == before and len(after) == max(len(before), 1) + 2  # a header, two rows
+    assert after[:len(before)] == before and len(after) == max(len(before), 1) + 4  # a header, four rows
