@@ -68,7 +68,10 @@ class ProcessGroup:
         if self.world == 1:
             return x
         out = x.new_empty((self.world * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        # all_gather_single where torch has it (2.13 deprecates the older name), else
+        # all_gather_into_tensor (older torch, 2.11 among them): the same arguments
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out, x.contiguous(), group=self.group)
         return out
 
     def gather_rows(self, tensors: list[Tensor], fills: list[float]) -> tuple[list[Tensor], slice]:
