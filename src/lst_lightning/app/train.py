@@ -248,7 +248,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     check_built(cfg, module, trainer)
     module.compiled = compile_choice(setting, body, module.head, device, trainer.world_size,
                                      trainer.accumulate_grad_batches)
-    if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or trainer.strategy.root_device.type == "cuda"):
+    if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or device.type == "cuda"):
         log.info("compile=%s: %s", cfg.get("compile"), module.compiled.describe())
     return dm, module, trainer
 

@@ -46,9 +46,10 @@ class HostChecks:
         if float(grad) != scale:
             head._warn_loss_factor(float(grad) / scale)
 
-    def read(self, head):
+    def read(self, head, peek: bool = False):
         """(steps at the last read, steps now, cond(U)'s bound, the step of a bad batch: 0) or
-        None when no step ran since."""
+        None when no step ran since. ``peek`` (``DeviceFlags``'s) changes nothing here: each
+        check was read as it was made."""
         n = int(head.steps)
         n_prev = self.synced[0]
         if n == n_prev:

@@ -2,13 +2,14 @@
 "The compiled step").
 
 Under device flags (``sync_every > 1``) a step splits into a host part that reads nothing on
-the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms; and
-``after_step``: the version, the tick of the flags) and a device part that changes no Python
-value (``deferred_step``: forward, dL/dH, the checks as flags, the write; or its halves
-``forward`` and ``deferred_backward`` for the autograd step, and ``records_step`` for exact
-accumulation). ``run`` calls the device part compiled by ``torch.compile(fullgraph=True)``:
-one graph (a break is an error, not a silent fallback), shapes static per graph (a batch of
-another m or K compiles one of its own), lr a device scalar (a new lr is no recompile).
+the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms; the
+version, moved before the device part; ``after_step``: the tick of the flags) and a device
+part that changes no Python value (``deferred_step``: forward, dL/dH, the checks as flags, the
+write; or its halves ``forward`` and ``deferred_backward`` for the autograd step, and
+``records_step`` for exact accumulation). ``run`` calls the device part compiled by
+``torch.compile(fullgraph=True)``: one graph (a break is an error, not a silent fallback),
+shapes static per graph (a batch of another m or K compiles one of its own), lr a device
+scalar (a new lr is no recompile).
 Inductor fuses the step's few hundred small operators into a few dozen kernels.
 """
 from __future__ import annotations

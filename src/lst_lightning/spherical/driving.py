@@ -34,7 +34,7 @@ class Driving:
             raise ValueError(f"step must be one of {STEP_MODES}, not {self.step!r}")
         if isinstance(self.sync_every, bool) or not (isinstance(self.sync_every, int) and self.sync_every >= 1):
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
-        if not any(self.compile is mode for mode in COMPILE_MODES[1:]) and self.compile != COMPILE_MODES[0]:
+        if not (isinstance(self.compile, bool) or self.compile == COMPILE_MODES[0]):  # True, False or "auto"
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")

@@ -336,7 +336,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         batch since then had bad targets. Nothing to read: nothing happens. ``repair=False``
         (the end of training): the read only reports, and changes nothing the next steps depend
         on, so that a run's state never depends on where it stopped (and was resumed)."""
-        read = self.step_checks.read(self, peek=not repair) if self.step_checks.deferred else self.step_checks.read(self)
+        read = self.step_checks.read(self, peek=not repair)
         if read is None:
             return
         n_prev, n, cond_bound, bad_step = read
