@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..spherical.driving import SYNC_EVERY
+from .first_fault import FirstFault
 
 
 class LossChecks:
@@ -16,23 +17,18 @@ class LossChecks:
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be an int >= 1, got {check_every!r}")
         self.check_every = check_every
-        self._first_bad: Tensor | None = None  # the first step with a non-finite loss, -1 for none
+        self.first_bad = FirstFault()  # the first step with a non-finite loss
 
     def record(self, loss: Tensor, step: int) -> None:
         """Note this step's loss (no host read); read the flags when ``check_every`` steps are due."""
         with torch.no_grad():
-            if self._first_bad is None:
-                self._first_bad = torch.full((), -1, dtype=torch.int64, device=loss.device)
-            bad = ~torch.isfinite(loss.detach()) & (self._first_bad < 0)
-            self._first_bad = torch.where(bad, torch.full_like(self._first_bad, step), self._first_bad)
+            self.first_bad.note(~torch.isfinite(loss.detach()), step)
         if (step + 1) % self.check_every == 0:
             self.read(step)
 
     def read(self, step: int) -> None:
         """Raise FloatingPointError if a step so far had a non-finite loss (one host read)."""
-        if self._first_bad is None:
-            return
-        first = int(self._first_bad)
-        if first >= 0:
-            raise FloatingPointError(f"non-finite training loss at step {first} (read at step {step}; the loss "
+        fault = self.first_bad.read()
+        if fault is not None:
+            raise FloatingPointError(f"non-finite training loss at step {fault[0]} (read at step {step}; the loss "
                                      f"is read every {self.check_every} steps)")

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from ..rows import RowGrad, row_grad_of
 from ..rows.coalesce import coalesce_rows
 from ..spherical.collectives import ProcessGroup
+from .first_fault import FirstFault
 
 
 @torch.no_grad()
@@ -71,17 +72,16 @@ class StaticRowsExchange:
     after the first exchange (see the module docstring)."""
 
     def __init__(self, table: nn.Parameter, pg: ProcessGroup, sizes: list[int]):
-        self.shape, self.pg = tuple(table.shape), pg
+        self.shape, self.device, self.pg = tuple(table.shape), table.device, pg
         #: the rows a rank sends each step: the most a rank had at the first exchange
         self.capacity = max(sizes)
-        #: on the device: the first step whose rows were left out (-1: none), and a rank's rows then
-        self.fault = torch.tensor([-1, 0], dtype=torch.int64, device=table.device)
+        #: the first step whose rows were left out, and a rank's rows then
+        self.fault = FirstFault()
 
-    def average(self, rows: RowGrad, step: int) -> int:
-        """``rows``' gradient replaced by the ranks' average (every rank's ids, repeated ids summed,
-        -1 on the slots no id fills); returns the bytes this rank received."""
-        got = rows.grad()
-        row_shape, dev = self.shape[1:], self.fault.device
+    def average(self, rows: RowGrad, got: tuple[Tensor, Tensor] | None, step: int) -> int:
+        """``rows``' gradient (``got``: its ``grad()``) replaced by the ranks' average (every rank's
+        ids, repeated ids summed, -1 on the slots no id fills); returns the bytes this rank received."""
+        row_shape, dev = self.shape[1:], self.device
         ids, values = got if got is not None else (torch.empty(0, dtype=torch.int64, device=dev),
                                                    torch.empty(0, *row_shape, dtype=rows.rows.dtype, device=dev))
         n, C, world = ids.shape[0], self.capacity, self.pg.world
@@ -96,16 +96,15 @@ class StaticRowsExchange:
         counts = all_ids[:, C]
         over = (counts > C).any()
         uids, summed = coalesce_rows(torch.where(over, -1, all_ids[:, :C].reshape(-1)), all_rows)
-        first = (self.fault[0] < 0) & over
-        self.fault.copy_(torch.where(first, torch.stack([torch.full_like(counts[0], step), counts.max()]),
-                                     self.fault))
+        self.fault.note(over, step, counts.max())
         rows.set_grad(uids, summed / world)
         return world * ((C + 1) * ids_out.element_size() + rows_out.numel() * rows_out.element_size())
 
     def check(self) -> None:
         """Raise, on every rank alike (the fault is the gathered counts'), for a step left out: one host read."""
-        step, n = self.fault.tolist()
-        if step >= 0:
+        fault = self.fault.read()
+        if fault is not None:
+            step, n = fault
             raise ValueError(f"the row-sparse gradient of a table {self.shape}: at step {step} a rank's batch "
                              f"gathered {n} rows, more than the {self.capacity} the ranks agreed at their first step, "
                              "so every rank left that step's rows of the table untouched; keep every batch's shape "
@@ -116,12 +115,10 @@ class StaticRowsExchange:
 _EXCHANGES: "weakref.WeakKeyDictionary[RowGrad, StaticRowsExchange]" = weakref.WeakKeyDictionary()
 
 
-def static_rows_exchange(table: nn.Parameter, rows: RowGrad, pg: ProcessGroup) -> StaticRowsExchange:
-    """``table``'s exchange; the first call agrees on its capacity (every rank's rows, one host read)."""
+def static_rows_exchange(table: nn.Parameter, rows: RowGrad, pg: ProcessGroup, n: int) -> StaticRowsExchange:
+    """``table``'s exchange; the first call agrees on its capacity (every rank's rows ``n``, one host read)."""
     ex = _EXCHANGES.get(rows)
     if ex is None:
-        got = rows.grad()
-        n = got[0].shape[0] if got is not None else 0
         ex = _EXCHANGES[rows] = StaticRowsExchange(table, pg, pg.all_gather_ints([n], table.device)[:, 0].tolist())
     return ex
 
@@ -147,7 +144,9 @@ def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: i
     for p in params:
         rows = row_grad_of(p)
         if rows is not None:  # static rows (lst_lightning.rows)
-            received += static_rows_exchange(p, rows, pg).average(rows, step)
+            got = rows.grad()
+            n = got[0].shape[0] if got is not None else 0
+            received += static_rows_exchange(p, rows, pg, n).average(rows, got, step)
             continue
         grad = p.grad
         if grad is None:
