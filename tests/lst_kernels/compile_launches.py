@@ -105,7 +105,14 @@ def q_update_calls(state, act, M, d):
     tri.q_update(Q, H, dH, M, torch.tensor(0.05, dtype=state), torch.tensor(0.97, dtype=state))  # device lr, c
 
 
+def fold_calls(state, D, d):
+    V, M = torch.randn(D, d, dtype=state), torch.randn(d, d, dtype=state)
+    tri.fold_rows_(V, M, torch.tensor(True))
+
+
 def launch_all():
+    for state, _, _ in PROFILES[:1] + PROFILES[2:]:
+        fold_calls(state, *SHAPES[1][2:])
     for state, act, ids in PROFILES:
         m, K, D, d = SHAPES[1]
         sparse_op_calls(state, act, ids, m, K, D, d)

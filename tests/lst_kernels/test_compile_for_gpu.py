@@ -40,6 +40,7 @@ COVERAGE = {
     "_sparse_gram_kernel": {"IDX": _IDS, "G": _FB},
     "_m_matrix_kernel": {"H": _FB, "M": _F, "BLOCK": _TILES},
     "_q_update_kernel": {"Q": _F, "C_PTR": {True, False}},
+    "_fold_rows_kernel": {"V": _F, "FP64": {True, False}},
 }
 
 

@@ -13,7 +13,7 @@ import lst_kernels
 from lst_kernels import _launch, functional, reference
 
 OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
-       "q_update_factors", "logsumexp_rows")
+       "q_update_factors", "logsumexp_rows", "fold_rows_")
 
 
 #: the ops that sort the step's ids, and can take that sort made once (``order=``, keyword-only)

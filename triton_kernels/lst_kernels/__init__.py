@@ -9,10 +9,10 @@ of a step's ids that the ops which sort them can share (``order=``).
 from __future__ import annotations
 
 from . import reference
-from .functional import (SortedIds, gather_dot, gather_sum, gram_rows, logsumexp_rows, m_matrix, q_update,
+from .functional import (SortedIds, fold_rows_, gather_dot, gather_sum, gram_rows, logsumexp_rows, m_matrix, q_update,
                          q_update_factors, scatter_add_rows_, sparse_gram)
 
 __all__ = [
     "gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
-    "q_update_factors", "logsumexp_rows", "SortedIds", "reference",
+    "q_update_factors", "logsumexp_rows", "fold_rows_", "SortedIds", "reference",
 ]

@@ -137,6 +137,49 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     return _scatter_add_rows_static(V, idx, G, X, alpha, order)
 
 
+def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto") -> Tensor:
+    """V <- V M in place where ``flag`` (a bool or a one-element tensor) is true, else nothing;
+    returns V. The flag is read on the device: a step under device flags folds a nearly
+    singular update into V with no host read (the Triton kernel on CUDA; the CPU's
+    implementation reads its CPU flag, where nothing waits: ``_fold_rows_gated``). O(D d^2)
+    where the flag is set; one load a program where it is not."""
+    d = _tensor("V", V, (None, None)).shape[1]
+    _tensor("M", M, (d, d))
+    if isinstance(flag, bool):
+        flag = torch.tensor(flag, device=V.device)
+    elif not isinstance(flag, Tensor) or flag.numel() != 1 or flag.is_floating_point():
+        raise TypeError(f"flag must be a bool or a one-element bool or integer tensor, got {flag!r}")
+    if _use_triton(V, impl, M, flag) and V.stride(1) == 1:
+        from .fold_rows_kernel import fold_rows_ as launch  # noqa: PLC0415
+        return launch(V, M, flag)
+    _fold_rows_gated(V, M, flag)
+    return V
+
+
+#: bytes of V's rows a block of the fold on the CPU (the rows the write finds in cache)
+FOLD_CACHE_BYTES = 2 << 20
+
+
+@torch.library.custom_op("lst_kernels::fold_rows_", mutates_args=("V",))
+def _fold_rows_gated(V: Tensor, M: Tensor, flag: Tensor) -> None:
+    """``fold_rows_``'s plain-torch implementation, a ``torch.library`` custom op: one opaque call
+    that mutates V in a compiled step (no graph break, no copy of V). It reads the flag: on the
+    CPU a load of a CPU value, where nothing waits (on CUDA without Triton, a synchronisation).
+    The fold runs over cache-sized blocks of rows and never holds a D x d temporary."""
+    if not bool(flag):
+        return
+    M = M.to(V.dtype)
+    rows = max(1, FOLD_CACHE_BYTES // max(1, V.shape[1] * V.element_size()))
+    for a in range(0, V.shape[0], rows):
+        blk = V[a:a + rows]
+        blk.copy_(blk @ M)
+
+
+@_fold_rows_gated.register_fake
+def _(V: Tensor, M: Tensor, flag: Tensor) -> None:
+    return None
+
+
 def _scatter_add_rows_static(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
                              order: SortedIds | None) -> Tensor:
     """The reference's sums in shapes fixed by idx (no ``torch.unique``, no boolean mask: no

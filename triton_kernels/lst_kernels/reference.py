@@ -130,3 +130,10 @@ def logsumexp_rows(Z: Tensor, with_softmax: bool = False) -> Tensor | tuple[Tens
     """log sum_j exp(Z[i, j]) per row, (m, 1); -inf entries take no mass. ``with_softmax``: and softmax(Z)."""
     lse = torch.logsumexp(Z, 1, keepdim=True)
     return (lse, torch.softmax(Z, 1)) if with_softmax else lse
+
+
+def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool) -> Tensor:
+    """V <- V M in place where ``flag``, else nothing."""
+    if bool(flag):
+        V.copy_(V @ M.to(V.dtype))
+    return V

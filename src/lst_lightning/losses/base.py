@@ -60,13 +60,16 @@ class SphericalLoss(nn.Module):
               y_sq: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """The per-example losses (m,) and the gradients of ``sum_i weight_i l_i`` (a row of
         weight 0 adds nothing, whatever its loss) with respect to q, s and A: by autograd on
-        these m-sized tensors. A loss may give them in closed form instead (tests/losses
-        hold each to this)."""
-        with torch.enable_grad():
-            q, s, A = q.detach().requires_grad_(), s.detach().requires_grad_(), A.detach().requires_grad_()
+        these m-sized tensors, by ``torch.func.vjp``, which ``torch.compile`` traces (a compiled
+        step takes every loss). A loss may give them in closed form instead (tests/losses hold
+        each to this)."""
+        def losses(q, s, A):  # (the losses of rows of weight 0 masked: no gradient, NaN or not; all of them)
             per = self(q, s, A, T, num_classes=num_classes, y_sq=y_sq)
-            L = (torch.where(weight != 0, per, torch.zeros((), dtype=per.dtype, device=per.device)) * weight).sum()
-            gq, gs, GA = torch.autograd.grad(L, (q, s, A), materialize_grads=True)
+            return torch.where(weight != 0, per, torch.zeros((), dtype=per.dtype, device=per.device)), per
+
+        with torch.enable_grad():
+            _, pullback, per = torch.func.vjp(losses, q.detach(), s.detach(), A.detach(), has_aux=True)
+            gq, gs, GA = pullback(weight.to(per.dtype))
         return per.detach(), gq, gs, GA
 
     def score(self, O: Tensor) -> Tensor:

@@ -121,13 +121,18 @@ class DeviceFlags(HostChecks):
         if value is not None:
             head._lr_t.fill_(value)
 
-    def step_bounds(self, head, A, sq, kappa) -> tuple[bool, Tensor]:
-        """The bounds of B = c (I - A) (``step.eig_bounds``) stay on the device; a nearly singular
-        B is not folded here (the next read of the flags repairs U: its conditioning bound went up)."""
+    def step_bounds(self, head, A, sq, kappa) -> tuple[Tensor, Tensor]:
+        """(fold, a bound on cond(B)) as device tensors, from the bounds of B = c (I - A)
+        (``step.eig_bounds``), with no host read: the step is folded into V where the bounds
+        cannot rule out an eigenvalue of B/c within ``fold_tol`` of 0, or where cond(U)'s bound
+        would pass ``fold_cond`` (docs/factored_head.md, "Nearly singular steps")."""
         rho_pos, rho_neg = eig_bounds(A, sq, kappa)
         if head.repairs.settings.neumann == "adaptive":  # kept for the next read (adapt_factors)
             self.rho_max.copy_(torch.maximum(self.rho_max, torch.maximum(rho_pos, rho_neg)))
-        return False, torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
+        settings = head.repairs.settings
+        cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
+        fold = (rho_pos > 1 - settings.fold_tol) | (head.cond_bound * cond_step > settings.fold_cond)
+        return fold, cond_step
 
     def count(self, head, ok: Tensor) -> None:
         """The step counted on the device: taken where ``ok``, else skipped."""

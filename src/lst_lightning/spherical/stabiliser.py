@@ -46,6 +46,9 @@ class Stabiliser:
     cond_trigger: float = 4.0
     check_every: int = 100
     fold_tol: float = 0.05
+    #: Under device flags (``sync_every > 1``) a step is folded into V on the device where cond(U)'s
+    #: carried bound would pass this (the repairs that bring it back run only at the flags' reads)
+    fold_cond: float = 16.0
     max_sv_fixes: int = 8
     uinv_refresh_every: int = 100
     q_refresh_every: int = 10000
@@ -71,6 +74,8 @@ class Stabiliser:
             raise ValueError(f"cond_trigger must be > 1, got {self.cond_trigger}")
         if not 0 < self.fold_tol < 1:
             raise ValueError(f"fold_tol must be in (0, 1), got {self.fold_tol}")
+        if not self.fold_cond > 1:
+            raise ValueError(f"fold_cond must be > 1, got {self.fold_cond}")
         if self.neumann not in NEUMANN_RULES:
             raise ValueError(f"neumann must be one of {list(NEUMANN_RULES)}, got {self.neumann!r}")
         if self.inverse not in INVERSE_ROUTES:

@@ -56,7 +56,7 @@ class NewState:
     Q: Tensor
     wbar: Tensor
     HUinv: Tensor            # H U_new^-1: the rows scattered into V
-    fold: bool               # a nearly singular step: U B is folded into V
+    fold: bool | Tensor      # a nearly singular step: U B is folded into V (device flags: a device bool)
     ok: Tensor               # device bool: all of it finite, every solve regular
     # floats when the checks are read on the host; device tensors under device flags
     cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
@@ -220,6 +220,22 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     return Y.index_select(1, P.argmax(1)), info  # X = (X P) P^T
 
 
+def folded_inverse(fold: Tensor, Hx: Tensor, X: Tensor | None, P: Tensor | None, HUinv: Tensor,
+                   Uinv: Tensor | None, right: Tensor | None, info: Tensor | None, inverse_ok):
+    """Under device flags: (fold, H U_new^-1, U_new^-1, R). A step is folded where the bounds
+    said so (``fold``, a device bool) or where its route could not make U_new^-1 (a singular
+    solve, a Neumann residual above rounding): U B goes into V and U = I, so H U_new^-1 = X =
+    H P and R = P. Elsewhere the route's own; no step is skipped for its inverse."""
+    if info is not None:
+        fold = fold | (info != 0).any()
+    fold = fold | ~torch.as_tensor(inverse_ok, device=Hx.device)
+    eye = torch.eye(Hx.shape[1], dtype=Hx.dtype, device=Hx.device)
+    HUinv = torch.where(fold, Hx if X is None and P is None else Hx @ P if X is None else X, HUinv)
+    Uinv = None if Uinv is None else torch.where(fold, eye, Uinv)
+    right = None if right is None else torch.where(fold, eye if P is None else P, right)
+    return fold, HUinv, Uinv, right
+
+
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
     Hx = fwd.Hx
@@ -251,7 +267,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         sq = Hx.pow(2).sum(1)  # ||h||^2, times P's largest eigenvalue's bound: >= h^T P h
         if P is not None:
             sq = sq * head.preconditioner.max_eig
-    if deferred:  # bounds on the device; no fold (the next read of the flags repairs U)
+    if deferred:  # bounds on the device; a nearly singular step's fold decided there too (a device bool)
         fold, cond_step = head.step_checks.step_bounds(head, A, sq, kappa)
         rho = None
     else:
@@ -259,7 +275,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)  # X^T (...) = P H^T (...)
     omega_new = c * head.omega - lr * (omega_new if P is None else P @ omega_new)
     info, inverse_ok, right = None, True, None
-    if fold:
+    if fold is True:  # host checks: the fold decided on the host
         Uinv_new, HUinv_new = None, Hx @ P if X is None else X  # V absorbs U B; U = U^-1 = I
     elif use_woodbury:
         # B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q.
@@ -284,6 +300,10 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
             HUinv_new = Hx @ right
         else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
             HUinv_new, info = solve_right(U_new, Hx @ P if X is None else X)
+    if deferred:  # a fold on the device: H U_new^-1 = H P (U = I after it), whatever the route made
+        fold, HUinv_new, Uinv_new, right = folded_inverse(fold, Hx, X, P, HUinv_new, Uinv_new, right, info,
+                                                          inverse_ok)
+        info, inverse_ok = None, True
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
@@ -308,7 +328,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         cond_step = math.inf
     if info is not None:
         ok &= (info == 0).all()
-    ok &= inverse_ok  # device flags: a products route whose residual stayed above rounding skips the step
+    ok &= inverse_ok
     if moments is not None:
         ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
@@ -319,17 +339,18 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     """Write the step's new state. Under device flags every buffer keeps its old value where
     the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
     masked = head.step_checks.deferred
-    if new.fold:
+    if masked:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
+        write_masked_u(head, new, ok)
+    elif new.fold:
         head.repairs.fold_into_v(head, new.U)
         head.folds += 1
     else:
-        head.U.copy_(torch.where(ok, new.U, head.U) if masked else new.U)
+        head.U.copy_(new.U)
         if new.Uinv is not None:
-            head.Uinv.copy_(torch.where(ok, new.Uinv, head.Uinv) if masked else new.Uinv)
+            head.Uinv.copy_(new.Uinv)
         else:
             head._uinv_fresh = False
-        grown = head.cond_bound * new.cond_step
-        head.cond_bound.copy_(torch.where(ok, grown, head.cond_bound) if masked else grown)
+        head.cond_bound.copy_(head.cond_bound * new.cond_step)
     sh = head.sharding
     rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
@@ -348,7 +369,26 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
     if new.moments is not None:
         new.moments.write(head, ok if masked else None)
     if head.negatives is not None and head.negatives.kernel is not None:  # its tree follows the rows just written
-        head.negatives.kernel.moved(head, None if new.fold else fwd.idx)  # (a fold: all of V)
+        head.negatives.kernel.moved(head, None if bool(new.fold) else fwd.idx)  # (a fold: all of V; its tree
+        # is kept on the host, which reads the step's rows anyway)
+
+
+def write_masked_u(head, new: NewState, ok: Tensor) -> None:
+    """U, U^-1 and cond(U)'s bound under device flags, each kept where ``ok`` is false; a fold
+    (``new.fold``, a device bool) first takes V <- V U B in one gated pass over V's rows (one load
+    a block where it is not set: ``lk.fold_rows_``) and leaves U = U^-1 = I, the bound 1."""
+    fold = new.fold & ok
+    lk.fold_rows_(head.V, new.U, fold)  # (sharded: the rows this rank holds)
+    eye = torch.eye(head.width, dtype=head.dtype, device=head.device)
+    head.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, head.U)))
+    if new.Uinv is not None:
+        head.Uinv.copy_(torch.where(ok, new.Uinv, head.Uinv))  # (new_state made it I where the step folds)
+    else:
+        head._uinv_fresh = False
+    grown = torch.where(fold, 1.0, head.cond_bound * new.cond_step)
+    head.cond_bound.copy_(torch.where(ok, grown, head.cond_bound))
+    head.cond_estimate.copy_(torch.where(fold, 1.0, head.cond_estimate))
+    head.folds += fold
 
 
 @torch.no_grad()
