@@ -133,8 +133,9 @@ def train_ragged(head, rank=None):
 
 
 def compiled_ragged(rank):
-    """The replicated head's compiled step (Dynamo and AOTAutograd, without Inductor's code
-    generation) on ``train_ragged``'s batches: its losses, W and the graphs compiled."""
+    """The replicated default head's compiled step (shared negatives, the preconditioner; Dynamo and
+    AOTAutograd, without Inductor's code generation) on ``train_ragged``'s batches: its losses, W
+    and the graphs compiled."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
     from lst_lightning.spherical import compiled  # noqa: PLC0415
@@ -144,7 +145,7 @@ def compiled_ragged(rank):
     torch._dynamo.reset()
     counters.clear()
     try:
-        head = make_head("replicated", compile_step=True)
+        head = make_head("replicated", compile_step=True, **negatives(True))
         head.rows_per_rank = RAGGED_MOST
         head.distribute()
         losses = train_ragged(head, rank)

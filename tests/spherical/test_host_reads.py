@@ -5,7 +5,7 @@ fails on the host-checked step, which reads at every step."""
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, batch_shapes, compiled
+from lst_lightning.spherical import FactoredSphericalHead, compiled
 
 from host_reads import HostReads
 
@@ -76,7 +76,6 @@ def test_batches_of_changing_size_padded_to_a_batch_size_read_the_host_no_more(r
     reads a step, as unpadded."""
     monkeypatch.setattr(compiled, "compiled", lambda fn: fn)
     monkeypatch.setattr(compiled, "compiles", lambda h: True)
-    monkeypatch.setattr(batch_shapes, "compiles", lambda h: True)
     torch.manual_seed(0)
     h = head(compile_step=True)
     ROUTES[route](h, 2)

@@ -18,11 +18,11 @@ for the m rows (``before_step``), those of the padding rows are zeros appended t
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 from torch.nn.functional import pad
-
-from .compiled import compiles
 
 #: the smallest batch size of "pow2": every batch of up to MIN_ROWS rows takes one graph
 MIN_ROWS = 16
@@ -31,7 +31,7 @@ def check_batch_sizes(value) -> str | tuple[int, ...]:
     """``batch_sizes``: "pow2" or a non-empty sequence of positive ints (kept sorted, unique)."""
     if value == "pow2":
         return value
-    ok = isinstance(value, (tuple, list)) and value and all(
+    ok = isinstance(value, Sequence) and not isinstance(value, str) and len(value) and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
     if not ok:
         raise ValueError(f"batch_sizes must be 'pow2' or a non-empty sequence of positive ints, got {value!r}")
@@ -80,10 +80,10 @@ def pad_draws(head, draws: Tensor | None, m: int, M: int) -> Tensor | None:
 
 
 def batch_size(head, m: int, K: int) -> tuple[int, int] | None:
-    """(M, K) the step pads a batch of m rows of K slots to where its shapes must be static (the
-    step compiled: compiled.py); None where it runs as it comes (eager), and on several processes,
-    whose rows are exchanged padded to the capacity they agreed on (padded_rows.py), a batch size."""
-    if not (compiles(head) and head.sharding.alone):
+    """(M, K) a compiled step (step.py asks only where it runs compiled: compiled.py) pads a batch
+    of m rows of K slots to; None on several processes, whose rows are exchanged padded to the
+    capacity they agreed on (padded_rows.py), a batch size."""
+    if not head.sharding.alone:
         return None
     return padded_rows(m, head.driving.batch_sizes), padded_slots(K)
 

@@ -423,7 +423,7 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     where the head's step is: ``compiled.run``)."""
     m = Hx.shape[0]
     draws = before_step(head, m)
-    size = batch_size(head, m, idx.shape[1])
+    size = batch_size(head, m, idx.shape[1]) if compiled.compiles(head) else None  # static shapes: padded
     if size is None:
         return compiled.run(head, forward, Hx, idx, T, draws)
     loss, fwd = compiled.run(head, forward, *pad_batch(Hx, idx, T, *size), pad_draws(head, draws, m, size[0]),
@@ -456,7 +456,7 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     draws = before_step(head, m)
     if head.step_checks.deferred:
         head._version += 1  # the state moves: a pending backward of an earlier forward is stale
-        size = batch_size(head, m, idx.shape[1]) if real is None else None
+        size = batch_size(head, m, idx.shape[1]) if real is None and compiled.compiles(head) else None
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
@@ -498,7 +498,7 @@ def apply_records(head, records: list) -> None:
     before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
     if head.step_checks.deferred:
         head._version += 1
-        size = batch_size(head, Hx.shape[0], idx.shape[1])
+        size = batch_size(head, Hx.shape[0], idx.shape[1]) if compiled.compiles(head) else None
         if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
             M = size[0]
             Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
