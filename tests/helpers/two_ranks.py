@@ -123,8 +123,9 @@ def train_ragged(head, rank=None):
     losses = []
     for step in range(RAGGED_STEPS):
         rows = ragged_rows(step)
-        H, idx = long_batch(1000 + step)
-        H, idx = H[:sum(rows)], idx[:sum(rows)]
+        g = torch.Generator().manual_seed(400 + step)
+        H = torch.randn(sum(rows), d, generator=g, dtype=torch.float64)
+        idx = torch.randint(-1, D, (sum(rows), K), generator=g)  # padding slots among them
         mine = slice(None) if rank is None else slice(sum(rows[:rank]), sum(rows[:rank + 1]))
         loss = head(H[mine].clone().requires_grad_(), idx[mine])
         loss.backward()

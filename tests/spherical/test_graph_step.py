@@ -15,16 +15,22 @@ def test_cuda_graph_step_equals_the_eager_step():
     graphed = copy.deepcopy(eager)
     step = CudaGraphStep(graphed, m=16, K=2)
     assert state(graphed) == state(eager)  # warm-up and capture change nothing
-    for i in range(12):
-        eager.lr = graphed.lr = 0.05 / (1 + i)
-        H, idx = batch(16, d, D, 2, dtype=torch.float32)
+    replays_as_eager(step, eager, graphed, [(16, 2)] * 12, lr=lambda i: 0.05 / (1 + i))
+    assert int(graphed.steps) == 12 and graphed._synced[0] == 10
+
+
+def replays_as_eager(step, eager, graphed, shapes, lr=None):
+    """Batches of ``shapes`` (m, K) through the graph and the eager head: the same losses, dL/dH and W."""
+    for i, (m, K) in enumerate(shapes):
+        if lr is not None:
+            eager.lr = graphed.lr = lr(i)
+        H, idx = batch(m, d, D, K, dtype=torch.float32)
         H, idx = H.cuda(), idx.cuda()
         loss_e, dH_e = eager.train_step(H, idx)
         loss_g, dH_g = step(H, idx)
         torch.testing.assert_close(loss_g, loss_e)
         torch.testing.assert_close(dH_g, dH_e)
     torch.testing.assert_close(graphed.weight(), eager.weight())
-    assert int(graphed.steps) == 12 and graphed._synced[0] == 10
 
 
 
@@ -37,14 +43,7 @@ def test_one_graph_takes_every_batch_up_to_its_size_as_the_eager_step_does():
     eager = deferred(sync_every=5, device="cuda", dtype=torch.float32)
     graphed = copy.deepcopy(eager)
     step = CudaGraphStep(graphed, m=32, K=4)
-    for m, K in ((1, 1), (7, 3), (32, 2), (20, 1), (32, 3)):
-        H, idx = batch(m, d, D, K, dtype=torch.float32)
-        H, idx = H.cuda(), idx.cuda()
-        loss_e, dH_e = eager.train_step(H, idx)
-        loss_g, dH_g = step(H, idx)
-        torch.testing.assert_close(loss_g, loss_e)
-        torch.testing.assert_close(dH_g, dH_e)
-    torch.testing.assert_close(graphed.weight(), eager.weight())
+    replays_as_eager(step, eager, graphed, [(1, 1), (7, 3), (32, 2), (20, 1), (32, 3)])
     with pytest.raises(ValueError, match="at most 32 rows"):
         step(*batch(33, d, D, 1, dtype=torch.float32))
 

@@ -27,10 +27,10 @@ from torch import Tensor
 from . import compiled
 from . import step as exact
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
+from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
 from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
-from .batch_shapes import padded_rows, padded_slots
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import sharding_for
