@@ -8,7 +8,7 @@ Fabric) and exact accumulation's (an attached head: the Trainer's and lst-train'
 gradient accumulation).
 
     python3 scripts/compiled_step.py [--D 793471 --d 512 --m 1024] [--loss zloss sampled]
-        [--inverse products] [--steps 5] [--smoke] [--out DIR | --update-results]
+        [--inverse products] [--steps 5] [--batch-sizes] [--smoke] [--out DIR | --update-results]
 
 ``--loss sampled`` is lst-train's default head (sampled classes and the right preconditioner at
 their settings for D). The rows have unit norm on average, as count_step.py's, and each head
@@ -18,6 +18,15 @@ step a GPU compiles; ``--inverse auto`` the CPU's. Writes ``compiled_step.csv`` 
 loss) into a fresh run directory, ``--out DIR``, or with ``--update-results`` appends it to the
 committed ``benchmarks/results/compiled_step.csv`` through ``scripts/results_pages.py add``.
 ``--smoke``: tiny sizes, one step, for the test suite.
+
+``--batch-sizes`` measures batches of changing sizes instead (batch_shapes.py; ``--m 1000`` for
+the figures of docs/results/compiled_batch_sizes.md): the fused step of m rows padded to its batch
+size (1024 for 1000) against a head whose one batch size is m (no padding), timed in alternation
+(target: at most 1.15 x); and 30 random sizes from 1 to m, m = 1 first, through a fresh compiled
+head as lst-train steps it (fused; on a GPU ``step="cuda_graph"``, which also captures a graph
+a batch size): the graphs compiled (and captured) and the seconds the 30 steps took, compiles
+included. Writes
+``compiled_batch_sizes.csv`` (a row per loss) as above.
 """
 from __future__ import annotations
 
@@ -30,11 +39,13 @@ import time
 from benchlib import add_output_args, clock_for, interleaved_times, output_dir, save_rows
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 from bench_heads import TARGET, app_head_kwargs, loss_settings
 from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical import step as exact
+from lst_lightning.spherical.batch_shapes import padded_rows
 from lst_lightning.spherical.graph_step import CudaGraphStep
 
 SMOKE = {"D": 300, "d": 16, "m": 32}
@@ -43,6 +54,12 @@ SMOKE = {"D": 300, "d": 16, "m": 32}
 #: routes) against lst-train's graph step
 MAX_MS = {"zloss": 0.4, "sampled": 0.6}
 MAX_ROUTE_RATIO = 1.2
+#: the fused step of m rows padded to its batch size against the step of exactly m rows (any device)
+MAX_PADDED_RATIO = 1.15
+#: the random batch sizes of ``--batch-sizes``
+NUM_SIZES = 30
+BATCH_COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "padded_to", "static_ms", "padded_ms", "padded_over_static",
+                 "sizes", "largest", "graphs", "sizes_s", "captures"]
 COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "factors", "graphs", "breaks", "ops", "fused_loops", "products",
            "other_calls", "kernels", "compile_s", "eager_ms", "compiled_ms", "graph_ms", "autograd_ms",
            "accumulated_ms", "speedup"]
@@ -93,12 +110,16 @@ def explained(head, H, idx) -> tuple[int, int, int]:
     return out.graph_count, out.graph_break_count, out.op_count
 
 
+def unit_batches(D: int, d: int, m: int, device: torch.device, n: int = 8) -> list:
+    """count_step.py's batches: rows of unit norm on average, one uniform target each."""
+    g = torch.Generator().manual_seed(0)
+    return [((torch.randn(m, d, generator=g) / d ** 0.5).to(device), torch.randint(0, D, (m,), generator=g).to(device))
+            for _ in range(n)]
+
+
 def measure(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device: torch.device,
             backend: str = "inductor") -> dict:
-    # count_step.py's batches: rows of unit norm on average, one uniform target each
-    g = torch.Generator().manual_seed(0)
-    batches = [((torch.randn(m, d, generator=g) / d ** 0.5).to(device), torch.randint(0, D, (m,), generator=g).to(device))
-               for _ in range(8)]
+    batches = unit_batches(D, d, m, device)
     eager, fast = (make_head(loss, D, d, inverse, device, c, batches) for c in (False, True))
     graphs, breaks, ops = explained(eager, *batches[6])
     H, idx = batches[6]
@@ -133,6 +154,58 @@ def measure(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device:
             "eager_ms": ms["eager"], "compiled_ms": ms["compiled"], "graph_ms": ms.get("graph"),
             "autograd_ms": ms["autograd"], "accumulated_ms": ms["accumulated"],
             "speedup": round(ms["eager"] / ms["compiled"], 3)}
+
+
+def random_sizes(most: int, n: int = NUM_SIZES, seed: int = 0) -> list[int]:
+    """n batch sizes from 1 to ``most``, 1 first (the hard one), the rest uniform."""
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(1, most + 1, (n - 1,), generator=g).tolist()
+
+
+def measure_batch_sizes(loss: str, D: int, d: int, m: int, inverse: str, steps: int, device: torch.device) -> dict:
+    """The fused step of m rows padded to its batch size against exactly m rows; then
+    ``NUM_SIZES`` random sizes through a fresh compiled head (and on a GPU its CUDA graphs)."""
+    batches = unit_batches(D, d, m, device)
+    padded, static = (make_head(loss, D, d, inverse, device, True, batches) for _ in range(2))
+    static.batch_sizes = (m,)
+    cycle = iter(range(1 << 30))
+
+    def stepper(head):
+        return lambda: head.train_step(*batches[6 + next(cycle) % 2])
+
+    times = interleaved_times({"padded": (stepper(padded), 1), "static": (stepper(static), 1)}, rounds=steps,
+                              warmup=1, clock=clock_for(device))
+    ms = {k: round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+    sizes = random_sizes(m)
+    H, idx = batches[6]
+    torch._dynamo.reset()
+    counters.clear()
+    fresh = make_head(loss, D, d, inverse, device, True, batches)
+    # lst-train's step: fused on a CPU; on a GPU replayed from a CUDA graph a batch size, captured at its first
+    fresh.step = "cuda_graph" if device.type == "cuda" else "fused"
+    t0 = time.perf_counter()
+    for n in sizes:
+        fresh(H[:n].clone().requires_grad_(), idx[:n]).backward()
+    fresh.sync()
+    sizes_s = time.perf_counter() - t0
+    captures = len(fresh.graph_sizes) if device.type == "cuda" else None
+    return {"device": device.type, "loss": loss, "inverse": inverse, "D": D, "d": d, "m": m,
+            "padded_to": padded_rows(m, padded.batch_sizes), "static_ms": ms["static"], "padded_ms": ms["padded"],
+            "padded_over_static": round(ms["padded"] / ms["static"], 3), "sizes": len(sizes), "largest": max(sizes),
+            "graphs": counters["stats"]["unique_graphs"], "sizes_s": round(sizes_s, 1), "captures": captures}
+
+
+def batch_size_targets(row: dict) -> list[str]:
+    """PASS / FAIL lines of ``--batch-sizes``: the padded step within ``MAX_PADDED_RATIO`` of the
+    static one, and at most log2(largest) + 2 graphs over the random sizes."""
+    name = f"batches of any size, loss={row['loss']}"
+    ratio, bound = row["padded_over_static"], max(1, row["largest"] - 1).bit_length() + 2
+    padded = (f"{'PASS' if ratio <= MAX_PADDED_RATIO else 'FAIL'} {name}: m = {row['m']} padded to "
+              f"{row['padded_to']} takes {ratio:.3f} x the step of exactly {row['m']} rows (target <= "
+              f"{MAX_PADDED_RATIO} x)")
+    graphs = (f"{'PASS' if row['graphs'] <= bound else 'FAIL'} {name}: {row['graphs']} graphs over {row['sizes']} "
+              f"random sizes up to {row['largest']} (target <= {bound})")
+    return [padded, graphs]
 
 
 def autograd_step(head):
@@ -182,6 +255,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=5, help="timed steps of each, in alternation")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one timed step (the test suite)")
+    p.add_argument("--batch-sizes", action="store_true",
+                   help="batches of changing sizes: m padded against exactly m, and 30 random sizes' graphs")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
                    help="torch.compile's backend (aot_eager: the same graphs without Inductor's code: no kernel counts)")
     add_output_args(p)
@@ -191,16 +266,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.compile = lambda fn, **kw: compile_(fn, backend=args.backend, **kw)
     if args.smoke:
         args.D, args.d, args.m, args.steps = SMOKE["D"], SMOKE["d"], SMOKE["m"], 1
+        if args.batch_sizes:  # padded: 24 rows to 32
+            args.m = 3 * SMOKE["m"] // 4
     device = torch.device(args.device)
     torch._inductor.config.fx_graph_cache = False  # each compile timed in full, not read from an earlier run's cache
     if device.type == "cpu":
         torch.set_num_threads(1)
+    name, columns, measured, checked = ("compiled_batch_sizes", BATCH_COLUMNS, measure_batch_sizes, batch_size_targets) \
+        if args.batch_sizes else ("compiled_step", COLUMNS, measure, targets)
     rows = []
     for loss in args.loss:
-        rows.append(measure(loss, args.D, args.d, args.m, args.inverse, args.steps, device, args.backend))
+        extra = () if args.batch_sizes else (args.backend,)
+        rows.append(measured(loss, args.D, args.d, args.m, args.inverse, args.steps, device, *extra))
         print(", ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-        print("\n".join(targets(rows[-1])), flush=True)
-    save_rows(args, output_dir(args, "compiled_step"), "compiled_step", rows, COLUMNS, argv)
+        print("\n".join(checked(rows[-1])), flush=True)
+    save_rows(args, output_dir(args, name), name, rows, columns, argv)
     return rows
 
 

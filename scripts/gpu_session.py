@@ -6,7 +6,8 @@ machine with a CUDA GPU (docs/gpu.md: what it runs, what it needs, how long it t
     python3 scripts/gpu_session.py --list                    # the parts and their time limits
 
 The parts: ``tests`` (the gpu-marked tests), ``kernels`` (the kernel tests, native), ``compiled``
-(compiled_step.py: the compiled step against its targets), ``profile``
+(compiled_step.py: the compiled step against its targets), ``batch_sizes`` (compiled_step.py
+--batch-sizes: 30 random batch sizes through the CUDA graphs, m = 1000 padded), ``profile``
 (profile_step.py), ``heads`` (bench_heads.py at the targets' sizes), ``whole_step``
 (bench_whole_step.py on the GPU), ``quality`` (every head at D = 10^6 for the same training time),
 
@@ -109,6 +110,15 @@ def compiled(out: Path, smoke: bool) -> list[Step]:
     return [Step("compiled_step", step, 240)]
 
 
+def batch_sizes(out: Path, smoke: bool) -> list[Step]:
+    """compiled_step.py --batch-sizes: the default head's step of 1000 rows padded to its batch size
+    against exactly 1000, and 30 random batch sizes through its CUDA graphs (a graph a size)."""
+    step = [PY, "scripts/compiled_step.py", "--batch-sizes", "--loss", "sampled", "--out", str(out)]
+    if smoke:
+        return [Step("compiled_batch_sizes", [*step, "--smoke", "--backend", "aot_eager"], 120)]
+    return [Step("compiled_batch_sizes", [*step, "--m", "1000"], 300)]
+
+
 def tf32(out: Path, smoke: bool) -> list[Step]:
     """The drift of TF32 products (``tf32=True``, opt-in) against float64 over 10^4 steps, beside
     full float32 products (tf32_drift.py)."""
@@ -206,7 +216,8 @@ def dsweep(out: Path, smoke: bool) -> list[Step]:
 
 
 #: the parts in the order the suite runs them: correct first, then fast, then quality
-PARTS = {"tests": tests, "kernels": kernels, "compiled": compiled, "profile": profile, "heads": heads,
+PARTS = {"tests": tests, "kernels": kernels, "compiled": compiled, "batch_sizes": batch_sizes, "profile": profile,
+         "heads": heads,
          "dsweep": dsweep, "equal_time": equal_time, "whole_step": whole_step, "quality": quality, "tf32": tf32}
 LOG = "gpu_session_log.txt"
 

@@ -600,6 +600,20 @@ PAGE_LIST = [
                     "The GPU targets at D = 793 471, d = 512, m = 1024: at most 45 kernels and 0.4 ms for the "
                     "Z-loss, 70 and 0.6 ms for the default; the autograd and accumulated steps within 1.2 x the "
                     "graph step.")),
+    Page("compiled_batch_sizes", "Batches of any size through the compiled step", "scripts/compiled_step.py --batch-sizes",
+         "A row: lst-train's default head, its step compiled (`compile_step=True`) and fed batches of changing size "
+         "(docs/factored_head.md, \"Batch shapes\"): the fused step of m rows padded to its batch size against the "
+         "step of exactly m rows (a head whose one batch size is m), timed in alternation (median); then 30 random "
+         "sizes from 1 to m (1 first) through a fresh head as lst-train steps it (fused; on a GPU from a CUDA graph a "
+         "batch size): the graphs compiled, the graphs captured (GPU), and the seconds of the 30 steps, compiles "
+         "included.",
+         plain_body([("device", "device"), ("loss", "loss"), ("inverse", "U_new^-1 by"), ("D", "D"), ("d", "d"),
+                     ("m", "m"), ("padded_to", "padded to"), ("static_ms", "exactly m (ms)"),
+                     ("padded_ms", "padded (ms)"), ("padded_over_static", "padded / exactly m"),
+                     ("sizes", "random sizes"), ("largest", "largest"), ("graphs", "graphs"),
+                     ("sizes_s", "their steps (s)"), ("captures", "CUDA graphs")],
+                    "Targets: the padded step at most 1.15 x the step of exactly m rows; at most log2(largest) + 2 "
+                    "graphs over the random sizes. On a CPU, one thread.")),
     Page("crossover", "Where the factored head pays, by its arithmetic", "scripts/crossover.py",
          "A row: lst-train's default factored step (`loss=sampled`, the GPU's step) at one width d and m rows a step, "
          "counted by `scripts/count_step.py` (its matrix products' FLOPs), and what it is worth in softmax classes.",

@@ -109,6 +109,55 @@ def train_long(head, rank=None, micro=1):
     return torch.stack(losses)
 
 
+#: the compiled step's run: batches of random sizes, 1 to RAGGED_MOST rows a rank
+RAGGED_STEPS, RAGGED_MOST = 30, 6
+
+
+def ragged_rows(step):
+    return torch.randint(1, RAGGED_MOST + 1, (WORLD,), generator=torch.Generator().manual_seed(300 + step)).tolist()
+
+
+def train_ragged(head, rank=None):
+    """RAGGED_STEPS autograd steps on rank ``rank``'s rows of batches whose every rank's rows change
+    size each step (None: every row, one process); the losses."""
+    losses = []
+    for step in range(RAGGED_STEPS):
+        rows = ragged_rows(step)
+        g = torch.Generator().manual_seed(400 + step)
+        H = torch.randn(sum(rows), d, generator=g, dtype=torch.float64)
+        idx = torch.randint(-1, D, (sum(rows), K), generator=g)  # padding slots among them
+        mine = slice(None) if rank is None else slice(sum(rows[:rank]), sum(rows[:rank + 1]))
+        loss = head(H[mine].clone().requires_grad_(), idx[mine])
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def compiled_ragged(rank):
+    """The replicated default head's compiled step (shared negatives, the preconditioner; Dynamo and
+    AOTAutograd, without Inductor's code generation) on ``train_ragged``'s batches: its losses, W
+    and the graphs compiled."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from lst_lightning.spherical import compiled  # noqa: PLC0415
+
+    compile_, cache = torch.compile, compiled._compiled
+    torch.compile, compiled._compiled = (lambda fn, **kw: compile_(fn, backend="aot_eager", **kw)), {}
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        head = make_head("replicated", compile_step=True, **negatives(True))
+        head.rows_per_rank = RAGGED_MOST
+        head.distribute()
+        losses = train_ragged(head, rank)
+        head.sync()
+        return {"losses": losses, "W": head.weight(), "graphs": counters["stats"]["unique_graphs"],
+                "steps": int(head.steps), "compiles": head.compiles}
+    finally:
+        torch.compile, compiled._compiled = compile_, cache
+        torch._dynamo.reset()
+
+
 def void_input(mode, rank, case, step="autograd"):
     """Three steps, then at the fourth (a read of the flags: sync_every=4) rank 1's input is bad
     (``case``: "shape", H with a column too many; "rows", more rows than the first step's;
@@ -261,6 +310,7 @@ def worker(rank, rdv, out):
         for case in ("shape", "rows", "rows_reserved"):
             res[f"void_{mode}_{case}"] = void_input(mode, rank, case)
     res["void_replicated_shape_fused"] = void_input("replicated", rank, "shape", step="fused")
+    res["compiled_ragged"] = compiled_ragged(rank)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

@@ -191,3 +191,64 @@ def test_the_trainer_route_reads_the_host_at_most_once_in_ten_optimizer_steps(tm
     assert int(model.lm_head.steps) == 66
     assert count.reads.count / 64 <= 0.1, count.reads.sites
     assert count.reads.count >= 1  # the read at the end of training, at least
+
+
+class Texts(torch.utils.data.Dataset):
+    """Texts of random lengths (3 to 20 tokens), as a tokenizer gives them: unpadded."""
+
+    def __init__(self, n=24, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = [torch.randint(0, 12, (int(torch.randint(3, 21, (), generator=g)),), generator=g) for _ in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i]}
+
+
+def pad_to_longest(rows):
+    """``DataCollatorWithPadding`` with causal-LM labels: each batch padded to its longest text, the
+    padding masked and labelled -100, so that every batch has another number of rows."""
+    T = max(r["input_ids"].numel() for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :r["input_ids"].numel()], mask[i, :r["input_ids"].numel()] = r["input_ids"], 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def test_the_trainer_with_dynamic_padding_trains_the_compiled_head_with_a_graph_a_batch_size(tmp_path, monkeypatch):
+    """Batches padded to their longest text (a new number of rows nearly every step), gradient
+    accumulation 2, lst-train's default head compiled (``compile_step=True``; Dynamo and AOTAutograd
+    without Inductor's code generation: the same graphs): it trains, one exact step an optimizer
+    step, with at most a graph per batch size of the forward (batch_shapes.py: 16, 32, 64 rows)
+    and of the records' step (up to 128 rows)."""
+    from torch._dynamo.utils import counters  # noqa: PLC0415
+
+    from lst_lightning.spherical import compiled  # noqa: PLC0415
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    monkeypatch.setattr(compiled, "_compiled", {})
+    torch._dynamo.reset()
+    counters.clear()
+    model = factor_lm_head(tiny("llama"), loss="sampled", negatives=dict(num=8), preconditioner={}, lr=0.5,
+                           compile_step=True)
+    head = model.lm_head
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=6, learning_rate=1e-2, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_steps=1, disable_tqdm=True, seed=0)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].numel()), with_kwargs=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Texts(), data_collator=pad_to_longest,
+                      callbacks=[head_follows_trainer()])
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    try:
+        assert head.compiles and int(head.steps) == 6 and int(head.skipped_nonfinite) == 0
+        assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+        assert len(set(seen)) >= 5  # the batches' rows kept changing
+        assert counters["stats"]["unique_graphs"] <= 3 + 4, counters["stats"]  # forward's sizes + the records'
+    finally:
+        torch._dynamo.reset()

@@ -126,3 +126,13 @@ def test_a_silent_step_past_its_limit_is_killed(tmp_path, monkeypatch):
     monkeypatch.setitem(gs.PARTS, "tests", lambda out, smoke: [slow])
     assert gs.main(["tests", "--out", str(tmp_path)]) == 1
     assert "quiet  exit 124" in (tmp_path / gs.LOG).read_text()
+
+
+def test_the_batch_sizes_part_smoke(tmp_path):
+    """compiled_step.py --batch-sizes at tiny sizes on the CPU: m padded against exactly m, and 30
+    random sizes up to 24 compiled as two graphs (batch sizes 16 and 32)."""
+    assert gs.main(["batch_sizes", "--out", str(tmp_path), "--smoke"]) == 0
+    (row,) = list(csv.DictReader((tmp_path / "compiled_batch_sizes.csv").open()))
+    assert (row["m"], row["padded_to"], row["sizes"], row["graphs"]) == ("24", "32", "30", "2")
+    assert float(row["padded_over_static"]) > 0 and row["captures"] == ""  # no CUDA graph on a CPU
+    assert "compiled_batch_sizes  ok" in summary(tmp_path)

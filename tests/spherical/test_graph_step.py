@@ -15,17 +15,56 @@ def test_cuda_graph_step_equals_the_eager_step():
     graphed = copy.deepcopy(eager)
     step = CudaGraphStep(graphed, m=16, K=2)
     assert state(graphed) == state(eager)  # warm-up and capture change nothing
-    for i in range(12):
-        eager.lr = graphed.lr = 0.05 / (1 + i)
-        H, idx = batch(16, d, D, 2, dtype=torch.float32)
+    replays_as_eager(step, eager, graphed, [(16, 2)] * 12, lr=lambda i: 0.05 / (1 + i))
+    assert int(graphed.steps) == 12 and graphed._synced[0] == 10
+
+
+def replays_as_eager(step, eager, graphed, shapes, lr=None):
+    """Batches of ``shapes`` (m, K) through the graph and the eager head: the same losses, dL/dH and W."""
+    for i, (m, K) in enumerate(shapes):
+        if lr is not None:
+            eager.lr = graphed.lr = lr(i)
+        H, idx = batch(m, d, D, K, dtype=torch.float32)
         H, idx = H.cuda(), idx.cuda()
         loss_e, dH_e = eager.train_step(H, idx)
         loss_g, dH_g = step(H, idx)
         torch.testing.assert_close(loss_g, loss_e)
         torch.testing.assert_close(dH_g, dH_e)
     torch.testing.assert_close(graphed.weight(), eager.weight())
-    assert int(graphed.steps) == 12 and graphed._synced[0] == 10
 
+
+
+@pytest.mark.gpu
+def test_one_graph_takes_every_batch_up_to_its_size_as_the_eager_step_does():
+    """A graph captured for 32 rows of 4 slots replays batches of 1 to 32 rows and 1 to 3 slots,
+    padded (batch_shapes.py): the loss, dL/dH (the batch's rows) and W are the eager step's."""
+    from lst_lightning.spherical.graph_step import CudaGraphStep
+
+    eager = deferred(sync_every=5, device="cuda", dtype=torch.float32)
+    graphed = copy.deepcopy(eager)
+    step = CudaGraphStep(graphed, m=32, K=4)
+    replays_as_eager(step, eager, graphed, [(1, 1), (7, 3), (32, 2), (20, 1), (32, 3)])
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        step(*batch(33, d, D, 1, dtype=torch.float32))
+
+
+@pytest.mark.gpu
+def test_thirty_batch_sizes_capture_a_graph_a_batch_size():
+    """step="cuda_graph" on 30 random batch sizes (1 first, up to 100): a graph a batch size (16,
+    32, 64, 128 rows), captured at its first batch, the head trained as the eager one."""
+    from lst_lightning.spherical.batch_shapes import padded_rows
+
+    eager = deferred(sync_every=8, device="cuda", dtype=torch.float64)
+    graphed = copy.deepcopy(eager)
+    eager.step, graphed.step = "fused", "cuda_graph"
+    g = torch.Generator().manual_seed(0)
+    sizes = [1] + torch.randint(1, 101, (29,), generator=g).tolist()
+    for m in sizes:
+        H, idx = batch(m, d, D, 2)
+        for h in (eager, graphed):
+            h(H.cuda().requires_grad_(), idx.cuda()).backward()
+    assert sorted(graphed.graph_sizes) == sorted({(padded_rows(m, "pow2"), 2) for m in sizes})
+    torch.testing.assert_close(graphed.weight(), eager.weight(), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lst_lightning.spherical.driving import SYNC_EVERY
-from two_ranks import LONG_STEPS, NEGATIVE_MODES, ROWS, STEPS, WORLD, D, d, make_head, rel, train, train_long
+from two_ranks import (LONG_STEPS, NEGATIVE_MODES, RAGGED_STEPS, ROWS, STEPS, WORLD, D, d, make_head, negatives, rel,
+                       train, train_long, train_ragged)
 
 MAX_READS_A_STEP = 0.1
 
@@ -114,6 +115,19 @@ def test_two_ranks_padding_ragged_batches_equal_one_process_on_their_union(ranks
     assert rel(W, want["W"]) < 1e-12
     for got in res:
         assert rel(got["losses"], want["losses"]) < 1e-12
+
+
+def test_two_ranks_compiled_take_batches_of_any_size_in_one_graph_a_part(ranks):
+    """The compiled replicated default step (shared negatives, the preconditioner) on 30 batches whose every rank's rows change size (1 to 6):
+    the ranks' rows are exchanged padded to one batch size (16 rows of 4 slots a rank: the
+    capacity made a batch size, batch_shapes.py), so the autograd step compiles its two parts
+    once; W and the losses are one eager process's on the union of the rows."""
+    want = make_head("none", **negatives(True))
+    losses = train_ragged(want)
+    for r in ranks:
+        got = r["compiled_ragged"]
+        assert got["compiles"] and got["steps"] == RAGGED_STEPS and got["graphs"] <= 2, got["graphs"]
+        assert rel(got["W"], want.weight()) < 1e-12 and rel(got["losses"], losses) < 1e-12
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])

@@ -53,6 +53,7 @@ class _HeadLoss(torch.autograd.Function):
         ctx.rows = None
         if not head.sharding.alone:  # every rank's rows
             Hx, idx, T, ctx.rows = head.sharding.collect(Hx, idx, T, training=True)
+        ctx.m = Hx.shape[0]  # dL/dH's rows: a step padded to a batch size (batch_shapes.py) hands these on
         loss, saved = head._forward_step(Hx, idx, T)
         # token None: a frozen head (eval mode), which hands dL/dH on and never steps.
         ctx.head, ctx.saved, ctx.version, ctx.token, ctx.in_dtype = head, saved, head._version, token, H.dtype
@@ -91,6 +92,7 @@ class _HeadLoss(torch.autograd.Function):
                         dH = dH * scale
                 token.dH, token.grad = dH, grad
                 ctx.saved = None  # a second backward reuses the token's dL/dH
+        dH = dH[:ctx.m]
         if ctx.rows is not None:
             dH = head.sharding.own_rows(dH, ctx.rows)
         return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None, None
@@ -230,7 +232,7 @@ class SphericalHeadBase(OutputHead):
         self._factory["dtype"], self._factory["device"] = probe.dtype if probe.dtype in STATE_DTYPES \
             else self.dtype, probe.device
         self._uninitialised |= was_meta and probe.device.type != "meta"  # to_empty(): uninitialised memory
-        self._graph = None  # a captured CUDA graph holds the old tensors
+        self._graphs = {}  # a captured CUDA graph holds the old tensors
         self._version += 1  # a pending backward from before the move is stale
         return out
     # -- hyperparameters the training loop may change ---------------------------------

@@ -8,8 +8,9 @@ part that changes no Python value (``deferred_step``: forward, dL/dH, the checks
 write; or its halves ``forward`` and ``deferred_backward`` for the autograd step, and
 ``records_step`` for exact accumulation). ``run`` calls the device part compiled by
 ``torch.compile(fullgraph=True)``: one graph (a break is an error, not a silent fallback),
-shapes static per graph (a batch of another m or K compiles one of its own), lr a device
-scalar (a new lr is no recompile).
+shapes static per graph, lr a device
+scalar (a new lr is no recompile); a batch is padded to one of a few sizes first
+(batch_shapes.py), so that any m compiles once per size.
 Inductor fuses the step's few hundred small operators into a few dozen kernels.
 """
 from __future__ import annotations
@@ -21,6 +22,10 @@ import torch
 #: ``compile``: "auto" (on a CUDA device, where nothing refuses it), True (required: a head whose
 #: step cannot compile raises, with the reason) or False (the eager step)
 COMPILE_MODES = ("auto", True, False)
+
+#: Dynamo's limit of graphs per compiled function and head while the step runs: each batch size
+#: (batch_shapes.py) of m and K, and each number of Neumann factors, is one; a run meets a few dozen
+RECOMPILE_LIMIT = 64
 
 _compiled: dict = {}
 
@@ -58,5 +63,10 @@ def compiles(head) -> bool:
 
 
 def run(head, fn, *args):
-    """``fn(head, *args)``, one of step.py's device parts: compiled where ``compiles(head)``."""
-    return (compiled(fn) if compiles(head) else fn)(head, *args)
+    """``fn(head, *args)``, one of step.py's device parts: compiled where ``compiles(head)``, with
+    Dynamo's limit of graphs per function and head at ``RECOMPILE_LIMIT`` (a graph per batch size,
+    batch_shapes.py, and Neumann factors: more than Dynamo's default of 8 in a long run)."""
+    if not compiles(head):
+        return fn(head, *args)
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return compiled(fn)(head, *args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .batch_shapes import check_batch_sizes
 from .compiled import COMPILE_MODES
 
 STEP_MODES = ("autograd", "fused", "cuda_graph")
@@ -19,6 +20,9 @@ STEP_MODES = ("autograd", "fused", "cuda_graph")
 #: synchronisation every 64 steps (checks.py; 1 reads each check as it is made)
 SYNC_EVERY = 64
 PARALLEL_MODES = ("none", "replicated", "sharded")
+#: the batch sizes a compiled step pads its rows to, so that any m compiles once per size
+#: (batch_shapes.py): "pow2" (16, 32, 64, ...) or a sequence of sizes (past the largest: pow2's)
+BATCH_SIZES = "pow2"
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class Driving:
     parallel: str = "none"
     #: the step's device part compiled whole (compiled.py): "auto" (on a CUDA device), True, False
     compile: bool | str = "auto"
+    #: the rows a compiled step pads a batch to (batch_shapes.py): "pow2" or a sequence of sizes
+    batch_sizes: str | tuple[int, ...] = BATCH_SIZES
 
     def __post_init__(self):
         if self.step not in STEP_MODES:
@@ -36,6 +42,7 @@ class Driving:
             raise ValueError(f"sync_every must be an int >= 1, got {self.sync_every!r}")
         if not (isinstance(self.compile, bool) or self.compile == COMPILE_MODES[0]):  # True, False or "auto"
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        object.__setattr__(self, "batch_sizes", check_batch_sizes(self.batch_sizes))
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
         if self.step == "cuda_graph" and self.sync_every == 1:

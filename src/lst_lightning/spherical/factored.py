@@ -27,10 +27,11 @@ from torch import Tensor
 from . import compiled
 from . import step as exact
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
+from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
 from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
-from .driving import PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
+from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import sharding_for
 from .precision import own_precision
@@ -69,14 +70,15 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
                  generator: torch.Generator | None = None, stabiliser: Stabiliser | dict | None = None,
                  parallel: str = "none", checksum_every: int = 100, sync_every: int = SYNC_EVERY,
-                 step: str = "autograd", compile_step: bool | str = "auto", **kwargs):
+                 step: str = "autograd", compile_step: bool | str = "auto",
+                 batch_sizes: str | tuple[int, ...] = BATCH_SIZES, **kwargs):
         super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
         #: the repairs, with their settings (stabiliser.py)
         self.repairs = Repairs(Stabiliser.of(stabiliser))
         #: how the step is driven: step, sync_every and parallel, validated together once (driving.py).
-        self.driving = Driving(step, sync_every, parallel, compile_step)
+        self.driving = Driving(step, sync_every, parallel, compile_step, batch_sizes)
         self._refuse(self.driving)
-        self._graph = None  # the CUDA graph of the fused step (step="cuda_graph"), made at first use
+        self._graphs = {}  # the CUDA graphs of the fused step (step="cuda_graph") by batch size, made at first use
         if not (isinstance(checksum_every, int) and checksum_every >= 0):
             raise ValueError(f"checksum_every must be an int >= 0, got {checksum_every!r}")
         self.checksum_every = checksum_every
@@ -136,7 +138,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         driving = dataclasses.replace(self.driving, step=value)  # validated with sync_every and parallel
         self._refuse(driving)
         self.driving = driving
-        self._graph = None
+        self._graphs = {}
 
     @property
     def sync_every(self) -> int:
@@ -160,6 +162,21 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         driving = dataclasses.replace(self.driving, compile=value)
         self._refuse(driving)
         self.driving = driving
+
+    @property
+    def batch_sizes(self) -> str | tuple[int, ...]:
+        """The rows a compiled step (or a CUDA graph) pads a batch to, so that any m compiles (or is
+        captured) once per size (batch_shapes.py): "pow2" (16, 32, 64, ...) or a sequence of sizes."""
+        return self.driving.batch_sizes
+
+    @batch_sizes.setter
+    def batch_sizes(self, value) -> None:
+        self.driving = dataclasses.replace(self.driving, batch_sizes=value)
+
+    @property
+    def graph_sizes(self) -> tuple[tuple[int, int], ...]:
+        """The batch sizes (rows, slots) a CUDA graph of the step was captured for (``step="cuda_graph"``)."""
+        return tuple(self._graphs)
 
     @property
     def compiles(self) -> bool:
@@ -295,20 +312,24 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     # train_step (and step="fused"/"cuda_graph") runs both at once: step.whole_step.
     @own_precision
     @torch.no_grad()
-    def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None,
+                   rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Forward, backward and update in one call, without autograd: the loss and dL/dH
         (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
-        nothing on the host: the unit that ``CudaGraphStep`` captures."""
+        nothing on the host: the unit that ``CudaGraphStep`` captures. ``rows``: where H is a
+        batch already padded to a batch size (``CudaGraphStep``'s; batch_shapes.py), its real rows,
+        a device count (the "mean" reduction divides by it)."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
         self.check_decay()
-        return exact.whole_step(self, H, Hx, idx, T)
+        return exact.whole_step(self, H, Hx, idx, T, rows)
 
     def _step_in_forward(self, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
-        if self.driving.step == "cuda_graph":
-            if self._graph is None:
-                self._graph = CudaGraphStep(self, H.shape[0], idx.shape[1], hidden_dtype=H.dtype)
-            if H.shape[0] == self._graph.m:  # another batch size runs the same step eagerly
-                return _AppliedLoss.apply(H, *self._graph(H.detach(), idx, T))
+        if self.driving.step == "cuda_graph":  # one graph a batch size (batch_shapes.py), captured at its first batch
+            size = padded_rows(H.shape[0], self.driving.batch_sizes), padded_slots(idx.shape[1])
+            graph = self._graphs.get(size)
+            if graph is None:
+                graph = self._graphs[size] = CudaGraphStep(self, *size, hidden_dtype=H.dtype)
+            return _AppliedLoss.apply(H, *graph(H.detach(), idx, T))
         return _AppliedLoss.apply(H, *exact.whole_step(self, H, Hx, idx, T))
 
     def device_lr(self) -> Tensor:

@@ -3,10 +3,13 @@
 A step is a few hundred small kernels (GEMMs of m x d and d x d, the sparse
 kernels, the loss); on a GPU their launch gaps, not their work, decide the time
 at moderate m. Replaying a captured graph launches them all at once. Needs the
-step to read nothing on the host (``sync_every > 1``) and fixed shapes (m, K). With
+step to read nothing on the host (``sync_every > 1``) and fixed shapes: a graph holds a batch
+size (M rows of K slots, batch_shapes.py) and takes any batch of at most M rows and K slots,
+padded (H 0, ids -1, the real rows a device count the step reads). With
 sampled classes (``loss="sampled"``) the draw is part of the graph: the head's
 negatives draw on the device from a generator registered with the graph
-(``NegativeSampling.draw_on``), so each replay draws anew.
+(``NegativeSampling.draw_on``), so each replay draws anew (per-row negatives: for the M rows;
+the real rows' share of that draw is not the draw an unpadded step of m rows would make).
 """
 from __future__ import annotations
 
@@ -54,7 +57,8 @@ def at_zero_lr(head: "FactoredSphericalHead"):
 
 
 class CudaGraphStep:
-    """``step(H, target_idx) -> (loss, dL/dH)``: ``head.train_step`` replayed from a graph.
+    """``step(H, target_idx) -> (loss, dL/dH)``: ``head.train_step`` replayed from a graph, for
+    batches of at most ``m`` rows and ``K`` slots (padded to them).
 
     The lr is read from a device scalar at each replay (a schedule needs no new
     capture); the head's flags are read every ``head.sync_every`` replays. With
@@ -73,6 +77,7 @@ class CudaGraphStep:
         self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)
         self.idx = torch.zeros(m, K, dtype=torch.long, device=dev)
         self.val = torch.zeros(m, K, dtype=head.dtype, device=dev)
+        self.rows = torch.full((), m, dtype=torch.int64, device=dev)  # the replayed batch's real rows
         if head.negatives is not None:  # sampled classes drawn inside the graph, by a device generator
             head.negatives.draw_on(dev)
         self.warmup = warmup
@@ -89,7 +94,7 @@ class CudaGraphStep:
         if head.negatives is not None:  # each replay draws anew, from the generator's state then
             graph.register_generator_state(head.negatives.device_generator)
         with torch.cuda.graph(graph):
-            loss, dH = head.train_step(self.H, self.idx, self.val)
+            loss, dH = head.train_step(self.H, self.idx, self.val, self.rows)
         self.graphs[head.step_checks.factors] = captured = (graph, loss, dH)
         return captured
 
@@ -101,24 +106,27 @@ class CudaGraphStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), at_zero_lr(self.head):
             for _ in range(n):
-                self.head.train_step(self.H, self.idx, self.val)
+                self.head.train_step(self.H, self.idx, self.val, self.rows)
         torch.cuda.current_stream().wait_stream(side)
 
     def __call__(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
         idx = target_idx[:, None] if target_idx.dim() == 1 else target_idx
-        if tuple(H.shape) != tuple(self.H.shape) or tuple(idx.shape) != (self.m, self.K):
-            raise ValueError(f"this graph was captured for H {tuple(self.H.shape)} and targets "
-                             f"{(self.m, self.K)}, got {tuple(H.shape)} and {tuple(idx.shape)}")
+        (m, k), width = idx.shape, self.H.shape[1]
+        if H.dim() != 2 or H.shape[1] != width or H.shape[0] != m or not 1 <= m <= self.m or k > self.K:
+            raise ValueError(f"this graph was captured for at most {self.m} rows of H (m, {width}) and "
+                             f"{self.K} target slots, got H {tuple(H.shape)} and targets {tuple(idx.shape)}")
         head = self.head
         head.check_decay()  # the captured step checked it once, at capture
-        self.H.copy_(H)
-        self.idx.copy_(idx)
-        if target_val is None:
-            self.val.copy_(idx >= 0)
-        else:
-            self.val.copy_(target_val.reshape(idx.shape))
+        val = (idx >= 0) if target_val is None else target_val.reshape(idx.shape)
+        self.H[:m].copy_(H)
+        self.H[m:].zero_()
+        self.idx.fill_(-1)
+        self.idx[:m, :k].copy_(idx)
+        self.val.zero_()
+        self.val[:m, :k].copy_(val)
+        self.rows.fill_(m)
         head.device_lr()  # refill lr outside the graph
         graph, loss, dH = self.graphs.get(head.step_checks.factors) or self._capture()
         graph.replay()
         head.count_replay()  # counted on the host: the flags read every sync_every replays
-        return loss, dH
+        return loss, dH[:m]

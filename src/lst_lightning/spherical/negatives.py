@@ -254,9 +254,9 @@ class NegativeSampling:
 
     # -- the factored step's loss (step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, Ht: Tensor,
-                       ht: Tensor, u: Tensor | None = None):
+                       ht: Tensor, u: Tensor | None = None, rows: Tensor | None = None):
         """The draw (by the uniforms ``u``, None: drawn here), the negatives' outputs, the composite
-        loss and its gradients (in closed form). Returns (L, g_q, g_s, G_A, idx, step part): per
+        loss and its gradients (in closed form); ``rows``: as ``step.forward``'s, resolved. Returns (L, g_q, g_s, G_A, idx, step part): per
         row, idx and G_A carry the negatives as extra slots (the general path); shared, they stay
         apart in a ``SharedBlock``."""
         query = None if self.kernel is None else torch.cat([Ht, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
@@ -269,7 +269,7 @@ class NegativeSampling:
             A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
         loss_fn = head.loss_fn
         y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
-        weight = head.row_weights(idx, q.dtype, sh.rows)
+        weight = head.row_weights(idx, q.dtype, rows)
         per, gq, gs, GA, G_neg = loss_fn.with_slots_grads(q, s, A, T, A_neg, slots, weight,
                                                           num_classes=head.num_classes, y_sq=y_sq)
         L = head.reduce(per, idx, weight)

@@ -5,7 +5,8 @@
 - at the first training step the ranks agree on a capacity, in the one host read of
   ``Sharding.agree`` (which raises a bad input on every rank at once there): the most rows C
   and target slots K a rank sends, the largest of their first batches' (and of
-  ``head.rows_per_rank``);
+  ``head.rows_per_rank``), where the step runs compiled the batch size of those rows
+  (batch_shapes.py);
 - at every step each rank sends a header (its rows m and an error code) and its rows padded
   to C x K (padding rows: H 0, ids -1, values 0), in two all-gathers of a fixed size. The
   step works on the gathered batch, the ranks' rows in rank order each followed by its
@@ -24,7 +25,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .batch_shapes import padded_rows, padded_slots
 from .collectives import ProcessGroup
+from .compiled import compiles
 
 #: a rank's error codes in the header and in ``fault``: its rows sent; its input failed the
 #: host checks; it had more rows or slots than the capacity; the gathered batch had bad ids
@@ -66,6 +69,8 @@ class PaddedRows:
         read on the host by ``Sharding.agree``) and ``head.rows_per_rank``."""
         rows, slots = zip(*sizes)
         self.capacity = (max(*rows, head.rows_per_rank or 0), max(slots))
+        if compiles(head):  # a batch size (batch_shapes.py): later batches of up to that many rows fit
+            self.capacity = padded_rows(self.capacity[0], head.driving.batch_sizes), padded_slots(self.capacity[1])
         dev = head.device
         self.header = torch.zeros(self.pg.world, 2, dtype=torch.int64, device=dev)
         self.rows = torch.zeros((), dtype=torch.int64, device=dev)

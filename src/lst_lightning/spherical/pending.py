@@ -131,7 +131,7 @@ class PendingRows:
         dH = head._hidden_grad(saved, grad)
         self.records.append(head._pending_record(saved, grad / scale))
         self.records_scale = scale
-        self.rows += dH.shape[0]
+        self.rows += self.records[-1][1].shape[0]  # the batch's own rows (a padded step's record drops its padding)
         return dH
 
     @torch.no_grad()

@@ -25,6 +25,7 @@ from torch import Tensor
 import lst_kernels as lk
 
 from . import compiled
+from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
 from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
 
 
@@ -44,6 +45,7 @@ class SavedForward:
     input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
     neg: object = None  # sampled classes (negatives.py): a SharedBlock or PerRowSlots; None when off
     real: Tensor | None = None  # the rows with a target (the preconditioner's moments count these only)
+    kept: int | None = None  # padded to a batch size (batch_shapes.py): the batch's own rows; None: not padded
 
 
 @dataclass
@@ -111,23 +113,27 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
 
 
 @torch.no_grad()
-def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = None) -> tuple[Tensor, SavedForward]:
+def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = None,
+            rows: Tensor | None = None) -> tuple[Tensor, SavedForward]:
     """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
-    ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here)."""
+    ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here). ``rows``: the
+    real rows the "mean" reduction divides by, a device count, where the batch was padded (None:
+    ``sharding.rows``, the batch's own rows in one process)."""
     input_ok = True
     if head.step_checks.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
     route = inverse_route(head, Hx.shape[0])
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
     real = None if head.preconditioner is None else (idx >= 0).any(1)  # the rows its moments count
+    rows = head.sharding.rows if rows is None else rows
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
-        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht, draws)
+        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht, draws, rows)
         return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
     loss_fn = head.loss_fn
     y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
-    weight = head.row_weights(idx, q.dtype, head.sharding.rows)
+    weight = head.row_weights(idx, q.dtype, rows)
     per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=head.num_classes, y_sq=y_sq)
     L = head.reduce(per, idx, weight)
     return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
@@ -423,7 +429,7 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     if head.step_checks.deferred:
         dH = compiled.run(head, deferred_backward, fwd, grad)
         after_step(head)
-        return dH
+        return dH if fwd.kept is None else dH[:fwd.kept]
     checks = head.step_checks
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
@@ -455,29 +461,47 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
 def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
     """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
     where the head's step is: ``compiled.run``)."""
-    draws = before_step(head, Hx.shape[0])
-    return compiled.run(head, forward, Hx, idx, T, draws)
+    m = Hx.shape[0]
+    draws = before_step(head, m)
+    size = batch_size(head, m, idx.shape[1]) if compiled.compiles(head) else None  # static shapes: padded
+    if size is None:
+        return compiled.run(head, forward, Hx, idx, T, draws)
+    loss, fwd = compiled.run(head, forward, *pad_batch(Hx, idx, T, *size), pad_draws(head, draws, m, size[0]),
+                             real_rows(Hx, m))
+    fwd.kept = m
+    return loss, fwd
 
 
 @torch.no_grad()
-def deferred_step(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None) -> tuple[Tensor, Tensor]:
+def deferred_step(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None,
+                  rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The whole step's device part under device flags: forward, dL/dH, the checks as flags,
     the write and the device counts, in one function that reads nothing on the host (what
-    ``torch.compile(fullgraph=True)`` takes whole). The loss and dL/dH (m, width)."""
-    loss, fwd = forward(head, Hx, idx, T, draws)
+    ``torch.compile(fullgraph=True)`` takes whole). The loss and dL/dH (m, width). ``rows``: as
+    ``forward``'s."""
+    loss, fwd = forward(head, Hx, idx, T, draws, rows)
     return loss, deferred_backward(head, fwd, loss.new_ones(()))
 
 
 @torch.no_grad()
-def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor]:
-    """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH."""
+def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
+               real: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH.
+    ``real``: where the caller padded the batch itself (a CUDA graph's static batch), its real rows
+    as a device count."""
     sh, rows = head.sharding, None
     if not sh.alone:
         Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
-    draws = before_step(head, Hx.shape[0])
+    m = Hx.shape[0]
+    draws = before_step(head, m)
     if head.step_checks.deferred:
         head._version += 1  # the state moves: a pending backward of an earlier forward is stale
-        loss, dH = compiled.run(head, deferred_step, Hx, idx, T, draws)
+        size = batch_size(head, m, idx.shape[1]) if real is None and compiled.compiles(head) else None
+        if size is not None:
+            Hx, idx, T = pad_batch(Hx, idx, T, *size)
+            draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
+        loss, dH = compiled.run(head, deferred_step, Hx, idx, T, draws, real)
+        dH = dH[:m]
         after_step(head)
     else:
         loss, fwd = forward(head, Hx, idx, T, draws)
@@ -490,8 +514,11 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Ten
 def pending_record(head, fwd: SavedForward, weight: Tensor):
     """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
     shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
-    block = None if fwd.neg is None or not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg * weight)
-    return fwd.Hx, fwd.idx, fwd.gq * weight, fwd.gs * weight, fwd.GA * weight, fwd.real, fwd.input_ok, block
+    n = fwd.Hx.shape[0] if fwd.kept is None else fwd.kept  # a padded batch keeps its own rows only
+    block = None if fwd.neg is None or not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
+    real = None if fwd.real is None else fwd.real[:n]
+    return (fwd.Hx[:n], fwd.idx[:n], fwd.gq[:n] * weight, fwd.gs[:n] * weight, fwd.GA[:n] * weight, real,
+            fwd.input_ok, block)
 
 
 @torch.no_grad()
@@ -511,6 +538,13 @@ def apply_records(head, records: list) -> None:
     before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
     if head.step_checks.deferred:
         head._version += 1
+        size = batch_size(head, Hx.shape[0], idx.shape[1]) if compiled.compiles(head) else None
+        if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
+            M = size[0]
+            Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
+            gq, gs = pad_rows(gq, M), pad_rows(gs, M)
+            real = None if real is None else pad_rows(real, M, False)
+            G_neg = None if G_neg is None else pad_rows(G_neg, M)
         compiled.run(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
         after_step(head)
         return
