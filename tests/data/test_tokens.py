@@ -77,19 +77,25 @@ def test_a_second_run_reads_the_cache_and_a_changed_file_does_not(tmp_path, cach
 
 
 def test_the_summary_line(tmp_path, cache, caplog):
-    dm = TextDataModule("files", path=str(_corpus(tmp_path)), vocab_size=8, context_size=2, min_doc_tokens=1,
-                        val_fraction=0.2, test_fraction=0.2)
-    with caplog.at_level(logging.INFO, logger="lst_lightning.data"):
-        dm.prepare_data()
-        dm.setup()
-    line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: files, words tokens:")]
-    assert len(line) == 1
-    m, v = dm.tokenised.meta, dm.vocab
-    rate = sum(dm.tokenised.unknown(s, v) for s in SPLITS) / sum(m["tokens"].values())
-    for part in [f"{sum(m['documents'].values())} documents", f"{sum(m['tokens'].values())} tokens",
-                 f"{m['types']} types", "vocabulary 8 (7 types kept, <unk>)", f"unknown {100 * rate:.2f} %"]:
-        assert part in line[0]
-    assert 0 < rate < 1 and kept(v) == 7
+    path = str(_corpus(tmp_path))
+    for built in (True, False):
+        dm = TextDataModule("files", path=path, vocab_size=8, context_size=2, min_doc_tokens=1, val_fraction=0.2,
+                            test_fraction=0.2)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="lst_lightning.data"):
+            dm.prepare_data()
+            dm.setup()
+        line = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: files, words tokens:")]
+        assert len(line) == 1
+        m, v = dm.tokenised.meta, dm.vocab
+        rate = sum(dm.tokenised.unknown(s, v) for s in SPLITS) / sum(m["tokens"].values())
+        for part in [f"{sum(m['documents'].values())} documents", f"{sum(m['tokens'].values())} tokens",
+                     f"{m['types']} types", "vocabulary 8 (7 types kept, <unk>)", f"unknown {100 * rate:.2f} %",
+                     f"tokenised in {m['seconds']} s into {dm.tokenised.path}" if built
+                     else f"cached in {dm.tokenised.path}"]:
+            assert part in line[0]
+        assert 0 < rate < 1 and kept(v) == 7
+        assert any(r.getMessage().startswith("data: tokenising files") for r in caplog.records) == built
 
 
 def test_a_vocabulary_too_large_is_refused_from_the_cache_before_encoding(tmp_path, cache, monkeypatch):

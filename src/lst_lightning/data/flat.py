@@ -41,13 +41,18 @@ class FlatDocuments:
         out[np.arange(len(self.tokens), dtype=np.int64) + shift] = self.tokens
         return FlatDocuments(out, self.offsets + n * np.arange(docs + 1, dtype=np.int64))
 
-    def positions(self, skip: int, step: int = 1, last: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Positions ``p = start + skip + k step`` < ``end - last`` in each document, in
-        order, and the end of each one's document (one past its last token)."""
-        starts, lengths = self.offsets[:-1], self.lengths
-        counts = np.maximum(-(-(lengths - skip - last) // step), 0)
-        total = int(counts.sum())
-        first = np.repeat(starts + skip, counts)
-        # k within its document: the running index minus where its document's run began
-        k = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        return first + k * step, np.repeat(starts + lengths, counts)
+    def positions(self, skip: int, step: int = 1, last: int = 0) -> np.ndarray:
+        """Positions ``p = start + skip + k step`` < ``end - last`` in each document, in order."""
+        counts = self._counts(skip, step, last)
+        # p = step i + (start + skip - step (index of the document's first position)), i running
+        out = np.arange(int(counts.sum()), dtype=np.int64)
+        out *= step
+        out += np.repeat(self.offsets[:-1] + skip - step * (np.cumsum(counts) - counts), counts)
+        return out
+
+    def ends(self, skip: int, step: int = 1, last: int = 0) -> np.ndarray:
+        """The end of the document (one past its last token) of each of :meth:`positions`."""
+        return np.repeat(self.offsets[1:], self._counts(skip, step, last))
+
+    def _counts(self, skip: int, step: int, last: int) -> np.ndarray:
+        return np.maximum(-(-(self.lengths - skip - last) // step), 0)

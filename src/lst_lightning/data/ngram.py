@@ -27,7 +27,7 @@ class NgramWindows(Dataset):
         flat = documents.with_heads(n, bos_id)
         self.longest_document = flat.longest
         self.tokens = torch.from_numpy(flat.tokens)
-        self.targets_at = torch.from_numpy(flat.positions(n)[0])
+        self.targets_at = torch.from_numpy(flat.positions(n))
         self._offsets = torch.arange(-n, 0)
 
     def __len__(self) -> int:

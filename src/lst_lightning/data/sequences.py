@@ -28,9 +28,9 @@ class TokenSequences(Dataset):
         flat = documents.with_heads(1, bos_id)
         self.longest_document = flat.longest
         # one input and its target at least; room to read past the end
-        starts, ends = flat.positions(0, length, last=1)
         self.tokens = torch.from_numpy(np.concatenate([flat.tokens, np.zeros(length + 1, np.int32)]))
-        self.starts, self.ends = torch.from_numpy(starts), torch.from_numpy(ends)
+        self.starts = torch.from_numpy(flat.positions(0, length, last=1))
+        self.ends = torch.from_numpy(flat.ends(0, length, last=1))
         self._offsets = torch.arange(length)
 
     def __len__(self) -> int:

@@ -33,6 +33,7 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from .corpus import SPLITS, cache_dir
 from .flat import FlatDocuments
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # the layout and the tokenisers' version: a change makes new keys
 _FLUSH = 1 << 20  # ids buffered before they are written
+_CHUNK = 1 << 24  # ids encoded at a time
 
 
 def token_cache() -> Path:
@@ -55,10 +57,11 @@ class Tokenised:
 
     path: Path
     meta: dict
+    built: bool = False  # by this process, not found in the cache
 
     @classmethod
-    def open(cls, path: Path) -> Tokenised:
-        return cls(path, json.loads((path / "meta.json").read_text()))
+    def open(cls, path: Path, built: bool = False) -> Tokenised:
+        return cls(path, json.loads((path / "meta.json").read_text()), built)
 
     def ids(self, split: str) -> np.ndarray:
         """The split's tokens as type ranks (int32, memory-mapped)."""
@@ -79,7 +82,7 @@ class Tokenised:
                    hint: str = "") -> Vocabulary:
         """vocab.py's vocabulary of the training split (``Vocabulary.build`` on its tokens)."""
         n = self.train_types
-        counts = np.load(self.path / "counts.npy")[:n].tolist()
+        counts = torch.from_numpy(np.load(self.path / "counts.npy")[:n])
         return Vocabulary.from_ranked(self.types[:n], counts, max_size, min_count, extra, hint)
 
     def encode(self, split: str, vocab: Vocabulary, extra: tuple[str, ...] = ()) -> FlatDocuments:
@@ -89,7 +92,7 @@ class Tokenised:
         table = np.full(int(self.meta["types"]), unk, dtype=np.int32)
         table[:unk] = np.arange(unk, dtype=np.int32)
         table[unk:n] = np.arange(unk + 1, n + 1, dtype=np.int32)
-        return FlatDocuments(np.take(table, self.ids(split)), self.offsets(split))
+        return FlatDocuments(_lookup(table, self.ids(split)), self.offsets(split))
 
     def unknown(self, split: str, vocab: Vocabulary, extra: tuple[str, ...] = ()) -> int:
         """How many of the split's tokens ``vocab`` makes ``<unk>``."""
@@ -106,7 +109,16 @@ class Tokenised:
                 f"{m['types']:,} types ({self.train_types:,} in train); vocabulary {len(vocab):,} "
                 f"({kept(vocab, extra):,} types kept, <unk>{''.join(f' and {t}' for t in extra)}); unknown "
                 f"{100 * unknown:.2f} % of the tokens (train {100 * rates['train']:.2f} %, validation "
-                f"{100 * rates['validation']:.2f} %, test {100 * rates['test']:.2f} %)")
+                f"{100 * rates['validation']:.2f} %, test {100 * rates['test']:.2f} %); "
+                + (f"tokenised in {m['seconds']} s into {self.path}" if self.built else f"cached in {self.path}"))
+
+
+def _lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``table[ids]`` (int32), in chunks: numpy widens the indices it takes to int64."""
+    out = np.empty(len(ids), dtype=np.int32)
+    for a in range(0, len(ids), _CHUNK):
+        out[a : a + _CHUNK] = table[ids[a : a + _CHUNK]]
+    return out
 
 
 def kept(vocab: Vocabulary, extra: tuple[str, ...] = ()) -> int:
@@ -140,7 +152,7 @@ def tokenise(source, tokenizer: str, max_tokens: int | None = None) -> Tokenised
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Tokenised.open(path)
+    return Tokenised.open(path, built=True)
 
 
 def _progress():
@@ -163,10 +175,9 @@ def _progress():
 
 def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
     start = time.perf_counter()
+    log.info("data: tokenising %s with the %s tokenizer%s, once: later runs read %s", source.name, tokenizer,
+             f", up to {max_tokens:,} tokens" if max_tokens else "", out.parent)
     size = source.size()
-    log.info("data: tokenising %s (%s %s%s) with the %s tokenizer, once: later runs read %s", source.name,
-             f"{size:,}", source.unit, f", up to {max_tokens:,} tokens" if max_tokens else "", tokenizer,
-             out.parent)
     index: dict[str, int] = {}
     setdefault = index.setdefault
     buffers = {s: array.array("i") for s in SPLITS}
@@ -205,7 +216,7 @@ def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
     rank = np.empty(len(types), dtype=np.int32)
     rank[order] = np.arange(len(types), dtype=np.int32)
     for s in SPLITS:
-        np.save(out / f"{s}.ids.npy", np.take(rank, raw[s]))
+        np.save(out / f"{s}.ids.npy", _lookup(rank, raw[s]))
         np.save(out / f"{s}.offsets.npy", np.concatenate([[0], np.cumsum(lengths[s], dtype=np.int64)]))
         (out / f"{s}.raw").unlink()
     (out / "types.txt").write_text("\n".join(types[i] for i in order), "utf-8", "surrogatepass")
@@ -216,4 +227,3 @@ def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
             "types": len(types), "train_types": int(np.count_nonzero(counts)),
             "seconds": round(time.perf_counter() - start, 1)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
-    log.info("data: %s tokenised in %.1f s", source.name, meta["seconds"])

@@ -36,12 +36,12 @@ def tokenize(text: str, kind: str = "words") -> list[str]:
 class Vocabulary:
     """Word <-> id with per-id counts, ids in decreasing count order."""
 
-    def __init__(self, words: list[str], counts: list[int]):
-        if len(words) != len(counts) or len(set(words)) != len(words):
-            raise ValueError("vocabulary words must be unique and match the counts")
+    def __init__(self, words: list[str], counts: list[int] | torch.Tensor):
         self.words = list(words)
-        self.counts = torch.tensor(counts, dtype=torch.long)
+        self.counts = torch.as_tensor(counts, dtype=torch.long)
         self.index = {w: i for i, w in enumerate(self.words)}
+        if len(self.words) != len(self.counts) or len(self.index) != len(self.words):
+            raise ValueError("vocabulary words must be unique and match the counts")
         self.unk_id = self.index.get(UNK, -1)
 
     def __len__(self) -> int:
@@ -74,13 +74,16 @@ class Vocabulary:
                 f"type){hint}"
             )
         keep_n = len(words) if max_size is None else max_size - 1 - len(extra)
-        kept = [(w, c) for w, c in zip(words[:keep_n], counts[:keep_n]) if c >= min_count]
-        unk = int(sum(counts)) - sum(int(c) for _, c in kept)
-        # Specials get count 1 so they sort last (not 0: the log-uniform sampler and
-        # Huffman coding dislike zero counts).
-        items = kept + [(UNK, max(unk, 1))] + [(t, 1) for t in extra]
-        items.sort(key=lambda kv: -kv[1])  # stable: keeps the word order of ties
-        return cls([w for w, _ in items], [int(c) for _, c in items])
+        counts = torch.as_tensor(counts, dtype=torch.long)
+        kept = counts[:keep_n]
+        kept = kept[: int((kept >= min_count).sum())]  # counts decrease: the words kept are a prefix
+        # <unk> counts the words it replaces, and sorts by that count after the kept words of
+        # the same count; the specials count 1 and come last (not 0: the log-uniform sampler
+        # and Huffman coding dislike zero counts).
+        unk = max(int(counts.sum() - kept.sum()), 1)
+        at = int((kept >= unk).sum())
+        return cls([*words[:at], UNK, *words[at : len(kept)], *extra],
+                   torch.cat([kept[:at], torch.tensor([unk]), kept[at:], torch.ones(len(extra), dtype=torch.long)]))
 
     def encode(self, tokens: list[str]) -> list[int]:
         get, unk = self.index.get, self.unk_id
