@@ -109,7 +109,7 @@ def test_linux_source_streams_the_c_files_of_a_tarball(tmp_path, cache):
     dm.prepare_data()
     dm.setup()
     assert dm.tokenised.meta["tokens"]["train"] + dm.tokenised.meta["tokens"]["validation"] > 0
-    assert {"probe_0", "dev", "-", ">", "0x0", "X_MAX", "42UL"} <= set(dm.tokenised.types)
+    assert {"probe_0", "dev", "-", ">", "0x0", "X_MAX", "42UL"} <= set(dm.tokenised.types())
     assert sum(dm.tokenised.meta["documents"].values()) == 41 and len(dm.splits["train"]) > 0
     capped = tokenise(src, "code", 300)  # whole files of 19 tokens
     assert 300 <= sum(capped.meta["tokens"].values()) < 319 and capped.meta["capped"]

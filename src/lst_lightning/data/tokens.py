@@ -21,6 +21,7 @@ from __future__ import annotations
 import array
 import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -29,7 +30,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -70,9 +70,10 @@ class Tokenised:
     def offsets(self, split: str) -> np.ndarray:
         return np.load(self.path / f"{split}.offsets.npy")
 
-    @cached_property
-    def types(self) -> list[str]:
-        return (self.path / "types.txt").read_text("utf-8", "surrogatepass").split("\n")
+    def types(self, n: int | None = None) -> list[str]:
+        """The first ``n`` types by rank (all of them when None), read from the cache."""
+        with (self.path / "types.txt").open(encoding="utf-8", errors="surrogatepass", newline="\n") as f:
+            return [line.removesuffix("\n") for line in itertools.islice(f, n)]
 
     @property
     def train_types(self) -> int:
@@ -83,7 +84,7 @@ class Tokenised:
         """vocab.py's vocabulary of the training split (``Vocabulary.build`` on its tokens)."""
         n = self.train_types
         counts = torch.from_numpy(np.load(self.path / "counts.npy")[:n])
-        return Vocabulary.from_ranked(self.types[:n], counts, max_size, min_count, extra, hint)
+        return Vocabulary.from_ranked(self.types(n), counts, max_size, min_count, extra, hint)
 
     def encode(self, split: str, vocab: Vocabulary, extra: tuple[str, ...] = ()) -> FlatDocuments:
         """The split in the ids of ``vocab`` (made by :meth:`vocabulary` with the specials
