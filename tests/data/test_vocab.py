@@ -37,3 +37,34 @@ def test_tokenizer():
     assert tokenize("a <unk> b", "whitespace") == ["a", "<unk>", "b"]
     with pytest.raises(ValueError, match="tokenizer"):
         tokenize("x", "bpe")
+
+
+def _reference(docs, max_size, min_count, extra):
+    """The vocabulary's rule written out: the most frequent words (ties by word) seen at least
+    min_count times, <unk> with the count of the rest, the specials with count 1, all
+    sorted by decreasing count, ties kept in that order."""
+    counts = {}
+    for d in docs:
+        for w in d:
+            counts[w] = counts.get(w, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    keep = len(ranked) if max_size is None else max_size - 1 - len(extra)
+    kept = [(w, c) for w, c in ranked[:keep] if c >= min_count]
+    items = kept + [(UNK, max(sum(counts.values()) - sum(c for _, c in kept), 1))] + [(t, 1) for t in extra]
+    items.sort(key=lambda kv: -kv[1])
+    return [w for w, _ in items], [c for _, c in items]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_vocab_follows_its_rule(seed):
+    g = torch.Generator().manual_seed(seed)
+    words = [f"w{i}" for i in range(40)]
+    docs = [[words[int(i)] for i in torch.randint(0, 1 + int(torch.randint(1, 40, (1,), generator=g)), (30,),
+                                                   generator=g)] for _ in range(5)]
+    distinct = len({w for d in docs for w in d})
+    for max_size in [None, 2, 5, distinct // 2 + 2, distinct + 1]:
+        for min_count, extra in [(1, ()), (3, ()), (1, ("<s>",)), (5, ("<s>", "<pad>"))]:
+            if max_size is not None and max_size < 2 + len(extra):
+                continue
+            v = Vocabulary.build(docs, max_size, min_count, extra)
+            assert (v.words, v.counts.tolist()) == _reference(docs, max_size, min_count, extra)

@@ -10,6 +10,7 @@ target, and ``context_size`` is that length. ``batch_size``, ``eval_batch_size``
 many rows per step from either kind of body."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -17,12 +18,16 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from .corpus import load_corpus
+from .corpus import SPLITS
 from .ngram import EpochBatchSampler, NgramWindows
 from .resumable_loader import ResumableLoader
 from .sequences import TokenSequences
+from .sources import CorpusSource, LinuxSource, PythonCode
 from .synthetic import SyntheticZipf, zipf_counts
+from .tokens import Tokenised, tokenise
 from .vocab import BOS, Vocabulary, tokenize
+
+log = logging.getLogger(__name__)
 
 
 class _PaddedIds(Dataset):
@@ -99,14 +104,20 @@ class _WindowDataModule(pl.LightningDataModule):
 
 
 class TextDataModule(_WindowDataModule):
-    """n-gram windows (or sequences) over a corpus from :func:`~lst_lightning.data.corpus.load_corpus`."""
+    """n-gram windows (or sequences) over a tokenised corpus: one of corpus.py's
+    (``source``: ``embedded``, ``files``, ``hub``) or a source-code corpus
+    (``python_code``, ``linux_source``: sources.py), tokenised once and cached as arrays
+    (tokens.py). ``path``: the text files (``files``), the uv.lock that names the
+    packages (``python_code``; null: the project's), the kernel's tarball
+    (``linux_source``; null: Debian's). ``max_tokens`` takes the code corpora's first
+    tokens only (null: all)."""
 
     def __init__(self, source: str = "embedded", *, path=None, name: str | None = None,
                  subset: str | None = None, text_column: str = "text", sample_by: str = "paragraph",
                  tokenizer: str = "words", vocab_size: int | None = 10000, min_count: int = 1,
                  context_size: int = 6, pad_start: bool = False, val_fraction: float = 0.05,
-                 test_fraction: float = 0.05, min_doc_tokens: int = 20, batch_size: int = 128,
-                 eval_batch_size: int | None = None, max_eval_examples: int | None = None,
+                 test_fraction: float = 0.05, min_doc_tokens: int = 20, max_tokens: int | None = None,
+                 batch_size: int = 128, eval_batch_size: int | None = None, max_eval_examples: int | None = None,
                  num_workers: int = 0, seed: int = 0, sequences: bool = False, sequence_length: int = 32):
         super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples, sequences,
                          sequence_length)
@@ -115,29 +126,42 @@ class TextDataModule(_WindowDataModule):
         if vocab_size is not None and vocab_size < 2:
             raise ValueError(f"data.vocab_size must be >= 2 (or null), got {vocab_size}")
         tokenize("", tokenizer)  # rejects an unknown tokenizer now
-        self.corpus_args = dict(source=source, path=path, name=name, subset=subset, text_column=text_column,
-                                sample_by=sample_by, val_fraction=val_fraction, test_fraction=test_fraction,
-                                min_doc_tokens=min_doc_tokens, seed=seed)
         self.tokenizer, self.vocab_size, self.min_count = tokenizer, vocab_size, min_count
+        self.max_tokens = max_tokens
+        self.source = make_source(source, dict(
+            source=source, path=path, name=name, subset=subset, text_column=text_column, sample_by=sample_by,
+            val_fraction=val_fraction, test_fraction=test_fraction, min_doc_tokens=min_doc_tokens, seed=seed),
+            max_tokens)
         self.context_size = sequence_length if sequences else context_size
         self.pad_start = pad_start
+        self.extra = (BOS,) if pad_start else ()
+        self.tokenised: Tokenised | None = None
 
     def prepare_data(self) -> None:
-        load_corpus(**self.corpus_args)  # downloads / caches once, on rank 0
+        """Tokenise the corpus into the cache (once; on rank 0), and refuse a vocabulary it
+        cannot fill as soon as its types are counted."""
+        self._vocabulary()
+
+    def _vocabulary(self) -> Vocabulary:
+        if self.tokenised is None:
+            self.tokenised = tokenise(self.source, self.tokenizer, self.max_tokens)
+        if self.vocab is None:
+            hint = []
+            if self.tokenised.meta.get("capped"):
+                hint.append(f"raise data.max_tokens={self.max_tokens} (or null: the whole corpus)")
+            if self.tokenizer != "whitespace":
+                hint.append("tokenise with data.tokenizer=whitespace (case and punctuation kept: more types)")
+            self.vocab = self.tokenised.vocabulary(self.vocab_size, self.min_count, self.extra,
+                                                   "".join(f"; or {h}" for h in hint))
+        return self.vocab
 
     def setup(self, stage: str | None = None) -> None:
         if self.splits:
             return
-        corpus = load_corpus(**self.corpus_args)
-        docs = {s: [tokenize(t, self.tokenizer) for t in corpus[s]["text"]] for s in corpus}
-        for s, d in docs.items():
-            if not any(d):
-                raise ValueError(f"the {s} split of the corpus has no words")
-        extra = (BOS,) if self.pad_start else ()
-        self.vocab = Vocabulary.build(docs["train"], self.vocab_size, self.min_count, extra)
-        bos = self.vocab.index[BOS] if self.pad_start else None
-        for s, d in docs.items():
-            encoded = [self.vocab.encode(x) for x in d]
+        vocab = self._vocabulary()
+        bos = vocab.index[BOS] if self.pad_start else None
+        for s in SPLITS:
+            encoded = self.tokenised.encode(s, vocab, self.extra)
             if self.sequences:
                 self.splits[s] = TokenSequences(encoded, self.sequence_length, bos)
                 if len(self.splits[s]) == 0:
@@ -150,11 +174,27 @@ class TextDataModule(_WindowDataModule):
                     f"(the longest has {w.longest_document} tokens); lower it or set data.pad_start=true"
                 )
             self.splits[s] = w
-        self.num_classes = self.input_vocab_size = len(self.vocab)
-        self.class_counts = self.vocab.counts.clone()
+        self.num_classes = self.input_vocab_size = len(vocab)
+        self.class_counts = vocab.counts.clone()
+        log.info("%s", self.tokenised.describe(vocab, self.extra))
 
     def save_vocab(self, path: str | Path) -> None:
         self.vocab.save(path)
+
+
+def make_source(source: str, corpus_args: dict, max_tokens: int | None):
+    """The documents of ``data.source`` (sources.py)."""
+    fractions = corpus_args["val_fraction"], corpus_args["test_fraction"]
+    if source == "python_code":
+        return PythonCode(corpus_args["path"], *fractions)
+    if source == "linux_source":
+        return LinuxSource(corpus_args["path"], *fractions)
+    if source not in ("embedded", "files", "hub"):
+        raise ValueError(f"data.source must be embedded, files, hub, python_code or linux_source, not {source!r}")
+    if max_tokens is not None:
+        raise ValueError(f"data.max_tokens caps data.source=python_code and linux_source only (not {source}): "
+                         "set it to null")
+    return CorpusSource(corpus_args)
 
 
 class SyntheticDataModule(_WindowDataModule):

@@ -9,28 +9,25 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, Sampler
 
+from .flat import FlatDocuments
+
 
 class NgramWindows(Dataset):
     """All windows that fit inside one document. Indexed by a 1-D tensor of example
-    ids; returns ``(context (b, n) int64, target (b,) int64)``."""
+    ids; returns ``(context (b, n) int64, target (b,) int64)``. ``documents``: lists of
+    ids, or :class:`~lst_lightning.data.flat.FlatDocuments` (a corpus of 10^8 tokens)."""
 
-    def __init__(self, documents: Sequence[Sequence[int]], context_size: int, bos_id: int | None = None):
+    def __init__(self, documents: Sequence[Sequence[int]] | FlatDocuments, context_size: int,
+                 bos_id: int | None = None):
         if context_size < 1:
             raise ValueError(f"context_size must be >= 1, got {context_size}")
         self.context_size = n = context_size
-        pad = [bos_id] * n if bos_id is not None else []
-        flat: list[int] = []
-        starts: list[Tensor] = []
-        longest = 0
-        for doc in documents:
-            doc = pad + list(doc)
-            longest = max(longest, len(doc))
-            if len(doc) > n:
-                starts.append(torch.arange(len(flat) + n, len(flat) + len(doc)))
-            flat += doc
-        self.longest_document = longest
-        self.tokens = torch.tensor(flat, dtype=torch.long)
-        self.targets_at = torch.cat(starts) if starts else torch.empty(0, dtype=torch.long)
+        if not isinstance(documents, FlatDocuments):
+            documents = FlatDocuments.from_lists(documents)
+        flat = documents.with_heads(n, bos_id)
+        self.longest_document = flat.longest
+        self.tokens = torch.from_numpy(flat.tokens)
+        self.targets_at = torch.from_numpy(flat.positions(n))
         self._offsets = torch.arange(-n, 0)
 
     def __len__(self) -> int:
@@ -38,7 +35,7 @@ class NgramWindows(Dataset):
 
     def __getitem__(self, idx: Tensor) -> tuple[Tensor, Tensor]:
         pos = self.targets_at[torch.as_tensor(idx)]
-        return self.tokens[pos[:, None] + self._offsets], self.tokens[pos]
+        return self.tokens[pos[:, None] + self._offsets].long(), self.tokens[pos].long()
 
 
 class EpochBatchSampler(Sampler[Tensor]):

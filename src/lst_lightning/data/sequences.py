@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import Dataset
+
+from .flat import FlatDocuments
 
 
 class TokenSequences(Dataset):
@@ -16,27 +19,18 @@ class TokenSequences(Dataset):
     ``x[cL+1 : cL+L+1]``. Indexed by a 1-D tensor of chunk ids; returns
     ``(inputs (b, L) int64, targets (b, L) int64)``, targets -1 past a document's end."""
 
-    def __init__(self, documents: Sequence[Sequence[int]], length: int, bos_id: int | None = None):
+    def __init__(self, documents: Sequence[Sequence[int]] | FlatDocuments, length: int, bos_id: int | None = None):
         if length < 1:
             raise ValueError(f"the sequence length must be >= 1, got {length}")
         self.length = length
-        head = [bos_id] if bos_id is not None else []
-        flat: list[int] = []
-        starts: list[Tensor] = []
-        ends: list[Tensor] = []
-        longest = 0
-        for doc in documents:
-            doc = head + list(doc)
-            longest = max(longest, len(doc))
-            if len(doc) >= 2:  # one input and its target at least
-                first = torch.arange(len(flat), len(flat) + len(doc) - 1, length)
-                starts.append(first)
-                ends.append(torch.full_like(first, len(flat) + len(doc)))  # one past the document's last token
-            flat += doc
-        self.longest_document = longest
-        self.tokens = torch.tensor(flat + [0] * (length + 1), dtype=torch.long)  # room to read past the end
-        self.starts = torch.cat(starts) if starts else torch.empty(0, dtype=torch.long)
-        self.ends = torch.cat(ends) if ends else torch.empty(0, dtype=torch.long)
+        if not isinstance(documents, FlatDocuments):
+            documents = FlatDocuments.from_lists(documents)
+        flat = documents.with_heads(1, bos_id)
+        self.longest_document = flat.longest
+        # one input and its target at least; room to read past the end
+        self.tokens = torch.from_numpy(np.concatenate([flat.tokens, np.zeros(length + 1, np.int32)]))
+        self.starts = torch.from_numpy(flat.positions(0, length, last=1))
+        self.ends = torch.from_numpy(flat.ends(0, length, last=1))
         self._offsets = torch.arange(length)
 
     def __len__(self) -> int:
@@ -46,5 +40,5 @@ class TokenSequences(Dataset):
         idx = torch.as_tensor(idx)
         pos = self.starts[idx][:, None] + self._offsets
         real = pos + 1 < self.ends[idx][:, None]  # the target lies inside the document
-        inputs = self.tokens[pos].masked_fill(~real, 0)
-        return inputs, self.tokens[pos + 1].masked_fill(~real, -1)
+        inputs = self.tokens[pos].long().masked_fill(~real, 0)
+        return inputs, self.tokens[pos + 1].long().masked_fill(~real, -1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -14,27 +14,34 @@ UNK = "<unk>"
 BOS = "<s>"
 
 _WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?", re.UNICODE)
+# Source code: identifiers, numbers (with a fraction, an exponent, a base or a suffix:
+# 0x1F, 1.5e-3, 10UL) and each other mark on its own, case kept.
+_CODE = re.compile(r"[^\W\d]\w*|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?\w*|[^\w\s]", re.UNICODE)
+TOKENIZERS = ("words", "whitespace", "code")
 
 
 def tokenize(text: str, kind: str = "words") -> list[str]:
     """``words``: lowercase alphabetic words (matches SimLex); ``whitespace``: split only
-    (for pre-tokenised corpora such as wikitext and lm1b)."""
+    (for pre-tokenised corpora such as wikitext and lm1b); ``code``: identifiers, numbers
+    and single punctuation marks, case kept (the source-code corpora)."""
     if kind == "words":
         return _WORD.findall(text.lower())
     if kind == "whitespace":
         return text.split()
-    raise ValueError(f"tokenizer must be 'words' or 'whitespace', not {kind!r}")
+    if kind == "code":
+        return _CODE.findall(text)
+    raise ValueError(f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, not {kind!r}")
 
 
 class Vocabulary:
     """Word <-> id with per-id counts, ids in decreasing count order."""
 
-    def __init__(self, words: list[str], counts: list[int]):
-        if len(words) != len(counts) or len(set(words)) != len(words):
-            raise ValueError("vocabulary words must be unique and match the counts")
+    def __init__(self, words: list[str], counts: list[int] | torch.Tensor):
         self.words = list(words)
-        self.counts = torch.tensor(counts, dtype=torch.long)
+        self.counts = torch.as_tensor(counts, dtype=torch.long)
         self.index = {w: i for i, w in enumerate(self.words)}
+        if len(self.words) != len(self.counts) or len(self.index) != len(self.words):
+            raise ValueError("vocabulary words must be unique and match the counts")
         self.unk_id = self.index.get(UNK, -1)
 
     def __len__(self) -> int:
@@ -42,28 +49,41 @@ class Vocabulary:
 
     @classmethod
     def build(cls, documents: Iterable[list[str]], max_size: int | None = None, min_count: int = 1,
-              extra: tuple[str, ...] = ()) -> Vocabulary:
+              extra: tuple[str, ...] = (), hint: str = "") -> Vocabulary:
         """Keep the ``max_size - 1 - len(extra)`` most frequent words seen at least
         ``min_count`` times; all others map to ``<unk>``, counted as one word."""
         counter: Counter[str] = Counter()
         for doc in documents:
             counter.update(doc)
-        distinct = len(counter)
-        if max_size is not None and max_size > distinct + 1 + len(extra):
-            raise ValueError(
-                f"data.vocab_size={max_size} is larger than the corpus allows: it has only "
-                f"{distinct} distinct words (+ <unk> and {len(extra)} special tokens)"
-            )
         # Ties broken by word so the ids do not depend on document order.
         ranked = sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))
-        keep_n = len(ranked) if max_size is None else max_size - 1 - len(extra)
-        kept = [(w, c) for w, c in ranked[:keep_n] if c >= min_count]
-        unk = sum(counter.values()) - sum(c for _, c in kept)
-        # Specials get count 1 so they sort last (not 0: the log-uniform sampler and
-        # Huffman coding dislike zero counts).
-        items = kept + [(UNK, max(unk, 1))] + [(t, 1) for t in extra]
-        items.sort(key=lambda kv: -kv[1])  # stable: keeps the word order of ties
-        return cls([w for w, _ in items], [c for _, c in items])
+        return cls.from_ranked([w for w, _ in ranked], [c for _, c in ranked], max_size, min_count, extra, hint)
+
+    @classmethod
+    def from_ranked(cls, words: list[str], counts: Sequence[int], max_size: int | None = None, min_count: int = 1,
+                    extra: tuple[str, ...] = (), hint: str = "") -> Vocabulary:
+        """:meth:`build` from the training words already ranked (by decreasing count, ties
+        by word) with their counts, every count >= 1. ``hint`` ends the message that
+        refuses a ``max_size`` larger than the words allow."""
+        largest = len(words) + 1 + len(extra)
+        if max_size is not None and max_size > largest:
+            raise ValueError(
+                f"data.vocab_size={max_size} is larger than the corpus allows: its training split has "
+                f"{len(words)} distinct tokens, so the largest valid value is {largest} (with <unk>"
+                f"{f' and {len(extra)} special tokens' if extra else ''}): lower it or set it to null (every "
+                f"type){hint}"
+            )
+        keep_n = len(words) if max_size is None else max_size - 1 - len(extra)
+        counts = torch.as_tensor(counts, dtype=torch.long)
+        kept = counts[:keep_n]
+        kept = kept[: int((kept >= min_count).sum())]  # counts decrease: the words kept are a prefix
+        # <unk> counts the words it replaces, and sorts by that count after the kept words of
+        # the same count; the specials count 1 and come last (not 0: the log-uniform sampler
+        # and Huffman coding dislike zero counts).
+        unk = max(int(counts.sum() - kept.sum()), 1)
+        at = int((kept >= unk).sum())
+        return cls([*words[:at], UNK, *words[at : len(kept)], *extra],
+                   torch.cat([kept[:at], torch.tensor([unk]), kept[at:], torch.ones(len(extra), dtype=torch.long)]))
 
     def encode(self, tokens: list[str]) -> list[int]:
         get, unk = self.index.get, self.unk_id

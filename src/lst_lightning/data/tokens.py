@@ -1,0 +1,230 @@
+"""A corpus tokenised once and kept on disk as numpy arrays, keyed by its files and the
+settings that change the tokens (sources.py says what identifies each corpus).
+
+The first run reads the documents once (a progress bar on a terminal), gives each
+distinct token an id as it first meets it, writes the ids to disk as it goes, then
+ranks the types by their training count (ties by the token) and rewrites the ids as
+ranks. What it keeps, in ``$LST_CACHE_DIR/tokens/<corpus>-<tokenizer>-<key>/``:
+
+- ``<split>.ids.npy`` (int32: each token's rank) and ``<split>.offsets.npy`` (int64:
+  where each document starts), read memory-mapped;
+- ``types.txt`` (the types by rank, one a line), ``counts.npy`` (their training counts);
+- ``meta.json`` (documents and tokens per split, types, the seconds it took), written last.
+
+Any vocabulary is then a prefix of the ranks (vocab.py's order), and encoding a split is
+one table lookup: a later run, whatever ``data.vocab_size``, starts in seconds. Nothing
+about the vocabulary is in the key, so a vocabulary larger than the corpus allows is
+refused as soon as the types are counted, and at once on every later run.
+"""
+from __future__ import annotations
+
+import array
+import contextlib
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .corpus import SPLITS, cache_dir
+from .flat import FlatDocuments
+from .vocab import Vocabulary, tokenize
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # the layout and the tokenisers' version: a change makes new keys
+_FLUSH = 1 << 20  # ids buffered before they are written
+_CHUNK = 1 << 24  # ids encoded at a time
+
+
+def token_cache() -> Path:
+    """Where tokenised corpora are kept (``$LST_CACHE_DIR/tokens``)."""
+    return cache_dir() / "tokens"
+
+
+@dataclass
+class Tokenised:
+    """A tokenised corpus in the cache (what :func:`tokenise` returns)."""
+
+    path: Path
+    meta: dict
+    built: bool = False  # by this process, not found in the cache
+
+    @classmethod
+    def open(cls, path: Path, built: bool = False) -> Tokenised:
+        return cls(path, json.loads((path / "meta.json").read_text()), built)
+
+    def ids(self, split: str) -> np.ndarray:
+        """The split's tokens as type ranks (int32, memory-mapped)."""
+        return np.load(self.path / f"{split}.ids.npy", mmap_mode="r")
+
+    def offsets(self, split: str) -> np.ndarray:
+        return np.load(self.path / f"{split}.offsets.npy")
+
+    def types(self, n: int | None = None) -> list[str]:
+        """The first ``n`` types by rank (all of them when None), read from the cache."""
+        with (self.path / "types.txt").open(encoding="utf-8", errors="surrogatepass", newline="\n") as f:
+            return [line.removesuffix("\n") for line in itertools.islice(f, n)]
+
+    @property
+    def train_types(self) -> int:
+        return int(self.meta["train_types"])
+
+    def vocabulary(self, max_size: int | None, min_count: int = 1, extra: tuple[str, ...] = (),
+                   hint: str = "") -> Vocabulary:
+        """vocab.py's vocabulary of the training split (``Vocabulary.build`` on its tokens)."""
+        n = self.train_types
+        counts = torch.from_numpy(np.load(self.path / "counts.npy")[:n])
+        return Vocabulary.from_ranked(self.types(n), counts, max_size, min_count, extra, hint)
+
+    def encode(self, split: str, vocab: Vocabulary, extra: tuple[str, ...] = ()) -> FlatDocuments:
+        """The split in the ids of ``vocab`` (made by :meth:`vocabulary` with the specials
+        ``extra``): the ranks it keeps move past ``<unk>``'s id, the others become ``<unk>``."""
+        n, unk = kept(vocab, extra), vocab.unk_id
+        table = np.full(int(self.meta["types"]), unk, dtype=np.int32)
+        table[:unk] = np.arange(unk, dtype=np.int32)
+        table[unk:n] = np.arange(unk + 1, n + 1, dtype=np.int32)
+        return FlatDocuments(_lookup(table, self.ids(split)), self.offsets(split))
+
+    def unknown(self, split: str, vocab: Vocabulary, extra: tuple[str, ...] = ()) -> int:
+        """How many of the split's tokens ``vocab`` makes ``<unk>``."""
+        return int(np.count_nonzero(self.ids(split) >= kept(vocab, extra)))
+
+    def describe(self, vocab: Vocabulary, extra: tuple[str, ...] = ()) -> str:
+        """One line: documents, tokens, types, the vocabulary kept and the unknown rate."""
+        m = self.meta
+        docs, toks = sum(m["documents"].values()), sum(m["tokens"].values())
+        rates = {s: self.unknown(s, vocab, extra) / max(m["tokens"][s], 1) for s in SPLITS}
+        unknown = sum(rates[s] * m["tokens"][s] for s in SPLITS) / max(toks, 1)
+        capped = f" (the first {toks:,} up to data.max_tokens)" if m.get("capped") else ""
+        return (f"data: {m['source']}, {m['tokenizer']} tokens: {docs:,} documents, {toks:,} tokens{capped}, "
+                f"{m['types']:,} types ({self.train_types:,} in train); vocabulary {len(vocab):,} "
+                f"({kept(vocab, extra):,} types kept, <unk>{''.join(f' and {t}' for t in extra)}); unknown "
+                f"{100 * unknown:.2f} % of the tokens (train {100 * rates['train']:.2f} %, validation "
+                f"{100 * rates['validation']:.2f} %, test {100 * rates['test']:.2f} %); "
+                + (f"tokenised in {m['seconds']} s into {self.path}" if self.built else f"cached in {self.path}"))
+
+
+def _lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``table[ids]`` (int32), in chunks: numpy widens the indices it takes to int64."""
+    out = np.empty(len(ids), dtype=np.int32)
+    for a in range(0, len(ids), _CHUNK):
+        out[a : a + _CHUNK] = table[ids[a : a + _CHUNK]]
+    return out
+
+
+def kept(vocab: Vocabulary, extra: tuple[str, ...] = ()) -> int:
+    """How many of the corpus's types ``vocab`` keeps (all but ``<unk>`` and the specials ``extra``)."""
+    return len(vocab) - 1 - len(extra)
+
+
+def cache_key(source, tokenizer: str, max_tokens: int | None) -> str:
+    what = {"format": FORMAT, "source": source.name, "key": source.key(), "tokenizer": tokenizer,
+            "max_tokens": max_tokens}
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{source.name}-{tokenizer}-{digest}"
+
+
+def tokenise(source, tokenizer: str, max_tokens: int | None = None) -> Tokenised:
+    """``source``'s documents tokenised (sources.py), from the cache when they are there."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"data.max_tokens must be >= 1 (or null: every token), got {max_tokens}")
+    tokenize("", tokenizer)  # an unknown tokenizer, before the long part
+    path = token_cache() / cache_key(source, tokenizer, max_tokens)
+    if (path / "meta.json").is_file():
+        return Tokenised.open(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
+    try:
+        _build(source, tokenizer, max_tokens, work)
+        try:
+            os.replace(work, path)
+        except OSError:  # another process finished the same corpus first
+            if not (path / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return Tokenised.open(path, built=True)
+
+
+def _progress():
+    """A rich progress bar on stderr where it is a terminal, else nothing (the log's lines say it)."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import (  # noqa: PLC0415
+        BarColumn,
+        Progress,
+        TaskProgressColumn,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    console = Console(file=sys.stderr)
+    return Progress(TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TextColumn("{task.fields[tokens]:,} tokens"), TimeElapsedColumn(), TimeRemainingColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
+    start = time.perf_counter()
+    log.info("data: tokenising %s with the %s tokenizer%s, once: later runs read %s", source.name, tokenizer,
+             f", up to {max_tokens:,} tokens" if max_tokens else "", out.parent)
+    size = source.size()
+    index: dict[str, int] = {}
+    setdefault = index.setdefault
+    buffers = {s: array.array("i") for s in SPLITS}
+    lengths: dict[str, list[int]] = {s: [] for s in SPLITS}
+    tokens = 0
+    files = {s: (out / f"{s}.raw").open("wb") for s in SPLITS}
+    with _progress() as bar, contextlib.closing(source.documents()) as documents:
+        task = bar.add_task(f"tokenising {source.name}", total=max_tokens or size, tokens=0)
+        for i, (split, text, done) in enumerate(documents):
+            ids = [setdefault(t, len(index)) for t in tokenize(text, tokenizer)]
+            tokens += len(ids)
+            if ids:
+                buffers[split].extend(ids)
+                lengths[split].append(len(ids))
+                if len(buffers[split]) >= _FLUSH:
+                    buffers[split].tofile(files[split])
+                    del buffers[split][:]
+            if i % 64 == 0:
+                bar.update(task, completed=tokens if max_tokens else None, tokens=tokens)
+            if not max_tokens:
+                bar.advance(task, done)
+            if max_tokens and tokens >= max_tokens:
+                break
+    for s in SPLITS:
+        buffers[s].tofile(files[s])
+        files[s].close()
+    raw = {s: np.fromfile(out / f"{s}.raw", dtype=np.int32) for s in SPLITS}
+    for s in SPLITS:
+        if not len(raw[s]):
+            raise ValueError(f"the {s} split of {source.name} has no tokens: nothing to train or evaluate on")
+    types = list(index)
+    del index
+    counts = np.bincount(raw["train"], minlength=len(types))
+    by_count = counts.tolist()
+    order = np.array(sorted(range(len(types)), key=lambda i: (-by_count[i], types[i])), dtype=np.int64)
+    rank = np.empty(len(types), dtype=np.int32)
+    rank[order] = np.arange(len(types), dtype=np.int32)
+    for s in SPLITS:
+        np.save(out / f"{s}.ids.npy", _lookup(rank, raw[s]))
+        np.save(out / f"{s}.offsets.npy", np.concatenate([[0], np.cumsum(lengths[s], dtype=np.int64)]))
+        (out / f"{s}.raw").unlink()
+    (out / "types.txt").write_text("\n".join(types[i] for i in order), "utf-8", "surrogatepass")
+    np.save(out / "counts.npy", counts[order])
+    meta = {"source": source.name, "tokenizer": tokenizer, "max_tokens": max_tokens,
+            "capped": bool(max_tokens and tokens >= max_tokens),
+            "documents": {s: len(lengths[s]) for s in SPLITS}, "tokens": {s: len(raw[s]) for s in SPLITS},
+            "types": len(types), "train_types": int(np.count_nonzero(counts)),
+            "seconds": round(time.perf_counter() - start, 1)}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1))
