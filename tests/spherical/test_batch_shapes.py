@@ -133,17 +133,18 @@ def test_a_resumed_head_steps_bit_for_bit_on_new_batch_sizes(aot_eager):
     assert torch.equal(fast.weight(), again.weight())
 
 
-def test_more_batch_sizes_than_dynamos_limit_never_hit_it(aot_eager, monkeypatch):
+def test_more_batch_sizes_than_dynamos_limit_never_hit_it(aot_eager):
     """Four batch sizes (set by hand), one graph each, past a recompile limit of 2: the step runs
     under its own limit (``compiled.RECOMPILE_LIMIT``), whatever the loop's."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     fast = head("zloss", True, batch_sizes=(1, 2, 3, 4))
     fast.step = "fused"
     g = torch.Generator().manual_seed(3)
-    for m in (1, 2, 3, 4, 2):
-        H = torch.randn(m, d, generator=g, dtype=torch.float64)
-        fast.train_step(H, torch.randint(0, D, (m,), generator=g))
-    assert graphs() == 4 > torch._dynamo.config.recompile_limit
+    # (the config's own patch: a monkeypatch of a torch config module deletes the key at its undo)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for m in (1, 2, 3, 4, 2):
+            H = torch.randn(m, d, generator=g, dtype=torch.float64)
+            fast.train_step(H, torch.randint(0, D, (m,), generator=g))
+        assert graphs() == 4 > torch._dynamo.config.recompile_limit
 
 
 def test_the_sizes_rule_and_setting():
