@@ -1,4 +1,4 @@
-"""Sampled classes as slots of the exact step (issue 31; spherical/negatives.py, the composite
+"""Sampled classes as slots of the exact step (spherical/negatives.py, the composite
 loss losses/sampled_composite.py): the factored step equals the naive head's step on the same
 drawn negatives, in float64, over several steps (loss, dL/dH and the implicit W after each),
 shared per batch (one dense block) and drawn per row (extra slots); the draws are the head's
