@@ -2,7 +2,7 @@
 the same output layer, measured side by side in one run, on CPU.
 
     uv run python scripts/bench_head_cpu.py           # small sizes, about a minute on 2 cores
-    uv run python scripts/bench_head_cpu.py --full    # the paper's and issue 2's sizes (~8 GB)
+    uv run python scripts/bench_head_cpu.py --full    # the paper's size and D up to 2 x 10^6 (~8 GB)
 
 ``--full``: the factored step against torch's chunked F.linear_cross_entropy
 (D = 500 000, d = 256, m = 256), against the naive explicit-W head (the paper's CPU

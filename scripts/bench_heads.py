@@ -1,4 +1,4 @@
-"""Training-step time of every output head over D, d and m (issue 5), side by side.
+"""Training-step time of every output head over D, d and m, side by side.
 
     uv run python scripts/bench_heads.py [--smoke] [--out DIR | --update-results]
     uv run python scripts/bench_heads.py --sweep-d [--smoke]   # d = 512 .. 4096 against the fused softmaxes
@@ -8,7 +8,7 @@ CUDA-event medians, peak memory beyond the parameters, the issue's target checks
 On CPU (one thread): D in {10k, 100k, 793 471}, d = 300, m = 128. ``--smoke``: every
 code path at tiny sizes in seconds. See docs/benchmarks.md.
 
-``--sweep-d`` (issue 52): d = 512, 1024, 2048 and 4096 at m = 1024 and D = 10^5 and 10^6 (each
+``--sweep-d``: d = 512, 1024, 2048 and 4096 at m = 1024 and D = 10^5 and 10^6 (each
 unless given), lst-train's default factored step (``loss=sampled``; on a GPU replayed from its
 CUDA graph) against torch's ``F.linear_cross_entropy`` and cut-cross-entropy in bf16: the
 measured side of ``scripts/crossover.py``'s counted crossover in D for each d. Its files are

@@ -2,7 +2,7 @@
 
     uv run python scripts/bench_kernels.py [--smoke] [--out DIR | --update-results]
 
-On a CUDA GPU: sizes of issue 5 (D = 793 471, d in {300, 512}, m in {128, 1024},
+On a CUDA GPU: the paper's sizes (D = 793 471, d in {300, 512}, m in {128, 1024},
 K = 1), median of CUDA-event timings after warm-up, the implementations of an op
 timed in alternation, ratios printed, a CSV ``kernels_<gpu>.csv`` and a plot beside it
 in a fresh run directory (``--update-results``: in benchmarks/results/). Every

@@ -1,5 +1,5 @@
 """Every multi-process route on two gloo processes (CPU, one machine): bytes each rank
-sends per training step and time per step, at each D (issue 33).
+sends per training step and time per step, at each D.
 
     uv run --all-extras python scripts/bench_routes.py --D 10000 1000000
 

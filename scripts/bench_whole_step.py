@@ -1,5 +1,5 @@
-"""The whole training step (body forward + backward + optimizer + head) against D (issue 13),
-and the head's share of it for each body and head (issue 52).
+"""The whole training step (body forward + backward + optimizer + head) against D,
+and the head's share of it for each body and head.
 
     uv run python scripts/bench_whole_step.py [--smoke] [--device cuda] [--bodies ngram_mlp,gpt_d1024]
         [--compile auto] [--out DIR | --update-results]
@@ -68,7 +68,7 @@ PAPER_D = 793_471
 TARGETS = {"flat_lo": 10_000, "flat_hi": 1_000_000, "flat_max": 1.3, "vs_softmax": 40.0, "vs_hsoftmax": 4.0,
            "sampled_max": 1.3}
 # The factored head's losses timed at every D: the Z-loss (every ratio's reference) and
-# lst-train's default, loss=sampled (issue 31: its whole step within 1.3x of head=sampled's
+# lst-train's default, loss=sampled (its whole step's target: within 1.3x of head=sampled's
 # at 10^6); the others only up to --all-losses-up-to.
 EVERY_D_LOSSES = ("zloss", "sampled")
 REFERENCE = ("factored", "zloss")
@@ -393,7 +393,7 @@ def target_checks(rows: list[dict]) -> list[dict]:
             value = float(r["ratio"]) if r and r["ratio"] not in ("", None) else None
             checks.append(_check(f"{body}: D={PAPER_D:,}, {head} step / factored zloss step >= {TARGETS[key]:g}x",
                                  value, lambda x, k=key: x >= TARGETS[k]))
-        # issue 31: the default head's step over the row-sparse sampled softmax's, each timed
+        # the default head's step over the row-sparse sampled softmax's, each timed
         # beside the same factored zloss step; on a GPU the default's step as lst-train runs it
         # there, replayed from a CUDA graph (head.step=auto), where measured
         ours = (_find(rows, body=body, head=GRAPH_SPEC.head, variant=GRAPH_SPEC.variant, D=TARGETS["flat_hi"])

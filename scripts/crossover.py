@@ -1,4 +1,4 @@
-"""Where the factored head pays, by its arithmetic (issue 52): for each width d, lst-train's
+"""Where the factored head pays, by its arithmetic: for each width d, lst-train's
 default factored step counted (``count_step.py``: the FLOPs of its matrix products) against the
 full softmax's and the sampled softmax's, and the number of classes D at which the full softmax
 costs as much.

@@ -26,7 +26,6 @@ import csv
 import json
 import multiprocessing
 import tempfile
-import time
 from concurrent.futures import ProcessPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -37,8 +36,8 @@ from benchlib import (add_output_args, machine_name, markdown_table, output_dir,
 
 from hydra import compose, initialize_config_dir
 from lightning.pytorch.callbacks import Timer
-from lightning.pytorch.trainer.states import RunningStage
 
+from lst_lightning.app.callbacks import TrainingClock
 from lst_lightning.app.configs import config_dir
 from lst_lightning.app.train import run
 
@@ -48,7 +47,7 @@ HEADS: dict[str, list[str]] = {
     **{f"factored-{loss}": ["head=factored", f"loss={loss}"]
        for loss in ("zloss", "spherical_softmax", "taylor_softmax", "mse")},
     "naive-zloss": ["head=naive", "loss=zloss"],
-    # sampled classes inside the exact step (issue 31): the composite loss and the head's negatives
+    # sampled classes inside the exact step: the composite loss and the head's negatives
     # (head.step=auto: on one GPU its step replayed from a CUDA graph, the draw inside; app/step_choice.py)
     "factored-sampled": ["head=factored", "loss=sampled"],
     # the same head's eager step (on the CPU, what auto chooses anyway)
@@ -80,47 +79,25 @@ PRESETS = {
 }
 
 
-class ValidationCurve(Timer):
+class ValidationCurve(TrainingClock):
     """(training seconds, step, val metrics) at every validation; validation time excluded.
-    With ``budget_s``: Lightning's ``Timer`` on that clock, so training stops once that many
-    training seconds have passed (a head whose evaluation is slow gets the same training time
-    as the others) and the app's schedule (``scheduler.over=budget``) decays over them."""
+    With ``budget_s``: the app's training clock with that budget, so training stops once that
+    many training seconds have passed (a head whose evaluation is slow gets the same training
+    time as the others) and the app's schedule (``scheduler.over=budget``) decays over them."""
 
     def __init__(self, budget_s: float | None = None):
         super().__init__(duration=None if budget_s is None else timedelta(seconds=budget_s))
         self.points: list[dict] = []
-        self._train_s = 0.0
-        self._since: float | None = None
 
     @property
-    def state_key(self) -> str:  # beside Lightning's own Timer (--budget-clock wall: trainer.max_time)
+    def state_key(self) -> str:  # beside the Timer of --budget-clock wall
         return "ValidationCurve"
 
-    def time_elapsed(self, stage: str = RunningStage.TRAINING) -> float:
-        """Training seconds, validation excluded (other stages: Lightning's own)."""
-        if RunningStage(stage) != RunningStage.TRAINING:
-            return super().time_elapsed(stage)
-        return self._train_s + (time.perf_counter() - self._since if self._since is not None else 0.0)
-
-    def on_train_start(self, trainer, pl_module):
-        super().on_train_start(trainer, pl_module)
-        self._since = time.perf_counter()
-
-    def on_validation_start(self, trainer, pl_module):
-        super().on_validation_start(trainer, pl_module)
-        if self._since is not None:
-            self._train_s += time.perf_counter() - self._since
-            self._since = None
-
     def on_validation_end(self, trainer, pl_module):
-        super().on_validation_end(trainer, pl_module)
         if not trainer.sanity_checking:
             val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-            self.points.append({"train_s": self._train_s, "step": trainer.global_step, **val})
-        # trainer.training is False here (the state is "validating"): restart the clock
-        # whenever this validation ran inside fit, or every later point froze at the first.
-        if trainer.state.fn == "fit" and not trainer.sanity_checking:
-            self._since = time.perf_counter()
+            self.points.append({"train_s": self.time_elapsed(), "step": trainer.global_step, **val})
+        super().on_validation_end(trainer, pl_module)
 
 
 def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
@@ -134,13 +111,15 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
         overrides.append(f"trainer.max_epochs={args.epochs}")
     else:
         overrides += [f"trainer.max_epochs={args.max_epochs_in_budget}"]
-        if args.budget_clock == "wall":
-            overrides.append(f"+trainer.max_time={duration(args.budget_s)}")
+
     overrides += PRESETS[args.preset][task] + args.override + task_overrides(args.task_override, task)
     with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     curve = ValidationCurve(args.budget_s if mode == "budget" and args.budget_clock == "train" else None)
-    res = run(cfg, out_dir / f"{task}-{head}-{mode}", extra_callbacks=[curve])
+    # wall: Lightning's own Timer, whose time includes the validation passes inside training
+    wall = [Timer(duration=timedelta(seconds=args.budget_s))] \
+        if mode == "budget" and args.budget_clock == "wall" else []
+    res = run(cfg, out_dir / f"{task}-{head}-{mode}", extra_callbacks=[curve, *wall])
     test = res.get("test", res["val"])
     row = {"task": task, "head": head, "mode": mode, "num_classes": res["num_classes"],
            "train_steps": res["train_steps"], "step_time_ms": res.get("step_time_ms"),
@@ -259,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--val-every-s", type=float, default=0.0,
                     help="validate every S seconds of training (validation excluded; 0: per epoch)")
     ap.add_argument("--budget-clock", choices=["wall", "train"], default="wall",
-                    help="budget mode: wall: Lightning's max_time (validation included); train: training "
-                         "time only, validation excluded (fair when evaluation is slow, e.g. at large D)")
+                    help="budget mode: wall: Lightning's Timer (validation included); train: training time "
+                         "only, validation excluded, as lst-train's trainer.max_time (fair when evaluation is "
+                         "slow, e.g. at large D)")
     ap.add_argument("--stem", default="quality_table", help="file names: <stem>_<machine>.{csv,md,png}")
     ap.add_argument("--metric", default="top10_error", help="metric of the plot")
     ap.add_argument("--seed", type=int, default=0)

@@ -111,11 +111,26 @@ def table(header: list[str], rows: Iterable[list], right_from: int = 1) -> str:
     return "\n".join(lines)
 
 
+#: a run's flag that wrote its rows into benchmarks/results/: a page's command leaves it out,
+#: so that running it again makes a run directory and leaves the committed data as it is
+UPDATE_FLAG = "--update-results"
+
+
+def page_command(row: Row) -> str:
+    """The command that reproduces ``row``: its recorded command without ``--update-results``
+    and, where the row records its torch threads, with ``--threads`` at that count."""
+    words = [w for w in str(row["command"]).split() if w != UPDATE_FLAG]
+    if "threads" in row and not any(w == "--threads" or w.startswith("--threads=") for w in words):
+        words += ["--threads", str(row["threads"])]
+    return " ".join(words)
+
+
 def provenance(rows: list[Row]) -> str:
-    """Which machine, torch, commit and date made the rows, and the command, with a count."""
+    """Which machine, torch, commit and date made the rows, and the command that reproduces
+    them (``page_command``), with a count."""
     groups: dict[tuple, int] = defaultdict(int)
     for r in rows:
-        groups[tuple(r[k] for k in META)] += 1
+        groups[tuple(r[k] for k in META[:-1]) + (page_command(r),)] += 1
     body = [[short_machine(m), short_torch(t), f"`{c}`", d, f"`{cmd}`", str(n)]
             for (m, t, c, d, cmd), n in sorted(groups.items(), key=lambda kv: (kv[0][3], kv[0][0], kv[0][4], kv[0]))]
     return table(["machine", "torch", "commit", "date", "command", "rows"], body, right_from=5)
@@ -339,14 +354,16 @@ def whole_step_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
 
 def quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
     out = []
-    key = lambda r: (r["machine"], r["task"], r["num_classes"], r["mode"], r["budget_s"] or 0, r["date"], r["commit"])  # noqa: E731
+    key = lambda r: (r["machine"], r["task"], r["num_classes"], r["mode"], r["budget_s"] or 0, r["date"], r["commit"],  # noqa: E731
+                     r["clock"] or "")
     groups = sorted({key(r) for r in rows}, key=lambda k: (not k[0].startswith("NVIDIA"), -k[2], k[3], -k[4], k[5], k))
     for k in groups:
-        machine, task, D, mode, budget, date, commit = k
+        machine, task, D, mode, budget, date, commit, clock = k
         cells = sorted((r for r in rows if key(r) == k), key=lambda r: (-(r["mrr"] or 0), r["head"]))
         lines = [[f"`{r['head']}`", r["train_steps"], r["step_time_ms"], r["mrr"], r["top1_error"], r["top10_error"],
                   r["top100_error"], r["perplexity"]] for r in cells]
-        what = f"{budget} s of training each" if mode == "budget" else "the same steps"
+        what = (f"{budget} s of training each, validation {'excluded' if clock == 'train' else 'included'}"
+                if mode == "budget" else "the same steps")
         out.append(f"\n\n## {short_machine(machine)}: {task}, D = {big(D)}, {what}; `{commit}`, {date}\n\n"
                    + table(["head", "steps", "ms a step", "MRR", "top-1 err", "top-10 err", "top-100 err",
                             "perplexity"], lines))
@@ -430,7 +447,8 @@ def equal_time_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             "**the sampled softmax** (row-sparse rows, S by D as the code sets it, its tuned lr). Both sides' "
             "row-sparse rows (the input embedding's, the sampled softmax's) under one optimiser, `optimizer.embedding`: "
             "torch's `sparse_adam`, or `row_adam` (the same arithmetic in static shapes). "
-            "The rules are read from the code, so a change of a default changes which rows count.\n\n"
+            "The rules are read from the code, so a change of a default changes which rows count. The time is "
+            "training time, validation excluded: each run validates once, after its time is spent.\n\n"
             "## The default against the sampled softmax, seed for seed\n\n"
             "Differences are the default's minus the sampled softmax's (mean ± standard error over seeds): MRR "
             "higher is better, top-10 error lower is better.\n\n"
@@ -633,9 +651,9 @@ PAGE_LIST = [
          plain_body([("check", "tests"), ("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"),
                      ("seconds", "seconds")],
                     "The H200's two failures are `test_graph_step_with_adaptive_factors_is_the_eager_step_bit_for_bit` "
-                    "(the opt-in `neumann=adaptive` step, its graph captured again mid-run): that run measured the "
-                    "code before commit `cce5ac8`, which fixes the cause (held on the CPU by "
-                    "`tests/spherical/test_graph_step.py`); no GPU run of the fixed code is recorded.")),
+                    "(the opt-in `neumann=adaptive` step, its graph captured again mid-run), on the code of the "
+                    "row's commit; the code since holds that step on the CPU "
+                    "(`tests/spherical/test_graph_step.py`), and no GPU run of it is recorded.")),
 ]
 PAGES_BY_NAME = {p.name: p for p in PAGE_LIST}
 
@@ -695,15 +713,16 @@ def key_figures() -> list[Figure]:
                        [mine, theirs], "whole_step"))
     q = [r for r in load("quality") if r["machine"] == "NVIDIA-H200" and r["budget_s"] == 45]
     a, b = (next(r for r in q if r["head"] == h) for h in ("factored-sampled", "sampled-log_uniform"))
-    figs.append(Figure("validation MRR after 45 s of training on a GPU, D = 10^6: the default vs the sampled softmax",
+    figs.append(Figure("validation MRR after 45 s of training (validation excluded) on a GPU, D = 10^6: the default "
+                       "vs the sampled softmax",
                        f"**{fmt(a['mrr'])}** vs {fmt(b['mrr'])} (top-10 error {fmt(a['top10_error'])} vs "
                        f"{fmt(b['top10_error'])})", [a, b], "quality"))
     eq = load("equal_time")
     key = (1_000_000, 4_000_000, 150)
     ps = [p for k, v in paired(eq).items() if k[:3] == key for p in v]
     s = pair_summary(ps)
-    figs.append(Figure("validation MRR after 150 s on a CPU, D = 10^6, every example seen once: the default minus "
-                       "the sampled softmax", f"{signed(s['mrr'][0])} (ahead on {s['mrr_ahead']} seeds of {s['n']}; "
+    figs.append(Figure("validation MRR after 150 s of training (validation excluded) on a CPU, D = 10^6, every "
+                       "example seen once: the default minus the sampled softmax", f"{signed(s['mrr'][0])} (ahead on {s['mrr_ahead']} seeds of {s['n']}; "
                        f"top-10 error {signed(s['top10'][0])})", [r for p in ps for side in p for r in side["rows"]],
                        "equal_time"))
     return figs

@@ -3,8 +3,8 @@ callbacks groups, made in order by one loop; the keys users type still switch th
 import lightning.pytorch as pl
 import pytest
 
-from lst_lightning.app.callbacks import (FailTogether, HeadTiming, PeriodicCheckpoint, ProgressLog, ResumeState,
-                                         ShardedHeadCheckpoint)
+from lst_lightning.app.callbacks import (FailTogether, HeadTiming, PeriodicCheckpoint, ProgressBar, ProgressLog,
+                                         ResumeState, ShardedHeadCheckpoint)
 from lst_lightning.app.csv_log import AppendingCSVLogger
 from lst_lightning.app.wiring import Run, instantiate_group, model_checkpoint
 
@@ -32,7 +32,7 @@ def test_callback_keys_reach_the_callbacks(tmp_path, name):
     kinds = [type(c) for c in cbs]
     assert kinds[:6] == [PeriodicCheckpoint, ResumeState, FailTogether, HeadTiming, ProgressLog, ShardedHeadCheckpoint]
     assert cbs[0].dirpath == str(tmp_path / "checkpoints") and cbs[3].every == 3 and cbs[4].every == 7
-    assert (pl.callbacks.RichProgressBar in kinds) == (pl.callbacks.LearningRateMonitor in kinds) == (name == "default")
+    assert (ProgressBar in kinds) == (pl.callbacks.LearningRateMonitor in kinds) == (name == "default")
     assert made("callbacks", tmp_path, cfg, loggers=[])[-1].__class__ is not pl.callbacks.LearningRateMonitor
 
 

@@ -15,7 +15,7 @@ from host_reads import cpu_kernel
 
 LOSS_KW = {"zloss": {"a": 0.5, "b": 2.0}, "sampled": {"spherical_kwargs": {"a": 0.5, "b": 2.0}}}
 #: the composite loss needs sampled classes: both heads of a pair draw the same ones (one seed)
-HEAD_KW = {"sampled": {"negatives": {"num": 5, "seed": 7}}}
+HEAD_KW = {"sampled": {"negatives": {"num": 5, "seed": 7}, "preconditioner": None}}  # P: test_preconditioner.py
 D, d = 60, 8  # the sizes of ``deferred`` heads
 
 

@@ -12,7 +12,7 @@ import torch
 
 def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
     # --all-losses-up-to 0: the factored head with the Z-loss and lst-train's default,
-    # loss=sampled, at every D all the same (issue 31's bound at 10^6 needs the latter there)
+    # loss=sampled, at every D all the same (the default's bound at 10^6 needs the latter there)
     folder = sandbox.run_default(bw.main, ["--smoke", "--D", "50", "--heads", "softmax,hsoftmax,naive,factored",
                                            "--all-losses-up-to", "0"], "bench_whole_step")
     # (no D above 10k: no factored_at_10k pair)

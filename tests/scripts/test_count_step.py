@@ -38,7 +38,7 @@ def test_the_default_head_counts_its_sampled_columns_and_its_host_checked_step()
     assert "inverse_update.py:uinv_by_products" not in c.flops
 
 
-#: the target's budgets (issue 51: at most 14 units of 2 m d^2 for the Z-loss step, 20 for lst-train's default)
+#: the target's budgets (at most 14 units of 2 m d^2 for the Z-loss step, 20 for lst-train's default)
 BUDGETS = {"zloss": 14.0, "sampled": 20.0}
 
 

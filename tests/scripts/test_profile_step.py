@@ -30,7 +30,8 @@ def test_smoke_profiles_the_step_and_writes_the_table(tmp_path):
 def test_pinned_factors_survive_a_read_of_the_flags(pinned):
     """Unpinned, the adaptive rule's reads move the factors away from 3 on these steps; pinned, they stay."""
     torch.manual_seed(0)
-    head = FactoredSphericalHead(50, 8, sync_every=2, lr=0.5, stabiliser={"inverse": "products", "neumann": "adaptive"})
+    head = FactoredSphericalHead(50, 8, loss="zloss", sync_every=2, lr=0.5,
+                                 stabiliser={"inverse": "products", "neumann": "adaptive"})
     if pinned:
         profile_step.pin_factors(head, 3)
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -124,7 +125,7 @@ def test_duration_is_lightnings_time_string():
 def test_train_clock_budget_stops_after_training_time_only(monkeypatch):
     """--budget-clock train: validation time does not count against the budget."""
     now = [0.0]
-    monkeypatch.setattr(qt.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
 
     trainer = SimpleNamespace(should_stop=False, sanity_checking=False, callback_metrics={}, global_step=0,
                               state=SimpleNamespace(fn="fit"), strategy=SimpleNamespace(broadcast=lambda x: x))
@@ -148,7 +149,7 @@ def test_train_clock_is_the_schedules_clock(monkeypatch):
     from lst_lightning.app.module import time_spent  # noqa: PLC0415
 
     now = [0.0]
-    monkeypatch.setattr(qt.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     trainer = SimpleNamespace(sanity_checking=False, callback_metrics={}, global_step=0, state=SimpleNamespace(fn="fit"))
     curve = qt.ValidationCurve(budget_s=10.0)
     assert time_spent(curve) == 0.0

@@ -72,3 +72,16 @@ def test_add_appends_a_runs_rows_with_their_provenance(tmp_path, monkeypatch):
     bad.write_text("machine,D,step_ms\nbox,1000,fast\n")
     with pytest.raises(ValueError):
         rp.add_rows("sharded", bad, "x", machine="box", torch_version="2.13.0", commit="a", date="2030-01-02")
+
+
+@pytest.mark.parametrize("page", [p for p in rp.PAGE_LIST if "threads" in rp.load(p.name)[0]],
+                         ids=lambda p: p.name)
+def test_each_pages_command_runs_with_its_rows_threads_and_leaves_the_data_alone(page, made):
+    """A page's commands reproduce its rows: each row's thread count is in the command the page
+    gives for it, and no command writes into benchmarks/results/."""
+    text = made[rp.PAGES / f"{page.name}.md"]
+    assert rp.UPDATE_FLAG not in text
+    for row in rp.load(page.name):
+        command = rp.page_command(row)
+        assert f"--threads {row['threads']}" in command or f"--threads={row['threads']}" in command, command
+        assert f"`{command}`" in text, command

@@ -1,5 +1,5 @@
-"""The quadratic proposal of the exact head's sampled classes (spherical/kernel_proposal.py,
-issue 31): q(c | h) proportional to alpha (h.w_c)^2 + 1, drawn per row through a sum-tree over
+"""The quadratic proposal of the exact head's sampled classes (spherical/kernel_proposal.py):
+q(c | h) proportional to alpha (h.w_c)^2 + 1, drawn per row through a sum-tree over
 the factored head's rows [v_c, 1] (query [U h, h.omega]) and over the naive head's rows w_c
 (query h). In float64: the factored step equals the naive step on the same draws over several
 steps (head_pairs.hard_batch: K > 1 targets, padding, repeated classes, accidental hits), with repairs and folds; the

@@ -1,4 +1,4 @@
-"""The right preconditioner of the update (issue 31; spherical/preconditioner.py): the factored
+"""The right preconditioner of the update (spherical/preconditioner.py): the factored
 step W <- c W - lr dO^T H P equals the naive head's step with dW P, in float64, over several
 steps (loss, dL/dH and the implicit W after each), for every loss, sampled classes shared and
 per row, every route to H U_new^-1 and to Q, a fold, device flags and exact accumulation;

@@ -1,4 +1,4 @@
-"""Sampled classes as slots of the exact step (issue 31; spherical/negatives.py, the composite
+"""Sampled classes as slots of the exact step (spherical/negatives.py, the composite
 loss losses/sampled_composite.py): the factored step equals the naive head's step on the same
 drawn negatives, in float64, over several steps (loss, dL/dH and the implicit W after each),
 shared per batch (one dense block) and drawn per row (extra slots); the draws are the head's
@@ -202,7 +202,8 @@ def test_bad_targets_are_refused_before_the_draw(shared, bad):
 
 def test_loss_and_negatives_go_together_and_modes_not_taken_are_refused():
     with pytest.raises(ValueError, match="needs negatives"):
-        FactoredSphericalHead(D, d, loss="sampled")
+        FactoredSphericalHead(D, d, loss="sampled", negatives=None)
+    assert FactoredSphericalHead(D, d, loss="sampled").negatives is not None  # "auto", the default: on
     with pytest.raises(ValueError, match="negatives need a loss with sampled classes"):
         FactoredSphericalHead(D, d, loss="zloss", negatives=dict(num=4))
     f = FactoredSphericalHead(D, d, loss="sampled", negatives=Negatives(num=4, sampler="quadratic", shared=False),

@@ -173,7 +173,7 @@ def _counters_out(sd):
 @pytest.mark.parametrize("inverse", ["woodbury", "solve", "products"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_failed_eigenvalues_skip_the_step_and_count_it(monkeypatch, dtype, inverse):
-    # issue 31, item 7: LAPACK raised LinAlgError on a finite but ill-conditioned matrix with
+    # LAPACK raised LinAlgError on a finite but ill-conditioned matrix with
     # a large g_q (lr 8, a Gramian penalty); the step is skipped and counted, never raised.
     f, H, idx = _large_gq_step(dtype, inverse)
     before = {k: v.clone() for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -214,7 +214,7 @@ def test_large_gq_steps_never_raise(dtype, inverse):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_probes_crash_setting_never_raises(dtype):
-    """Issue 31's crash: loss=sampled with the Gramian penalty at gram = 1 and head lr 8 (the
+    """A setting that crashed LAPACK: loss=sampled with the Gramian penalty at gram = 1 and head lr 8 (the
     penalty's g_q makes B expand W; LAPACK raised on the ill-conditioned result). Every step
     computes B's eigenvalues and is taken, folded or skipped and counted: none raises, W
     stays finite."""

@@ -42,6 +42,7 @@ TRAINER_NUMBERS = {
                            ("a number of steps (>= 1), a fraction of an epoch in (0.0, 1.0], "
                             "a training time DD:HH:MM:SS, or null")),
     "check_val_every_n_epoch": (lambda v: v is None or _whole(v, 1), "a whole number >= 1, or null"),
+    "max_time": (lambda v: v is None or _duration(v), "a training time DD:HH:MM:SS (validation excluded), or null"),
     "accumulate_grad_batches": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "log_every_n_steps": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "num_sanity_val_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for all"),

@@ -13,13 +13,13 @@ from collections.abc import Sequence
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Timer
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
 from ..spherical.driving import SYNC_EVERY
 from .callbacks.head_steps import HeadSteps
 from .callbacks.sparse_gradients import SparseGradients
+from .callbacks.time_budget import budget_timer
 from .fsdp_body import shard_body, whole
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 from .compiling import Compiled, install
@@ -44,7 +44,7 @@ def check_distributed(head: OutputHead, world_size: int) -> None:
 
 
 def time_spent(timer) -> float:
-    """The share of ``trainer.max_time`` spent (Lightning's ``Timer``; it restores the elapsed
+    """The share of ``trainer.max_time`` spent (its ``TrainingClock``, a ``Timer``; it restores the elapsed
     time on resume), 0 without a time budget."""
     if timer is None or timer.time_remaining() is None:
         return 0.0
@@ -147,9 +147,8 @@ class LanguageModel(pl.LightningModule):
         rows = (self.compiled.mode or "") if self.compiled.any and world == 1 else None
         opt = make_optimizer(self, self.optim_cfg, head=self.head, compiled_rows=rows)
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else 1  # inf: no step limit
-        # the time budget: Lightning's Timer (trainer.max_time, or one of the caller's) that has one
-        timers = [c for c in self.trainer.callbacks if isinstance(c, Timer)] if self._trainer else []
-        timer = next((c for c in timers if c.time_remaining() is not None), None)
+        # the time budget: the training clock of trainer.max_time, or a Timer of the caller's
+        timer = budget_timer(self.trainer) if self._trainer else None
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: lr_factor(step, total_steps=total, time_spent=time_spent(timer), **self.sched_cfg))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

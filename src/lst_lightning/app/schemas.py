@@ -24,6 +24,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 
 from ..losses import LOSSES
+from ..spherical.settings import AUTO
 
 # The head classes the app names (conf/head), by the package a config's _target_ imports them from.
 HEADS = {
@@ -42,8 +43,9 @@ CONFIG_VALUES = (type(None), bool, int, float, str, tuple, list, dict)
 
 def not_null_defaults(cls: type) -> set[str]:
     """The settings of ``cls`` whose default is not null: a null one in a config means the
-    code's default (an object's, such as dtype=torch.float32), so it is left out of the call."""
-    return {name for name, (p, _) in parameters(cls).items() if p.default is not None}
+    code's default (an object's, such as dtype=torch.float32), so it is left out of the call.
+    Not OFF_WHEN_NULL's: null there is off, as in the code."""
+    return {name for name, (p, _) in parameters(cls).items() if p.default is not None} - OFF_WHEN_NULL
 
 
 def parameters(cls: type, given: set[str] = NOT_SETTINGS) -> dict[str, tuple[inspect.Parameter, dict]]:
@@ -79,7 +81,9 @@ def _nested_dataclass(p: inspect.Parameter, namespace: dict) -> type | None:
 # Settings taken as a dataclass where null means "none" (the spherical heads' sampled
 # classes, their preconditioner), not "the dataclass's defaults" (the factored head's
 # stabiliser): nullable in the schema, null by default where the constructor's default is
-# None, else the dataclass's defaults; checked against the dataclass's fields when given.
+# None or AUTO (on with a loss that samples classes: the app's head files take them from
+# the loss group's choice, conf/head/negatives, conf/head/preconditioner), else the
+# dataclass's defaults; checked against the dataclass's fields when given.
 OFF_WHEN_NULL = {"negatives", "preconditioner"}
 
 
@@ -89,7 +93,7 @@ def _field(name: str, default, nested: type | None = None) -> tuple:
     if nested is not None:
         schema = mirror(nested)
         if name in OFF_WHEN_NULL:  # noqa: UP045 below (OmegaConf reads Optional)
-            return name, Optional[schema], (dataclasses.field(default=None) if default is None  # noqa: UP045
+            return name, Optional[schema], (dataclasses.field(default=None) if default in (None, AUTO)  # noqa: UP045
                                             else dataclasses.field(default_factory=schema))
         return name, schema, dataclasses.field(default_factory=schema)
     if isinstance(default, (bool, int, float, str)):

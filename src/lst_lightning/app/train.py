@@ -32,6 +32,7 @@ from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries, show_our_lines
 from .resume import resolve_ckpt_path
 from .schemas import not_null_defaults
+from .setting_types import check_setting_types
 from .step_choice import AUTO, choose_step
 from .wiring import Run, instantiate_group
 
@@ -194,6 +195,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     tcfg = cfg.trainer
     check_device(tcfg)
     head_class(cfg)  # a bad _target_ fails here, before the data is read
+    check_setting_types(cfg.data, get_class(cfg.data._target_), "data")  # data.vocab_size=abc: one line
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("cpu_threads"):
         torch.set_num_threads(int(cfg.cpu_threads))
@@ -225,6 +227,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     trainer_kwargs = OmegaConf.to_container(tcfg, resolve=True)
     if trainer_kwargs.get("strategy") == FSDP2:  # Lightning has no string for it
         trainer_kwargs["strategy"] = fsdp2_strategy()
+    callbacks += time_bounded(trainer_kwargs)
     trainer = pl.Trainer(
         **trainer_kwargs, logger=run.loggers or False, callbacks=callbacks,
         # callbacks.checkpoint.enabled=false saves nothing (not Lightning's own checkpoint instead)
@@ -251,6 +254,26 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or device.type == "cuda"):
         log.info("compile=%s: %s", cfg.get("compile"), module.compiled.describe())
     return dm, module, trainer
+
+
+def time_bounded(trainer_kwargs: dict) -> list:
+    """``trainer.max_time`` as the run's bound: its ``TrainingClock`` (training time, validation
+    excluded) in place of Lightning's ``Timer``, and the trainer preset's epochs no cap (the
+    epochs go on until the time is spent, or ``trainer.max_steps``). Changes ``trainer_kwargs``;
+    returns the callbacks to add (none without a budget)."""
+    import lightning.pytorch as pl  # noqa: PLC0415
+
+    from .callbacks.time_budget import TrainingClock  # noqa: PLC0415
+
+    budget = trainer_kwargs.pop("max_time", None)
+    if budget is None:
+        return []
+    if pl.utilities.rank_zero_only.rank == 0 and trainer_kwargs.get("max_epochs") not in (None, -1):
+        log.info("trainer.max_time=%s: training time, validation excluded; the epochs (trainer.max_epochs=%s) "
+                 "do not cap it, trainer.max_steps=%s does", budget, trainer_kwargs["max_epochs"],
+                 trainer_kwargs.get("max_steps", -1))
+    trainer_kwargs["max_epochs"] = -1
+    return [TrainingClock(budget)]
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:

@@ -14,7 +14,7 @@ logits o into logits whose softmax is the head's p, for sampling and for greedy 
 (argmax of p, which is not argmax of o: a large negative o is likely too). The Z-loss
 and the squared error define no probability: greedy search by o (the exported logits
 as they are) is their ranking; softmax(o) is not their model. The composite loss with a
-sampled-softmax term (``loss="sampled"``, issue 31) trains o as logits: an exported model
+sampled-softmax term (``loss="sampled"``) trains o as logits: an exported model
 samples from softmax(o) in ``generate()`` as it is (``SphericalSampling`` leaves o alone).
 """
 from __future__ import annotations

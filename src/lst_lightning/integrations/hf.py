@@ -1,7 +1,8 @@
 """A Hugging Face causal LM trained through the factored head: one call, ``factor_lm_head``.
 
-``factor_lm_head(model, loss="zloss", **head_kwargs)`` replaces the ``lm_head`` linear
-layer of a ``*ForCausalLM`` by a ``FactoredSphericalHead`` whose initial W is the
+``factor_lm_head(model, **head_kwargs)`` replaces the ``lm_head`` linear
+layer of a ``*ForCausalLM`` by a ``FactoredSphericalHead`` (at its defaults: lst-train's head,
+``loss="sampled"`` with sampled classes and the preconditioner) whose initial W is the
 pretrained ``lm_head.weight`` (its bias as the bias column), and gives the model a
 forward that returns the head's loss on the model's own shifted labels (position t
 predicts labels[t + 1]; ``-100`` is padding, as in transformers). In training the D
@@ -70,7 +71,7 @@ def untie_lm_head(model: nn.Module) -> nn.Module:
     return model
 
 
-def head_from_linear(linear: nn.Linear, loss: str, head_kwargs: dict, caller: str,
+def head_from_linear(linear: nn.Linear, head_kwargs: dict, caller: str,
                      reduction: str = "mean") -> FactoredSphericalHead:
     """A ``FactoredSphericalHead`` whose initial W is ``linear``'s weight (its bias as the bias
     column), in float32 (float64 for a float64 layer) unless ``head_kwargs`` gives a dtype; the
@@ -83,19 +84,22 @@ def head_from_linear(linear: nn.Linear, loss: str, head_kwargs: dict, caller: st
     dtype = kwargs.pop("dtype", torch.float64 if W.dtype == torch.float64 else torch.float32)
     if linear.bias is not None:
         W = torch.cat([W, linear.bias.detach()[:, None]], dim=1)
-    head = FactoredSphericalHead(linear.out_features, linear.in_features, loss=loss, bias=linear.bias is not None,
+    head = FactoredSphericalHead(linear.out_features, linear.in_features, bias=linear.bias is not None,
                                  reduction=reduction, dtype=dtype, device=W.device, **kwargs)
     head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
     return head
 
 
-def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.Module:
-    """Put a ``FactoredSphericalHead`` (with ``loss`` and ``head_kwargs``: ``lr``,
-    ``weight_decay``, ``stabiliser``...) in place of ``model.lm_head``, starting from its
-    weight, and patch ``model.forward`` (docs/integrations.md). Returns the model, changed
-    in place; an unsupported model raises one ValueError and is left unchanged."""
+def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
+    """Put a ``FactoredSphericalHead`` (with ``head_kwargs``, any of its arguments: ``loss``,
+    ``lr``, ``negatives``...; its defaults are lst-train's head) in place of ``model.lm_head``,
+    starting from its weight, and patch ``model.forward`` (docs/integrations.md). On a GPU its
+    step is compiled and reads its checks every ``sync_every`` steps; it is not replayed from a
+    CUDA graph, which steps in the forward: the Trainer steps the head at its optimizer's step.
+    Returns the model, changed in place; an unsupported model raises one ValueError and is left
+    unchanged."""
     linear = check_patchable(model)
-    head = head_from_linear(linear, loss, head_kwargs, "factor_lm_head")
+    head = head_from_linear(linear, head_kwargs, "factor_lm_head")
     #: items_over_world: the Trainer's num_items_in_batch counts the world's tokens (its
     #: average_tokens_across_devices; head_follows_trainer sets it); whole_v: a sharded V
     #: gathered for the next checkpoint (processes.py)
@@ -112,15 +116,22 @@ def factor_lm_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.M
 
 #: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
 UINV_FRESH = "uinv_fresh"
+#: the keys of the sampled classes' generator states (host, device), saved as tensors
+NEGATIVES_RNG = {"rng": "negatives_rng", "device_rng": "negatives_device_rng"}
 
 
 def _tensors_only(patch, head, state_dict, prefix, local_metadata) -> None:
     """The head's state in a patched model as tensors only: its extra state (lr, weight decay,
     the loss's name: settings the loop gives again) is left out; whether U^-1 is fresh, the
-    one part of it the step reads, becomes a tensor, so a checkpoint resumes bit for bit. A
-    sharded head's whole V (``whole_v_into``), or else the rows its shard holds, as a tensor."""
+    one part of it the step reads, becomes a tensor, and so do the sampled classes' generator
+    states, so a checkpoint resumes bit for bit. A sharded head's whole V (``whole_v_into``), or
+    else the rows its shard holds, as a tensor."""
     state_dict.pop(prefix + "_extra_state", None)
     state_dict[prefix + UINV_FRESH] = torch.tensor(head.uinv_fresh)
+    drawn = head.negatives.state() if head.negatives is not None else {}
+    for part, key in NEGATIVES_RNG.items():
+        if drawn.get(part) is not None:
+            state_dict[prefix + key] = drawn[part]
     whole_v_into(patch, head, state_dict, prefix)
     if state_dict[prefix + "V"].shape[0] != head.num_classes:
         state_dict[prefix + V_ROWS] = torch.tensor([head.row_lo, head.row_hi])
@@ -129,11 +140,15 @@ def _tensors_only(patch, head, state_dict, prefix, local_metadata) -> None:
 def _without_extra_state(head, state_dict, prefix, *args) -> None:
     """Loads what ``_tensors_only`` saved: the head keeps its settings (lr, weight decay, loss)
     and takes whether U^-1 is fresh from the tensor; with neither (nothing known) U^-1 is
-    taken as stale, refreshed exactly from U when next needed (O(d^3)). (The rows of a shard
-    of V the head reads itself.)"""
+    taken as stale, refreshed exactly from U when next needed (O(d^3)); the sampled classes'
+    generators take their saved states. (The rows of a shard of V the head reads itself.)"""
     fresh = state_dict.pop(prefix + UINV_FRESH, None)
+    rngs = {part: state_dict.pop(prefix + key) for part, key in NEGATIVES_RNG.items() if prefix + key in state_dict}
     if prefix + "_extra_state" not in state_dict:
-        state_dict[prefix + "_extra_state"] = {**head.get_extra_state(), "uinv_fresh": bool(fresh)}
+        extra = {**head.get_extra_state(), "uinv_fresh": bool(fresh)}
+        if head.negatives is not None and "rng" in rngs:
+            extra["negatives"] = {"settings": head.negatives.settings.public(), **rngs}
+        state_dict[prefix + "_extra_state"] = extra
 
 
 def factored_head(model: nn.Module) -> FactoredSphericalHead:

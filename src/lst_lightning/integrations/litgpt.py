@@ -1,8 +1,8 @@
 """litgpt's ``GPT`` trained through the factored head: one call, ``factor_gpt_head``.
 
-``factor_gpt_head(model, loss="zloss", **head_kwargs)`` puts a ``FactoredSphericalHead``
-whose initial W is ``lm_head.weight`` (its bias as the bias column: ``lm_head_bias``
-configs) at ``model.factored_head``, makes ``model.lm_head`` an identity (so litgpt's own
+``factor_gpt_head(model, **head_kwargs)`` puts a ``FactoredSphericalHead`` (at its defaults:
+lst-train's head, ``loss="sampled"`` with sampled classes and the preconditioner) whose
+initial W is ``lm_head.weight`` (its bias as the bias column: ``lm_head_bias`` configs) at ``model.factored_head``, makes ``model.lm_head`` an identity (so litgpt's own
 forward, untouched, ends at the body's last norm) and gives the model a forward with one
 more argument: ``model(idx, targets=targets)`` returns the head's loss, litgpt's
 convention (``targets`` already aligned with ``idx``, as litgpt's loops slice them;
@@ -49,14 +49,16 @@ def check_gpt_patchable(model: nn.Module) -> nn.Linear:
     return head
 
 
-def factor_gpt_head(model: nn.Module, loss: str = "zloss", **head_kwargs) -> nn.Module:
-    """Put a ``FactoredSphericalHead`` (with ``loss`` and ``head_kwargs``: ``lr``,
-    ``weight_decay``, ``stabiliser``...) at ``model.factored_head``, starting from
-    ``model.lm_head``'s weight, and patch ``model.forward`` to take ``targets``. Returns
-    the model, changed in place; an unsupported model raises one ValueError and is left
-    unchanged."""
+def factor_gpt_head(model: nn.Module, **head_kwargs) -> nn.Module:
+    """Put a ``FactoredSphericalHead`` (with ``head_kwargs``, any of its arguments: ``loss``,
+    ``lr``, ``negatives``...; its defaults are lst-train's head) at ``model.factored_head``,
+    starting from ``model.lm_head``'s weight, and patch ``model.forward`` to take ``targets``.
+    On a GPU its step is compiled and reads its checks every ``sync_every`` steps; a loop that
+    backpropagates the loss unscaled on one process, without accumulation, replays it from a
+    CUDA graph with ``step="cuda_graph"`` (the patch cannot see the loop). Returns the model,
+    changed in place; an unsupported model raises one ValueError and is left unchanged."""
     linear = check_gpt_patchable(model)
-    head = head_from_linear(linear, loss, head_kwargs, "factor_gpt_head", reduction="mean_real")
+    head = head_from_linear(linear, head_kwargs, "factor_gpt_head", reduction="mean_real")
     #: whole_v: a sharded V gathered for the next checkpoint (gather_head_for_checkpoint)
     patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, whole_v=None)
     head.register_state_dict_post_hook(functools.partial(whole_v_into, patch))

@@ -28,6 +28,10 @@ fix in one line (``head.detach()``, or ``train()`` again, which re-attaches).
 """
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger(__name__)
+
 #: the smallest head lr the schedule sets: a scheduler at 0 (warm-up start, end of a
 #: linear decay) would give 0, which the head refuses; this step is then a no-op in effect.
 MIN_LR = 1e-30
@@ -63,6 +67,10 @@ def head_follows_trainer():
             self.base_lr = self.head.lr
             inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
             self.head.attach(inner, getattr(optimizer, "scaler", None), accumulate=args.gradient_accumulation_steps)
+            if self.head.device.type == "cuda" and state.is_world_process_zero:
+                log.info("head_follows_trainer: the head's %s step, its flags read every %d steps; not replayed from "
+                         "a CUDA graph, which steps in the forward: the Trainer steps the head at its optimizer's step",
+                         "compiled" if self.head.compiles else "eager", self.head.sync_every)
 
         def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
             if lr_scheduler is not None and args.learning_rate > 0:

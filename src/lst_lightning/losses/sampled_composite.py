@@ -1,4 +1,4 @@
-"""The composite loss of sampled classes inside the exact step (issue 31):
+"""The composite loss of sampled classes inside the exact step:
 
     l = CE over [the row's targets, its S sampled negatives]      (sampled softmax)
       + mu * a spherical loss of the target slots                  (the Z-loss by default)

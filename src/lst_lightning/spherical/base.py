@@ -29,6 +29,7 @@ from .driving import Driving
 from .multi_process import Sharding
 from .negatives import NegativeSampling, Negatives
 from .preconditioner import Preconditioner
+from .settings import AUTO, on_with_sampled
 from .pending import PendingRows, check_loss_scale, check_max_rows
 from .precision import own_math
 
@@ -133,12 +134,13 @@ class SphericalHeadBase(OutputHead):
 
     self_updating = True
 
-    def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "zloss",
+    def __init__(self, num_classes: int, hidden_dim: int, loss: str | SphericalLoss = "sampled",
                  loss_kwargs: dict | None = None, lr: float | None = None, weight_decay: float = 0.0,
                  bias: bool = True, reduction: str = "mean", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None, init_std: float | None = None,
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX,
-                 negatives: Negatives | dict | None = None, preconditioner: Preconditioner | dict | None = None,
+                 negatives: Negatives | dict | str | None = AUTO,
+                 preconditioner: Preconditioner | dict | str | None = AUTO,
                  tf32: bool = False):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
@@ -195,7 +197,7 @@ class SphericalHeadBase(OutputHead):
         self._init_seed = int(torch.randint(0, 2 ** 62, (1,), generator=generator,
                                             device=generator.device if generator is not None else "cpu"))
         #: sampled classes as slots of the step (negatives.py), with the composite loss only
-        settings = Negatives.of(negatives)
+        settings = Negatives.of(on_with_sampled(negatives, self.loss_fn.sampled))
         if (settings is None) == self.loss_fn.sampled:
             raise ValueError(f"loss {self.loss_fn.name!r} needs negatives (e.g. negatives=dict(num=64))"
                              if settings is None else
@@ -204,7 +206,7 @@ class SphericalHeadBase(OutputHead):
             settings = dataclasses.replace(settings, num=slots_num_samples(num_classes))
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
         #: the right preconditioner of the update (preconditioner.py); None: the plain SGD step
-        self.preconditioner = Preconditioner.of(preconditioner)
+        self.preconditioner = Preconditioner.of(on_with_sampled(preconditioner, self.loss_fn.sampled))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -1,4 +1,4 @@
-"""The quadratic proposal of the exact head's sampled classes (issue 31; docs/algorithm.md,
+"""The quadratic proposal of the exact head's sampled classes (docs/algorithm.md,
 "Sampled classes"): q(c | h) proportional to alpha (h.w_c)^2 + 1 on the implicit
 W = V U + 1 omega^T, drawn per row through a sum-tree (heads/sum_tree.py).
 

@@ -1,4 +1,4 @@
-"""Sampled classes as slots of the exact step (issue 31; docs/algorithm.md, "Sampled classes").
+"""Sampled classes as slots of the exact step (docs/algorithm.md, "Sampled classes").
 
 The exact update needs only ``dO = 2 diag(g_q) O + g_s 1^T + Yd`` with ``Yd`` sparse. A
 sampled-softmax term over each row's targets and S sampled classes adds one column of

@@ -1,4 +1,4 @@
-"""The right preconditioner of the output layer's update (issue 31): W <- c W - lr dO^T H P.
+"""The right preconditioner of the output layer's update: W <- c W - lr dO^T H P.
 
 The exact step needs the update of W to be ``dO^T`` times something of m rows; any d x d
 matrix P on the right keeps it so. With P the inverse of the damped second moment of the

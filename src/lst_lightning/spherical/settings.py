@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 
+#: a nested setting's default on the spherical heads (negatives, preconditioner): on at the
+#: dataclass's defaults with a loss that samples classes (the default, ``loss="sampled"``),
+#: off with the other losses
+AUTO = "auto"
+
+
+def on_with_sampled(value, sampled: bool):
+    """``value``, or for ``AUTO`` the settings' defaults (``{}``) when the loss samples classes
+    and None (off) when it does not."""
+    if isinstance(value, str) and value == AUTO:
+        return {} if sampled else None
+    return value
+
 
 def settings_from(cls: type, value, name: str):
     """``value`` as a ``cls``: itself, or ``cls(**value)`` for a dict whose keys are all its

@@ -1,4 +1,5 @@
-"""A log line every few steps (step, loss, tokens/s, ETA) and one per validation, so that
+"""A log line every few steps (step, loss, tokens/s, ETA or a time budget's time left) and one
+per validation, so that
 a run whose output goes to a file (nohup, a batch job) shows its progress, and the run's
 ``train.log`` keeps it. Rank zero only."""
 from __future__ import annotations
@@ -8,6 +9,8 @@ import time
 from pathlib import Path
 
 import lightning.pytorch as pl
+
+from .time_budget import budget_timer
 
 log = logging.getLogger("lst_lightning.progress")
 
@@ -20,7 +23,8 @@ def clock(seconds: float) -> str:
 
 
 class ProgressLog(pl.Callback):
-    """Logs ``step 200/4000  loss 6.512  1830 tokens/s  ETA 2:41`` every ``every`` steps
+    """Logs ``step 200/4000  loss 6.512  1830 tokens/s  ETA 2:41`` (and ``1:10 of training left``
+    with a time budget) every ``every`` steps
     (0: never) and the validation metrics after each validation. ``log_file``: where a
     process without logging handlers (a spawned worker: Hydra configured only the
     launching process) writes the lines besides stderr."""
@@ -58,6 +62,9 @@ class ProgressLog(pl.Callback):
         parts.append(f"{self._tokens / elapsed:.0f} tokens/s")
         if total != float("inf"):
             parts.append(f"ETA {clock((total - step) * elapsed / (step - self._first_step))}")
+        budget = budget_timer(trainer)
+        if budget is not None:  # trainer.max_time: training time, validation excluded
+            parts.append(f"{clock(max(budget.time_remaining(), 0.0))} of training left")
         log.info("  ".join(parts))
 
     def on_validation_end(self, trainer, pl_module) -> None:

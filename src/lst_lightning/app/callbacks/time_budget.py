@@ -1,0 +1,62 @@
+"""A run's time budget (``trainer.max_time``) on the training clock: validation left out.
+
+Lightning's own ``Timer`` counts the validation passes inside ``fit`` as training time, so a
+head whose evaluation is slower would train less in the same budget. ``TrainingClock`` is that
+``Timer`` on training time alone: the app makes it from ``trainer.max_time`` in place of
+Lightning's, training stops once the training time reaches the budget, the schedule's
+``over: budget`` decays over it (app/schedule.py), the progress line and bar show what is left,
+and a checkpoint holds it, so a resumed run goes on with the time it had left."""
+from __future__ import annotations
+
+import time
+
+from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.trainer.states import RunningStage
+
+
+class TrainingClock(Timer):
+    """Lightning's ``Timer`` whose training time excludes validation; ``duration`` as
+    Lightning's (``DD:HH:MM:SS``, a dict of timedelta's fields, a timedelta) or None (no budget:
+    the clock only counts)."""
+
+    def __init__(self, duration=None):
+        super().__init__(duration=duration, interval="step", verbose=True)
+        self._train_s = 0.0  # training seconds since this process started training
+        self._since: float | None = None  # when training last (re)started, None while it is not running
+
+    def time_elapsed(self, stage: str = RunningStage.TRAINING) -> float:
+        """Training seconds, validation excluded, a resumed run's earlier ones included (other
+        stages: Lightning's own)."""
+        if RunningStage(stage) != RunningStage.TRAINING:
+            return super().time_elapsed(stage)
+        return self._offset + self._train_s + (time.perf_counter() - self._since if self._since is not None else 0.0)
+
+    def _pause(self) -> None:
+        if self._since is not None:
+            self._train_s += time.perf_counter() - self._since
+            self._since = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._since = time.perf_counter()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._pause()
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        self._pause()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        # trainer.training is False here (the state is "validating"): a validation inside fit
+        # hands back to training
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._since = time.perf_counter()
+
+
+def budget_timer(trainer) -> Timer | None:
+    """The trainer's ``Timer`` with a duration (``TrainingClock`` from ``trainer.max_time``, or
+    one of the caller's), or None: a run without a time budget."""
+    return next((c for c in trainer.callbacks if isinstance(c, Timer) and c.time_remaining() is not None), None)
