@@ -1,7 +1,7 @@
 """Steps whose B = c (I - A) is nearly singular, on purpose: every loss stays equal to the
 explicit-W reference with host checks and with device flags, eager and compiled. Under device
 flags such a step is folded into V within its own step, on the device (step.py's
-``folded_inverse`` and ``write_masked_u``; ``lst_kernels.fold_rows_``), with no host read."""
+``new_state`` and ``write_masked_u``; ``lst_kernels.fold_rows_``), with no host read."""
 import copy
 import itertools
 

@@ -226,22 +226,6 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     return Y.index_select(1, P.argmax(1)), info  # X = (X P) P^T
 
 
-def folded_inverse(fold: Tensor, Hx: Tensor, X: Tensor | None, P: Tensor | None, HUinv: Tensor,
-                   Uinv: Tensor | None, right: Tensor | None, info: Tensor | None, inverse_ok):
-    """Under device flags: (fold, H U_new^-1, U_new^-1, R). A step is folded where the bounds
-    said so (``fold``, a device bool) or where its route could not make U_new^-1 (a singular
-    solve, a Neumann residual above rounding): U B goes into V and U = I, so H U_new^-1 = X =
-    H P and R = P. Elsewhere the route's own; no step is skipped for its inverse."""
-    if info is not None:
-        fold = fold | (info != 0).any()
-    fold = fold | ~torch.as_tensor(inverse_ok, device=Hx.device)
-    eye = torch.eye(Hx.shape[1], dtype=Hx.dtype, device=Hx.device)
-    HUinv = torch.where(fold, Hx if X is None and P is None else Hx @ P if X is None else X, HUinv)
-    Uinv = None if Uinv is None else torch.where(fold, eye, Uinv)
-    right = None if right is None else torch.where(fold, eye if P is None else P, right)
-    return fold, HUinv, Uinv, right
-
-
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
     Hx = fwd.Hx
@@ -299,17 +283,22 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         if factors is not None:  # U_new^-1 by d x d products alone
             Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
             inverse_ok = residual <= residual_tolerance(Hx.dtype)
-            if not deferred and not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
+            if deferred:  # past the factors' reach the step folds too: U_new^-1 = I after the fold
+                fold, inverse_ok = fold | ~inverse_ok, True
+                Uinv_new = torch.where(fold, torch.eye(w, dtype=Hx.dtype, device=Hx.device), Uinv_new)
+            elif not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
                 Uinv_new, inverse_ok = None, True
         if Uinv_new is not None:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
             right = Uinv_new if P is None else P @ Uinv_new
             HUinv_new = Hx @ right
         else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
             HUinv_new, info = solve_right(U_new, Hx @ P if X is None else X)
-    if deferred:  # a fold on the device: H U_new^-1 = H P (U = I after it), whatever the route made
-        fold, HUinv_new, Uinv_new, right = folded_inverse(fold, Hx, X, P, HUinv_new, Uinv_new, right, info,
-                                                          inverse_ok)
-        info, inverse_ok = None, True
+    if deferred and right is None:  # Woodbury, the solve: a singular solve folds too; after a fold
+        # (a device bool) H U_new^-1 = X = H P and U_new^-1 = I, whatever the route made
+        fold, info = fold | (info != 0).any(), None
+        HUinv_new = torch.where(fold, X, HUinv_new)
+        if Uinv_new is not None:
+            Uinv_new = torch.where(fold, torch.eye(w, dtype=Hx.dtype, device=Hx.device), Uinv_new)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
