@@ -156,8 +156,9 @@ def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto")
     return V
 
 
-#: bytes of V's rows a block of the fold on the CPU (the rows the write finds in cache)
-FOLD_CACHE_BYTES = 2 << 20
+#: bytes of V's rows a block of an in-place pass over V on the CPU (the rows the write finds in
+#: cache): the gated fold's here, and the head's folds and fixes (lst_lightning.spherical.blocks)
+CACHE_BYTES = 2 << 20
 
 
 @torch.library.custom_op("lst_kernels::fold_rows_", mutates_args=("V",))
@@ -169,7 +170,7 @@ def _fold_rows_gated(V: Tensor, M: Tensor, flag: Tensor) -> None:
     if not bool(flag):
         return
     M = M.to(V.dtype)
-    rows = max(1, FOLD_CACHE_BYTES // max(1, V.shape[1] * V.element_size()))
+    rows = max(1, CACHE_BYTES // max(1, V.shape[1] * V.element_size()))
     for a in range(0, V.shape[0], rows):
         blk = V[a:a + rows]
         blk.copy_(blk @ M)

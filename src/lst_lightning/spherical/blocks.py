@@ -6,11 +6,13 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
+from lst_kernels.functional import CACHE_BYTES
+
 BLOCK = 1 << 16  # rows per block; also the unit in which the initial V is drawn
-#: a block of an in-place pass over V on the CPU (a fold, a singular-value fix): small enough
-#: that the write finds the rows the read brought into cache (a rank-3 fix at D = 10^6, d =
-#: 128, one thread: 266 ms in blocks of 2^16 rows, 43 ms in 2 MiB blocks; a fold 550 -> 359 ms)
-CACHE_BYTES = 2 << 20
+# CACHE_BYTES, a block of an in-place pass over V on the CPU (a fold, a singular-value fix; the
+# gated fold's too: one constant, in lst_kernels): small enough that the write finds the rows the
+# read brought into cache (a rank-3 fix at D = 10^6, d = 128, one thread: 266 ms in blocks of
+# 2^16 rows, 43 ms in 2 MiB blocks; a fold 550 -> 359 ms)
 
 
 def row_blocks(X: Tensor, size: int = BLOCK) -> Iterator[tuple[int, Tensor]]:
