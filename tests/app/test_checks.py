@@ -13,6 +13,11 @@ def test_every_trainer_config_passes(trainer):
     check_config(cfg_of(f"trainer={trainer}"))
 
 
+@pytest.mark.parametrize("experiment", group("experiment"))
+def test_every_experiment_passes(experiment):
+    check_config(cfg_of(f"experiment={experiment}"))
+
+
 @pytest.mark.parametrize("override,match", [
     ("trainer.max_steps=-5", "trainer.max_steps=-5: must be"),
     ("trainer.max_epochs=-2", "trainer.max_epochs"),
@@ -26,6 +31,17 @@ def test_every_trainer_config_passes(trainer):
     ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val"),
     ("cpu_threads=0", "cpu_threads=0"),
     ("+loss.a=1", "loss.kwargs.a"),
+    ("optimizer.lr=abc", "optimizer.lr='abc': must be a number > 0"),
+    ("optimizer.lr=0", "optimizer.lr=0"),
+    ("optimizer.momentum=1.5", "optimizer.momentum"),
+    ("optimizer.weight_decay=true", "optimizer.weight_decay"),
+    ("scheduler.warmup_steps=2.5", "scheduler.warmup_steps"),
+    ("scheduler.min_factor=-0.1", "scheduler.min_factor"),
+    ("metrics.topk=5", "metrics.topk=5: must be a list"),
+    ("metrics.topk=[1,0]", "metrics.topk"),
+    ("metrics.simlex=maybe", "metrics.simlex"),
+    ("metrics.score_chunk_size=0", "metrics.score_chunk_size"),
+    ("metrics.timing_every=-1", "metrics.timing_every"),
 ])
 def test_bad_values_are_refused_with_their_key(override, match):
     with pytest.raises(ValueError, match=match):
@@ -35,7 +51,8 @@ def test_bad_values_are_refused_with_their_key(override, match):
 @pytest.mark.parametrize("override", ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_epochs=null",
                                       "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
                                       "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",
-                                      "trainer.gradient_clip_val=null"])
+                                      "trainer.gradient_clip_val=null", "optimizer.lr=1", "scheduler.min_factor=0",
+                                      "metrics.topk=[1]", "metrics.timing_every=0"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 

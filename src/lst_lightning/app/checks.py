@@ -51,10 +51,42 @@ TRAINER_NUMBERS = {
 }
 
 
+def _number(v, lo: float = 0.0, hi: float = float("inf"), open_lo: bool = False) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and (v > lo if open_lo else v >= lo) and v <= hi)
+
+
+# The numbers of the other groups without a schema (their names, such as optimizer.name, are
+# checked by the code that reads them): <group>.<key>: (accepts the value?, what it must be).
+GROUP_NUMBERS = {
+    "optimizer": {
+        "lr": (lambda v: _number(v, open_lo=True), "a number > 0"),
+        "momentum": (lambda v: _number(v, 0.0, 1.0), "a number in [0, 1]"),
+        "weight_decay": (lambda v: _number(v), "a number >= 0"),
+    },
+    "scheduler": {
+        "warmup_steps": (lambda v: _whole(v, 0), "a whole number >= 0"),
+        "min_factor": (lambda v: _number(v, 0.0, 1.0), "a number in [0, 1]"),
+    },
+    "metrics": {
+        "topk": (lambda v: isinstance(v, list) and len(v) > 0 and all(_whole(k, 1) for k in v),
+                 "a list of whole numbers >= 1, such as [1,10]"),
+        "simlex": (lambda v: isinstance(v, bool), "true or false"),
+        "score_chunk_size": (lambda v: _whole(v, 1), "a whole number >= 1"),
+        "timing_every": (lambda v: _whole(v, 0), "a whole number >= 0 (0: off)"),
+    },
+}
+
+
+def check_numbers(section: DictConfig | None, table: dict, group: str) -> None:
+    values = OmegaConf.to_container(section, resolve=True) if section is not None else {}
+    for key, (ok, want) in table.items():
+        if key in values and not ok(values[key]):
+            raise ValueError(f"{group}.{key}={values[key]!r}: must be {want}")
+
+
 def check_trainer(trainer: DictConfig) -> None:
-    for key, (ok, want) in TRAINER_NUMBERS.items():
-        if key in trainer and not ok(trainer[key]):
-            raise ValueError(f"trainer.{key}={trainer[key]!r}: must be {want}")
+    check_numbers(trainer, TRAINER_NUMBERS, "trainer")
 
 
 def check_ckpt_path(ckpt_path) -> None:
@@ -193,6 +225,8 @@ def check_config(cfg: DictConfig) -> None:
         if OmegaConf.select(cfg, key, default=GONE) is not GONE:  # an old experiment's config
             check_gone(key, OmegaConf.select(cfg, key))
     check_trainer(cfg.trainer)
+    for group, table in GROUP_NUMBERS.items():
+        check_numbers(cfg.get(group), table, group)
     check_ckpt_path(cfg.get("ckpt_path"))
     for key in cfg.get("loss") or {}:
         check_loss_key(str(key))
