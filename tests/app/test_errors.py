@@ -36,14 +36,20 @@ def files(tmp_path):
     return tmp_path
 
 
+# one process each (the app's imports): a refusal of the config, of the command line and of the
+# data in the fast suite; the others' checks are tested in-process (tests/app/test_checks.py) and here with -m slow
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("args,match", [
     (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
     (["loss.a=-1"], "write loss.kwargs.a=-1"),
-    (["head_step=fused"], "head_step is no longer a setting: the step mode is the head's own setting: write head.step=fused"),
-    (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt"),
-    (["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in"),
+    pytest.param(["head_step=fused"], "head_step is no longer a setting: the step mode is the head's own setting: "
+                 "write head.step=fused", marks=SLOW),
+    pytest.param(["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt", marks=SLOW),
+    pytest.param(["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in", marks=SLOW),
     (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),
-    (["data=text_files", "data.path=empty.txt"], "is empty"),
+    pytest.param(["data=text_files", "data.path=empty.txt"], "is empty", marks=SLOW),
 ])
 def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, match):
     out, rest, modules, code = lst_train(*args, cwd=files)

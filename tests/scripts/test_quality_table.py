@@ -22,6 +22,7 @@ def read(path):
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.slow  # a run of its own (35 s); the --update-results run below writes the same files
 def test_default_run_writes_its_run_directory_only(sandbox):
     run_dir = sandbox.run_default(qt.main, tiny(), "quality_table")
     stem = run_dir / f"quality_table_{qt.machine_name()}"
