@@ -6,7 +6,7 @@ the moments are the head's state: resumed exactly, untouched by a skipped step."
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, step
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, plan, step
 from lst_lightning.spherical.preconditioner import Preconditioner
 
 import head_pairs
@@ -64,7 +64,7 @@ def test_factored_step_equals_naive_step(loss, bias):
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("route", ["m_matrix", "factors"])
 def test_both_routes_of_q(route, shared, monkeypatch):
-    monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
+    monkeypatch.setattr(plan, "m_matrix_rows", lambda d: 10**9 if route == "m_matrix" else -1)
     torch.manual_seed(2)
     f, n = pair("sampled", shared=shared)
     run(f, n, steps=4, m=13)

@@ -106,7 +106,7 @@ class DeviceFlags(HostChecks):
         if not self.pinned and self.lr_filled != head.lr and not capturing():
             head._lr_t.fill_(head.lr)
             self.lr_filled = head.lr
-        if self.rho_max is None and head.repairs.settings.neumann == "adaptive":
+        if self.rho_max is None and head.plan.neumann == "adaptive":
             self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
 
     def lr(self, head) -> Tensor:
@@ -127,7 +127,7 @@ class DeviceFlags(HostChecks):
         cannot rule out an eigenvalue of B/c within ``fold_tol`` of 0, or where cond(U)'s bound
         would pass ``fold_cond`` (docs/factored_head.md, "Nearly singular steps")."""
         rho_pos, rho_neg = eig_bounds(A, sq, kappa)
-        if head.repairs.settings.neumann == "adaptive":  # kept for the next read (adapt_factors)
+        if head.plan.neumann == "adaptive":  # kept for the next read (adapt_factors)
             self.rho_max.copy_(torch.maximum(self.rho_max, torch.maximum(rho_pos, rho_neg)))
         settings = head.repairs.settings
         cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
@@ -188,7 +188,7 @@ class DeviceFlags(HostChecks):
     def adapt_factors(self, head, skipped: bool, rho_max: float | None, cond_bound: float) -> None:
         """``Stabiliser.neumann="adaptive"``: the factors of the steps up to the next read, from
         the largest rho bound since the last (then reset); the maximum after a skipped step."""
-        if head.repairs.settings.neumann != "adaptive":
+        if head.plan.neumann != "adaptive":
             self.factors = MAX_FACTORS
             return
         if rho_max is None:  # no step yet

@@ -86,17 +86,9 @@ def outputs(head, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
     return q, s, A, Hq, Ht, HUinv, ht
 
 
-def inverse_route(head, m: int) -> str:
-    """How this step makes H U_new^-1 (``Stabiliser.inverse``): "woodbury", "products" or "solve".
-    "auto": on a GPU the products (both others factorise, latency-bound there); on a CPU
-    Woodbury (m^2 d + m^3) where 2 m <= d, else a fresh solve with U_new (d^3 + m d^2):
-    their measured crossover."""
-    route = head.repairs.settings.inverse
-    if route != "auto":
-        return route
-    if head.U.is_cuda:
-        return "products"
-    return "woodbury" if 2 * m <= head.width else "solve"
+def inverse_route(plan, m: int) -> str:
+    """How a step of m rows makes H U_new^-1, as its plan says: "woodbury", "solve" or "products"."""
+    return "woodbury" if m <= plan.woodbury_rows else plan.inverse
 
 
 # -- the host's part of a step, before the device's -------------------------------------------
@@ -105,9 +97,10 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
     (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
     graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
-    if inverse_route(head, m) != "solve" and not head._uinv_fresh:
+    plan = head.plan
+    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    if head.step_checks.deferred:
+    if plan.deferred:
         head.step_checks.before_step(head)
     return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
 
@@ -119,12 +112,12 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
     ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here). ``rows``: the
     real rows the "mean" reduction divides by, a device count, where the batch was padded (None:
     ``sharding.rows``, the batch's own rows in one process)."""
-    input_ok = True
-    if head.step_checks.deferred:
+    input_ok, plan = True, head.plan
+    if plan.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
-    route = inverse_route(head, Hx.shape[0])
+    route = inverse_route(plan, Hx.shape[0])
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
-    real = None if head.preconditioner is None else (idx >= 0).any(1)  # the rows its moments count
+    real = (idx >= 0).any(1) if plan.preconditioned else None  # the rows P's moments count
     rows = head.sharding.rows if rows is None else rows
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht, draws, rows)
@@ -177,13 +170,6 @@ def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
             torch.minimum(trace_neg, (spread - mu).clamp(min=0)))
 
 
-def uses_m_matrix(m: int, d: int) -> bool:
-    """Q's update through the m x m M (3 m^2 d + m d^2 multiply-adds) rather than from d x d
-    products (``q_update_factors`` with H^T diag(g_q) H given, which the step forms for B:
-    2 m d^2 + 2 d^3): the cheaper up to m = d."""
-    return 3 * m * m + m * d <= 2 * m * d + 2 * d * d
-
-
 def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
     bound on cond(B), and one on the spectral radius of A (the products route's rho), for
@@ -228,8 +214,8 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
 
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
-    Hx = fwd.Hx
-    deferred = head.step_checks.deferred
+    Hx, plan = fwd.Hx, head.plan
+    deferred = plan.deferred
     lr = head._lr_t if deferred else head.lr  # device flags: a device scalar (before_step refills it)
     m, w = Hx.shape
     c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
@@ -240,8 +226,8 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     moments = None if head.preconditioner is None else \
         head.preconditioner.step(head.input_moment, head.input_moment_weight, Hx, fwd.real)
     P = None if moments is None else moments.P
-    by_factors = not uses_m_matrix(m, w)  # Q's update from d x d products (else through M)
-    takes_x = not (inverse_route(head, m) == "products" and by_factors)
+    route, by_factors = inverse_route(plan, m), m > plan.m_matrix_rows  # Q's update from d x d products (else M)
+    takes_x = not (route == "products" and by_factors)
     X = Hx if P is None else Hx @ P if takes_x else None
     use_woodbury = fwd.HUinv is not None
     Gq = GqP = None  # H^T diag(g_q) H and G_q P, formed once where B is: its bounds, U B, the products, Q's update
@@ -278,7 +264,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     else:
         Uinv_new = None
         # device flags: no host read, as many factors as rho up to ~0.9 needs, the residual a flag
-        factors = None if inverse_route(head, m) != "products" else \
+        factors = None if route != "products" else \
             head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
         if factors is not None:  # U_new^-1 by d x d products alone
             Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
@@ -333,7 +319,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
     """Write the step's new state. Under device flags every buffer keeps its old value where
     the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
-    masked = head.step_checks.deferred
+    masked = head.plan.deferred
     if masked:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
         write_masked_u(head, new, ok)
     elif new.fold:
@@ -415,7 +401,7 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     it at once. Device flags (``sync_every > 1``): every check is a flag that masks the
     write, read by ``head.sync()`` every ``sync_every`` steps (checks.py)."""
     head._version += 1  # the state moves: a backward of any other forward is stale from here
-    if head.step_checks.deferred:
+    if head.plan.deferred:
         dH = compiled.run(head, deferred_backward, fwd, grad)
         after_step(head)
         return dH if fwd.kept is None else dH[:fwd.kept]
@@ -452,7 +438,7 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     where the head's step is: ``compiled.run``)."""
     m = Hx.shape[0]
     draws = before_step(head, m)
-    size = batch_size(head, m, idx.shape[1]) if compiled.compiles(head) else None  # static shapes: padded
+    size = batch_size(head, m, idx.shape[1]) if head.plan.compiled else None  # static shapes: padded
     if size is None:
         return compiled.run(head, forward, Hx, idx, T, draws)
     loss, fwd = compiled.run(head, forward, *pad_batch(Hx, idx, T, *size), pad_draws(head, draws, m, size[0]),
@@ -482,10 +468,10 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     if not sh.alone:
         Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
     m = Hx.shape[0]
-    draws = before_step(head, m)
-    if head.step_checks.deferred:
+    draws, plan = before_step(head, m), head.plan
+    if plan.deferred:
         head._version += 1  # the state moves: a pending backward of an earlier forward is stale
-        size = batch_size(head, m, idx.shape[1]) if real is None and compiled.compiles(head) else None
+        size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
@@ -525,9 +511,10 @@ def apply_records(head, records: list) -> None:
     cols = torch.cat([c for c, _ in blocks]) if blocks else None
     G_neg = torch.block_diag(*[g for _, g in blocks]) if blocks else None
     before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
-    if head.step_checks.deferred:
+    plan = head.plan
+    if plan.deferred:
         head._version += 1
-        size = batch_size(head, Hx.shape[0], idx.shape[1]) if compiled.compiles(head) else None
+        size = batch_size(head, Hx.shape[0], idx.shape[1]) if plan.compiled else None
         if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
             M = size[0]
             Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
@@ -545,7 +532,7 @@ def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: T
                     G_neg: Tensor | None = None) -> SavedForward:
     """The records' step as a forward had made it: their products with the current state, and
     their shared negatives as one block (``cols``, ``G_neg``; negatives per row: slots of idx)."""
-    route = inverse_route(head, Hx.shape[0])
+    route = inverse_route(head.plan, Hx.shape[0])
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
     neg = None if head.negatives is None else head.negatives.slots_part() if cols is None else \
         head.negatives.records_block(head, cols, G_neg)
