@@ -66,6 +66,7 @@ class NewState:
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
+    rho: Tensor | None = None  # device flags, adaptive Neumann rule: the bound on A's spectral radius
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -212,6 +213,35 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     return Y.index_select(1, P.argmax(1)), info  # X = (X P) P^T
 
 
+# -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
+def by_woodbury(head, fwd: SavedForward, X: Tensor, G: Tensor, kappa: Tensor, c, P: Tensor | None):
+    """(U_new^-1, H U_new^-1, LAPACK's info) by the rank-m Woodbury update of U^-1:
+    B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q."""
+    S = torch.eye(X.shape[0], dtype=X.dtype, device=X.device) - G * kappa[None, :]
+    XUinv = fwd.HUinv if P is None else X @ head.Uinv
+    R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
+    KR = kappa[:, None] * R
+    return (head.Uinv + fwd.Hx.T @ KR) / c, (XUinv + G @ KR) / c, info
+
+
+def by_products(head, U_new: Tensor, A: Tensor, c, rho: float | None, fold, deferred: bool):
+    """(U_new^-1, whether it passed its check, the fold) from U^-1 by d x d products alone
+    (inverse_update.py), or U_new^-1 None where this step solves instead. Device flags: the factors
+    the flags' last read chose, and past their reach (the residual a flag) the step folds, U_new^-1
+    = I after the fold; host checks: the factors rho needs, and a residual past the tolerance (U^-1
+    had drifted) solves instead."""
+    dtype = U_new.dtype
+    factors = head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), dtype)
+    if factors is None:
+        return None, True, fold
+    Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
+    inverse_ok = residual <= residual_tolerance(dtype)
+    if deferred:
+        fold = fold | ~inverse_ok
+        return torch.where(fold, torch.eye(U_new.shape[0], dtype=dtype, device=U_new.device), Uinv_new), True, fold
+    return (Uinv_new, inverse_ok, fold) if bool(inverse_ok) else (None, True, fold)
+
+
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
     Hx, plan = fwd.Hx, head.plan
@@ -229,7 +259,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     route, by_factors = inverse_route(plan, m), m > plan.m_matrix_rows  # Q's update from d x d products (else M)
     takes_x = not (route == "products" and by_factors)
     X = Hx if P is None else Hx @ P if takes_x else None
-    use_woodbury = fwd.HUinv is not None
+    use_woodbury = route == "woodbury"
     Gq = GqP = None  # H^T diag(g_q) H and G_q P, formed once where B is: its bounds, U B, the products, Q's update
     if use_woodbury:  # A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T
         G = X @ Hx.T
@@ -243,8 +273,9 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         sq = Hx.pow(2).sum(1)  # ||h||^2, times P's largest eigenvalue's bound: >= h^T P h
         if P is not None:
             sq = sq * head.preconditioner.max_eig
+    rho_bound = None  # device flags, the adaptive Neumann rule: A's spectral radius bound, kept by the write
     if deferred:  # bounds on the device; a nearly singular step's fold decided there too (a device bool)
-        fold, cond_step = head.step_checks.step_bounds(head, A, sq, kappa)
+        fold, cond_step, rho_bound = head.step_checks.step_bounds(head, A, sq, kappa)
         rho = None
     else:
         fold, cond_step, rho = fold_and_cond(head, A, sq, kappa)
@@ -253,27 +284,11 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     info, inverse_ok, right = None, True, None
     if fold is True:  # host checks: the fold decided on the host
         Uinv_new, HUinv_new = None, Hx @ P if X is None else X  # V absorbs U B; U = U^-1 = I
-    elif use_woodbury:
-        # B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q.
-        S = torch.eye(m, dtype=Hx.dtype, device=Hx.device) - G * kappa[None, :]
-        XUinv = fwd.HUinv if moments is None else X @ head.Uinv
-        R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
-        KR = kappa[:, None] * R
-        Uinv_new = (head.Uinv + Hx.T @ KR) / c
-        HUinv_new = (XUinv + G @ KR) / c
+    elif route == "woodbury":
+        Uinv_new, HUinv_new, info = by_woodbury(head, fwd, X, G, kappa, c, P)
     else:
-        Uinv_new = None
-        # device flags: no host read, as many factors as rho up to ~0.9 needs, the residual a flag
-        factors = None if route != "products" else \
-            head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
-        if factors is not None:  # U_new^-1 by d x d products alone
-            Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
-            inverse_ok = residual <= residual_tolerance(Hx.dtype)
-            if deferred:  # past the factors' reach the step folds too: U_new^-1 = I after the fold
-                fold, inverse_ok = fold | ~inverse_ok, True
-                Uinv_new = torch.where(fold, torch.eye(w, dtype=Hx.dtype, device=Hx.device), Uinv_new)
-            elif not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
-                Uinv_new, inverse_ok = None, True
+        Uinv_new, inverse_ok, fold = (None, True, fold) if route != "products" else \
+            by_products(head, U_new, A, c, rho, fold, deferred)
         if Uinv_new is not None:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
             right = Uinv_new if P is None else P @ Uinv_new
             HUinv_new = Hx @ right
@@ -313,7 +328,8 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if moments is not None:
         ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
-                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right)
+                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right,
+                    rho=rho_bound)
 
 
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
@@ -362,10 +378,10 @@ def write_masked_u(head, new: NewState, ok: Tensor) -> None:
     lk.fold_rows_(head.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(head.width, dtype=head.dtype, device=head.device)
     head.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, head.U)))
-    if new.Uinv is not None:
+    if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
         head.Uinv.copy_(torch.where(ok, new.Uinv, head.Uinv))  # (new_state made it I where the step folds)
-    else:
-        head._uinv_fresh = False
+    if new.rho is not None:  # the largest since the flags' last read (checks.py: the adaptive Neumann rule)
+        head.step_checks.rho_max.copy_(torch.maximum(head.step_checks.rho_max, new.rho))
     grown = torch.where(fold, 1.0, head.cond_bound * new.cond_step)
     head.cond_bound.copy_(torch.where(ok, grown, head.cond_bound))
     head.cond_estimate.copy_(torch.where(fold, 1.0, head.cond_estimate))
@@ -376,7 +392,7 @@ def write_masked_u(head, new: NewState, ok: Tensor) -> None:
 def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     """``backward``'s device part under device flags (``sync_every > 1``): every check a flag
     that masks the write, the step counted on the device; it reads nothing on the host and
-    changes no Python value (a compiled step runs it whole; ``after_step`` does the rest)."""
+    changes no Python value (a compiled step runs it whole; ``run_device_part`` does the rest)."""
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
@@ -386,11 +402,19 @@ def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     return torch.where(ok, dH, 0.0)
 
 
-def after_step(head) -> None:
-    """The host's part of a step under device flags, after the device's: the step is ticked,
-    and every ``sync_every`` steps the flags are read and the repairs due run (``head.sync()``)."""
+def run_device_part(head, fn, rows: int, *args):
+    """``fn(head, *args)``, a device part under device flags (``deferred_backward``, ``deferred_step``,
+    ``records_step``), as the plan says (compiled or eager: ``compiled.run``), between the host's
+    parts: the version moved first (a pending backward of an earlier forward is stale from here);
+    after it, U^-1 marked stale where the step of ``rows`` rows solved with U_new, the step ticked,
+    and every ``sync_every`` steps the flags read and the repairs due run (``head.sync()``)."""
+    head._version += 1
+    out = compiled.run(head, fn, *args)
+    if inverse_route(head.plan, rows) == "solve":
+        head._uinv_fresh = False
     if head.step_checks.tick(head):
         head.sync()
+    return out
 
 
 @torch.no_grad()
@@ -400,11 +424,10 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     Checks read on the host (``sync_every == 1``): a failed check skips the step and counts
     it at once. Device flags (``sync_every > 1``): every check is a flag that masks the
     write, read by ``head.sync()`` every ``sync_every`` steps (checks.py)."""
-    head._version += 1  # the state moves: a backward of any other forward is stale from here
     if head.plan.deferred:
-        dH = compiled.run(head, deferred_backward, fwd, grad)
-        after_step(head)
+        dH = run_device_part(head, deferred_backward, fwd.Hx.shape[0], fwd, grad)
         return dH if fwd.kept is None else dH[:fwd.kept]
+    head._version += 1  # the state moves: a backward of any other forward is stale from here
     checks = head.step_checks
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
@@ -419,15 +442,9 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     # the repairs (and, multi-process, the replica check) that fell due at this step
     n_prev, n = checks.synced[0], int(head.steps)
     checks.synced = (n, checks.synced[1])
-    settings = head.repairs.settings
-    due = float(head.cond_bound) > settings.cond_trigger
-    every_n = (settings.q_refresh_every, settings.check_every, settings.uinv_refresh_every,
-               0 if head.sharding.alone else head.checksum_every)
-    for every in every_n:
-        if every and n // every > n_prev // every:
-            due = True
-    if due:
-        head.run_due(n_prev, n)
+    cond_bound = float(head.cond_bound)
+    if head.repairs.due(n_prev, n, cond_bound, 0 if head.plan.processes == "none" else head.checksum_every):
+        head.run_due(n_prev, n, cond_bound)
     return dH
 
 
@@ -470,14 +487,12 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     m = Hx.shape[0]
     draws, plan = before_step(head, m), head.plan
     if plan.deferred:
-        head._version += 1  # the state moves: a pending backward of an earlier forward is stale
         size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        loss, dH = compiled.run(head, deferred_step, Hx, idx, T, draws, real)
+        loss, dH = run_device_part(head, deferred_step, Hx.shape[0], Hx, idx, T, draws, real)
         dH = dH[:m]
-        after_step(head)
     else:
         loss, fwd = forward(head, Hx, idx, T, draws)
         dH = backward(head, fwd, loss.new_ones(()))
@@ -513,7 +528,6 @@ def apply_records(head, records: list) -> None:
     before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
     plan = head.plan
     if plan.deferred:
-        head._version += 1
         size = batch_size(head, Hx.shape[0], idx.shape[1]) if plan.compiled else None
         if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
             M = size[0]
@@ -521,8 +535,7 @@ def apply_records(head, records: list) -> None:
             gq, gs = pad_rows(gq, M), pad_rows(gs, M)
             real = None if real is None else pad_rows(real, M, False)
             G_neg = None if G_neg is None else pad_rows(G_neg, M)
-        compiled.run(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
-        after_step(head)
+        run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
         return
     backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), gq.new_ones(()))
 
