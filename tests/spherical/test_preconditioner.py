@@ -79,7 +79,7 @@ def test_every_inverse_route_and_weight_decay(inverse):
 
 def test_a_fold_equals_the_naive_step(monkeypatch):
     # every step folded into V (V <- V U B, U = I): the rows scattered with H P
-    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0))
+    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
     torch.manual_seed(4)
     f, n = pair(sync_every=1)  # a host-checked step folds
     run(f, n, steps=3)

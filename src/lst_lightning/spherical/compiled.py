@@ -2,8 +2,8 @@
 "The compiled step").
 
 Under device flags (``sync_every > 1``) a step splits into a host part that reads nothing on
-the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms; the
-version, moved before the device part; ``after_step``: the tick of the flags) and a device
+the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms;
+``run_device_part``: the version, moved before the device part, the tick of the flags after it) and a device
 part that changes no Python value (``deferred_step``: forward, dL/dH, the checks as flags, the
 write; or its halves ``forward`` and ``deferred_backward`` for the autograd step, and
 ``records_step`` for exact accumulation). ``run`` calls the device part compiled by

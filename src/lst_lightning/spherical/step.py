@@ -67,6 +67,7 @@ class NewState:
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | None = None  # device flags, adaptive Neumann rule: the bound on A's spectral radius
+    eig: tuple[int, int] = (0, 0)  # host checks: (eigenvalue computations, their failures) of this step
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -171,35 +172,34 @@ def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
             torch.minimum(trace_neg, (spread - mu).clamp(min=0)))
 
 
-def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float]:
+def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float, tuple[int, int]]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
-    bound on cond(B), and one on the spectral radius of A (the products route's rho), for
-    B = c (I - A) and A as ``eig_bounds`` takes it. The eigenvalues of A are computed only when
-    the cheap bounds cannot rule out one of B/c below 1/2 (O(n^3): large steps only). When
-    that eigenvalue computation fails (or returns non-finite values) the bound is None: the
-    step is skipped, counted in ``eig_failures`` and ``skipped_nonfinite``, never raised."""
+    bound on cond(B), one on the spectral radius of A (the products route's rho), for
+    B = c (I - A) and A as ``eig_bounds`` takes it, and (eigenvalue computations, their failures)
+    for the head's counters (``eig_checks``, ``eig_failures``: this function changes nothing).
+    The eigenvalues of A are computed only when the cheap bounds cannot rule out one of B/c below
+    1/2 (O(n^3): large steps only). When that eigenvalue computation fails (or returns non-finite
+    values) the bound is None: the step is skipped, counted in ``eig_failures`` and
+    ``skipped_nonfinite``, never raised."""
     rho_pos, rho_neg = torch.stack(eig_bounds(A, sq, kappa)).tolist()  # one host read
     rho = max(rho_pos, rho_neg)
     if rho_pos <= 0.5:
-        return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho
+        return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho, (0, 0)
     if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
         # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
         # would raise); the step's own finiteness check skips it and counts it
-        return False, math.inf, math.inf
-    head.eig_checks += 1
+        return False, math.inf, math.inf, (0, 0)
     try:  # A's eigenvalues are real (eig_bounds); the m x m form lacks the 1s of B/c on A's null space
         ev = torch.linalg.eigvals(A).real
         ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < head.width else ev
     except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
         # ill-conditioned A) among others: the step is skipped and counted, never raised
-        head.eig_failures += 1
-        return False, None, math.inf
+        return False, None, math.inf, (1, 1)
     if not bool(torch.isfinite(ev).all()):
-        head.eig_failures += 1
-        return False, None, math.inf
+        return False, None, math.inf, (1, 1)
     lam = (1.0 - ev).abs()
     lo, hi = float(lam.min()), float(lam.max())
-    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max())
+    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max()), (1, 0)
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -274,11 +274,12 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         if P is not None:
             sq = sq * head.preconditioner.max_eig
     rho_bound = None  # device flags, the adaptive Neumann rule: A's spectral radius bound, kept by the write
+    eig = (0, 0)  # host checks: (eigenvalue computations, failures), counted by backward
     if deferred:  # bounds on the device; a nearly singular step's fold decided there too (a device bool)
         fold, cond_step, rho_bound = head.step_checks.step_bounds(head, A, sq, kappa)
         rho = None
     else:
-        fold, cond_step, rho = fold_and_cond(head, A, sq, kappa)
+        fold, cond_step, rho, eig = fold_and_cond(head, A, sq, kappa)
     omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)  # X^T (...) = P H^T (...)
     omega_new = c * head.omega - lr * (omega_new if P is None else P @ omega_new)
     info, inverse_ok, right = None, True, None
@@ -329,7 +330,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
                     fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right,
-                    rho=rho_bound)
+                    rho=rho_bound, eig=eig)
 
 
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
@@ -434,6 +435,9 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
     new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
+    if new.eig[0]:  # the eigenvalues computed (and failed) for the fold decision, counted
+        head.eig_checks += new.eig[0]
+        head.eig_failures += new.eig[1]
     if not bool(new.ok):
         head._skip("state after the step")
         return torch.zeros_like(dH)
