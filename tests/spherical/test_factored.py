@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lst_lightning.losses import LOSSES
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, step
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, plan
 from lst_lightning.spherical.driving import SYNC_EVERY
 
 from head_pairs import (
@@ -38,9 +38,9 @@ def test_exact_float64(loss, bias, m, K, sync_every):
 def test_the_q_route_is_the_one_with_fewer_multiply_adds():
     """Through M (3 m^2 d + m d^2) up to m = d, from d x d products (2 m d^2 + 2 d^3, H^T diag(g_q) H
     formed for B) above."""
-    assert step.uses_m_matrix(64, 129) and step.uses_m_matrix(7, 9) and step.uses_m_matrix(1, 8)
-    assert not step.uses_m_matrix(256, 129) and not step.uses_m_matrix(1024, 513) and not step.uses_m_matrix(13, 9)
-    assert step.uses_m_matrix(129, 129) and not step.uses_m_matrix(130, 129)
+    for w in (8, 9, 129, 513):
+        cheaper = [m for m in range(1, 4 * w) if 3 * m * m * w + m * w * w <= 2 * m * w * w + 2 * w ** 3]
+        assert cheaper == list(range(1, plan.m_matrix_rows(w) + 1)), w
 
 
 @pytest.mark.parametrize("route", ["m_matrix", "factors"])
@@ -48,7 +48,7 @@ def test_the_q_route_is_the_one_with_fewer_multiply_adds():
 def test_both_routes_of_q_are_exact(loss, route, monkeypatch):
     """Each route of Q's update forced at one size (m = 13 > d: the rule takes the factors
     there), K = 3 with padding and repeated classes: the same W as the naive head."""
-    monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
+    monkeypatch.setattr(plan, "m_matrix_rows", lambda d: 10**9 if route == "m_matrix" else -1)
     f, n = make_pair(loss, bias=True, lr=0.05, weight_decay=0.01)
     run_steps(f, n, steps=20, m=13, K=3, tol=1e-9)
 

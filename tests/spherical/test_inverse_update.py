@@ -137,7 +137,7 @@ def test_the_setting_and_its_former_name():
 
 def test_auto_takes_woodbury_or_the_solve_on_a_cpu():
     f, _ = make_pair("zloss", d=8)
-    assert step_module.inverse_route(f, 4) == "woodbury" and step_module.inverse_route(f, 5) == "solve"
+    assert step_module.inverse_route(f.plan, 4) == "woodbury" and step_module.inverse_route(f.plan, 5) == "solve"
 
 
 @pytest.mark.parametrize("loss", ["zloss", "sampled"])

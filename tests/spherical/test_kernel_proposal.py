@@ -128,7 +128,7 @@ def test_repairs_and_folds_rebuild_the_tree_and_keep_the_steps_equal(monkeypatch
     assert_tree_is_rebuilt_tree(f)
     # every step folded into V (V <- V U B; a host-checked step's): each next draw rebuilds
     f, n = pair(sync_every=1)
-    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0))
+    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
     run(f, n, steps=3)
     assert int(f.folds) == 3 and f.negatives.kernel.builds == 3 and f.negatives.kernel.synced is None
     f.negatives.kernel.sync(f)

@@ -6,7 +6,7 @@ the moments are the head's state: resumed exactly, untouched by a skipped step."
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, step
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, plan, step
 from lst_lightning.spherical.preconditioner import Preconditioner
 
 import head_pairs
@@ -64,7 +64,7 @@ def test_factored_step_equals_naive_step(loss, bias):
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("route", ["m_matrix", "factors"])
 def test_both_routes_of_q(route, shared, monkeypatch):
-    monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
+    monkeypatch.setattr(plan, "m_matrix_rows", lambda d: 10**9 if route == "m_matrix" else -1)
     torch.manual_seed(2)
     f, n = pair("sampled", shared=shared)
     run(f, n, steps=4, m=13)
@@ -79,7 +79,7 @@ def test_every_inverse_route_and_weight_decay(inverse):
 
 def test_a_fold_equals_the_naive_step(monkeypatch):
     # every step folded into V (V <- V U B, U = I): the rows scattered with H P
-    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0))
+    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
     torch.manual_seed(4)
     f, n = pair(sync_every=1)  # a host-checked step folds
     run(f, n, steps=3)

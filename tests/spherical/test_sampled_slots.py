@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lst_lightning.spherical import FactoredSphericalHead, Negatives, step
+from lst_lightning.spherical import FactoredSphericalHead, Negatives, plan
 from lst_lightning.spherical.graph_step import at_zero_lr
 from lst_lightning.spherical.negatives import padded_unique, unique_column_gram
 
@@ -62,7 +62,7 @@ def test_any_spherical_term_and_the_gramian_penalty(shared, spherical, mu, gram)
 def test_both_routes_of_q_with_negatives(shared, route, monkeypatch):
     """Q's update through M or from d x d products (H^T Yd Yd^T H as H^T gram_rows(the other
     targets) + the block's N_Y^T N_Y, N_Y = Y_u^T H), at m = 13 > d (the rule's choice: the factors)."""
-    monkeypatch.setattr(step, "uses_m_matrix", lambda m, d: route == "m_matrix")
+    monkeypatch.setattr(plan, "m_matrix_rows", lambda d: 10**9 if route == "m_matrix" else -1)
     torch.manual_seed(3)
     f, n = pair(shared=shared, num=20)
     run(f, n, steps=4, m=13)

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
 from ..spherical.factored import V_ROWS
-from .processes import check_not_fsdp1, ddp_ignores_head, every_rank_classes, join_processes, whole_v_into, world_share
+from .processes import (check_not_fsdp1, ddp_ignores_head, every_rank_classes, gather_for_checkpoint, join_processes,
+                        whole_v_into, world_share)
 
 #: the attribute of a patched model holding what ``export_dense_head`` needs to undo the patch
 PATCH = "_lst_factored_head"
@@ -159,6 +160,15 @@ def factored_head(model: nn.Module) -> FactoredSphericalHead:
         raise ValueError(f"{type(model).__name__} has no factored head: call factor_lm_head(model) "
                          "(transformers) or factor_gpt_head(model) (litgpt) first")
     return head
+
+
+def gather_head_for_checkpoint(model: nn.Module) -> None:
+    """Every rank, before a save that holds the patched model's state (``fabric.save``, your
+    own loop's): a sharded head's V is gathered on rank 0's host, and rank 0's next state dict
+    holds all of V while the head is unchanged, so the checkpoint resumes on any number of
+    processes. Nothing to do for a replicated head or one process. (The HF Trainer's
+    ``head_follows_trainer`` does it before each of its checkpoints.)"""
+    getattr(model, PATCH).whole_v = gather_for_checkpoint(factored_head(model))
 
 
 def shifted(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

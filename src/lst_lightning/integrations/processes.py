@@ -151,17 +151,6 @@ def whole_v_into(patch, head: FactoredSphericalHead, state_dict: dict, prefix: s
         state_dict[prefix + "V"] = patch.whole_v[1]
 
 
-def gather_head_for_checkpoint(model: nn.Module) -> None:
-    """Every rank, before a save that holds the patched model's state (``fabric.save``, your
-    own loop's): a sharded head's V is gathered on rank 0's host, and rank 0's next state dict
-    holds all of V while the head is unchanged, so the checkpoint resumes on any number of
-    processes. Nothing to do for a replicated head or one process. (The HF Trainer's
-    ``head_follows_trainer`` does it before each of its checkpoints.)"""
-    from .hf import PATCH, factored_head
-
-    getattr(model, PATCH).whole_v = gather_for_checkpoint(factored_head(model))
-
-
 def gather_for_checkpoint(head: FactoredSphericalHead) -> tuple[int, Tensor] | None:
     """A sharded head's whole V on rank 0 (on the host), with the head's version then (a state
     dict takes it only while the head is unchanged); None on the other ranks and when V is

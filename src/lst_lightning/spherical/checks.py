@@ -106,7 +106,7 @@ class DeviceFlags(HostChecks):
         if not self.pinned and self.lr_filled != head.lr and not capturing():
             head._lr_t.fill_(head.lr)
             self.lr_filled = head.lr
-        if self.rho_max is None and head.repairs.settings.neumann == "adaptive":
+        if self.rho_max is None and head.plan.neumann == "adaptive":
             self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
 
     def lr(self, head) -> Tensor:
@@ -121,18 +121,18 @@ class DeviceFlags(HostChecks):
         if value is not None:
             head._lr_t.fill_(value)
 
-    def step_bounds(self, head, A, sq, kappa) -> tuple[Tensor, Tensor]:
-        """(fold, a bound on cond(B)) as device tensors, from the bounds of B = c (I - A)
-        (``step.eig_bounds``), with no host read: the step is folded into V where the bounds
-        cannot rule out an eigenvalue of B/c within ``fold_tol`` of 0, or where cond(U)'s bound
-        would pass ``fold_cond`` (docs/factored_head.md, "Nearly singular steps")."""
+    def step_bounds(self, head, A, sq, kappa) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(fold, a bound on cond(B), the bound on A's spectral radius the adaptive Neumann rule keeps
+        or None) as device tensors, from the bounds of B = c (I - A) (``step.eig_bounds``), with no
+        host read and no write: the step is folded into V where the bounds cannot rule out an
+        eigenvalue of B/c within ``fold_tol`` of 0, or where cond(U)'s bound would pass ``fold_cond``
+        (docs/factored_head.md, "Nearly singular steps")."""
         rho_pos, rho_neg = eig_bounds(A, sq, kappa)
-        if head.repairs.settings.neumann == "adaptive":  # kept for the next read (adapt_factors)
-            self.rho_max.copy_(torch.maximum(self.rho_max, torch.maximum(rho_pos, rho_neg)))
+        rho = torch.maximum(rho_pos, rho_neg) if head.plan.neumann == "adaptive" else None
         settings = head.repairs.settings
         cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
         fold = (rho_pos > 1 - settings.fold_tol) | (head.cond_bound * cond_step > settings.fold_cond)
-        return fold, cond_step
+        return fold, cond_step, rho
 
     def count(self, head, ok: Tensor) -> None:
         """The step counted on the device: taken where ``ok``, else skipped."""
@@ -146,7 +146,7 @@ class DeviceFlags(HostChecks):
         if capturing():
             return False
         self.calls += 1
-        return self.calls % head.sync_every == 0
+        return self.calls % head.driving.sync_every == 0
 
     def read(self, head, peek: bool = False):
         """Read the flags in one host transfer (the steps taken and skipped, the step of a bad
@@ -188,7 +188,7 @@ class DeviceFlags(HostChecks):
     def adapt_factors(self, head, skipped: bool, rho_max: float | None, cond_bound: float) -> None:
         """``Stabiliser.neumann="adaptive"``: the factors of the steps up to the next read, from
         the largest rho bound since the last (then reset); the maximum after a skipped step."""
-        if head.repairs.settings.neumann != "adaptive":
+        if head.plan.neumann != "adaptive":
             self.factors = MAX_FACTORS
             return
         if rho_max is None:  # no step yet

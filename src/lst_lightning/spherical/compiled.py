@@ -2,8 +2,8 @@
 "The compiled step").
 
 Under device flags (``sync_every > 1``) a step splits into a host part that reads nothing on
-the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms; the
-version, moved before the device part; ``after_step``: the tick of the flags) and a device
+the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms;
+``run_device_part``: the version, moved before the device part, the tick of the flags after it) and a device
 part that changes no Python value (``deferred_step``: forward, dL/dH, the checks as flags, the
 write; or its halves ``forward`` and ``deferred_backward`` for the autograd step, and
 ``records_step`` for exact accumulation). ``run`` calls the device part compiled by
@@ -41,32 +41,11 @@ def compiled(fn):
     return out
 
 
-def refusal(head, driving=None) -> str | None:
-    """Why ``head``'s step (driven as ``driving``, default its own) cannot be compiled whole, or None."""
-    driving = head.driving if driving is None else driving
-    if not driving.deferred_checks:
-        return "sync_every=1 reads each check on the host as it is made (compiling needs device flags, sync_every > 1)"
-    if driving.parallel == "sharded":
-        return "parallel='sharded' all-reduces between the step's parts"
-    if head.negatives is not None and head.negatives.kernel is not None:
-        return f"negatives.sampler={head.negatives.settings.sampler!r} draws from a sum-tree kept on the host"
-    return None
-
-
-def compiles(head) -> bool:
-    """Whether ``head``'s step runs compiled: ``compile=True``, or "auto" on a CUDA device,
-    where nothing refuses it."""
-    mode = head.driving.compile
-    if mode is False or (mode == "auto" and head.device.type != "cuda"):
-        return False
-    return refusal(head) is None
-
-
 def run(head, fn, *args):
-    """``fn(head, *args)``, one of step.py's device parts: compiled where ``compiles(head)``, with
+    """``fn(head, *args)``, one of step.py's device parts: compiled where the head's plan says, with
     Dynamo's limit of graphs per function and head at ``RECOMPILE_LIMIT`` (a graph per batch size,
     batch_shapes.py, and Neumann factors: more than Dynamo's default of 8 in a long run)."""
-    if not compiles(head):
+    if not head.plan.compiled:
         return fn(head, *args)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         return compiled(fn)(head, *args)

@@ -4,8 +4,9 @@
 forward, backward and update in the forward; "cuda_graph": that fused step replayed from
 one CUDA graph), ``sync_every`` how often the step's device flags are read on the host
 (1: at once; N > 1: every N steps, the step never waits for the GPU), ``parallel`` how
-many processes share the head. Their combinations are ruled on here and nowhere else:
-the head, ``CudaGraphStep``, ``attach`` and the app ask this value. The step modes and the
+many processes share the head. Each field is checked here; their combinations are refused by plan.py's
+``driving_refusal``, which this value calls when it is made: the head, ``CudaGraphStep``,
+``attach`` and the app ask this value. The step modes and the
 parallel modes are declared here and nowhere else.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from .batch_shapes import check_batch_sizes
 from .compiled import COMPILE_MODES
+from .plan import accumulate_refusal, driving_refusal
 
 STEP_MODES = ("autograd", "fused", "cuda_graph")
 #: how often the step's device flags are read on the host by default: one host
@@ -45,12 +47,9 @@ class Driving:
         object.__setattr__(self, "batch_sizes", check_batch_sizes(self.batch_sizes))
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel must be one of {PARALLEL_MODES}, got {self.parallel!r}")
-        if self.step == "cuda_graph" and self.sync_every == 1:
-            raise ValueError("step='cuda_graph' replays a step that reads nothing on the host: it needs "
-                             "sync_every > 1 (the device flags read every sync_every steps), got sync_every=1")
-        if self.step == "cuda_graph" and self.parallel != "none":
-            raise ValueError(f"step='cuda_graph' with parallel={self.parallel!r}: a multi-process head "
-                             "exchanges data between ranks each step, which is not captured; use step='fused'")
+        why = driving_refusal(self)
+        if why is not None:
+            raise ValueError(why)
 
     @property
     def deferred_checks(self) -> bool:
@@ -58,8 +57,5 @@ class Driving:
         return self.sync_every > 1
 
     def cannot_accumulate(self) -> str | None:
-        """Why a head in this mode cannot wait for the optimizer's step (exact accumulation
-        over micro-batches, a loss scaler's unscaled step), or None when it can."""
-        if self.step != "autograd":
-            return f"step={self.step!r} steps in the forward (use step='autograd')"
-        return None
+        """Why a head in this mode cannot wait for the optimizer's step, or None (plan.py)."""
+        return accumulate_refusal(self)

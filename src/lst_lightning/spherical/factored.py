@@ -24,7 +24,6 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import compiled
 from . import step as exact
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
@@ -34,6 +33,7 @@ from .collectives import ProcessGroup, bit_hash
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import sharding_for
+from .plan import StepPlan, head_refusal, plan_for
 from .precision import own_precision
 from .shard_files import load_rows
 from .sharded_eval import ShardedEvaluation
@@ -91,6 +91,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
         #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (checks.py)
         self.step_checks = checks_for(self.driving.deferred_checks)
+        self._replan()
         if self.sharding.joined:
             self.refresh_bookkeeping()
 
@@ -100,20 +101,19 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return self.repairs.settings
 
     def _refuse(self, driving: Driving) -> None:
-        """The modes this head cannot take (``compile_step=True`` where its step cannot compile, the
-        modes sampled classes do not take yet), each refused in one line with the reason."""
-        why = compiled.refusal(self, driving) if driving.compile is True else None
+        """The modes this head cannot take, each refused in one line with the reason (plan.py)."""
+        why = head_refusal(driving, self.negatives)
         if why is not None:
-            raise ValueError(f"compile_step=True: this head's step cannot be compiled whole: {why}")
-        if self.negatives is None:
-            return
-        if driving.step == "cuda_graph" and self.negatives.kernel is not None:
-            raise ValueError(f"negatives.sampler={self.negatives.settings.sampler!r} with step='cuda_graph': "
-                             "its sum-tree is kept on the host; use a static sampler or step='fused'")
-        if self.negatives.kernel is not None and driving.parallel != "none":
-            raise ValueError(f"negatives.sampler={self.negatives.settings.sampler!r} with parallel="
-                             f"{driving.parallel!r}: its sum-tree holds every row of V in one process; use "
-                             "parallel='none' or a static sampler")
+            raise ValueError(why)
+
+    def _replan(self) -> None:
+        """The step's plan (plan.py) made again: at a change of a setting, the device or the process group."""
+        self.plan: StepPlan = plan_for(self)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._replan()  # the device may have changed
+        return out
 
     @property
     def sharded(self) -> bool:
@@ -138,6 +138,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         driving = dataclasses.replace(self.driving, step=value)  # validated with sync_every and parallel
         self._refuse(driving)
         self.driving = driving
+        self._replan()
         self._graphs = {}
 
     @property
@@ -150,6 +151,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self._refuse(driving)
         self.driving = driving
         self.step_checks = checks_for(self.driving.deferred_checks, self.step_checks)
+        self._replan()
 
     @property
     def compile_step(self) -> bool | str:
@@ -162,6 +164,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         driving = dataclasses.replace(self.driving, compile=value)
         self._refuse(driving)
         self.driving = driving
+        self._replan()
 
     @property
     def batch_sizes(self) -> str | tuple[int, ...]:
@@ -172,6 +175,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     @batch_sizes.setter
     def batch_sizes(self, value) -> None:
         self.driving = dataclasses.replace(self.driving, batch_sizes=value)
+        self._replan()
 
     @property
     def graph_sizes(self) -> tuple[tuple[int, int], ...]:
@@ -181,7 +185,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     @property
     def compiles(self) -> bool:
         """Whether the step runs compiled now (``compile_step`` on this device, nothing refusing it)."""
-        return compiled.compiles(self)
+        return self.plan.compiled
 
     @property
     def parallel(self) -> str:
@@ -410,6 +414,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         else:
             raise RuntimeError("the ranks hold different V: distribute() a sharded head before training it")
         self.sharding = new
+        self._replan()
         if int(self.steps):
             # Q and wbar, rank 0's as V is, hold W^T W and W^T 1 already: recomputed, they would
             # move by rounding, and a run resumed from a checkpoint would leave the run it continues.

@@ -14,16 +14,12 @@ the real rows' share of that draw is not the draw an unpadded step of m rows wou
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .driving import Driving
 from .state import STATE
-
-if TYPE_CHECKING:  # the head imports this module, not the other way round
-    from .factored import FactoredSphericalHead
 
 
 #: what a step at lr 0 may change, put back after it: every buffer but V's rows (a zero step
@@ -33,7 +29,7 @@ SMALL_STATE = tuple(b.name for b in STATE if b.shape != "rows")
 
 
 @contextlib.contextmanager
-def at_zero_lr(head: "FactoredSphericalHead"):
+def at_zero_lr(head: torch.nn.Module):
     """Steps taken inside run at lr = 0 and leave the head's state as it was, bit for bit:
     V keeps its bits (a zero step adds exact zeros), the rest is put back (``SMALL_STATE``),
     with no flag read or repair meanwhile.
@@ -67,7 +63,7 @@ class CudaGraphStep:
     own outputs: use them before the next call.
     """
 
-    def __init__(self, head: "FactoredSphericalHead", m: int, K: int = 1, hidden_dtype: torch.dtype | None = None,
+    def __init__(self, head: torch.nn.Module, m: int, K: int = 1, hidden_dtype: torch.dtype | None = None,
                  warmup: int = 3):
         if not head.V.is_cuda:
             raise ValueError("CUDA graphs need the head on a CUDA device")

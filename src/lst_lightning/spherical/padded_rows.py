@@ -27,7 +27,6 @@ from torch import Tensor
 
 from .batch_shapes import padded_rows, padded_slots
 from .collectives import ProcessGroup
-from .compiled import compiles
 
 #: a rank's error codes in the header and in ``fault``: its rows sent; its input failed the
 #: host checks; it had more rows or slots than the capacity; the gathered batch had bad ids
@@ -69,7 +68,7 @@ class PaddedRows:
         read on the host by ``Sharding.agree``) and ``head.rows_per_rank``."""
         rows, slots = zip(*sizes)
         self.capacity = (max(*rows, head.rows_per_rank or 0), max(slots))
-        if compiles(head):  # a batch size (batch_shapes.py): later batches of up to that many rows fit
+        if head.plan.compiled:  # a batch size (batch_shapes.py): later batches of up to that many rows fit
             self.capacity = padded_rows(self.capacity[0], head.driving.batch_sizes), padded_slots(self.capacity[1])
         dev = head.device
         self.header = torch.zeros(self.pg.world, 2, dtype=torch.int64, device=dev)

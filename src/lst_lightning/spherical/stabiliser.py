@@ -114,6 +114,14 @@ class Repairs:
     def __init__(self, settings: Stabiliser):
         self.settings = settings
 
+    def due(self, n_prev: int, n: int, cond_bound: float, checksum_every: int = 0) -> bool:
+        """Whether a repair (or, ``checksum_every``, the replica check) fell due between step n_prev
+        and step n, with cond(U)'s bound ``cond_bound``: ``run_due`` has something to do."""
+        st = self.settings
+        return cond_bound > st.cond_trigger or any(
+            fell_due(every, n_prev, n) for every in (st.q_refresh_every, st.check_every, st.uinv_refresh_every,
+                                                     checksum_every))
+
     def run_due(self, head, n_prev: int, n: int, cond_bound: float | None = None) -> None:
         """The repairs that fell due between step n_prev and step n (``cond_bound``: cond(U)'s
         bound as read with the flags; None: read here)."""

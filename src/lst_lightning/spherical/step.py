@@ -66,6 +66,8 @@ class NewState:
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
+    rho: Tensor | None = None  # device flags, adaptive Neumann rule: the bound on A's spectral radius
+    eig: tuple[int, int] = (0, 0)  # host checks: (eigenvalue computations, their failures) of this step
 
 
 # -- forward ---------------------------------------------------------------------------------
@@ -86,17 +88,9 @@ def outputs(head, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
     return q, s, A, Hq, Ht, HUinv, ht
 
 
-def inverse_route(head, m: int) -> str:
-    """How this step makes H U_new^-1 (``Stabiliser.inverse``): "woodbury", "products" or "solve".
-    "auto": on a GPU the products (both others factorise, latency-bound there); on a CPU
-    Woodbury (m^2 d + m^3) where 2 m <= d, else a fresh solve with U_new (d^3 + m d^2):
-    their measured crossover."""
-    route = head.repairs.settings.inverse
-    if route != "auto":
-        return route
-    if head.U.is_cuda:
-        return "products"
-    return "woodbury" if 2 * m <= head.width else "solve"
+def inverse_route(plan, m: int) -> str:
+    """How a step of m rows makes H U_new^-1, as its plan says: "woodbury", "solve" or "products"."""
+    return "woodbury" if m <= plan.woodbury_rows else plan.inverse
 
 
 # -- the host's part of a step, before the device's -------------------------------------------
@@ -105,9 +99,10 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
     (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
     graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
-    if inverse_route(head, m) != "solve" and not head._uinv_fresh:
+    plan = head.plan
+    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    if head.step_checks.deferred:
+    if plan.deferred:
         head.step_checks.before_step(head)
     return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
 
@@ -119,12 +114,12 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
     ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here). ``rows``: the
     real rows the "mean" reduction divides by, a device count, where the batch was padded (None:
     ``sharding.rows``, the batch's own rows in one process)."""
-    input_ok = True
-    if head.step_checks.deferred:
+    input_ok, plan = True, head.plan
+    if plan.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
-    route = inverse_route(head, Hx.shape[0])
+    route = inverse_route(plan, Hx.shape[0])
     q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
-    real = None if head.preconditioner is None else (idx >= 0).any(1)  # the rows its moments count
+    real = (idx >= 0).any(1) if plan.preconditioned else None  # the rows P's moments count
     rows = head.sharding.rows if rows is None else rows
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht, draws, rows)
@@ -177,42 +172,34 @@ def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
             torch.minimum(trace_neg, (spread - mu).clamp(min=0)))
 
 
-def uses_m_matrix(m: int, d: int) -> bool:
-    """Q's update through the m x m M (3 m^2 d + m d^2 multiply-adds) rather than from d x d
-    products (``q_update_factors`` with H^T diag(g_q) H given, which the step forms for B:
-    2 m d^2 + 2 d^3): the cheaper up to m = d."""
-    return 3 * m * m + m * d <= 2 * m * d + 2 * d * d
-
-
-def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float]:
+def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float, tuple[int, int]]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
-    bound on cond(B), and one on the spectral radius of A (the products route's rho), for
-    B = c (I - A) and A as ``eig_bounds`` takes it. The eigenvalues of A are computed only when
-    the cheap bounds cannot rule out one of B/c below 1/2 (O(n^3): large steps only). When
-    that eigenvalue computation fails (or returns non-finite values) the bound is None: the
-    step is skipped, counted in ``eig_failures`` and ``skipped_nonfinite``, never raised."""
+    bound on cond(B), one on the spectral radius of A (the products route's rho), for
+    B = c (I - A) and A as ``eig_bounds`` takes it, and (eigenvalue computations, their failures)
+    for the head's counters (``eig_checks``, ``eig_failures``: this function changes nothing).
+    The eigenvalues of A are computed only when the cheap bounds cannot rule out one of B/c below
+    1/2 (O(n^3): large steps only). When that eigenvalue computation fails (or returns non-finite
+    values) the bound is None: the step is skipped, counted in ``eig_failures`` and
+    ``skipped_nonfinite``, never raised."""
     rho_pos, rho_neg = torch.stack(eig_bounds(A, sq, kappa)).tolist()  # one host read
     rho = max(rho_pos, rho_neg)
     if rho_pos <= 0.5:
-        return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho
+        return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho, (0, 0)
     if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
         # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
         # would raise); the step's own finiteness check skips it and counts it
-        return False, math.inf, math.inf
-    head.eig_checks += 1
+        return False, math.inf, math.inf, (0, 0)
     try:  # A's eigenvalues are real (eig_bounds); the m x m form lacks the 1s of B/c on A's null space
         ev = torch.linalg.eigvals(A).real
         ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < head.width else ev
     except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
         # ill-conditioned A) among others: the step is skipped and counted, never raised
-        head.eig_failures += 1
-        return False, None, math.inf
+        return False, None, math.inf, (1, 1)
     if not bool(torch.isfinite(ev).all()):
-        head.eig_failures += 1
-        return False, None, math.inf
+        return False, None, math.inf, (1, 1)
     lam = (1.0 - ev).abs()
     lo, hi = float(lam.min()), float(lam.max())
-    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max())
+    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max()), (1, 0)
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -226,10 +213,39 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     return Y.index_select(1, P.argmax(1)), info  # X = (X P) P^T
 
 
+# -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
+def by_woodbury(head, fwd: SavedForward, X: Tensor, G: Tensor, kappa: Tensor, c, P: Tensor | None):
+    """(U_new^-1, H U_new^-1, LAPACK's info) by the rank-m Woodbury update of U^-1:
+    B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q."""
+    S = torch.eye(X.shape[0], dtype=X.dtype, device=X.device) - G * kappa[None, :]
+    XUinv = fwd.HUinv if P is None else X @ head.Uinv
+    R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
+    KR = kappa[:, None] * R
+    return (head.Uinv + fwd.Hx.T @ KR) / c, (XUinv + G @ KR) / c, info
+
+
+def by_products(head, U_new: Tensor, A: Tensor, c, rho: float | None, fold, deferred: bool):
+    """(U_new^-1, whether it passed its check, the fold) from U^-1 by d x d products alone
+    (inverse_update.py), or U_new^-1 None where this step solves instead. Device flags: the factors
+    the flags' last read chose, and past their reach (the residual a flag) the step folds, U_new^-1
+    = I after the fold; host checks: the factors rho needs, and a residual past the tolerance (U^-1
+    had drifted) solves instead."""
+    dtype = U_new.dtype
+    factors = head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), dtype)
+    if factors is None:
+        return None, True, fold
+    Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
+    inverse_ok = residual <= residual_tolerance(dtype)
+    if deferred:
+        fold = fold | ~inverse_ok
+        return torch.where(fold, torch.eye(U_new.shape[0], dtype=dtype, device=U_new.device), Uinv_new), True, fold
+    return (Uinv_new, inverse_ok, fold) if bool(inverse_ok) else (None, True, fold)
+
+
 def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state, computed aside: nothing of the head changes here."""
-    Hx = fwd.Hx
-    deferred = head.step_checks.deferred
+    Hx, plan = fwd.Hx, head.plan
+    deferred = plan.deferred
     lr = head._lr_t if deferred else head.lr  # device flags: a device scalar (before_step refills it)
     m, w = Hx.shape
     c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
@@ -240,10 +256,10 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     moments = None if head.preconditioner is None else \
         head.preconditioner.step(head.input_moment, head.input_moment_weight, Hx, fwd.real)
     P = None if moments is None else moments.P
-    by_factors = not uses_m_matrix(m, w)  # Q's update from d x d products (else through M)
-    takes_x = not (inverse_route(head, m) == "products" and by_factors)
+    route, by_factors = inverse_route(plan, m), m > plan.m_matrix_rows  # Q's update from d x d products (else M)
+    takes_x = not (route == "products" and by_factors)
     X = Hx if P is None else Hx @ P if takes_x else None
-    use_woodbury = fwd.HUinv is not None
+    use_woodbury = route == "woodbury"
     Gq = GqP = None  # H^T diag(g_q) H and G_q P, formed once where B is: its bounds, U B, the products, Q's update
     if use_woodbury:  # A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T
         G = X @ Hx.T
@@ -257,37 +273,23 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
         sq = Hx.pow(2).sum(1)  # ||h||^2, times P's largest eigenvalue's bound: >= h^T P h
         if P is not None:
             sq = sq * head.preconditioner.max_eig
+    rho_bound = None  # device flags, the adaptive Neumann rule: A's spectral radius bound, kept by the write
+    eig = (0, 0)  # host checks: (eigenvalue computations, failures), counted by backward
     if deferred:  # bounds on the device; a nearly singular step's fold decided there too (a device bool)
-        fold, cond_step = head.step_checks.step_bounds(head, A, sq, kappa)
+        fold, cond_step, rho_bound = head.step_checks.step_bounds(head, A, sq, kappa)
         rho = None
     else:
-        fold, cond_step, rho = fold_and_cond(head, A, sq, kappa)
+        fold, cond_step, rho, eig = fold_and_cond(head, A, sq, kappa)
     omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)  # X^T (...) = P H^T (...)
     omega_new = c * head.omega - lr * (omega_new if P is None else P @ omega_new)
     info, inverse_ok, right = None, True, None
     if fold is True:  # host checks: the fold decided on the host
         Uinv_new, HUinv_new = None, Hx @ P if X is None else X  # V absorbs U B; U = U^-1 = I
-    elif use_woodbury:
-        # B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q.
-        S = torch.eye(m, dtype=Hx.dtype, device=Hx.device) - G * kappa[None, :]
-        XUinv = fwd.HUinv if moments is None else X @ head.Uinv
-        R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
-        KR = kappa[:, None] * R
-        Uinv_new = (head.Uinv + Hx.T @ KR) / c
-        HUinv_new = (XUinv + G @ KR) / c
+    elif route == "woodbury":
+        Uinv_new, HUinv_new, info = by_woodbury(head, fwd, X, G, kappa, c, P)
     else:
-        Uinv_new = None
-        # device flags: no host read, as many factors as rho up to ~0.9 needs, the residual a flag
-        factors = None if inverse_route(head, m) != "products" else \
-            head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), Hx.dtype)
-        if factors is not None:  # U_new^-1 by d x d products alone
-            Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
-            inverse_ok = residual <= residual_tolerance(Hx.dtype)
-            if deferred:  # past the factors' reach the step folds too: U_new^-1 = I after the fold
-                fold, inverse_ok = fold | ~inverse_ok, True
-                Uinv_new = torch.where(fold, torch.eye(w, dtype=Hx.dtype, device=Hx.device), Uinv_new)
-            elif not bool(inverse_ok):  # (U^-1 had drifted): this step solves instead
-                Uinv_new, inverse_ok = None, True
+        Uinv_new, inverse_ok, fold = (None, True, fold) if route != "products" else \
+            by_products(head, U_new, A, c, rho, fold, deferred)
         if Uinv_new is not None:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
             right = Uinv_new if P is None else P @ Uinv_new
             HUinv_new = Hx @ right
@@ -327,13 +329,14 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if moments is not None:
         ok &= moments.ok & torch.isfinite(moments.P.sum())
     return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
-                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right)
+                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right,
+                    rho=rho_bound, eig=eig)
 
 
 def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
     """Write the step's new state. Under device flags every buffer keeps its old value where
     the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
-    masked = head.step_checks.deferred
+    masked = head.plan.deferred
     if masked:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
         write_masked_u(head, new, ok)
     elif new.fold:
@@ -376,10 +379,10 @@ def write_masked_u(head, new: NewState, ok: Tensor) -> None:
     lk.fold_rows_(head.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(head.width, dtype=head.dtype, device=head.device)
     head.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, head.U)))
-    if new.Uinv is not None:
+    if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
         head.Uinv.copy_(torch.where(ok, new.Uinv, head.Uinv))  # (new_state made it I where the step folds)
-    else:
-        head._uinv_fresh = False
+    if new.rho is not None:  # the largest since the flags' last read (checks.py: the adaptive Neumann rule)
+        head.step_checks.rho_max.copy_(torch.maximum(head.step_checks.rho_max, new.rho))
     grown = torch.where(fold, 1.0, head.cond_bound * new.cond_step)
     head.cond_bound.copy_(torch.where(ok, grown, head.cond_bound))
     head.cond_estimate.copy_(torch.where(fold, 1.0, head.cond_estimate))
@@ -390,7 +393,7 @@ def write_masked_u(head, new: NewState, ok: Tensor) -> None:
 def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     """``backward``'s device part under device flags (``sync_every > 1``): every check a flag
     that masks the write, the step counted on the device; it reads nothing on the host and
-    changes no Python value (a compiled step runs it whole; ``after_step`` does the rest)."""
+    changes no Python value (a compiled step runs it whole; ``run_device_part`` does the rest)."""
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
@@ -400,11 +403,19 @@ def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     return torch.where(ok, dH, 0.0)
 
 
-def after_step(head) -> None:
-    """The host's part of a step under device flags, after the device's: the step is ticked,
-    and every ``sync_every`` steps the flags are read and the repairs due run (``head.sync()``)."""
+def run_device_part(head, fn, rows: int, *args):
+    """``fn(head, *args)``, a device part under device flags (``deferred_backward``, ``deferred_step``,
+    ``records_step``), as the plan says (compiled or eager: ``compiled.run``), between the host's
+    parts: the version moved first (a pending backward of an earlier forward is stale from here);
+    after it, U^-1 marked stale where the step of ``rows`` rows solved with U_new, the step ticked,
+    and every ``sync_every`` steps the flags read and the repairs due run (``head.sync()``)."""
+    head._version += 1
+    out = compiled.run(head, fn, *args)
+    if inverse_route(head.plan, rows) == "solve":
+        head._uinv_fresh = False
     if head.step_checks.tick(head):
         head.sync()
+    return out
 
 
 @torch.no_grad()
@@ -414,17 +425,19 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     Checks read on the host (``sync_every == 1``): a failed check skips the step and counts
     it at once. Device flags (``sync_every > 1``): every check is a flag that masks the
     write, read by ``head.sync()`` every ``sync_every`` steps (checks.py)."""
-    head._version += 1  # the state moves: a backward of any other forward is stale from here
-    if head.step_checks.deferred:
-        dH = compiled.run(head, deferred_backward, fwd, grad)
-        after_step(head)
+    if head.plan.deferred:
+        dH = run_device_part(head, deferred_backward, fwd.Hx.shape[0], fwd, grad)
         return dH if fwd.kept is None else dH[:fwd.kept]
+    head._version += 1  # the state moves: a backward of any other forward is stale from here
     checks = head.step_checks
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
     new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
+    if new.eig[0]:  # the eigenvalues computed (and failed) for the fold decision, counted
+        head.eig_checks += new.eig[0]
+        head.eig_failures += new.eig[1]
     if not bool(new.ok):
         head._skip("state after the step")
         return torch.zeros_like(dH)
@@ -433,15 +446,9 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     # the repairs (and, multi-process, the replica check) that fell due at this step
     n_prev, n = checks.synced[0], int(head.steps)
     checks.synced = (n, checks.synced[1])
-    settings = head.repairs.settings
-    due = float(head.cond_bound) > settings.cond_trigger
-    every_n = (settings.q_refresh_every, settings.check_every, settings.uinv_refresh_every,
-               0 if head.sharding.alone else head.checksum_every)
-    for every in every_n:
-        if every and n // every > n_prev // every:
-            due = True
-    if due:
-        head.run_due(n_prev, n)
+    cond_bound = float(head.cond_bound)
+    if head.repairs.due(n_prev, n, cond_bound, 0 if head.plan.processes == "none" else head.checksum_every):
+        head.run_due(n_prev, n, cond_bound)
     return dH
 
 
@@ -452,7 +459,7 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     where the head's step is: ``compiled.run``)."""
     m = Hx.shape[0]
     draws = before_step(head, m)
-    size = batch_size(head, m, idx.shape[1]) if compiled.compiles(head) else None  # static shapes: padded
+    size = batch_size(head, m, idx.shape[1]) if head.plan.compiled else None  # static shapes: padded
     if size is None:
         return compiled.run(head, forward, Hx, idx, T, draws)
     loss, fwd = compiled.run(head, forward, *pad_batch(Hx, idx, T, *size), pad_draws(head, draws, m, size[0]),
@@ -482,16 +489,14 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     if not sh.alone:
         Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
     m = Hx.shape[0]
-    draws = before_step(head, m)
-    if head.step_checks.deferred:
-        head._version += 1  # the state moves: a pending backward of an earlier forward is stale
-        size = batch_size(head, m, idx.shape[1]) if real is None and compiled.compiles(head) else None
+    draws, plan = before_step(head, m), head.plan
+    if plan.deferred:
+        size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        loss, dH = compiled.run(head, deferred_step, Hx, idx, T, draws, real)
+        loss, dH = run_device_part(head, deferred_step, Hx.shape[0], Hx, idx, T, draws, real)
         dH = dH[:m]
-        after_step(head)
     else:
         loss, fwd = forward(head, Hx, idx, T, draws)
         dH = backward(head, fwd, loss.new_ones(()))
@@ -525,17 +530,16 @@ def apply_records(head, records: list) -> None:
     cols = torch.cat([c for c, _ in blocks]) if blocks else None
     G_neg = torch.block_diag(*[g for _, g in blocks]) if blocks else None
     before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
-    if head.step_checks.deferred:
-        head._version += 1
-        size = batch_size(head, Hx.shape[0], idx.shape[1]) if compiled.compiles(head) else None
+    plan = head.plan
+    if plan.deferred:
+        size = batch_size(head, Hx.shape[0], idx.shape[1]) if plan.compiled else None
         if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
             M = size[0]
             Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
             gq, gs = pad_rows(gq, M), pad_rows(gs, M)
             real = None if real is None else pad_rows(real, M, False)
             G_neg = None if G_neg is None else pad_rows(G_neg, M)
-        compiled.run(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
-        after_step(head)
+        run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
         return
     backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), gq.new_ones(()))
 
@@ -545,7 +549,7 @@ def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: T
                     G_neg: Tensor | None = None) -> SavedForward:
     """The records' step as a forward had made it: their products with the current state, and
     their shared negatives as one block (``cols``, ``G_neg``; negatives per row: slots of idx)."""
-    route = inverse_route(head, Hx.shape[0])
+    route = inverse_route(head.plan, Hx.shape[0])
     _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
     neg = None if head.negatives is None else head.negatives.slots_part() if cols is None else \
         head.negatives.records_block(head, cols, G_neg)

@@ -1,0 +1,131 @@
+"""The plan of the factored head's step: every mode settled once, and every refusal.
+
+``StepPlan`` holds each choice the step makes by its mode, made once whenever a setting,
+the device or the process group changes (``head.plan``, made again by the head's ``_replan``
+at each such change): the driver (``step``), device flags or host checks, compiled or eager, the
+processes, the kind of sampled classes, P, the U^-1 route and the Q route (each by the
+batch's rows: a threshold), the Neumann rule. The step (step.py) reads its plan, data only; it
+asks the head's settings for none of these.
+
+The refusals of combinations of settings are here too, each one line saying why:
+``driving_refusal`` (of the driving settings together), ``compile_refusal`` (what keeps the
+step's device part from compiling whole), ``head_refusal`` (the head's parts with the
+driving), ``accumulate_refusal`` (exact accumulation).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+#: the kinds of sampled classes a step takes (negatives.py): one shared dense block, slots per
+#: row from a static proposal, or slots per row from the kernel proposal's sum-tree (host side)
+NEGATIVE_KINDS = ("shared", "per_row", "kernel")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    #: the driver: "autograd" (the update in ``loss.backward()``), "fused", "cuda_graph"
+    step: str = "autograd"
+    #: device flags (``sync_every > 1``: every check a flag masking the write), else each check read at once
+    deferred: bool = True
+    #: the device part compiled whole (compiled.py)
+    compiled: bool = False
+    #: "none" (one process: the step never calls ``head.sharding``), "replicated", "sharded"
+    processes: str = "none"
+    #: the sampled classes: None (off) or one of ``NEGATIVE_KINDS``
+    negatives: str | None = None
+    #: the right preconditioner P on
+    preconditioned: bool = False
+    #: how H U_new^-1 is made past ``woodbury_rows`` rows: "solve" or "products" (or "woodbury")
+    inverse: str = "solve"
+    #: the most rows a step makes H U_new^-1 for by the Woodbury update (-1: never)
+    woodbury_rows: int = -1
+    #: the most rows a step updates Q for through the m x m M (``m_matrix_rows``); more: from d x d products
+    m_matrix_rows: int = 0
+    #: the products route's Neumann factors under device flags: "adaptive" or "max" (stabiliser.py)
+    neumann: str = "adaptive"
+
+
+def m_matrix_rows(d: int) -> int:
+    """The most rows m whose Q update goes through the m x m M (3 m^2 d + m d^2 multiply-adds)
+    rather than from d x d products (``q_update_factors`` with H^T diag(g_q) H given, which the
+    step forms for B: 2 m d^2 + 2 d^3): 3 m^2 + m d <= 2 m d + 2 d^2, (3 m + 2 d)(m - d) <= 0,
+    m <= d."""
+    return d
+
+
+def inverse_rows(route: str, device: torch.device, d: int) -> tuple[str, int]:
+    """(the U^-1 route past the Woodbury rows, the Woodbury rows) for ``Stabiliser.inverse``.
+    "auto": on a GPU the products (both others factorise, latency-bound there); on a CPU
+    Woodbury (m^2 d + m^3) where 2 m <= d, else a fresh solve with U_new (d^3 + m d^2): their
+    measured crossover."""
+    if route == "auto":
+        return ("products", -1) if device.type == "cuda" else ("solve", d // 2)
+    return route, sys.maxsize if route == "woodbury" else -1
+
+
+def plan_for(head) -> StepPlan:
+    """The plan of ``head``'s step from its settings, its device and its process group."""
+    driving, negatives = head.driving, head.negatives
+    kind = None if negatives is None else "kernel" if negatives.kernel is not None else \
+        "shared" if negatives.settings.shared else "per_row"
+    compile_ = driving.compile
+    wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
+    settings = head.repairs.settings
+    inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
+    return StepPlan(step=driving.step, deferred=driving.sync_every > 1,
+                    compiled=wanted and compile_refusal(driving, kind) is None,
+                    processes="none" if head.sharding.alone else head.sharding.parallel, negatives=kind,
+                    preconditioned=head.preconditioner is not None, inverse=inverse, woodbury_rows=woodbury_rows,
+                    m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann)
+
+
+# -- the refusals, each one line saying why ----------------------------------------------------
+def driving_refusal(driving) -> str | None:
+    """Why the driving settings (step, sync_every, parallel) cannot go together, or None."""
+    if driving.step == "cuda_graph" and driving.sync_every == 1:
+        return ("step='cuda_graph' replays a step that reads nothing on the host: it needs sync_every > 1 "
+                "(the device flags read every sync_every steps), got sync_every=1")
+    if driving.step == "cuda_graph" and driving.parallel != "none":
+        return (f"step='cuda_graph' with parallel={driving.parallel!r}: a multi-process head exchanges data "
+                "between ranks each step, which is not captured; use step='fused'")
+    return None
+
+
+def compile_refusal(driving, negatives: str | None, sampler: str = "quadratic") -> str | None:
+    """Why the step's device part cannot be compiled whole, or None (``negatives``: the plan's kind)."""
+    if driving.sync_every == 1:
+        return "sync_every=1 reads each check on the host as it is made (compiling needs device flags, sync_every > 1)"
+    if driving.parallel == "sharded":
+        return "parallel='sharded' all-reduces between the step's parts"
+    if negatives == "kernel":
+        return f"negatives.sampler={sampler!r} draws from a sum-tree kept on the host"
+    return None
+
+
+def head_refusal(driving, negatives) -> str | None:
+    """Why a head with these sampled classes (``negatives``: the head's ``NegativeSampling`` or
+    None) cannot be driven so, or None."""
+    kernel = negatives is not None and negatives.kernel is not None
+    sampler = None if negatives is None else negatives.settings.sampler
+    if driving.compile is True:
+        why = compile_refusal(driving, "kernel" if kernel else None, sampler)
+        if why is not None:
+            return f"compile_step=True: this head's step cannot be compiled whole: {why}"
+    if kernel and driving.step == "cuda_graph":
+        return (f"negatives.sampler={sampler!r} with step='cuda_graph': its sum-tree is kept on the host; "
+                "use a static sampler or step='fused'")
+    if kernel and driving.parallel != "none":
+        return (f"negatives.sampler={sampler!r} with parallel={driving.parallel!r}: its sum-tree holds every "
+                "row of V in one process; use parallel='none' or a static sampler")
+    return None
+
+
+def accumulate_refusal(driving) -> str | None:
+    """Why a head driven so cannot wait for the optimizer's step (exact accumulation over
+    micro-batches, a loss scaler's unscaled step), or None when it can."""
+    if driving.step != "autograd":
+        return f"step={driving.step!r} steps in the forward (use step='autograd')"
+    return None
