@@ -31,6 +31,7 @@ from .negatives import NegativeSampling, Negatives
 from .preconditioner import Preconditioner
 from .settings import AUTO, on_with_sampled
 from .pending import PendingRows, check_loss_scale, check_max_rows
+from .plan import StepPlan, negatives_kind
 from .precision import own_math
 
 STATE_DTYPES = (torch.float32, torch.float64)
@@ -207,6 +208,10 @@ class SphericalHeadBase(OutputHead):
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
         #: the right preconditioner of the update (preconditioner.py); None: the plain SGD step
         self.preconditioner = Preconditioner.of(on_with_sampled(preconditioner, self.loss_fn.sampled))
+        #: every mode of the step (plan.py): the naive head's, host checks in backward, one process
+        #: (the factored head makes its own from its settings)
+        self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),
+                             preconditioned=self.preconditioner is not None)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -415,7 +420,7 @@ class SphericalHeadBase(OutputHead):
         # Non-finite target values pass here: the step is then skipped and counted.
         idx, T, _ = target_slots(target_idx, target_val, H.shape[0], self.num_classes, dtype,
                                  device=device, finite_values=False, ignore_index=self.ignore_index,
-                                 check_range=not (self.step_checks.deferred and step))
+                                 check_range=not (self.plan.deferred and step))
         return Hx, idx, T
 
     def augment(self, H: Tensor) -> Tensor:

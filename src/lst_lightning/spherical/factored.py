@@ -207,7 +207,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def deferred_checks(self) -> bool:
         """True with ``sync_every > 1``: the training step never waits for the device; its
         checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
-        return self.step_checks.deferred
+        return self.plan.deferred
 
     @property
     def _calls(self) -> int:
@@ -229,7 +229,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def get_extra_state(self):
         out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
-        if self.step_checks.deferred and self.repairs.settings.neumann == "adaptive":  # a resumed run goes on
+        if self.plan.deferred and self.plan.neumann == "adaptive":  # a resumed run goes on
             out["neumann_factors"] = self.step_checks.factors  # with the factors its last read chose
         if self.V.shape[0] != self.num_classes:  # V is one rank's shard: which rows (checked on load)
             out[V_ROWS] = (self.row_lo, self.row_hi)
@@ -243,7 +243,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         # stopped would
         steps, skipped = int(self.steps), int(self.skipped_nonfinite)
         self.step_checks.synced, self.step_checks.calls = (steps, skipped), steps + skipped
-        if self.step_checks.deferred and "neumann_factors" in state:
+        if self.plan.deferred and "neumann_factors" in state:
             self.step_checks.factors = int(state["neumann_factors"])
 
     # -- the implicit W -----------------------------------------------------------------

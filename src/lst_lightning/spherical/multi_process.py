@@ -75,7 +75,7 @@ class Sharding:
         bad input voids the step on every rank, raised at the next read of the flags."""
         if not (self.world > 1 and (self.sharded or step)):
             return prepare()
-        padded = step and head.step_checks.deferred
+        padded = step and head.plan.deferred
         if padded and self.padded.capacity is not None:
             return self.padded.prepare(head, prepare)
         try:

@@ -198,7 +198,7 @@ class NegativeSampling:
     def static_shapes(self, head) -> bool:
         """Whether shared negatives are coalesced in shapes fixed by S (``padded_unique``): on
         the device (``draw_on``) and under device flags, where the step reads nothing on the host."""
-        return self.device_generator is not None or head.step_checks.deferred
+        return self.device_generator is not None or head.plan.deferred
 
     def draw(self, head, idx: Tensor, query: Tensor | None = None, u: Tensor | None = None):
         """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (None: drawn
@@ -316,7 +316,7 @@ class PerRowSlots:
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
         # torch.unique syncs a GPU with the host: under device flags the slot-pair form
-        return lk.sparse_gram(idx, GA) if head.step_checks.deferred else unique_column_gram(idx, GA)
+        return lk.sparse_gram(idx, GA) if head.plan.deferred else unique_column_gram(idx, GA)
 
     def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
         """(Yd Yd^T H, None): the slots by rows (``lk.gram_rows``), nothing given whole."""

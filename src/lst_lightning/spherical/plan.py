@@ -66,11 +66,16 @@ def inverse_rows(route: str, device: torch.device, d: int) -> tuple[str, int]:
     return route, sys.maxsize if route == "woodbury" else -1
 
 
+def negatives_kind(negatives) -> str | None:
+    """The kind of sampled classes of a head's ``NegativeSampling`` (None: off): one of ``NEGATIVE_KINDS``."""
+    return None if negatives is None else "kernel" if negatives.kernel is not None else \
+        "shared" if negatives.settings.shared else "per_row"
+
+
 def plan_for(head) -> StepPlan:
     """The plan of ``head``'s step from its settings, its device and its process group."""
-    driving, negatives = head.driving, head.negatives
-    kind = None if negatives is None else "kernel" if negatives.kernel is not None else \
-        "shared" if negatives.settings.shared else "per_row"
+    driving = head.driving
+    kind = negatives_kind(head.negatives)
     compile_ = driving.compile
     wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
     settings = head.repairs.settings
