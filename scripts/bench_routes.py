@@ -179,7 +179,7 @@ class Marks:
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         folder = Path(os.environ.get(METER_ENV, "."))
-        counted = isinstance(head.sharding.pg, CountingProcessGroup)  # not: joined before the meter was made
+        counted = isinstance(head.processes.pg, CountingProcessGroup)  # not: joined before the meter was made
         (folder / f"meter_rank{rank}.json").write_text(json.dumps({
             "rank": rank, "world": world, "threads": torch.get_num_threads(), "t": self.t, "lo": self.lo,
             "head": self.head if counted else None, "body_param_bytes": dense_param_bytes(model),

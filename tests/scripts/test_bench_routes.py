@@ -125,7 +125,7 @@ def test_a_head_that_joins_after_the_meter_is_made_gets_the_counting_group(monke
     br.count_head_collectives()
     head = FactoredSphericalHead(num_classes=20, hidden_dim=4, parallel="replicated")
     head.distribute()
-    assert isinstance(head.sharding.pg, br.CountingProcessGroup)
+    assert isinstance(head.processes.pg, br.CountingProcessGroup)
 
 
 def test_the_body_s_dense_bytes_leave_out_row_sparse_and_frozen_parameters():

@@ -16,14 +16,14 @@ def test_counts_each_product_where_the_step_makes_it(tmp_path, monkeypatch):
     (device flags, U_new^-1 by products) forms U_new^-1 from d x d products."""
     c = count_step.count(D=500, d=16, m=32)
     unit = 2 * 32 * c.width ** 2  # the width: d, and one more for the bias
-    assert c.flops["step.py:outputs"] == 2 * unit and c.gemms["step.py:outputs"] == 1
-    assert c.flops["step.py:hidden_grad"] == unit
+    assert c.flops["exact_step.py:outputs"] == 2 * unit and c.gemms["exact_step.py:outputs"] == 1
+    assert c.flops["exact_step.py:hidden_grad"] == unit
     assert c.gemms["inverse_update.py:uinv_by_products"] > 0
     assert sum(c.ops.values()) > 100 and "aten.view" not in c.ops  # views are not counted
     box = make_sandbox(tmp_path, monkeypatch)  # a default run writes its own run directory only
     run_dir = box.run_default(count_step.main, ["--D", "500", "--d", "16", "--m", "32"], "count_step")
     text = (run_dir / "count_step_zloss_D500_d16_m32.md").read_text()
-    assert "| `step.py:outputs` | 1 | 2.00 |" in text
+    assert "| `exact_step.py:outputs` | 1 | 2.00 |" in text
     argv = ["--D", "500", "--d", "16", "--m", "32"]
     box = make_sandbox(tmp_path / "update", monkeypatch)  # --update-results: the results folder only
     assert box.run_update(count_step.main, argv) == {"count_step_zloss_D500_d16_m32.md"}

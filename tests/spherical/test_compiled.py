@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, compiled
-from lst_lightning.spherical import step as step_module
+from lst_lightning.spherical import exact_step
 
 from head_pairs import rel
 
@@ -66,14 +66,14 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
     h = head(kind, False)
     H, idx = batches(1)[0]
     Hx, idx, T = h.prepare(H, idx, None, step=True)
-    draws = step_module.before_step(h, m)
-    explained = torch._dynamo.explain(step_module.deferred_step)(h, Hx, idx, T, draws)
+    draws = exact_step.before_step(h, m)
+    explained = torch._dynamo.explain(exact_step.deferred_step)(h, Hx, idx, T, draws)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     if kind is DEFAULT:  # the autograd step's two halves and exact accumulation's step
-        _, fwd = step_module.forward(h, Hx, idx, T, draws)
-        for fn, args in ((step_module.forward, (Hx, idx, T, draws)),
-                         (step_module.deferred_backward, (fwd, Hx.new_ones(()))),
-                         (step_module.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok,
+        _, fwd = exact_step.forward(h, Hx, idx, T, draws)
+        for fn, args in ((exact_step.forward, (Hx, idx, T, draws)),
+                         (exact_step.deferred_backward, (fwd, Hx.new_ones(()))),
+                         (exact_step.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok,
                                                      fwd.neg.cols, fwd.neg.G_neg))):
             explained = torch._dynamo.explain(fn)(h, *args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), (fn, explained.break_reasons)

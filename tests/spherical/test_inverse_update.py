@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lst_lightning.spherical import inverse_update as iu
-from lst_lightning.spherical import step as step_module
+from lst_lightning.spherical import exact_step
 from lst_lightning.spherical.stabiliser import Stabiliser
 
 from head_pairs import deferred, make_pair, run_steps, step_both
@@ -65,7 +65,7 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.products = self.solves = 0
-        products, solve = step_module.uinv_by_products, step_module.solve_right
+        products, solve = exact_step.uinv_by_products, exact_step.solve_right
 
         def count_products(*a, **k):
             self.products += 1
@@ -75,8 +75,8 @@ class Spy:
             self.solves += 1
             return solve(*a, **k)
 
-        monkeypatch.setattr(step_module, "uinv_by_products", count_products)
-        monkeypatch.setattr(step_module, "solve_right", count_solves)
+        monkeypatch.setattr(exact_step, "uinv_by_products", count_products)
+        monkeypatch.setattr(exact_step, "solve_right", count_solves)
 
 
 @pytest.mark.parametrize("loss", ["zloss", "mse", "spherical_softmax", "sampled"])
@@ -137,7 +137,7 @@ def test_the_setting_and_its_former_name():
 
 def test_auto_takes_woodbury_or_the_solve_on_a_cpu():
     f, _ = make_pair("zloss", d=8)
-    assert step_module.inverse_route(f.plan, 4) == "woodbury" and step_module.inverse_route(f.plan, 5) == "solve"
+    assert exact_step.inverse_route(f.plan, 4) == "woodbury" and exact_step.inverse_route(f.plan, 5) == "solve"
 
 
 @pytest.mark.parametrize("loss", ["zloss", "sampled"])
@@ -168,13 +168,13 @@ class FactorSpy:
 
     def __init__(self, monkeypatch):
         self.factors = []
-        products = step_module.uinv_by_products
+        products = exact_step.uinv_by_products
 
         def spy(U_new, Uinv, A, c, factors):
             self.factors.append(factors)
             return products(U_new, Uinv, A, c, factors)
 
-        monkeypatch.setattr(step_module, "uinv_by_products", spy)
+        monkeypatch.setattr(exact_step, "uinv_by_products", spy)
 
 
 def test_device_flags_with_adaptive_factors_equal_the_naive_head(monkeypatch):

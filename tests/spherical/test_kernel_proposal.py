@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lst_lightning.heads.kernel_sampler import QuadraticSampler
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, step
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, exact_step
 
 from head_pairs import accumulate_both, assert_load_refused, assert_resumes_alike, hard_batch, make_pair, run_hard
 
@@ -128,7 +128,7 @@ def test_repairs_and_folds_rebuild_the_tree_and_keep_the_steps_equal(monkeypatch
     assert_tree_is_rebuilt_tree(f)
     # every step folded into V (V <- V U B; a host-checked step's): each next draw rebuilds
     f, n = pair(sync_every=1)
-    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
+    monkeypatch.setattr(exact_step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
     run(f, n, steps=3)
     assert int(f.folds) == 3 and f.negatives.kernel.builds == 3 and f.negatives.kernel.synced is None
     f.negatives.kernel.sync(f)

@@ -195,17 +195,17 @@ def test_the_head_is_made_of_parts_not_mixins():
     """The process-group work, the repairs and the checks are objects the head holds: one
     process is the identity sharding, a multi-process head starts alone until distribute()."""
     from lst_lightning.spherical import FactoredSphericalHead
-    from lst_lightning.spherical.multi_process import Replicated, Sharding, ShardedRows
+    from lst_lightning.spherical.multi_process import Replicated, Processes, ShardedRows
     from lst_lightning.spherical.stabiliser import Repairs
 
     own = [c for c in FactoredSphericalHead.__mro__ if c.__module__.startswith("lst_lightning.spherical")]
     assert len(own) <= 3, own  # the head, its sharded evaluation, the shell: the parts are objects
     alone = FactoredSphericalHead(D, d)
-    assert type(alone.sharding) is Sharding and alone.sharding.joined and isinstance(alone.repairs, Repairs)
+    assert type(alone.processes) is Processes and alone.processes.joined and isinstance(alone.repairs, Repairs)
     idx = torch.tensor([[3], [-1]])
-    assert alone.sharding.local_idx(idx) is idx and (alone.row_lo, alone.row_hi) == (0, D)
+    assert alone.processes.local_idx(idx) is idx and (alone.row_lo, alone.row_hi) == (0, D)
     sharded = FactoredSphericalHead(D, d, parallel="sharded")
-    assert type(sharded.sharding) is ShardedRows and not sharded.sharding.joined and sharded.V.shape[0] == 0
+    assert type(sharded.processes) is ShardedRows and not sharded.processes.joined and sharded.V.shape[0] == 0
     sharded.distribute()  # no process group: one rank holding every row
-    assert sharded.sharding.joined and (sharded.row_lo, sharded.row_hi) == (0, D) and sharded.V.shape[0] == D
-    assert type(FactoredSphericalHead(D, d, parallel="replicated").sharding) is Replicated
+    assert sharded.processes.joined and (sharded.row_lo, sharded.row_hi) == (0, D) and sharded.V.shape[0] == D
+    assert type(FactoredSphericalHead(D, d, parallel="replicated").processes) is Replicated

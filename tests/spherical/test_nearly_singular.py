@@ -1,6 +1,6 @@
 """Steps whose B = c (I - A) is nearly singular, on purpose: every loss stays equal to the
 explicit-W reference with host checks and with device flags, eager and compiled. Under device
-flags such a step is folded into V within its own step, on the device (step.py's
+flags such a step is folded into V within its own step, on the device (exact_step.py's
 ``new_state`` and ``write_masked_u``; ``lst_kernels.fold_rows_``), with no host read."""
 import copy
 import itertools
@@ -10,7 +10,7 @@ import torch
 
 from lst_lightning.losses import LOSSES
 from lst_lightning.spherical import compiled
-from lst_lightning.spherical import step as step_module
+from lst_lightning.spherical import exact_step
 
 from head_pairs import make_pair, no_host_reads, rel, step_both
 
@@ -29,7 +29,7 @@ def singular_lr(f, H: torch.Tensor, idx: torch.Tensor, off: float) -> float | No
     that lr is not in (0, LR_CAP]."""
     probe = copy.deepcopy(f)
     Hx, idx, T = probe.prepare(H.to(probe.dtype), idx, None, step=True)
-    _, fwd = step_module.forward(probe, Hx, idx, T, step_module.before_step(probe, Hx.shape[0]))
+    _, fwd = exact_step.forward(probe, Hx, idx, T, exact_step.before_step(probe, Hx.shape[0]))
     curvature = 2.0 * float(fwd.gq.sum()) * float(Hx[0].double().pow(2).sum())
     lr = (1.0 - off) / curvature if curvature > 0 else None
     return lr if lr is not None and lr <= LR_CAP else None

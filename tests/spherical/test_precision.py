@@ -5,19 +5,19 @@ given back after each call."""
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, step
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, exact_step
 
 
 @pytest.mark.parametrize("tf32", [False, True])
 def test_the_step_sets_its_own_matmul_precision_and_gives_the_loops_back(monkeypatch, tf32):
     seen = []
-    hidden_grad = step.hidden_grad
+    hidden_grad = exact_step.hidden_grad
 
     def spy(*a, **k):
         seen.append(torch.get_float32_matmul_precision())
         return hidden_grad(*a, **k)
 
-    monkeypatch.setattr(step, "hidden_grad", spy)
+    monkeypatch.setattr(exact_step, "hidden_grad", spy)
     head = FactoredSphericalHead(50, 4, tf32=tf32)
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # a loop's TF32, as LM training scripts set it

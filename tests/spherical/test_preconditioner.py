@@ -6,7 +6,7 @@ the moments are the head's state: resumed exactly, untouched by a skipped step."
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, plan, step
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, exact_step, plan
 from lst_lightning.spherical.preconditioner import Preconditioner
 
 import head_pairs
@@ -41,7 +41,7 @@ def test_p_is_not_the_identity_and_the_moments_move():
     f, n = pair(bias=True)
     run(f, n, steps=2)
     H = hard_batch()[0]
-    moments = f.preconditioner.step(f.input_moment, f.input_moment_weight, torch.cat([H, torch.ones(len(H), 1)], 1))
+    moments = f.preconditioner.update_moments(f.input_moment, f.input_moment_weight, torch.cat([H, torch.ones(len(H), 1)], 1))
     assert rel(moments.P, torch.eye(d + 1, dtype=torch.float64)) > 0.5
     assert torch.equal(f.input_moment, n.input_moment) and float(f.input_moment_weight) == pytest.approx(0.19)
     plain, ref = pair(pre=None, bias=True)
@@ -79,7 +79,7 @@ def test_every_inverse_route_and_weight_decay(inverse):
 
 def test_a_fold_equals_the_naive_step(monkeypatch):
     # every step folded into V (V <- V U B, U = I): the rows scattered with H P
-    monkeypatch.setattr(step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
+    monkeypatch.setattr(exact_step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
     torch.manual_seed(4)
     f, n = pair(sync_every=1)  # a host-checked step folds
     run(f, n, steps=3)
@@ -136,14 +136,14 @@ def test_a_skipped_step_leaves_the_moments_untouched(cls):
 def test_white_inputs_give_the_identity_and_zero_inputs_a_finite_p():
     pre = Preconditioner(beta=0.0, damping=0.1)
     Hx = torch.eye(4, dtype=torch.float64) * 2.0  # H^T H / m = I
-    mom = pre.step(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx)
+    mom = pre.update_moments(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx)
     assert torch.allclose(mom.P, torch.eye(4, dtype=torch.float64)) and bool(mom.ok)
-    mom = pre.step(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx * 0)
+    mom = pre.update_moments(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx * 0)
     assert bool(mom.ok) and torch.isfinite(mom.P).all()
     # a first batch without a row with a target: the moments stay as they were, P finite
     pre = Preconditioner(beta=0.9)
     none = torch.zeros(4, dtype=torch.bool)
-    mom = pre.step(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx, none)
+    mom = pre.update_moments(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx, none)
     assert bool(mom.ok) and torch.isfinite(mom.P).all() and float(mom.weight) == 0 and not mom.moment.any()
 
 

@@ -8,7 +8,7 @@ import torch
 
 from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical.stabiliser import Stabiliser
-from lst_lightning.spherical.step import eig_bounds
+from lst_lightning.spherical.exact_step import eig_bounds
 
 from head_pairs import batch, make_pair, rel, run_steps, step_both
 

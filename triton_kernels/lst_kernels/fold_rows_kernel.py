@@ -1,7 +1,7 @@
 """Triton gated fold: V <- V M in place, where a device flag says so; nothing otherwise.
 
 The flag is read by the kernel, never by the host: a step under device flags folds a nearly
-singular update into V (spherical/step.py) without a host synchronisation, inside a compiled
+singular update into V (spherical/exact_step.py) without a host synchronisation, inside a compiled
 step or a CUDA graph. With the flag off every program returns after one load.
 
 In place and race-free: each program owns whole blocks of rows (a persistent grid), copies

@@ -8,7 +8,7 @@ otherwise. ``impl`` forces the choice ("torch", "triton"; "auto" also honours
 itself (``reference.py``), and the scatter's is the reference's sums in static shapes (no
 host read: ``torch.compile`` takes it whole), tested bit for bit against it; ``m_matrix`` and ``q_update`` run the same products arranged in
 two GEMMs each, tested against the term-by-term references. ``gram_rows`` and
-``q_update_factors`` (Q's update without the m x m M, for m > d: spherical/step.py)
+``q_update_factors`` (Q's update without the m x m M, for m > d: spherical/exact_step.py)
 have no kernel of their own: a sort, the deterministic scatter and gather (Triton on CUDA)
 and torch's GEMMs on every device. ``SortedIds.of(idx)`` is the one sort of a step's ids that
 ``gram_rows``, the scatter inside it and the write's ``scatter_add_rows_`` can share (``order=``):

@@ -91,7 +91,7 @@ def join_processes(head: FactoredSphericalHead) -> int:
     ``distribute`` is a collective); returns the world size. Refuses ``parallel='none'``."""
     world = world_size()
     check_processes(head, world)
-    if world > 1 and head.sharding.world != world:
+    if world > 1 and head.processes.world != world:
         head.distribute()
     return world
 
@@ -134,8 +134,8 @@ def world_share(total: Tensor, num_items_in_batch: int | Tensor, world: int, ite
 def every_rank_classes(head: FactoredSphericalHead, own: Tensor) -> Tensor:
     """A sharded head's columns for all D classes from each rank's ``own`` columns (its
     classes row_lo:row_hi), all-gathered along the classes: every rank calls it."""
-    pg = head.sharding.pg
-    widths = [hi - lo for lo, hi in (head.sharding.shard_rows(r, pg.world) for r in range(pg.world))]
+    pg = head.processes.pg
+    widths = [hi - lo for lo, hi in (head.processes.shard_rows(r, pg.world) for r in range(pg.world))]
     padded = own.new_zeros(own.shape[0], max(widths))
     padded[:, : own.shape[1]] = own
     parts = [torch.empty_like(padded) for _ in range(pg.world)]
@@ -155,7 +155,7 @@ def gather_for_checkpoint(head: FactoredSphericalHead) -> tuple[int, Tensor] | N
     """A sharded head's whole V on rank 0 (on the host), with the head's version then (a state
     dict takes it only while the head is unchanged); None on the other ranks and when V is
     whole. Every rank calls it before a save that only rank 0 writes."""
-    if not head.sharded or head.sharding.world == 1:
+    if not head.sharded or head.processes.world == 1:
         return None
     V = head.gather_v(dst=0)
     return None if V is None else (head._version, V)

@@ -2,11 +2,11 @@
 the ``nn.Module`` (constructor, input checks, lr and weight decay, the loss on m-sized
 tensors), the thin ``autograd.Function`` that takes the step in backward, and the token of
 each training forward. The step itself is the head's: ``_forward_step`` and
-``_backward_step`` (for the factored head, the functions of step.py).
+``_backward_step`` (for the factored head, the functions of exact_step.py).
 
 The parts the shell holds are called only when they have something to do:
 ``self.pending`` (``PendingRows``, pending.py) once the head is attached to an optimizer,
-``self.sharding`` (multi_process.py) when more than one process shares the step.
+``self.processes`` (multi_process.py) when more than one process shares the step.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from ..losses import SphericalLoss, make_loss
 from .blocks import BLOCK
 from .checks import HostChecks
 from .driving import Driving
-from .multi_process import Sharding
+from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
 from .preconditioner import Preconditioner
 from .settings import AUTO, on_with_sampled
@@ -53,8 +53,8 @@ class _HeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, H: Tensor, head: "SphericalHeadBase", Hx: Tensor, idx: Tensor, T: Tensor, token):
         ctx.rows = None
-        if not head.sharding.alone:  # every rank's rows
-            Hx, idx, T, ctx.rows = head.sharding.collect(Hx, idx, T, training=True)
+        if not head.processes.alone:  # every rank's rows
+            Hx, idx, T, ctx.rows = head.processes.collect(Hx, idx, T, training=True)
         ctx.m = Hx.shape[0]  # dL/dH's rows: a step padded to a batch size (batch_shapes.py) hands these on
         loss, saved = head._forward_step(Hx, idx, T)
         # token None: a frozen head (eval mode), which hands dL/dH on and never steps.
@@ -96,7 +96,7 @@ class _HeadLoss(torch.autograd.Function):
                 ctx.saved = None  # a second backward reuses the token's dL/dH
         dH = dH[:ctx.m]
         if ctx.rows is not None:
-            dH = head.sharding.own_rows(dH, ctx.rows)
+            dH = head.processes.own_rows(dH, ctx.rows)
         return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None, None
 
 
@@ -186,7 +186,7 @@ class SphericalHeadBase(OutputHead):
         self._warned: set[str] = set()
         #: the process-group work (multi_process.py): one process, every collective the
         #: identity (the factored head holds a replicated or sharded one with ``parallel``)
-        self.sharding = Sharding(num_classes)
+        self.processes = Processes(num_classes)
         self._rows_per_rank: int | None = None  # rows_per_rank: the ranks' first batches decide
         # The seed of the initial W (drawn on the host, so that a head built on the meta
         # device has one too): ``reset_weight()`` redraws the same W from it.
@@ -334,7 +334,7 @@ class SphericalHeadBase(OutputHead):
         raise NotImplementedError
 
     def _ensure_distributed(self) -> None:
-        if not self.sharding.joined:
+        if not self.processes.joined:
             self.distribute()
 
     def _prepare_everywhere(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None,
@@ -344,9 +344,9 @@ class SphericalHeadBase(OutputHead):
         the step void on every rank; padded_rows.py)."""
         self._ensure_distributed()
         step = self.in_training_step if step is None else step
-        if self.sharding.alone:
+        if self.processes.alone:
             return self.prepare(H, target_idx, target_val, step=step)
-        return self.sharding.agree(self, lambda: self.prepare(H, target_idx, target_val, step=step), step)
+        return self.processes.agree(self, lambda: self.prepare(H, target_idx, target_val, step=step), step)
 
     def weight(self) -> Tensor:
         """The implicit W, materialised: (D, d), or (D, d + 1) with bias."""
@@ -438,12 +438,12 @@ class SphericalHeadBase(OutputHead):
         compiled itself where it pays (``compile_step``)."""
         with own_math(self._factory["device"].type, self.tf32):  # the head's math in its dtype and precision
             step = self.training and torch.is_grad_enabled()
-            if self.sharding.alone:
+            if self.processes.alone:
                 Hx, idx, T = self.prepare(H, target_idx, target_val, step=step)
             else:
                 Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=step)
-                if self.sharding.padded.void:  # this rank's input voids the step: raised at the next read
-                    H = self.sharding.padded.void_hidden(self, H)
+                if self.processes.padded.void:  # this rank's input voids the step: raised at the next read
+                    H = self.processes.padded.void_hidden(self, H)
             if not step:
                 if torch.is_grad_enabled() and H.requires_grad and self.parallel == "none":
                     return _HeadLoss.apply(H, self, Hx, idx, T, None)  # eval mode: a frozen head
@@ -572,7 +572,7 @@ class SphericalHeadBase(OutputHead):
         """d reduce(per, idx) / d per (m,): 1/n on the rows with a real slot (n as ``reduction``
         says; 1 for "sum"), 0 on a fully padded row. ``rows``: the batch's rows that "mean"
         divides by, a device count (the ranks' rows of a gathered batch padded to their
-        capacity: ``sharding.rows``); None: idx's rows."""
+        capacity: ``processes.rows``); None: idx's rows."""
         real = (idx >= 0).any(1)
         if self.reduction == "sum":
             return real.to(dtype)

@@ -80,10 +80,10 @@ def pad_draws(head, draws: Tensor | None, m: int, M: int) -> Tensor | None:
 
 
 def batch_size(head, m: int, K: int) -> tuple[int, int] | None:
-    """(M, K) a compiled step (step.py asks only where it runs compiled: compiled.py) pads a batch
+    """(M, K) a compiled step (exact_step.py asks only where it runs compiled: compiled.py) pads a batch
     of m rows of K slots to; None on several processes, whose rows are exchanged padded to the
     capacity they agreed on (padded_rows.py), a batch size."""
-    if not head.sharding.alone:
+    if not head.processes.alone:
         return None
     return padded_rows(m, head.driving.batch_sizes), padded_slots(K)
 

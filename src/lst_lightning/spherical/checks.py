@@ -5,7 +5,7 @@ every ``sync_every`` steps. The head holds one of the two (``head.step_checks``)
 - ``HostChecks`` (``sync_every == 1``): every check is read on the host when it is made
   (a host synchronisation on a GPU); a bad target id raises before anything changes, a
   non-finite or singular step is skipped and counted at once, the repairs that fell due
-  run after each step. The step (step.py) makes these checks inline and never calls this
+  run after each step. The step (exact_step.py) makes these checks inline and never calls this
   object: it holds only the host counts.
 - ``DeviceFlags`` (``sync_every > 1``): the step reads nothing on the host, so a GPU
   never waits for it and it can be captured in a CUDA graph. Every check becomes a device
@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .inverse_update import MAX_FACTORS, adaptive_factors
-from .step import eig_bounds
+from .exact_step import eig_bounds
 
 
 def capturing() -> bool:
@@ -32,7 +32,7 @@ def capturing() -> bool:
 
 
 class HostChecks:
-    """``sync_every == 1``: each check read on the host when it is made (inline in step.py)."""
+    """``sync_every == 1``: each check read on the host when it is made (inline in exact_step.py)."""
 
     deferred = False
 
@@ -89,7 +89,7 @@ class DeviceFlags(HostChecks):
         step too, and the first void step's rank is recorded."""
         bad = (idx < -1) | (idx >= head.num_classes)
         input_ok = ~bad.any()
-        padded = None if head.sharding.rows is None else head.sharding.padded
+        padded = None if head.processes.rows is None else head.processes.padded
         if padded is not None:
             input_ok = input_ok & padded.ranks_ok()
         first = (head._bad_input == 0) & ~input_ok
@@ -123,7 +123,7 @@ class DeviceFlags(HostChecks):
 
     def step_bounds(self, head, A, sq, kappa) -> tuple[Tensor, Tensor, Tensor | None]:
         """(fold, a bound on cond(B), the bound on A's spectral radius the adaptive Neumann rule keeps
-        or None) as device tensors, from the bounds of B = c (I - A) (``step.eig_bounds``), with no
+        or None) as device tensors, from the bounds of B = c (I - A) (``exact_step.eig_bounds``), with no
         host read and no write: the step is folded into V where the bounds cannot rule out an
         eigenvalue of B/c within ``fold_tol`` of 0, or where cond(U)'s bound would pass ``fold_cond``
         (docs/factored_head.md, "Nearly singular steps")."""
@@ -163,7 +163,7 @@ class DeviceFlags(HostChecks):
         flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
         if self.rho_max is not None:
             flags.append(self.rho_max)
-        padded = head.sharding.padded if head.sharding.padded.fault is not None else None
+        padded = head.processes.padded if head.processes.padded.fault is not None else None
         ranks = [] if padded is None else padded.flags()  # several processes: the void step's rank and code
         values = torch.stack([f.to(torch.float64) for f in flags + ranks]).tolist()
         steps, skipped, bad, cond_bound, factor, *rho_max = values[:len(flags)]

@@ -2,7 +2,7 @@
 "The compiled step").
 
 Under device flags (``sync_every > 1``) a step splits into a host part that reads nothing on
-the device (step.py's ``before_step``: the device lr, the sampled classes' uniforms;
+the device (exact_step.py's ``before_step``: the device lr, the sampled classes' uniforms;
 ``run_device_part``: the version, moved before the device part, the tick of the flags after it) and a device
 part that changes no Python value (``deferred_step``: forward, dL/dH, the checks as flags, the
 write; or its halves ``forward`` and ``deferred_backward`` for the autograd step, and
@@ -42,7 +42,7 @@ def compiled(fn):
 
 
 def run(head, fn, *args):
-    """``fn(head, *args)``, one of step.py's device parts: compiled where the head's plan says, with
+    """``fn(head, *args)``, one of exact_step.py's device parts: compiled where the head's plan says, with
     Dynamo's limit of graphs per function and head at ``RECOMPILE_LIMIT`` (a graph per batch size,
     batch_shapes.py, and Neumann factors: more than Dynamo's default of 8 in a long run)."""
     if not head.plan.compiled:

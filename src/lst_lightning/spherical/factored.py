@@ -7,12 +7,12 @@ step ``W <- (1 - lr wd) W - lr dO^T H`` becomes a d x d update of U plus a
 sparse update of the target rows of V. The derivation, with the code's names
 (row layout: H is m x d), is docs/algorithm.md.
 
-The step itself is step.py, functions of the head's state and the batch read top to
+The step itself is exact_step.py, functions of the head's state and the batch read top to
 bottom; this file is the head around it: its buffers (as ``state.py`` declares them),
 the implicit W, the ways to drive the step (``self.driving``: ``train_step``, the fused
 and CUDA-graph steps), ``sync()``, the repairs' entry (``run_due``) and the
 multi-process setup. The head holds its parts and calls them: ``self.step_checks``
-(checks.py), ``self.repairs`` (stabiliser.py), ``self.sharding`` (multi_process.py),
+(checks.py), ``self.repairs`` (stabiliser.py), ``self.processes`` (multi_process.py),
 ``self.pending`` (pending.py, through base.py). Sharded evaluation is a mixin
 (``sharded_eval.py``): it overrides the interface's chunked evaluation.
 """
@@ -24,7 +24,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import step as exact
+from . import exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
@@ -32,7 +32,7 @@ from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
-from .multi_process import sharding_for
+from .multi_process import processes_for
 from .plan import StepPlan, head_refusal, plan_for
 from .precision import own_precision
 from .shard_files import load_rows
@@ -60,12 +60,12 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     step_modes = STEP_MODES
     parallel_modes = tuple(p for p in PARALLEL_MODES if p != "none")  # the modes of more than one process
 
-    # the step: functions of the head's state and the batch (step.py), named as its methods
-    _forward_step = exact.forward_step
-    _backward_step = exact.backward
-    _hidden_grad = exact.hidden_grad
-    _pending_record = exact.pending_record
-    _apply_records = exact.apply_records
+    # the step: functions of the head's state and the batch (exact_step.py), named as its methods
+    _forward_step = exact_step.forward_step
+    _backward_step = exact_step.backward
+    _hidden_grad = exact_step.hidden_grad
+    _pending_record = exact_step.pending_record
+    _apply_records = exact_step.apply_records
 
     def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
                  generator: torch.Generator | None = None, stabiliser: Stabiliser | dict | None = None,
@@ -85,14 +85,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         #: the process-group work (multi_process.py): which rows of V are here, the collectives.
         #: V's rows are drawn block by block from one seed, so that a shard can be made
         #: alone (a sharded head never holds all of V) and equals the same rows unsharded.
-        self.sharding = sharding_for(parallel, num_classes)
+        self.processes = processes_for(parallel, num_classes)
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
         #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (checks.py)
         self.step_checks = checks_for(self.driving.deferred_checks)
         self._replan()
-        if self.sharding.joined:
+        if self.processes.joined:
             self.refresh_bookkeeping()
 
     @property
@@ -117,16 +117,16 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @property
     def sharded(self) -> bool:
-        return self.sharding.sharded
+        return self.processes.sharded
 
     @property
     def row_lo(self) -> int:
         """V holds the rows of classes [row_lo, row_hi): all of them unless sharded."""
-        return self.sharding.lo
+        return self.processes.lo
 
     @property
     def row_hi(self) -> int:
-        return self.sharding.hi
+        return self.processes.hi
 
     @property
     def step(self) -> str:
@@ -302,8 +302,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for _, blk in row_blocks(self.V):
             VtV.addmm_(blk.T, blk)
             v1 += blk.sum(0)
-        self.sharding.all_reduce_(VtV)  # sharded: V^T V over every rank's rows
-        self.sharding.all_reduce_(v1)
+        self.processes.all_reduce_(VtV)  # sharded: V^T V over every rank's rows
+        self.processes.all_reduce_(v1)
         U, w = self.U, self.omega
         Utv = U.T @ v1
         Q = U.T @ VtV @ U + torch.outer(Utv, w) + torch.outer(w, Utv) + self.num_classes * torch.outer(w, w)
@@ -311,9 +311,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self.wbar.copy_(Utv + self.num_classes * w)
         self._version += 1
 
-    # -- driving the step (step.py holds it) -------------------------------------------------
-    # step="autograd": base.py's forward runs step.forward, loss.backward() step.backward;
-    # train_step (and step="fused"/"cuda_graph") runs both at once: step.whole_step.
+    # -- driving the step (exact_step.py holds it) -------------------------------------------------
+    # step="autograd": base.py's forward runs exact_step.forward, loss.backward() exact_step.backward;
+    # train_step (and step="fused"/"cuda_graph") runs both at once: exact_step.whole_step.
     @own_precision
     @torch.no_grad()
     def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None,
@@ -325,7 +325,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         a device count (the "mean" reduction divides by it)."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
         self.check_decay()
-        return exact.whole_step(self, H, Hx, idx, T, rows)
+        return exact_step.whole_step(self, H, Hx, idx, T, rows)
 
     def _step_in_forward(self, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
         if self.driving.step == "cuda_graph":  # one graph a batch size (batch_shapes.py), captured at its first batch
@@ -334,7 +334,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             if graph is None:
                 graph = self._graphs[size] = CudaGraphStep(self, *size, hidden_dtype=H.dtype)
             return _AppliedLoss.apply(H, *graph(H.detach(), idx, T))
-        return _AppliedLoss.apply(H, *exact.whole_step(self, H, Hx, idx, T))
+        return _AppliedLoss.apply(H, *exact_step.whole_step(self, H, Hx, idx, T))
 
     def device_lr(self) -> Tensor:
         """The lr as the device scalar the deferred step reads (``sync_every > 1``; a
@@ -383,7 +383,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """Recompute U^-1, then bring U's singular values into [sv_min, sv_max] (exact, W unchanged)."""
         self.repairs.stabilise(self)
 
-    # -- more than one process (head.sharding: multi_process.py; docs/multi_gpu.md) -----
+    # -- more than one process (head.processes: multi_process.py; docs/multi_gpu.md) -----
     @torch.no_grad()
     def distribute(self, process_group=None) -> None:
         """Join the ranks of ``process_group`` (default: the whole world; alone when
@@ -391,7 +391,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         is taken by all (its V rows, for a shard); a sharded head makes its own rows."""
         if self.parallel == "none":
             return
-        pg, old = ProcessGroup.current(process_group), self.sharding
+        pg, old = ProcessGroup.current(process_group), self.processes
         if old.joined and (pg.rank, pg.world) == (old.pg.rank, old.pg.world):
             return
         if old.joined and self.sharded and old.world > 1:
@@ -413,7 +413,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self.V = self._init_rows(new.lo, new.hi, dev)
         else:
             raise RuntimeError("the ranks hold different V: distribute() a sharded head before training it")
-        self.sharding = new
+        self.processes = new
         self._replan()
         if int(self.steps):
             # Q and wbar, rank 0's as V is, hold W^T W and W^T 1 already: recomputed, they would
@@ -426,15 +426,15 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def gather_v(self, dst: int = 0) -> Tensor | None:
         """All of V on rank ``dst`` (on the host), None on the other ranks; every rank must
         call it. A checkpoint holding it loads into a head sharded over any number of ranks."""
-        return self.sharding.gather_v(self.V, dst)
+        return self.processes.gather_v(self.V, dst)
 
     def state_hash(self) -> int:
         """A hash of the bits of the state every rank must hold alike (V too unless sharded)."""
-        return bit_hash([getattr(self, n) for n in self.sharding.hashed_state()])
+        return bit_hash([getattr(self, n) for n in self.processes.hashed_state()])
 
     def check_replicas(self) -> None:
         """Raise on every rank when the ranks' shared state differs in any bit."""
-        self.sharding.check_replicas(self)
+        self.processes.check_replicas(self)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         without_placeholder_extra_state(state_dict, prefix)
@@ -467,8 +467,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             f"holds rows {held[0]}:{held[1]}: it resumes only where those rows are held; save all of V (every rank: "
             "head.gather_v(), or for a patched model gather_head_for_checkpoint(model), before the save) for a "
             "checkpoint that resumes on any number of processes")
-        if self.sharding.joined and self.sharding.world > 1:
-            said = self.sharding.pg.all_gather_objects(err)
+        if self.processes.joined and self.processes.world > 1:
+            said = self.processes.pg.all_gather_objects(err)
             first = next((r for r, text in enumerate(said) if text is not None), None)
             if first is not None and err is None:
                 err = f"rank {first} cannot load this state ({said[first]})"
@@ -478,8 +478,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     # -- evaluation ---------------------------------------------------------------------
     @torch.no_grad()
     def _eval_loss(self, Hx, idx, T):
-        Hx, idx, T, rows = self.sharding.collect(Hx, idx, T, training=False)
-        q, s, A, *_ = exact.outputs(self, Hx, idx)
+        Hx, idx, T, rows = self.processes.collect(Hx, idx, T, training=False)
+        q, s, A, *_ = exact_step.outputs(self, Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
         return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
 
@@ -501,7 +501,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """log p(target) in O(d^2) per example (spherical and Taylor softmax)."""
         Hx, idx, rows = self._gather_eval(hidden, target_idx)
-        q, s, A, *_ = exact.outputs(self, Hx, idx)
+        q, s, A, *_ = exact_step.outputs(self, Hx, idx)
         logp = self.loss_fn.log_prob(q, s, A, num_classes=self.num_classes).masked_fill(idx < 0, 0.0)
         logp = logp if rows is None else logp[rows]
         return logp[:, 0] if target_idx.dim() == 1 else logp

@@ -1,7 +1,7 @@
 """The process-group work of the factored head (``parallel``; docs/multi_gpu.md), as one
-object the head holds (``head.sharding``); the step calls it only when it is not ``alone``:
+object the head holds (``head.processes``); the step calls it only when it is not ``alone``:
 
-- ``Sharding``: one process; every operation is the identity;
+- ``Processes``: one process; every operation is the identity;
 - ``Replicated``: every rank holds the whole head; each training step all-gathers
   H and the targets, so every rank applies the same global update, bit for bit
   (checked by a hash of the state every ``checksum_every`` steps);
@@ -31,7 +31,7 @@ from .padded_rows import PaddedRows
 from .state import REPLICATED_STATE
 
 
-class Sharding:
+class Processes:
     """One process: the whole V here, every collective the identity."""
 
     parallel = "none"
@@ -46,7 +46,7 @@ class Sharding:
         #: whether distribute() has run (one process: nothing to run)
         self.joined = joined
         #: one process, joined, unsharded: every operation here is the identity, and the
-        #: step (step.py, base.py) does not call into this object at all
+        #: step (exact_step.py, base.py) does not call into this object at all
         self.alone = joined and self.pg.world == 1 and not self.sharded
         #: the training steps' rows under device flags, padded to the capacity agreed at the first
         self.padded = PaddedRows(self.pg)
@@ -58,8 +58,8 @@ class Sharding:
     def world(self) -> int:
         return self.pg.world
 
-    def joined_to(self, pg: ProcessGroup) -> "Sharding":
-        """This head's sharding over ``pg``."""
+    def joined_to(self, pg: ProcessGroup) -> "Processes":
+        """This head's processes over ``pg``."""
         return type(self)(self.num_classes, pg, self.shard_rows(pg.rank, pg.world), joined=True)
 
     def shard_rows(self, rank: int, world: int) -> tuple[int, int]:
@@ -146,13 +146,13 @@ class Sharding:
         return V.cpu()
 
 
-class Replicated(Sharding):
+class Replicated(Processes):
     """Every rank holds the whole head and applies the global step."""
 
     parallel = "replicated"
 
 
-class ShardedRows(Sharding):
+class ShardedRows(Processes):
     """Rank r holds V's rows [lo, hi); the rest of the state is replicated."""
 
     parallel = "sharded"
@@ -198,11 +198,11 @@ class ShardedRows(Sharding):
         return out
 
 
-def sharding_for(parallel: str, num_classes: int) -> Sharding:
-    """The sharding a head starts with: one process is joined already; a multi-process
+def processes_for(parallel: str, num_classes: int) -> Processes:
+    """The processes a head starts with: one process is joined already; a multi-process
     head waits for ``distribute()`` (a sharded one holds no rows until then)."""
     if parallel == "none":
-        return Sharding(num_classes)
+        return Processes(num_classes)
     if parallel == "replicated":
         return Replicated(num_classes, joined=False)
     return ShardedRows(num_classes, rows=(0, 0), joined=False)

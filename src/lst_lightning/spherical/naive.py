@@ -95,7 +95,7 @@ class NaiveSphericalHead(SphericalHeadBase):
             return torch.zeros_like(dH)
         moments = None
         if self.preconditioner is not None:
-            moments = self.preconditioner.step(self.input_moment, self.input_moment_weight, Hx, real)
+            moments = self.preconditioner.update_moments(self.input_moment, self.input_moment_weight, Hx, real)
             dW = dW @ moments.P
         W_new = self.W - self.lr * (dW + self.weight_decay * self.W)
         if not (torch.isfinite(W_new).all() and (moments is None or moments.ok)):

@@ -23,7 +23,7 @@ O(m d^2 + m S d), with the same V, U, Q, wbar, omega.
 - ``PerRowSlots``: negatives drawn per row are extra target slots of the general path
   (value 0), with ``Yd Yd^T`` coalesced to unique columns (``unique_column_gram``).
 
-The step (step.py) enters this module only when the head has negatives.
+The step (exact_step.py) enters this module only when the head has negatives.
 """
 from __future__ import annotations
 
@@ -248,25 +248,25 @@ class NegativeSampling:
             uniq, inv = padded_unique(cols)
         else:
             uniq, inv = torch.unique(cols, sorted=True, return_inverse=True)
-        sh = head.sharding
+        sh = head.processes
         V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)
         return SharedBlock(cols, uniq, inv, G_neg, V_u, padded=self.static_shapes(head))
 
-    # -- the factored step's loss (step.forward enters here only when the head has negatives) --
-    def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, Ht: Tensor,
+    # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
+    def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
                        ht: Tensor, u: Tensor | None = None, rows: Tensor | None = None):
         """The draw (by the uniforms ``u``, None: drawn here), the negatives' outputs, the composite
-        loss and its gradients (in closed form); ``rows``: as ``step.forward``'s, resolved. Returns (L, g_q, g_s, G_A, idx, step part): per
+        loss and its gradients (in closed form); ``rows``: as ``exact_step.forward``'s, resolved. Returns (L, g_q, g_s, G_A, idx, step part): per
         row, idx and G_A carry the negatives as extra slots (the general path); shared, they stay
         apart in a ``SharedBlock``."""
-        query = None if self.kernel is None else torch.cat([Ht, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
+        query = None if self.kernel is None else torch.cat([HUt, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
         cols, uniq, inv, slots = self.draw(head, idx, query, u)
-        sh = head.sharding  # several processes: every rank drew the same negatives from the same seed
+        sh = head.processes  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:
             V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
-            A_neg = torch.addmm(ht[:, None], Ht, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
+            A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
-            A_neg = lk.gather_dot(head.V, cols, Ht, ht) if sh.alone else sh.gather_dot(head.V, cols, Ht, ht)
+            A_neg = lk.gather_dot(head.V, cols, HUt, ht) if sh.alone else sh.gather_dot(head.V, cols, HUt, ht)
         loss_fn = head.loss_fn
         y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
         weight = head.row_weights(idx, q.dtype, rows)
@@ -385,7 +385,7 @@ class SharedBlock:
         return (torch.where(on_neg, pos, -1),
                 torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device)))
 
-    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, sharding, right: Tensor | None = None) -> None:
+    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, processes, right: Tensor | None = None) -> None:
         """V[u] += alpha G_u^T (H U_new^-1), masked by ``ok`` under device flags, one index_add_;
         sharded, into the rows this rank holds (the others add zeros to row 0). As alpha N R
         where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
@@ -393,10 +393,10 @@ class SharedBlock:
         rows = self.G_u.T @ HUinv if right is None or self.N is None else self.N @ right.to(self.N.dtype)
         update = alpha * rows
         update = (update if ok is None else torch.where(ok, update, 0.0)).to(V.dtype)
-        if not sharding.sharded:
+        if not processes.sharded:
             V.index_add_(0, self.uniq, update)
         elif V.shape[0]:
-            local = sharding.local_idx(self.uniq)
+            local = processes.local_idx(self.uniq)
             V.index_add_(0, local.clamp(min=0), torch.where(local[:, None] >= 0, update, 0.0))
 
     def as_slots(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,9 +1,9 @@
 """How the ranks of a multi-process head share each training step's rows under device flags
-(``sync_every > 1``) with no host read; a ``Sharding`` of several processes holds one
-(``sharding.padded``):
+(``sync_every > 1``) with no host read; a ``Processes`` of several processes holds one
+(``processes.padded``):
 
 - at the first training step the ranks agree on a capacity, in the one host read of
-  ``Sharding.agree`` (which raises a bad input on every rank at once there): the most rows C
+  ``Processes.agree`` (which raises a bad input on every rank at once there): the most rows C
   and target slots K a rank sends, the largest of their first batches' (and of
   ``head.rows_per_rank``), where the step runs compiled the batch size of those rows
   (batch_shapes.py);
@@ -65,7 +65,7 @@ class PaddedRows:
     # -- the host's part, before the step --------------------------------------------------------
     def agree(self, head, sizes: list[list[int]]) -> None:
         """The capacity from every rank's (rows, slots) of its first training batch (``sizes``,
-        read on the host by ``Sharding.agree``) and ``head.rows_per_rank``."""
+        read on the host by ``Processes.agree``) and ``head.rows_per_rank``."""
         rows, slots = zip(*sizes)
         self.capacity = (max(*rows, head.rows_per_rank or 0), max(slots))
         if head.plan.compiled:  # a batch size (batch_shapes.py): later batches of up to that many rows fit

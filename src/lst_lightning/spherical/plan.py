@@ -4,7 +4,7 @@
 the device or the process group changes (``head.plan``, made again by the head's ``_replan``
 at each such change): the driver (``step``), device flags or host checks, compiled or eager, the
 processes, the kind of sampled classes, P, the U^-1 route and the Q route (each by the
-batch's rows: a threshold), the Neumann rule. The step (step.py) reads its plan, data only; it
+batch's rows: a threshold), the Neumann rule. The step (exact_step.py) reads its plan, data only; it
 asks the head's settings for none of these.
 
 The refusals of combinations of settings are here too, each one line saying why:
@@ -32,7 +32,7 @@ class StepPlan:
     deferred: bool = True
     #: the device part compiled whole (compiled.py)
     compiled: bool = False
-    #: "none" (one process: the step never calls ``head.sharding``), "replicated", "sharded"
+    #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
     #: the sampled classes: None (off) or one of ``NEGATIVE_KINDS``
     negatives: str | None = None
@@ -82,7 +82,7 @@ def plan_for(head) -> StepPlan:
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
     return StepPlan(step=driving.step, deferred=driving.sync_every > 1,
                     compiled=wanted and compile_refusal(driving, kind) is None,
-                    processes="none" if head.sharding.alone else head.sharding.parallel, negatives=kind,
+                    processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
                     preconditioned=head.preconditioner is not None, inverse=inverse, woodbury_rows=woodbury_rows,
                     m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann)
 

@@ -55,7 +55,7 @@ class Preconditioner:
         """A bound on P's largest eigenvalue, (1 + damping) / damping (S's are >= 0)."""
         return (1.0 + self.damping) / self.damping
 
-    def step(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
+    def update_moments(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
         """This step's moments (computed aside: the head's buffers are not touched) and P. ``real`` (m,):
         the rows with a target, the only ones counted (a batch without any leaves the moments
         as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""

@@ -28,21 +28,21 @@ class ShardedEvaluation:
         """Checked inputs; a sharded head evaluates all ranks' rows together (each rank
         scores its own classes) and returns this rank's rows in them."""
         Hx, idx, _ = self._prepare_everywhere(hidden, target_idx, None)
-        if not self.sharded or self.sharding.pg.world == 1:
+        if not self.sharded or self.processes.pg.world == 1:
             return Hx, idx, None
         if idx is None:
-            (Hx,), rows = self.sharding.pg.gather_rows([Hx], [0.0])
+            (Hx,), rows = self.processes.pg.gather_rows([Hx], [0.0])
         else:
-            (Hx, idx), rows = self.sharding.pg.gather_rows([Hx, idx], [0.0, -1])
+            (Hx, idx), rows = self.processes.pg.gather_rows([Hx, idx], [0.0, -1])
         return Hx, idx, rows
 
     def _shard_scores(self, Hx: Tensor, chunk_size: int):
         with torch.autocast(self.device.type, enabled=False):  # not across the yield: the caller's own
-            Ht, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
+            HUt, ht = Hx @ self.U.T, (Hx @ self.omega)[:, None]
         blocks = row_blocks(self.V, chunk_size) if self.V.shape[0] else [(0, self.V)]  # empty shard: one empty chunk
         for a, blk in blocks:
             with torch.autocast(self.device.type, enabled=False):
-                sc = self.loss_fn.score(torch.addmm(ht, Ht, blk.T))  # the loss's own score
+                sc = self.loss_fn.score(torch.addmm(ht, HUt, blk.T))  # the loss's own score
             yield self.row_lo + a, sc
 
     @torch.no_grad()
@@ -53,8 +53,8 @@ class ShardedEvaluation:
         Hx, tidx, rows = self._gather_eval(hidden, target_idx)
         tidx = tidx[:, 0]  # padding (-1) rows get a rank too: callers drop them
         # The target's score from its owner shard (0 elsewhere), then the counts of every shard.
-        target = self.sharding.pg.all_reduce_(target_scores_of_chunks(self._shard_scores(Hx, chunk_size), tidx))
-        count = self.sharding.pg.all_reduce_(count_at_or_above(self._shard_scores(Hx, chunk_size), tidx, target))
+        target = self.processes.pg.all_reduce_(target_scores_of_chunks(self._shard_scores(Hx, chunk_size), tidx))
+        count = self.processes.pg.all_reduce_(count_at_or_above(self._shard_scores(Hx, chunk_size), tidx, target))
         return (1 + count) if rows is None else (1 + count)[rows]
 
     @torch.no_grad()
@@ -67,12 +67,12 @@ class ShardedEvaluation:
         Hx, _, rows = self._gather_eval(hidden, None)
         best, ids = topk_of_chunks(self._shard_scores(Hx, chunk_size), k)
         k_local = best.shape[1]
-        if self.sharding.pg.world > 1:
-            k_all = self.sharding.pg.all_gather_ints([k_local], self.device)[:, 0]
+        if self.processes.pg.world > 1:
+            k_all = self.processes.pg.all_gather_ints([k_local], self.device)[:, 0]
             pad = int(k_all.max())
             best = torch.cat([best, best.new_full((best.shape[0], pad - k_local), -math.inf)], 1)
             ids = torch.cat([ids, ids.new_full((ids.shape[0], pad - k_local), -1)], 1)
-            (best, ids), _ = self.sharding.pg.gather_rows([best.T.contiguous(), ids.T.contiguous()], [0.0, 0])
+            (best, ids), _ = self.processes.pg.gather_rows([best.T.contiguous(), ids.T.contiguous()], [0.0, 0])
             best, pos = best.T.topk(min(k, self.num_classes), dim=1)  # shard blocks side by side
             ids = ids.T.gather(1, pos)
             best, ids = best[rows], ids[rows]

@@ -8,7 +8,7 @@ unchanged:
   when the bounds cannot rule out a nearly singular B, the eigenvalues are computed,
   and a step with ``min |eig(B)/c| < fold_tol`` is folded into V (``V <- V U B``,
   U = I; O(D d^2), rare) instead of ill-conditioning U (the bounds are step math:
-  step.py; the fold is here, ``fold_into_v``);
+  exact_step.py; the fold is here, ``fold_into_v``);
 - an upper bound on cond(U) is carried from step to step (times cond(B)); when it
   exceeds ``cond_trigger``, or every ``check_every`` steps, U^-1 is recomputed and
   U's singular values are brought back into ``[sv_min, sv_max]`` (``sv_method``:
@@ -52,7 +52,7 @@ class Stabiliser:
     max_sv_fixes: int = 8
     uinv_refresh_every: int = 100
     q_refresh_every: int = 10000
-    #: How the step makes H U_new^-1 (step.py, inverse_update.py): a rank-m Woodbury update
+    #: How the step makes H U_new^-1 (exact_step.py, inverse_update.py): a rank-m Woodbury update
     #: of U^-1 ("woodbury"), one solve with U_new's LU ("solve"), or U_new^-1 from U^-1 by
     #: d x d products alone ("products": no factorisation; capturable in a CUDA graph);
     #: "auto": products on a GPU, on a CPU Woodbury when 2 m <= d, else the solve (measured).

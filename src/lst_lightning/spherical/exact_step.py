@@ -6,10 +6,10 @@ replica check, entered only when one fell due.
 The state is the head's buffers (``V``, ``U``, ``Uinv``, ``omega``, ``Q``, ``wbar``, the
 counters and the conditioning bound; state.py). Each function takes the head holding
 them first: ``FactoredSphericalHead`` names them as its methods (``_forward_step =
-step.forward``, ...), and the head's shell (base.py) calls them from its autograd
+exact_step.forward``, ...), and the head's shell (base.py) calls them from its autograd
 function. The parts the head holds are called only when they have something to do:
 ``head.step_checks`` when the checks are deferred to device flags (``sync_every > 1``;
-checks.py), ``head.sharding`` when more than one process shares the step
+checks.py), ``head.processes`` when more than one process shares the step
 (multi_process.py), ``head.repairs`` when a repair fell due (stabiliser.py).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ class SavedForward:
     Hx: Tensor
     idx: Tensor
     Hq: Tensor      # H Q
-    Ht: Tensor      # H U^T
+    HUt: Tensor      # H U^T
     HUinv: Tensor   # H U^-1 (Woodbury steps), else None
     ht: Tensor      # H omega
     s: Tensor       # rowsum of the output
@@ -76,16 +76,16 @@ def outputs(head, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
     d = head.width
     mats = [head.Q, head.U.T] + ([head.Uinv] if with_uinv else [])
     P = Hx @ torch.cat(mats, dim=1)  # one GEMM for H Q, H U^T (and H U^-1)
-    Hq, Ht = P[:, :d], P[:, d:2 * d]
+    Hq, HUt = P[:, :d], P[:, d:2 * d]
     HUinv = P[:, 2 * d:] if with_uinv else None
     q = (Hx * Hq).sum(1)
     s = Hx @ head.wbar
     ht = Hx @ head.omega
     A = None
     if idx is not None:
-        sh = head.sharding
-        A = lk.gather_dot(head.V, idx, Ht, ht) if sh.alone else sh.gather_dot(head.V, idx, Ht, ht)
-    return q, s, A, Hq, Ht, HUinv, ht
+        sh = head.processes
+        A = lk.gather_dot(head.V, idx, HUt, ht) if sh.alone else sh.gather_dot(head.V, idx, HUt, ht)
+    return q, s, A, Hq, HUt, HUinv, ht
 
 
 def inverse_route(plan, m: int) -> str:
@@ -113,17 +113,17 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
     """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
     ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here). ``rows``: the
     real rows the "mean" reduction divides by, a device count, where the batch was padded (None:
-    ``sharding.rows``, the batch's own rows in one process)."""
+    ``processes.rows``, the batch's own rows in one process)."""
     input_ok, plan = True, head.plan
     if plan.deferred:
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
     route = inverse_route(plan, Hx.shape[0])
-    q, s, A, Hq, Ht, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
+    q, s, A, Hq, HUt, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
     real = (idx >= 0).any(1) if plan.preconditioned else None  # the rows P's moments count
-    rows = head.sharding.rows if rows is None else rows
+    rows = head.processes.rows if rows is None else rows
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
-        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, Ht, ht, draws, rows)
-        return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
+        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, HUt, ht, draws, rows)
+        return L, SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
     loss_fn = head.loss_fn
@@ -131,7 +131,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
     weight = head.row_weights(idx, q.dtype, rows)
     per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=head.num_classes, y_sq=y_sq)
     L = head.reduce(per, idx, weight)
-    return L, SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
+    return L, SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
 
 
 # -- backward ------------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
     gq, gs, GA = fwd.gq * grad, fwd.gs * grad, fwd.GA * grad
     ybar = GA.sum(1)
-    sh = head.sharding
+    sh = head.processes
     YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
     if fwd.neg is not None and fwd.neg.shared:  # shared negatives: one dense block (negatives.py)
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
@@ -254,7 +254,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     # H, is formed where a route takes it whole (Woodbury, the solve, Q through M); the products
     # route with Q from d x d products takes P in d x d products instead.
     moments = None if head.preconditioner is None else \
-        head.preconditioner.step(head.input_moment, head.input_moment_weight, Hx, fwd.real)
+        head.preconditioner.update_moments(head.input_moment, head.input_moment_weight, Hx, fwd.real)
     P = None if moments is None else moments.P
     route, by_factors = inverse_route(plan, m), m > plan.m_matrix_rows  # Q's update from d x d products (else M)
     takes_x = not (route == "products" and by_factors)
@@ -264,7 +264,7 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if use_woodbury:  # A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T
         G = X @ Hx.T
         A, sq = kappa[:, None] * G, G.diagonal()  # h^T P h
-        U_new = torch.addmm(c * head.U, fwd.Ht.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
+        U_new = torch.addmm(c * head.U, fwd.HUt.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
     else:
         Gq = Hx.T @ (gq[:, None] * Hx)
         GqP = Gq if P is None else Gq @ P
@@ -349,7 +349,7 @@ def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> N
         else:
             head._uinv_fresh = False
         head.cond_bound.copy_(head.cond_bound * new.cond_step)
-    sh = head.sharding
+    sh = head.processes
     rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
     lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr, order=new.order if sh.alone else None)
@@ -485,7 +485,7 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH.
     ``real``: where the caller padded the batch itself (a CUDA graph's static batch), its real rows
     as a device count."""
-    sh, rows = head.sharding, None
+    sh, rows = head.processes, None
     if not sh.alone:
         Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
     m = Hx.shape[0]
@@ -550,10 +550,10 @@ def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: T
     """The records' step as a forward had made it: their products with the current state, and
     their shared negatives as one block (``cols``, ``G_neg``; negatives per row: slots of idx)."""
     route = inverse_route(head.plan, Hx.shape[0])
-    _, s, _, Hq, Ht, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
+    _, s, _, Hq, HUt, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
     neg = None if head.negatives is None else head.negatives.slots_part() if cols is None else \
         head.negatives.records_block(head, cols, G_neg)
-    return SavedForward(Hx, idx, Hq, Ht, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
+    return SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
 
 
 @torch.no_grad()
