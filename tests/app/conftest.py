@@ -10,11 +10,12 @@ from app_configs import lst_train
 @pytest.fixture(scope="session")
 def wandb_sweep(tmp_path_factory):
     """Two jobs of a multirun over the Z-loss's a (loss=zloss: the default is loss=sampled),
-    each its own W&B offline run: 10 steps, validation every 5, tiny data. Started as a new
+    each its own W&B offline run: 10 steps, validation every 5, tiny data, the head's flags read
+    every 4 steps (its logged counters are those reads'). Started as a new
     user would, with ``-m`` and no group given: the jobs share the sweep's group (``wandb_group``)."""
     root = tmp_path_factory.mktemp("wandb_sweep")
     lst_train("-m", "experiment=tiny", "callbacks=minimal", "trainer.limit_train_batches=10",
-              "trainer.val_check_interval=5", "data.max_eval_examples=128", "loss=zloss", "loss.kwargs.a=0.1,1",
+              "trainer.val_check_interval=5", "data.max_eval_examples=128", "loss=zloss", "loss.kwargs.a=0.1,1", "head.sync_every=4",
               f"hydra.sweep.dir={root}", cwd=root)
     return root
 

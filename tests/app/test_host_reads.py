@@ -41,3 +41,34 @@ def test_lst_train_reads_the_host_at_most_once_in_ten_steps(tmp_path, accumulate
     assert trainer.global_step == STEPS and int(module.head.steps) == STEPS
     assert count.reads.count / (STEPS - 2) <= 0.1, count.reads.sites
     assert count.reads.count >= 1  # the flags are read (at step 64, 128)
+
+
+class LoggedStats(pl.Callback):
+    """The head's stats as the flags' last read took them before each step, and what the step logged."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before = dict(pl_module.head.step_checks.stats)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        logged = {k[len("head/"):]: float(v) for k, v in trainer.callback_metrics.items()
+                  if k.startswith("head/") and k != "head/lr"}
+        self.pairs.append((self.before, logged))
+
+
+def test_the_head_stats_logged_every_step_read_nothing_more(tmp_path):
+    """Logged every step, the head's stats are the values the device flags' own read took (every
+    64 steps, in the same transfer): the route still reads the host at most once in ten steps."""
+    cfg = cfg_of(*FAST, "head=factored", "test=false", "trainer.limit_val_batches=0",
+                 f"trainer.limit_train_batches={STEPS}", "trainer.log_every_n_steps=1")
+    dm, module, trainer = build(cfg, tmp_path)
+    count, logged = CountFrom(), LoggedStats()
+    trainer.callbacks.extend([count, logged])
+    trainer.fit(module, datamodule=dm)
+    assert count.reads.count / (STEPS - 2) <= 0.1, count.reads.sites
+    read = [(before, got) for before, got in logged.pairs if before]
+    assert len(read) == STEPS - 64  # logged from the first read on (step 64)
+    assert all(got == pytest.approx(before, rel=1e-6) for before, got in read), read[:2]  # (logged in float32)
+    assert read[-1][1]["steps"] == 128

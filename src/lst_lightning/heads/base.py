@@ -73,8 +73,10 @@ class OutputHead(nn.Module):
         factored head compiles its own step: ``compiles``)."""
         return "it steps itself in backward (the factored head compiles its own step)" if self.self_updating else None
 
-    def stats(self) -> dict[str, float]:
-        """Counters worth logging (repairs, skipped steps...): none by default."""
+    def stats(self, read: bool = True) -> dict[str, float]:
+        """Counters worth logging (repairs, skipped steps...): none by default. ``read=False``:
+        without a device read where the head reads its counters itself every few steps (the
+        factored head's device flags: the values of their last read)."""
         return {}
 
     def sparse_parameters(self) -> list[nn.Parameter]:

@@ -76,6 +76,8 @@ class DeviceFlags(HostChecks):
         #: several processes: the void step the last read found, (its rank, why: None for bad
         #: ids in that rank's rows; padded_rows.py)
         self.fault: tuple[int, str | None] | None = None
+        #: the head's ``stats()`` as the last read took them ({}: no read yet): ``stats(read=False)``
+        self.stats: dict[str, float] = {}
 
     def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
         """The factor the loss reached the head with, kept on the device where it is not the loss
@@ -160,14 +162,17 @@ class DeviceFlags(HostChecks):
             return None
         if not peek:
             self.read_at = self.calls
-        flags = [head.steps, head.skipped_nonfinite, head._bad_input, head.cond_bound, head._loss_factor]
+        stats = [getattr(head, n) for n in head.STATS]  # the head's stats() ride on the same transfer
+        flags = stats + [head._bad_input, head._loss_factor]
         if self.rho_max is not None:
             flags.append(self.rho_max)
         padded = head.processes.padded if head.processes.padded.fault is not None else None
         ranks = [] if padded is None else padded.flags()  # several processes: the void step's rank and code
         values = torch.stack([f.to(torch.float64) for f in flags + ranks]).tolist()
-        steps, skipped, bad, cond_bound, factor, *rho_max = values[:len(flags)]
-        steps, skipped, bad = int(steps), int(skipped), int(bad)
+        self.stats = head.stats_of(values[:len(stats)])
+        bad, factor, *rho_max = values[len(stats):len(flags)]
+        steps, skipped, cond_bound, bad = self.stats["steps"], self.stats["skipped_nonfinite"], \
+            self.stats["cond_bound"], int(bad)
         if padded is not None:  # every rank reads at the same step: a void rank's message is gathered here
             self.fault = padded.read(tuple(int(v) for v in values[len(flags):]) if bad else None)
         if factor:

@@ -506,9 +506,18 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         logp = logp if rows is None else logp[rows]
         return logp[:, 0] if target_idx.dim() == 1 else logp
 
-    def stats(self) -> dict[str, float]:
-        """Counters of every repair and the conditioning of U, for logging: one host transfer."""
-        counters = ("steps", "skipped_nonfinite", *REPAIR_COUNTERS)
-        names = (*counters, "cond_estimate", "cond_bound")
-        values = torch.stack([getattr(self, n).to(torch.float64) for n in names]).tolist()
-        return {n: int(v) if n in counters else v for n, v in zip(names, values)}
+    #: the counters ``stats()`` gives (ints), then the conditioning of U (floats)
+    STAT_COUNTERS = ("steps", "skipped_nonfinite", *REPAIR_COUNTERS)
+    STATS = (*STAT_COUNTERS, "cond_estimate", "cond_bound")
+
+    def stats(self, read: bool = True) -> dict[str, float]:
+        """Counters of every repair and the conditioning of U, for logging: one host transfer.
+        ``read=False``: no device read; under device flags the values as the flags' last read
+        took them (in the same transfer; {} before the first), else as ``read=True``."""
+        if not read and self.plan.deferred:
+            return dict(self.step_checks.stats)
+        return self.stats_of(torch.stack([getattr(self, n).to(torch.float64) for n in self.STATS]).tolist())
+
+    def stats_of(self, values: list[float]) -> dict[str, float]:
+        """``STATS``' values, read in that order, as ``stats()`` gives them."""
+        return {n: int(v) if n in self.STAT_COUNTERS else v for n, v in zip(self.STATS, values)}
