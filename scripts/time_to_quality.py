@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import ROOT, add_output_args, output_dir, write_csv, wrote
+from benchlib import ROOT, add_output_args, output_dir, wrote
 
 import torch
 
@@ -74,11 +74,12 @@ HEADS = {
 }
 COMMON = ["trainer.max_epochs=1000", "trainer.limit_train_batches=1.0", "trainer.check_val_every_n_epoch=null",
           "test=false", "cpu_threads=1", "logger=csv", "callbacks.rich_progress=false", "~callbacks.checkpoint"]
-RUN_COLUMNS = ["case", "D", "mode", "head", "rival", "seed", "clock", "budget_s", "steps", "train_s", "val_examples",
-               "val_mrr", "val_top10_error", "reach_s", "reach_ratio", "load_mean", "torch", "commit", "date",
-               "command"]
-CURVE_COLUMNS = ["case", "D", "mode", "head", "seed", "step", "clock_s", "val_mrr", "val_top10_error", "torch",
-                 "commit", "date", "command"]
+RUN_COLUMNS = ["case", "D", "mode", "head", "rival", "seed", "clock", "budget_s", "steps", "train_s", "head_share",
+               "val_examples",
+               "val_mrr", "val_top10_error", "reach_s", "reach_ratio", "load_mean", "machine", "torch", "commit",
+               "date", "command"]
+CURVE_COLUMNS = ["case", "D", "mode", "head", "seed", "step", "clock_s", "val_mrr", "val_top10_error", "machine",
+                 "torch", "commit", "date", "command"]
 
 
 def hms(seconds: float) -> str:
@@ -146,10 +147,21 @@ def wait_all(procs: list[subprocess.Popen], run_dirs: list[Path]) -> list[float]
     return loads or [os.getloadavg()[0]]
 
 
+def append_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
+    """Rows appended to a tidy CSV (its header written where it is new): the provenance columns last."""
+    fresh = not path.exists()
+    with path.open("a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        if fresh:
+            w.writeheader()
+        w.writerows(rows)
+
+
 def meta() -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    return {"torch": torch.__version__, "commit": commit, "date": datetime.date.today().isoformat()}
+    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit,
+            "date": datetime.date.today().isoformat()}
 
 
 def command_of(words: list[str]) -> str:
@@ -173,6 +185,7 @@ def equal_time_pair(case: str, heads: list[str], seed: int, budget: float, point
         rival_s = theirs[-1]["clock_s"]
         rows.append({"case": case, "D": D, "mode": "equal_time", "head": h, "rival": rival, "seed": seed,
                      "clock": "cpu", "budget_s": budget, "steps": res["train_steps"],
+                     "head_share": round(res["head_share"], 3) if res.get("head_share") is not None else None,
                      "train_s": round(mine[-1]["clock_s"], 2),
                      "val_examples": next(int(w.split("=")[1]) for w in words[h] if w.startswith("data.max_eval")),
                      "val_mrr": round(mine[-1]["val_mrr"], 4), "val_top10_error": round(mine[-1]["val_top10_error"], 4),
@@ -201,6 +214,7 @@ def same_steps(case: str, heads: list[str], seed: int, steps: int, points: int, 
             res = json.loads((dirs[h] / "results.json").read_text())
             rows.append({"case": case, "D": D, "mode": "same_steps", "head": h, "rival": "softmax", "seed": seed,
                          "clock": "", "budget_s": None, "steps": res["train_steps"], "train_s": None,
+                         "head_share": round(res["head_share"], 3) if res.get("head_share") is not None else None,
                          "val_examples": next(int(w.split("=")[1]) for w in words[h]
                                               if w.startswith("data.max_eval")),
                          "val_mrr": round(pts[-1]["val_mrr"], 4), "val_top10_error": round(pts[-1]["val_top10_error"], 4),
@@ -238,7 +252,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("equal_time runs a pair: --heads A,B")
     out = output_dir(args, "time_to_quality")
     info = meta()
-    machine = machine_name()
     runs_csv, curves_csv = out / "time_to_quality.csv", out / "time_to_quality_curves.csv"
     with tempfile.TemporaryDirectory(prefix="ttq_") as tmp:
         for case in cases:
@@ -248,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     rows, curve_rows = same_steps(case, heads, seed, args.steps, args.points, Path(tmp), info)
                 # appended as each pair ends: a long grid stopped part-way keeps what it measured
-                write_csv(runs_csv, rows, RUN_COLUMNS, append=True, machine=machine)
-                write_csv(curves_csv, curve_rows, CURVE_COLUMNS, append=True, machine=machine)
+                append_rows(runs_csv, rows, RUN_COLUMNS)
+                append_rows(curves_csv, curve_rows, CURVE_COLUMNS)
                 for r in rows:
                     print(f"{case} seed {seed} {r['head']}: MRR {r['val_mrr']} top-10 error {r['val_top10_error']} "
                           f"steps {r['steps']} reach_ratio {r['reach_ratio']} load {r['load_mean']}", flush=True)
