@@ -25,6 +25,7 @@ def test_every_trainer_config_passes(trainer):
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
     ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val"),
     ("cpu_threads=0", "cpu_threads=0"),
+    ("clock=gpu", "clock=.gpu.: must be wall or cpu"),
     ("+loss.a=1", "loss.kwargs.a"),
 ])
 def test_bad_values_are_refused_with_their_key(override, match):
@@ -35,7 +36,7 @@ def test_bad_values_are_refused_with_their_key(override, match):
 @pytest.mark.parametrize("override", ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_epochs=null",
                                       "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
                                       "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",
-                                      "trainer.gradient_clip_val=null"])
+                                      "trainer.gradient_clip_val=null", "clock=cpu"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 
