@@ -556,8 +556,8 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
                                str(max(len(v) for v in by_head.values())),
                                *[fmt(statistics.fmean(by_head[h])) if h in by_head else "" for h in heads]])
         text += ("\n\n## After the same number of steps, against the full softmax\n\nValidation MRR at each "
-                 "validation of runs of a fixed number of steps (time plays no part): the full softmax's is the "
-                 "best a step can buy with its lr.\n\n"
+                 "validation of runs of a fixed number of steps (time plays no part), the same seed: the full "
+                 "softmax (`head=softmax`, its configured lr) takes the exact gradient of the whole loss each step.\n\n"
                  + table(["corpus", "D", "machine", "step", "seeds", *[HEAD_NAMES[h] for h in heads]], step_lines,
                          right_from=3))
     text += ("\n\nEvery validation of every run (the curves): "
