@@ -37,9 +37,13 @@ META = ("machine", "torch", "commit", "date", "command")
 #: text columns (every other column of a tidy CSV is numeric, or empty where not measured)
 TEXT = {*META, "head", "variant", "dtype", "device", "status", "inverse", "precision", "impl", "group", "run", "task",
         "mode", "clock", "body", "embedding", "optimizers", "setting", "route", "loss", "lo_scope", "kernel", "check",
-        "what", "compiled", "measured_on", "gradient"}
+        "what", "compiled", "measured_on", "gradient", "case", "rival"}
 KEY_START = "<!-- key figures: made by scripts/results_pages.py from benchmarks/results/; do not edit -->"
 KEY_END = "<!-- end of key figures -->"
+#: the README's "which head" table: its column REAL_COLUMN is made from the data, its other cells are edited there
+WHICH_START = "<!-- which head: the real-corpus column made by scripts/results_pages.py; edit the others -->"
+WHICH_END = "<!-- end of which head -->"
+REAL_COLUMN = "real corpus, CPU"
 
 Row = dict[str, object]
 
@@ -468,6 +472,99 @@ def equal_time_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
     return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
 
 
+# time_to_quality: the default against its rival side by side, with validation curves (time_to_quality.py)
+
+#: the heads a pair's rival may be, in order of preference: a lever is measured against the default
+RIVALS = ("sampled_softmax", "default")
+CASE_NAMES = {"python_code": "real: Python code (`data=python_code`)", "linux_source": "real: Linux C (`data=linux_source`)",
+              "synthetic_1e5": "synthetic Zipf", "synthetic_1e6": "synthetic Zipf", "synthetic_1e7": "synthetic Zipf"}
+HEAD_NAMES = {"default": "the default", "sampled_softmax": "the sampled softmax", "softmax": "the full softmax",
+              "default_quadratic": "the default, quadratic-kernel negatives", "default_no_P": "the default without P"}
+
+
+def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
+    """(case, D, budget, machine, ours, rival) -> per seed (our row, the rival's row), equal-time rows only."""
+    runs = [r for r in rows if r["mode"] == "equal_time"]
+    by = {(r["case"], r["budget_s"], r["machine"], r["seed"], r["commit"], r["head"], r["rival"]): r for r in runs}
+    out = defaultdict(list)
+    for r in runs:
+        rival = r["rival"]
+        if rival not in RIVALS or (r["head"] in RIVALS and RIVALS.index(r["head"]) <= RIVALS.index(rival)):
+            continue  # each pair once: ours is the head that is not the preferred rival
+        other = by.get((r["case"], r["budget_s"], r["machine"], r["seed"], r["commit"], rival, r["head"]))
+        if other is not None:
+            out[(r["case"], r["D"], r["budget_s"], r["machine"], r["head"], rival)].append((r, other))
+    return out
+
+
+def ttq_summary(ps: list[tuple[Row, Row]]) -> dict:
+    dm = [a["val_mrr"] - b["val_mrr"] for a, b in ps]
+    dt = [a["val_top10_error"] - b["val_top10_error"] for a, b in ps]
+    mine = [a["reach_ratio"] for a, _ in ps]
+    theirs = [b["reach_ratio"] for _, b in ps]
+
+    def ratio(xs: list) -> str:
+        got = [x for x in xs if x is not None]
+        text = fmt(statistics.fmean(got), 2) if got else "never"
+        return text if len(got) == len(xs) else f"{text} ({len(got)} of {len(xs)})"
+
+    return dict(n=len(ps), mrr=mean_se(dm), top10=mean_se(dt), ahead=sum(x > 0 for x in dm),
+                top10_ahead=sum(x < 0 for x in dt), ours=statistics.fmean(a["val_mrr"] for a, _ in ps),
+                rival=statistics.fmean(b["val_mrr"] for _, b in ps),
+                steps=statistics.fmean(a["steps"] / b["steps"] for a, b in ps), reach=ratio(mine),
+                reach_rival=ratio(theirs), load=statistics.fmean(a["load_mean"] for a, _ in ps))
+
+
+def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
+    lines = []
+    pairs = ttq_pairs(rows)
+    order = list(CASE_NAMES)
+    for (case, D, budget, machine, ours, rival), ps in sorted(
+            pairs.items(), key=lambda kv: (kv[0][4] != "default", order.index(kv[0][0]) if kv[0][0] in order else 99,
+                                           kv[0][1], kv[0][2], kv[0][4])):
+        s = ttq_summary(ps)
+        lines.append([CASE_NAMES.get(case, case), big(D), HEAD_NAMES.get(ours, ours), HEAD_NAMES.get(rival, rival),
+                      f"{budget:g} s", short_machine(machine), str(s["n"]), fmt(s["ours"]), fmt(s["rival"]),
+                      with_se(s["mrr"]), f"{s['ahead']} of {s['n']}", with_se(s["top10"]),
+                      f"{s['top10_ahead']} of {s['n']}", fmt(s["steps"], 2), s["reach"], s["reach_rival"],
+                      fmt(s["load"], 2)])
+    text = ("\nEach pair: two `lst-train` processes started together, one torch thread each, same seed, each "
+            "trained for the same budget of its own CPU time (`clock=cpu`, validation excluded), validating "
+            "every sixth of it and at its end on the same held-out examples. The CPU clock gives both sides the "
+            "same work whatever the machine's other jobs do; running them together gives both the same load "
+            "(`load`: the 1-minute load average while the pair ran, of 2 cores). **the default**: `lst-train`'s "
+            "head as the code sets it by D; **the sampled softmax**: `head=sampled`, row-sparse rows under "
+            "SparseAdam, S by D and its swept lr, as the project tunes it.\n\n"
+            "`time to the rival's MRR`: the training time at which a head's validation curve (linear between "
+            "validations) first reached the rival's final MRR, over the rival's own training time: below 1, it "
+            "got there sooner; `never`: not within its budget (with how many seeds did).\n\n"
+            "## At equal time\n\nDifferences are ours minus the rival's (mean ± standard error over seeds).\n\n"
+            + table(["corpus", "D", "ours", "rival", "CPU time", "machine", "seeds", "MRR", "rival's MRR",
+                     "MRR difference", "ahead", "top-10 error difference", "ahead", "steps / rival's",
+                     "time to the rival's MRR", "the rival's time to ours", "load"], lines, right_from=6))
+    same = [r for r in rows if r["mode"] == "same_steps"]
+    if same:
+        curves = load("time_to_quality_curves")
+        groups: dict[tuple, dict] = defaultdict(dict)
+        for c in curves:
+            if c["mode"] == "same_steps":
+                groups[(c["case"], c["D"], c["machine"], c["step"])].setdefault(c["head"], []).append(c["val_mrr"])
+        heads = [h for h in ("default", "sampled_softmax", "softmax") if any(r["head"] == h for r in same)]
+        step_lines = []
+        for (case, D, machine, step), by_head in sorted(groups.items()):
+            step_lines.append([CASE_NAMES.get(case, case), big(D), short_machine(machine), fmt(step),
+                               str(max(len(v) for v in by_head.values())),
+                               *[fmt(statistics.fmean(by_head[h])) if h in by_head else "" for h in heads]])
+        text += ("\n\n## After the same number of steps, against the full softmax\n\nValidation MRR at each "
+                 "validation of runs of a fixed number of steps (time plays no part), the same seed: the full "
+                 "softmax (`head=softmax`, its configured lr) takes the exact gradient of the whole loss each step.\n\n"
+                 + table(["corpus", "D", "machine", "step", "seeds", *[HEAD_NAMES[h] for h in heads]], step_lines,
+                         right_from=3))
+    text += ("\n\nEvery validation of every run (the curves): "
+             "[benchmarks/results/time_to_quality_curves.csv](../../benchmarks/results/time_to_quality_curves.csv).")
+    return text + "\n\n## Where the rows come from\n\n" + provenance(rows) + "\n", {}
+
+
 # checkpoints (bench_checkpoints.py)
 
 def checkpoints_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
@@ -555,6 +652,10 @@ PAGE_LIST = [
     Page("equal_time", "The default against the sampled softmax at equal time", "`uv run lst-train` (the command in each row)",
          "A row: one `lst-train` run for a fixed time: its setting, seed, steps and validation metrics.",
          equal_time_body),
+    Page("time_to_quality", "Time to quality: the default against its rival, side by side",
+         "scripts/time_to_quality.py",
+         "A row: one `lst-train` run of a pair (or of a fixed number of steps): its final validation metrics, steps, "
+         "and the training time it took to reach its rival's final validation MRR.", time_to_quality_body),
     Page("quality", "Every head trained for the same time", "scripts/quality_table.py",
          "A row: one head trained with the n-gram MLP body for a fixed time (`budget`) or number of steps "
          "(`epochs`), its validation or test metrics and step time.", quality_body),
@@ -735,10 +836,49 @@ def key_figures_block() -> str:
     return "\n".join([*lines, "", KEY_END])
 
 
+#: the real corpus that answers for a row of the "which head" table (its D cell)
+REAL_CASES = {"10^5": ("python_code", "Python code"), "10^6": ("linux_source", "Linux C")}
+
+
+def real_cell(case: str, label: str) -> str:
+    """Which head won at equal time on the real corpus ``case``, the default against the sampled
+    softmax: the one ahead on both measures on every seed, else "mixed"; the mean differences."""
+    pairs = [(k, ps) for k, ps in ttq_pairs(load("time_to_quality")).items()
+             if k[0] == case and k[4:] == ("default", "sampled_softmax")]
+    if not pairs:
+        return "not measured"
+    (_, _, budget, *_), ps = max(pairs, key=lambda kv: (len(kv[1]), kv[0][2]))
+    s = ttq_summary(ps)
+    n = s["n"]
+    both = s["ahead"] + s["top10_ahead"]
+    winner = "**the default**" if both == 2 * n else "the sampled softmax" if both == 0 else "mixed"
+    return (f"{winner}: on {label} the default's MRR {signed(s['mrr'][0])} (ahead on {s['ahead']} of {n} seeds), "
+            f"top-10 error {signed(s['top10'][0])} (lower on {s['top10_ahead']}), {budget:g} s of CPU each "
+            "([time to quality](docs/results/time_to_quality.md))")
+
+
+def which_head_table(block: str) -> str:
+    """The "which head" table with its real-code column (after the CPU column) made from the data."""
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.strip().splitlines()]
+    head, body = rows[0], rows[2:]
+    if REAL_COLUMN not in head:
+        at = head.index("CPU") + 1
+        head.insert(at, REAL_COLUMN)
+        for r in body:
+            r.insert(at, "")
+    at = head.index(REAL_COLUMN)
+    for r in body:
+        r[at] = real_cell(*REAL_CASES[r[0]]) if r[0] in REAL_CASES else "" if not r[0].startswith("10^") else "not measured"
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
+    return "\n".join(out)
+
+
 def readme_text(current: str) -> str:
-    """The README with its key-figures block made anew (the text between the markers)."""
+    """The README with its key-figures block and its "which head" table's real-code column made anew."""
     a, b = current.index(KEY_START), current.index(KEY_END) + len(KEY_END)
-    return current[:a] + key_figures_block() + current[b:]
+    current = current[:a] + key_figures_block() + current[b:]
+    a, b = current.index(WHICH_START) + len(WHICH_START), current.index(WHICH_END)
+    return current[:a] + "\n" + which_head_table(current[a:b]) + "\n" + current[b:]
 
 
 # --- everything the script makes -------------------------------------------------------------

@@ -30,6 +30,7 @@ def test_every_experiment_passes(experiment):
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
     ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val"),
     ("cpu_threads=0", "cpu_threads=0"),
+    ("clock=gpu", "clock=.gpu.: must be wall or cpu"),
     ("+loss.a=1", "loss.kwargs.a"),
     ("optimizer.lr=abc", "optimizer.lr='abc': must be a number > 0"),
     ("optimizer.lr=0", "optimizer.lr=0"),
@@ -52,7 +53,7 @@ def test_bad_values_are_refused_with_their_key(override, match):
                                       "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
                                       "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",
                                       "trainer.gradient_clip_val=null", "optimizer.lr=1", "scheduler.min_factor=0",
-                                      "metrics.topk=[1]", "metrics.timing_every=0"])
+                                      "metrics.topk=[1]", "metrics.timing_every=0", "clock=cpu"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 

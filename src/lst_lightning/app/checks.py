@@ -233,4 +233,6 @@ def check_config(cfg: DictConfig) -> None:
     threads = cfg.get("cpu_threads")
     if threads is not None and not _whole(threads, 1):
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
+    if cfg.get("clock", "wall") not in ("wall", "cpu"):
+        raise ValueError(f"clock={cfg.get('clock')!r}: must be wall or cpu")
     check_data(cfg.data)

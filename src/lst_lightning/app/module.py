@@ -260,6 +260,9 @@ class LanguageModel(pl.LightningModule):
         self._eval_epoch_end(self.val_ranks, self.val_ppl, self.val_loss, "val")
         if self.trainer.state.fn == "fit":  # each validation point's own time: curves against time (W&B too)
             self.log("train/elapsed_s", time.perf_counter() - self._fit_start, sync_dist=True)
+            clock = budget_timer(self.trainer)
+            if clock is not None:  # the budget's own clock, validation left out: time-to-quality curves
+                self.log("train/clock_s", float(clock.time_elapsed()), sync_dist=True)
 
     def test_step(self, batch, batch_idx):
         self._eval_step(batch, self.test_ranks, self.test_ppl, self.test_loss, "test")

@@ -227,7 +227,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     trainer_kwargs = OmegaConf.to_container(tcfg, resolve=True)
     if trainer_kwargs.get("strategy") == FSDP2:  # Lightning has no string for it
         trainer_kwargs["strategy"] = fsdp2_strategy()
-    callbacks += time_bounded(trainer_kwargs)
+    callbacks += time_bounded(trainer_kwargs, cfg.get("clock") or "wall")
     trainer = pl.Trainer(
         **trainer_kwargs, logger=run.loggers or False, callbacks=callbacks,
         # callbacks.checkpoint.enabled=false saves nothing (not Lightning's own checkpoint instead)
@@ -256,9 +256,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     return dm, module, trainer
 
 
-def time_bounded(trainer_kwargs: dict) -> list:
+def time_bounded(trainer_kwargs: dict, clock: str = "wall") -> list:
     """``trainer.max_time`` as the run's bound: its ``TrainingClock`` (training time, validation
-    excluded) in place of Lightning's ``Timer``, and the trainer preset's epochs no cap (the
+    excluded, on the ``clock``: "wall" or "cpu") in place of Lightning's ``Timer``, and the trainer preset's epochs no cap (the
     epochs go on until the time is spent, or ``trainer.max_steps``). Changes ``trainer_kwargs``;
     returns the callbacks to add (none without a budget)."""
     import lightning.pytorch as pl  # noqa: PLC0415
@@ -269,11 +269,11 @@ def time_bounded(trainer_kwargs: dict) -> list:
     if budget is None:
         return []
     if pl.utilities.rank_zero_only.rank == 0 and trainer_kwargs.get("max_epochs") not in (None, -1):
-        log.info("trainer.max_time=%s: training time, validation excluded; the epochs (trainer.max_epochs=%s) "
-                 "do not cap it, trainer.max_steps=%s does", budget, trainer_kwargs["max_epochs"],
+        log.info("trainer.max_time=%s: training time on the %s clock, validation excluded; the epochs (trainer.max_epochs=%s) "
+                 "do not cap it, trainer.max_steps=%s does", budget, clock, trainer_kwargs["max_epochs"],
                  trainer_kwargs.get("max_steps", -1))
     trainer_kwargs["max_epochs"] = -1
-    return [TrainingClock(budget)]
+    return [TrainingClock(budget, clock)]
 
 
 def unigram_metrics(dm, topk) -> dict[str, float]:

@@ -56,3 +56,29 @@ def test_the_bar_shows_no_epoch_cap_where_there_is_none_and_the_time_left():
     assert bar._get_train_description(3).strip() == "Epoch 3"
     bar._trainer = trainer(max_epochs=5)
     assert bar._get_train_description(3).strip() == "Epoch 3/4"
+
+
+def test_the_cpu_clock_counts_this_process_cpu_time_and_moves_a_time_based_validation(monkeypatch):
+    """clock="cpu": the budget and a time-based val_check_interval count time.process_time, so a
+    run trains as much work whatever else shares the machine; validation stays left out."""
+    wall, cpu = Clock(), Clock()
+    monkeypatch.setattr(time, "perf_counter", wall)
+    monkeypatch.setattr(time, "process_time", cpu)
+    monkeypatch.setattr(time, "monotonic", wall)
+    timer, t = TrainingClock("00:00:00:10", clock="cpu"), trainer(
+        _val_check_time_interval=4.0, _last_val_time=0.0, should_stop=False,
+        strategy=types.SimpleNamespace(broadcast=lambda x: x))
+    timer.on_train_start(t, None)
+    wall.now += 30  # the machine is busy: a third of a core
+    cpu.now += 3
+    timer.on_train_batch_end(t, None, None, None, 0)
+    assert timer.time_elapsed() == pytest.approx(3) and timer.time_remaining() == pytest.approx(7)
+    assert wall.now - t._last_val_time == pytest.approx(3)  # 3 s of the 4 s interval on the CPU clock
+    timer.on_validation_start(t, None)
+    cpu.now += 20  # validation's CPU time is left out
+    timer.on_validation_end(t, None)
+    cpu.now += 1
+    timer.on_train_batch_end(t, None, None, None, 1)
+    assert timer.time_elapsed() == pytest.approx(4) and wall.now - t._last_val_time == pytest.approx(1)
+    with pytest.raises(ValueError, match="clock='gpu'"):
+        TrainingClock("00:00:00:10", clock="gpu")

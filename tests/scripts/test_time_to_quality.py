@@ -1,0 +1,60 @@
+"""scripts/time_to_quality.py: the time a curve takes to reach a rival's MRR, a smoke pair of
+lst-train runs side by side on the CPU clock, and where its rows go."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+import time_to_quality as ttq
+
+
+def test_time_to_reach_is_linear_between_validations_and_none_when_never_reached():
+    pts = [{"clock_s": 10.0, "val_mrr": 0.2}, {"clock_s": 20.0, "val_mrr": 0.3}, {"clock_s": 30.0, "val_mrr": 0.4}]
+    assert ttq.time_to_reach(pts, 0.35) == pytest.approx(25.0)
+    assert ttq.time_to_reach(pts, 0.1) == 10.0  # reached at the first validation
+    assert ttq.time_to_reach(pts, 0.4) == pytest.approx(30.0)
+    assert ttq.time_to_reach(pts, 0.41) is None
+    dip = [{"clock_s": 10.0, "val_mrr": 0.3}, {"clock_s": 20.0, "val_mrr": 0.2}, {"clock_s": 30.0, "val_mrr": 0.4}]
+    assert ttq.time_to_reach(dip, 0.3) == 10.0  # the first time, not the last
+
+
+def test_the_budget_and_the_validations_count_on_the_cpu_clock():
+    words = ttq.overrides("python_code", "sampled_softmax", 2, "equal_time", 90, 6, 0)
+    assert {"data=python_code", "clock=cpu", "+trainer.max_time=00:00:01:30", "trainer.val_check_interval=00:00:00:15",
+            "seed=2", "cpu_threads=1", "head=sampled"} <= set(words)
+    steps = ttq.overrides("synthetic_1e5", "softmax", 0, "same_steps", 0, 4, 1000)
+    assert {"trainer.max_steps=1000", "trainer.val_check_interval=250", "head=softmax"} <= set(steps)
+    assert not any(w.startswith("+trainer.max_time") for w in steps)
+
+
+def test_a_smoke_pair_runs_side_by_side_and_writes_its_rows(sandbox):
+    run_dir = sandbox.run_default(ttq.main, ["--smoke"], "time_to_quality")
+    rows = list(csv.DictReader((run_dir / "time_to_quality.csv").open()))
+    assert [r["head"] for r in rows] == ["default", "sampled_softmax"]
+    assert [r["rival"] for r in rows] == ["sampled_softmax", "default"]
+    for r in rows:
+        assert r["clock"] == "cpu" and int(r["steps"]) > 0 and 0 < float(r["val_mrr"]) <= 1
+        assert float(r["train_s"]) >= 3.0 and float(r["load_mean"]) >= 0
+        assert r["command"].startswith("uv run lst-train ") and r["commit"] and r["torch"]
+        # reach_ratio: the time to the rival's final MRR over the rival's own, where reached
+        assert r["reach_ratio"] == "" or float(r["reach_ratio"]) == pytest.approx(
+            float(r["reach_s"]) / float(next(o for o in rows if o is not r)["train_s"]), rel=0.01)
+    curves = list(csv.DictReader((run_dir / "time_to_quality_curves.csv").open()))
+    for head in ("default", "sampled_softmax"):
+        mine = [c for c in curves if c["head"] == head]
+        assert len(mine) >= 2 and [float(c["clock_s"]) for c in mine] == sorted(float(c["clock_s"]) for c in mine)
+
+
+def test_update_results_appends_to_the_committed_csvs(sandbox, monkeypatch):
+    def pair(case, heads, seed, budget, points, work, info):
+        row = {c: 1 for c in ttq.RUN_COLUMNS} | {"case": case, "head": heads[0], "seed": seed, **info, "command": "x"}
+        return [row], [{c: 1 for c in ttq.CURVE_COLUMNS} | {"case": case, **info, "command": "x"}]
+
+    monkeypatch.setattr(ttq, "equal_time_pair", pair)
+    before = {name: len((sandbox.results / name).read_text().splitlines())
+              for name in ("time_to_quality.csv", "time_to_quality_curves.csv")}
+    changed = sandbox.run_update(ttq.main, ["--cases", "python_code", "--seeds", "0,1"])
+    assert changed == set(before)
+    for name, n in before.items():
+        assert len((sandbox.results / name).read_text().splitlines()) == n + 2
