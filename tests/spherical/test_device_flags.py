@@ -127,16 +127,16 @@ def test_a_report_read_changes_nothing_the_steps_depend_on():
 
 
 def test_stats_without_a_read_are_the_counters_the_flags_last_read(monkeypatch):
-    """``stats(read=False)`` under device flags reads nothing on the device: the counters as the
+    """``logged_stats()`` under device flags reads nothing on the device: the counters as the
     flags' last read took them, in that read's one transfer ({} before the first read)."""
     f = deferred(sync_every=4)
-    assert f.stats(read=False) == {}
+    assert f.logged_stats() == {}
     for n in range(1, 11):
         H, idx = batch(3, d, D, 2)
         step(f, H, idx)
         if n % 4 == 0:
             at_read = f.stats()  # nothing ran since the read: these are the counters it saw
         with no_host_reads(monkeypatch):
-            kept = f.stats(read=False)
+            kept = f.logged_stats()
         assert kept == ({} if n < 4 else at_read), n
     assert kept["steps"] == 8 and f.stats()["steps"] == 10

@@ -210,7 +210,7 @@ class LanguageModel(pl.LightningModule):
         self.log("train/elapsed_s", time.perf_counter() - self._fit_start)
         if self.head.self_updating and self.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
             self.log("head/lr", float(self.head.lr))
-            self.log_dict({f"head/{k}": float(v) for k, v in self.head.stats(read=False).items()
+            self.log_dict({f"head/{k}": float(v) for k, v in self.head.logged_stats().items()
                            if isinstance(v, (int, float, bool)) or (torch.is_tensor(v) and v.numel() == 1)})
         return loss
 

@@ -73,11 +73,15 @@ class OutputHead(nn.Module):
         factored head compiles its own step: ``compiles``)."""
         return "it steps itself in backward (the factored head compiles its own step)" if self.self_updating else None
 
-    def stats(self, read: bool = True) -> dict[str, float]:
-        """Counters worth logging (repairs, skipped steps...): none by default. ``read=False``:
-        without a device read where the head reads its counters itself every few steps (the
-        factored head's device flags: the values of their last read)."""
+    def stats(self) -> dict[str, float]:
+        """Counters worth logging (repairs, skipped steps...): none by default."""
         return {}
+
+    def logged_stats(self) -> dict[str, float]:
+        """``stats()`` as a training loop logs them every few steps: ``stats()`` by default; a head
+        that reads its counters itself every few steps gives the values of its last read, with no
+        device read of its own (the factored head under device flags)."""
+        return self.stats()
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients are row-sparse (torch sparse COO tensors holding

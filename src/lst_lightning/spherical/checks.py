@@ -76,7 +76,7 @@ class DeviceFlags(HostChecks):
         #: several processes: the void step the last read found, (its rank, why: None for bad
         #: ids in that rank's rows; padded_rows.py)
         self.fault: tuple[int, str | None] | None = None
-        #: the head's ``stats()`` as the last read took them ({}: no read yet): ``stats(read=False)``
+        #: the head's ``stats()`` as the last read took them ({}: no read yet): ``logged_stats()``
         self.stats: dict[str, float] = {}
 
     def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:

@@ -510,13 +510,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     STAT_COUNTERS = ("steps", "skipped_nonfinite", *REPAIR_COUNTERS)
     STATS = (*STAT_COUNTERS, "cond_estimate", "cond_bound")
 
-    def stats(self, read: bool = True) -> dict[str, float]:
-        """Counters of every repair and the conditioning of U, for logging: one host transfer.
-        ``read=False``: no device read; under device flags the values as the flags' last read
-        took them (in the same transfer; {} before the first), else as ``read=True``."""
-        if not read and self.plan.deferred:
-            return dict(self.step_checks.stats)
+    def stats(self) -> dict[str, float]:
+        """Counters of every repair and the conditioning of U, for logging: one host transfer."""
         return self.stats_of(torch.stack([getattr(self, n).to(torch.float64) for n in self.STATS]).tolist())
+
+    def logged_stats(self) -> dict[str, float]:
+        """No device read under device flags: ``stats()`` as the flags' last read took them (in
+        the same transfer; {} before the first); else ``stats()``."""
+        return dict(self.step_checks.stats) if self.plan.deferred else self.stats()
 
     def stats_of(self, values: list[float]) -> dict[str, float]:
         """``STATS``' values, read in that order, as ``stats()`` gives them."""

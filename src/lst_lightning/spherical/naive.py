@@ -122,5 +122,5 @@ class NaiveSphericalHead(SphericalHeadBase):
         logp = logp.masked_fill(idx < 0, 0.0)
         return logp[:, 0] if target_idx.dim() == 1 else logp
 
-    def stats(self, read: bool = True) -> dict[str, float]:
+    def stats(self) -> dict[str, float]:
         return {"steps": int(self.steps), "skipped_nonfinite": int(self.skipped_nonfinite)}
