@@ -51,6 +51,10 @@ TRAINER_NUMBERS = {
 }
 
 
+#: ``clock``: the clocks a time budget counts on (app/callbacks/time_budget.py's ``CLOCKS``)
+CLOCK_NAMES = ("wall", "cpu")
+
+
 def _number(v, lo: float = 0.0, hi: float = float("inf"), open_lo: bool = False) -> bool:
     return (isinstance(v, (int, float)) and not isinstance(v, bool)
             and (v > lo if open_lo else v >= lo) and v <= hi)
@@ -233,6 +237,6 @@ def check_config(cfg: DictConfig) -> None:
     threads = cfg.get("cpu_threads")
     if threads is not None and not _whole(threads, 1):
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
-    if cfg.get("clock", "wall") not in ("wall", "cpu"):
-        raise ValueError(f"clock={cfg.get('clock')!r}: must be wall or cpu")
+    if cfg.get("clock", "wall") not in CLOCK_NAMES:
+        raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
     check_data(cfg.data)

@@ -19,9 +19,11 @@ import time
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.trainer.states import RunningStage
 
+from ..checks import CLOCK_NAMES
+
 
 #: the clocks a budget can count on: the wall, or this process's CPU time
-CLOCKS = {"wall": lambda: time.perf_counter(), "cpu": lambda: time.process_time()}
+CLOCKS = dict(zip(CLOCK_NAMES, (lambda: time.perf_counter(), lambda: time.process_time())))
 
 
 class TrainingClock(Timer):
