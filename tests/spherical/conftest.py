@@ -1,29 +1,40 @@
 """The two-rank run and its one-process reference, made once per session: they spawn processes."""
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from made_once import made_once
 from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, train_padded, worker
 
 
-@pytest.fixture(scope="session")
-def ranks(tmp_path_factory):
-    """The two ranks' results. A rank killed by a signal is run again once, with a warning:
-    gloo has aborted a rank once in a suite run ("terminate called without an active exception",
-    not reproduced in 8 reruns; docs/multi_gpu.md notes it at a DDP job's exit). A
+def run_two_ranks(folder: Path) -> None:
+    """The two ranks' results into ``folder``. A rank killed by a signal is run again once, with
+    a warning: gloo has aborted a rank once in a suite run ("terminate called without an active
+    exception", not reproduced in 8 reruns; docs/multi_gpu.md notes it at a DDP job's exit). A
     fault that kills a rank twice, or raises, still fails every test that uses this."""
     for attempt in (1, 2):
-        tmp = tmp_path_factory.mktemp("dist")
+        tmp = folder / f"attempt{attempt}"
+        tmp.mkdir()
         try:
             mp.spawn(worker, args=(str(tmp / "rdv"), str(tmp)), nprocs=WORLD, join=True)
-            break
         except mp.ProcessExitedException as e:
             if attempt == 2 or e.signal_name is None:
                 raise
             warnings.warn(f"two-rank run: {e}; running it again", RuntimeWarning, stacklevel=1)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            continue
+        for r in range(WORLD):
+            (tmp / f"rank{r}.pt").rename(folder / f"rank{r}.pt")
+        return
+
+
+@pytest.fixture(scope="session")
+def ranks(tmp_path_factory):
+    """The two ranks' results, run once for every worker of the test run (made_once.py)."""
+    folder = made_once(tmp_path_factory, "two_ranks", run_two_ranks)
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 @pytest.fixture(scope="session")
