@@ -19,7 +19,7 @@ from ..heads.base import OutputHead
 from ..spherical.driving import SYNC_EVERY
 from .callbacks.head_steps import HeadSteps
 from .callbacks.sparse_gradients import SparseGradients
-from .callbacks.time_budget import budget_timer
+from .callbacks.time_budget import budget_timer, training_clock
 from .fsdp_body import shard_body, whole
 from .metrics import TOPK, Perplexity, RankMetrics, WeightedMean, simlex_spearman
 from .compiling import Compiled, install
@@ -260,8 +260,8 @@ class LanguageModel(pl.LightningModule):
         self._eval_epoch_end(self.val_ranks, self.val_ppl, self.val_loss, "val")
         if self.trainer.state.fn == "fit":  # each validation point's own time: curves against time (W&B too)
             self.log("train/elapsed_s", time.perf_counter() - self._fit_start, sync_dist=True)
-            clock = budget_timer(self.trainer)
-            if clock is not None:  # the budget's own clock, validation left out: time-to-quality curves
+            clock = training_clock(self.trainer)
+            if clock is not None:  # the run's training clock, validation left out: time-to-quality curves
                 self.log("train/clock_s", float(clock.time_elapsed()), sync_dist=True)
 
     def test_step(self, batch, batch_idx):

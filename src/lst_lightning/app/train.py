@@ -259,15 +259,16 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
 def time_bounded(trainer_kwargs: dict, clock: str = "wall") -> list:
     """``trainer.max_time`` as the run's bound: its ``TrainingClock`` (training time, validation
     excluded, on the ``clock``: "wall" or "cpu") in place of Lightning's ``Timer``, and the trainer preset's epochs no cap (the
-    epochs go on until the time is spent, or ``trainer.max_steps``). Changes ``trainer_kwargs``;
-    returns the callbacks to add (none without a budget)."""
+    epochs go on until the time is spent, or ``trainer.max_steps``). Without a budget, a clock
+    other than the wall's still counts (a time-based ``trainer.val_check_interval`` on it, and
+    ``train/clock_s``). Changes ``trainer_kwargs``; returns the callbacks to add."""
     import lightning.pytorch as pl  # noqa: PLC0415
 
     from .callbacks.time_budget import TrainingClock  # noqa: PLC0415
 
     budget = trainer_kwargs.pop("max_time", None)
     if budget is None:
-        return []
+        return [] if clock == "wall" else [TrainingClock(None, clock)]
     if pl.utilities.rank_zero_only.rank == 0 and trainer_kwargs.get("max_epochs") not in (None, -1):
         log.info("trainer.max_time=%s: training time on the %s clock, validation excluded; the epochs (trainer.max_epochs=%s) "
                  "do not cap it, trainer.max_steps=%s does", budget, clock, trainer_kwargs["max_epochs"],

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from lst_lightning.app.callbacks import ProgressBar, TrainingClock, budget_timer
+from lst_lightning.app.callbacks.time_budget import training_clock
 from lst_lightning.app.train import time_bounded
 
 
@@ -47,6 +48,10 @@ def test_a_time_budget_lifts_the_presets_epochs_and_replaces_lightnings_timer():
     assert "max_time" not in kwargs and kwargs["max_epochs"] == -1 and kwargs["limit_train_batches"] == 2000
     plain = {"max_epochs": 2}
     assert time_bounded(plain) == [] and plain == {"max_epochs": 2}
+    (counting,) = time_bounded(plain, "cpu")  # no budget: the CPU clock still moves a time-based validation
+    assert counting.clock == "cpu" and counting.time_remaining() is None and plain == {"max_epochs": 2}
+    assert training_clock(trainer(callbacks=[counting])) is counting  # train/clock_s's, without a budget
+    assert training_clock(trainer(callbacks=[counting, clock])) is clock and training_clock(trainer()) is None
     assert budget_timer(trainer(callbacks=[TrainingClock(None), clock])) is clock
 
 

@@ -86,3 +86,9 @@ def budget_timer(trainer) -> Timer | None:
     """The trainer's ``Timer`` with a duration (``TrainingClock`` from ``trainer.max_time``, or
     one of the caller's), or None: a run without a time budget."""
     return next((c for c in trainer.callbacks if isinstance(c, Timer) and c.time_remaining() is not None), None)
+
+
+def training_clock(trainer) -> Timer | None:
+    """The clock of ``train/clock_s``: the budget's, else a ``TrainingClock`` that only counts
+    (``clock=cpu`` without a budget), else None."""
+    return budget_timer(trainer) or next((c for c in trainer.callbacks if isinstance(c, TrainingClock)), None)
