@@ -1,4 +1,4 @@
-"""A session fixture's folder made once per test run, whatever the number of pytest-xdist
+"""The folder of a fixture of the whole test run, made once, whatever the number of pytest-xdist
 workers: the first worker to ask makes it under a file lock, the others wait and use it. For
 fixtures that spawn processes (a two-rank run, an lst-train sweep), which every worker whose
 files need them would otherwise make again."""
