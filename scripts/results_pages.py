@@ -482,6 +482,12 @@ HEAD_NAMES = {"default": "the default", "sampled_softmax": "the sampled softmax"
               "default_quadratic": "the default, quadratic-kernel negatives", "default_no_P": "the default without P"}
 
 
+def variant_name(head: str) -> str:
+    """A head of time_to_quality.py as a page names it: a variant of one by the settings it changes."""
+    name, *extra = head.split(";")
+    return ", ".join(f"`{e}`" for e in extra) if extra else HEAD_NAMES.get(name, name)
+
+
 def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
     """(case, D, budget, machine, ours, rival) -> per seed (our row, the rival's row), equal-time rows only."""
     runs = [r for r in rows if r["mode"] == "equal_time"]
@@ -523,7 +529,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             pairs.items(), key=lambda kv: (kv[0][4] != "default", order.index(kv[0][0]) if kv[0][0] in order else 99,
                                            kv[0][1], kv[0][2], kv[0][4])):
         s = ttq_summary(ps)
-        lines.append([CASE_NAMES.get(case, case), big(D), HEAD_NAMES.get(ours, ours), HEAD_NAMES.get(rival, rival),
+        lines.append([CASE_NAMES.get(case, case), big(D), variant_name(ours), variant_name(rival),
                       f"{budget:g} s", short_machine(machine), str(s["n"]), fmt(s["ours"]), fmt(s["rival"]),
                       with_se(s["mrr"]), f"{s['ahead']} of {s['n']}", with_se(s["top10"]),
                       f"{s['top10_ahead']} of {s['n']}", fmt(s["steps"], 2), s["reach"], s["reach_rival"],
@@ -542,6 +548,17 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             + table(["corpus", "D", "ours", "rival", "CPU time", "machine", "seeds", "MRR", "rival's MRR",
                      "MRR difference", "ahead", "top-10 error difference", "ahead", "steps / rival's",
                      "time to the rival's MRR", "the rival's time to ours", "load"], lines, right_from=6))
+    variants = [r for r in rows if r["mode"] == "equal_time" and ";" in r["head"]]
+    if variants:
+        var_lines = [[CASE_NAMES.get(r["case"], r["case"]), big(r["D"]), f"{r['budget_s']:g} s",
+                      short_machine(r["machine"]), str(r["seed"]), variant_name(r["head"]), variant_name(r["rival"]),
+                      fmt(r["steps"]), fmt(r["val_mrr"]), fmt(r["val_top10_error"]), fmt(r["load_mean"], 2)]
+                     for r in sorted(variants, key=lambda r: (r["case"], r["seed"], r["head"]))]
+        text += ("\n\n## Settings of the default, tried at equal time\n\nA row: one run of the default with the "
+                 "settings named changed (`time_to_quality.py --heads 'default;key=value;...,...'`), paired as above "
+                 "with the run named beside it; the default's other settings as the code sets them.\n\n"
+                 + table(["corpus", "D", "CPU time", "machine", "seed", "settings changed", "run beside it", "steps",
+                          "MRR", "top-10 error", "load"], var_lines, right_from=7))
     same = [r for r in rows if r["mode"] == "same_steps"]
     if same:
         curves = load("time_to_quality_curves")

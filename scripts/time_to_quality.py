@@ -87,6 +87,13 @@ def hms(seconds: float) -> str:
     return f"00:{s // 3600:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def head_overrides(head: str) -> list[str]:
+    """A head's overrides: a name of HEADS, or a variant of one, ``name;key=value;...`` (a
+    setting tried against it: ``default;head.negatives.num=256;head.lr=8``)."""
+    name, *extra = head.split(";")
+    return [*HEADS[name], *extra]
+
+
 def overrides(case: str, head: str, seed: int, mode: str, budget: float, points: int, steps: int) -> list[str]:
     data, _ = CASES[case]
     if mode == "equal_time":
@@ -94,7 +101,7 @@ def overrides(case: str, head: str, seed: int, mode: str, budget: float, points:
                 f"trainer.val_check_interval={hms(max(1.0, budget / points))}"]
     else:
         when = [f"trainer.max_steps={steps}", f"trainer.val_check_interval={max(1, steps // points)}"]
-    return [*data, *COMMON, *when, f"seed={seed}", *HEADS[head]]
+    return [*data, *COMMON, *when, f"seed={seed}", *head_overrides(head)]
 
 
 def curve(run_dir: Path) -> list[dict]:
@@ -172,7 +179,7 @@ def equal_time_pair(case: str, heads: list[str], seed: int, budget: float, point
                     info: dict) -> tuple[list[dict], list[dict]]:
     D = CASES[case][1]
     words = {h: overrides(case, h, seed, "equal_time", budget, points, 0) for h in heads}
-    dirs = {h: work / f"{case}_{h}_s{seed}" for h in heads}
+    dirs = {h: work / f"{case}_{i}_s{seed}" for i, h in enumerate(heads)}
     procs = [launch(words[h], dirs[h]) for h in heads]
     loads = wait_all(procs, list(dirs.values()))
     curves = {h: curve(dirs[h]) for h in heads}
@@ -206,7 +213,7 @@ def same_steps(case: str, heads: list[str], seed: int, steps: int, points: int, 
     for i in range(0, len(heads), 2):  # two at a time: time plays no part here
         batch = heads[i:i + 2]
         words = {h: overrides(case, h, seed, "same_steps", 0, points, steps) for h in batch}
-        dirs = {h: work / f"{case}_{h}_s{seed}_steps" for h in batch}
+        dirs = {h: work / f"{case}_{i + j}_s{seed}_steps" for j, h in enumerate(batch)}
         procs = [launch(words[h], dirs[h]) for h in batch]
         loads = wait_all(procs, list(dirs.values()))
         for h in batch:
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["equal_time", "same_steps"], default="equal_time")
     p.add_argument("--cases", default="python_code,linux_source", help=f"comma-separated, of {sorted(CASES)}")
-    p.add_argument("--heads", default=None, help=f"comma-separated, of {sorted(HEADS)} (equal_time: two; default: "
+    p.add_argument("--heads", default=None, help=f"comma-separated, of {sorted(HEADS)} or a variant 'name;key=value;...' (equal_time: two; default: "
                                                  "default,sampled_softmax; same_steps: default,sampled_softmax,softmax)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--budget", type=float, default=60.0, help="equal_time: training seconds of CPU time a run")
@@ -246,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     heads = (args.heads.split(",") if args.heads else
              ["default", "sampled_softmax"] + (["softmax"] if args.mode == "same_steps" else []))
     for name in (*cases, *heads):
-        if name not in CASES and name not in HEADS:
+        if name not in CASES and name.split(";")[0] not in HEADS:
             raise SystemExit(f"unknown case or head {name!r}: cases {sorted(CASES)}, heads {sorted(HEADS)}")
     if args.mode == "equal_time" and len(heads) != 2:
         raise SystemExit("equal_time runs a pair: --heads A,B")

@@ -28,6 +28,12 @@ def test_the_budget_and_the_validations_count_on_the_cpu_clock():
     assert not any(w.startswith("+trainer.max_time") for w in steps)
 
 
+
+def test_a_variant_of_a_head_adds_its_settings_after_the_heads_own():
+    words = ttq.overrides("python_code", "default_no_P;head.lr=8;loss.kwargs.mu=0.03", 0, "equal_time", 60, 6, 0)
+    assert words[-3:] == ["head.preconditioner=null", "head.lr=8", "loss.kwargs.mu=0.03"]
+    assert ttq.head_overrides("sampled_softmax") == ["head=sampled"]
+
 def test_a_smoke_pair_runs_side_by_side_and_writes_its_rows(sandbox):
     run_dir = sandbox.run_default(ttq.main, ["--smoke"], "time_to_quality")
     rows = list(csv.DictReader((run_dir / "time_to_quality.csv").open()))

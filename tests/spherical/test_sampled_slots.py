@@ -164,6 +164,48 @@ def test_shared_block_gram_equals_the_slot_gram(sync_every):
     torch.testing.assert_close(fwd.neg.N, fwd.neg.G_u.T @ H, rtol=1e-12, atol=1e-12)
 
 
+class LargestAllocation(TorchDispatchMode):
+    """The most elements any op's output holds in its own storage (a view counts its base's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() // t.element_size() > self.largest:
+                self.largest, self.op = t.untyped_storage().nbytes() // t.element_size(), (func, tuple(t.shape))
+        return out
+
+
+@pytest.mark.parametrize("sync_every", [1, 8])  # the columns coalesced on the host, or by rows (device flags)
+@pytest.mark.parametrize("sampler", ["uniform", "quadratic"])
+def test_per_row_negatives_never_form_their_slot_pairs(sync_every, sampler):
+    # Q's update through M (m <= d) needs the m x m Yd Yd^T of m (K + S) slots: its slot-pair
+    # form, (m (K + S))^2 comparisons, took 13.5 GB at m = 128, S = 512 under device flags. The
+    # step's largest tensor stays within O(m (K + S) d), and the gram equals the slot-pair form.
+    Dn, dn, m, S = 500, 32, 16, 128
+    f = FactoredSphericalHead(Dn, dn, loss="sampled", negatives=dict(num=S, sampler=sampler, shared=False, seed=1),
+                              sync_every=sync_every, dtype=torch.float64)
+    assert m <= f.plan.m_matrix_rows  # the route through M
+    y = torch.randint(0, Dn, (m,))
+    f(torch.randn(m, dn, dtype=torch.float64, requires_grad=True), y).backward()  # the proposal made once
+    with LargestAllocation() as big:
+        f(torch.randn(m, dn, dtype=torch.float64, requires_grad=True), y).backward()
+    assert int(f.steps) == 2
+    pairs, bound = (m * (1 + S)) ** 2, 4 * m * (1 + S) * dn
+    assert big.largest <= bound < pairs // 8, big.op
+    torch.manual_seed(3)
+    g, _ = pair(shared=False, num=30, sampler=sampler if sampler == "uniform" else "log_uniform",
+                sync_every=sync_every)
+    H, idx = hard_batch()
+    _, fwd = g._forward_step(g.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
+    g._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
+    torch.testing.assert_close(fwd.neg.gram(g, fwd.idx, fwd.GA), lk.reference.sparse_gram(fwd.idx, fwd.GA),
+                               rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("settings,match", [
     (dict(num=0), "num must be a positive int"),
     (dict(num=True), "num must be a positive int"),

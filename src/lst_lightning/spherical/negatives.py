@@ -315,8 +315,13 @@ class PerRowSlots:
     shared = False
 
     def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
-        # torch.unique syncs a GPU with the host: under device flags the slot-pair form
-        return lk.sparse_gram(idx, GA) if head.plan.deferred else unique_column_gram(idx, GA)
+        """Yd Yd^T (m x m), never the slot-pair form (``lk.sparse_gram`` compares (m (K + S))^2
+        pairs: 13.5 GB at m = 128, S = 512). torch.unique syncs a GPU with the host, so under
+        device flags Yd (Yd^T I) by rows (``lk.gram_rows``, static shapes): O(m (K + S) m)
+        memory, within O(m (K + S) d) on this route (the step takes it for m <= d)."""
+        if head.plan.deferred:
+            return lk.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
+        return unique_column_gram(idx, GA)
 
     def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
         """(Yd Yd^T H, None): the slots by rows (``lk.gram_rows``), nothing given whole."""
