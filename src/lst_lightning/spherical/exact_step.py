@@ -136,9 +136,10 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
 
 # -- backward ------------------------------------------------------------------------------------
 @torch.no_grad()
-def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
-    """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
-    gq, gs, GA = fwd.gq * grad, fwd.gs * grad, fwd.GA * grad
+def hidden_grad(head, fwd: SavedForward, grad: Tensor | None, parts: bool = False):
+    """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
+    upstream gradient (None: 1, the fused step's)."""
+    gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     ybar = GA.sum(1)
     sh = head.processes
     YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
@@ -390,7 +391,7 @@ def write_masked_u(head, new: NewState, ok: Tensor) -> None:
 
 
 @torch.no_grad()
-def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
+def deferred_backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """``backward``'s device part under device flags (``sync_every > 1``): every check a flag
     that masks the write, the step counted on the device; it reads nothing on the host and
     changes no Python value (a compiled step runs it whole; ``run_device_part`` does the rest)."""
@@ -476,7 +477,7 @@ def deferred_step(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None
     ``torch.compile(fullgraph=True)`` takes whole). The loss and dL/dH (m, width). ``rows``: as
     ``forward``'s."""
     loss, fwd = forward(head, Hx, idx, T, draws, rows)
-    return loss, deferred_backward(head, fwd, loss.new_ones(()))
+    return loss, deferred_backward(head, fwd, None)
 
 
 @torch.no_grad()
@@ -499,7 +500,7 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         dH = dH[:m]
     else:
         loss, fwd = forward(head, Hx, idx, T, draws)
-        dH = backward(head, fwd, loss.new_ones(()))
+        dH = backward(head, fwd, None)
     if rows is not None:
         dH = sh.own_rows(dH, rows)
     return loss, dH[:, : head.hidden_dim].to(H.dtype)
@@ -541,7 +542,7 @@ def apply_records(head, records: list) -> None:
             G_neg = None if G_neg is None else pad_rows(G_neg, M)
         run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
         return
-    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), gq.new_ones(()))
+    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), None)
 
 
 def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
@@ -560,4 +561,4 @@ def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: T
 def records_step(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
                  cols: Tensor | None = None, G_neg: Tensor | None = None) -> None:
     """Exact accumulation's step under device flags, its device part whole (as ``deferred_step``)."""
-    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg), gq.new_ones(()))
+    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg), None)
