@@ -314,9 +314,9 @@ class PerRowSlots:
 
     shared = False
 
-    def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
+    def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         # torch.unique syncs a GPU with the host: under device flags the slot-pair form
-        return lk.sparse_gram(idx, GA) if head.plan.deferred else unique_column_gram(idx, GA)
+        return lk.sparse_gram(idx, GA) if plan.deferred else unique_column_gram(idx, GA)
 
     def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
         """(Yd Yd^T H, None): the slots by rows (``lk.gram_rows``), nothing given whole."""
@@ -358,7 +358,7 @@ class SharedBlock:
         self.G_u = G_ut.T
         return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1)
 
-    def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
+    def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
         too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the
         column sets are disjoint, so Yd Yd^T = sparse_gram(the other targets) + Y_u Y_u^T."""
