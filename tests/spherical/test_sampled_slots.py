@@ -153,7 +153,7 @@ def test_shared_block_gram_equals_the_slot_gram(sync_every):
     f._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
     idx_s, GA_s = fwd.neg.as_slots(fwd.idx, fwd.GA)
     want = lk.reference.sparse_gram(idx_s, GA_s)
-    torch.testing.assert_close(fwd.neg.gram(f, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fwd.neg.gram(f.plan, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(unique_column_gram(idx_s, GA_s), want, rtol=1e-12, atol=1e-12)
     # Q's route without M: H^T Yd Yd^T H as H^T gram_rows(the targets off the block) + N_Y^T N_Y,
     # N_Y = Y_u^T H; N = G_u^T H kept for the write
@@ -202,7 +202,7 @@ def test_per_row_negatives_never_form_their_slot_pairs(sync_every, sampler):
     H, idx = hard_batch()
     _, fwd = g._forward_step(g.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
     g._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
-    torch.testing.assert_close(fwd.neg.gram(g, fwd.idx, fwd.GA), lk.reference.sparse_gram(fwd.idx, fwd.GA),
+    torch.testing.assert_close(fwd.neg.gram(g.plan, fwd.idx, fwd.GA), lk.reference.sparse_gram(fwd.idx, fwd.GA),
                                rtol=1e-12, atol=1e-12)
 
 

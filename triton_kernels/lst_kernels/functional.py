@@ -152,7 +152,10 @@ def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto")
     if _use_triton(V, impl, M, flag) and V.stride(1) == 1:
         from .fold_rows_kernel import fold_rows_ as launch  # noqa: PLC0415
         return launch(V, M, flag)
-    _fold_rows_gated(V, M, flag)
+    if torch.compiler.is_compiling():
+        _fold_rows_op(V, M, flag)  # one opaque op of the compiled graph
+    else:
+        _fold_rows_gated(V, M, flag)  # eager: the same function, without the custom op's dispatch
     return V
 
 
@@ -161,12 +164,10 @@ def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto")
 CACHE_BYTES = 2 << 20
 
 
-@torch.library.custom_op("lst_kernels::fold_rows_", mutates_args=("V",))
 def _fold_rows_gated(V: Tensor, M: Tensor, flag: Tensor) -> None:
-    """``fold_rows_``'s plain-torch implementation, a ``torch.library`` custom op: one opaque call
-    that mutates V in a compiled step (no graph break, no copy of V). It reads the flag: on the
-    CPU a load of a CPU value, where nothing waits (on CUDA without Triton, a synchronisation).
-    The fold runs over cache-sized blocks of rows and never holds a D x d temporary."""
+    """``fold_rows_``'s plain-torch implementation. It reads the flag: on the CPU a load of a CPU
+    value, where nothing waits (on CUDA without Triton, a synchronisation). The fold runs over
+    cache-sized blocks of rows and never holds a D x d temporary."""
     if not bool(flag):
         return
     M = M.to(V.dtype)
@@ -176,7 +177,14 @@ def _fold_rows_gated(V: Tensor, M: Tensor, flag: Tensor) -> None:
         blk.copy_(blk @ M)
 
 
-@_fold_rows_gated.register_fake
+@torch.library.custom_op("lst_kernels::fold_rows_", mutates_args=("V",))
+def _fold_rows_op(V: Tensor, M: Tensor, flag: Tensor) -> None:
+    """``_fold_rows_gated`` as a ``torch.library`` custom op: one opaque call that mutates V in a compiled
+    step (no graph break, no copy of V)."""
+    _fold_rows_gated(V, M, flag)
+
+
+@_fold_rows_op.register_fake
 def _(V: Tensor, M: Tensor, flag: Tensor) -> None:
     return None
 

@@ -211,7 +211,7 @@ class SphericalHeadBase(OutputHead):
         #: every mode of the step (plan.py): the naive head's, host checks in backward, one process
         #: (the factored head makes its own from its settings)
         self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),
-                             preconditioned=self.preconditioner is not None)
+                             preconditioner=self.preconditioner, num_classes=num_classes, width=self.width)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -16,14 +16,12 @@ every ``sync_every`` steps. The head holds one of the two (``head.step_checks``)
 """
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 from torch import Tensor
 
 from .inverse_update import MAX_FACTORS, adaptive_factors
-from .exact_step import eig_bounds
 
 
 def capturing() -> bool:
@@ -122,24 +120,6 @@ class DeviceFlags(HostChecks):
         self.lr_filled = None
         if value is not None:
             head._lr_t.fill_(value)
-
-    def step_bounds(self, head, A, sq, kappa) -> tuple[Tensor, Tensor, Tensor | None]:
-        """(fold, a bound on cond(B), the bound on A's spectral radius the adaptive Neumann rule keeps
-        or None) as device tensors, from the bounds of B = c (I - A) (``exact_step.eig_bounds``), with no
-        host read and no write: the step is folded into V where the bounds cannot rule out an
-        eigenvalue of B/c within ``fold_tol`` of 0, or where cond(U)'s bound would pass ``fold_cond``
-        (docs/factored_head.md, "Nearly singular steps")."""
-        rho_pos, rho_neg = eig_bounds(A, sq, kappa)
-        rho = torch.maximum(rho_pos, rho_neg) if head.plan.neumann == "adaptive" else None
-        settings = head.repairs.settings
-        cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
-        fold = (rho_pos > 1 - settings.fold_tol) | (head.cond_bound * cond_step > settings.fold_cond)
-        return fold, cond_step, rho
-
-    def count(self, head, ok: Tensor) -> None:
-        """The step counted on the device: taken where ``ok``, else skipped."""
-        head.steps += ok
-        head.skipped_nonfinite += ~ok
 
     def tick(self, head) -> bool:
         """One more step run (on the host, after its device part); whether the flags are due to

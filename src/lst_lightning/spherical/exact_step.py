@@ -27,6 +27,7 @@ import lst_kernels as lk
 from . import compiled
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
 from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
+from .state import StepState
 
 
 @dataclass
@@ -119,7 +120,7 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
         idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
     route = inverse_route(plan, Hx.shape[0])
     q, s, A, Hq, HUt, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
-    real = (idx >= 0).any(1) if plan.preconditioned else None  # the rows P's moments count
+    real = None if plan.preconditioner is None else (idx >= 0).any(1)  # the rows P's moments count
     rows = head.processes.rows if rows is None else rows
     if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
         L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, HUt, ht, draws, rows)
@@ -136,9 +137,10 @@ def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = Non
 
 # -- backward ------------------------------------------------------------------------------------
 @torch.no_grad()
-def hidden_grad(head, fwd: SavedForward, grad: Tensor, parts: bool = False):
-    """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes."""
-    gq, gs, GA = fwd.gq * grad, fwd.gs * grad, fwd.GA * grad
+def hidden_grad(head, fwd: SavedForward, grad: Tensor | None, parts: bool = False):
+    """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
+    upstream gradient (None: 1, the fused step's)."""
+    gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     ybar = GA.sum(1)
     sh = head.processes
     YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
@@ -172,7 +174,7 @@ def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
             torch.minimum(trace_neg, (spread - mu).clamp(min=0)))
 
 
-def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float, tuple[int, int]]:
+def fold_and_cond(plan, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float, tuple[int, int]]:
     """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
     bound on cond(B), one on the spectral radius of A (the products route's rho), for
     B = c (I - A) and A as ``eig_bounds`` takes it, and (eigenvalue computations, their failures)
@@ -191,7 +193,7 @@ def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, flo
         return False, math.inf, math.inf, (0, 0)
     try:  # A's eigenvalues are real (eig_bounds); the m x m form lacks the 1s of B/c on A's null space
         ev = torch.linalg.eigvals(A).real
-        ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < head.width else ev
+        ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < plan.width else ev
     except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
         # ill-conditioned A) among others: the step is skipped and counted, never raised
         return False, None, math.inf, (1, 1)
@@ -199,7 +201,20 @@ def fold_and_cond(head, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, flo
         return False, None, math.inf, (1, 1)
     lam = (1.0 - ev).abs()
     lo, hi = float(lam.min()), float(lam.max())
-    return lo < head.repairs.settings.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max()), (1, 0)
+    return lo < plan.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max()), (1, 0)
+
+
+def device_bounds(plan, cond_bound: Tensor, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Device flags: (fold, a bound on cond(B), the bound on A's spectral radius the adaptive Neumann
+    rule keeps or None) as device tensors, from the bounds of B = c (I - A) (``eig_bounds``), with no
+    host read: the step is folded into V where the bounds cannot rule out an eigenvalue of B/c within
+    ``fold_tol`` of 0, or where cond(U)'s bound would pass ``fold_cond`` (docs/factored_head.md,
+    "Nearly singular steps")."""
+    rho_pos, rho_neg = eig_bounds(A, sq, kappa)
+    rho = torch.maximum(rho_pos, rho_neg) if plan.neumann == "adaptive" else None
+    cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
+    fold = (rho_pos > 1 - plan.fold_tol) | (cond_bound * cond_step > plan.fold_cond)
+    return fold, cond_step, rho
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -214,27 +229,27 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
 
 
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
-def by_woodbury(head, fwd: SavedForward, X: Tensor, G: Tensor, kappa: Tensor, c, P: Tensor | None):
+def by_woodbury(state, fwd: SavedForward, X: Tensor, G: Tensor, kappa: Tensor, c, P: Tensor | None):
     """(U_new^-1, H U_new^-1, LAPACK's info) by the rank-m Woodbury update of U^-1:
     B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q."""
     S = torch.eye(X.shape[0], dtype=X.dtype, device=X.device) - G * kappa[None, :]
-    XUinv = fwd.HUinv if P is None else X @ head.Uinv
+    XUinv = fwd.HUinv if P is None else X @ state.Uinv
     R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
     KR = kappa[:, None] * R
-    return (head.Uinv + fwd.Hx.T @ KR) / c, (XUinv + G @ KR) / c, info
+    return (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + G @ KR) / c, info
 
 
-def by_products(head, U_new: Tensor, A: Tensor, c, rho: float | None, fold, deferred: bool):
+def by_products(state, U_new: Tensor, A: Tensor, c, rho: float | None, fold, deferred: bool):
     """(U_new^-1, whether it passed its check, the fold) from U^-1 by d x d products alone
     (inverse_update.py), or U_new^-1 None where this step solves instead. Device flags: the factors
     the flags' last read chose, and past their reach (the residual a flag) the step folds, U_new^-1
     = I after the fold; host checks: the factors rho needs, and a residual past the tolerance (U^-1
     had drifted) solves instead."""
     dtype = U_new.dtype
-    factors = head.step_checks.factors if deferred else neumann_factors(rho, float(head.cond_bound), dtype)
+    factors = state.factors if deferred else neumann_factors(rho, float(state.cond_bound), dtype)
     if factors is None:
         return None, True, fold
-    Uinv_new, residual = uinv_by_products(U_new, head.Uinv, A, c, factors)
+    Uinv_new, residual = uinv_by_products(U_new, state.Uinv, A, c, factors)
     inverse_ok = residual <= residual_tolerance(dtype)
     if deferred:
         fold = fold | ~inverse_ok
@@ -242,19 +257,18 @@ def by_products(head, U_new: Tensor, A: Tensor, c, rho: float | None, fold, defe
     return (Uinv_new, inverse_ok, fold) if bool(inverse_ok) else (None, True, fold)
 
 
-def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
-    """The step's new state, computed aside: nothing of the head changes here."""
-    Hx, plan = fwd.Hx, head.plan
-    deferred = plan.deferred
-    lr = head._lr_t if deferred else head.lr  # device flags: a device scalar (before_step refills it)
+def new_state(plan, state, fwd: SavedForward, lr, weight_decay: float, gq, gs, GA, ybar, Z, dH) -> NewState:
+    """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
+    changes here. ``lr``: under device flags a device scalar."""
+    Hx, deferred = fwd.Hx, plan.deferred
     m, w = Hx.shape
-    c = 1.0 - lr * head.weight_decay  # > 0: forward checked lr * weight_decay < 1
+    c = 1.0 - lr * weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
     # The right preconditioner P (preconditioner.py; None: P = I). X = H P, the update's side of
     # H, is formed where a route takes it whole (Woodbury, the solve, Q through M); the products
     # route with Q from d x d products takes P in d x d products instead.
-    moments = None if head.preconditioner is None else \
-        head.preconditioner.update_moments(head.input_moment, head.input_moment_weight, Hx, fwd.real)
+    moments = None if plan.preconditioner is None else \
+        plan.preconditioner.update_moments(state.input_moment, state.input_moment_weight, Hx, fwd.real)
     P = None if moments is None else moments.P
     route, by_factors = inverse_route(plan, m), m > plan.m_matrix_rows  # Q's update from d x d products (else M)
     takes_x = not (route == "products" and by_factors)
@@ -264,32 +278,32 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     if use_woodbury:  # A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T
         G = X @ Hx.T
         A, sq = kappa[:, None] * G, G.diagonal()  # h^T P h
-        U_new = torch.addmm(c * head.U, fwd.HUt.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
+        U_new = torch.addmm(c * state.U, fwd.HUt.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
     else:
         Gq = Hx.T @ (gq[:, None] * Hx)
         GqP = Gq if P is None else Gq @ P
         A = (2.0 * lr / c) * GqP
-        U_new = head.U @ (c * torch.eye(w, dtype=A.dtype, device=A.device) - (2.0 * lr) * GqP)  # U B
+        U_new = state.U @ (c * torch.eye(w, dtype=A.dtype, device=A.device) - (2.0 * lr) * GqP)  # U B
         sq = Hx.pow(2).sum(1)  # ||h||^2, times P's largest eigenvalue's bound: >= h^T P h
         if P is not None:
-            sq = sq * head.preconditioner.max_eig
+            sq = sq * plan.preconditioner.max_eig
     rho_bound = None  # device flags, the adaptive Neumann rule: A's spectral radius bound, kept by the write
     eig = (0, 0)  # host checks: (eigenvalue computations, failures), counted by backward
     if deferred:  # bounds on the device; a nearly singular step's fold decided there too (a device bool)
-        fold, cond_step, rho_bound = head.step_checks.step_bounds(head, A, sq, kappa)
+        fold, cond_step, rho_bound = device_bounds(plan, state.cond_bound, A, sq, kappa)
         rho = None
     else:
-        fold, cond_step, rho, eig = fold_and_cond(head, A, sq, kappa)
+        fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
     omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)  # X^T (...) = P H^T (...)
-    omega_new = c * head.omega - lr * (omega_new if P is None else P @ omega_new)
+    omega_new = c * state.omega - lr * (omega_new if P is None else P @ omega_new)
     info, inverse_ok, right = None, True, None
     if fold is True:  # host checks: the fold decided on the host
         Uinv_new, HUinv_new = None, Hx @ P if X is None else X  # V absorbs U B; U = U^-1 = I
     elif route == "woodbury":
-        Uinv_new, HUinv_new, info = by_woodbury(head, fwd, X, G, kappa, c, P)
+        Uinv_new, HUinv_new, info = by_woodbury(state, fwd, X, G, kappa, c, P)
     else:
         Uinv_new, inverse_ok, fold = (None, True, fold) if route != "products" else \
-            by_products(head, U_new, A, c, rho, fold, deferred)
+            by_products(state, U_new, A, c, rho, fold, deferred)
         if Uinv_new is not None:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
             right = Uinv_new if P is None else P @ Uinv_new
             HUinv_new = Hx @ right
@@ -305,17 +319,17 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if not by_factors:
-        yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(head, fwd.idx, GA)  # Yd Yd^T
-        M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, head.num_classes, yy)
-        Q_new = lk.q_update(head.Q, X, dH, M, lr, c)
+        yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(plan, fwd.idx, GA)  # Yd Yd^T
+        M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, yy)
+        Q_new = lk.q_update(state.Q, X, dH, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
         YYH, HYYH = (lk.gram_rows(fwd.idx, GA, Hx, order=order), None) if fwd.neg is None else \
             fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
-        Q_new = lk.q_update_factors(head.Q, Hx, gq, Z, gs, ybar, head.num_classes, YYH, lr, c, P=P, Gq=Gq,
+        Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=Gq,
                                     GqP=GqP, HYYH=HYYH)
-    wbar_new = Hx.T @ (2.0 * gq * fwd.s + head.num_classes * gs + ybar)
-    wbar_new = c * head.wbar - lr * (wbar_new if P is None else P @ wbar_new)
+    wbar_new = Hx.T @ (2.0 * gq * fwd.s + plan.num_classes * gs + ybar)
+    wbar_new = c * state.wbar - lr * (wbar_new if P is None else P @ wbar_new)
     total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
     if Uinv_new is not None:
         total = total + Uinv_new.sum()
@@ -333,73 +347,78 @@ def new_state(head, fwd: SavedForward, gq, gs, GA, ybar, Z, dH) -> NewState:
                     rho=rho_bound, eig=eig)
 
 
-def write(head, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
-    """Write the step's new state. Under device flags every buffer keeps its old value where
+def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
+    """Write the step's new state into ``state`` (the head's buffers), a fold decided on the host
+    excepted (``backward`` folds first). Under device flags every buffer keeps its old value where
     the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
-    masked = head.plan.deferred
+    masked = plan.deferred
     if masked:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
-        write_masked_u(head, new, ok)
-    elif new.fold:
-        head.repairs.fold_into_v(head, new.U)
-        head.folds += 1
-    else:
-        head.U.copy_(new.U)
+        write_masked_u(plan, state, new, ok)
+    elif not new.fold:
+        state.U.copy_(new.U)
         if new.Uinv is not None:
-            head.Uinv.copy_(new.Uinv)
-        else:
-            head._uinv_fresh = False
-        head.cond_bound.copy_(head.cond_bound * new.cond_step)
-    sh = head.processes
-    rows = fwd.idx if sh.alone else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
+            state.Uinv.copy_(new.Uinv)
+        state.cond_bound.copy_(state.cond_bound * new.cond_step)
+    sh = plan.collectives
+    rows = fwd.idx if plan.processes == "none" else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
     GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
-    lk.scatter_add_rows_(head.V, rows, GA, HUinv, -new.lr, order=new.order if sh.alone else None)
+    lk.scatter_add_rows_(state.V, rows, GA, HUinv, -new.lr, order=new.order if plan.processes == "none" else None)
     if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
-        fwd.neg.scatter_(head.V, HUinv, -new.lr, ok if masked else None, sh, new.right)
+        fwd.neg.scatter_(state.V, HUinv, -new.lr, ok if masked else None, sh, new.right)
     Q = 0.5 * (new.Q + new.Q.T)
     if masked:
-        head.omega.copy_(torch.where(ok, new.omega, head.omega))
-        head.Q.copy_(torch.where(ok, Q, head.Q))
-        head.wbar.copy_(torch.where(ok, new.wbar, head.wbar))
+        state.omega.copy_(torch.where(ok, new.omega, state.omega))
+        state.Q.copy_(torch.where(ok, Q, state.Q))
+        state.wbar.copy_(torch.where(ok, new.wbar, state.wbar))
     else:
-        head.omega.copy_(new.omega)
-        head.Q.copy_(Q)
-        head.wbar.copy_(new.wbar)
+        state.omega.copy_(new.omega)
+        state.Q.copy_(Q)
+        state.wbar.copy_(new.wbar)
     if new.moments is not None:
-        new.moments.write(head, ok if masked else None)
-    if head.negatives is not None and head.negatives.kernel is not None:  # its tree follows the rows just written
-        head.negatives.kernel.moved(head, None if bool(new.fold) else fwd.idx)  # (a fold: all of V; its tree
-        # is kept on the host, which reads the step's rows anyway)
+        new.moments.write(state, ok if masked else None)
 
 
-def write_masked_u(head, new: NewState, ok: Tensor) -> None:
+def write_masked_u(plan, state, new: NewState, ok: Tensor) -> None:
     """U, U^-1 and cond(U)'s bound under device flags, each kept where ``ok`` is false; a fold
     (``new.fold``, a device bool) first takes V <- V U B in one gated pass over V's rows (one load
     a block where it is not set: ``lk.fold_rows_``) and leaves U = U^-1 = I, the bound 1."""
     fold = new.fold & ok
-    lk.fold_rows_(head.V, new.U, fold)  # (sharded: the rows this rank holds)
-    eye = torch.eye(head.width, dtype=head.dtype, device=head.device)
-    head.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, head.U)))
+    lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
+    eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
+    state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
-        head.Uinv.copy_(torch.where(ok, new.Uinv, head.Uinv))  # (new_state made it I where the step folds)
+        state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (new_state made it I where the step folds)
     if new.rho is not None:  # the largest since the flags' last read (checks.py: the adaptive Neumann rule)
-        head.step_checks.rho_max.copy_(torch.maximum(head.step_checks.rho_max, new.rho))
-    grown = torch.where(fold, 1.0, head.cond_bound * new.cond_step)
-    head.cond_bound.copy_(torch.where(ok, grown, head.cond_bound))
-    head.cond_estimate.copy_(torch.where(fold, 1.0, head.cond_estimate))
-    head.folds += fold
+        state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
+    grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
+    state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
+    state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
+    state.folds.add_(fold)
+
+
+def step_state(head) -> StepState:
+    """The head's buffers that a step reads and writes, gathered (state.py's ``StepState``)."""
+    checks, deferred = head.step_checks, head.plan.deferred
+    return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
+                     head.input_moment, head.input_moment_weight, head.folds, checks.rho_max if deferred else None,
+                     checks.factors if deferred else None)
 
 
 @torch.no_grad()
-def deferred_backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
+def deferred_backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """``backward``'s device part under device flags (``sync_every > 1``): every check a flag
     that masks the write, the step counted on the device; it reads nothing on the host and
     changes no Python value (a compiled step runs it whole; ``run_device_part`` does the rest)."""
     dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-    new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
+    plan, state = head.plan, step_state(head)
+    new = new_state(plan, state, fwd, head._lr_t, head.weight_decay, gq, gs, GA, ybar, Z, dH)
     ok = ok & new.ok
-    write(head, fwd, new, ok)
-    head.step_checks.count(head, ok)
+    write(plan, state, fwd, new, ok)
+    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
+        head.negatives.kernel.moved(head, None if bool(new.fold) else fwd.idx)
+    head.steps += ok  # the step counted on the device: taken where ok, else skipped
+    head.skipped_nonfinite += ~ok
     return torch.where(ok, dH, 0.0)
 
 
@@ -434,14 +453,22 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
-    new = new_state(head, fwd, gq, gs, GA, ybar, Z, dH)
+    plan, state = head.plan, step_state(head)
+    new = new_state(plan, state, fwd, head.lr, head.weight_decay, gq, gs, GA, ybar, Z, dH)
     if new.eig[0]:  # the eigenvalues computed (and failed) for the fold decision, counted
         head.eig_checks += new.eig[0]
         head.eig_failures += new.eig[1]
     if not bool(new.ok):
         head._skip("state after the step")
         return torch.zeros_like(dH)
-    write(head, fwd, new)
+    if new.fold:  # decided on the host: V absorbs U B, U = U^-1 = I
+        head.repairs.fold_into_v(head, new.U)
+        head.folds += 1
+    elif new.Uinv is None:
+        head._uinv_fresh = False
+    write(plan, state, fwd, new)
+    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
+        head.negatives.kernel.moved(head, None if new.fold else fwd.idx)
     head.steps += 1
     # the repairs (and, multi-process, the replica check) that fell due at this step
     n_prev, n = checks.synced[0], int(head.steps)
@@ -476,7 +503,7 @@ def deferred_step(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None
     ``torch.compile(fullgraph=True)`` takes whole). The loss and dL/dH (m, width). ``rows``: as
     ``forward``'s."""
     loss, fwd = forward(head, Hx, idx, T, draws, rows)
-    return loss, deferred_backward(head, fwd, loss.new_ones(()))
+    return loss, deferred_backward(head, fwd, None)
 
 
 @torch.no_grad()
@@ -499,7 +526,7 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         dH = dH[:m]
     else:
         loss, fwd = forward(head, Hx, idx, T, draws)
-        dH = backward(head, fwd, loss.new_ones(()))
+        dH = backward(head, fwd, None)
     if rows is not None:
         dH = sh.own_rows(dH, rows)
     return loss, dH[:, : head.hidden_dim].to(H.dtype)
@@ -541,7 +568,7 @@ def apply_records(head, records: list) -> None:
             G_neg = None if G_neg is None else pad_rows(G_neg, M)
         run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
         return
-    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), gq.new_ones(()))
+    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), None)
 
 
 def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
@@ -560,4 +587,4 @@ def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: T
 def records_step(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
                  cols: Tensor | None = None, G_neg: Tensor | None = None) -> None:
     """Exact accumulation's step under device flags, its device part whole (as ``deferred_step``)."""
-    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg), gq.new_ones(()))
+    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg), None)

@@ -314,12 +314,12 @@ class PerRowSlots:
 
     shared = False
 
-    def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
+    def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T (m x m), never the slot-pair form (``lk.sparse_gram`` compares (m (K + S))^2
         pairs: 13.5 GB at m = 128, S = 512). torch.unique syncs a GPU with the host, so under
         device flags Yd (Yd^T I) by rows (``lk.gram_rows``, static shapes): O(m (K + S) m)
         memory, within O(m (K + S) d) on this route (the step takes it for m <= d)."""
-        if head.plan.deferred:
+        if plan.deferred:
             return lk.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
         return unique_column_gram(idx, GA)
 
@@ -348,26 +348,30 @@ class SharedBlock:
         self.padded = padded
         self.G_u = self.N = None
 
-    def hidden(self, grad: Tensor, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
+    def hidden(self, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
         """Their part of Yd V (one GEMM) and of Yd's row sums; G_u, the step's gradients
         coalesced to the unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j],
-        O(m S))."""
-        G = self.G_neg * grad
-        m, S = G.shape
-        G_ut = lk.scatter_add_rows_(G.new_zeros(self.uniq.numel(), m), self.inv[:, None], G.new_ones(S, 1),
-                                    G.T.contiguous(), 1.0)
+        O(m S)) in the order of j on every device: torch's ``index_add_`` on the CPU, which adds
+        in that order; on a GPU, whose ``index_add_`` adds by float atomics, the deterministic
+        scatter. ``grad``: the upstream gradient (None: 1)."""
+        G = self.G_neg if grad is None else self.G_neg * grad
+        G_ut = G.new_zeros(self.uniq.numel(), G.shape[0])
+        if G.is_cuda:
+            lk.scatter_add_rows_(G_ut, self.inv[:, None], G.new_ones(G.shape[1], 1), G.T.contiguous(), 1.0)
+        else:
+            G_ut.index_add_(0, self.inv, G.T)
         self.G_u = G_ut.T
         return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1)
 
-    def gram(self, head, idx: Tensor, GA: Tensor) -> Tensor:
+    def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
         too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the
         column sets are disjoint, so Yd Yd^T = sparse_gram(the other targets) + Y_u Y_u^T."""
         hit, GA_on = self._hits(idx, GA)
-        if self.padded:  # a row's targets on one column (a class repeated in the row) summed in order
-            cols = torch.arange(self.uniq.numel(), device=hit.device)
+        if self.padded and idx.shape[1] > 1:  # a row's targets on one column (a class repeated in the row)
+            cols = torch.arange(self.uniq.numel(), device=hit.device)  # summed in order
             Y_u = self.G_u + (GA_on[:, :, None] * (hit[:, :, None] == cols)).sum(1)
-        else:
+        else:  # one target a row (or on the host): at most one add to each entry, or in order
             Y_u = self.G_u.scatter_add(1, hit.clamp(min=0), GA_on)
         return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
 

@@ -3,9 +3,10 @@
 ``StepPlan`` holds each choice the step makes by its mode, made once whenever a setting,
 the device or the process group changes (``head.plan``, made again by the head's ``_replan``
 at each such change): the driver (``step``), device flags or host checks, compiled or eager, the
-processes, the kind of sampled classes, P, the U^-1 route and the Q route (each by the
-batch's rows: a threshold), the Neumann rule. The step (exact_step.py) reads its plan, data only; it
-asks the head's settings for none of these.
+processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
+batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
+width, the fold's thresholds, the head's ``Processes``. The step (exact_step.py) reads its plan,
+data only; it asks the head's settings for none of these.
 
 The refusals of combinations of settings are here too, each one line saying why:
 ``driving_refusal`` (of the driving settings together), ``compile_refusal`` (what keeps the
@@ -15,7 +16,7 @@ driving), ``accumulate_refusal`` (exact accumulation).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,8 +37,8 @@ class StepPlan:
     processes: str = "none"
     #: the sampled classes: None (off) or one of ``NEGATIVE_KINDS``
     negatives: str | None = None
-    #: the right preconditioner P on
-    preconditioned: bool = False
+    #: the right preconditioner's settings (preconditioner.py: its moments, P), None: off
+    preconditioner: object = None
     #: how H U_new^-1 is made past ``woodbury_rows`` rows: "solve" or "products" (or "woodbury")
     inverse: str = "solve"
     #: the most rows a step makes H U_new^-1 for by the Woodbury update (-1: never)
@@ -46,6 +47,15 @@ class StepPlan:
     m_matrix_rows: int = 0
     #: the products route's Neumann factors under device flags: "adaptive" or "max" (stabiliser.py)
     neumann: str = "adaptive"
+    #: D, the classes, and d, the head's width (its hidden size, one more with a bias)
+    num_classes: int = 1
+    width: int = 1
+    #: a step is folded into V where an eigenvalue of B / c may lie within ``fold_tol`` of 0, or
+    #: (device flags) where cond(U)'s bound would pass ``fold_cond`` (the ``Stabiliser``'s)
+    fold_tol: float = 0.05
+    fold_cond: float = 16.0
+    #: the head's ``Processes`` (multi_process.py), whose collectives a step of several processes calls
+    collectives: object = field(default=None, compare=False)
 
 
 def m_matrix_rows(d: int) -> int:
@@ -83,8 +93,10 @@ def plan_for(head) -> StepPlan:
     return StepPlan(step=driving.step, deferred=driving.sync_every > 1,
                     compiled=wanted and compile_refusal(driving, kind) is None,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
-                    preconditioned=head.preconditioner is not None, inverse=inverse, woodbury_rows=woodbury_rows,
-                    m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann)
+                    preconditioner=head.preconditioner, inverse=inverse, woodbury_rows=woodbury_rows,
+                    m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann,
+                    num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
+                    fold_cond=settings.fold_cond, collectives=head.processes)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------

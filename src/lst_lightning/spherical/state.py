@@ -10,6 +10,7 @@ ones, and the tests compare heads by the exact ones: a new buffer is one new row
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -94,3 +95,25 @@ INPUT_MOMENTS = tuple(b for b in STATE if b.name in ("input_moment", "input_mome
 REPLICATED_STATE = tuple(b.name for b in STATE if b.replicated)
 #: The exact state: equal bits here mean the same W, bookkeeping and conditioning bound.
 EXACT_STATE = tuple(b.name for b in STATE if b.exact)
+
+
+class StepState(NamedTuple):
+    """The tensors a step's new state is made from and written to (exact_step.py's ``new_state``,
+    ``write``): the head's buffers themselves, gathered before the step (``of``), so that the step
+    reads and writes these, never the head; the write updates them in place (masked under device
+    flags: a bad batch changes nothing). ``exact_step.step_state`` gathers them."""
+    V: Tensor
+    U: Tensor
+    Uinv: Tensor
+    omega: Tensor
+    Q: Tensor
+    wbar: Tensor
+    cond_bound: Tensor
+    cond_estimate: Tensor
+    input_moment: Tensor
+    input_moment_weight: Tensor
+    folds: Tensor
+    #: device flags, the adaptive Neumann rule: the largest bound on rho since the flags' last read (else None)
+    rho_max: Tensor | None
+    #: device flags: the products route's Neumann factors the flags' last read chose (else None)
+    factors: int | None
