@@ -10,7 +10,7 @@ import torch
 
 from lst_lightning.spherical import inverse_update as iu
 from lst_lightning.spherical import exact_step
-from lst_lightning.spherical.stabiliser import Stabiliser
+from lst_lightning.spherical.stabiliser import Repairs, Stabiliser
 
 from head_pairs import deferred, make_pair, run_steps, step_both
 
@@ -138,6 +138,14 @@ def test_the_setting_and_its_former_name():
 def test_auto_takes_woodbury_or_the_solve_on_a_cpu():
     f, _ = make_pair("zloss", d=8)
     assert exact_step.inverse_route(f.plan, 4) == "woodbury" and exact_step.inverse_route(f.plan, 5) == "solve"
+
+
+def test_new_repairs_make_the_plan_again():
+    """The plan holds the repairs' U^-1 route and fold thresholds: a head given other repairs steps by them."""
+    f, _ = make_pair("zloss", d=8)
+    f.repairs = Repairs(Stabiliser(inverse="products", fold_tol=0.2, fold_cond=8.0))
+    assert (f.plan.inverse, f.plan.fold_tol, f.plan.fold_cond) == ("products", 0.2, 8.0)
+    assert exact_step.inverse_route(f.plan, 4) == "products"
 
 
 @pytest.mark.parametrize("loss", ["zloss", "sampled"])

@@ -73,7 +73,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
                  step: str = "autograd", compile_step: bool | str = "auto",
                  batch_sizes: str | tuple[int, ...] = BATCH_SIZES, **kwargs):
         super().__init__(num_classes, hidden_dim, *args, init_std=init_std, generator=generator, **kwargs)
-        #: the repairs, with their settings (stabiliser.py)
         self.repairs = Repairs(Stabiliser.of(stabiliser))
         #: how the step is driven: step, sync_every and parallel, validated together once (driving.py).
         self.driving = Driving(step, sync_every, parallel, compile_step, batch_sizes)
@@ -94,6 +93,19 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self._replan()
         if self.processes.joined:
             self.refresh_bookkeeping()
+
+    @property
+    def repairs(self) -> Repairs:
+        """The repairs, with their settings (stabiliser.py). Another one makes the step's plan
+        again: the plan holds their U^-1 route and the fold's thresholds."""
+        return self._repairs
+
+    @repairs.setter
+    def repairs(self, value: Repairs) -> None:
+        replacing = "_repairs" in self.__dict__
+        self._repairs = value
+        if replacing:
+            self._replan()
 
     @property
     def stabiliser(self) -> Stabiliser:
