@@ -1,7 +1,7 @@
 """The default head's training step beside the row-sparse sampled softmax's, on one CPU thread:
 milliseconds a step and torch operator calls a step, side by side.
 
-    uv run python scripts/bench_step_cpu.py [--D 100000 --d 128 --m 128] [--steps 200] [--profile]
+    uv run python scripts/bench_step_cpu.py [--D 100000 --d 128 --m 128] [--steps 200] [--profile] [--out DIR]
 
 The default head is lst-train's (``loss="sampled"``, its negatives and right preconditioner at
 their settings, ``sync_every=64``, ``step="fused"``), stepped by ``head.train_step(H, y)``; the
@@ -10,17 +10,22 @@ are counted two ways over one step: torch's profiler (every ATen call, those tha
 make inside them included: "profiled") and a ``TorchDispatchMode`` (the calls the Python code makes,
 views included: "dispatched").
 ``--profile``: cProfile's 25 costliest functions of the default step, by their own time.
+Writes ``step_cpu.csv`` (a row a head: the machine, torch, commit, date, sizes, ms a step, the
+operator calls, the ratio to the rival) into ``--out`` or a fresh run directory.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
 import pstats
+import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import interleaved_medians, zipf_targets
+from benchlib import add_output_args, interleaved_medians, output_dir, wrote, write_csv, zipf_targets
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,6 +82,13 @@ def counted(step, batch) -> tuple[int, Counter]:
     return sum(e.name.startswith("aten::") for e in prof.events()), c.ops
 
 
+def commit() -> str:
+    """This checkout's commit, short ("" outside a git checkout)."""
+    done = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                          text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--D", type=int, default=100_000)
@@ -85,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--top", type=int, default=0, help="also print the N most called operators of each step")
     p.add_argument("--profile", action="store_true", help="cProfile the default step")
+    add_output_args(p)
     args = p.parse_args(argv)
+    if args.update_results:
+        p.error("--update-results: this benchmark has no committed results; give --out")
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(args.m, args.d, generator=g), zipf_targets(args.m, args.D, g)) for _ in range(8)]
@@ -93,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"D={args.D:,} d={args.d} m={args.m}, one thread, torch {torch.__version__}")
     # timed in alternation, 5 steps each a round: a load that comes and goes falls on both alike
     medians = interleaved_medians({k: (cycled(v, batches), 5) for k, v in steps.items()}, args.steps // 5, warmup=10)
+    out, rows = output_dir(args, "bench_step_cpu"), []
+    facts = {"torch": torch.__version__, "commit": commit(), "date": datetime.date.today().isoformat(),
+             "D": args.D, "d": args.d, "m": args.m, "threads": 1}
     for name, step in steps.items():
         ms = 1e3 * medians[name]
         profiled, ops = counted(step, batches[0])
@@ -100,7 +118,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(ops.values()):4d} dispatched")
         if args.top:
             print("    " + ", ".join(f"{k} {v}" for k, v in ops.most_common(args.top)))
+        rows.append({**facts, "head": name, "ms_per_step": round(ms, 4), "ops_profiled": profiled,
+                     "ops_dispatched": sum(ops.values()),
+                     "over_sampled_softmax": round(medians[name] / medians["sampled_softmax"], 4)})
     print(f"default / sampled_softmax: {medians['default'] / medians['sampled_softmax']:.2f}x")
+    wrote(write_csv(out / "step_cpu.csv", rows))
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
