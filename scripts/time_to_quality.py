@@ -57,6 +57,7 @@ def synthetic(num_classes: int, train_size: int, val: int) -> list[str]:
 CASES = {
     "python_code": (["data=python_code", "data.max_eval_examples=1024"], 100_000),
     "linux_source": (["data=linux_source", "data.max_eval_examples=512"], 1_000_000),
+    "wiki": (["data=wiki", "data.max_eval_examples=1024"], 10_000),  # the embedded corpus, as lst-train runs it
     "synthetic_1e5": (synthetic(100_000, 4_000_000, 1024), 100_000),
     "synthetic_1e6": (synthetic(1_000_000, 4_000_000, 512), 1_000_000),
     "synthetic_1e7": (synthetic(10_000_000, 4_000_000, 256), 10_000_000),
