@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .stabiliser import Stabiliser
+
 #: the kinds of sampled classes a step takes (negatives.py): one shared dense block, slots per
 #: row from a static proposal, or slots per row from the kernel proposal's sum-tree (host side)
 NEGATIVE_KINDS = ("shared", "per_row", "kernel")
@@ -46,14 +48,14 @@ class StepPlan:
     #: the most rows a step updates Q for through the m x m M (``m_matrix_rows``); more: from d x d products
     m_matrix_rows: int = 0
     #: the products route's Neumann factors under device flags: "adaptive" or "max" (stabiliser.py)
-    neumann: str = "adaptive"
+    neumann: str = Stabiliser.neumann
     #: D, the classes, and d, the head's width (its hidden size, one more with a bias)
     num_classes: int = 1
     width: int = 1
     #: a step is folded into V where an eigenvalue of B / c may lie within ``fold_tol`` of 0, or
     #: (device flags) where cond(U)'s bound would pass ``fold_cond`` (the ``Stabiliser``'s)
-    fold_tol: float = 0.05
-    fold_cond: float = 16.0
+    fold_tol: float = Stabiliser.fold_tol
+    fold_cond: float = Stabiliser.fold_cond
     #: the head's ``Processes`` (multi_process.py), whose collectives a step of several processes calls
     collectives: object = field(default=None, compare=False)
 

@@ -99,7 +99,7 @@ EXACT_STATE = tuple(b.name for b in STATE if b.exact)
 
 class StepState(NamedTuple):
     """The tensors a step's new state is made from and written to (exact_step.py's ``new_state``,
-    ``write``): the head's buffers themselves, gathered before the step (``of``), so that the step
+    ``write``): the head's buffers themselves, gathered before the step, so that the step
     reads and writes these, never the head; the write updates them in place (masked under device
     flags: a bad batch changes nothing). ``exact_step.step_state`` gathers them."""
     V: Tensor
