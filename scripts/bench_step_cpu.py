@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import pstats
-import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import add_output_args, interleaved_medians, output_dir, wrote, write_csv, zipf_targets
+from benchlib import add_output_args, interleaved_medians, output_dir, provenance, wrote, write_csv, zipf_targets
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -82,13 +79,6 @@ def counted(step, batch) -> tuple[int, Counter]:
     return sum(e.name.startswith("aten::") for e in prof.events()), c.ops
 
 
-def commit() -> str:
-    """This checkout's commit, short ("" outside a git checkout)."""
-    done = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                          text=True)
-    return done.stdout.strip() if done.returncode == 0 else ""
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--D", type=int, default=100_000)
@@ -109,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     # timed in alternation, 5 steps each a round: a load that comes and goes falls on both alike
     medians = interleaved_medians({k: (cycled(v, batches), 5) for k, v in steps.items()}, args.steps // 5, warmup=10)
     out, rows = output_dir(args, "bench_step_cpu"), []
-    facts = {"torch": torch.__version__, "commit": commit(), "date": datetime.date.today().isoformat(),
-             "D": args.D, "d": args.d, "m": args.m, "threads": 1}
+    facts = {**provenance(), "D": args.D, "d": args.d, "m": args.m, "threads": 1}
     for name, step in steps.items():
         ms = 1e3 * medians[name]
         profiled, ops = counted(step, batches[0])

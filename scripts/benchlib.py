@@ -208,5 +208,12 @@ def save_rows(args: argparse.Namespace, out: Path, name: str, rows: list[dict], 
     raw.unlink()
 
 
+def provenance() -> dict:
+    """Where a row was measured: the machine, torch, this checkout's commit and today's date."""
+    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit.stdout.strip() or "unknown",
+            "date": datetime.date.today().isoformat()}
+
+
 def wrote(*paths: Path) -> None:
     print("wrote " + ", ".join(str(p) for p in paths), flush=True)

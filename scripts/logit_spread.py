@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import ROOT, add_output_args, machine_name, markdown_table, output_dir, wrote
+from benchlib import add_output_args, markdown_table, output_dir, provenance, wrote
 
 import torch
 from omegaconf import OmegaConf
@@ -105,16 +103,12 @@ def spread_rows(run_dir: Path, rows: int, S: int) -> list[dict]:
                     "top_mass_median": round(float(torch.cat(masses).median()), 3),
                     "rel_sd_plain": round(float(plain[name].median()), 4),
                     "rel_sd_taylor": round(float(taylor[name].median()), 4),
-                    **provenance()})
+                    **provenance_of_run()})
     return out
 
 
-def provenance() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit,
-            "date": datetime.date.today().isoformat(),
-            "command": "uv run python scripts/logit_spread.py " + " ".join(sys.argv[1:])}
+def provenance_of_run() -> dict:
+    return {**provenance(), "command": "uv run python scripts/logit_spread.py " + " ".join(sys.argv[1:])}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import json
 import os
 import shlex
@@ -40,11 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchlib import ROOT, add_output_args, output_dir, wrote
+from benchlib import ROOT, add_output_args, output_dir, provenance, wrote
 
-import torch
 
-from lst_lightning.app.machine import machine_name
 
 
 def synthetic(num_classes: int, train_size: int, val: int) -> list[str]:
@@ -165,13 +162,6 @@ def append_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
         w.writerows(rows)
 
 
-def meta() -> dict:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit,
-            "date": datetime.date.today().isoformat()}
-
-
 def command_of(words: list[str]) -> str:
     return "uv run lst-train " + " ".join(shlex.quote(w) for w in words)
 
@@ -259,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode == "equal_time" and len(heads) != 2:
         raise SystemExit("equal_time runs a pair: --heads A,B")
     out = output_dir(args, "time_to_quality")
-    info = meta()
+    info = provenance()
     runs_csv, curves_csv = out / "time_to_quality.csv", out / "time_to_quality_curves.csv"
     with tempfile.TemporaryDirectory(prefix="ttq_") as tmp:
         for case in cases:
