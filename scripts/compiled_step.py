@@ -105,7 +105,8 @@ def explained(head, H, idx) -> tuple[int, int, int]:
     """(graphs, graph breaks, operators) of the step's device part as Dynamo traces it."""
     Hx, idx, T = head.prepare(H.detach(), idx, None, step=True)
     draws = exact_step.before_step(head, Hx.shape[0])
-    out = torch._dynamo.explain(exact_step.deferred_step)(head, Hx, idx, T, draws)
+    out = torch._dynamo.explain(exact_step.device_step)(head.plan, exact_step.step_state(head),
+                                                        exact_step.Batch(Hx, idx, T), head.device_lr(), draws)
     torch._dynamo.reset()
     return out.graph_count, out.graph_break_count, out.op_count
 

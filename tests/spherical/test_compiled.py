@@ -67,15 +67,16 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
     H, idx = batches(1)[0]
     Hx, idx, T = h.prepare(H, idx, None, step=True)
     draws = exact_step.before_step(h, m)
-    explained = torch._dynamo.explain(exact_step.deferred_step)(h, Hx, idx, T, draws)
+    plan, state, batch, lr = h.plan, exact_step.step_state(h), exact_step.Batch(Hx, idx, T), h.device_lr()
+    explained = torch._dynamo.explain(exact_step.device_step)(plan, state, batch, lr, draws)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     if kind is DEFAULT:  # the autograd step's two halves and exact accumulation's step
-        _, fwd = exact_step.forward(h, Hx, idx, T, draws)
-        for fn, args in ((exact_step.forward, (Hx, idx, T, draws)),
-                         (exact_step.deferred_backward, (fwd, Hx.new_ones(()))),
+        _, fwd = exact_step.forward(plan, state, batch, draws)
+        for fn, args in ((exact_step.forward, (batch, draws)),
+                         (exact_step.update, (fwd, Hx.new_ones(()), lr)),
                          (exact_step.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok,
-                                                     fwd.neg.cols, fwd.neg.G_neg))):
-            explained = torch._dynamo.explain(fn)(h, *args)
+                                                     fwd.neg.cols, fwd.neg.G_neg, lr))):
+            explained = torch._dynamo.explain(fn)(plan, state, *args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), (fn, explained.break_reasons)
 
 

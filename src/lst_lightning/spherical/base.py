@@ -23,6 +23,7 @@ from ..heads.base import OutputHead
 from ..heads.samplers import slots_num_samples
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
+from . import exact_step
 from .blocks import BLOCK
 from .checks import HostChecks
 from .driving import Driving
@@ -162,7 +163,7 @@ class SphericalHeadBase(OutputHead):
         if dtype not in STATE_DTYPES:
             raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
-        self.bias, self.reduction = bool(bias), reduction
+        self.bias, self._reduction = bool(bias), reduction
         #: columns of the implicit W: the hidden size, plus one constant column for the bias.
         self.width = hidden_dim + int(self.bias)
         loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
@@ -211,7 +212,9 @@ class SphericalHeadBase(OutputHead):
         #: every mode of the step (plan.py): the naive head's, host checks in backward, one process
         #: (the factored head makes its own from its settings)
         self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),
-                             preconditioner=self.preconditioner, num_classes=num_classes, width=self.width)
+                             preconditioner=self.preconditioner, num_classes=num_classes, width=self.width,
+                             weight_decay=self.weight_decay, collectives=self.processes, loss=self.loss_fn,
+                             reduction=self.reduction, sampling=self.negatives)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -264,6 +267,24 @@ class SphericalHeadBase(OutputHead):
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"weight_decay must be finite and >= 0, got {value}")
         self._weight_decay = value
+        self._in_plan(weight_decay=value)
+
+    @property
+    def reduction(self) -> str:
+        """How the rows' losses make the minibatch loss: one of ``REDUCTIONS``."""
+        return self._reduction
+
+    @reduction.setter
+    def reduction(self, value: str) -> None:
+        if value not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
+        self._reduction = value
+        self._in_plan(reduction=value)
+
+    def _in_plan(self, **fields) -> None:
+        """A setting the step's plan holds, changed in it (before the plan is made: nothing to change)."""
+        if "plan" in self.__dict__:
+            self.plan = dataclasses.replace(self.plan, **fields)
 
     def get_extra_state(self):
         out = {"lr": self._lr, "weight_decay": self._weight_decay,
@@ -562,32 +583,16 @@ class SphericalHeadBase(OutputHead):
 
     # -- the loss on m-sized tensors ----------------------------------------------------
     def y_sq(self, idx: Tensor, T: Tensor) -> Tensor | None:
-        """||y||^2 per row, with repeated classes in a row summed first (squared error only)."""
-        if not self.loss_fn.needs_y_sq:
-            return None
-        same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
-        return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
+        """||y||^2 per row (the squared error only; exact_step.py's ``y_sq``)."""
+        return exact_step.y_sq(idx, T) if self.loss_fn.needs_y_sq else None
 
     def row_weights(self, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-        """d reduce(per, idx) / d per (m,): 1/n on the rows with a real slot (n as ``reduction``
-        says; 1 for "sum"), 0 on a fully padded row. ``rows``: the batch's rows that "mean"
-        divides by, a device count (the ranks' rows of a gathered batch padded to their
-        capacity: ``processes.rows``); None: idx's rows."""
-        real = (idx >= 0).any(1)
-        if self.reduction == "sum":
-            return real.to(dtype)
-        if self.reduction == "mean_real":
-            n = real.sum().clamp_min(1)
-        else:
-            n = idx.shape[0] if rows is None else rows
-        return real.to(dtype) / n
+        """d reduce(per, idx) / d per (m,), as ``reduction`` says (exact_step.py's ``row_weights``)."""
+        return exact_step.row_weights(self.reduction, idx, dtype, rows)
 
-    def reduce(self, per_example: Tensor, idx: Tensor, weight: Tensor | None = None) -> Tensor:
-        """The minibatch loss from per-example losses, ``sum_i row_weights_i l_i`` (``weight``:
-        row_weights already made); a fully padded row (every slot -1) contributes nothing,
-        whatever its loss, for every loss (the squared error would see a zero target)."""
-        w = self.row_weights(idx, per_example.dtype) if weight is None else weight
-        return (torch.where(w != 0, per_example, torch.zeros((), dtype=w.dtype, device=w.device)) * w).sum()
+    def reduce(self, per_example: Tensor, idx: Tensor) -> Tensor:
+        """The minibatch loss from per-example losses (exact_step.py's ``reduce``)."""
+        return exact_step.reduce(per_example, self.row_weights(idx, per_example.dtype))
 
     # -- the counters --------------------------------------------------------------------
     def _zero_counters(self) -> None:

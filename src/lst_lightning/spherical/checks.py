@@ -82,22 +82,6 @@ class DeviceFlags(HostChecks):
         scale: warned once at the next read."""
         head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale, head._loss_factor))
 
-    def screen(self, head, idx: Tensor, T: Tensor):
-        """Bad ids become padding and the step is void (``input_ok`` False); the first such
-        step since the last read is recorded (``head._bad_input``: its number, from 1). The
-        ranks' rows padded to their capacity (padded_rows.py): a rank that sent none voids the
-        step too, and the first void step's rank is recorded."""
-        bad = (idx < -1) | (idx >= head.num_classes)
-        input_ok = ~bad.any()
-        padded = None if head.processes.rows is None else head.processes.padded
-        if padded is not None:
-            input_ok = input_ok & padded.ranks_ok()
-        first = (head._bad_input == 0) & ~input_ok
-        head._bad_input.copy_(torch.where(first, head.steps + head.skipped_nonfinite + 1, head._bad_input))
-        if padded is not None:
-            padded.note_fault(first, bad)
-        return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
-
     def before_step(self, head) -> None:
         """The host's part before a step: lr refilled into the device scalar ``head._lr_t``
         (outside any graph capture) when it changed, which the step reads (a captured graph

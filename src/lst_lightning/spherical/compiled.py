@@ -4,8 +4,8 @@
 Under device flags (``sync_every > 1``) a step splits into a host part that reads nothing on
 the device (exact_step.py's ``before_step``: the device lr, the sampled classes' uniforms;
 ``run_device_part``: the version, moved before the device part, the tick of the flags after it) and a device
-part that changes no Python value (``deferred_step``: forward, dL/dH, the checks as flags, the
-write; or its halves ``forward`` and ``deferred_backward`` for the autograd step, and
+part, a function of the plan and tensors that takes no head (``device_step``: forward, dL/dH, the
+checks as flags, the write; or its halves ``forward`` and ``update`` for the autograd step, and
 ``records_step`` for exact accumulation). ``run`` calls the device part compiled by
 ``torch.compile(fullgraph=True)``: one graph (a break is an error, not a silent fallback),
 shapes static per graph, lr a device
@@ -41,11 +41,12 @@ def compiled(fn):
     return out
 
 
-def run(head, fn, *args):
-    """``fn(head, *args)``, one of exact_step.py's device parts: compiled where the head's plan says, with
-    Dynamo's limit of graphs per function and head at ``RECOMPILE_LIMIT`` (a graph per batch size,
-    batch_shapes.py, and Neumann factors: more than Dynamo's default of 8 in a long run)."""
-    if not head.plan.compiled:
-        return fn(head, *args)
+def run(plan, fn, *args):
+    """``fn(*args)``, one of exact_step.py's device parts (a function of the plan and tensors):
+    compiled where the plan says, with Dynamo's limit of graphs per function at ``RECOMPILE_LIMIT``
+    (a graph per batch size, batch_shapes.py, and Neumann factors: more than Dynamo's default of 8
+    in a long run)."""
+    if not plan.compiled:
+        return fn(*args)
     with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-        return compiled(fn)(head, *args)
+        return compiled(fn)(*args)

@@ -1,16 +1,18 @@
-"""The exact step of the factored head, as functions of its state and the batch, in
-docs/algorithm.md's order: forward (q, s, A; the loss and its gradients), backward
-(dL/dH), the new state computed aside, its checks, the write; then the repairs and the
-replica check, entered only when one fell due.
+"""The exact step of the factored head, in docs/algorithm.md's order: forward (q, s, A; the loss
+and its gradients), backward (dL/dH), the new state computed aside, its checks, the write.
 
-The state is the head's buffers (``V``, ``U``, ``Uinv``, ``omega``, ``Q``, ``wbar``, the
-counters and the conditioning bound; state.py). Each function takes the head holding
-them first: ``FactoredSphericalHead`` names them as its methods (``_forward_step =
-exact_step.forward``, ...), and the head's shell (base.py) calls them from its autograd
-function. The parts the head holds are called only when they have something to do:
-``head.step_checks`` when the checks are deferred to device flags (``sync_every > 1``;
-checks.py), ``head.processes`` when more than one process shares the step
-(multi_process.py), ``head.repairs`` when a repair fell due (stabiliser.py).
+The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
+collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
+none of them takes the head. ``device_step(plan, state, batch, lr, draws)`` is the whole step
+under device flags (``sync_every > 1``): every check a flag masking the write, nothing read on the
+host, the one unit ``compiled.py`` compiles whole and a CUDA graph replays; the autograd step runs
+its halves (``forward``, ``update``) and exact accumulation ``records_step``.
+
+The host's part of a step is the driver at the end of this file, the only code here that takes the
+head: the version, U^-1 refreshed where due, the lr and the draw's uniforms before the device part
+(``before_step``), the flags ticked and read, the repairs that fell due after it
+(``run_device_part``); and the step with host checks (``sync_every == 1``: ``backward``), which
+reads each check as it is made.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import functools
 import math
 import operator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +31,26 @@ from . import compiled
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
 from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
 from .state import StepState
+
+
+class Batch(NamedTuple):
+    """A training batch as the step takes it: H augmented, target ids (-1: padding), their values,
+    the real rows the "mean" reduction divides by, a device count (None: idx's rows), and the
+    fixed-size exchange the ranks' rows came through (padded_rows.py; None: not exchanged)."""
+    Hx: Tensor
+    idx: Tensor
+    T: Tensor
+    rows: Tensor | None = None
+    exchange: object = None
+
+
+class Flags(NamedTuple):
+    """What a device step leaves for the host to read: ``ok`` (a device bool: the write was taken),
+    ``fold`` (the step folded into V), and with the kernel proposal the classes whose rows of V the
+    write moved (``written``; its sum-tree follows them), else None."""
+    ok: Tensor
+    fold: Tensor | bool
+    written: Tensor | None = None
 
 
 @dataclass
@@ -71,21 +94,51 @@ class NewState:
     eig: tuple[int, int] = (0, 0)  # host checks: (eigenvalue computations, their failures) of this step
 
 
+# -- the loss on m-sized tensors --------------------------------------------------------------
+def y_sq(idx: Tensor, T: Tensor) -> Tensor:
+    """||y||^2 per row, with repeated classes in a row summed first (the squared error)."""
+    same = (idx[:, :, None] == idx[:, None, :]) & (idx[:, :, None] >= 0)
+    return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
+
+
+def row_weights(reduction: str, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    """d reduce(per, idx) / d per (m,): 1/n on the rows with a real slot (n as ``reduction``
+    says; 1 for "sum"), 0 on a fully padded row. ``rows``: the batch's rows that "mean"
+    divides by, a device count (the ranks' rows of a gathered batch padded to their
+    capacity: ``processes.rows``); None: idx's rows."""
+    real = (idx >= 0).any(1)
+    if reduction == "sum":
+        return real.to(dtype)
+    if reduction == "mean_real":
+        n = real.sum().clamp_min(1)
+    else:
+        n = idx.shape[0] if rows is None else rows
+    return real.to(dtype) / n
+
+
+def reduce(per_example: Tensor, weight: Tensor) -> Tensor:
+    """The minibatch loss from per-example losses, ``sum_i weight_i l_i`` (``row_weights``); a fully
+    padded row (every slot -1) contributes nothing, whatever its loss, for every loss (the squared
+    error would see a zero target)."""
+    return (torch.where(weight != 0, per_example, torch.zeros((), dtype=weight.dtype, device=weight.device))
+            * weight).sum()
+
+
 # -- forward ---------------------------------------------------------------------------------
-def outputs(head, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
+def outputs(plan, state, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
     """q, s, the target outputs A and the products reused by backward."""
-    d = head.width
-    mats = [head.Q, head.U.T] + ([head.Uinv] if with_uinv else [])
+    d = plan.width
+    mats = [state.Q, state.U.T] + ([state.Uinv] if with_uinv else [])
     P = Hx @ torch.cat(mats, dim=1)  # one GEMM for H Q, H U^T (and H U^-1)
     Hq, HUt = P[:, :d], P[:, d:2 * d]
     HUinv = P[:, 2 * d:] if with_uinv else None
     q = (Hx * Hq).sum(1)
-    s = Hx @ head.wbar
-    ht = Hx @ head.omega
+    s = Hx @ state.wbar
+    ht = Hx @ state.omega
     A = None
     if idx is not None:
-        sh = head.processes
-        A = lk.gather_dot(head.V, idx, HUt, ht) if sh.alone else sh.gather_dot(head.V, idx, HUt, ht)
+        sh = plan.collectives
+        A = lk.gather_dot(state.V, idx, HUt, ht) if plan.processes == "none" else sh.gather_dot(state.V, idx, HUt, ht)
     return q, s, A, Hq, HUt, HUinv, ht
 
 
@@ -94,59 +147,61 @@ def inverse_route(plan, m: int) -> str:
     return "woodbury" if m <= plan.woodbury_rows else plan.inverse
 
 
-# -- the host's part of a step, before the device's -------------------------------------------
-def before_step(head, m: int, draw: bool = True) -> Tensor | None:
-    """What a step needs from the host, done before its device part (which a compiled step
-    runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
-    (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
-    graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
-    plan = head.plan
-    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
-        head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    if plan.deferred:
-        head.step_checks.before_step(head)
-    return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
+def screen(plan, state, idx: Tensor, T: Tensor, padded=None):
+    """Device flags: bad ids become padding and the step is void (``input_ok`` False); the first
+    such step since the last read is recorded (``state.bad_input``: its number, from 1). Several
+    processes: the ranks' rows exchanged padded to their capacity (``padded``: padded_rows.py), a
+    rank that sent none voids the step too, and the first void step's rank is recorded."""
+    bad = (idx < -1) | (idx >= plan.num_classes)
+    input_ok = ~bad.any()
+    if padded is not None:
+        input_ok = input_ok & padded.ranks_ok()
+    first = (state.bad_input == 0) & ~input_ok
+    state.bad_input.copy_(torch.where(first, state.steps + state.skipped_nonfinite + 1, state.bad_input))
+    if padded is not None:
+        padded.note_fault(first, bad)
+    return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
 
 
 @torch.no_grad()
-def forward(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None = None,
-            rows: Tensor | None = None) -> tuple[Tensor, SavedForward]:
+def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Tensor, SavedForward]:
     """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
-    ``draws``: ``before_step``'s uniforms of the sampled classes (None: drawn here). ``rows``: the
-    real rows the "mean" reduction divides by, a device count, where the batch was padded (None:
-    ``processes.rows``, the batch's own rows in one process)."""
-    input_ok, plan = True, head.plan
+    ``draws``: the host's uniforms of the sampled classes (``before_step``; None: the kernel
+    proposal, which draws here from its tree)."""
+    Hx, idx, T, rows, exchange = batch
+    input_ok = True
     if plan.deferred:
-        idx, T, input_ok = head.step_checks.screen(head, idx, T)  # bad ids become padding and a device flag
+        idx, T, input_ok = screen(plan, state, idx, T, exchange)  # bad ids become padding and a device flag
     route = inverse_route(plan, Hx.shape[0])
-    q, s, A, Hq, HUt, HUinv, ht = outputs(head, Hx, idx, with_uinv=route == "woodbury")
+    q, s, A, Hq, HUt, HUinv, ht = outputs(plan, state, Hx, idx, with_uinv=route == "woodbury")
     real = None if plan.preconditioner is None else (idx >= 0).any(1)  # the rows P's moments count
-    rows = head.processes.rows if rows is None else rows
-    if head.negatives is not None:  # sampled classes as slots (negatives.py); never entered when off
-        L, gq, gs, GA, idx, neg = head.negatives.loss_and_grads(head, q, s, A, idx, T, HUt, ht, draws, rows)
-        return L, SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
-    loss_fn = head.loss_fn
-    y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None
-    weight = head.row_weights(idx, q.dtype, rows)
-    per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=head.num_classes, y_sq=y_sq)
-    L = head.reduce(per, idx, weight)
-    return L, SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, real=real)
+    loss_fn = plan.loss
+    y2 = y_sq(idx, T) if loss_fn.needs_y_sq else None  # (with sampled classes: the spherical term's)
+    weight = row_weights(plan.reduction, idx, q.dtype, rows)
+    neg = None
+    if plan.negatives is None:
+        per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=plan.num_classes, y_sq=y2)
+    else:  # sampled classes as slots (negatives.py); never entered when off
+        per, gq, gs, GA, idx, neg = plan.sampling.loss_and_grads(plan, state, q, s, A, idx, T, HUt, ht, draws,
+                                                                 weight, y2)
+    L = reduce(per, weight)
+    return L, SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
 
 
 # -- backward ------------------------------------------------------------------------------------
 @torch.no_grad()
-def hidden_grad(head, fwd: SavedForward, grad: Tensor | None, parts: bool = False):
+def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None, parts: bool = False):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
     upstream gradient (None: 1, the fused step's)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     ybar = GA.sum(1)
-    sh = head.processes
-    YV = lk.gather_sum(head.V, fwd.idx, GA) if sh.alone else sh.gather_sum(head.V, fwd.idx, GA)  # Yd V
+    sh = plan.collectives
+    YV = lk.gather_sum(state.V, fwd.idx, GA) if plan.processes == "none" else sh.gather_sum(state.V, fwd.idx, GA)
     if fwd.neg is not None and fwd.neg.shared:  # shared negatives: one dense block (negatives.py)
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
-    Z = YV @ head.U + torch.outer(ybar, head.omega) + torch.outer(gs, head.wbar)
+    Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
     dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
     return (dH, gq, gs, GA, ybar, Z) if parts else dH
 
@@ -257,12 +312,12 @@ def by_products(state, U_new: Tensor, A: Tensor, c, rho: float | None, fold, def
     return (Uinv_new, inverse_ok, fold) if bool(inverse_ok) else (None, True, fold)
 
 
-def new_state(plan, state, fwd: SavedForward, lr, weight_decay: float, gq, gs, GA, ybar, Z, dH) -> NewState:
+def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
     changes here. ``lr``: under device flags a device scalar."""
     Hx, deferred = fwd.Hx, plan.deferred
     m, w = Hx.shape
-    c = 1.0 - lr * weight_decay  # > 0: forward checked lr * weight_decay < 1
+    c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
     # The right preconditioner P (preconditioner.py; None: P = I). X = H P, the update's side of
     # H, is formed where a route takes it whole (Woodbury, the solve, Q through M); the products
@@ -396,41 +451,96 @@ def write_masked_u(plan, state, new: NewState, ok: Tensor) -> None:
     state.folds.add_(fold)
 
 
+# -- the device step: the whole step under device flags, a function of the plan and tensors -------
+@torch.no_grad()
+def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
+    """dL/dH and the update under device flags: every check a flag that masks the write (a bad
+    batch changes nothing), the step counted on the device (taken where ok, else skipped); it
+    reads nothing on the host. ``grad``: the upstream gradient (None: 1)."""
+    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad, parts=True)
+    ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
+    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
+    ok = ok & new.ok
+    write(plan, state, fwd, new, ok)
+    state.steps.add_(ok)
+    state.skipped_nonfinite.add_(~ok)
+    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx if plan.negatives == "kernel" else None)
+
+
+@torch.no_grad()
+def device_step(plan, state, batch: Batch, lr: Tensor, draws: Tensor | None) -> tuple[Tensor, Tensor, StepState, Flags]:
+    """The whole step under device flags: forward, dL/dH, the checks as flags, the write masked by
+    them, the device counts; it reads nothing on the host and takes no head (what
+    ``torch.compile(fullgraph=True)`` takes whole, and a CUDA graph replays). (the loss, dL/dH
+    (m, width), the new state: ``state`` itself, written in place, the flags)."""
+    loss, fwd = forward(plan, state, batch, draws)
+    dH, flags = update(plan, state, fwd, None, lr)
+    return loss, dH, state, flags
+
+
+def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
+                    input_ok: Tensor | bool = True, cols: Tensor | None = None,
+                    G_neg: Tensor | None = None) -> SavedForward:
+    """Exact accumulation's records as a forward had made them: their products with the current
+    state, and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
+    route = inverse_route(plan, Hx.shape[0])
+    _, s, _, Hq, HUt, HUinv, ht = outputs(plan, state, Hx, None, with_uinv=route == "woodbury")
+    neg = None if plan.sampling is None else plan.sampling.slots_part() if cols is None else \
+        plan.sampling.records_block(plan, state, cols, G_neg)
+    return SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
+
+
+@torch.no_grad()
+def records_step(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
+                 cols: Tensor | None, G_neg: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
+    """Exact accumulation's step under device flags, whole (as ``device_step``)."""
+    return update(plan, state, records_forward(plan, state, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg),
+                  None, lr)
+
+
+# -- the host's part: the driver of the device step, and the step with host checks ----------------
 def step_state(head) -> StepState:
     """The head's buffers that a step reads and writes, gathered (state.py's ``StepState``)."""
     checks, deferred = head.step_checks, head.plan.deferred
     return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
-                     head.input_moment, head.input_moment_weight, head.folds, checks.rho_max if deferred else None,
-                     checks.factors if deferred else None)
+                     head.input_moment, head.input_moment_weight, head.folds, head.steps, head.skipped_nonfinite,
+                     head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None)
 
 
-@torch.no_grad()
-def deferred_backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
-    """``backward``'s device part under device flags (``sync_every > 1``): every check a flag
-    that masks the write, the step counted on the device; it reads nothing on the host and
-    changes no Python value (a compiled step runs it whole; ``run_device_part`` does the rest)."""
-    dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
-    ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-    plan, state = head.plan, step_state(head)
-    new = new_state(plan, state, fwd, head._lr_t, head.weight_decay, gq, gs, GA, ybar, Z, dH)
-    ok = ok & new.ok
-    write(plan, state, fwd, new, ok)
-    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        head.negatives.kernel.moved(head, None if bool(new.fold) else fwd.idx)
-    head.steps += ok  # the step counted on the device: taken where ok, else skipped
-    head.skipped_nonfinite += ~ok
-    return torch.where(ok, dH, 0.0)
+def own_batch(head, Hx: Tensor, idx: Tensor, T: Tensor) -> Batch:
+    """The batch as it came, its real rows and exchange the processes' (a batch of several ranks'
+    rows exchanged padded: ``processes.rows``; else None, the batch's own rows)."""
+    sh = head.processes
+    return Batch(Hx, idx, T, sh.rows, None if sh.rows is None else sh.padded)
+
+
+def before_step(head, m: int, draw: bool = True) -> Tensor | None:
+    """What a step needs from the host, done before its device part (which a compiled step
+    runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
+    (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
+    graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
+    plan = head.plan
+    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
+        head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
+    if plan.deferred:
+        head.step_checks.before_step(head)
+    return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
 
 
 def run_device_part(head, fn, rows: int, *args):
-    """``fn(head, *args)``, a device part under device flags (``deferred_backward``, ``deferred_step``,
+    """``fn(plan, state, *args)``, a device part under device flags (``device_step``, ``update``,
     ``records_step``), as the plan says (compiled or eager: ``compiled.run``), between the host's
     parts: the version moved first (a pending backward of an earlier forward is stale from here);
-    after it, U^-1 marked stale where the step of ``rows`` rows solved with U_new, the step ticked,
-    and every ``sync_every`` steps the flags read and the repairs due run (``head.sync()``)."""
+    after it, the kernel proposal's tree moved with the rows written, U^-1 marked stale where the
+    step of ``rows`` rows solved with U_new, the step ticked, and every ``sync_every`` steps the flags
+    read and the repairs due run (``head.sync()``)."""
     head._version += 1
-    out = compiled.run(head, fn, *args)
-    if inverse_route(head.plan, rows) == "solve":
+    plan = head.plan
+    out = compiled.run(plan, fn, plan, step_state(head), *args)
+    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
+        flags = out[-1]
+        head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
+    if inverse_route(plan, rows) == "solve":
         head._uinv_fresh = False
     if head.step_checks.tick(head):
         head.sync()
@@ -438,23 +548,39 @@ def run_device_part(head, fn, rows: int, *args):
 
 
 @torch.no_grad()
-def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
+def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
+    """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
+    where the head's step is: ``compiled.run``)."""
+    m = Hx.shape[0]
+    draws = before_step(head, m)
+    plan, state = head.plan, step_state(head)
+    size = batch_size(head, m, idx.shape[1]) if plan.compiled else None  # static shapes: padded
+    if size is None:
+        return compiled.run(plan, forward, plan, state, own_batch(head, Hx, idx, T), draws)
+    batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
+    loss, fwd = compiled.run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]))
+    fwd.kept = m
+    return loss, fwd
+
+
+@torch.no_grad()
+def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
 
-    Checks read on the host (``sync_every == 1``): a failed check skips the step and counts
-    it at once. Device flags (``sync_every > 1``): every check is a flag that masks the
-    write, read by ``head.sync()`` every ``sync_every`` steps (checks.py)."""
-    if head.plan.deferred:
-        dH = run_device_part(head, deferred_backward, fwd.Hx.shape[0], fwd, grad)
+    Device flags (``sync_every > 1``): ``update``, every check a flag that masks the write, read by
+    ``head.sync()`` every ``sync_every`` steps (checks.py). Checks read on the host
+    (``sync_every == 1``): a failed check skips the step and counts it at once."""
+    plan = head.plan
+    if plan.deferred:
+        dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
         return dH if fwd.kept is None else dH[:fwd.kept]
     head._version += 1  # the state moves: a backward of any other forward is stale from here
-    checks = head.step_checks
-    dH, gq, gs, GA, ybar, Z = hidden_grad(head, fwd, grad, parts=True)
+    checks, state = head.step_checks, step_state(head)
+    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad, parts=True)
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
-    plan, state = head.plan, step_state(head)
-    new = new_state(plan, state, fwd, head.lr, head.weight_decay, gq, gs, GA, ybar, Z, dH)
+    new = new_state(plan, state, fwd, head.lr, gq, gs, GA, ybar, Z, dH)
     if new.eig[0]:  # the eigenvalues computed (and failed) for the fold decision, counted
         head.eig_checks += new.eig[0]
         head.eig_failures += new.eig[1]
@@ -474,36 +600,9 @@ def backward(head, fwd: SavedForward, grad: Tensor) -> Tensor:
     n_prev, n = checks.synced[0], int(head.steps)
     checks.synced = (n, checks.synced[1])
     cond_bound = float(head.cond_bound)
-    if head.repairs.due(n_prev, n, cond_bound, 0 if head.plan.processes == "none" else head.checksum_every):
+    if head.repairs.due(n_prev, n, cond_bound, 0 if plan.processes == "none" else head.checksum_every):
         head.run_due(n_prev, n, cond_bound)
     return dH
-
-
-# -- the whole step in one call, and exact accumulation ----------------------------------------
-@torch.no_grad()
-def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
-    """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
-    where the head's step is: ``compiled.run``)."""
-    m = Hx.shape[0]
-    draws = before_step(head, m)
-    size = batch_size(head, m, idx.shape[1]) if head.plan.compiled else None  # static shapes: padded
-    if size is None:
-        return compiled.run(head, forward, Hx, idx, T, draws)
-    loss, fwd = compiled.run(head, forward, *pad_batch(Hx, idx, T, *size), pad_draws(head, draws, m, size[0]),
-                             real_rows(Hx, m))
-    fwd.kept = m
-    return loss, fwd
-
-
-@torch.no_grad()
-def deferred_step(head, Hx: Tensor, idx: Tensor, T: Tensor, draws: Tensor | None,
-                  rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The whole step's device part under device flags: forward, dL/dH, the checks as flags,
-    the write and the device counts, in one function that reads nothing on the host (what
-    ``torch.compile(fullgraph=True)`` takes whole). The loss and dL/dH (m, width). ``rows``: as
-    ``forward``'s."""
-    loss, fwd = forward(head, Hx, idx, T, draws, rows)
-    return loss, deferred_backward(head, fwd, None)
 
 
 @torch.no_grad()
@@ -512,9 +611,9 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH.
     ``real``: where the caller padded the batch itself (a CUDA graph's static batch), its real rows
     as a device count."""
-    sh, rows = head.processes, None
+    sh, own = head.processes, None
     if not sh.alone:
-        Hx, idx, T, rows = sh.collect(Hx, idx, T, training=True)
+        Hx, idx, T, own = sh.collect(Hx, idx, T, training=True)
     m = Hx.shape[0]
     draws, plan = before_step(head, m), head.plan
     if plan.deferred:
@@ -522,16 +621,18 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        loss, dH = run_device_part(head, deferred_step, Hx.shape[0], Hx, idx, T, draws, real)
+        batch = own_batch(head, Hx, idx, T) if real is None else Batch(Hx, idx, T, real)
+        loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
         dH = dH[:m]
     else:
-        loss, fwd = forward(head, Hx, idx, T, draws)
+        loss, fwd = forward(plan, step_state(head), own_batch(head, Hx, idx, T), draws)
         dH = backward(head, fwd, None)
-    if rows is not None:
-        dH = sh.own_rows(dH, rows)
+    if own is not None:
+        dH = sh.own_rows(dH, own)
     return loss, dH[:, : head.hidden_dim].to(H.dtype)
 
 
+# -- exact accumulation: the micro-batches' records, one step on their union ----------------------
 def pending_record(head, fwd: SavedForward, weight: Tensor):
     """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
     shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
@@ -566,25 +667,7 @@ def apply_records(head, records: list) -> None:
             gq, gs = pad_rows(gq, M), pad_rows(gs, M)
             real = None if real is None else pad_rows(real, M, False)
             G_neg = None if G_neg is None else pad_rows(G_neg, M)
-        run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg)
+        run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg,
+                        head._lr_t)
         return
-    backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, True, cols, G_neg), None)
-
-
-def records_forward(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
-                    input_ok: Tensor | bool = True, cols: Tensor | None = None,
-                    G_neg: Tensor | None = None) -> SavedForward:
-    """The records' step as a forward had made it: their products with the current state, and
-    their shared negatives as one block (``cols``, ``G_neg``; negatives per row: slots of idx)."""
-    route = inverse_route(head.plan, Hx.shape[0])
-    _, s, _, Hq, HUt, HUinv, ht = outputs(head, Hx, None, with_uinv=route == "woodbury")
-    neg = None if head.negatives is None else head.negatives.slots_part() if cols is None else \
-        head.negatives.records_block(head, cols, G_neg)
-    return SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
-
-
-@torch.no_grad()
-def records_step(head, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
-                 cols: Tensor | None = None, G_neg: Tensor | None = None) -> None:
-    """Exact accumulation's step under device flags, its device part whole (as ``deferred_step``)."""
-    deferred_backward(head, records_forward(head, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg), None)
+    backward(head, records_forward(plan, step_state(head), Hx, idx, gq, gs, GA, real, True, cols, G_neg), None)

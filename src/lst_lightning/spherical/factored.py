@@ -63,7 +63,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     # the step: functions of the head's state and the batch (exact_step.py), named as its methods
     _forward_step = exact_step.forward_step
     _backward_step = exact_step.backward
-    _hidden_grad = exact_step.hidden_grad
     _pending_record = exact_step.pending_record
     _apply_records = exact_step.apply_records
 
@@ -233,6 +232,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def cannot_accumulate(self) -> str | None:
         return self.driving.cannot_accumulate()
+
+    def _hidden_grad(self, saved, grad: Tensor) -> Tensor:
+        return exact_step.hidden_grad(self.plan, exact_step.step_state(self), saved, grad)
 
     @property
     def uinv_fresh(self) -> bool:
@@ -491,7 +493,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     @torch.no_grad()
     def _eval_loss(self, Hx, idx, T):
         Hx, idx, T, rows = self.processes.collect(Hx, idx, T, training=False)
-        q, s, A, *_ = exact_step.outputs(self, Hx, idx)
+        q, s, A, *_ = exact_step.outputs(self.plan, exact_step.step_state(self), Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
         return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
 
@@ -513,7 +515,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """log p(target) in O(d^2) per example (spherical and Taylor softmax)."""
         Hx, idx, rows = self._gather_eval(hidden, target_idx)
-        q, s, A, *_ = exact_step.outputs(self, Hx, idx)
+        q, s, A, *_ = exact_step.outputs(self.plan, exact_step.step_state(self), Hx, idx)
         logp = self.loss_fn.log_prob(q, s, A, num_classes=self.num_classes).masked_fill(idx < 0, 0.0)
         logp = logp if rows is None else logp[rows]
         return logp[:, 0] if target_idx.dim() == 1 else logp

@@ -52,9 +52,9 @@ class KernelProposal:
         self.sampler.sync(head._proposal_rows(rows).detach().to("cpu"), rows=rows.cpu())
         self.synced = head._version
 
-    def sample(self, head, query: Tensor, num: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """(m, num) classes drawn for each row's query, and their log q, on the host."""
-        self.sync(head)
+    def sample(self, query: Tensor, num: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """(m, num) classes drawn for each row's query, and their log q, on the host, from the tree as
+        the last ``sync`` left it (the draw's host part: ``NegativeSampling.uniforms``)."""
         return self.sampler.sample_float64(num, query.detach().to("cpu"), generator=generator)
 
     def log_q(self, query: Tensor, idx: Tensor) -> Tensor:

@@ -185,8 +185,10 @@ class NegativeSampling:
     def uniforms(self, head, m: int) -> Tensor | None:
         """The randomness of the next draw for m rows, from the head's generator (the device's
         after ``draw_on``), and the proposal's q made once on the head's device: the host's
-        part of a draw, outside a compiled step. None for a kernel proposal (it draws itself)."""
+        part of a draw, outside a compiled step. None for a kernel proposal (it draws itself, from
+        its tree, brought here to the head's state)."""
         if self.kernel is not None:
+            self.kernel.sync(head)
             return None
         key = (head.device, head.dtype)
         if key not in self._q:
@@ -195,23 +197,30 @@ class NegativeSampling:
         return self.sampler.uniforms(S if self.settings.shared else m * S,
                                      generator=self.device_generator or self.generator)
 
-    def static_shapes(self, head) -> bool:
+    def static_shapes(self, deferred: bool) -> bool:
         """Whether shared negatives are coalesced in shapes fixed by S (``padded_unique``): on
-        the device (``draw_on``) and under device flags, where the step reads nothing on the host."""
-        return self.device_generator is not None or head.plan.deferred
+        the device (``draw_on``) and under device flags (``deferred``), where the step reads nothing
+        on the host."""
+        return self.device_generator is not None or deferred
 
     def draw(self, head, idx: Tensor, query: Tensor | None = None, u: Tensor | None = None):
-        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (None: drawn
-        here, ``uniforms``); their correction ``log(k q / (1 - q_T))`` and accidental-hit mask,
-        (m, S). ``query``: each row's query of the kernel proposal (the factored head: [H U^T,
-        H omega]; the naive head: H), unused by a static one."""
-        st, (m, S), dtype = self.settings, (idx.shape[0], self.settings.num), head.dtype
+        """``draw_slots`` for ``head``: by the uniforms ``u`` (None: drawn here, ``uniforms``)."""
+        u = self.uniforms(head, idx.shape[0]) if u is None else u
+        return self.draw_slots(idx, u, head.dtype, head.plan.deferred, query)
+
+    def draw_slots(self, idx: Tensor, u: Tensor | None, dtype: torch.dtype, deferred: bool,
+                   query: Tensor | None = None):
+        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (``uniforms``;
+        None: the kernel proposal's tree draws); their correction ``log(k q / (1 - q_T))`` and
+        accidental-hit mask, (m, S). ``query``: each row's query of the kernel proposal (the factored
+        head: [H U^T, H omega]; the naive head: H), unused by a static one."""
+        st, (m, S) = self.settings, (idx.shape[0], self.settings.num)
         if self.kernel is not None:  # per row, from each row's law (shared is refused)
-            neg, log_q = self.kernel.sample(head, query, S, self.generator)
+            neg, log_q = self.kernel.sample(query, S, self.generator)
         else:
-            neg, log_q = self.sampler.at(self.uniforms(head, m) if u is None else u)
+            neg, log_q = self.sampler.at(u)
         uniq = inv = None
-        if st.shared and self.static_shapes(head):  # static shapes, no host read
+        if st.shared and self.static_shapes(deferred):  # static shapes, no host read
             uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
         elif st.shared:
             uniq, inv = torch.unique(neg, sorted=True, return_inverse=True)  # on the host: no device sync
@@ -240,43 +249,41 @@ class NegativeSampling:
         by unique columns."""
         return PerRowSlots()
 
-    def records_block(self, head, cols: Tensor, G_neg: Tensor) -> "SharedBlock":
+    def records_block(self, plan, state, cols: Tensor, G_neg: Tensor) -> "SharedBlock":
         """Exact accumulation's shared negatives: the micro-batches' draws side by side (``cols``,
         k S) with their gradients block-diagonal (``G_neg``, M x k S: a row's own draw only), as one
         block of the union's step, V's rows fetched now (W has not moved since the records' forwards)."""
-        if self.static_shapes(head):
+        static = self.static_shapes(plan.deferred)
+        if static:
             uniq, inv = padded_unique(cols)
         else:
             uniq, inv = torch.unique(cols, sorted=True, return_inverse=True)
-        sh = head.processes
-        V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)
-        return SharedBlock(cols, uniq, inv, G_neg, V_u, padded=self.static_shapes(head))
+        sh = plan.collectives
+        V_u = state.V.index_select(0, uniq) if plan.processes == "none" else sh.rows_of(state.V, uniq)
+        return SharedBlock(cols, uniq, inv, G_neg, V_u, padded=static)
 
     # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
-    def loss_and_grads(self, head, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
-                       ht: Tensor, u: Tensor | None = None, rows: Tensor | None = None):
-        """The draw (by the uniforms ``u``, None: drawn here), the negatives' outputs, the composite
-        loss and its gradients (in closed form); ``rows``: as ``exact_step.forward``'s, resolved. Returns (L, g_q, g_s, G_A, idx, step part): per
-        row, idx and G_A carry the negatives as extra slots (the general path); shared, they stay
-        apart in a ``SharedBlock``."""
+    def loss_and_grads(self, plan, state, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
+                       ht: Tensor, u: Tensor | None, weight: Tensor, y_sq: Tensor | None):
+        """The draw (by the uniforms ``u``), the negatives' outputs and the composite loss's
+        per-row values and gradients (in closed form), the rows weighted by ``weight``. Returns
+        (per, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives as extra slots
+        (the general path); shared, they stay apart in a ``SharedBlock``."""
         query = None if self.kernel is None else torch.cat([HUt, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
-        cols, uniq, inv, slots = self.draw(head, idx, query, u)
-        sh = head.processes  # several processes: every rank drew the same negatives from the same seed
-        if self.settings.shared:
-            V_u = head.V.index_select(0, uniq) if sh.alone else sh.rows_of(head.V, uniq)  # the block's rows of V, fetched once
+        cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, plan.deferred, query)
+        sh = plan.collectives  # several processes: every rank drew the same negatives from the same seed
+        if self.settings.shared:  # the block's rows of V, fetched once
+            V_u = state.V.index_select(0, uniq) if plan.processes == "none" else sh.rows_of(state.V, uniq)
             A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
-            A_neg = lk.gather_dot(head.V, cols, HUt, ht) if sh.alone else sh.gather_dot(head.V, cols, HUt, ht)
-        loss_fn = head.loss_fn
-        y_sq = head.y_sq(idx, T) if loss_fn.needs_y_sq else None  # the squared error's spherical term only
-        weight = head.row_weights(idx, q.dtype, rows)
-        per, gq, gs, GA, G_neg = loss_fn.with_slots_grads(q, s, A, T, A_neg, slots, weight,
-                                                          num_classes=head.num_classes, y_sq=y_sq)
-        L = head.reduce(per, idx, weight)
+            A_neg = lk.gather_dot(state.V, cols, HUt, ht) if plan.processes == "none" else \
+                sh.gather_dot(state.V, cols, HUt, ht)
+        per, gq, gs, GA, G_neg = plan.loss.with_slots_grads(q, s, A, T, A_neg, slots, weight,
+                                                            num_classes=plan.num_classes, y_sq=y_sq)
         if self.settings.shared:
-            return L, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u, padded=self.static_shapes(head))
-        return (L, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1),
-                PerRowSlots())
+            return per, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u,
+                                                     padded=self.static_shapes(plan.deferred))
+        return per, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1), PerRowSlots()
 
 
 def padded_unique(ids: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,7 +5,8 @@ the device or the process group changes (``head.plan``, made again by the head's
 at each such change): the driver (``step``), device flags or host checks, compiled or eager, the
 processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
 batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
-width, the fold's thresholds, the head's ``Processes``. The step (exact_step.py) reads its plan,
+width, the fold's thresholds, the head's ``Processes``, its loss and reduction, its draw of sampled
+classes. The step (exact_step.py) reads its plan,
 data only; it asks the head's settings for none of these.
 
 The refusals of combinations of settings are here too, each one line saying why:
@@ -58,6 +59,13 @@ class StepPlan:
     fold_cond: float = Stabiliser.fold_cond
     #: the head's ``Processes`` (multi_process.py), whose collectives a step of several processes calls
     collectives: object = field(default=None, compare=False)
+    #: the head's weight decay (W <- c W - ..., c = 1 - lr weight_decay)
+    weight_decay: float = 0.0
+    #: the head's loss (``losses``) and its reduction over the rows (base.py's ``REDUCTIONS``)
+    loss: object = field(default=None, compare=False)
+    reduction: str = "mean"
+    #: the head's ``NegativeSampling`` (negatives.py: its proposal and the draw), None without sampled classes
+    sampling: object = field(default=None, compare=False)
 
 
 def m_matrix_rows(d: int) -> int:
@@ -98,7 +106,8 @@ def plan_for(head) -> StepPlan:
                     preconditioner=head.preconditioner, inverse=inverse, woodbury_rows=woodbury_rows,
                     m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann,
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
-                    fold_cond=settings.fold_cond, collectives=head.processes)
+                    fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
+                    reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------

@@ -98,9 +98,9 @@ EXACT_STATE = tuple(b.name for b in STATE if b.exact)
 
 
 class StepState(NamedTuple):
-    """The tensors a step's new state is made from and written to (exact_step.py's ``new_state``,
-    ``write``): the head's buffers themselves, gathered before the step, so that the step
-    reads and writes these, never the head; the write updates them in place (masked under device
+    """The tensors a step reads and writes (exact_step.py's ``device_step``, ``forward``,
+    ``new_state``, ``write``): the head's buffers themselves, gathered before the step, so that the
+    step reads and writes these, never the head; the write updates them in place (masked under device
     flags: a bad batch changes nothing). ``exact_step.step_state`` gathers them."""
     V: Tensor
     U: Tensor
@@ -113,6 +113,10 @@ class StepState(NamedTuple):
     input_moment: Tensor
     input_moment_weight: Tensor
     folds: Tensor
+    #: the step counters (device flags: counted on the device) and the first void step since the flags' last read
+    steps: Tensor
+    skipped_nonfinite: Tensor
+    bad_input: Tensor
     #: device flags, the adaptive Neumann rule: the largest bound on rho since the flags' last read (else None)
     rho_max: Tensor | None
     #: device flags: the products route's Neumann factors the flags' last read chose (else None)
