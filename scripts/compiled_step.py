@@ -44,7 +44,7 @@ from torch._inductor.utils import run_and_get_code
 
 from bench_heads import TARGET, app_head_kwargs, loss_settings
 from lst_lightning.spherical import FactoredSphericalHead
-from lst_lightning.spherical import exact_step
+from lst_lightning.spherical import driver, exact_step
 from lst_lightning.spherical.batch_shapes import padded_rows
 from lst_lightning.spherical.graph_step import CudaGraphStep
 
@@ -104,8 +104,8 @@ def make_head(loss: str, D: int, d: int, inverse: str, device: torch.device, com
 def explained(head, H, idx) -> tuple[int, int, int]:
     """(graphs, graph breaks, operators) of the step's device part as Dynamo traces it."""
     Hx, idx, T = head.prepare(H.detach(), idx, None, step=True)
-    draws = exact_step.before_step(head, Hx.shape[0])
-    out = torch._dynamo.explain(exact_step.device_step)(head.plan, exact_step.step_state(head),
+    draws = driver.before_step(head, Hx.shape[0])
+    out = torch._dynamo.explain(exact_step.device_step)(head.plan, driver.step_state(head),
                                                         exact_step.Batch(Hx, idx, T), head.device_lr(), draws)
     torch._dynamo.reset()
     return out.graph_count, out.graph_break_count, out.op_count

@@ -150,13 +150,13 @@ def compiling(spec):
     import contextlib
     from unittest import mock
 
-    from lst_lightning.spherical import compiled
+    from lst_lightning.spherical import driver
     if not spec["compiled"]:
         return contextlib.nullcontext()
     compile_ = torch.compile
     stack = contextlib.ExitStack()
     stack.enter_context(mock.patch.object(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw)))
-    stack.enter_context(mock.patch.object(compiled, "_compiled", {}))
+    stack.enter_context(mock.patch.object(driver, "_compiled", {}))
     return stack
 
 

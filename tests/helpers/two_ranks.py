@@ -139,10 +139,10 @@ def compiled_ragged(rank):
     and the graphs compiled."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
-    from lst_lightning.spherical import compiled  # noqa: PLC0415
+    from lst_lightning.spherical import driver  # noqa: PLC0415
 
-    compile_, cache = torch.compile, compiled._compiled
-    torch.compile, compiled._compiled = (lambda fn, **kw: compile_(fn, backend="aot_eager", **kw)), {}
+    compile_, cache = torch.compile, driver._compiled
+    torch.compile, driver._compiled = (lambda fn, **kw: compile_(fn, backend="aot_eager", **kw)), {}
     torch._dynamo.reset()
     counters.clear()
     try:
@@ -154,7 +154,7 @@ def compiled_ragged(rank):
         return {"losses": losses, "W": head.weight(), "graphs": counters["stats"]["unique_graphs"],
                 "steps": int(head.steps), "compiles": head.compiles}
     finally:
-        torch.compile, compiled._compiled = compile_, cache
+        torch.compile, driver._compiled = compile_, cache
         torch._dynamo.reset()
 
 

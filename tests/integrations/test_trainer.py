@@ -226,11 +226,11 @@ def test_the_trainer_with_dynamic_padding_trains_the_compiled_head_with_a_graph_
     and of the records' step (up to 128 rows)."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
-    from lst_lightning.spherical import compiled  # noqa: PLC0415
+    from lst_lightning.spherical import driver  # noqa: PLC0415
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
-    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(driver, "_compiled", {})
     torch._dynamo.reset()
     counters.clear()
     model = factor_lm_head(tiny("llama"), loss="sampled", negatives=dict(num=8), preconditioner={}, lr=0.5,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from lst_lightning.spherical import FactoredSphericalHead, compiled
+from lst_lightning.spherical import FactoredSphericalHead, driver
 from lst_lightning.spherical.batch_shapes import MIN_ROWS, padded_rows, padded_slots
 from lst_lightning.spherical.driving import BATCH_SIZES, Driving
 
@@ -30,7 +30,7 @@ def aot_eager(monkeypatch):
     counters.clear()
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
-    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(driver, "_compiled", {})
     yield
     torch._dynamo.reset()
 
@@ -137,7 +137,7 @@ def test_a_resumed_head_steps_bit_for_bit_on_new_batch_sizes(aot_eager):
 
 def test_more_batch_sizes_than_dynamos_limit_never_hit_it(aot_eager):
     """Four batch sizes (set by hand), one graph each, past a recompile limit of 2: the step runs
-    under its own limit (``compiled.RECOMPILE_LIMIT``), whatever the loop's."""
+    under its own limit (``driver.RECOMPILE_LIMIT``), whatever the loop's."""
     fast = head("zloss", True, batch_sizes=(1, 2, 3, 4))
     fast.step = "fused"
     g = torch.Generator().manual_seed(3)

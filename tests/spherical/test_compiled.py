@@ -1,4 +1,4 @@
-"""The step's device part compiled whole (compiled.py): one graph with no break, equal to the
+"""The step's device part compiled whole (driver.py): one graph with no break, equal to the
 eager step in float64 to 1e-12 (Inductor's fused loops reorder sums: rounding), to the naive
 head, bit for bit on resume within the compiled mode, and no recompile across lr changes,
 batches of one shape or a resumed head. On every route: the fused step, the autograd step
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, compiled
+from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, driver
 from lst_lightning.spherical import exact_step
 
 from head_pairs import rel
@@ -35,7 +35,7 @@ def aot_eager(monkeypatch, fresh):
     functionalised mutations in a fraction of the compile time."""
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
-    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(driver, "_compiled", {})
 
 
 def head(kind, compile_step, dtype=torch.float64, **kw):
@@ -66,8 +66,8 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
     h = head(kind, False)
     H, idx = batches(1)[0]
     Hx, idx, T = h.prepare(H, idx, None, step=True)
-    draws = exact_step.before_step(h, m)
-    plan, state, batch, lr = h.plan, exact_step.step_state(h), exact_step.Batch(Hx, idx, T), h.device_lr()
+    draws = driver.before_step(h, m)
+    plan, state, batch, lr = h.plan, driver.step_state(h), exact_step.Batch(Hx, idx, T), h.device_lr()
     explained = torch._dynamo.explain(exact_step.device_step)(plan, state, batch, lr, draws)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     if kind is DEFAULT:  # the autograd step's two halves and exact accumulation's step

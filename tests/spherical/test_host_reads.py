@@ -5,7 +5,7 @@ fails on the host-checked step, which reads at every step."""
 import pytest
 import torch
 
-from lst_lightning.spherical import FactoredSphericalHead, compiled
+from lst_lightning.spherical import FactoredSphericalHead, driver
 
 from host_reads import HostReads
 
@@ -74,7 +74,7 @@ def test_batches_of_changing_size_padded_to_a_batch_size_read_the_host_no_more(r
     """The compiled step's padding (batch_shapes.py) on batches of 1 to 32 rows, its device parts
     run as they are (the counter follows Python, not a compiled graph's kernels): at most 0.1
     reads a step, as unpadded."""
-    monkeypatch.setattr(compiled, "compiled", lambda fn: fn)
+    monkeypatch.setattr(driver, "compiled", lambda fn: fn)
     torch.manual_seed(0)
     h = head(compile_step=True)
     assert h.plan.compiled  # (compile_step=True: on the CPU too)

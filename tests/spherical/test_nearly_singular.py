@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lst_lightning.losses import LOSSES
-from lst_lightning.spherical import compiled
+from lst_lightning.spherical import driver
 from lst_lightning.spherical import exact_step
 
 from head_pairs import make_pair, no_host_reads, rel, step_both
@@ -29,8 +29,8 @@ def singular_lr(f, H: torch.Tensor, idx: torch.Tensor, off: float) -> float | No
     that lr is not in (0, LR_CAP]."""
     probe = copy.deepcopy(f)
     Hx, idx, T = probe.prepare(H.to(probe.dtype), idx, None, step=True)
-    draws = exact_step.before_step(probe, Hx.shape[0])
-    _, fwd = exact_step.forward(probe.plan, exact_step.step_state(probe), exact_step.Batch(Hx, idx, T), draws)
+    draws = driver.before_step(probe, Hx.shape[0])
+    _, fwd = exact_step.forward(probe.plan, driver.step_state(probe), exact_step.Batch(Hx, idx, T), draws)
     curvature = 2.0 * float(fwd.gq.sum()) * float(Hx[0].double().pow(2).sum())
     lr = (1.0 - off) / curvature if curvature > 0 else None
     return lr if lr is not None and lr <= LR_CAP else None
@@ -89,7 +89,7 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
-    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(driver, "_compiled", {})
     yield
     torch._dynamo.reset()
 
@@ -112,7 +112,7 @@ def test_the_compiled_graph_folds_on_the_device(aot_eager, loss, dtype):
 @pytest.mark.parametrize("loss,dtype", [("spherical_softmax", torch.float64), ("mse", torch.float32)])
 def test_the_inductor_compiled_step_folds_on_the_device(monkeypatch, loss, dtype):
     torch._dynamo.reset()
-    monkeypatch.setattr(compiled, "_compiled", {})
+    monkeypatch.setattr(driver, "_compiled", {})
     f, n = make_pair(loss, D=D, d=d, dtype=dtype, ref_dtype=torch.float64, sync_every=64)
     f.compile_step = True
     worst, _ = hard_steps(f, n, 4, steps=8)

@@ -1,8 +1,8 @@
 """One step, one path: a training step of the factored head with a spherical loss (the
 Z-loss) (``head(H, idx).backward()``, traced by scripts/trace_step.py after a warm-up step)
 enters at most 9 project files and 49 functions: the input check, the loss, the head's shell
-and its step (base.py, exact_step.py), its device flags (checks.py), the compiled or eager device
-part (compiled.py), its precision (precision.py) and the kernel ops; not the head's class
+and its step (base.py, exact_step.py), its device flags (checks.py), its host driver, compiled or eager
+(driver.py), its precision (precision.py) and the kernel ops; not the head's class
 (factored.py): the step reads the head's plan and settings as data.
 Processes, pending rows and the repairs are not entered when they have nothing to do."""
 import importlib.util
@@ -39,7 +39,7 @@ def test_the_head_side_of_the_default_step_is_its_shell_its_step_and_its_flags(p
     head_side = {f: names for f, names in path.items() if "/lst_kernels/" not in f}
     spherical = sorted(f for f in head_side if "/spherical/" in f)
     assert spherical == [f"src/lst_lightning/spherical/{name}.py"
-                         for name in ("base", "checks", "compiled", "exact_step", "precision")], sorted(head_side)
+                         for name in ("base", "checks", "driver", "exact_step", "precision")], sorted(head_side)
     assert len(head_side) <= MAX_FILES - 2
     assert sum(len(v) for v in head_side.values()) <= MAX_FUNCTIONS - 14, head_side
 

@@ -1,7 +1,7 @@
 """``head.step=auto``, the app's choice of how the factored head's step is driven.
 
 The step's device part runs compiled whole on a GPU (``head.compile_step=auto``;
-spherical/compiled.py), its checks device flags read every ``head.sync_every`` steps. On one
+spherical/driver.py), its checks device flags read every ``head.sync_every`` steps. On one
 CUDA device, where nothing refuses it, that step is also replayed from a CUDA graph (its
 launches in one); elsewhere (several processes, accumulation, a loss scaler, the CPU) it is
 the autograd step. ``head.step=autograd`` (or ``fused``, ``cuda_graph``) chooses by hand,

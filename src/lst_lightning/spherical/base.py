@@ -2,7 +2,7 @@
 the ``nn.Module`` (constructor, input checks, lr and weight decay, the loss on m-sized
 tensors), the thin ``autograd.Function`` that takes the step in backward, and the token of
 each training forward. The step itself is the head's: ``_forward_step`` and
-``_backward_step`` (for the factored head, the functions of exact_step.py).
+``_backward_step`` (for the factored head, driver.py's around exact_step.py's step).
 
 The parts the shell holds are called only when they have something to do:
 ``self.pending`` (``PendingRows``, pending.py) once the head is attached to an optimizer,
@@ -451,7 +451,7 @@ class SphericalHeadBase(OutputHead):
             Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         return Hx
 
-    @torch.compiler.disable  # a compiled model calls the head as it is: the step compiles itself (compiled.py)
+    @torch.compiler.disable  # a compiled model calls the head as it is: the step compiles itself (driver.py)
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head. A compiled model

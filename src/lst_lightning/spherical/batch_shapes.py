@@ -1,6 +1,6 @@
 """Batches of any size, compiled once per batch size (docs/factored_head.md, "Batch shapes").
 
-A compiled step (compiled.py) and a CUDA graph (graph_step.py) hold static shapes: each new
+A compiled step (driver.py) and a CUDA graph (graph_step.py) hold static shapes: each new
 number of rows m or of target slots K would compile (or capture) a step of its own. Where the
 step runs compiled, a batch of m rows and K slots is padded to the step's batch size for m
 (``padded_rows``: the smallest of ``head.batch_sizes`` at least m; past the largest, and with
@@ -80,7 +80,7 @@ def pad_draws(head, draws: Tensor | None, m: int, M: int) -> Tensor | None:
 
 
 def batch_size(head, m: int, K: int) -> tuple[int, int] | None:
-    """(M, K) a compiled step (exact_step.py asks only where it runs compiled: compiled.py) pads a batch
+    """(M, K) a compiled step (driver.py asks only where it runs compiled) pads a batch
     of m rows of K slots to; None on several processes, whose rows are exchanged padded to the
     capacity they agreed on (padded_rows.py), a batch size."""
     if not head.processes.alone:

@@ -5,8 +5,8 @@ every ``sync_every`` steps. The head holds one of the two (``head.step_checks``)
 - ``HostChecks`` (``sync_every == 1``): every check is read on the host when it is made
   (a host synchronisation on a GPU); a bad target id raises before anything changes, a
   non-finite or singular step is skipped and counted at once, the repairs that fell due
-  run after each step. The step (exact_step.py) makes these checks inline and never calls this
-  object: it holds only the host counts.
+  run after each step. The step's driver (driver.py's ``backward``) makes these checks
+  inline and never calls this object: it holds only the host counts.
 - ``DeviceFlags`` (``sync_every > 1``): the step reads nothing on the host, so a GPU
   never waits for it and it can be captured in a CUDA graph. Every check becomes a device
   flag: bad target ids turn into padding and void the step; a non-finite or singular
@@ -30,7 +30,7 @@ def capturing() -> bool:
 
 
 class HostChecks:
-    """``sync_every == 1``: each check read on the host when it is made (inline in exact_step.py)."""
+    """``sync_every == 1``: each check read on the host when it is made (inline in driver.py's ``backward``)."""
 
     deferred = False
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .batch_shapes import check_batch_sizes
-from .compiled import COMPILE_MODES
 from .plan import accumulate_refusal, driving_refusal
 
 STEP_MODES = ("autograd", "fused", "cuda_graph")
@@ -22,6 +21,9 @@ STEP_MODES = ("autograd", "fused", "cuda_graph")
 #: synchronisation every 64 steps (checks.py; 1 reads each check as it is made)
 SYNC_EVERY = 64
 PARALLEL_MODES = ("none", "replicated", "sharded")
+#: ``compile``: "auto" (on a CUDA device, where nothing refuses it), True (required: a head whose
+#: step cannot compile raises, with the reason) or False (the eager step)
+COMPILE_MODES = ("auto", True, False)
 #: the batch sizes a compiled step pads its rows to, so that any m compiles once per size
 #: (batch_shapes.py): "pow2" (16, 32, 64, ...) or a sequence of sizes (past the largest: pow2's)
 BATCH_SIZES = "pow2"
@@ -32,7 +34,7 @@ class Driving:
     step: str = "autograd"
     sync_every: int = SYNC_EVERY
     parallel: str = "none"
-    #: the step's device part compiled whole (compiled.py): "auto" (on a CUDA device), True, False
+    #: the step's device part compiled whole (driver.py): "auto" (on a CUDA device), True, False
     compile: bool | str = "auto"
     #: the rows a compiled step pads a batch to (batch_shapes.py): "pow2" or a sequence of sizes
     batch_sizes: str | tuple[int, ...] = BATCH_SIZES

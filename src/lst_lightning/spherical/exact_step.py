@@ -5,20 +5,17 @@ The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, t
 collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
 none of them takes the head. ``device_step(plan, state, batch, lr, draws)`` is the whole step
 under device flags (``sync_every > 1``): every check a flag masking the write, nothing read on the
-host, the one unit ``compiled.py`` compiles whole and a CUDA graph replays; the autograd step runs
+host, the one unit driver.py compiles whole and a CUDA graph replays; the autograd step runs
 its halves (``forward``, ``update``) and exact accumulation ``records_step``.
 
-The host's part of a step is the driver at the end of this file, the only code here that takes the
-head: the version, U^-1 refreshed where due, the lr and the draw's uniforms before the device part
-(``before_step``), the flags ticked and read, the repairs that fell due after it
-(``run_device_part``); and the step with host checks (``sync_every == 1``: ``backward``), which
-reads each check as it is made.
+The host's part of a step, the only code that takes the head, is driver.py: the version, U^-1
+refreshed where due, the lr and the draw's uniforms before the device part, the flags ticked and read
+and the repairs that fell due after it; and the step with host checks (``sync_every == 1``), which
+reads each check as it is made, around this file's ``hidden_grad``, ``new_state`` and ``write``.
 """
 from __future__ import annotations
 
-import functools
 import math
-import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,8 +24,6 @@ from torch import Tensor
 
 import lst_kernels as lk
 
-from . import compiled
-from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
 from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
 from .state import StepState
 
@@ -496,178 +491,3 @@ def records_step(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, G
     """Exact accumulation's step under device flags, whole (as ``device_step``)."""
     return update(plan, state, records_forward(plan, state, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg),
                   None, lr)
-
-
-# -- the host's part: the driver of the device step, and the step with host checks ----------------
-def step_state(head) -> StepState:
-    """The head's buffers that a step reads and writes, gathered (state.py's ``StepState``)."""
-    checks, deferred = head.step_checks, head.plan.deferred
-    return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
-                     head.input_moment, head.input_moment_weight, head.folds, head.steps, head.skipped_nonfinite,
-                     head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None)
-
-
-def own_batch(head, Hx: Tensor, idx: Tensor, T: Tensor) -> Batch:
-    """The batch as it came, its real rows and exchange the processes' (a batch of several ranks'
-    rows exchanged padded: ``processes.rows``; else None, the batch's own rows)."""
-    sh = head.processes
-    return Batch(Hx, idx, T, sh.rows, None if sh.rows is None else sh.padded)
-
-
-def before_step(head, m: int, draw: bool = True) -> Tensor | None:
-    """What a step needs from the host, done before its device part (which a compiled step
-    runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
-    (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
-    graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
-    plan = head.plan
-    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
-        head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    if plan.deferred:
-        head.step_checks.before_step(head)
-    return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
-
-
-def run_device_part(head, fn, rows: int, *args):
-    """``fn(plan, state, *args)``, a device part under device flags (``device_step``, ``update``,
-    ``records_step``), as the plan says (compiled or eager: ``compiled.run``), between the host's
-    parts: the version moved first (a pending backward of an earlier forward is stale from here);
-    after it, the kernel proposal's tree moved with the rows written, U^-1 marked stale where the
-    step of ``rows`` rows solved with U_new, the step ticked, and every ``sync_every`` steps the flags
-    read and the repairs due run (``head.sync()``)."""
-    head._version += 1
-    plan = head.plan
-    out = compiled.run(plan, fn, plan, step_state(head), *args)
-    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        flags = out[-1]
-        head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
-    if inverse_route(plan, rows) == "solve":
-        head._uinv_fresh = False
-    if head.step_checks.tick(head):
-        head.sync()
-    return out
-
-
-@torch.no_grad()
-def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
-    """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
-    where the head's step is: ``compiled.run``)."""
-    m = Hx.shape[0]
-    draws = before_step(head, m)
-    plan, state = head.plan, step_state(head)
-    size = batch_size(head, m, idx.shape[1]) if plan.compiled else None  # static shapes: padded
-    if size is None:
-        return compiled.run(plan, forward, plan, state, own_batch(head, Hx, idx, T), draws)
-    batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
-    loss, fwd = compiled.run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]))
-    fwd.kept = m
-    return loss, fwd
-
-
-@torch.no_grad()
-def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
-    """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
-
-    Device flags (``sync_every > 1``): ``update``, every check a flag that masks the write, read by
-    ``head.sync()`` every ``sync_every`` steps (checks.py). Checks read on the host
-    (``sync_every == 1``): a failed check skips the step and counts it at once."""
-    plan = head.plan
-    if plan.deferred:
-        dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
-        return dH if fwd.kept is None else dH[:fwd.kept]
-    head._version += 1  # the state moves: a backward of any other forward is stale from here
-    checks, state = head.step_checks, step_state(head)
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad, parts=True)
-    if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
-        head._skip("hidden states or loss gradients")
-        return torch.zeros_like(dH)
-    new = new_state(plan, state, fwd, head.lr, gq, gs, GA, ybar, Z, dH)
-    if new.eig[0]:  # the eigenvalues computed (and failed) for the fold decision, counted
-        head.eig_checks += new.eig[0]
-        head.eig_failures += new.eig[1]
-    if not bool(new.ok):
-        head._skip("state after the step")
-        return torch.zeros_like(dH)
-    if new.fold:  # decided on the host: V absorbs U B, U = U^-1 = I
-        head.repairs.fold_into_v(head, new.U)
-        head.folds += 1
-    elif new.Uinv is None:
-        head._uinv_fresh = False
-    write(plan, state, fwd, new)
-    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        head.negatives.kernel.moved(head, None if new.fold else fwd.idx)
-    head.steps += 1
-    # the repairs (and, multi-process, the replica check) that fell due at this step
-    n_prev, n = checks.synced[0], int(head.steps)
-    checks.synced = (n, checks.synced[1])
-    cond_bound = float(head.cond_bound)
-    if head.repairs.due(n_prev, n, cond_bound, 0 if plan.processes == "none" else head.checksum_every):
-        head.run_due(n_prev, n, cond_bound)
-    return dH
-
-
-@torch.no_grad()
-def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
-               real: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Forward, backward and update on checked inputs (``Hx``: H augmented): the loss and dL/dH.
-    ``real``: where the caller padded the batch itself (a CUDA graph's static batch), its real rows
-    as a device count."""
-    sh, own = head.processes, None
-    if not sh.alone:
-        Hx, idx, T, own = sh.collect(Hx, idx, T, training=True)
-    m = Hx.shape[0]
-    draws, plan = before_step(head, m), head.plan
-    if plan.deferred:
-        size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
-        if size is not None:
-            Hx, idx, T = pad_batch(Hx, idx, T, *size)
-            draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        batch = own_batch(head, Hx, idx, T) if real is None else Batch(Hx, idx, T, real)
-        loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
-        dH = dH[:m]
-    else:
-        loss, fwd = forward(plan, step_state(head), own_batch(head, Hx, idx, T), draws)
-        dH = backward(head, fwd, None)
-    if own is not None:
-        dH = sh.own_rows(dH, own)
-    return loss, dH[:, : head.hidden_dim].to(H.dtype)
-
-
-# -- exact accumulation: the micro-batches' records, one step on their union ----------------------
-def pending_record(head, fwd: SavedForward, weight: Tensor):
-    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
-    shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
-    n = fwd.Hx.shape[0] if fwd.kept is None else fwd.kept  # a padded batch keeps its own rows only
-    block = None if fwd.neg is None or not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
-    real = None if fwd.real is None else fwd.real[:n]
-    return (fwd.Hx[:n], fwd.idx[:n], fwd.gq[:n] * weight, fwd.gs[:n] * weight, fwd.GA[:n] * weight, real,
-            fwd.input_ok, block)
-
-
-@torch.no_grad()
-def apply_records(head, records: list) -> None:
-    """The step on the union of the micro-batches: their rows, targets padded to one K."""
-    K = max(r[1].shape[1] for r in records)
-    pad = torch.nn.functional.pad
-    Hx = torch.cat([r[0] for r in records])
-    idx = torch.cat([pad(r[1], (0, K - r[1].shape[1]), value=-1) for r in records])
-    gq, gs = torch.cat([r[2] for r in records]), torch.cat([r[3] for r in records])
-    GA = torch.cat([pad(r[4], (0, K - r[4].shape[1]), value=0.0) for r in records])
-    real = None if records[0][5] is None else torch.cat([r[5] for r in records])
-    input_ok = functools.reduce(operator.and_, [r[6] for r in records])  # device flags: a bad micro-batch voids the step
-    blocks = [r[7] for r in records if r[7] is not None]  # shared negatives: each micro-batch's own draw
-    cols = torch.cat([c for c, _ in blocks]) if blocks else None
-    G_neg = torch.block_diag(*[g for _, g in blocks]) if blocks else None
-    before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
-    plan = head.plan
-    if plan.deferred:
-        size = batch_size(head, Hx.shape[0], idx.shape[1]) if plan.compiled else None
-        if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
-            M = size[0]
-            Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
-            gq, gs = pad_rows(gq, M), pad_rows(gs, M)
-            real = None if real is None else pad_rows(real, M, False)
-            G_neg = None if G_neg is None else pad_rows(G_neg, M)
-        run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg,
-                        head._lr_t)
-        return
-    backward(head, records_forward(plan, step_state(head), Hx, idx, gq, gs, GA, real, True, cols, G_neg), None)

@@ -7,8 +7,8 @@ step ``W <- (1 - lr wd) W - lr dO^T H`` becomes a d x d update of U plus a
 sparse update of the target rows of V. The derivation, with the code's names
 (row layout: H is m x d), is docs/algorithm.md.
 
-The step itself is exact_step.py, functions of the head's state and the batch read top to
-bottom; this file is the head around it: its buffers (as ``state.py`` declares them),
+The step itself is exact_step.py, functions of the plan, the state and the batch read top to
+bottom, driven by driver.py; this file is the head around it: its buffers (as ``state.py`` declares them),
 the implicit W, the ways to drive the step (``self.driving``: ``train_step``, the fused
 and CUDA-graph steps), ``sync()``, the repairs' entry (``run_due``) and the
 multi-process setup. The head holds its parts and calls them: ``self.step_checks``
@@ -24,7 +24,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from . import exact_step
+from . import driver, exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
@@ -60,11 +60,11 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     step_modes = STEP_MODES
     parallel_modes = tuple(p for p in PARALLEL_MODES if p != "none")  # the modes of more than one process
 
-    # the step: functions of the head's state and the batch (exact_step.py), named as its methods
-    _forward_step = exact_step.forward_step
-    _backward_step = exact_step.backward
-    _pending_record = exact_step.pending_record
-    _apply_records = exact_step.apply_records
+    # the step's host driver (driver.py, around exact_step.py's device step), named as its methods
+    _forward_step = driver.forward_step
+    _backward_step = driver.backward
+    _pending_record = driver.pending_record
+    _apply_records = driver.apply_records
 
     def __init__(self, num_classes: int, hidden_dim: int, *args, init_std: float | None = None,
                  generator: torch.Generator | None = None, stabiliser: Stabiliser | dict | None = None,
@@ -166,7 +166,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @property
     def compile_step(self) -> bool | str:
-        """Whether the step's device part runs compiled whole (compiled.py): "auto" (on a CUDA
+        """Whether the step's device part runs compiled whole (driver.py): "auto" (on a CUDA
         device, where nothing refuses it), True or False."""
         return self.driving.compile
 
@@ -234,7 +234,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return self.driving.cannot_accumulate()
 
     def _hidden_grad(self, saved, grad: Tensor) -> Tensor:
-        return exact_step.hidden_grad(self.plan, exact_step.step_state(self), saved, grad)
+        return exact_step.hidden_grad(self.plan, driver.step_state(self), saved, grad)
 
     @property
     def uinv_fresh(self) -> bool:
@@ -325,9 +325,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         self.wbar.copy_(Utv + self.num_classes * w)
         self._version += 1
 
-    # -- driving the step (exact_step.py holds it) -------------------------------------------------
-    # step="autograd": base.py's forward runs exact_step.forward, loss.backward() exact_step.backward;
-    # train_step (and step="fused"/"cuda_graph") runs both at once: exact_step.whole_step.
+    # -- driving the step (driver.py around exact_step.py) ------------------------------------------
+    # step="autograd": base.py's forward runs driver.forward_step, loss.backward() driver.backward;
+    # train_step (and step="fused"/"cuda_graph") runs both at once: driver.whole_step.
     @own_precision
     @torch.no_grad()
     def train_step(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None,
@@ -339,7 +339,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         a device count (the "mean" reduction divides by it)."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
         self.check_decay()
-        return exact_step.whole_step(self, H, Hx, idx, T, rows)
+        return driver.whole_step(self, H, Hx, idx, T, rows)
 
     def _step_in_forward(self, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor) -> Tensor:
         if self.driving.step == "cuda_graph":  # one graph a batch size (batch_shapes.py), captured at its first batch
@@ -348,7 +348,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             if graph is None:
                 graph = self._graphs[size] = CudaGraphStep(self, *size, hidden_dtype=H.dtype)
             return _AppliedLoss.apply(H, *graph(H.detach(), idx, T))
-        return _AppliedLoss.apply(H, *exact_step.whole_step(self, H, Hx, idx, T))
+        return _AppliedLoss.apply(H, *driver.whole_step(self, H, Hx, idx, T))
 
     def device_lr(self) -> Tensor:
         """The lr as the device scalar the deferred step reads (``sync_every > 1``; a
@@ -493,7 +493,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     @torch.no_grad()
     def _eval_loss(self, Hx, idx, T):
         Hx, idx, T, rows = self.processes.collect(Hx, idx, T, training=False)
-        q, s, A, *_ = exact_step.outputs(self.plan, exact_step.step_state(self), Hx, idx)
+        q, s, A, *_ = exact_step.outputs(self.plan, driver.step_state(self), Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
         return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
 
@@ -515,7 +515,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """log p(target) in O(d^2) per example (spherical and Taylor softmax)."""
         Hx, idx, rows = self._gather_eval(hidden, target_idx)
-        q, s, A, *_ = exact_step.outputs(self.plan, exact_step.step_state(self), Hx, idx)
+        q, s, A, *_ = exact_step.outputs(self.plan, driver.step_state(self), Hx, idx)
         logp = self.loss_fn.log_prob(q, s, A, num_classes=self.num_classes).masked_fill(idx < 0, 0.0)
         logp = logp if rows is None else logp[rows]
         return logp[:, 0] if target_idx.dim() == 1 else logp

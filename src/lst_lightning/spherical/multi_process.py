@@ -46,7 +46,7 @@ class Processes:
         #: whether distribute() has run (one process: nothing to run)
         self.joined = joined
         #: one process, joined, unsharded: every operation here is the identity, and the
-        #: step (exact_step.py, base.py) does not call into this object at all
+        #: step (exact_step.py, driver.py, base.py) does not call into this object at all
         self.alone = joined and self.pg.world == 1 and not self.sharded
         #: the training steps' rows under device flags, padded to the capacity agreed at the first
         self.padded = PaddedRows(self.pg)

@@ -34,7 +34,7 @@ class StepPlan:
     step: str = "autograd"
     #: device flags (``sync_every > 1``: every check a flag masking the write), else each check read at once
     deferred: bool = True
-    #: the device part compiled whole (compiled.py)
+    #: the device part compiled whole (driver.py)
     compiled: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"

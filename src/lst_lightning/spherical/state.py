@@ -101,7 +101,7 @@ class StepState(NamedTuple):
     """The tensors a step reads and writes (exact_step.py's ``device_step``, ``forward``,
     ``new_state``, ``write``): the head's buffers themselves, gathered before the step, so that the
     step reads and writes these, never the head; the write updates them in place (masked under device
-    flags: a bad batch changes nothing). ``exact_step.step_state`` gathers them."""
+    flags: a bad batch changes nothing). ``driver.step_state`` gathers them."""
     V: Tensor
     U: Tensor
     Uinv: Tensor
