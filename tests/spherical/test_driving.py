@@ -52,7 +52,7 @@ def test_the_naive_head_always_accumulates():
 def test_the_checker_follows_sync_every_and_keeps_its_counts():
     """One checking strategy, chosen from sync_every: HostChecks reads each check at once,
     DeviceFlags leaves them on the device; a change between two sync_every > 1 keeps it."""
-    from lst_lightning.spherical.checks import DeviceFlags, HostChecks
+    from lst_lightning.spherical.driver import DeviceFlags, HostChecks
 
     head = deferred(sync_every=1)
     assert type(head.step_checks) is HostChecks and not head.deferred_checks

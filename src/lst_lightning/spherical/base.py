@@ -25,7 +25,7 @@ from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from . import exact_step
 from .blocks import BLOCK
-from .checks import HostChecks
+from .driver import HostChecks
 from .driving import Driving
 from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
@@ -179,7 +179,7 @@ class SphericalHeadBase(OutputHead):
         #: how the step is driven (driving.py): the naive head steps in backward, one process
         self.driving = Driving(sync_every=1, compile=False)
         #: how the step checks itself: at once on the host (the factored head: device flags
-        #: with ``sync_every > 1``; checks.py)
+        #: with ``sync_every > 1``; driver.py)
         self.step_checks = HostChecks()
         #: the rows kept for the attached optimizer's step (pending.py)
         self.pending = PendingRows()
@@ -590,9 +590,11 @@ class SphericalHeadBase(OutputHead):
         """d reduce(per, idx) / d per (m,), as ``reduction`` says (exact_step.py's ``row_weights``)."""
         return exact_step.row_weights(self.reduction, idx, dtype, rows)
 
-    def reduce(self, per_example: Tensor, idx: Tensor) -> Tensor:
-        """The minibatch loss from per-example losses (exact_step.py's ``reduce``)."""
-        return exact_step.reduce(per_example, self.row_weights(idx, per_example.dtype))
+    def reduce(self, per_example: Tensor, idx: Tensor, weight: Tensor | None = None) -> Tensor:
+        """The minibatch loss from per-example losses (exact_step.py's ``reduce``; ``weight``:
+        ``row_weights`` already made)."""
+        w = self.row_weights(idx, per_example.dtype) if weight is None else weight
+        return exact_step.reduce(per_example, w)
 
     # -- the counters --------------------------------------------------------------------
     def _zero_counters(self) -> None:

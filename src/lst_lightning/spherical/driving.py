@@ -18,7 +18,7 @@ from .plan import accumulate_refusal, driving_refusal
 
 STEP_MODES = ("autograd", "fused", "cuda_graph")
 #: how often the step's device flags are read on the host by default: one host
-#: synchronisation every 64 steps (checks.py; 1 reads each check as it is made)
+#: synchronisation every 64 steps (driver.py's ``DeviceFlags``; 1 reads each check as it is made)
 SYNC_EVERY = 64
 PARALLEL_MODES = ("none", "replicated", "sharded")
 #: ``compile``: "auto" (on a CUDA device, where nothing refuses it), True (required: a head whose

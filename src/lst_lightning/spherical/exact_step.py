@@ -438,7 +438,7 @@ def write_masked_u(plan, state, new: NewState, ok: Tensor) -> None:
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
         state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (new_state made it I where the step folds)
-    if new.rho is not None:  # the largest since the flags' last read (checks.py: the adaptive Neumann rule)
+    if new.rho is not None:  # the largest since the flags' last read (driver.py's ``DeviceFlags``: the adaptive Neumann rule)
         state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
     grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))

@@ -12,7 +12,7 @@ bottom, driven by driver.py; this file is the head around it: its buffers (as ``
 the implicit W, the ways to drive the step (``self.driving``: ``train_step``, the fused
 and CUDA-graph steps), ``sync()``, the repairs' entry (``run_due``) and the
 multi-process setup. The head holds its parts and calls them: ``self.step_checks``
-(checks.py), ``self.repairs`` (stabiliser.py), ``self.processes`` (multi_process.py),
+(driver.py), ``self.repairs`` (stabiliser.py), ``self.processes`` (multi_process.py),
 ``self.pending`` (pending.py, through base.py). Sharded evaluation is a mixin
 (``sharded_eval.py``): it overrides the interface's chunked evaluation.
 """
@@ -28,8 +28,8 @@ from . import driver, exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
-from .checks import checks_for
 from .collectives import ProcessGroup, bit_hash
+from .driver import checks_for
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import processes_for
@@ -87,7 +87,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
-        #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (checks.py)
+        #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (driver.py)
         self.step_checks = checks_for(self.driving.deferred_checks)
         self._replan()
         if self.processes.joined:
