@@ -117,6 +117,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         if why is not None:
             raise ValueError(why)
 
+    def _drive(self, **fields) -> None:
+        """Driving settings changed (validated with the others by ``Driving``, refused in one line
+        where this head cannot take them), then the plan made again."""
+        driving = dataclasses.replace(self.driving, **fields)
+        self._refuse(driving)
+        self.driving = driving
+        self._replan()
+
     def _replan(self) -> None:
         """The step's plan (plan.py) made again: at a change of a setting, the device or the process group."""
         self.plan: StepPlan = plan_for(self)
@@ -146,10 +154,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @step.setter
     def step(self, value: str) -> None:
-        driving = dataclasses.replace(self.driving, step=value)  # validated with sync_every and parallel
-        self._refuse(driving)
-        self.driving = driving
-        self._replan()
+        self._drive(step=value)
         self._graphs = {}
 
     @property
@@ -158,11 +163,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
-        driving = dataclasses.replace(self.driving, sync_every=value)
-        self._refuse(driving)
-        self.driving = driving
+        self._drive(sync_every=value)
         self.step_checks = checks_for(self.driving.deferred_checks, self.step_checks)
-        self._replan()
 
     @property
     def compile_step(self) -> bool | str:
@@ -172,10 +174,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @compile_step.setter
     def compile_step(self, value: bool | str) -> None:
-        driving = dataclasses.replace(self.driving, compile=value)
-        self._refuse(driving)
-        self.driving = driving
-        self._replan()
+        self._drive(compile=value)
 
     @property
     def batch_sizes(self) -> str | tuple[int, ...]:
@@ -185,8 +184,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @batch_sizes.setter
     def batch_sizes(self, value) -> None:
-        self.driving = dataclasses.replace(self.driving, batch_sizes=value)
-        self._replan()
+        self._drive(batch_sizes=value)
 
     @property
     def graph_sizes(self) -> tuple[tuple[int, int], ...]:
