@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import (ROOT, add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure,
+from benchlib import (add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure,
                       write_csv, wrote)
 
 import lightning.pytorch as pl

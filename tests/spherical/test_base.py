@@ -165,10 +165,10 @@ def test_default_init_std_is_the_losss_rule_at_every_D(cls):
     cases = [(20_000, "zloss", None, 20_000 ** -0.5), (8, "zloss", None, width ** -0.5),
              (20_000, "mse", None, 20_000 ** -0.5), (20_000, "spherical_softmax", None, width ** -0.5),
              (20_000, "taylor_softmax", None, width ** -0.5), (20_000, "zloss", 0.5, 0.5)]
-    for D, loss, given, want in cases:
-        head = cls(D, width - 1, loss=loss, bias=True, init_std=given)
-        got = head.weight().std().item() if D > 100 else head._init_std
-        assert abs(got / want - 1) < 0.03, (D, loss, given, got, want)
+    for classes, loss, given, want in cases:
+        head = cls(classes, width - 1, loss=loss, bias=True, init_std=given)
+        got = head.weight().std().item() if classes > 100 else head._init_std
+        assert abs(got / want - 1) < 0.03, (classes, loss, given, got, want)
 
 
 @pytest.mark.parametrize("bad", [0.0, -0.1, float("nan"), float("inf"), "0.1", True])

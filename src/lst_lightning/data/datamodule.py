@@ -14,7 +14,6 @@ import logging
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
