@@ -483,9 +483,20 @@ HEAD_NAMES = {"default": "the default", "sampled_softmax": "the sampled softmax"
 
 
 def variant_name(head: str) -> str:
-    """A head of time_to_quality.py as a page names it: a variant of one by the settings it changes."""
+    """A head of time_to_quality.py as a page names it: a variant of one by the settings it changes
+    (of the default: the settings alone; of another head: its name first)."""
     name, *extra = head.split(";")
-    return ", ".join(f"`{e}`" for e in extra) if extra else HEAD_NAMES.get(name, name)
+    settings = ", ".join(f"`{e}`" for e in extra)
+    if not extra:
+        return HEAD_NAMES.get(name, name)
+    return settings if name == "default" else f"{HEAD_NAMES.get(name, name)}, {settings}"
+
+
+def rival_rank(head: str) -> tuple[int, bool]:
+    """How much ``head`` is preferred as a pair's rival (lower: more): by its name's place in
+    RIVALS, a head as shipped before a variant of it."""
+    name = head.split(";")[0]
+    return (RIVALS.index(name) if name in RIVALS else len(RIVALS), ";" in head)
 
 
 def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
@@ -495,7 +506,7 @@ def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
     out = defaultdict(list)
     for r in runs:
         rival = r["rival"]
-        if rival not in RIVALS or (r["head"] in RIVALS and RIVALS.index(r["head"]) <= RIVALS.index(rival)):
+        if rival.split(";")[0] not in RIVALS or rival_rank(r["head"]) <= rival_rank(rival):
             continue  # each pair once: ours is the head that is not the preferred rival
         other = by.get((r["case"], r["budget_s"], r["machine"], r["seed"], r["commit"], rival, r["head"]))
         if other is not None:
@@ -548,7 +559,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             + table(["corpus", "D", "ours", "rival", "CPU time", "machine", "seeds", "MRR", "rival's MRR",
                      "MRR difference", "ahead", "top-10 error difference", "ahead", "steps / rival's",
                      "time to the rival's MRR", "the rival's time to ours", "load"], lines, right_from=6))
-    variants = [r for r in rows if r["mode"] == "equal_time" and ";" in r["head"]]
+    variants = [r for r in rows if r["mode"] == "equal_time" and r["head"].startswith("default;")]
     if variants:
         var_lines = [[CASE_NAMES.get(r["case"], r["case"]), big(r["D"]), f"{r['budget_s']:g} s",
                       short_machine(r["machine"]), str(r["seed"]), variant_name(r["head"]), variant_name(r["rival"]),
