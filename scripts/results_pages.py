@@ -483,9 +483,20 @@ HEAD_NAMES = {"default": "the default", "sampled_softmax": "the sampled softmax"
 
 
 def variant_name(head: str) -> str:
-    """A head of time_to_quality.py as a page names it: a variant of one by the settings it changes."""
+    """A head of time_to_quality.py as a page names it: a variant of one by the settings it changes
+    (of the default: the settings alone; of another head: its name first)."""
     name, *extra = head.split(";")
-    return ", ".join(f"`{e}`" for e in extra) if extra else HEAD_NAMES.get(name, name)
+    settings = ", ".join(f"`{e}`" for e in extra)
+    if not extra:
+        return HEAD_NAMES.get(name, name)
+    return settings if name == "default" else f"{HEAD_NAMES.get(name, name)}, {settings}"
+
+
+def rival_rank(head: str) -> tuple[int, bool]:
+    """How much ``head`` is preferred as a pair's rival (lower: more): by its name's place in
+    RIVALS, a head as shipped before a variant of it."""
+    name = head.split(";")[0]
+    return (RIVALS.index(name) if name in RIVALS else len(RIVALS), ";" in head)
 
 
 def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
@@ -495,7 +506,7 @@ def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
     out = defaultdict(list)
     for r in runs:
         rival = r["rival"]
-        if rival not in RIVALS or (r["head"] in RIVALS and RIVALS.index(r["head"]) <= RIVALS.index(rival)):
+        if rival.split(";")[0] not in RIVALS or rival_rank(r["head"]) <= rival_rank(rival):
             continue  # each pair once: ours is the head that is not the preferred rival
         other = by.get((r["case"], r["budget_s"], r["machine"], r["seed"], r["commit"], rival, r["head"]))
         if other is not None:
@@ -540,7 +551,10 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             "same work whatever the machine's other jobs do; running them together gives both the same load "
             "(`load`: the 1-minute load average while the pair ran, of 2 cores). **the default**: `lst-train`'s "
             "head as the code sets it by D; **the sampled softmax**: `head=sampled`, row-sparse rows under "
-            "SparseAdam, S by D and its swept lr, as the project tunes it.\n\n"
+            "SparseAdam, S by D and its swept lr, as the project tunes it. A run that compiles (`compile=true`: the "
+            "body and the rival's forward, backward and row update; `head.compile_step=true`: the default's step) "
+            "compiles cold and in its own process (`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 "
+            "TORCHINDUCTOR_COMPILE_THREADS=1`, which the script sets), so its compile time is in its budget.\n\n"
             "`time to the rival's MRR`: the training time at which a head's validation curve (linear between "
             "validations) first reached the rival's final MRR, over the rival's own training time: below 1, it "
             "got there sooner; `never`: not within its budget (with how many seeds did).\n\n"
@@ -548,7 +562,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             + table(["corpus", "D", "ours", "rival", "CPU time", "machine", "seeds", "MRR", "rival's MRR",
                      "MRR difference", "ahead", "top-10 error difference", "ahead", "steps / rival's",
                      "time to the rival's MRR", "the rival's time to ours", "load"], lines, right_from=6))
-    variants = [r for r in rows if r["mode"] == "equal_time" and ";" in r["head"]]
+    variants = [r for r in rows if r["mode"] == "equal_time" and r["head"].startswith("default;")]
     if variants:
         var_lines = [[CASE_NAMES.get(r["case"], r["case"]), big(r["D"]), f"{r['budget_s']:g} s",
                       short_machine(r["machine"]), str(r["seed"]), variant_name(r["head"]), variant_name(r["rival"]),

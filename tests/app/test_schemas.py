@@ -114,3 +114,11 @@ def test_every_setting_is_a_key_that_refuses_a_typo():
                 "model.embed_dmi=3"):
         with pytest.raises(ConfigCompositionException):
             cfg_of(bad)
+
+
+def test_a_setting_that_is_a_bool_or_a_word_keeps_a_bool():
+    """``compile_step: bool | str = "auto"``: ``head.compile_step=true`` is the bool the head
+    takes, not the word 'True' it refuses."""
+    for value, want in (("true", True), ("false", False), ("auto", "auto")):
+        got = cfg_of(f"head.compile_step={value}").head.compile_step
+        assert (got, type(got)) == (want, type(want))

@@ -85,3 +85,20 @@ def test_each_pages_command_runs_with_its_rows_threads_and_leaves_the_data_alone
         command = rp.page_command(row)
         assert f"--threads {row['threads']}" in command or f"--threads={row['threads']}" in command, command
         assert f"`{command}`" in text, command
+
+
+def test_a_pair_of_two_variants_is_summed_up_against_the_rivals_variant():
+    """``default;X`` against ``sampled_softmax;X`` (both compiled, say) is a pair of the table, the
+    rival named as itself with its settings; each pair once."""
+    def row(head, rival, seed, mrr):
+        return {"mode": "equal_time", "case": "python_code", "D": 100_000, "budget_s": 90.0, "machine": "box",
+                "seed": seed, "commit": "abc", "head": head, "rival": rival, "val_mrr": mrr}
+    ours, theirs = "default;compile=true", "sampled_softmax;compile=true"
+    rows = [row(ours, theirs, s, 0.5) for s in (0, 1)] + [row(theirs, ours, s, 0.4) for s in (0, 1)]
+    pairs = rp.ttq_pairs(rows)
+    assert list(pairs) == [("python_code", 100_000, 90.0, "box", ours, theirs)]
+    assert [(a["val_mrr"], b["val_mrr"]) for a, b in pairs[list(pairs)[0]]] == [(0.5, 0.4)] * 2
+    assert rp.variant_name(theirs) == "the sampled softmax, `compile=true`" and rp.variant_name(ours) == "`compile=true`"
+    # as shipped, a head is the rival of its variants
+    assert list(rp.ttq_pairs([row("default;x=1", "default", 0, 0.5), row("default", "default;x=1", 0, 0.4)])) == [
+        ("python_code", 100_000, 90.0, "box", "default;x=1", "default")]

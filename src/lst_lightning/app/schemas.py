@@ -87,15 +87,19 @@ def _nested_dataclass(p: inspect.Parameter, namespace: dict) -> type | None:
 OFF_WHEN_NULL = {"negatives", "preconditioner"}
 
 
-def _field(name: str, default, nested: type | None = None) -> tuple:
+def _field(name: str, default, nested: type | None = None, annotation=inspect.Parameter.empty) -> tuple:
     """A dataclass field for one setting: typed by its default (bool, int, float, str; else
-    Any), a nested dataclass for a dataclass's settings (null by default for OFF_WHEN_NULL)."""
+    Any; Any too where the annotation also admits a bool, ``compile_step: bool | str = "auto"``,
+    so that ``true`` stays a bool), a nested dataclass for a dataclass's settings (null by
+    default for OFF_WHEN_NULL)."""
     if nested is not None:
         schema = mirror(nested)
         if name in OFF_WHEN_NULL:  # noqa: UP045 below (OmegaConf reads Optional)
             return name, Optional[schema], (dataclasses.field(default=None) if default in (None, AUTO)  # noqa: UP045
                                             else dataclasses.field(default_factory=schema))
         return name, schema, dataclasses.field(default_factory=schema)
+    if isinstance(default, str) and "bool" in str(annotation).replace(" ", "").split("|"):
+        return name, Any, dataclasses.field(default=default)
     if isinstance(default, (bool, int, float, str)):
         return name, type(default), dataclasses.field(default=default)
     if isinstance(default, (tuple, list, dict)):
@@ -116,7 +120,8 @@ def settings_schema(cls: type, target: str, given: set[str] = NOT_SETTINGS) -> t
     """``cls``'s settings as a dataclass, with its ``_target_`` (a head's, or with
     ``given=NOT_MODEL_SETTINGS`` a body's)."""
     fields = [("_target_", str, dataclasses.field(default=target))]
-    fields += [_field(name, p.default, _nested_dataclass(p, ns)) for name, (p, ns) in parameters(cls, given).items()]
+    fields += [_field(name, p.default, _nested_dataclass(p, ns), p.annotation)
+               for name, (p, ns) in parameters(cls, given).items()]
     return dataclasses.make_dataclass(f"{cls.__name__}Config", fields)
 
 
