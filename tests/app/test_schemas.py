@@ -122,3 +122,16 @@ def test_a_setting_that_is_a_bool_or_a_word_keeps_a_bool():
     for value, want in (("true", True), ("false", False), ("auto", "auto")):
         got = cfg_of(f"head.compile_step={value}").head.compile_step
         assert (got, type(got)) == (want, type(want))
+
+
+def test_a_setting_that_is_a_word_or_a_list_takes_a_list():
+    """``batch_sizes: str | tuple[int, ...] = "pow2"``: ``head.batch_sizes=[512,1000]`` reaches the
+    head as the sizes docs/factored_head.md documents, and the head takes them."""
+    import torch  # noqa: PLC0415
+
+    from lst_lightning.app.train import make_head  # noqa: PLC0415
+
+    cfg = cfg_of("head.batch_sizes=[512,1000]")
+    assert list(cfg.head.batch_sizes) == [512, 1000]
+    assert cfg_of().head.batch_sizes == "pow2"
+    assert tuple(make_head(cfg, 50, 4, torch.ones(50)).batch_sizes) == (512, 1000)

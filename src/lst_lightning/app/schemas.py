@@ -89,16 +89,18 @@ OFF_WHEN_NULL = {"negatives", "preconditioner"}
 
 def _field(name: str, default, nested: type | None = None, annotation=inspect.Parameter.empty) -> tuple:
     """A dataclass field for one setting: typed by its default (bool, int, float, str; else
-    Any; Any too where the annotation also admits a bool, ``compile_step: bool | str = "auto"``,
-    so that ``true`` stays a bool), a nested dataclass for a dataclass's settings (null by
-    default for OFF_WHEN_NULL)."""
+    Any; Any too where a string default's annotation admits more than a string,
+    ``compile_step: bool | str = "auto"`` or ``batch_sizes: str | tuple[int, ...] = "pow2"``, so
+    that ``true`` stays a bool and ``[512, 1024]`` a list), a nested dataclass for a dataclass's
+    settings (null by default for OFF_WHEN_NULL)."""
     if nested is not None:
         schema = mirror(nested)
         if name in OFF_WHEN_NULL:  # noqa: UP045 below (OmegaConf reads Optional)
             return name, Optional[schema], (dataclasses.field(default=None) if default in (None, AUTO)  # noqa: UP045
                                             else dataclasses.field(default_factory=schema))
         return name, schema, dataclasses.field(default_factory=schema)
-    if isinstance(default, str) and "bool" in str(annotation).replace(" ", "").split("|"):
+    admits = set() if annotation is inspect.Parameter.empty else set(str(annotation).replace(" ", "").split("|"))
+    if isinstance(default, str) and admits - {"str", "None"}:
         return name, Any, dataclasses.field(default=default)
     if isinstance(default, (bool, int, float, str)):
         return name, type(default), dataclasses.field(default=default)
