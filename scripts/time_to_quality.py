@@ -19,8 +19,8 @@ training time (below 1: it got there sooner; empty: never within its budget). Th
 while the pair ran is recorded (``load_mean``). A head variant may compile
 (``'default;compile=true;head.compile_step=true,sampled_softmax;compile=true'``: both sides
 compiled, the default's own step and the body, the rival's forward, backward and row-sparse
-update); each run then compiles cold, in its own process, and its compile time counts in its
-budget (``COMPILE_ENV``).
+update); each run then compiles cold, its tracing and code generation in its own process and in its
+budget (``COMPILE_ENV``); the C++ compiler is a child process, which the CPU clock does not count.
 
 ``same_steps``: each head of ``--heads`` (default: the default, the sampled softmax, the full
 softmax) for ``--steps`` steps, validating at every quarter: quality per step against the full
@@ -75,8 +75,9 @@ HEADS = {
     "default_no_P": ["head.preconditioner=null"],
 }
 #: a run that compiles (``compile=true``, ``head.compile_step=true``) compiles cold (Inductor's caches
-#: off: an earlier run's kernels are not reused) and in its own process (the C++ compiles not in
-#: worker processes), so that its compile time is on its CPU clock, in its budget
+#: off: an earlier run's kernels are not reused), its code generation in its own process (no pool of
+#: compile workers), so that Dynamo's and Inductor's time is on its CPU clock, in its budget; the C++
+#: compiler Inductor calls is a child process, outside that clock
 COMPILE_ENV = {"TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 COMMON = ["trainer.max_epochs=1000", "trainer.limit_train_batches=1.0", "trainer.check_val_every_n_epoch=null",
           "test=false", "cpu_threads=1", "logger=csv", "callbacks.rich_progress=false", "~callbacks.checkpoint"]
@@ -143,7 +144,7 @@ def launch(args_list: list[str], run_dir: Path) -> subprocess.Popen:
     exe = Path(sys.executable).with_name("lst-train")
     cmd = [str(exe) if exe.exists() else "lst-train", *args_list, f"hydra.run.dir={run_dir}"]
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
-    # a run that compiles does so cold and in its own process, on its own CPU clock (COMPILE_ENV)
+    # a run that compiles does so cold, its code generation on its own CPU clock (COMPILE_ENV)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **COMPILE_ENV}
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
 
