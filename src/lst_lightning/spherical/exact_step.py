@@ -89,6 +89,20 @@ class NewState:
     eig: tuple[int, int] = (0, 0)  # host checks: (eigenvalue computations, their failures) of this step
 
 
+#: eager on the CPU, a device flag is read where it is made (``cpu_flag``); False: masked by
+#: ``torch.where`` as on a GPU (tests compare the two)
+READ_CPU_FLAGS = True
+
+
+def cpu_flag(plan, flag: Tensor) -> Tensor | bool:
+    """``flag`` (a device bool) as a Python bool where reading it costs nothing: the eager step on
+    the CPU, where nothing waits (a compiled graph takes no host read); else the tensor itself,
+    which masks the write by ``torch.where``. The same bits either way."""
+    if READ_CPU_FLAGS and flag.device.type == "cpu" and not plan.compiled and not torch.compiler.is_compiling():
+        return bool(flag)
+    return flag
+
+
 # -- the loss on m-sized tensors --------------------------------------------------------------
 def y_sq(idx: Tensor, T: Tensor) -> Tensor:
     """||y||^2 per row, with repeated classes in a row summed first (the squared error)."""
@@ -149,6 +163,8 @@ def screen(plan, state, idx: Tensor, T: Tensor, padded=None):
     rank that sent none voids the step too, and the first void step's rank is recorded."""
     bad = (idx < -1) | (idx >= plan.num_classes)
     input_ok = ~bad.any()
+    if padded is None and cpu_flag(plan, input_ok) is True:  # read on the CPU: nothing to mask
+        return idx, T, input_ok
     if padded is not None:
         input_ok = input_ok & padded.ranks_ok()
     first = (state.bad_input == 0) & ~input_ok
@@ -362,9 +378,12 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
     if deferred and right is None:  # Woodbury, the solve: a singular solve folds too; after a fold
         # (a device bool) H U_new^-1 = X = H P and U_new^-1 = I, whatever the route made
         fold, info = fold | (info != 0).any(), None
-        HUinv_new = torch.where(fold, X, HUinv_new)
-        if Uinv_new is not None:
-            Uinv_new = torch.where(fold, torch.eye(w, dtype=Hx.dtype, device=Hx.device), Uinv_new)
+        folded = cpu_flag(plan, fold)
+        if folded is not False:
+            HUinv_new = X if folded is True else torch.where(fold, X, HUinv_new)
+            if Uinv_new is not None:
+                eye = torch.eye(w, dtype=Hx.dtype, device=Hx.device)
+                Uinv_new = eye if folded is True else torch.where(fold, eye, Uinv_new)
     # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
     # from d x d products of the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
@@ -400,10 +419,13 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
     """Write the step's new state into ``state`` (the head's buffers), a fold decided on the host
     excepted (``backward`` folds first). Under device flags every buffer keeps its old value where
-    the flag ``ok`` is false, by ``torch.where``: no host read, no branch."""
-    masked = plan.deferred
-    if masked:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
+    the flag ``ok`` is false, by ``torch.where``: no host read, no branch; ``ok`` read already
+    (a Python bool: ``cpu_flag``), the write is taken whole or not at all."""
+    masked = plan.deferred and isinstance(ok, Tensor)
+    if plan.deferred:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
         write_masked_u(plan, state, new, ok)
+        if ok is False:
+            return
     elif not new.fold:
         state.U.copy_(new.U)
         if new.Uinv is not None:
@@ -431,7 +453,11 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | bool = Tru
 def write_masked_u(plan, state, new: NewState, ok: Tensor) -> None:
     """U, U^-1 and cond(U)'s bound under device flags, each kept where ``ok`` is false; a fold
     (``new.fold``, a device bool) first takes V <- V U B in one gated pass over V's rows (one load
-    a block where it is not set: ``lk.fold_rows_``) and leaves U = U^-1 = I, the bound 1."""
+    a block where it is not set: ``lk.fold_rows_``) and leaves U = U^-1 = I, the bound 1. ``ok``
+    read already (a Python bool, ``cpu_flag``): the fold's flag read too, the same values unmasked."""
+    if not isinstance(ok, Tensor):
+        write_read_u(plan, state, new, ok)
+        return
     fold = new.fold & ok
     lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
@@ -446,6 +472,25 @@ def write_masked_u(plan, state, new: NewState, ok: Tensor) -> None:
     state.folds.add_(fold)
 
 
+def write_read_u(plan, state, new: NewState, ok: bool) -> None:
+    """``write_masked_u`` with ``ok`` a Python bool (``cpu_flag``): the same values, unmasked."""
+    if new.rho is not None:  # the largest since the flags' last read, as the masked write keeps it
+        state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
+    if not ok:
+        return
+    if cpu_flag(plan, new.fold):
+        lk.fold_rows_(state.V, new.U, True)
+        state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
+        state.cond_bound.fill_(1.0)
+        state.cond_estimate.fill_(1.0)
+        state.folds.add_(1)
+    else:
+        state.U.copy_(new.U)
+        state.cond_bound.copy_(state.cond_bound * new.cond_step)
+    if new.Uinv is not None:  # (new_state made it I where the step folds)
+        state.Uinv.copy_(new.Uinv)
+
+
 # -- the device step: the whole step under device flags, a function of the plan and tensors -------
 @torch.no_grad()
 def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
@@ -456,10 +501,12 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
     ok = ok & new.ok
-    write(plan, state, fwd, new, ok)
+    taken = cpu_flag(plan, ok)
+    write(plan, state, fwd, new, taken)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx if plan.negatives == "kernel" else None)
+    dH = torch.where(ok, dH, 0.0) if isinstance(taken, Tensor) else dH if taken else torch.zeros_like(dH)
+    return dH, Flags(ok, new.fold, fwd.idx if plan.negatives == "kernel" else None)
 
 
 @torch.no_grad()
