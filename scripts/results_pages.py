@@ -500,8 +500,12 @@ def rival_rank(head: str) -> tuple[int, bool]:
 
 
 def ttq_pairs(rows: list[Row]) -> dict[tuple, list[tuple[Row, Row]]]:
-    """(case, D, budget, machine, ours, rival) -> per seed (our row, the rival's row), equal-time rows only."""
-    runs = [r for r in rows if r["mode"] == "equal_time"]
+    """(case, D, budget, machine, ours, rival) -> per seed (our row, the rival's row), equal-time rows only.
+    A pair run again (the same case, budget, machine, seed and heads) stands for the earlier one: the
+    code as it is measured last (the rows keep both, each with its commit)."""
+    latest = {(r["case"], r["budget_s"], r["machine"], r["seed"], r["head"], r["rival"]): r
+              for r in rows if r["mode"] == "equal_time"}  # the last row of each: the file's order
+    runs = list(latest.values())
     by = {(r["case"], r["budget_s"], r["machine"], r["seed"], r["commit"], r["head"], r["rival"]): r for r in runs}
     out = defaultdict(list)
     for r in runs:
