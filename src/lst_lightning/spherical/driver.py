@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
-from .exact_step import (Batch, SavedForward, device_step, forward, hidden_grad, inverse_route, new_state,
-                         records_forward, records_step, update, write)
+from .exact_step import (Batch, SavedForward, device_step, forward, hidden_grad, new_state, records_forward,
+                         records_step, step_route, update, write, write_checked_u)
 from .inverse_update import MAX_FACTORS, adaptive_factors
 from .state import StepState
 
@@ -77,11 +77,6 @@ def run(plan, fn, *args):
 
 
 # -- the checks: at once on the host, or device flags read every sync_every steps --------------
-def capturing() -> bool:
-    """Whether a CUDA graph is being captured on this thread's stream."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class HostChecks:
     """``sync_every == 1``: each check read on the host when it is made (inline in ``backward``)."""
 
@@ -120,7 +115,7 @@ class DeviceFlags(HostChecks):
         self.pinned = False      # pin_lr(): the device lr holds a value of its own
         #: the products route's Neumann factors a step (Stabiliser.neumann: "max" keeps them there)
         self.factors = MAX_FACTORS
-        #: "adaptive": the largest rho bound of the steps since the last read, on the device
+        #: the largest rho bound of the steps since the last read, on the device ("adaptive" reads it)
         self.rho_max: Tensor | None = None
         self.read_at = -1  # the steps run (``calls``) at the last read
         self.warned_skipped = 0  # the skipped steps warned about
@@ -139,11 +134,11 @@ class DeviceFlags(HostChecks):
         """The host's part before a step: lr refilled into the device scalar ``head._lr_t``
         (outside any graph capture) when it changed, which the step reads (a captured graph
         and a compiled step at each call: no recompile for a new lr); the adaptive rule's rho
-        bound made once."""
-        if not self.pinned and self.lr_filled != head.lr and not capturing():
+        bound's board made once."""
+        if not self.pinned and self.lr_filled != head.lr and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             head._lr_t.fill_(head.lr)
             self.lr_filled = head.lr
-        if self.rho_max is None and head.plan.neumann == "adaptive":
+        if self.rho_max is None:
             self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
 
     def lr(self, head) -> Tensor:
@@ -162,7 +157,7 @@ class DeviceFlags(HostChecks):
         """One more step run (on the host, after its device part); whether the flags are due to
         be read (every ``sync_every``). A step being captured is counted by its replays
         (``head.count_replay``), not here."""
-        if capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
         self.calls += 1
         return self.calls % head.driving.sync_every == 0
@@ -253,20 +248,13 @@ def step_state(head) -> StepState:
                      head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None)
 
 
-def own_batch(head, Hx: Tensor, idx: Tensor, T: Tensor) -> Batch:
-    """The batch as it came, its real rows and exchange the processes' (a batch of several ranks'
-    rows exchanged padded: ``processes.rows``; else None, the batch's own rows)."""
-    sh = head.processes
-    return Batch(Hx, idx, T, sh.rows, None if sh.rows is None else sh.padded)
-
-
 def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     """What a step needs from the host, done before its device part (which a compiled step
     runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
     (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
     graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
     plan = head.plan
-    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
+    if step_route(plan, m).keeps_uinv and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     if plan.deferred:
         head.step_checks.before_step(head)
@@ -286,7 +274,7 @@ def run_device_part(head, fn, rows: int, *args):
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         flags = out[-1]
         head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
-    if inverse_route(plan, rows) == "solve":
+    if not step_route(plan, rows).keeps_uinv:
         head._uinv_fresh = False
     if head.step_checks.tick(head):
         head.sync()
@@ -302,7 +290,7 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     plan, state = head.plan, step_state(head)
     size = batch_size(head, m, idx.shape[1]) if plan.compiled else None  # static shapes: padded
     if size is None:
-        return run(plan, forward, plan, state, own_batch(head, Hx, idx, T), draws)
+        return run(plan, forward, plan, state, Batch(Hx, idx, T, head.processes.rows, head.processes.exchange), draws)
     batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
     loss, fwd = run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]))
     fwd.kept = m
@@ -322,7 +310,7 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
         return dH if fwd.kept is None else dH[:fwd.kept]
     head._version += 1  # the state moves: a backward of any other forward is stale from here
     checks, state = head.step_checks, step_state(head)
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad, parts=True)
+    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad)
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
@@ -338,7 +326,8 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
         head.folds += 1
     elif new.Uinv is None:
         head._uinv_fresh = False
-    write(plan, state, fwd, new)
+    write_checked_u(state, new)
+    write(plan, state, fwd, new, new.ok)
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         head.negatives.kernel.moved(head, None if new.fold else fwd.idx)
     head.steps += 1
@@ -367,11 +356,11 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        batch = own_batch(head, Hx, idx, T) if real is None else Batch(Hx, idx, T, real)
+        batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
         loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
         dH = dH[:m]
     else:
-        loss, fwd = forward(plan, step_state(head), own_batch(head, Hx, idx, T), draws)
+        loss, fwd = forward(plan, step_state(head), Batch(Hx, idx, T, sh.rows, sh.exchange), draws)
         dH = backward(head, fwd, None)
     if own is not None:
         dH = sh.own_rows(dH, own)
@@ -383,7 +372,7 @@ def pending_record(head, fwd: SavedForward, weight: Tensor):
     """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
     shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
     n = fwd.Hx.shape[0] if fwd.kept is None else fwd.kept  # a padded batch keeps its own rows only
-    block = None if fwd.neg is None or not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
+    block = None if not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
     real = None if fwd.real is None else fwd.real[:n]
     return (fwd.Hx[:n], fwd.idx[:n], fwd.gq[:n] * weight, fwd.gs[:n] * weight, fwd.GA[:n] * weight, real,
             fwd.input_ok, block)
