@@ -332,9 +332,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
                    rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Forward, backward and update in one call, without autograd: the loss and dL/dH
         (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
-        nothing on the host: the unit that ``CudaGraphStep`` captures. ``rows``: where H is a
-        batch already padded to a batch size (``CudaGraphStep``'s; batch_shapes.py), its real rows,
-        a device count (the "mean" reduction divides by it)."""
+        nothing on the host: its device part, exact_step.py's ``device_step``, is what
+        ``CudaGraphStep`` captures. ``rows``: where H is a batch already padded to a batch size
+        (batch_shapes.py), its real rows, a device count (the "mean" reduction divides by it)."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
         self.check_decay()
         return driver.whole_step(self, H, Hx, idx, T, rows)
