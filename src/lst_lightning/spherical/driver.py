@@ -45,6 +45,7 @@ from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
 from .exact_step import (Batch, SavedForward, device_step, forward, hidden_grad, new_state, records_forward,
                          records_step, step_route, update, write, write_checked_u)
 from .inverse_update import MAX_FACTORS, adaptive_factors
+from .precision import own_math
 from .state import StepState
 
 #: Dynamo's limit of graphs per compiled function while the step runs: each batch size
@@ -86,12 +87,6 @@ class HostChecks:
         self.calls = 0           # training steps run (host count; device flags)
         self.synced = (0, 0)     # (steps, skipped) at the last host read
 
-    def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
-        """A backward whose loss reached the head multiplied by a factor (not the loss scale):
-        warned once, at once."""
-        if float(grad) != scale:
-            head._warn_loss_factor(float(grad) / scale)
-
     def read(self, head, peek: bool = False):
         """(steps at the last read, steps now, cond(U)'s bound, the step of a bad batch: 0) or
         None when no step ran since. ``peek`` (``DeviceFlags``'s) changes nothing here: each
@@ -124,11 +119,6 @@ class DeviceFlags(HostChecks):
         self.fault: tuple[int, str | None] | None = None
         #: the head's ``stats()`` as the last read took them ({}: no read yet): ``logged_stats()``
         self.stats: dict[str, float] = {}
-
-    def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
-        """The factor the loss reached the head with, kept on the device where it is not the loss
-        scale: warned once at the next read."""
-        head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale, head._loss_factor))
 
     def before_step(self, head) -> None:
         """The host's part before a step: lr refilled into the device scalar ``head._lr_t``
@@ -338,6 +328,54 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     if head.repairs.due(n_prev, n, cond_bound, 0 if plan.processes == "none" else head.checksum_every):
         head.run_due(n_prev, n, cond_bound)
     return dH
+
+
+def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
+    """The backward of a training forward through autograd (base.py's ``_HeadLoss``, both heads):
+    dL/dH of the rows H came with, and the head's step with this very forward's gradients
+    (``head._backward_step``), or its rows kept for the optimizer's step when attached
+    (``head.pending``). A frozen head (eval mode: no token) hands dL/dH on and takes no step; a
+    second backward through the same forward hands on the first one's dL/dH; a backward after the
+    state moved is refused. A loss that reached the head multiplied by a factor other than the loss
+    scale is warned about once: at once with host checks, at the flags' next read under device flags."""
+    head, token = ctx.head, ctx.token
+    name = type(head).__name__
+    with own_math(grad_out.device.type, head.tf32):
+        grad = grad_out.to(head._factory["dtype"])
+        if token is None:  # eval mode: a frozen head
+            head._warn_once("eval", f"{name} is in eval mode: its loss gives the body dL/dH but the head "
+                                    "takes no step (call .train() on it to train it)")
+            dH = head._hidden_grad(ctx.saved, grad)
+        elif token.dH is not None:  # the same forward's second backward
+            head._warn_once("again", f"{name}: a second backward through the same forward (autograd.grad for "
+                                     "a gradient norm, retain_graph=True?) hands on the same dL/dH; the head "
+                                     "took its step at the first backward and takes no other")
+            dH = token.dH * (grad / token.grad) if bool(token.grad != 0) else torch.zeros_like(token.dH)
+        else:
+            if head._version != ctx.version:
+                raise RuntimeError(
+                    f"{name}: its state changed between this forward and its backward "
+                    "(another step, a repair or a reset ran in between). The head applies its SGD step "
+                    "in backward, so each forward must be followed by its own backward.")
+            pending = head.pending
+            if pending.hook is not None:  # attached: the rows wait for the optimizer's step
+                dH = pending.keep(head, ctx.saved, grad)
+            else:
+                scale = pending.loss_scale
+                if grad.numel() == 1 and "weight" not in head._warned and head.plan.deferred:
+                    head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale,
+                                                        head._loss_factor))
+                elif grad.numel() == 1 and "weight" not in head._warned and float(grad) != scale:
+                    head._warn_loss_factor(float(grad) / scale)
+                dH = head._backward_step(ctx.saved, grad / scale)
+                if scale != 1.0:
+                    dH = dH * scale
+            token.dH, token.grad = dH, grad
+            ctx.saved = None  # a second backward reuses the token's dL/dH
+    dH = dH[:ctx.m]
+    if ctx.rows is not None:
+        dH = head.processes.own_rows(dH, ctx.rows)
+    return dH[:, : head.hidden_dim].to(ctx.in_dtype)
 
 
 @torch.no_grad()
