@@ -199,7 +199,7 @@ def outputs(plan, state, Hx: Tensor, blocks: int = 2):
 
 def step_route(plan, m: int) -> Route:
     """The U^-1 route of a step of m rows, as its plan says: Woodbury up to ``woodbury_rows`` rows."""
-    return plan.small if m <= plan.woodbury_rows else plan.large
+    return plan.few_rows if m <= plan.woodbury_rows else plan.many_rows
 
 
 def inverse_route(plan, m: int) -> str:

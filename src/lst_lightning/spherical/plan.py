@@ -78,8 +78,8 @@ class StepPlan:
     #: the checks' screen of bad ids for these processes (one, or several exchanging their rows)
     screen: object = field(init=False, compare=False, repr=False)
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
-    small: exact_step.Route = field(init=False, compare=False, repr=False)
-    large: exact_step.Route = field(init=False, compare=False, repr=False)
+    few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
+    many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
     #: ||y||^2 per row where the loss takes it (exact_step.py's ``y_sq``), else ``nothing``
@@ -94,7 +94,8 @@ class StepPlan:
     def __post_init__(self):
         checks, sh = exact_step.DEVICE_FLAGS if self.deferred else exact_step.HOST_CHECKS, self.collectives
         alone = self.processes == "none"
-        chosen = dict(checks=checks, screen=checks.screens[not alone], small=checks.routes["woodbury"], large=checks.routes[self.inverse],
+        chosen = dict(checks=checks, screen=checks.screens[not alone], few_rows=checks.routes["woodbury"],
+                      many_rows=checks.routes[self.inverse],
                       y_sq=exact_step.y_sq if getattr(self.loss, "needs_y_sq", False) else exact_step.nothing,
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
                       weights=exact_step.WEIGHTS[self.reduction],
