@@ -6,8 +6,7 @@ milliseconds a step and torch operator calls a step, side by side.
 
 The default head is lst-train's (``loss="sampled"``, its negatives and right preconditioner at
 their settings, ``sync_every=64``), stepped by ``head.train_step(H, y)`` (``step="fused"``: the
-whole step in one call; lst-train on the CPU takes the same arithmetic inside
-``loss.backward()``, ``step="autograd"``, whose autograd graph costs a little more); the
+whole step in one call, lst-train's choice on one CPU process); the
 rival is ``SampledSoftmaxHead(sparse=True)`` with SGD on its row-sparse gradient. Operator calls
 are counted two ways over one step: torch's profiler (every ATen call, those that other operators
 make inside them included: "profiled") and a ``TorchDispatchMode`` (the calls the Python code makes,

@@ -44,18 +44,16 @@ def test_lst_train_reads_the_host_at_most_once_in_ten_steps(tmp_path, accumulate
 
 
 class LoggedStats(pl.Callback):
-    """The head's stats as the flags' last read took them before each step, and what the step logged."""
+    """The head's stats as the flags' last read took them by the end of each step (lst-train's
+    fused step on the CPU reads them in the forward, before the step logs), and what it logged."""
 
     def __init__(self):
         self.pairs = []
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.before = dict(pl_module.head.step_checks.stats)
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         logged = {k[len("head/"):]: float(v) for k, v in trainer.callback_metrics.items()
                   if k.startswith("head/") and k != "head/lr"}
-        self.pairs.append((self.before, logged))
+        self.pairs.append((dict(pl_module.head.step_checks.stats), logged))
 
 
 def test_the_head_stats_logged_every_step_read_nothing_more(tmp_path):
@@ -68,7 +66,8 @@ def test_the_head_stats_logged_every_step_read_nothing_more(tmp_path):
     trainer.callbacks.extend([count, logged])
     trainer.fit(module, datamodule=dm)
     assert count.reads.count / (STEPS - 2) <= 0.1, count.reads.sites
-    read = [(before, got) for before, got in logged.pairs if before]
-    assert len(read) == STEPS - 64  # logged from the first read on (step 64)
-    assert all(got == pytest.approx(before, rel=1e-6) for before, got in read), read[:2]  # (logged in float32)
+    assert module.head.step == "fused"
+    read = [(taken, got) for taken, got in logged.pairs if taken]
+    assert len(read) == STEPS - 63  # logged from the first read on (step 64)
+    assert all(got == pytest.approx(taken, rel=1e-6) for taken, got in read), read[:2]  # (logged in float32)
     assert read[-1][1]["steps"] == 128

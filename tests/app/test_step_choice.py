@@ -39,8 +39,21 @@ def test_a_sync_every_given_above_one_is_kept():
     assert (h.step, h.sync_every) == ("cuda_graph", 8)
 
 
+def test_one_cpu_process_takes_the_fused_step(caplog):
+    """On the CPU without accumulation or a loss scaler the step runs in the forward
+    (``train_step``'s), silently; anything that waits for the optimizer's step keeps autograd."""
+    h = head()
+    with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
+        choose_step(h, trainer(device="cpu"))
+    assert (h.step, h.sync_every) == ("fused", SYNC_EVERY)
+    assert caplog.text == ""
+    for run in (dict(world_size=2), dict(accumulate=4), dict(scaler=object())):
+        h = head()
+        choose_step(h, trainer(device="cpu", **run))
+        assert h.step == "autograd", run
+
+
 @pytest.mark.parametrize("run,why", [
-    (dict(device="cpu"), "it trains on cpu"),
     (dict(world_size=2), "2 processes exchange the head's data each step"),
     (dict(accumulate=4), "trainer.accumulate_grad_batches=4 steps at the optimizer's step"),
     (dict(scaler=object()), "a loss scaler (fp16) steps at the optimizer's step"),
@@ -71,14 +84,14 @@ def test_host_checks_refuse_the_graph():
     assert (h.step, h.sync_every) == ("autograd", 1)
 
 
-def test_the_app_defaults_to_auto_and_trains_on_the_cpu_with_autograd(tmp_path):
+def test_the_app_defaults_to_auto_and_trains_on_one_cpu_fused(tmp_path):
     from lst_lightning.app.train import build, run  # noqa: PLC0415
 
     cfg = cfg_of(*FAST, "head=factored")
     assert cfg.head.step == "auto"
     _, module, _ = build(cfg, tmp_path)
-    assert (module.head.step, module.head.sync_every) == ("autograd", SYNC_EVERY)
+    assert (module.head.step, module.head.sync_every) == ("fused", SYNC_EVERY)
     # results.json says which step ran
-    assert run(cfg_of(*FAST, "head=factored", "test=false"), tmp_path / "run")["head_step"] == "autograd"
+    assert run(cfg_of(*FAST, "head=factored", "test=false"), tmp_path / "run")["head_step"] == "fused"
     _, module, _ = build(cfg_of(*FAST, "head=factored", "head.step=fused"), tmp_path / "fused")
     assert module.head.step == "fused"

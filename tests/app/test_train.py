@@ -275,7 +275,7 @@ def test_fused_head_step_trains_like_autograd(tmp_path, step, sync_every):
     update inside loss.backward() (and, with sync_every > 1, the sync-free step)."""
     over = [*FAST, "head=factored", "trainer.max_epochs=1", "trainer.limit_train_batches=6", "test=false",
             "model.dropout=0.0", f"head.sync_every={sync_every}"]
-    run(cfg_of(*over), tmp_path / "autograd")
+    run(cfg_of(*over, "head.step=autograd"), tmp_path / "autograd")
     run(cfg_of(*over, f"head.step={step}"), tmp_path / step)
     a = _state(tmp_path / "autograd/checkpoints/last.ckpt")
     b = _state(tmp_path / f"{step}/checkpoints/last.ckpt")

@@ -35,7 +35,8 @@ DATA_SHAPED = ("aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::uni
 
 
 #: (file, function) of the CPU kernels that branch on a CPU value where their CUDA kernels read it on the device
-CPU_KERNELS = {(str(ROOT / "triton_kernels" / "lst_kernels" / "functional.py"), "_fold_rows_gated")}
+CPU_KERNELS = {(str(ROOT / "triton_kernels" / "lst_kernels" / "functional.py"), "_fold_rows_gated"),
+               (str(ROOT / "src" / "lst_lightning" / "spherical" / "exact_step.py"), "cpu_flag")}
 
 
 def cpu_kernel(t: torch.Tensor, frame) -> bool:

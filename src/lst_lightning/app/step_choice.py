@@ -3,7 +3,9 @@
 The step's device part runs compiled whole on a GPU (``head.compile_step=auto``;
 spherical/driver.py), its checks device flags read every ``head.sync_every`` steps. On one
 CUDA device, where nothing refuses it, that step is also replayed from a CUDA graph (its
-launches in one); elsewhere (several processes, accumulation, a loss scaler, the CPU) it is
+launches in one). On one CPU process without accumulation or a loss scaler it is the fused
+step (``head.train_step``'s: the update in the forward, without the autograd step's graph
+around it, the same arithmetic); elsewhere (several processes, accumulation, a loss scaler) it is
 the autograd step. ``head.step=autograd`` (or ``fused``, ``cuda_graph``) chooses by hand,
 ``head.compile_step=false`` turns the compilation off.
 """
@@ -31,9 +33,20 @@ def graph_refusal(trainer) -> str | None:
     return None
 
 
+def fused_on_cpu(trainer) -> bool:
+    """Whether this run steps the head in the forward on the CPU: one process, no accumulation,
+    no loss scaler (each of which waits for the optimizer's step, which the fused step cannot)."""
+    return (trainer.strategy.root_device.type == "cpu" and trainer.world_size == 1
+            and trainer.accumulate_grad_batches == 1 and getattr(trainer.precision_plugin, "scaler", None) is None)
+
+
 def choose_step(head, trainer) -> None:
     """Set ``head.step`` for ``head.step=auto``: from a CUDA graph where ``graph_refusal`` finds
-    nothing and the head takes it, else autograd; the choice logged where the run trains on a GPU."""
+    nothing and the head takes it; fused on one CPU process that waits for no optimizer's step
+    (``fused_on_cpu``); else autograd; the choice logged where the run trains on a GPU."""
+    if fused_on_cpu(trainer):
+        head.step = "fused"
+        return
     why = graph_refusal(trainer)
     if why is None:
         try:

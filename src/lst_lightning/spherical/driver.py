@@ -317,7 +317,7 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     elif new.Uinv is None:
         head._uinv_fresh = False
     write_checked_u(state, new)
-    write(plan, state, fwd, new, new.ok)
+    write(plan, state, fwd, new)
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         head.negatives.kernel.moved(head, None if new.fold else fwd.idx)
     head.steps += 1

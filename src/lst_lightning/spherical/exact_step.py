@@ -88,7 +88,7 @@ class SavedForward:
     idx: Tensor
     Hq: Tensor      # H Q
     HUt: Tensor      # H U^T
-    HUinv: Tensor   # H U^-1 (Woodbury steps), else None
+    HP: Tensor      # H [Q, U^T] (Woodbury: H [Q, U^T, U^-1]), the forward's one GEMM
     ht: Tensor      # H omega
     s: Tensor       # rowsum of the output
     gq: Tensor
@@ -143,6 +143,17 @@ class TargetsOnly:
 
 TARGETS_ONLY = TargetsOnly()
 
+#: eager on the CPU, a device flag is read where it is made (``cpu_flag``; the plan's
+#: ``reads_flags``); False: masked by ``torch.where`` as on a GPU (tests compare the two)
+READ_CPU_FLAGS = True
+
+
+def cpu_flag(flag: Tensor) -> bool:
+    """``flag`` (a device bool) read as a Python bool, where the plan says reading it costs nothing
+    (``reads_flags``: the eager step on the CPU, where nothing waits; a GPU or a compiled graph masks
+    the write by ``torch.where`` instead). The same bits either way."""
+    return bool(flag)
+
 
 # -- the loss on m-sized tensors --------------------------------------------------------------
 def y_sq(idx: Tensor, T: Tensor) -> Tensor:
@@ -185,16 +196,16 @@ def reduce(per_example: Tensor, weight: Tensor) -> Tensor:
 
 # -- forward ---------------------------------------------------------------------------------
 def outputs(plan, state, Hx: Tensor, blocks: int = 2):
-    """q, s and the products reused by backward: H Q, H U^T and with ``blocks`` 3 H U^-1, in one
-    GEMM; H omega. The target outputs are ``plan.gather_dot(V, idx, H U^T, H omega)``."""
+    """q, s and the products reused by backward: ``HP`` = H [Q, U^T] in one GEMM, with ``blocks`` 3
+    H [Q, U^T, U^-1] (the Woodbury route takes its last block), H Q and H U^T its first two; H omega.
+    The target outputs are ``plan.gather_dot(V, idx, H U^T, H omega)``."""
     d = plan.width
-    P = Hx @ torch.cat((state.Q, state.U.T, state.Uinv)[:blocks], dim=1)
-    Hq, HUt = P[:, :d], P[:, d:2 * d]
-    HUinv = P[:, 2 * d:] if blocks == 3 else None
+    HP = Hx @ torch.cat((state.Q, state.U.T, state.Uinv)[:blocks], dim=1)
+    Hq, HUt = HP[:, :d], HP[:, d:2 * d]
     q = (Hx * Hq).sum(1)
     s = Hx @ state.wbar
     ht = Hx @ state.omega
-    return q, s, Hq, HUt, HUinv, ht
+    return q, s, Hq, HUt, HP, ht
 
 
 def step_route(plan, m: int) -> Route:
@@ -242,7 +253,7 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
     Hx, idx, T, rows, exchange = batch
     idx, T, input_ok = plan.screen(plan, state, idx, T, exchange)  # device flags: bad ids a flag
     route = step_route(plan, Hx.shape[0])
-    q, s, Hq, HUt, HUinv, ht = outputs(plan, state, Hx, route.blocks)
+    q, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
     A = plan.gather_dot(state.V, idx, HUt, ht)
     real = (idx >= 0).any(1)  # the rows with a target: the loss's weights, P's moments
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
@@ -255,7 +266,7 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
     else:  # sampled classes as slots (negatives.py)
         per, gq, gs, GA, idx, neg = plan.sampling.loss_and_grads(plan, state, q, s, A, idx, T, HUt, ht, draws,
                                                                  weight, y2)
-    return reduce(per, weight), SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, route, input_ok, neg, real)
+    return reduce(per, weight), SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg, real)
 
 
 # -- backward ------------------------------------------------------------------------------------
@@ -411,6 +422,7 @@ class Inverse(NamedTuple):
     Uinv: Tensor | None
     HUinv: Tensor
     fold: Tensor | bool
+    total: Tensor            # the sum of H U_new^-1 (and U_new^-1): finite where they are
     ok: Tensor | bool = True
     right: Tensor | None = None
 
@@ -422,19 +434,21 @@ class Inverse(NamedTuple):
 # folds too; their Neumann factors are those the flags' last read chose.
 def woodbury_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
-    XUinv = fwd.HUinv if P is None else f.X @ state.Uinv
+    XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
     R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
     KR = kappa[:, None] * R
     Uinv, HUinv = (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c
     fold = bounds.fold | (info != 0).any()
     eye = torch.eye(plan.width, dtype=HUinv.dtype, device=HUinv.device)
-    return Inverse(torch.where(fold, eye, Uinv), torch.where(fold, f.X, HUinv), fold)
+    Uinv, HUinv = torch.where(fold, eye, Uinv), torch.where(fold, f.X, HUinv)
+    return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum())
 
 
 def solve_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     HUinv, info = solve_right(f.U, f.X)
     fold = bounds.fold | (info != 0).any()
-    return Inverse(None, torch.where(fold, f.X, HUinv), fold)
+    HUinv = torch.where(fold, f.X, HUinv)
+    return Inverse(None, HUinv, fold, HUinv.sum())
 
 
 def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
@@ -442,7 +456,8 @@ def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
     fold = bounds.fold | ~(residual <= residual_tolerance(f.U.dtype))
     Uinv = torch.where(fold, torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device), Uinv)
     right = Uinv if P is None else P @ Uinv  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
-    return Inverse(Uinv, fwd.Hx @ right, fold, True, right)
+    HUinv = fwd.Hx @ right
+    return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), True, right)
 
 
 # Host checks: a fold the host decided takes no route (V absorbs U B; U = U^-1 = I); a failed
@@ -450,7 +465,8 @@ def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
 # and solves instead where U^-1 had drifted (a residual past the tolerance).
 def on_host(route: Callable) -> Callable:
     def checked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-        inv = Inverse(None, side(fwd, f, P), True) if bounds.fold else route(plan, state, fwd, f, P, c, kappa, bounds)
+        X = side(fwd, f, P) if bounds.fold else None
+        inv = Inverse(None, X, True, X.sum()) if bounds.fold else route(plan, state, fwd, f, P, c, kappa, bounds)
         return inv._replace(ok=inv.ok & bounds.ok)
     return checked
 
@@ -463,15 +479,16 @@ def side(fwd: SavedForward, f: Forms, P) -> Tensor:
 @on_host
 def woodbury_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
     S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
-    XUinv = fwd.HUinv if P is None else f.X @ state.Uinv
+    XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
     R, info = torch.linalg.solve_ex(S, XUinv)
     KR = kappa[:, None] * R
-    return Inverse((state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c, False, (info == 0).all())
+    Uinv, HUinv = (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c
+    return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), (info == 0).all())
 
 
 def solve_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
     HUinv, info = solve_right(f.U, side(fwd, f, P))
-    return Inverse(None, HUinv, False, (info == 0).all())
+    return Inverse(None, HUinv, False, HUinv.sum(), (info == 0).all())
 
 
 @on_host
@@ -481,7 +498,8 @@ def products_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
         Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, factors)
         if bool(residual <= residual_tolerance(f.U.dtype)):
             right = Uinv if P is None else P @ Uinv
-            return Inverse(Uinv, fwd.Hx @ right, False, True, right)
+            HUinv = fwd.Hx @ right
+            return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), True, right)
     return solve_host(plan, state, fwd, f, P, c, kappa, bounds)
 
 
@@ -528,26 +546,27 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
         YYH, HYYH = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
         Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
                                     GqP=f.GqP, HYYH=HYYH)
-    total = f.U.sum() + omega_new.sum() + inv.HUinv.sum() + Q_new.sum() + wbar_new.sum()
-    if inv.Uinv is not None:  # (under device flags: the routes that make U^-1)
-        total = total + inv.Uinv.sum()
+    total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
     ok = torch.isfinite(total) & (inv.ok & p_ok)  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
                     fold=inv.fold, cond_step=bounds.cond_step, ok=ok, lr=lr, moments=moments, order=order,
                     right=inv.right, rho=bounds.rho, eig=bounds.eig)
 
 
-def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
+def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
     """Write the step's new rows of V, omega, Q, wbar and P's moments into ``state`` (the head's
-    buffers; U's part first: ``update``'s, or driver.py's with host checks), each kept where the
-    flag ``ok`` is false (with host checks it is true: a failed check stopped the step before)."""
-    GA, HUinv, alpha = torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), -new.lr
+    buffers; U's part first: ``update``'s, ``take_read``'s, or driver.py's with host checks), each
+    kept where the device flag ``ok`` is false; None: taken (a failed check stopped the step before)."""
+    Q = 0.5 * (new.Q + new.Q.T)
+    GA, HUinv, omega, Q, wbar = (new.GA, new.HUinv, new.omega, Q, new.wbar) if ok is None else (
+        torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
+        torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
+    alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
     fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right)  # shared negatives' rows: one GEMM
-    Q = 0.5 * (new.Q + new.Q.T)
-    state.omega.copy_(torch.where(ok, new.omega, state.omega))
-    state.Q.copy_(torch.where(ok, Q, state.Q))
-    state.wbar.copy_(torch.where(ok, new.wbar, state.wbar))
+    state.omega.copy_(omega)
+    state.Q.copy_(Q)
+    state.wbar.copy_(wbar)
     if new.moments is not None:
         new.moments.write(state, ok)
 
@@ -586,6 +605,8 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
     ok = ok & new.ok
+    if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
+        return take_read(plan, state, fwd, new, ok, dH)
     fold = new.fold & ok
     lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
@@ -601,6 +622,30 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
     return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx)
+
+
+def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> tuple[Tensor, Flags]:
+    """``update``'s write eager on the CPU (``plan.reads_flags``): ``ok`` and the fold read where they
+    are made (``cpu_flag``: nothing waits on a CPU), and the write taken whole, unmasked, or not at
+    all: the masked write's bits."""
+    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
+    state.steps.add_(ok)
+    state.skipped_nonfinite.add_(~ok)
+    if not cpu_flag(ok):
+        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx)
+    if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
+        lk.fold_rows_(state.V, new.U, True)
+        state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
+        state.cond_bound.fill_(1.0)
+        state.cond_estimate.fill_(1.0)
+        state.folds.add_(1)
+    else:
+        state.U.copy_(new.U)
+        state.cond_bound.copy_(state.cond_bound * new.cond_step)
+    if new.Uinv is not None:
+        state.Uinv.copy_(new.Uinv)
+    write(plan, state, fwd, new)
+    return dH, Flags(ok, new.fold, fwd.idx)
 
 
 @torch.no_grad()
@@ -620,9 +665,9 @@ def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor
     """Exact accumulation's records as a forward had made them: their products with the current
     state, and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
     route = step_route(plan, Hx.shape[0])
-    _, s, Hq, HUt, HUinv, ht = outputs(plan, state, Hx, route.blocks)
+    _, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
     neg = plan.slots.slots_part() if cols is None else plan.slots.records_block(plan, state, cols, G_neg)
-    return SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, route, input_ok, neg=neg, real=real)
+    return SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg=neg, real=real)
 
 
 @torch.no_grad()

@@ -41,6 +41,9 @@ class StepPlan:
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
+    #: device flags read where they are made (exact_step.py's ``cpu_flag``): eager on the CPU, where
+    #: nothing waits (``READ_CPU_FLAGS``); else masked by ``torch.where``
+    reads_flags: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
     #: the sampled classes: None (off) or one of ``NEGATIVE_KINDS``
@@ -138,8 +141,9 @@ def plan_for(head) -> StepPlan:
     wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
-    return StepPlan(step=driving.step, deferred=driving.sync_every > 1,
-                    compiled=wanted and compile_refusal(driving, kind) is None,
+    compiled = wanted and compile_refusal(driving, kind) is None
+    reads = driving.sync_every > 1 and head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
+    return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
                     preconditioner=head.preconditioner, inverse=inverse, woodbury_rows=woodbury_rows,
                     m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann,
