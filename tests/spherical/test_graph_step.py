@@ -104,3 +104,27 @@ def test_the_graph_step_uses_the_heads_public_api_only():
 
     source = inspect.getsource(graph_step)
     assert not re.findall(r"head\._[a-z]", source) and "lr_filled" not in source and "_version" not in source
+
+
+def test_the_replayed_unit_is_the_fused_step_on_a_padded_batch():
+    """What a CUDA graph captures (``replayed_step``: exact_step.py's device step run by the driver)
+    takes a batch padded to the graph's rows, as CudaGraphStep fills it, to the fused step's
+    loss, dL/dH and W (on the CPU: the unit, without the capture)."""
+    from lst_lightning.spherical.graph_step import replayed_step
+
+    eager = deferred(sync_every=4)
+    graphed = copy.deepcopy(eager)
+    M, K = 16, 3
+    for m, k in [(11, 2), (16, 3), (5, 1), (9, 3), (16, 2), (3, 2)]:
+        H, idx = batch(m, d, D, k)
+        loss_e, dH_e = eager.train_step(H, idx)
+        Hx, ids, T = graphed.prepare(H, idx, None, step=True)
+        Hs, ids_s, Ts = Hx.new_zeros(M, graphed.width), ids.new_full((M, K), -1), T.new_zeros(M, K)
+        Hs[:m], ids_s[:m, :k], Ts[:m, :k] = Hx, ids, T
+        loss_g, dH_g = replayed_step(graphed, Hs, ids_s, Ts, torch.tensor(m), H.dtype)
+        torch.testing.assert_close(loss_g, loss_e)
+        torch.testing.assert_close(dH_g[:m], dH_e)
+    graphed.sync()
+    eager.sync()
+    assert int(graphed.steps) == int(eager.steps) == 6
+    torch.testing.assert_close(graphed.weight(), eager.weight())

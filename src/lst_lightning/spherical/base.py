@@ -1,8 +1,9 @@
 """The shell of the spherical heads, shared by the factored head and its naive reference:
 the ``nn.Module`` (constructor, input checks, lr and weight decay, the loss on m-sized
-tensors), the thin ``autograd.Function`` that takes the step in backward, and the token of
-each training forward. The step itself is the head's: ``_forward_step`` and
-``_backward_step`` (for the factored head, driver.py's around exact_step.py's step).
+tensors), the thin ``autograd.Function`` whose backward is driver.py's ``autograd_backward``
+(the step in backward), and the token of each training forward. The step itself is the head's:
+``_forward_step`` and ``_backward_step`` (for the factored head, driver.py's around
+exact_step.py's step).
 
 The parts the shell holds are called only when they have something to do:
 ``self.pending`` (``PendingRows``, pending.py) once the head is attached to an optimizer,
@@ -23,9 +24,8 @@ from ..heads.base import OutputHead
 from ..heads.samplers import slots_num_samples
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
-from . import exact_step
+from . import driver, exact_step
 from .blocks import BLOCK
-from .driver import HostChecks
 from .driving import Driving
 from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
@@ -64,41 +64,7 @@ class _HeadLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        head, token = ctx.head, ctx.token
-        name = type(head).__name__
-        with own_math(grad_out.device.type, head.tf32):
-            grad = grad_out.to(head._factory["dtype"])
-            if token is None:  # eval mode: a frozen head
-                head._warn_once("eval", f"{name} is in eval mode: its loss gives the body dL/dH but the head "
-                                        "takes no step (call .train() on it to train it)")
-                dH = head._hidden_grad(ctx.saved, grad)
-            elif token.dH is not None:  # the same forward's second backward
-                head._warn_once("again", f"{name}: a second backward through the same forward (autograd.grad for "
-                                         "a gradient norm, retain_graph=True?) hands on the same dL/dH; the head "
-                                         "took its step at the first backward and takes no other")
-                dH = token.dH * (grad / token.grad) if bool(token.grad != 0) else torch.zeros_like(token.dH)
-            else:
-                if head._version != ctx.version:
-                    raise RuntimeError(
-                        f"{name}: its state changed between this forward and its backward "
-                        "(another step, a repair or a reset ran in between). The head applies its SGD step "
-                        "in backward, so each forward must be followed by its own backward.")
-                pending = head.pending
-                if pending.hook is not None:  # attached: the rows wait for the optimizer's step
-                    dH = pending.keep(head, ctx.saved, grad)
-                else:
-                    scale = pending.loss_scale
-                    if grad.numel() == 1 and "weight" not in head._warned:  # warned at once, or at the next read
-                        head.step_checks.note_loss_factor(head, grad, scale)
-                    dH = head._backward_step(ctx.saved, grad / scale)
-                    if scale != 1.0:
-                        dH = dH * scale
-                token.dH, token.grad = dH, grad
-                ctx.saved = None  # a second backward reuses the token's dL/dH
-        dH = dH[:ctx.m]
-        if ctx.rows is not None:
-            dH = head.processes.own_rows(dH, ctx.rows)
-        return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None, None
+        return driver.autograd_backward(ctx, grad_out), None, None, None, None, None
 
 
 class _AppliedLoss(torch.autograd.Function):
@@ -180,7 +146,7 @@ class SphericalHeadBase(OutputHead):
         self.driving = Driving(sync_every=1, compile=False)
         #: how the step checks itself: at once on the host (the factored head: device flags
         #: with ``sync_every > 1``; driver.py)
-        self.step_checks = HostChecks()
+        self.step_checks = driver.HostChecks()
         #: the rows kept for the attached optimizer's step (pending.py)
         self.pending = PendingRows()
         self._open = None  # weakref to the token of the last training forward

@@ -42,9 +42,10 @@ import torch
 from torch import Tensor
 
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
-from .exact_step import (Batch, SavedForward, device_step, forward, hidden_grad, inverse_route, new_state,
-                         records_forward, records_step, update, write)
+from .exact_step import (Batch, SavedForward, device_step, forward, hidden_grad, new_state, records_forward,
+                         records_step, step_route, update, write, write_checked_u)
 from .inverse_update import MAX_FACTORS, adaptive_factors
+from .precision import own_math
 from .state import StepState
 
 #: Dynamo's limit of graphs per compiled function while the step runs: each batch size
@@ -77,11 +78,6 @@ def run(plan, fn, *args):
 
 
 # -- the checks: at once on the host, or device flags read every sync_every steps --------------
-def capturing() -> bool:
-    """Whether a CUDA graph is being captured on this thread's stream."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class HostChecks:
     """``sync_every == 1``: each check read on the host when it is made (inline in ``backward``)."""
 
@@ -90,12 +86,6 @@ class HostChecks:
     def __init__(self):
         self.calls = 0           # training steps run (host count; device flags)
         self.synced = (0, 0)     # (steps, skipped) at the last host read
-
-    def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
-        """A backward whose loss reached the head multiplied by a factor (not the loss scale):
-        warned once, at once."""
-        if float(grad) != scale:
-            head._warn_loss_factor(float(grad) / scale)
 
     def read(self, head, peek: bool = False):
         """(steps at the last read, steps now, cond(U)'s bound, the step of a bad batch: 0) or
@@ -120,7 +110,7 @@ class DeviceFlags(HostChecks):
         self.pinned = False      # pin_lr(): the device lr holds a value of its own
         #: the products route's Neumann factors a step (Stabiliser.neumann: "max" keeps them there)
         self.factors = MAX_FACTORS
-        #: "adaptive": the largest rho bound of the steps since the last read, on the device
+        #: the largest rho bound of the steps since the last read, on the device ("adaptive" reads it)
         self.rho_max: Tensor | None = None
         self.read_at = -1  # the steps run (``calls``) at the last read
         self.warned_skipped = 0  # the skipped steps warned about
@@ -130,20 +120,15 @@ class DeviceFlags(HostChecks):
         #: the head's ``stats()`` as the last read took them ({}: no read yet): ``logged_stats()``
         self.stats: dict[str, float] = {}
 
-    def note_loss_factor(self, head, grad: Tensor, scale: float) -> None:
-        """The factor the loss reached the head with, kept on the device where it is not the loss
-        scale: warned once at the next read."""
-        head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale, head._loss_factor))
-
     def before_step(self, head) -> None:
         """The host's part before a step: lr refilled into the device scalar ``head._lr_t``
         (outside any graph capture) when it changed, which the step reads (a captured graph
         and a compiled step at each call: no recompile for a new lr); the adaptive rule's rho
-        bound made once."""
-        if not self.pinned and self.lr_filled != head.lr and not capturing():
+        bound's board made once."""
+        if not self.pinned and self.lr_filled != head.lr and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             head._lr_t.fill_(head.lr)
             self.lr_filled = head.lr
-        if self.rho_max is None and head.plan.neumann == "adaptive":
+        if self.rho_max is None:
             self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
 
     def lr(self, head) -> Tensor:
@@ -162,7 +147,7 @@ class DeviceFlags(HostChecks):
         """One more step run (on the host, after its device part); whether the flags are due to
         be read (every ``sync_every``). A step being captured is counted by its replays
         (``head.count_replay``), not here."""
-        if capturing():
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return False
         self.calls += 1
         return self.calls % head.driving.sync_every == 0
@@ -253,20 +238,13 @@ def step_state(head) -> StepState:
                      head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None)
 
 
-def own_batch(head, Hx: Tensor, idx: Tensor, T: Tensor) -> Batch:
-    """The batch as it came, its real rows and exchange the processes' (a batch of several ranks'
-    rows exchanged padded: ``processes.rows``; else None, the batch's own rows)."""
-    sh = head.processes
-    return Batch(Hx, idx, T, sh.rows, None if sh.rows is None else sh.padded)
-
-
 def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     """What a step needs from the host, done before its device part (which a compiled step
     runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
     (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
     graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
     plan = head.plan
-    if inverse_route(plan, m) != "solve" and not head._uinv_fresh:
+    if step_route(plan, m).keeps_uinv and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     if plan.deferred:
         head.step_checks.before_step(head)
@@ -286,7 +264,7 @@ def run_device_part(head, fn, rows: int, *args):
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         flags = out[-1]
         head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
-    if inverse_route(plan, rows) == "solve":
+    if not step_route(plan, rows).keeps_uinv:
         head._uinv_fresh = False
     if head.step_checks.tick(head):
         head.sync()
@@ -302,7 +280,7 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     plan, state = head.plan, step_state(head)
     size = batch_size(head, m, idx.shape[1]) if plan.compiled else None  # static shapes: padded
     if size is None:
-        return run(plan, forward, plan, state, own_batch(head, Hx, idx, T), draws)
+        return run(plan, forward, plan, state, Batch(Hx, idx, T, head.processes.rows, head.processes.exchange), draws)
     batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
     loss, fwd = run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]))
     fwd.kept = m
@@ -322,7 +300,7 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
         return dH if fwd.kept is None else dH[:fwd.kept]
     head._version += 1  # the state moves: a backward of any other forward is stale from here
     checks, state = head.step_checks, step_state(head)
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad, parts=True)
+    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad)
     if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
         head._skip("hidden states or loss gradients")
         return torch.zeros_like(dH)
@@ -338,6 +316,7 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
         head.folds += 1
     elif new.Uinv is None:
         head._uinv_fresh = False
+    write_checked_u(state, new)
     write(plan, state, fwd, new)
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         head.negatives.kernel.moved(head, None if new.fold else fwd.idx)
@@ -349,6 +328,54 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     if head.repairs.due(n_prev, n, cond_bound, 0 if plan.processes == "none" else head.checksum_every):
         head.run_due(n_prev, n, cond_bound)
     return dH
+
+
+def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
+    """The backward of a training forward through autograd (base.py's ``_HeadLoss``, both heads):
+    dL/dH of the rows H came with, and the head's step with this very forward's gradients
+    (``head._backward_step``), or its rows kept for the optimizer's step when attached
+    (``head.pending``). A frozen head (eval mode: no token) hands dL/dH on and takes no step; a
+    second backward through the same forward hands on the first one's dL/dH; a backward after the
+    state moved is refused. A loss that reached the head multiplied by a factor other than the loss
+    scale is warned about once: at once with host checks, at the flags' next read under device flags."""
+    head, token = ctx.head, ctx.token
+    name = type(head).__name__
+    with own_math(grad_out.device.type, head.tf32):
+        grad = grad_out.to(head._factory["dtype"])
+        if token is None:  # eval mode: a frozen head
+            head._warn_once("eval", f"{name} is in eval mode: its loss gives the body dL/dH but the head "
+                                    "takes no step (call .train() on it to train it)")
+            dH = head._hidden_grad(ctx.saved, grad)
+        elif token.dH is not None:  # the same forward's second backward
+            head._warn_once("again", f"{name}: a second backward through the same forward (autograd.grad for "
+                                     "a gradient norm, retain_graph=True?) hands on the same dL/dH; the head "
+                                     "took its step at the first backward and takes no other")
+            dH = token.dH * (grad / token.grad) if bool(token.grad != 0) else torch.zeros_like(token.dH)
+        else:
+            if head._version != ctx.version:
+                raise RuntimeError(
+                    f"{name}: its state changed between this forward and its backward "
+                    "(another step, a repair or a reset ran in between). The head applies its SGD step "
+                    "in backward, so each forward must be followed by its own backward.")
+            pending = head.pending
+            if pending.hook is not None:  # attached: the rows wait for the optimizer's step
+                dH = pending.keep(head, ctx.saved, grad)
+            else:
+                scale = pending.loss_scale
+                if grad.numel() == 1 and "weight" not in head._warned and head.plan.deferred:
+                    head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale,
+                                                        head._loss_factor))
+                elif grad.numel() == 1 and "weight" not in head._warned and float(grad) != scale:
+                    head._warn_loss_factor(float(grad) / scale)
+                dH = head._backward_step(ctx.saved, grad / scale)
+                if scale != 1.0:
+                    dH = dH * scale
+            token.dH, token.grad = dH, grad
+            ctx.saved = None  # a second backward reuses the token's dL/dH
+    dH = dH[:ctx.m]
+    if ctx.rows is not None:
+        dH = head.processes.own_rows(dH, ctx.rows)
+    return dH[:, : head.hidden_dim].to(ctx.in_dtype)
 
 
 @torch.no_grad()
@@ -367,11 +394,11 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         if size is not None:
             Hx, idx, T = pad_batch(Hx, idx, T, *size)
             draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        batch = own_batch(head, Hx, idx, T) if real is None else Batch(Hx, idx, T, real)
+        batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
         loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
         dH = dH[:m]
     else:
-        loss, fwd = forward(plan, step_state(head), own_batch(head, Hx, idx, T), draws)
+        loss, fwd = forward(plan, step_state(head), Batch(Hx, idx, T, sh.rows, sh.exchange), draws)
         dH = backward(head, fwd, None)
     if own is not None:
         dH = sh.own_rows(dH, own)
@@ -383,7 +410,7 @@ def pending_record(head, fwd: SavedForward, weight: Tensor):
     """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
     shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
     n = fwd.Hx.shape[0] if fwd.kept is None else fwd.kept  # a padded batch keeps its own rows only
-    block = None if fwd.neg is None or not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
+    block = None if not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
     real = None if fwd.real is None else fwd.real[:n]
     return (fwd.Hx[:n], fwd.idx[:n], fwd.gq[:n] * weight, fwd.gs[:n] * weight, fwd.GA[:n] * weight, real,
             fwd.input_ok, block)

@@ -3,10 +3,14 @@ and its gradients), backward (dL/dH), the new state computed aside, its checks, 
 
 The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
 collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. ``device_step(plan, state, batch, lr, draws)`` is the whole step
-under device flags (``sync_every > 1``): every check a flag masking the write, nothing read on the
-host, the one unit driver.py compiles whole and a CUDA graph replays; the autograd step runs
-its halves (``forward``, ``update``) and exact accumulation ``records_step``.
+none of them takes the head. The plan holds the function of each choice (its ``checks``, device
+flags or host checks; the U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes'
+part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``; the collectives), and the step branches only on
+its plan (what it holds, and P on or off) and on the batch's shape. ``device_step(plan, state, batch,
+lr, draws)`` is the whole step under device flags (``sync_every > 1``): every check a flag masking
+the write, nothing read on the host, the one unit driver.py compiles whole and a CUDA graph
+replays; the autograd step runs its halves (``forward``, ``update``) and exact accumulation
+``records_step``.
 
 The host's part of a step, the only code that takes the head, is driver.py: the version, U^-1
 refreshed where due, the lr and the draw's uniforms before the device part, the flags ticked and read
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,24 +32,53 @@ from .inverse_update import neumann_factors, residual_tolerance, uinv_by_product
 from .state import StepState
 
 
+def unchanged(x):
+    """x itself: the screen of a batch that was not exchanged."""
+    return x
+
+
+def nothing(*args, **kwargs) -> None:
+    """Nothing to do: no fault to note, no shared negatives' rows to write, no ||y||^2 to take."""
+
+
+class Unexchanged:
+    """The exchange of a batch of one process's own rows: every rank sent its rows."""
+    checked = staticmethod(unchanged)  # input_ok as it is
+    note_fault = staticmethod(nothing)
+
+
+UNEXCHANGED = Unexchanged()
+
+
 class Batch(NamedTuple):
     """A training batch as the step takes it: H augmented, target ids (-1: padding), their values,
     the real rows the "mean" reduction divides by, a device count (None: idx's rows), and the
-    fixed-size exchange the ranks' rows came through (padded_rows.py; None: not exchanged)."""
+    fixed-size exchange the ranks' rows came through (padded_rows.py; else ``Unexchanged``)."""
     Hx: Tensor
     idx: Tensor
     T: Tensor
     rows: Tensor | None = None
-    exchange: object = None
+    exchange: object = UNEXCHANGED
 
 
 class Flags(NamedTuple):
     """What a device step leaves for the host to read: ``ok`` (a device bool: the write was taken),
-    ``fold`` (the step folded into V), and with the kernel proposal the classes whose rows of V the
-    write moved (``written``; its sum-tree follows them), else None."""
+    ``fold`` (the step folded into V), and the classes whose rows of V the write moved
+    (``written``: the kernel proposal's sum-tree follows them)."""
     ok: Tensor
     fold: Tensor | bool
-    written: Tensor | None = None
+    written: Tensor
+
+
+class Route(NamedTuple):
+    """One way to make H U_new^-1 (docs/algorithm.md, "The update"), as the plan holds it for its
+    checks (``step_route`` picks the route of a batch's rows)."""
+    name: str            # "woodbury", "solve" or "products"
+    forms: Callable      # B's forms: the m x m ones (Woodbury) or the d x d ones, and U B
+    inverse: Callable    # H U_new^-1 (an ``Inverse``)
+    blocks: int          # the products with H of the forward's one GEMM: H Q, H U^T, and H U^-1 (Woodbury)
+    takes_x: bool        # X = H P formed whatever Q's route (the products route: only for Q through M)
+    keeps_uinv: bool     # U^-1 made with the step (the solve leaves it stale)
 
 
 @dataclass
@@ -55,14 +88,15 @@ class SavedForward:
     idx: Tensor
     Hq: Tensor      # H Q
     HUt: Tensor      # H U^T
-    HUinv: Tensor   # H U^-1 (Woodbury steps), else None
+    HP: Tensor      # H [Q, U^T] (Woodbury: H [Q, U^T, U^-1]), the forward's one GEMM
     ht: Tensor      # H omega
     s: Tensor       # rowsum of the output
     gq: Tensor
     gs: Tensor
     GA: Tensor
+    route: Route    # the U^-1 route of this batch's rows
     input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
-    neg: object = None  # sampled classes (negatives.py): a SharedBlock or PerRowSlots; None when off
+    neg: object = None  # the sampled classes' part (negatives.py: SharedBlock, PerRowSlots), or TARGETS_ONLY
     real: Tensor | None = None  # the rows with a target (the preconditioner's moments count these only)
     kept: int | None = None  # padded to a batch size (batch_shapes.py): the batch's own rows; None: not padded
 
@@ -85,22 +119,40 @@ class NewState:
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
-    rho: Tensor | None = None  # device flags, adaptive Neumann rule: the bound on A's spectral radius
+    rho: Tensor | float | None = None  # a bound on A's spectral radius (device flags: the adaptive rule keeps it)
     eig: tuple[int, int] = (0, 0)  # host checks: (eigenvalue computations, their failures) of this step
 
 
-#: eager on the CPU, a device flag is read where it is made (``cpu_flag``); False: masked by
-#: ``torch.where`` as on a GPU (tests compare the two)
+class TargetsOnly:
+    """The step's part of the sampled classes when there are none (the plan's ``slots``): Yd's
+    Gramian terms of the target slots alone, no rows of a block to write."""
+    shared = False
+    scatter_ = staticmethod(nothing)
+
+    def slots_part(self) -> "TargetsOnly":
+        return self
+
+    def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
+        """Yd Yd^T (m x m)."""
+        return lk.sparse_gram(idx, GA)
+
+    def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
+        """(Yd Yd^T H by rows, ``lk.gram_rows``; nothing given whole)."""
+        return lk.gram_rows(idx, GA, H, order=order), None
+
+
+TARGETS_ONLY = TargetsOnly()
+
+#: eager on the CPU, a device flag is read where it is made (``cpu_flag``; the plan's
+#: ``reads_flags``); False: masked by ``torch.where`` as on a GPU (tests compare the two)
 READ_CPU_FLAGS = True
 
 
-def cpu_flag(plan, flag: Tensor) -> Tensor | bool:
-    """``flag`` (a device bool) as a Python bool where reading it costs nothing: the eager step on
-    the CPU, where nothing waits (a compiled graph takes no host read); else the tensor itself,
-    which masks the write by ``torch.where``. The same bits either way."""
-    if READ_CPU_FLAGS and flag.device.type == "cpu" and not plan.compiled and not torch.compiler.is_compiling():
-        return bool(flag)
-    return flag
+def cpu_flag(flag: Tensor) -> bool:
+    """``flag`` (a device bool) read as a Python bool, where the plan says reading it costs nothing
+    (``reads_flags``: the eager step on the CPU, where nothing waits; a GPU or a compiled graph masks
+    the write by ``torch.where`` instead). The same bits either way."""
+    return bool(flag)
 
 
 # -- the loss on m-sized tensors --------------------------------------------------------------
@@ -110,19 +162,28 @@ def y_sq(idx: Tensor, T: Tensor) -> Tensor:
     return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
 
+# d reduce(per, idx) / d per (m,) from ``real`` (m,), the rows with a real slot, for each
+# reduction (the plan's ``weights``): 1/n on those rows (n as the reduction says; 1 for "sum"), 0 on
+# a fully padded row. ``rows``: the rows "mean" divides by, a device count (the ranks' rows of a
+# gathered batch padded to their capacity: ``processes.rows``); None: all of them.
+def sum_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    return real.to(dtype)
+
+
+def mean_real_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    return real.to(dtype) / real.sum().clamp_min(1)
+
+
+def mean_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    return real.to(dtype) / (real.shape[0] if rows is None else rows)
+
+
+WEIGHTS = {"sum": sum_weights, "mean_real": mean_real_weights, "mean": mean_weights}
+
+
 def row_weights(reduction: str, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-    """d reduce(per, idx) / d per (m,): 1/n on the rows with a real slot (n as ``reduction``
-    says; 1 for "sum"), 0 on a fully padded row. ``rows``: the batch's rows that "mean"
-    divides by, a device count (the ranks' rows of a gathered batch padded to their
-    capacity: ``processes.rows``); None: idx's rows."""
-    real = (idx >= 0).any(1)
-    if reduction == "sum":
-        return real.to(dtype)
-    if reduction == "mean_real":
-        n = real.sum().clamp_min(1)
-    else:
-        n = idx.shape[0] if rows is None else rows
-    return real.to(dtype) / n
+    """d reduce(per, idx) / d per (m,), as ``reduction`` says (``WEIGHTS``)."""
+    return WEIGHTS[reduction]((idx >= 0).any(1), dtype, rows)
 
 
 def reduce(per_example: Tensor, weight: Tensor) -> Tensor:
@@ -134,44 +195,54 @@ def reduce(per_example: Tensor, weight: Tensor) -> Tensor:
 
 
 # -- forward ---------------------------------------------------------------------------------
-def outputs(plan, state, Hx: Tensor, idx: Tensor | None, with_uinv: bool = False):
-    """q, s, the target outputs A and the products reused by backward."""
+def outputs(plan, state, Hx: Tensor, blocks: int = 2):
+    """q, s and the products reused by backward: ``HP`` = H [Q, U^T] in one GEMM, with ``blocks`` 3
+    H [Q, U^T, U^-1] (the Woodbury route takes its last block), H Q and H U^T its first two; H omega.
+    The target outputs are ``plan.gather_dot(V, idx, H U^T, H omega)``."""
     d = plan.width
-    mats = [state.Q, state.U.T] + ([state.Uinv] if with_uinv else [])
-    P = Hx @ torch.cat(mats, dim=1)  # one GEMM for H Q, H U^T (and H U^-1)
-    Hq, HUt = P[:, :d], P[:, d:2 * d]
-    HUinv = P[:, 2 * d:] if with_uinv else None
+    HP = Hx @ torch.cat((state.Q, state.U.T, state.Uinv)[:blocks], dim=1)
+    Hq, HUt = HP[:, :d], HP[:, d:2 * d]
     q = (Hx * Hq).sum(1)
     s = Hx @ state.wbar
     ht = Hx @ state.omega
-    A = None
-    if idx is not None:
-        sh = plan.collectives
-        A = lk.gather_dot(state.V, idx, HUt, ht) if plan.processes == "none" else sh.gather_dot(state.V, idx, HUt, ht)
-    return q, s, A, Hq, HUt, HUinv, ht
+    return q, s, Hq, HUt, HP, ht
+
+
+def step_route(plan, m: int) -> Route:
+    """The U^-1 route of a step of m rows, as its plan says: Woodbury up to ``woodbury_rows`` rows."""
+    return plan.few_rows if m <= plan.woodbury_rows else plan.many_rows
 
 
 def inverse_route(plan, m: int) -> str:
-    """How a step of m rows makes H U_new^-1, as its plan says: "woodbury", "solve" or "products"."""
-    return "woodbury" if m <= plan.woodbury_rows else plan.inverse
+    """The name of ``step_route``'s route: "woodbury", "solve" or "products"."""
+    return step_route(plan, m).name
 
 
-def screen(plan, state, idx: Tensor, T: Tensor, padded=None):
+def screen(plan, state, idx: Tensor, T: Tensor, exchange=UNEXCHANGED):
     """Device flags: bad ids become padding and the step is void (``input_ok`` False); the first
-    such step since the last read is recorded (``state.bad_input``: its number, from 1). Several
-    processes: the ranks' rows exchanged padded to their capacity (``padded``: padded_rows.py), a
-    rank that sent none voids the step too, and the first void step's rank is recorded."""
+    such step since the last read is recorded (``state.bad_input``: its number, from 1)."""
     bad = (idx < -1) | (idx >= plan.num_classes)
     input_ok = ~bad.any()
-    if padded is None and cpu_flag(plan, input_ok) is True:  # read on the CPU: nothing to mask
-        return idx, T, input_ok
-    if padded is not None:
-        input_ok = input_ok & padded.ranks_ok()
     first = (state.bad_input == 0) & ~input_ok
     state.bad_input.copy_(torch.where(first, state.steps + state.skipped_nonfinite + 1, state.bad_input))
-    if padded is not None:
-        padded.note_fault(first, bad)
     return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
+
+
+def screen_exchanged(plan, state, idx: Tensor, T: Tensor, exchange):
+    """``screen`` of several processes' rows, exchanged padded to their capacity (``exchange``:
+    padded_rows.py): a rank that sent none voids the step too, and the first void step's rank is
+    recorded."""
+    bad = (idx < -1) | (idx >= plan.num_classes)
+    input_ok = exchange.checked(~bad.any())
+    first = (state.bad_input == 0) & ~input_ok
+    state.bad_input.copy_(torch.where(first, state.steps + state.skipped_nonfinite + 1, state.bad_input))
+    exchange.note_fault(first, bad)
+    return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
+
+
+def unscreened(plan, state, idx: Tensor, T: Tensor, exchange):
+    """Host checks: the ids were checked on the host (base.py's ``prepare``)."""
+    return idx, T, True
 
 
 @torch.no_grad()
@@ -180,41 +251,37 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
     ``draws``: the host's uniforms of the sampled classes (``before_step``; None: the kernel
     proposal, which draws here from its tree)."""
     Hx, idx, T, rows, exchange = batch
-    input_ok = True
-    if plan.deferred:
-        idx, T, input_ok = screen(plan, state, idx, T, exchange)  # bad ids become padding and a device flag
-    route = inverse_route(plan, Hx.shape[0])
-    q, s, A, Hq, HUt, HUinv, ht = outputs(plan, state, Hx, idx, with_uinv=route == "woodbury")
-    real = None if plan.preconditioner is None else (idx >= 0).any(1)  # the rows P's moments count
+    idx, T, input_ok = plan.screen(plan, state, idx, T, exchange)  # device flags: bad ids a flag
+    route = step_route(plan, Hx.shape[0])
+    q, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
+    A = plan.gather_dot(state.V, idx, HUt, ht)
+    real = (idx >= 0).any(1)  # the rows with a target: the loss's weights, P's moments
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
-    loss_fn = plan.loss
-    y2 = y_sq(idx, T) if loss_fn.needs_y_sq else None  # (with sampled classes: the spherical term's)
-    weight = row_weights(plan.reduction, idx, q.dtype, rows)
-    neg = None
-    if plan.negatives is None:
-        per, gq, gs, GA = loss_fn.grads(q, s, A, T, weight, num_classes=plan.num_classes, y_sq=y2)
-    else:  # sampled classes as slots (negatives.py); never entered when off
+    y2 = plan.y_sq(idx, T)  # ||y||^2 where the loss takes it (with sampled classes: the spherical term's)
+    weight = plan.weights(real, q.dtype, rows)
+    if plan.sampling is None:
+        per, gq, gs, GA = plan.loss.grads(q, s, A, T, weight, num_classes=plan.num_classes, y_sq=y2)
+        neg = TARGETS_ONLY
+    else:  # sampled classes as slots (negatives.py)
         per, gq, gs, GA, idx, neg = plan.sampling.loss_and_grads(plan, state, q, s, A, idx, T, HUt, ht, draws,
                                                                  weight, y2)
-    L = reduce(per, weight)
-    return L, SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg, real)
+    return reduce(per, weight), SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg, real)
 
 
 # -- backward ------------------------------------------------------------------------------------
 @torch.no_grad()
-def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None, parts: bool = False):
+def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
-    upstream gradient (None: 1, the fused step's)."""
+    upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses:
+    g_q, g_s, G_A scaled, ybar, Z)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
-    ybar = GA.sum(1)
-    sh = plan.collectives
-    YV = lk.gather_sum(state.V, fwd.idx, GA) if plan.processes == "none" else sh.gather_sum(state.V, fwd.idx, GA)
-    if fwd.neg is not None and fwd.neg.shared:  # shared negatives: one dense block (negatives.py)
+    YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
+    if plan.negatives == "shared":  # one dense block (negatives.py)
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
     Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
     dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
-    return (dH, gq, gs, GA, ybar, Z) if parts else dH
+    return dH, gq, gs, GA, ybar, Z
 
 
 def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -270,17 +337,36 @@ def fold_and_cond(plan, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, flo
     return lo < plan.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max()), (1, 0)
 
 
-def device_bounds(plan, cond_bound: Tensor, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Device flags: (fold, a bound on cond(B), the bound on A's spectral radius the adaptive Neumann
-    rule keeps or None) as device tensors, from the bounds of B = c (I - A) (``eig_bounds``), with no
+
+class Bounds(NamedTuple):
+    """What the checks make of B's eigenvalue bounds: whether the step folds, a bound on cond(B),
+    one on A's spectral radius (the products' factors read it, on the host or at the flags' read),
+    (eigenvalue computations, their failures) and whether the eigenvalues could be computed."""
+    fold: Tensor | bool
+    cond_step: Tensor | float
+    rho: Tensor | float | None
+    eig: tuple[int, int] = (0, 0)
+    ok: bool = True
+
+
+def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
+    """Device flags: the fold, a bound on cond(B) and the bound on A's spectral radius (which the
+    adaptive Neumann rule reads), as device tensors, from the bounds of B = c (I - A) (``eig_bounds``), with no
     host read: the step is folded into V where the bounds cannot rule out an eigenvalue of B/c within
     ``fold_tol`` of 0, or where cond(U)'s bound would pass ``fold_cond`` (docs/factored_head.md,
     "Nearly singular steps")."""
     rho_pos, rho_neg = eig_bounds(A, sq, kappa)
-    rho = torch.maximum(rho_pos, rho_neg) if plan.neumann == "adaptive" else None
+    rho = torch.maximum(rho_pos, rho_neg)
     cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
-    fold = (rho_pos > 1 - plan.fold_tol) | (cond_bound * cond_step > plan.fold_cond)
-    return fold, cond_step, rho
+    fold = (rho_pos > 1 - plan.fold_tol) | (state.cond_bound * cond_step > plan.fold_cond)
+    return Bounds(fold, cond_step, rho)
+
+
+def host_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
+    """Host checks: ``fold_and_cond``, read on the host; a step whose eigenvalues could not be
+    computed is skipped (``ok`` False)."""
+    fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
+    return Bounds(fold, math.inf if cond_step is None else cond_step, rho, eig, cond_step is not None)
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -294,191 +380,260 @@ def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
     return Y.index_select(1, P.argmax(1)), info  # X = (X P) P^T
 
 
+
+# -- B's forms, as a route takes them ------------------------------------------------------------
+class Forms(NamedTuple):
+    """X = H P (None where no route takes it whole), A with B = c (I - A), ``sq`` (m,) h^T P h or a
+    bound on it, U B, and G = X H^T (Woodbury) or H^T diag(g_q) H and G_q P (the d x d forms)."""
+    X: Tensor | None
+    A: Tensor
+    sq: Tensor
+    U: Tensor
+    G: Tensor | None = None
+    Gq: Tensor | None = None
+    GqP: Tensor | None = None
+
+
+def woodbury_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Tensor, X: Tensor) -> Forms:
+    """A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T (its
+    diagonal: h^T P h); U B reusing H U^T."""
+    G = X @ fwd.Hx.T
+    U_new = torch.addmm(c * state.U, fwd.HUt.T, (-2.0 * lr) * gq[:, None] * X)
+    return Forms(X, kappa[:, None] * G, G.diagonal(), U_new, G)
+
+
+def square_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Tensor, X) -> Forms:
+    """A = (2 lr / c) H^T diag(g_q) H P, d x d, formed once: its bounds, U B, the products, Q's
+    update; ``sq`` ||h||^2, times P's largest eigenvalue's bound: >= h^T P h."""
+    Hx = fwd.Hx
+    Gq = GqP = Hx.T @ (gq[:, None] * Hx)
+    sq = Hx.pow(2).sum(1)
+    if P is not None:
+        GqP, sq = Gq @ P, sq * plan.preconditioner.max_eig
+    U_new = state.U @ (c * torch.eye(plan.width, dtype=Hx.dtype, device=Hx.device) - (2.0 * lr) * GqP)  # U B
+    return Forms(X, (2.0 * lr / c) * GqP, sq, U_new, None, Gq, GqP)
+
+
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
-def by_woodbury(state, fwd: SavedForward, X: Tensor, G: Tensor, kappa: Tensor, c, P: Tensor | None):
-    """(U_new^-1, H U_new^-1, LAPACK's info) by the rank-m Woodbury update of U^-1:
-    B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X), G = X H^T: no division by g_q."""
-    S = torch.eye(X.shape[0], dtype=X.dtype, device=X.device) - G * kappa[None, :]
-    XUinv = fwd.HUinv if P is None else X @ state.Uinv
+class Inverse(NamedTuple):
+    """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (device flags: a singular solve
+    or a residual past the products' reach folds too), whether it is regular (host checks) and R
+    with H U_new^-1 = H R (the products route, R = P U_new^-1; else None)."""
+    Uinv: Tensor | None
+    HUinv: Tensor
+    fold: Tensor | bool
+    total: Tensor            # the sum of H U_new^-1 (and U_new^-1): finite where they are
+    ok: Tensor | bool = True
+    right: Tensor | None = None
+
+
+# Woodbury: the rank-m update of U^-1, B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X),
+# G = X H^T: no division by g_q; X U^-1 = H U^-1 from the forward's GEMM where P = I.
+# Device flags: a singular solve folds; after a fold (a device bool) H U_new^-1 = X = H P and
+# U_new^-1 = I, whatever the route made. Past the products' reach (the residual a flag) the step
+# folds too; their Neumann factors are those the flags' last read chose.
+def woodbury_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+    S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
+    XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
     R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
     KR = kappa[:, None] * R
-    return (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + G @ KR) / c, info
+    Uinv, HUinv = (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c
+    fold = bounds.fold | (info != 0).any()
+    eye = torch.eye(plan.width, dtype=HUinv.dtype, device=HUinv.device)
+    Uinv, HUinv = torch.where(fold, eye, Uinv), torch.where(fold, f.X, HUinv)
+    return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum())
 
 
-def by_products(state, U_new: Tensor, A: Tensor, c, rho: float | None, fold, deferred: bool):
-    """(U_new^-1, whether it passed its check, the fold) from U^-1 by d x d products alone
-    (inverse_update.py), or U_new^-1 None where this step solves instead. Device flags: the factors
-    the flags' last read chose, and past their reach (the residual a flag) the step folds, U_new^-1
-    = I after the fold; host checks: the factors rho needs, and a residual past the tolerance (U^-1
-    had drifted) solves instead."""
-    dtype = U_new.dtype
-    factors = state.factors if deferred else neumann_factors(rho, float(state.cond_bound), dtype)
-    if factors is None:
-        return None, True, fold
-    Uinv_new, residual = uinv_by_products(U_new, state.Uinv, A, c, factors)
-    inverse_ok = residual <= residual_tolerance(dtype)
-    if deferred:
-        fold = fold | ~inverse_ok
-        return torch.where(fold, torch.eye(U_new.shape[0], dtype=dtype, device=U_new.device), Uinv_new), True, fold
-    return (Uinv_new, inverse_ok, fold) if bool(inverse_ok) else (None, True, fold)
+def solve_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+    HUinv, info = solve_right(f.U, f.X)
+    fold = bounds.fold | (info != 0).any()
+    HUinv = torch.where(fold, f.X, HUinv)
+    return Inverse(None, HUinv, fold, HUinv.sum())
+
+
+def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+    Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, state.factors)
+    fold = bounds.fold | ~(residual <= residual_tolerance(f.U.dtype))
+    Uinv = torch.where(fold, torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device), Uinv)
+    right = Uinv if P is None else P @ Uinv  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
+    HUinv = fwd.Hx @ right
+    return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), True, right)
+
+
+# Host checks: a fold the host decided takes no route (V absorbs U B; U = U^-1 = I); a failed
+# check is read at once by ``driver.backward``; the products route takes the factors rho needs,
+# and solves instead where U^-1 had drifted (a residual past the tolerance).
+def on_host(route: Callable) -> Callable:
+    def checked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+        X = side(fwd, f, P) if bounds.fold else None
+        inv = Inverse(None, X, True, X.sum()) if bounds.fold else route(plan, state, fwd, f, P, c, kappa, bounds)
+        return inv._replace(ok=inv.ok & bounds.ok)
+    return checked
+
+
+def side(fwd: SavedForward, f: Forms, P) -> Tensor:
+    """X = H P, formed now where the step did not."""
+    return f.X if f.X is not None else fwd.Hx if P is None else fwd.Hx @ P
+
+
+@on_host
+def woodbury_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
+    S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
+    XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
+    R, info = torch.linalg.solve_ex(S, XUinv)
+    KR = kappa[:, None] * R
+    Uinv, HUinv = (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c
+    return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), (info == 0).all())
+
+
+def solve_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
+    HUinv, info = solve_right(f.U, side(fwd, f, P))
+    return Inverse(None, HUinv, False, HUinv.sum(), (info == 0).all())
+
+
+@on_host
+def products_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
+    factors = neumann_factors(bounds.rho, float(state.cond_bound), f.U.dtype)
+    if factors is not None:
+        Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, factors)
+        if bool(residual <= residual_tolerance(f.U.dtype)):
+            right = Uinv if P is None else P @ Uinv
+            HUinv = fwd.Hx @ right
+            return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), True, right)
+    return solve_host(plan, state, fwd, f, P, c, kappa, bounds)
+
+
+def routes(deferred: bool) -> dict[str, Route]:
+    """The three routes with device flags (``deferred``) or host checks, by name."""
+    inverse = (woodbury_masked, solve_masked, products_masked) if deferred else \
+        (woodbury_host, on_host(solve_host), products_host)
+    return {"woodbury": Route("woodbury", woodbury_forms, inverse[0], 3, True, True),
+            "solve": Route("solve", square_forms, inverse[1], 2, True, False),
+            "products": Route("products", square_forms, inverse[2], 2, False, True)}
 
 
 def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> NewState:
     """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
     changes here. ``lr``: under device flags a device scalar."""
-    Hx, deferred = fwd.Hx, plan.deferred
-    m, w = Hx.shape
+    Hx, route = fwd.Hx, fwd.route
+    by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
-    # The right preconditioner P (preconditioner.py; None: P = I). X = H P, the update's side of
-    # H, is formed where a route takes it whole (Woodbury, the solve, Q through M); the products
-    # route with Q from d x d products takes P in d x d products instead.
-    moments = None if plan.preconditioner is None else \
-        plan.preconditioner.update_moments(state.input_moment, state.input_moment_weight, Hx, fwd.real)
-    P = None if moments is None else moments.P
-    route, by_factors = inverse_route(plan, m), m > plan.m_matrix_rows  # Q's update from d x d products (else M)
-    takes_x = not (route == "products" and by_factors)
-    X = Hx if P is None else Hx @ P if takes_x else None
-    use_woodbury = route == "woodbury"
-    Gq = GqP = None  # H^T diag(g_q) H and G_q P, formed once where B is: its bounds, U B, the products, Q's update
-    if use_woodbury:  # A's nonzero eigenvalues are those of the m x m diag(kappa) G, G = X H^T = H P H^T
-        G = X @ Hx.T
-        A, sq = kappa[:, None] * G, G.diagonal()  # h^T P h
-        U_new = torch.addmm(c * state.U, fwd.HUt.T, (-2.0 * lr) * gq[:, None] * X)  # U B, reusing H U^T
-    else:
-        Gq = Hx.T @ (gq[:, None] * Hx)
-        GqP = Gq if P is None else Gq @ P
-        A = (2.0 * lr / c) * GqP
-        U_new = state.U @ (c * torch.eye(w, dtype=A.dtype, device=A.device) - (2.0 * lr) * GqP)  # U B
-        sq = Hx.pow(2).sum(1)  # ||h||^2, times P's largest eigenvalue's bound: >= h^T P h
-        if P is not None:
-            sq = sq * plan.preconditioner.max_eig
-    rho_bound = None  # device flags, the adaptive Neumann rule: A's spectral radius bound, kept by the write
-    eig = (0, 0)  # host checks: (eigenvalue computations, failures), counted by backward
-    if deferred:  # bounds on the device; a nearly singular step's fold decided there too (a device bool)
-        fold, cond_step, rho_bound = device_bounds(plan, state.cond_bound, A, sq, kappa)
-        rho = None
-    else:
-        fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
-    omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)  # X^T (...) = P H^T (...)
-    omega_new = c * state.omega - lr * (omega_new if P is None else P @ omega_new)
-    info, inverse_ok, right = None, True, None
-    if fold is True:  # host checks: the fold decided on the host
-        Uinv_new, HUinv_new = None, Hx @ P if X is None else X  # V absorbs U B; U = U^-1 = I
-    elif route == "woodbury":
-        Uinv_new, HUinv_new, info = by_woodbury(state, fwd, X, G, kappa, c, P)
-    else:
-        Uinv_new, inverse_ok, fold = (None, True, fold) if route != "products" else \
-            by_products(state, U_new, A, c, rho, fold, deferred)
-        if Uinv_new is not None:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
-            right = Uinv_new if P is None else P @ Uinv_new
-            HUinv_new = Hx @ right
-        else:  # H U_new^-1 by one solve; U^-1 itself is left stale until it is needed
-            HUinv_new, info = solve_right(U_new, Hx @ P if X is None else X)
-    if deferred and right is None:  # Woodbury, the solve: a singular solve folds too; after a fold
-        # (a device bool) H U_new^-1 = X = H P and U_new^-1 = I, whatever the route made
-        fold, info = fold | (info != 0).any(), None
-        folded = cpu_flag(plan, fold)
-        if folded is not False:
-            HUinv_new = X if folded is True else torch.where(fold, X, HUinv_new)
-            if Uinv_new is not None:
-                eye = torch.eye(w, dtype=Hx.dtype, device=Hx.device)
-                Uinv_new = eye if folded is True else torch.where(fold, eye, Uinv_new)
-    # The exact bookkeeping of Q = W^T W and wbar = W^T 1: Q through M = dO dO^T (m x m), or
-    # from d x d products of the step's factors, whichever has fewer multiply-adds.
+    omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)
+    wbar_new = Hx.T @ (2.0 * gq * fwd.s + plan.num_classes * gs + ybar)
+    # The right preconditioner P (preconditioner.py): X = H P, the update's side of H, is formed where a
+    # route takes it whole (Woodbury, the solve, Q through M); omega's and wbar's updates take P v.
+    moments = P = None
+    X, p_ok = Hx, True
+    if plan.preconditioner is not None:
+        moments = plan.preconditioner.update_moments(state.input_moment, state.input_moment_weight, Hx, fwd.real)
+        P, p_ok = moments.P, moments.ok & torch.isfinite(moments.P.sum())
+        X = Hx @ P if by_m or route.takes_x else None
+        omega_new, wbar_new = P @ omega_new, P @ wbar_new
+    omega_new = c * state.omega - lr * omega_new
+    wbar_new = c * state.wbar - lr * wbar_new
+    f = route.forms(plan, state, fwd, P, lr, c, kappa, gq, X)
+    bounds = plan.checks.bounds(plan, state, f.A, f.sq, kappa)  # the fold and cond(B): a flag or read
+    inv = route.inverse(plan, state, fwd, f, P, c, kappa, bounds)
+    # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
+    # the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
-    if not by_factors:
-        yy = lk.sparse_gram(fwd.idx, GA) if fwd.neg is None else fwd.neg.gram(plan, fwd.idx, GA)  # Yd Yd^T
-        M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, yy)
-        Q_new = lk.q_update(state.Q, X, dH, M, lr, c)
+    if by_m:
+        M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
+        Q_new = lk.q_update(state.Q, f.X, dH, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
-        YYH, HYYH = (lk.gram_rows(fwd.idx, GA, Hx, order=order), None) if fwd.neg is None else \
-            fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
-        Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=Gq,
-                                    GqP=GqP, HYYH=HYYH)
-    wbar_new = Hx.T @ (2.0 * gq * fwd.s + plan.num_classes * gs + ybar)
-    wbar_new = c * state.wbar - lr * (wbar_new if P is None else P @ wbar_new)
-    total = U_new.sum() + omega_new.sum() + HUinv_new.sum() + Q_new.sum() + wbar_new.sum()
-    if Uinv_new is not None:
-        total = total + Uinv_new.sum()
-    ok = torch.isfinite(total)  # NaN and inf survive a sum
-    if cond_step is None:  # the eigenvalues of B could not be computed: skip the step (host checks only)
-        ok = torch.zeros_like(ok)
-        cond_step = math.inf
-    if info is not None:
-        ok &= (info == 0).all()
-    ok &= inverse_ok
-    if moments is not None:
-        ok &= moments.ok & torch.isfinite(moments.P.sum())
-    return NewState(GA=GA, U=U_new, Uinv=Uinv_new, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=HUinv_new,
-                    fold=fold, cond_step=cond_step, ok=ok, lr=lr, moments=moments, order=order, right=right,
-                    rho=rho_bound, eig=eig)
+        YYH, HYYH = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
+        Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
+                                    GqP=f.GqP, HYYH=HYYH)
+    total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
+    ok = torch.isfinite(total) & (inv.ok & p_ok)  # NaN and inf survive a sum
+    return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
+                    fold=inv.fold, cond_step=bounds.cond_step, ok=ok, lr=lr, moments=moments, order=order,
+                    right=inv.right, rho=bounds.rho, eig=bounds.eig)
 
 
-def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | bool = True) -> None:
-    """Write the step's new state into ``state`` (the head's buffers), a fold decided on the host
-    excepted (``backward`` folds first). Under device flags every buffer keeps its old value where
-    the flag ``ok`` is false, by ``torch.where``: no host read, no branch; ``ok`` read already
-    (a Python bool: ``cpu_flag``), the write is taken whole or not at all."""
-    masked = plan.deferred and isinstance(ok, Tensor)
-    if plan.deferred:  # a fold decided on the device: V <- V U B where it is set, U = I (no host read)
-        write_masked_u(plan, state, new, ok)
-        if ok is False:
-            return
-    elif not new.fold:
+def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
+    """Write the step's new rows of V, omega, Q, wbar and P's moments into ``state`` (the head's
+    buffers; U's part first: ``update``'s, ``take_read``'s, or driver.py's with host checks), each
+    kept where the device flag ``ok`` is false; None: taken (a failed check stopped the step before)."""
+    Q = 0.5 * (new.Q + new.Q.T)
+    GA, HUinv, omega, Q, wbar = (new.GA, new.HUinv, new.omega, Q, new.wbar) if ok is None else (
+        torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
+        torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
+    alpha = -new.lr
+    plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
+    fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right)  # shared negatives' rows: one GEMM
+    state.omega.copy_(omega)
+    state.Q.copy_(Q)
+    state.wbar.copy_(wbar)
+    if new.moments is not None:
+        new.moments.write(state, ok)
+
+
+def write_checked_u(state, new: NewState) -> None:
+    """U, U^-1 and cond(U)'s bound with host checks, unless the step folded (``backward`` folded it)."""
+    if not new.fold:
         state.U.copy_(new.U)
         if new.Uinv is not None:
             state.Uinv.copy_(new.Uinv)
         state.cond_bound.copy_(state.cond_bound * new.cond_step)
-    sh = plan.collectives
-    rows = fwd.idx if plan.processes == "none" else sh.local_idx(fwd.idx)  # sharded: only this rank's rows of V
-    GA, HUinv = (torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0)) if masked else (new.GA, new.HUinv)
-    lk.scatter_add_rows_(state.V, rows, GA, HUinv, -new.lr, order=new.order if plan.processes == "none" else None)
-    if fwd.neg is not None and fwd.neg.shared:  # the block's rows of V: one GEMM, one index_add_
-        fwd.neg.scatter_(state.V, HUinv, -new.lr, ok if masked else None, sh, new.right)
-    Q = 0.5 * (new.Q + new.Q.T)
-    if masked:
-        state.omega.copy_(torch.where(ok, new.omega, state.omega))
-        state.Q.copy_(torch.where(ok, Q, state.Q))
-        state.wbar.copy_(torch.where(ok, new.wbar, state.wbar))
-    else:
-        state.omega.copy_(new.omega)
-        state.Q.copy_(Q)
-        state.wbar.copy_(new.wbar)
-    if new.moments is not None:
-        new.moments.write(state, ok if masked else None)
 
 
-def write_masked_u(plan, state, new: NewState, ok: Tensor) -> None:
-    """U, U^-1 and cond(U)'s bound under device flags, each kept where ``ok`` is false; a fold
-    (``new.fold``, a device bool) first takes V <- V U B in one gated pass over V's rows (one load
-    a block where it is not set: ``lk.fold_rows_``) and leaves U = U^-1 = I, the bound 1. ``ok``
-    read already (a Python bool, ``cpu_flag``): the fold's flag read too, the same values unmasked."""
-    if not isinstance(ok, Tensor):
-        write_read_u(plan, state, new, ok)
-        return
+class Checks(NamedTuple):
+    """How a step checks itself, as the plan holds it: device flags or each check read on the host."""
+    screens: tuple     # bad target ids, of one process's batch and of an exchanged one: device flags'
+    # (flagged), or none (host checks: checked before)
+    bounds: Callable   # the fold and cond(B): ``device_bounds`` or ``host_bounds``
+    routes: dict       # the U^-1 routes by name
+
+
+DEVICE_FLAGS = Checks((screen, screen_exchanged), device_bounds, routes(True))
+HOST_CHECKS = Checks((unscreened, unscreened), host_bounds, routes(False))
+
+
+# -- the device step: the whole step under device flags, a function of the plan and tensors -------
+@torch.no_grad()
+def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
+    """dL/dH and the update under device flags: every check a flag that masks the write (a bad
+    batch changes nothing), the step counted on the device (taken where ok, else skipped); it
+    reads nothing on the host. ``grad``: the upstream gradient (None: 1). U, U^-1 and cond(U)'s
+    bound first, each kept where the step is not ok: a fold (a device bool) takes V <- V U B in one
+    gated pass over V's rows (one load a block where it is not set: ``lk.fold_rows_``) and leaves
+    U = U^-1 = I, the bound 1."""
+    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad)
+    ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
+    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
+    ok = ok & new.ok
+    if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
+        return take_read(plan, state, fwd, new, ok, dH)
     fold = new.fold & ok
     lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
-        state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (new_state made it I where the step folds)
-    if new.rho is not None:  # the largest since the flags' last read (driver.py's ``DeviceFlags``: the adaptive Neumann rule)
-        state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
+        state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where the step folds)
+    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
     state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
     state.folds.add_(fold)
+    write(plan, state, fwd, new, ok)
+    state.steps.add_(ok)
+    state.skipped_nonfinite.add_(~ok)
+    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx)
 
 
-def write_read_u(plan, state, new: NewState, ok: bool) -> None:
-    """``write_masked_u`` with ``ok`` a Python bool (``cpu_flag``): the same values, unmasked."""
-    if new.rho is not None:  # the largest since the flags' last read, as the masked write keeps it
-        state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
-    if not ok:
-        return
-    if cpu_flag(plan, new.fold):
+def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> tuple[Tensor, Flags]:
+    """``update``'s write eager on the CPU (``plan.reads_flags``): ``ok`` and the fold read where they
+    are made (``cpu_flag``: nothing waits on a CPU), and the write taken whole, unmasked, or not at
+    all: the masked write's bits."""
+    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
+    state.steps.add_(ok)
+    state.skipped_nonfinite.add_(~ok)
+    if not cpu_flag(ok):
+        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx)
+    if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
         lk.fold_rows_(state.V, new.U, True)
         state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
         state.cond_bound.fill_(1.0)
@@ -487,26 +642,10 @@ def write_read_u(plan, state, new: NewState, ok: bool) -> None:
     else:
         state.U.copy_(new.U)
         state.cond_bound.copy_(state.cond_bound * new.cond_step)
-    if new.Uinv is not None:  # (new_state made it I where the step folds)
+    if new.Uinv is not None:
         state.Uinv.copy_(new.Uinv)
-
-
-# -- the device step: the whole step under device flags, a function of the plan and tensors -------
-@torch.no_grad()
-def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
-    """dL/dH and the update under device flags: every check a flag that masks the write (a bad
-    batch changes nothing), the step counted on the device (taken where ok, else skipped); it
-    reads nothing on the host. ``grad``: the upstream gradient (None: 1)."""
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad, parts=True)
-    ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
-    ok = ok & new.ok
-    taken = cpu_flag(plan, ok)
-    write(plan, state, fwd, new, taken)
-    state.steps.add_(ok)
-    state.skipped_nonfinite.add_(~ok)
-    dH = torch.where(ok, dH, 0.0) if isinstance(taken, Tensor) else dH if taken else torch.zeros_like(dH)
-    return dH, Flags(ok, new.fold, fwd.idx if plan.negatives == "kernel" else None)
+    write(plan, state, fwd, new)
+    return dH, Flags(ok, new.fold, fwd.idx)
 
 
 @torch.no_grad()
@@ -525,11 +664,10 @@ def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor
                     G_neg: Tensor | None = None) -> SavedForward:
     """Exact accumulation's records as a forward had made them: their products with the current
     state, and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
-    route = inverse_route(plan, Hx.shape[0])
-    _, s, _, Hq, HUt, HUinv, ht = outputs(plan, state, Hx, None, with_uinv=route == "woodbury")
-    neg = None if plan.sampling is None else plan.sampling.slots_part() if cols is None else \
-        plan.sampling.records_block(plan, state, cols, G_neg)
-    return SavedForward(Hx, idx, Hq, HUt, HUinv, ht, s, gq, gs, GA, input_ok, neg=neg, real=real)
+    route = step_route(plan, Hx.shape[0])
+    _, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
+    neg = plan.slots.slots_part() if cols is None else plan.slots.records_block(plan, state, cols, G_neg)
+    return SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg=neg, real=real)
 
 
 @torch.no_grad()

@@ -232,7 +232,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return self.driving.cannot_accumulate()
 
     def _hidden_grad(self, saved, grad: Tensor) -> Tensor:
-        return exact_step.hidden_grad(self.plan, driver.step_state(self), saved, grad)
+        return exact_step.hidden_grad(self.plan, driver.step_state(self), saved, grad)[0]
 
     @property
     def uinv_fresh(self) -> bool:
@@ -332,9 +332,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
                    rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Forward, backward and update in one call, without autograd: the loss and dL/dH
         (what ``head(H, idx).backward()`` gives H). With ``sync_every > 1`` it reads
-        nothing on the host: the unit that ``CudaGraphStep`` captures. ``rows``: where H is a
-        batch already padded to a batch size (``CudaGraphStep``'s; batch_shapes.py), its real rows,
-        a device count (the "mean" reduction divides by it)."""
+        nothing on the host: its device part, exact_step.py's ``device_step``, is what
+        ``CudaGraphStep`` captures. ``rows``: where H is a batch already padded to a batch size
+        (batch_shapes.py), its real rows, a device count (the "mean" reduction divides by it)."""
         Hx, idx, T = self._prepare_everywhere(H, target_idx, target_val, step=True)
         self.check_decay()
         return driver.whole_step(self, H, Hx, idx, T, rows)
@@ -491,9 +491,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     @torch.no_grad()
     def _eval_loss(self, Hx, idx, T):
         Hx, idx, T, rows = self.processes.collect(Hx, idx, T, training=False)
-        q, s, A, *_ = exact_step.outputs(self.plan, driver.step_state(self), Hx, idx)
+        q, s, A = self._outputs(Hx, idx)
         per_example = self.loss_fn(q, s, A, T, num_classes=self.num_classes, y_sq=self.y_sq(idx, T))
         return self.reduce(per_example, idx) if rows is None else self.reduce(per_example[rows], idx[rows])
+
+    def _outputs(self, Hx: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, s and the target outputs A (exact_step.py's ``outputs``)."""
+        q, s, _, HUt, _, ht = exact_step.outputs(self.plan, driver.step_state(self), Hx)
+        return q, s, self.plan.gather_dot(self.V, idx, HUt, ht)
 
     @own_precision
     @torch.no_grad()
@@ -513,7 +518,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """log p(target) in O(d^2) per example (spherical and Taylor softmax)."""
         Hx, idx, rows = self._gather_eval(hidden, target_idx)
-        q, s, A, *_ = exact_step.outputs(self.plan, driver.step_state(self), Hx, idx)
+        q, s, A = self._outputs(Hx, idx)
         logp = self.loss_fn.log_prob(q, s, A, num_classes=self.num_classes).masked_fill(idx < 0, 0.0)
         logp = logp if rows is None else logp[rows]
         return logp[:, 0] if target_idx.dim() == 1 else logp

@@ -1,15 +1,19 @@
-"""The factored head's whole training step captured in one CUDA graph.
+"""The factored head's device step captured in one CUDA graph.
 
 A step is a few hundred small kernels (GEMMs of m x d and d x d, the sparse
 kernels, the loss); on a GPU their launch gaps, not their work, decide the time
-at moderate m. Replaying a captured graph launches them all at once. Needs the
-step to read nothing on the host (``sync_every > 1``) and fixed shapes: a graph holds a batch
-size (M rows of K slots, batch_shapes.py) and takes any batch of at most M rows and K slots,
-padded (H 0, ids -1, the real rows a device count the step reads). With
-sampled classes (``loss="sampled"``) the draw is part of the graph: the head's
-negatives draw on the device from a generator registered with the graph
-(``NegativeSampling.draw_on``), so each replay draws anew (per-row negatives: for the M rows;
-the real rows' share of that draw is not the draw an unpadded step of m rows would make).
+at moderate m. Replaying a captured graph launches them all at once. The graph holds
+``replayed_step``: exact_step.py's ``device_step``, run by the driver as every device step
+is (driver.py's ``run_device_part``: compiled where the plan says), so the graph replays the
+same compiled function as the fused step, with no second implementation. It needs the step
+to read nothing on the host (``sync_every > 1``) and fixed shapes: a graph holds a batch size
+(M rows of K slots, batch_shapes.py) and takes any batch of at most M rows and K slots, checked
+and augmented by the head (``prepare``) outside the graph and copied into the graph's static
+batch, padded (H 0, ids -1, the real rows a device count the step reads). With sampled classes
+(``loss="sampled"``) the draw is part of the graph: the head's negatives draw on the device
+from a generator registered with the graph (``NegativeSampling.draw_on``), so each replay
+draws anew (per-row negatives: for the M rows; the real rows' share of that draw is not the
+draw an unpadded step of m rows would make).
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ import contextlib
 import torch
 from torch import Tensor
 
+from . import driver, exact_step
 from .driving import Driving
+from .precision import own_math
 from .state import STATE
 
 
@@ -52,8 +58,23 @@ def at_zero_lr(head: torch.nn.Module):
         head.pin_device_lr(None)
 
 
+@torch.no_grad()
+def replayed_step(head: torch.nn.Module, Hx: Tensor, idx: Tensor, T: Tensor, rows: Tensor,
+                  dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """What a graph captures: one device step of a static batch (``Hx`` augmented, M rows, of which
+    ``rows`` are real: a device count), its draw's uniforms made on the device inside it, run by the
+    driver (``run_device_part``: exact_step.py's ``device_step``, compiled where the plan says).
+    (the loss, dL/dH's columns of H in ``dtype``)."""
+    with own_math(Hx.device.type, head.tf32):
+        draws = None if head.negatives is None else head.negatives.uniforms(head, Hx.shape[0])
+        batch = exact_step.Batch(Hx, idx, T, rows)
+        loss, dH, _, _ = driver.run_device_part(head, exact_step.device_step, Hx.shape[0], batch, head.device_lr(),
+                                                draws)
+        return loss, dH[:, : head.hidden_dim].to(dtype)
+
+
 class CudaGraphStep:
-    """``step(H, target_idx) -> (loss, dL/dH)``: ``head.train_step`` replayed from a graph, for
+    """``step(H, target_idx) -> (loss, dL/dH)``: ``replayed_step`` replayed from a graph, for
     batches of at most ``m`` rows and ``K`` slots (padded to them).
 
     The lr is read from a device scalar at each replay (a schedule needs no new
@@ -69,10 +90,11 @@ class CudaGraphStep:
             raise ValueError("CUDA graphs need the head on a CUDA device")
         Driving("cuda_graph", head.sync_every, head.parallel)  # the rules of capture: sync_every > 1, one process
         self.head, self.m, self.K = head, m, K
+        self.dtype = hidden_dtype or head.dtype
         dev = head.device
-        self.H = torch.zeros(m, head.hidden_dim, dtype=hidden_dtype or head.dtype, device=dev)
-        self.idx = torch.zeros(m, K, dtype=torch.long, device=dev)
-        self.val = torch.zeros(m, K, dtype=head.dtype, device=dev)
+        self.Hx = torch.zeros(m, head.width, dtype=head.dtype, device=dev)  # H augmented (prepare), padded with 0
+        self.idx = torch.full((m, K), -1, dtype=torch.long, device=dev)
+        self.T = torch.zeros(m, K, dtype=head.dtype, device=dev)
         self.rows = torch.full((), m, dtype=torch.int64, device=dev)  # the replayed batch's real rows
         if head.negatives is not None:  # sampled classes drawn inside the graph, by a device generator
             head.negatives.draw_on(dev)
@@ -82,15 +104,19 @@ class CudaGraphStep:
         self.graphs: dict[int, tuple] = {}
         self._capture()
 
+    def _step(self) -> tuple[Tensor, Tensor]:
+        return replayed_step(self.head, self.Hx, self.idx, self.T, self.rows, self.dtype)
+
     def _capture(self) -> tuple:
         """Capture the step as it runs now (its factors: ``head.step_checks.factors``)."""
         head = self.head
+        driver.before_step(head, self.m, draw=False)  # U^-1 refreshed where due, outside the graph
         self._warm_up(self.warmup)
         graph = torch.cuda.CUDAGraph()
         if head.negatives is not None:  # each replay draws anew, from the generator's state then
             graph.register_generator_state(head.negatives.device_generator)
         with torch.cuda.graph(graph):
-            loss, dH = head.train_step(self.H, self.idx, self.val, self.rows)
+            loss, dH = self._step()
         self.graphs[head.step_checks.factors] = captured = (graph, loss, dH)
         return captured
 
@@ -102,24 +128,25 @@ class CudaGraphStep:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), at_zero_lr(self.head):
             for _ in range(n):
-                self.head.train_step(self.H, self.idx, self.val, self.rows)
+                self._step()
         torch.cuda.current_stream().wait_stream(side)
 
+    @torch.no_grad()
     def __call__(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> tuple[Tensor, Tensor]:
         idx = target_idx[:, None] if target_idx.dim() == 1 else target_idx
-        (m, k), width = idx.shape, self.H.shape[1]
+        (m, k), width = idx.shape, self.head.hidden_dim
         if H.dim() != 2 or H.shape[1] != width or H.shape[0] != m or not 1 <= m <= self.m or k > self.K:
             raise ValueError(f"this graph was captured for at most {self.m} rows of H (m, {width}) and "
                              f"{self.K} target slots, got H {tuple(H.shape)} and targets {tuple(idx.shape)}")
         head = self.head
         head.check_decay()  # the captured step checked it once, at capture
-        val = (idx >= 0) if target_val is None else target_val.reshape(idx.shape)
-        self.H[:m].copy_(H)
-        self.H[m:].zero_()
+        Hx, idx, T = head.prepare(H, idx, None if target_val is None else target_val.reshape(idx.shape), step=True)
+        self.Hx[:m].copy_(Hx)
+        self.Hx[m:].zero_()
         self.idx.fill_(-1)
         self.idx[:m, :k].copy_(idx)
-        self.val.zero_()
-        self.val[:m, :k].copy_(val)
+        self.T.zero_()
+        self.T[:m, :k].copy_(T)
         self.rows.fill_(m)
         head.device_lr()  # refill lr outside the graph
         graph, loss, dH = self.graphs.get(head.step_checks.factors) or self._capture()

@@ -72,10 +72,9 @@ def uinv_by_products(U_new: Tensor, Uinv: Tensor, A: Tensor, c, factors: int) ->
         P = P @ P
         X = torch.addmm(X, X, P)
     Y = (X @ Uinv) / c
-    residual = None
-    for _ in range(NEWTON_STEPS):
-        R = torch.addmm(eye, U_new, Y, alpha=-1.0)  # I - U_new Y
-        if residual is None:
-            residual = torch.linalg.matrix_norm(R)
-        Y = torch.addmm(Y, Y, R)
+    R = torch.addmm(eye, U_new, Y, alpha=-1.0)  # I - U_new Y
+    residual = torch.linalg.matrix_norm(R)
+    Y = torch.addmm(Y, Y, R)
+    for _ in range(NEWTON_STEPS - 1):
+        Y = torch.addmm(Y, Y, torch.addmm(eye, U_new, Y, alpha=-1.0))
     return Y, residual

@@ -27,6 +27,7 @@ from torch import Tensor
 import lst_kernels as lk
 
 from .collectives import ProcessGroup
+from .exact_step import UNEXCHANGED
 from .padded_rows import PaddedRows
 from .state import REPLICATED_STATE
 
@@ -53,6 +54,8 @@ class Processes:
         #: the real rows of the batch the step works on, a device count, where it was padded
         #: (None: the batch's own rows); the "mean" reduction divides by it
         self.rows: Tensor | None = None
+        #: the exchange the batch's rows came through (``padded`` where they were padded), for the step's screen
+        self.exchange = UNEXCHANGED
 
     @property
     def world(self) -> int:
@@ -96,11 +99,11 @@ class Processes:
 
     def collect(self, Hx: Tensor, idx: Tensor, T: Tensor, training: bool):
         """The batch the step works on (all ranks' rows) and this rank's rows in it (None: all)."""
-        self.rows = None
+        self.rows, self.exchange = None, UNEXCHANGED
         if self.world == 1 or not (training or self.sharded):
             return Hx, idx, T, None
         if training and self.padded.code is not None:  # prepared under device flags: no host read
-            self.rows = self.padded.rows
+            self.rows, self.exchange = self.padded.rows, self.padded
             return self.padded.gather(Hx, idx, T)
         (Hx, idx, T), rows = self.pg.gather_rows([Hx, idx, T], [0.0, -1, 0.0])
         return Hx, idx, T, rows
@@ -117,6 +120,11 @@ class Processes:
 
     def gather_sum(self, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
         return lk.gather_sum(V, idx, G)
+
+    def scatter_rows(self, V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha, order=None) -> Tensor:
+        """``lk.scatter_add_rows_`` into the rows of V held here (the ids' sort, of every rank's
+        rows, is not reused)."""
+        return lk.scatter_add_rows_(V, self.local_idx(idx), G, X, alpha)
 
     def rows_of(self, V: Tensor, ids: Tensor) -> Tensor:
         """V's rows of the classes ``ids`` (u, d), wherever they are held."""

@@ -40,6 +40,7 @@ from ..heads.kernel_functions import QUADRATIC_ALPHA
 from ..heads.samplers import STATIC_SAMPLERS
 from ..heads.targets import first_occurrence
 from ..losses import SampledSlots
+from .exact_step import TargetsOnly
 from .kernel_proposal import KernelProposal
 from .settings import settings_from
 
@@ -276,8 +277,7 @@ class NegativeSampling:
             V_u = state.V.index_select(0, uniq) if plan.processes == "none" else sh.rows_of(state.V, uniq)
             A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
-            A_neg = lk.gather_dot(state.V, cols, HUt, ht) if plan.processes == "none" else \
-                sh.gather_dot(state.V, cols, HUt, ht)
+            A_neg = plan.gather_dot(state.V, cols, HUt, ht)
         per, gq, gs, GA, G_neg = plan.loss.with_slots_grads(q, s, A, T, A_neg, slots, weight,
                                                             num_classes=plan.num_classes, y_sq=y_sq)
         if self.settings.shared:
@@ -316,10 +316,9 @@ def unique_column_gram(idx: Tensor, G: Tensor) -> Tensor:
     return Yc @ Yc.T
 
 
-class PerRowSlots:
-    """Negatives drawn per row: the last S of the step's K + S slots (the general path, value 0)."""
-
-    shared = False
+class PerRowSlots(TargetsOnly):
+    """Negatives drawn per row: the last S of the step's K + S slots (the general path, value 0);
+    the rest as for the targets alone."""
 
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T (m x m), never the slot-pair form (``lk.sparse_gram`` compares (m (K + S))^2
@@ -329,10 +328,6 @@ class PerRowSlots:
         if plan.deferred:
             return lk.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
         return unique_column_gram(idx, GA)
-
-    def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
-        """(Yd Yd^T H, None): the slots by rows (``lk.gram_rows``), nothing given whole."""
-        return lk.gram_rows(idx, GA, H, order=order), None
 
 
 class SharedBlock:

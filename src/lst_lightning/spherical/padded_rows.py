@@ -133,9 +133,9 @@ class PaddedRows:
         return (floats[:, :C * width].reshape(world * C, width), ints[:, 2:].reshape(world * C, K),
                 floats[:, C * width:].reshape(world * C, K), slice(lo, lo + m))
 
-    def ranks_ok(self) -> Tensor:
-        """Device bool: every rank sent its rows this step."""
-        return (self.header[:, 1] == SENT).all()
+    def checked(self, input_ok: Tensor) -> Tensor:
+        """``input_ok`` and every rank sent its rows this step (a device bool)."""
+        return input_ok & (self.header[:, 1] == SENT).all()
 
     def note_fault(self, first: Tensor, bad: Tensor) -> None:
         """Record who voided the step where it is the first void step since the read (``first``):

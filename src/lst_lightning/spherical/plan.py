@@ -6,8 +6,10 @@ at each such change): the driver (``step``), device flags or host checks, compil
 processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
 batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
 width, the fold's thresholds, the head's ``Processes``, its loss and reduction, its draw of sampled
-classes. The step (exact_step.py) reads its plan,
-data only; it asks the head's settings for none of these.
+classes. From these it holds the function of each choice (exact_step.py's), chosen here once: the
+checks, the U^-1 routes, P or none, the sampled classes or none, the reduction's weights, the
+collectives. The step (exact_step.py) calls what its plan holds; it asks the head's settings for
+none of these.
 
 The refusals of combinations of settings are here too, each one line saying why:
 ``driving_refusal`` (of the driving settings together), ``compile_refusal`` (what keeps the
@@ -21,6 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+import lst_kernels as lk
+
+from . import exact_step
 from .stabiliser import Stabiliser
 
 #: the kinds of sampled classes a step takes (negatives.py): one shared dense block, slots per
@@ -36,6 +41,9 @@ class StepPlan:
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
+    #: device flags read where they are made (exact_step.py's ``cpu_flag``): eager on the CPU, where
+    #: nothing waits (``READ_CPU_FLAGS``); else masked by ``torch.where``
+    reads_flags: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
     #: the sampled classes: None (off) or one of ``NEGATIVE_KINDS``
@@ -66,6 +74,39 @@ class StepPlan:
     reduction: str = "mean"
     #: the head's ``NegativeSampling`` (negatives.py: its proposal and the draw), None without sampled classes
     sampling: object = field(default=None, compare=False)
+
+    # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
+    #: exact_step.py's ``DEVICE_FLAGS`` or ``HOST_CHECKS``: the screens of bad ids, the bounds, the routes
+    checks: exact_step.Checks = field(init=False, compare=False, repr=False)
+    #: the checks' screen of bad ids for these processes (one, or several exchanging their rows)
+    screen: object = field(init=False, compare=False, repr=False)
+    #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
+    few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
+    many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
+    #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
+    slots: object = field(init=False, compare=False, repr=False)
+    #: ||y||^2 per row where the loss takes it (exact_step.py's ``y_sq``), else ``nothing``
+    y_sq: object = field(init=False, compare=False, repr=False)
+    #: the reduction's row weights (exact_step.py's ``WEIGHTS``)
+    weights: object = field(init=False, compare=False, repr=False)
+    #: the gathers and the scatter of V's rows: lst_kernels' own in one process, else the ``Processes``'
+    gather_dot: object = field(init=False, compare=False, repr=False)
+    gather_sum: object = field(init=False, compare=False, repr=False)
+    scatter_rows: object = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self):
+        checks, sh = exact_step.DEVICE_FLAGS if self.deferred else exact_step.HOST_CHECKS, self.collectives
+        alone = self.processes == "none"
+        chosen = dict(checks=checks, screen=checks.screens[not alone], few_rows=checks.routes["woodbury"],
+                      many_rows=checks.routes[self.inverse],
+                      y_sq=exact_step.y_sq if getattr(self.loss, "needs_y_sq", False) else exact_step.nothing,
+                      slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
+                      weights=exact_step.WEIGHTS[self.reduction],
+                      gather_dot=lk.gather_dot if alone else sh.gather_dot,
+                      gather_sum=lk.gather_sum if alone else sh.gather_sum,
+                      scatter_rows=lk.scatter_add_rows_ if alone else sh.scatter_rows)
+        for name, value in chosen.items():
+            object.__setattr__(self, name, value)
 
 
 def m_matrix_rows(d: int) -> int:
@@ -100,8 +141,9 @@ def plan_for(head) -> StepPlan:
     wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
-    return StepPlan(step=driving.step, deferred=driving.sync_every > 1,
-                    compiled=wanted and compile_refusal(driving, kind) is None,
+    compiled = wanted and compile_refusal(driving, kind) is None
+    reads = driving.sync_every > 1 and head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
+    return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
                     preconditioner=head.preconditioner, inverse=inverse, woodbury_rows=woodbury_rows,
                     m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann,
