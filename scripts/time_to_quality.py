@@ -9,7 +9,8 @@ validation MRR.
 ``equal_time`` (default): for each case and seed, the two heads of ``--heads`` (default: the
 default head and the sampled softmax as the project tunes it, row-sparse under its lr) run as two
 ``lst-train`` processes AT THE SAME TIME, one torch thread each, same seed, so both see the same
-load. Each counts its budget on its own CPU time (``clock=cpu``, validation excluded): on a
+load (``--apart``: one after the other, where the two do not fit in memory together, as at 10^7
+on 24 GB). Each counts its budget on its own CPU time (``clock=cpu``, validation excluded): on a
 shared machine the wall clock gives a run what the other jobs leave it, the CPU clock the same
 work whatever the load. Each validates every ``--budget / --points`` seconds of that clock
 (``train/clock_s``), and once more when its time is spent. A run's row: its final validation MRR
@@ -176,13 +177,19 @@ def command_of(words: list[str]) -> str:
     return "uv run lst-train " + " ".join(shlex.quote(w) for w in words)
 
 
+def run_heads(words: dict, dirs: dict, apart: bool) -> list[float]:
+    """The pair's runs side by side, or one after the other (``apart``); the load averages seen."""
+    if not apart:
+        return wait_all([launch(words[h], dirs[h]) for h in words], list(dirs.values()))
+    return [load for h in words for load in wait_all([launch(words[h], dirs[h])], [dirs[h]])]
+
+
 def equal_time_pair(case: str, heads: list[str], seed: int, budget: float, points: int, work: Path,
-                    info: dict) -> tuple[list[dict], list[dict]]:
+                    info: dict, apart: bool = False) -> tuple[list[dict], list[dict]]:
     D = CASES[case][1]
     words = {h: overrides(case, h, seed, "equal_time", budget, points, 0) for h in heads}
     dirs = {h: work / f"{case}_{i}_s{seed}" for i, h in enumerate(heads)}
-    procs = [launch(words[h], dirs[h]) for h in heads]
-    loads = wait_all(procs, list(dirs.values()))
+    loads = run_heads(words, dirs, apart)
     curves = {h: curve(dirs[h]) for h in heads}
     rows, curve_rows = [], []
     for h in heads:
@@ -245,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=60.0, help="equal_time: training seconds of CPU time a run")
     p.add_argument("--points", type=int, default=6, help="validations during a run (and one at its end)")
     p.add_argument("--steps", type=int, default=2000, help="same_steps: training steps a run")
+    p.add_argument("--apart", action="store_true", help="equal_time: the pair's runs one after the other, where two "
+                                                       "do not fit in memory together (synthetic_1e7 on 24 GB)")
     p.add_argument("--smoke", action="store_true", help="a few seconds on a tiny synthetic task")
     add_output_args(p)
     args = p.parse_args(argv)
@@ -265,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in cases:
             for seed in (int(s) for s in args.seeds.split(",")):
                 if args.mode == "equal_time":
-                    rows, curve_rows = equal_time_pair(case, heads, seed, args.budget, args.points, Path(tmp), info)
+                    rows, curve_rows = equal_time_pair(case, heads, seed, args.budget, args.points, Path(tmp), info,
+                                                       args.apart)
                 else:
                     rows, curve_rows = same_steps(case, heads, seed, args.steps, args.points, Path(tmp), info)
                 # appended as each pair ends: a long grid stopped part-way keeps what it measured

@@ -53,7 +53,7 @@ def test_a_smoke_pair_runs_side_by_side_and_writes_its_rows(sandbox):
 
 
 def test_update_results_appends_to_the_committed_csvs(sandbox, monkeypatch):
-    def pair(case, heads, seed, budget, points, work, info):
+    def pair(case, heads, seed, budget, points, work, info, apart=False):
         row = {c: 1 for c in ttq.RUN_COLUMNS} | {"case": case, "head": heads[0], "seed": seed, **info, "command": "x"}
         return [row], [{c: 1 for c in ttq.CURVE_COLUMNS} | {"case": case, **info, "command": "x"}]
 
@@ -64,3 +64,15 @@ def test_update_results_appends_to_the_committed_csvs(sandbox, monkeypatch):
     assert changed == set(before)
     for name, n in before.items():
         assert len((sandbox.results / name).read_text().splitlines()) == n + 2
+
+
+def test_apart_runs_the_pair_one_after_the_other(tmp_path, monkeypatch):
+    events = []
+    monkeypatch.setattr(ttq, "launch", lambda words, run_dir: events.append(("launch", run_dir.name)) or run_dir.name)
+    monkeypatch.setattr(ttq, "wait_all", lambda procs, dirs: events.append(("wait", *procs)) or [1.0])
+    words, dirs = {"a": [], "b": []}, {"a": tmp_path / "a", "b": tmp_path / "b"}
+    assert ttq.run_heads(words, dirs, apart=True) == [1.0, 1.0]
+    assert events == [("launch", "a"), ("wait", "a"), ("launch", "b"), ("wait", "b")]
+    events.clear()
+    ttq.run_heads(words, dirs, apart=False)
+    assert events == [("launch", "a"), ("launch", "b"), ("wait", "a", "b")]
