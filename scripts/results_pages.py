@@ -533,7 +533,8 @@ def ttq_summary(ps: list[tuple[Row, Row]]) -> dict:
                 top10_ahead=sum(x < 0 for x in dt), ours=statistics.fmean(a["val_mrr"] for a, _ in ps),
                 rival=statistics.fmean(b["val_mrr"] for _, b in ps),
                 steps=statistics.fmean(a["steps"] / b["steps"] for a, b in ps), reach=ratio(mine),
-                reach_rival=ratio(theirs), load=statistics.fmean(a["load_mean"] for a, _ in ps))
+                reach_rival=ratio(theirs), load=statistics.fmean(a["load_mean"] for a, _ in ps),
+                apart=any(a.get("together") == 0 for a, _ in ps))
 
 
 def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
@@ -548,12 +549,13 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
                       f"{budget:g} s", short_machine(machine), str(s["n"]), fmt(s["ours"]), fmt(s["rival"]),
                       with_se(s["mrr"]), f"{s['ahead']} of {s['n']}", with_se(s["top10"]),
                       f"{s['top10_ahead']} of {s['n']}", fmt(s["steps"], 2), s["reach"], s["reach_rival"],
-                      fmt(s["load"], 2)])
+                      fmt(s["load"], 2) + (" (apart)" if s["apart"] else "")])
     text = ("\nEach pair: two `lst-train` processes started together, one torch thread each, same seed, each "
             "trained for the same budget of its own CPU time (`clock=cpu`, validation excluded), validating "
             "every sixth of it and at its end on the same held-out examples. The CPU clock gives both sides the "
             "same work whatever the machine's other jobs do; running them together gives both the same load "
-            "(`load`: the 1-minute load average while the pair ran, of 2 cores). **the default**: `lst-train`'s "
+            "(`load`: the 1-minute load average while the pair ran, of 2 cores; `apart`: the two ran one after the "
+            "other, as `time_to_quality.py --apart` runs them where they do not fit in memory together). **the default**: `lst-train`'s "
             "head as the code sets it by D; **the sampled softmax**: `head=sampled`, row-sparse rows under "
             "SparseAdam, S by D and its swept lr, as the project tunes it. A run that compiles (`compile=true`: the "
             "body and the rival's forward, backward and row update; `head.compile_step=true`: the default's step) "

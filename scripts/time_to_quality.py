@@ -17,8 +17,8 @@ work whatever the load. Each validates every ``--budget / --points`` seconds of 
 and top-10 error, steps, and ``reach_s``: the training time at which its curve (linear between
 validations) first reached the rival's final MRR, ``reach_ratio`` = that over the rival's own
 training time (below 1: it got there sooner; empty: never within its budget). The load average
-while the pair ran is recorded (``load_mean``). A head variant may compile
-(``'default;compile=true;head.compile_step=true,sampled_softmax;compile=true'``: both sides
+while the pair ran is recorded (``load_mean``), and ``together`` (1: side by side, 0: ``--apart``).
+A head variant may compile (``'default;compile=true;head.compile_step=true,sampled_softmax;compile=true'``: both sides
 compiled, the default's own step and the body, the rival's forward, backward and row-sparse
 update); each run then compiles cold, its tracing and code generation in its own process and in its
 budget (``COMPILE_ENV``); the C++ compiler is a child process, which the CPU clock does not count.
@@ -84,7 +84,7 @@ COMMON = ["trainer.max_epochs=1000", "trainer.limit_train_batches=1.0", "trainer
           "test=false", "cpu_threads=1", "logger=csv", "callbacks.rich_progress=false", "~callbacks.checkpoint"]
 RUN_COLUMNS = ["case", "D", "mode", "head", "rival", "seed", "clock", "budget_s", "steps", "train_s", "head_share",
                "val_examples",
-               "val_mrr", "val_top10_error", "reach_s", "reach_ratio", "load_mean", "machine", "torch", "commit",
+               "val_mrr", "val_top10_error", "reach_s", "reach_ratio", "load_mean", "together", "machine", "torch", "commit",
                "date", "command"]
 CURVE_COLUMNS = ["case", "D", "mode", "head", "seed", "step", "clock_s", "val_mrr", "val_top10_error", "machine",
                  "torch", "commit", "date", "command"]
@@ -206,7 +206,8 @@ def equal_time_pair(case: str, heads: list[str], seed: int, budget: float, point
                      "val_mrr": round(mine[-1]["val_mrr"], 4), "val_top10_error": round(mine[-1]["val_top10_error"], 4),
                      "reach_s": None if reach is None else round(reach, 2),
                      "reach_ratio": None if reach is None else round(reach / rival_s, 3),
-                     "load_mean": round(sum(loads) / len(loads), 2), **info, "command": command_of(words[h])})
+                     "load_mean": round(sum(loads) / len(loads), 2), "together": int(not apart), **info,
+                     "command": command_of(words[h])})
         curve_rows += [{"case": case, "D": D, "mode": "equal_time", "head": h, "seed": seed,
                         "step": p["step"], "clock_s": round(p["clock_s"], 2), "val_mrr": round(p["val_mrr"], 4),
                         "val_top10_error": round(p["val_top10_error"], 4), **info, "command": command_of(words[h])}
@@ -233,7 +234,7 @@ def same_steps(case: str, heads: list[str], seed: int, steps: int, points: int, 
                          "val_examples": next(int(w.split("=")[1]) for w in words[h]
                                               if w.startswith("data.max_eval")),
                          "val_mrr": round(pts[-1]["val_mrr"], 4), "val_top10_error": round(pts[-1]["val_top10_error"], 4),
-                         "reach_s": None, "reach_ratio": None, "load_mean": round(sum(loads) / len(loads), 2),
+                         "reach_s": None, "reach_ratio": None, "load_mean": round(sum(loads) / len(loads), 2), "together": 1,
                          **info, "command": command_of(words[h])})
             curve_rows += [{"case": case, "D": D, "mode": "same_steps", "head": h, "seed": seed, "step": p["step"],
                             "clock_s": None, "val_mrr": round(p["val_mrr"], 4),
