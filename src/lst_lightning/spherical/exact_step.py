@@ -3,19 +3,18 @@ and its gradients), backward (dL/dH), the new state computed aside, its checks, 
 
 The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
 collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. The plan holds the function of each choice (its ``checks``, device
-flags or host checks; the U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes'
-part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``; the collectives), and the step branches only on
-its plan (what it holds, and P on or off) and on the batch's shape. ``device_step(plan, state, batch,
-lr, draws)`` is the whole step under device flags (``sync_every > 1``): every check a flag masking
-the write, nothing read on the host, the one unit driver.py compiles whole and a CUDA graph
-replays; the autograd step runs its halves (``forward``, ``update``) and exact accumulation
-``records_step``.
+none of them takes the head. The plan holds the function of each choice (its ``checks``' rules:
+the device flags' or, with ``sync_every == 1``, the host checks'; the U^-1 ``Route`` of a batch's
+rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
+the collectives), and the step branches only on its plan (what it holds, and P on or off) and on
+the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step: every check a
+flag masking the write (a failed host check too), the one unit driver.py compiles whole and a CUDA
+graph replays (``sync_every > 1``: nothing read on the host); the autograd step runs its halves
+(``forward``, ``update``) and exact accumulation ``records_step``.
 
 The host's part of a step, the only code that takes the head, is driver.py: the version, U^-1
 refreshed where due, the lr and the draw's uniforms before the device part, the flags ticked and read
-and the repairs that fell due after it; and the step with host checks (``sync_every == 1``), which
-reads each check as it is made, around this file's ``hidden_grad``, ``new_state`` and ``write``.
+and the repairs that fell due after it.
 """
 from __future__ import annotations
 
@@ -68,6 +67,7 @@ class Flags(NamedTuple):
     ok: Tensor
     fold: Tensor | bool
     written: Tensor
+    uinv: bool = True  # U_new^-1 made (the solve route leaves U^-1 behind)
 
 
 class Route(NamedTuple):
@@ -363,10 +363,12 @@ def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
 
 
 def host_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
-    """Host checks: ``fold_and_cond``, read on the host; a step whose eigenvalues could not be
-    computed is skipped (``ok`` False)."""
+    """Host checks: ``fold_and_cond``, read on the host (the fold a Python bool, rho a device
+    scalar as the flags' board keeps it); a step whose eigenvalues could not be computed is
+    skipped (``ok`` False)."""
     fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
-    return Bounds(fold, math.inf if cond_step is None else cond_step, rho, eig, cond_step is not None)
+    return Bounds(fold, math.inf if cond_step is None else cond_step, torch.tensor(rho, dtype=A.dtype, device=A.device),
+                  eig, cond_step is not None)
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -461,12 +463,14 @@ def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
 
 
 # Host checks: a fold the host decided takes no route (V absorbs U B; U = U^-1 = I); a failed
-# check is read at once by ``driver.backward``; the products route takes the factors rho needs,
-# and solves instead where U^-1 had drifted (a residual past the tolerance).
+# check (``ok``) skips the step at the write as a device flag does; the products route takes the
+# factors rho needs, and solves instead where U^-1 had drifted (a residual past the tolerance).
 def on_host(route: Callable) -> Callable:
     def checked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-        X = side(fwd, f, P) if bounds.fold else None
-        inv = Inverse(None, X, True, X.sum()) if bounds.fold else route(plan, state, fwd, f, P, c, kappa, bounds)
+        if bounds.fold:
+            X = side(fwd, f, P)
+            return Inverse(torch.eye(plan.width, dtype=X.dtype, device=X.device), X, True, X.sum(), bounds.ok)
+        inv = route(plan, state, fwd, f, P, c, kappa, bounds)
         return inv._replace(ok=inv.ok & bounds.ok)
     return checked
 
@@ -555,7 +559,7 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
 
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
     """Write the step's new rows of V, omega, Q, wbar and P's moments into ``state`` (the head's
-    buffers; U's part first: ``update``'s, ``take_read``'s, or driver.py's with host checks), each
+    buffers; U's part first: ``update``'s or ``take_read``'s), each
     kept where the device flag ``ok`` is false; None: taken (a failed check stopped the step before)."""
     Q = 0.5 * (new.Q + new.Q.T)
     GA, HUinv, omega, Q, wbar = (new.GA, new.HUinv, new.omega, Q, new.wbar) if ok is None else (
@@ -569,15 +573,6 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
     state.wbar.copy_(wbar)
     if new.moments is not None:
         new.moments.write(state, ok)
-
-
-def write_checked_u(state, new: NewState) -> None:
-    """U, U^-1 and cond(U)'s bound with host checks, unless the step folded (``backward`` folded it)."""
-    if not new.fold:
-        state.U.copy_(new.U)
-        if new.Uinv is not None:
-            state.Uinv.copy_(new.Uinv)
-        state.cond_bound.copy_(state.cond_bound * new.cond_step)
 
 
 class Checks(NamedTuple):
@@ -605,6 +600,9 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
     ok = ok & new.ok
+    if new.eig[0]:  # host checks: B's eigenvalues computed (and failed) for the fold, counted
+        state.eig_checks.add_(new.eig[0])
+        state.eig_failures.add_(new.eig[1])
     if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
         return take_read(plan, state, fwd, new, ok, dH)
     fold = new.fold & ok
@@ -621,7 +619,7 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     write(plan, state, fwd, new, ok)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx)
+    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
 
 
 def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> tuple[Tensor, Flags]:
@@ -632,7 +630,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
     if not cpu_flag(ok):
-        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx)
+        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
     if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
         lk.fold_rows_(state.V, new.U, True)
         state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
@@ -645,7 +643,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     if new.Uinv is not None:
         state.Uinv.copy_(new.Uinv)
     write(plan, state, fwd, new)
-    return dH, Flags(ok, new.fold, fwd.idx)
+    return dH, Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
 
 
 @torch.no_grad()
