@@ -367,7 +367,7 @@ def host_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
     scalar as the flags' board keeps it); a step whose eigenvalues could not be computed is
     skipped (``ok`` False)."""
     fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
-    return Bounds(fold, math.inf if cond_step is None else cond_step, torch.tensor(rho, dtype=A.dtype, device=A.device),
+    return Bounds(fold, math.inf if cond_step is None else cond_step, torch.tensor(rho, dtype=torch.float64, device=A.device),
                   eig, cond_step is not None)
 
 
@@ -418,9 +418,10 @@ def square_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Te
 
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
 class Inverse(NamedTuple):
-    """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (device flags: a singular solve
-    or a residual past the products' reach folds too), whether it is regular (host checks) and R
-    with H U_new^-1 = H R (the products route, R = P U_new^-1; else None)."""
+    """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (a singular solve or a residual
+    past the products' reach folds too; host checks: the host's fold alone), whether it is regular
+    (host checks: a singular solve skips the step) and R with H U_new^-1 = H R (the products route,
+    R = P U_new^-1; else None)."""
     Uinv: Tensor | None
     HUinv: Tensor
     fold: Tensor | bool
@@ -431,10 +432,10 @@ class Inverse(NamedTuple):
 
 # Woodbury: the rank-m update of U^-1, B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X),
 # G = X H^T: no division by g_q; X U^-1 = H U^-1 from the forward's GEMM where P = I.
-# Device flags: a singular solve folds; after a fold (a device bool) H U_new^-1 = X = H P and
-# U_new^-1 = I, whatever the route made. Past the products' reach (the residual a flag) the step
-# folds too; their Neumann factors are those the flags' last read chose.
-def woodbury_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+# A singular solve folds; after a fold (a device bool) H U_new^-1 = X = H P and U_new^-1 = I,
+# whatever the route made. Past the products' reach (the residual a flag) the step folds too;
+# their Neumann factors are ``state.factors``: those the flags' last read chose.
+def woodbury(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
     XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
     R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
@@ -446,14 +447,14 @@ def woodbury_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
     return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum())
 
 
-def solve_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+def solve(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     HUinv, info = solve_right(f.U, f.X)
     fold = bounds.fold | (info != 0).any()
     HUinv = torch.where(fold, f.X, HUinv)
     return Inverse(None, HUinv, fold, HUinv.sum())
 
 
-def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, state.factors)
     fold = bounds.fold | ~(residual <= residual_tolerance(f.U.dtype))
     Uinv = torch.where(fold, torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device), Uinv)
@@ -462,16 +463,17 @@ def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
     return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), True, right)
 
 
-# Host checks: a fold the host decided takes no route (V absorbs U B; U = U^-1 = I); a failed
-# check (``ok``) skips the step at the write as a device flag does; the products route takes the
-# factors rho needs, and solves instead where U^-1 had drifted (a residual past the tolerance).
+# Host checks (``sync_every == 1``), around the same routes: a fold the host decided takes no
+# route (V absorbs U B; U = U^-1 = I); where a route would fold (a singular solve) the step is
+# skipped instead (``ok``, a flag at the write); the products route takes the factors of the
+# step's own rho, and solves instead past their reach (none, or a residual past the tolerance).
 def on_host(route: Callable) -> Callable:
     def checked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
         if bounds.fold:
             X = side(fwd, f, P)
             return Inverse(torch.eye(plan.width, dtype=X.dtype, device=X.device), X, True, X.sum(), bounds.ok)
         inv = route(plan, state, fwd, f, P, c, kappa, bounds)
-        return inv._replace(ok=inv.ok & bounds.ok)
+        return inv._replace(fold=False, ok=~inv.fold & bounds.ok)
     return checked
 
 
@@ -480,37 +482,18 @@ def side(fwd: SavedForward, f: Forms, P) -> Tensor:
     return f.X if f.X is not None else fwd.Hx if P is None else fwd.Hx @ P
 
 
-@on_host
-def woodbury_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
-    XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
-    R, info = torch.linalg.solve_ex(S, XUinv)
-    KR = kappa[:, None] * R
-    Uinv, HUinv = (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c
-    return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), (info == 0).all())
-
-
-def solve_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    HUinv, info = solve_right(f.U, side(fwd, f, P))
-    return Inverse(None, HUinv, False, HUinv.sum(), (info == 0).all())
-
-
-@on_host
 def products_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    factors = neumann_factors(bounds.rho, float(state.cond_bound), f.U.dtype)
+    factors = neumann_factors(float(bounds.rho), float(state.cond_bound), f.U.dtype)
     if factors is not None:
-        Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, factors)
-        if bool(residual <= residual_tolerance(f.U.dtype)):
-            right = Uinv if P is None else P @ Uinv
-            HUinv = fwd.Hx @ right
-            return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), True, right)
-    return solve_host(plan, state, fwd, f, P, c, kappa, bounds)
+        inv = products(plan, state._replace(factors=factors), fwd, f, P, c, kappa, bounds)
+        if not bool(inv.fold):
+            return inv
+    return solve(plan, state, fwd, f._replace(X=side(fwd, f, P)), P, c, kappa, bounds)
 
 
 def routes(deferred: bool) -> dict[str, Route]:
     """The three routes with device flags (``deferred``) or host checks, by name."""
-    inverse = (woodbury_masked, solve_masked, products_masked) if deferred else \
-        (woodbury_host, on_host(solve_host), products_host)
+    inverse = (woodbury, solve, products) if deferred else (on_host(woodbury), on_host(solve), on_host(products_host))
     return {"woodbury": Route("woodbury", woodbury_forms, inverse[0], 3, True, True),
             "solve": Route("solve", square_forms, inverse[1], 2, True, False),
             "products": Route("products", square_forms, inverse[2], 2, False, True)}
