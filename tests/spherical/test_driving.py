@@ -3,7 +3,7 @@ import pytest
 
 from lst_lightning.spherical.driving import Driving
 
-from head_pairs import deferred, make_pair
+from head_pairs import D, batch, deferred, make_pair
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -49,20 +49,26 @@ def test_the_naive_head_always_accumulates():
     assert naive.cannot_accumulate() is None and naive.step == "autograd"
 
 
-def test_the_checker_follows_sync_every_and_keeps_its_counts():
-    """One checking strategy, chosen from sync_every: HostChecks reads each check at once,
-    DeviceFlags leaves them on the device; a change between two sync_every > 1 keeps it."""
-    from lst_lightning.spherical.driver import DeviceFlags, HostChecks
+def test_one_board_of_flags_read_every_sync_every_steps_and_after_each_with_1():
+    """One board of device flags whatever sync_every: sync_every=1 reads it after every step
+    (the host checks' rules); a change between two sync_every > 1 keeps it, a change between
+    1 and more makes the rules' own board, with the counts carried."""
+    from lst_lightning.spherical.driver import DeviceFlags
 
     head = deferred(sync_every=1)
-    assert type(head.step_checks) is HostChecks and not head.deferred_checks
+    assert type(head.step_checks) is DeviceFlags and not head.deferred_checks
+    H, idx = batch(4, 8, D, 2)
+    head(H.clone().requires_grad_(), idx).backward()
+    board = head.step_checks
+    assert board.calls == board.read_at == 1 and board.synced == (1, 0) and board.stats["steps"] == 1
     head.sync_every = 3
     flags = head.step_checks
-    assert type(flags) is DeviceFlags and head.deferred_checks
+    assert type(flags) is DeviceFlags and head.deferred_checks and flags is not board
+    assert (flags.calls, flags.synced) == (1, (1, 0))
     head.sync_every = 5
     assert head.step_checks is flags
     head.sync_every = 1
-    assert type(head.step_checks) is HostChecks
+    assert type(head.step_checks) is DeviceFlags and head.step_checks is not flags
 
 
 def test_the_old_names_of_the_mode_and_the_checks_warn():

@@ -146,7 +146,7 @@ class SphericalHeadBase(OutputHead):
         self.driving = Driving(sync_every=1, compile=False)
         #: how the step checks itself: at once on the host (the factored head: device flags
         #: with ``sync_every > 1``; driver.py)
-        self.step_checks = driver.HostChecks()
+        self.step_checks = driver.DeviceFlags()
         #: the rows kept for the attached optimizer's step (pending.py)
         self.pending = PendingRows()
         self._open = None  # weakref to the token of the last training forward

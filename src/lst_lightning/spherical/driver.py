@@ -1,5 +1,4 @@
-"""The host's part of the factored step: the driver of exact_step.py's device step, and the step
-with host checks.
+"""The host's part of the factored step: the driver of exact_step.py's device step.
 
 exact_step.py's step takes the plan and tensors, never the head; this file is where the head
 comes in. Around a device part (``device_step``, or its halves ``forward`` and ``update`` for the
@@ -7,8 +6,7 @@ autograd step, ``records_step`` for exact accumulation) the driver does what onl
 U^-1 refreshed where the last steps left it behind, the device lr refilled, the uniforms of the
 sampled classes' draw (``before_step``); the version moved, the device part run compiled or eager,
 the flags ticked and read every ``sync_every`` steps with the repairs that fell due
-(``run_device_part``). With host checks (``sync_every == 1``) ``backward`` reads each check as it
-is made, skips a failed step and runs the repairs due at once.
+(``run_device_part``).
 
 Compiled (``head.plan.compiled``; docs/factored_head.md, "The compiled step"): ``run`` calls the
 device part compiled by ``torch.compile(fullgraph=True)``: one graph (a break is an error, not a
@@ -16,20 +14,16 @@ silent fallback), shapes static per graph, lr a device scalar (a new lr is no re
 is padded to one of a few sizes first (batch_shapes.py), so that any m compiles once per size.
 Inductor fuses the step's few hundred small operators into a few dozen kernels.
 
-The checks (``head.step_checks``, chosen from ``sync_every`` when the head is built or
-``sync_every`` changes), at once on the host or as device flags read every ``sync_every`` steps:
-
-- ``HostChecks`` (``sync_every == 1``): every check is read on the host when it is made
-  (a host synchronisation on a GPU); a bad target id raises before anything changes, a
-  non-finite or singular step is skipped and counted at once, the repairs that fell due
-  run after each step. ``backward`` makes these checks inline and never calls this
-  object: it holds only the host counts.
-- ``DeviceFlags`` (``sync_every > 1``): the step reads nothing on the host, so a GPU
-  never waits for it and it can be captured in a CUDA graph. Every check becomes a device
-  flag: bad target ids turn into padding and void the step; a non-finite or singular
-  step is masked out with ``torch.where`` (every buffer keeps its value) and counted; lr
-  is a device scalar. ``head.sync()`` reads the flags every ``sync_every`` steps: it warns
-  about skipped steps, runs the repairs that fell due, and raises for the bad ids.
+The checks: one board of device flags (``DeviceFlags``, ``head.step_checks``), read every
+``sync_every`` steps (1: after every step). Every check is a flag masking the write: a
+non-finite or singular step is masked out with ``torch.where`` (every buffer keeps its value)
+and counted, lr is a device scalar; ``head.sync()`` reads the flags in one host transfer,
+warns about skipped steps, runs the repairs that fell due, and raises for bad ids. With
+``sync_every > 1`` the step reads nothing on the host, so a GPU never waits for it and it can be
+captured in a CUDA graph: bad target ids turn into padding and void the step. With
+``sync_every == 1`` the plan's rules are the host checks' (exact_step.py's ``HOST_CHECKS``): a
+bad target id raises before anything changes, the fold is decided from B's eigenvalues where the
+bounds cannot rule it out.
 """
 from __future__ import annotations
 
@@ -42,8 +36,7 @@ import torch
 from torch import Tensor
 
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
-from .exact_step import (Batch, SavedForward, device_step, forward, hidden_grad, new_state, records_forward,
-                         records_step, step_route, update, write, write_checked_u)
+from .exact_step import Batch, SavedForward, device_step, forward, records_step, step_route, update
 from .inverse_update import MAX_FACTORS, adaptive_factors
 from .precision import own_math
 from .state import StepState
@@ -77,35 +70,13 @@ def run(plan, fn, *args):
         return compiled(fn)(*args)
 
 
-# -- the checks: at once on the host, or device flags read every sync_every steps --------------
-class HostChecks:
-    """``sync_every == 1``: each check read on the host when it is made (inline in ``backward``)."""
-
-    deferred = False
+# -- the checks: device flags, read every sync_every steps ------------------------------------
+class DeviceFlags:
+    """The step's checks as device flags, read every ``sync_every`` steps (1: after every step)."""
 
     def __init__(self):
-        self.calls = 0           # training steps run (host count; device flags)
-        self.synced = (0, 0)     # (steps, skipped) at the last host read
-
-    def read(self, head, peek: bool = False):
-        """(steps at the last read, steps now, cond(U)'s bound, the step of a bad batch: 0) or
-        None when no step ran since. ``peek`` (``DeviceFlags``'s) changes nothing here: each
-        check was read as it was made."""
-        n = int(head.steps)
-        n_prev = self.synced[0]
-        if n == n_prev:
-            return None
-        self.synced = (n, int(head.skipped_nonfinite))
-        return n_prev, n, None, 0
-
-
-class DeviceFlags(HostChecks):
-    """``sync_every > 1``: each check a device flag, read every ``sync_every`` steps."""
-
-    deferred = True
-
-    def __init__(self):
-        super().__init__()
+        self.calls = 0           # training steps run (host count)
+        self.synced = (0, 0)     # (steps, skipped) at the last read
         self.lr_filled = None    # the lr held in the device scalar head._lr_t
         self.pinned = False      # pin_lr(): the device lr holds a value of its own
         #: the products route's Neumann factors a step (Stabiliser.neumann: "max" keeps them there)
@@ -217,25 +188,13 @@ class DeviceFlags(HostChecks):
                          "steps; sync_every=1 checks each batch as it comes)")
 
 
-def checks_for(deferred: bool, old: HostChecks | None = None) -> HostChecks:
-    """The checks for a step mode; ``old`` is kept when it is already of that kind (its
-    host counts carry over a change of ``sync_every``)."""
-    cls = DeviceFlags if deferred else HostChecks
-    if type(old) is cls:
-        return old
-    new = cls()
-    if old is not None:
-        new.calls, new.synced = old.calls, old.synced
-    return new
-
-
-# -- the host's part: the driver of the device step, and the step with host checks ----------------
+# -- the host's part: the driver of the device step ------------------------------------------------
 def step_state(head) -> StepState:
     """The head's buffers that a step reads and writes, gathered (state.py's ``StepState``)."""
-    checks, deferred = head.step_checks, head.plan.deferred
+    checks = head.step_checks
     return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
                      head.input_moment, head.input_moment_weight, head.folds, head.steps, head.skipped_nonfinite,
-                     head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None)
+                     head._bad_input, head.eig_checks, head.eig_failures, checks.rho_max, checks.factors)
 
 
 def before_step(head, m: int, draw: bool = True) -> Tensor | None:
@@ -246,8 +205,7 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     plan = head.plan
     if step_route(plan, m).keeps_uinv and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    if plan.deferred:
-        head.step_checks.before_step(head)
+    head.step_checks.before_step(head)
     return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
 
 
@@ -264,8 +222,11 @@ def run_device_part(head, fn, rows: int, *args):
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         flags = out[-1]
         head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
-    if not step_route(plan, rows).keeps_uinv:
+    flags = out[-1]
+    if plan.deferred and not flags.uinv:  # the step solved with U_new: U^-1 left behind
         head._uinv_fresh = False
+    elif not plan.deferred and (flags.fold is True or not flags.uinv) and bool(flags.ok):
+        head._uinv_fresh = flags.fold is True  # host checks: a fold wrote U^-1 = I, a solve left it behind
     if head.step_checks.tick(head):
         head.sync()
     return out
@@ -294,40 +255,8 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     Device flags (``sync_every > 1``): ``update``, every check a flag that masks the write, read by
     ``head.sync()`` every ``sync_every`` steps (``DeviceFlags``). Checks read on the host
     (``sync_every == 1``): a failed check skips the step and counts it at once."""
-    plan = head.plan
-    if plan.deferred:
-        dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
-        return dH if fwd.kept is None else dH[:fwd.kept]
-    head._version += 1  # the state moves: a backward of any other forward is stale from here
-    checks, state = head.step_checks, step_state(head)
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad)
-    if not bool(torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())):
-        head._skip("hidden states or loss gradients")
-        return torch.zeros_like(dH)
-    new = new_state(plan, state, fwd, head.lr, gq, gs, GA, ybar, Z, dH)
-    if new.eig[0]:  # the eigenvalues computed (and failed) for the fold decision, counted
-        head.eig_checks += new.eig[0]
-        head.eig_failures += new.eig[1]
-    if not bool(new.ok):
-        head._skip("state after the step")
-        return torch.zeros_like(dH)
-    if new.fold:  # decided on the host: V absorbs U B, U = U^-1 = I
-        head.repairs.fold_into_v(head, new.U)
-        head.folds += 1
-    elif new.Uinv is None:
-        head._uinv_fresh = False
-    write_checked_u(state, new)
-    write(plan, state, fwd, new)
-    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        head.negatives.kernel.moved(head, None if new.fold else fwd.idx)
-    head.steps += 1
-    # the repairs (and, multi-process, the replica check) that fell due at this step
-    n_prev, n = checks.synced[0], int(head.steps)
-    checks.synced = (n, checks.synced[1])
-    cond_bound = float(head.cond_bound)
-    if head.repairs.due(n_prev, n, cond_bound, 0 if plan.processes == "none" else head.checksum_every):
-        head.run_due(n_prev, n, cond_bound)
-    return dH
+    dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
+    return dH if fwd.kept is None else dH[:fwd.kept]
 
 
 def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
@@ -337,7 +266,7 @@ def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
     (``head.pending``). A frozen head (eval mode: no token) hands dL/dH on and takes no step; a
     second backward through the same forward hands on the first one's dL/dH; a backward after the
     state moved is refused. A loss that reached the head multiplied by a factor other than the loss
-    scale is warned about once: at once with host checks, at the flags' next read under device flags."""
+    scale is warned about once, at the flags' next read (the naive head: at once)."""
     head, token = ctx.head, ctx.token
     name = type(head).__name__
     with own_math(grad_out.device.type, head.tf32):
@@ -362,11 +291,11 @@ def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
                 dH = pending.keep(head, ctx.saved, grad)
             else:
                 scale = pending.loss_scale
-                if grad.numel() == 1 and "weight" not in head._warned and head.plan.deferred:
-                    head._loss_factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale,
-                                                        head._loss_factor))
+                factor = getattr(head, "_loss_factor", None)  # the factored head's: warned at the flags' read
+                if grad.numel() == 1 and "weight" not in head._warned and factor is not None:
+                    factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale, factor))
                 elif grad.numel() == 1 and "weight" not in head._warned and float(grad) != scale:
-                    head._warn_loss_factor(float(grad) / scale)
+                    head._warn_loss_factor(float(grad) / scale)  # the naive head's: at once
                 dH = head._backward_step(ctx.saved, grad / scale)
                 if scale != 1.0:
                     dH = dH * scale
@@ -389,17 +318,13 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         Hx, idx, T, own = sh.collect(Hx, idx, T, training=True)
     m = Hx.shape[0]
     draws, plan = before_step(head, m), head.plan
-    if plan.deferred:
-        size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
-        if size is not None:
-            Hx, idx, T = pad_batch(Hx, idx, T, *size)
-            draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
-        batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
-        loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
-        dH = dH[:m]
-    else:
-        loss, fwd = forward(plan, step_state(head), Batch(Hx, idx, T, sh.rows, sh.exchange), draws)
-        dH = backward(head, fwd, None)
+    size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
+    if size is not None:
+        Hx, idx, T = pad_batch(Hx, idx, T, *size)
+        draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
+    batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
+    loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
+    dH = dH[:m]
     if own is not None:
         dH = sh.own_rows(dH, own)
     return loss, dH[:, : head.hidden_dim].to(H.dtype)
@@ -431,16 +356,11 @@ def apply_records(head, records: list) -> None:
     cols = torch.cat([c for c, _ in blocks]) if blocks else None
     G_neg = torch.block_diag(*[g for _, g in blocks]) if blocks else None
     before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
-    plan = head.plan
-    if plan.deferred:
-        size = batch_size(head, Hx.shape[0], idx.shape[1]) if plan.compiled else None
-        if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
-            M = size[0]
-            Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
-            gq, gs = pad_rows(gq, M), pad_rows(gs, M)
-            real = None if real is None else pad_rows(real, M, False)
-            G_neg = None if G_neg is None else pad_rows(G_neg, M)
-        run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg,
-                        head._lr_t)
-        return
-    backward(head, records_forward(plan, step_state(head), Hx, idx, gq, gs, GA, real, True, cols, G_neg), None)
+    size = batch_size(head, Hx.shape[0], idx.shape[1]) if head.plan.compiled else None
+    if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
+        M = size[0]
+        Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
+        gq, gs = pad_rows(gq, M), pad_rows(gs, M)
+        real = None if real is None else pad_rows(real, M, False)
+        G_neg = None if G_neg is None else pad_rows(G_neg, M)
+    run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t)

@@ -3,19 +3,18 @@ and its gradients), backward (dL/dH), the new state computed aside, its checks, 
 
 The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
 collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. The plan holds the function of each choice (its ``checks``, device
-flags or host checks; the U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes'
-part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``; the collectives), and the step branches only on
-its plan (what it holds, and P on or off) and on the batch's shape. ``device_step(plan, state, batch,
-lr, draws)`` is the whole step under device flags (``sync_every > 1``): every check a flag masking
-the write, nothing read on the host, the one unit driver.py compiles whole and a CUDA graph
-replays; the autograd step runs its halves (``forward``, ``update``) and exact accumulation
-``records_step``.
+none of them takes the head. The plan holds the function of each choice (its ``checks``' rules:
+the device flags' or, with ``sync_every == 1``, the host checks'; the U^-1 ``Route`` of a batch's
+rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
+the collectives), and the step branches only on its plan (what it holds, and P on or off) and on
+the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step: every check a
+flag masking the write (a failed host check too), the one unit driver.py compiles whole and a CUDA
+graph replays (``sync_every > 1``: nothing read on the host); the autograd step runs its halves
+(``forward``, ``update``) and exact accumulation ``records_step``.
 
 The host's part of a step, the only code that takes the head, is driver.py: the version, U^-1
 refreshed where due, the lr and the draw's uniforms before the device part, the flags ticked and read
-and the repairs that fell due after it; and the step with host checks (``sync_every == 1``), which
-reads each check as it is made, around this file's ``hidden_grad``, ``new_state`` and ``write``.
+and the repairs that fell due after it.
 """
 from __future__ import annotations
 
@@ -68,6 +67,7 @@ class Flags(NamedTuple):
     ok: Tensor
     fold: Tensor | bool
     written: Tensor
+    uinv: bool = True  # U_new^-1 made (the solve route leaves U^-1 behind)
 
 
 class Route(NamedTuple):
@@ -363,10 +363,12 @@ def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
 
 
 def host_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
-    """Host checks: ``fold_and_cond``, read on the host; a step whose eigenvalues could not be
-    computed is skipped (``ok`` False)."""
+    """Host checks: ``fold_and_cond``, read on the host (the fold a Python bool, rho a device
+    scalar as the flags' board keeps it); a step whose eigenvalues could not be computed is
+    skipped (``ok`` False)."""
     fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
-    return Bounds(fold, math.inf if cond_step is None else cond_step, rho, eig, cond_step is not None)
+    return Bounds(fold, math.inf if cond_step is None else cond_step, torch.tensor(rho, dtype=torch.float64, device=A.device),
+                  eig, cond_step is not None)
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -416,9 +418,10 @@ def square_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Te
 
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
 class Inverse(NamedTuple):
-    """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (device flags: a singular solve
-    or a residual past the products' reach folds too), whether it is regular (host checks) and R
-    with H U_new^-1 = H R (the products route, R = P U_new^-1; else None)."""
+    """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (a singular solve or a residual
+    past the products' reach folds too; host checks: the host's fold alone), whether it is regular
+    (host checks: a singular solve skips the step) and R with H U_new^-1 = H R (the products route,
+    R = P U_new^-1; else None)."""
     Uinv: Tensor | None
     HUinv: Tensor
     fold: Tensor | bool
@@ -429,10 +432,10 @@ class Inverse(NamedTuple):
 
 # Woodbury: the rank-m update of U^-1, B^-1 = (1/c)(I + H^T diag(kappa) (I_m - G diag(kappa))^-1 X),
 # G = X H^T: no division by g_q; X U^-1 = H U^-1 from the forward's GEMM where P = I.
-# Device flags: a singular solve folds; after a fold (a device bool) H U_new^-1 = X = H P and
-# U_new^-1 = I, whatever the route made. Past the products' reach (the residual a flag) the step
-# folds too; their Neumann factors are those the flags' last read chose.
-def woodbury_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+# A singular solve folds; after a fold (a device bool) H U_new^-1 = X = H P and U_new^-1 = I,
+# whatever the route made. Past the products' reach (the residual a flag) the step folds too;
+# their Neumann factors are ``state.factors``: those the flags' last read chose.
+def woodbury(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
     XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
     R, info = torch.linalg.solve_ex(S, XUinv)  # _ex: a singular S is a flag, not a sync
@@ -444,14 +447,14 @@ def woodbury_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
     return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum())
 
 
-def solve_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+def solve(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     HUinv, info = solve_right(f.U, f.X)
     fold = bounds.fold | (info != 0).any()
     HUinv = torch.where(fold, f.X, HUinv)
     return Inverse(None, HUinv, fold, HUinv.sum())
 
 
-def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, state.factors)
     fold = bounds.fold | ~(residual <= residual_tolerance(f.U.dtype))
     Uinv = torch.where(fold, torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device), Uinv)
@@ -460,14 +463,17 @@ def products_masked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tenso
     return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), True, right)
 
 
-# Host checks: a fold the host decided takes no route (V absorbs U B; U = U^-1 = I); a failed
-# check is read at once by ``driver.backward``; the products route takes the factors rho needs,
-# and solves instead where U^-1 had drifted (a residual past the tolerance).
+# Host checks (``sync_every == 1``), around the same routes: a fold the host decided takes no
+# route (V absorbs U B; U = U^-1 = I); where a route would fold (a singular solve) the step is
+# skipped instead (``ok``, a flag at the write); the products route takes the factors of the
+# step's own rho, and solves instead past their reach (none, or a residual past the tolerance).
 def on_host(route: Callable) -> Callable:
     def checked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-        X = side(fwd, f, P) if bounds.fold else None
-        inv = Inverse(None, X, True, X.sum()) if bounds.fold else route(plan, state, fwd, f, P, c, kappa, bounds)
-        return inv._replace(ok=inv.ok & bounds.ok)
+        if bounds.fold:
+            X = side(fwd, f, P)
+            return Inverse(torch.eye(plan.width, dtype=X.dtype, device=X.device), X, True, X.sum(), bounds.ok)
+        inv = route(plan, state, fwd, f, P, c, kappa, bounds)
+        return inv._replace(fold=False, ok=~inv.fold & bounds.ok)
     return checked
 
 
@@ -476,37 +482,18 @@ def side(fwd: SavedForward, f: Forms, P) -> Tensor:
     return f.X if f.X is not None else fwd.Hx if P is None else fwd.Hx @ P
 
 
-@on_host
-def woodbury_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    S = torch.eye(f.X.shape[0], dtype=f.X.dtype, device=f.X.device) - f.G * kappa[None, :]
-    XUinv = fwd.HP[:, 2 * plan.width:] if P is None else f.X @ state.Uinv
-    R, info = torch.linalg.solve_ex(S, XUinv)
-    KR = kappa[:, None] * R
-    Uinv, HUinv = (state.Uinv + fwd.Hx.T @ KR) / c, (XUinv + f.G @ KR) / c
-    return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), (info == 0).all())
-
-
-def solve_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    HUinv, info = solve_right(f.U, side(fwd, f, P))
-    return Inverse(None, HUinv, False, HUinv.sum(), (info == 0).all())
-
-
-@on_host
 def products_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    factors = neumann_factors(bounds.rho, float(state.cond_bound), f.U.dtype)
+    factors = neumann_factors(float(bounds.rho), float(state.cond_bound), f.U.dtype)
     if factors is not None:
-        Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, factors)
-        if bool(residual <= residual_tolerance(f.U.dtype)):
-            right = Uinv if P is None else P @ Uinv
-            HUinv = fwd.Hx @ right
-            return Inverse(Uinv, HUinv, False, HUinv.sum() + Uinv.sum(), True, right)
-    return solve_host(plan, state, fwd, f, P, c, kappa, bounds)
+        inv = products(plan, state._replace(factors=factors), fwd, f, P, c, kappa, bounds)
+        if not bool(inv.fold):
+            return inv
+    return solve(plan, state, fwd, f._replace(X=side(fwd, f, P)), P, c, kappa, bounds)
 
 
 def routes(deferred: bool) -> dict[str, Route]:
     """The three routes with device flags (``deferred``) or host checks, by name."""
-    inverse = (woodbury_masked, solve_masked, products_masked) if deferred else \
-        (woodbury_host, on_host(solve_host), products_host)
+    inverse = (woodbury, solve, products) if deferred else (on_host(woodbury), on_host(solve), on_host(products_host))
     return {"woodbury": Route("woodbury", woodbury_forms, inverse[0], 3, True, True),
             "solve": Route("solve", square_forms, inverse[1], 2, True, False),
             "products": Route("products", square_forms, inverse[2], 2, False, True)}
@@ -555,7 +542,7 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
 
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
     """Write the step's new rows of V, omega, Q, wbar and P's moments into ``state`` (the head's
-    buffers; U's part first: ``update``'s, ``take_read``'s, or driver.py's with host checks), each
+    buffers; U's part first: ``update``'s or ``take_read``'s), each
     kept where the device flag ``ok`` is false; None: taken (a failed check stopped the step before)."""
     Q = 0.5 * (new.Q + new.Q.T)
     GA, HUinv, omega, Q, wbar = (new.GA, new.HUinv, new.omega, Q, new.wbar) if ok is None else (
@@ -569,15 +556,6 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
     state.wbar.copy_(wbar)
     if new.moments is not None:
         new.moments.write(state, ok)
-
-
-def write_checked_u(state, new: NewState) -> None:
-    """U, U^-1 and cond(U)'s bound with host checks, unless the step folded (``backward`` folded it)."""
-    if not new.fold:
-        state.U.copy_(new.U)
-        if new.Uinv is not None:
-            state.Uinv.copy_(new.Uinv)
-        state.cond_bound.copy_(state.cond_bound * new.cond_step)
 
 
 class Checks(NamedTuple):
@@ -605,6 +583,9 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
     ok = ok & new.ok
+    if new.eig[0]:  # host checks: B's eigenvalues computed (and failed) for the fold, counted
+        state.eig_checks.add_(new.eig[0])
+        state.eig_failures.add_(new.eig[1])
     if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
         return take_read(plan, state, fwd, new, ok, dH)
     fold = new.fold & ok
@@ -621,7 +602,7 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     write(plan, state, fwd, new, ok)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx)
+    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
 
 
 def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> tuple[Tensor, Flags]:
@@ -632,7 +613,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
     if not cpu_flag(ok):
-        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx)
+        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
     if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
         lk.fold_rows_(state.V, new.U, True)
         state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
@@ -645,7 +626,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     if new.Uinv is not None:
         state.Uinv.copy_(new.Uinv)
     write(plan, state, fwd, new)
-    return dH, Flags(ok, new.fold, fwd.idx)
+    return dH, Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
 
 
 @torch.no_grad()

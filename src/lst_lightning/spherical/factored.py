@@ -29,7 +29,7 @@ from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_sta
 from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
 from .collectives import ProcessGroup, bit_hash
-from .driver import checks_for
+from .driver import DeviceFlags
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import processes_for
@@ -87,8 +87,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
-        #: how the step checks itself: HostChecks (sync_every == 1) or DeviceFlags (driver.py)
-        self.step_checks = checks_for(self.driving.deferred_checks)
+        #: the step's device flags, read every sync_every steps (driver.py)
+        self.step_checks = DeviceFlags()
         self._replan()
         if self.processes.joined:
             self.refresh_bookkeeping()
@@ -163,8 +163,11 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     @sync_every.setter
     def sync_every(self, value: int) -> None:
+        deferred, old = self.plan.deferred, self.step_checks
         self._drive(sync_every=value)
-        self.step_checks = checks_for(self.driving.deferred_checks, self.step_checks)
+        if self.plan.deferred != deferred:  # the host checks' rules or the device flags': a board of theirs
+            self.step_checks = DeviceFlags()
+            self.step_checks.calls, self.step_checks.synced = old.calls, old.synced
 
     @property
     def compile_step(self) -> bool | str:
@@ -283,7 +286,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self._ensure_distributed()
             for buf in STATE:  # every buffer as constructed (state.py)
                 getattr(self, buf.name).copy_(buf.initial(self, self.device))
-            self.step_checks = checks_for(self.driving.deferred_checks)
+            self.step_checks = DeviceFlags()
             self._reset_factors()
             return
         if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):

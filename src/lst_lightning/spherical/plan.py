@@ -2,7 +2,7 @@
 
 ``StepPlan`` holds each choice the step makes by its mode, made once whenever a setting,
 the device or the process group changes (``head.plan``, made again by the head's ``_replan``
-at each such change): the driver (``step``), device flags or host checks, compiled or eager, the
+at each such change): the driver (``step``), the checks' rules (device flags' or host checks'), compiled or eager, the
 processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
 batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
 width, the fold's thresholds, the head's ``Processes``, its loss and reduction, its draw of sampled
@@ -37,7 +37,8 @@ NEGATIVE_KINDS = ("shared", "per_row", "kernel")
 class StepPlan:
     #: the driver: "autograd" (the update in ``loss.backward()``), "fused", "cuda_graph"
     step: str = "autograd"
-    #: device flags (``sync_every > 1``: every check a flag masking the write), else each check read at once
+    #: ``sync_every > 1``: the step reads nothing on the host (the device flags' rules); else the host checks'
+    #: rules (each flag read after the step; the fold from B's eigenvalues, ids checked before the step)
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
@@ -142,7 +143,7 @@ def plan_for(head) -> StepPlan:
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
     compiled = wanted and compile_refusal(driving, kind) is None
-    reads = driving.sync_every > 1 and head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
+    reads = head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
     return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
                     preconditioner=head.preconditioner, inverse=inverse, woodbury_rows=woodbury_rows,

@@ -117,6 +117,9 @@ class StepState(NamedTuple):
     steps: Tensor
     skipped_nonfinite: Tensor
     bad_input: Tensor
+    #: B's eigenvalue computations and their failures (host checks' fold)
+    eig_checks: Tensor
+    eig_failures: Tensor
     #: device flags, the adaptive Neumann rule: the largest bound on rho since the flags' last read (else None)
     rho_max: Tensor | None
     #: device flags: the products route's Neumann factors the flags' last read chose (else None)
