@@ -235,7 +235,7 @@ def step_state(head) -> StepState:
     checks, deferred = head.step_checks, head.plan.deferred
     return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
                      head.input_moment, head.input_moment_weight, head.folds, head.steps, head.skipped_nonfinite,
-                     head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None)
+                     head._bad_input, checks.rho_max if deferred else None, checks.factors if deferred else None, head.row_acc)
 
 
 def before_step(head, m: int, draw: bool = True) -> Tensor | None:
