@@ -111,7 +111,7 @@ class SphericalHeadBase(OutputHead):
                  negatives: Negatives | dict | str | None = AUTO,
                  preconditioner: Preconditioner | dict | str | None = AUTO,
                  tf32: bool = False, row_steps: str | None = None, row_step_scale: float = 1.0,
-                 row_step_eps: float = 1e-8):
+                 row_step_eps: float = 1e-8, row_step_beta: float = 0.999):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -179,9 +179,9 @@ class SphericalHeadBase(OutputHead):
         self.preconditioner = Preconditioner.of(on_with_sampled(preconditioner, self.loss_fn.sampled))
         #: per-row step sizes on the update's sparse part (row_steps.py), None: off; each class's
         #: accumulator in ``row_acc`` (D,), a buffer only when on
-        self.row_steps = RowSteps.of(row_steps, row_step_scale, row_step_eps)
+        self.row_steps = RowSteps.of(row_steps, row_step_scale, row_step_eps, row_step_beta)
         self.register_buffer("row_acc", None if self.row_steps is None else
-                             torch.zeros(num_classes, dtype=dtype, device=self._factory["device"]))
+                             torch.zeros(num_classes, 2, dtype=dtype, device=self._factory["device"]))
         #: every mode of the step (plan.py): the naive head's, host checks in backward, one process
         #: (the factored head makes its own from its settings)
         self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),

@@ -94,8 +94,9 @@ class NaiveSphericalHead(SphericalHeadBase):
             dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
             return self._apply_dW(dH, dW, Hl.detach(), real)
         dH, dW, dO = torch.autograd.grad(L, (Hl, Wl, O), grad_out)
-        G = sparse_part(dO, O.detach(), touched(idx, draw, O.shape[1])).T @ Hl.detach()  # Yd^T H (D, d)
-        acc = self.row_acc + (G * G).sum(1)
+        on = touched(idx, draw, O.shape[1])
+        G = sparse_part(dO, O.detach(), on).T @ Hl.detach()  # Yd^T H (D, d)
+        acc = torch.where(on.any(0)[:, None], self.row_steps.advanced(self.row_acc, (G * G).sum(1)), self.row_acc)
         dW = dW + (self.row_steps.factors(acc) - 1.0)[:, None] * G  # the sparse part's rows times r
         return self._apply_dW(dH, dW, Hl.detach(), real, acc)
 
