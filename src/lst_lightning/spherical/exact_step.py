@@ -28,7 +28,6 @@ from torch import Tensor
 
 import lst_kernels as lk
 
-from . import row_steps
 from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
 from .state import StepState
 
@@ -571,7 +570,7 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
     fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right)  # shared negatives' rows: one GEMM
     if fwd.row_sq is not None:
-        row_steps.write_acc(state, fwd, ok)
+        plan.row_steps.write_acc(state, fwd, ok)
     state.omega.copy_(omega)
     state.Q.copy_(Q)
     state.wbar.copy_(wbar)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .negatives import padded_unique
+
 ROW_STEP_RULES = ("adagrad", "rmsprop")
 
 
@@ -72,7 +74,6 @@ class RowSteps:
         """The update's sparse part scaled by r: (G_A r, ybar, Z) of Yd diag(r); the shared
         negatives' block's ``G_u`` scaled in place (its scatter and Gramian read it). The classes'
         squared norms are left on ``fwd.row_sq`` for ``write_acc``. Static shapes (a compiled step)."""
-        from .negatives import padded_unique  # noqa: PLC0415 (negatives.py imports exact_step)
         idx, neg, Hx = fwd.idx, fwd.neg, fwd.Hx
         m, K = idx.shape
         ids = idx.reshape(-1).clamp(min=0)  # padding: a zero row added to class 0's
@@ -101,10 +102,9 @@ class RowSteps:
         Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
         return GA, ybar, Z
 
-
-def write_acc(state, fwd, ok: Tensor | None) -> None:
-    """(acc, w) moved at the step's classes (``scaled``: the change, 0 off them), kept where the
-    device flag ``ok`` is false (None: taken)."""
-    uniq, change = fwd.row_sq
-    change = change if ok is None else torch.where(ok, change, 0.0)
-    state.row_acc.index_add_(0, uniq, change.to(state.row_acc.dtype))
+    def write_acc(self, state, fwd, ok: Tensor | None) -> None:
+        """(acc, w) moved at the step's classes (``scaled``: the change, 0 off them), kept where the
+        device flag ``ok`` is false (None: taken)."""
+        uniq, change = fwd.row_sq
+        change = change if ok is None else torch.where(ok, change, 0.0)
+        state.row_acc.index_add_(0, uniq, change.to(state.row_acc.dtype))
