@@ -99,6 +99,7 @@ class SavedForward:
     neg: object = None  # the sampled classes' part (negatives.py: SharedBlock, PerRowSlots), or TARGETS_ONLY
     real: Tensor | None = None  # the rows with a target (the preconditioner's moments count these only)
     kept: int | None = None  # padded to a batch size (batch_shapes.py): the batch's own rows; None: not padded
+    row_sq: tuple | None = None  # row steps (row_steps.py): the classes and their ||g_c||^2, for the write
 
 
 @dataclass
@@ -281,6 +282,8 @@ def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
     Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
     dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
+    if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
+        GA, ybar, Z = plan.row_steps.scaled(plan, state, fwd, GA, gs)
     return dH, gq, gs, GA, ybar, Z
 
 
@@ -503,6 +506,8 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
     """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
     changes here. ``lr``: under device flags a device scalar."""
     Hx, route = fwd.Hx, fwd.route
+    if plan.row_steps is not None:  # dO W of the scaled update (dH is the body's)
+        dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
     by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
@@ -551,6 +556,8 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
     alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
     fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right)  # shared negatives' rows: one GEMM
+    if fwd.row_sq is not None:
+        plan.row_steps.write_acc(state, fwd, ok)
     state.omega.copy_(omega)
     state.Q.copy_(Q)
     state.wbar.copy_(wbar)

@@ -113,7 +113,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def _refuse(self, driving: Driving) -> None:
         """The modes this head cannot take, each refused in one line with the reason (plan.py)."""
-        why = head_refusal(driving, self.negatives)
+        why = head_refusal(driving, self.negatives, self.row_steps)
         if why is not None:
             raise ValueError(why)
 
@@ -232,7 +232,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return self.step_checks.synced
 
     def cannot_accumulate(self) -> str | None:
-        return self.driving.cannot_accumulate()
+        return self.driving.cannot_accumulate() or super().cannot_accumulate()
 
     def _hidden_grad(self, saved, grad: Tensor) -> Tensor:
         return exact_step.hidden_grad(self.plan, driver.step_state(self), saved, grad)[0]
@@ -286,6 +286,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self._ensure_distributed()
             for buf in STATE:  # every buffer as constructed (state.py)
                 getattr(self, buf.name).copy_(buf.initial(self, self.device))
+            if self.row_acc is not None:
+                self.row_acc.zero_()
             self.step_checks = DeviceFlags()
             self._reset_factors()
             return

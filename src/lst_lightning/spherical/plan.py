@@ -75,6 +75,8 @@ class StepPlan:
     reduction: str = "mean"
     #: the head's ``NegativeSampling`` (negatives.py: its proposal and the draw), None without sampled classes
     sampling: object = field(default=None, compare=False)
+    #: per-row step sizes on the update's sparse part (row_steps.py's ``RowSteps``), None: off
+    row_steps: object = None
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
     #: exact_step.py's ``DEVICE_FLAGS`` or ``HOST_CHECKS``: the screens of bad ids, the bounds, the routes
@@ -150,7 +152,8 @@ def plan_for(head) -> StepPlan:
                     m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann,
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
                     fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
-                    reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay)
+                    reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay,
+                    row_steps=head.row_steps)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------
@@ -176,9 +179,12 @@ def compile_refusal(driving, negatives: str | None, sampler: str = "quadratic") 
     return None
 
 
-def head_refusal(driving, negatives) -> str | None:
+def head_refusal(driving, negatives, row_steps=None) -> str | None:
     """Why a head with these sampled classes (``negatives``: the head's ``NegativeSampling`` or
-    None) cannot be driven so, or None."""
+    None) and row steps (``RowSteps`` or None) cannot be driven so, or None."""
+    if row_steps is not None and driving.parallel != "none":
+        return (f"row_steps={row_steps.rule!r} with parallel={driving.parallel!r}: the classes' accumulators "
+                "are kept by one process; use parallel='none' or row_steps=None")
     kernel = negatives is not None and negatives.kernel is not None
     sampler = None if negatives is None else negatives.settings.sampler
     if driving.compile is True:

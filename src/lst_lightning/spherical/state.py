@@ -124,3 +124,5 @@ class StepState(NamedTuple):
     rho_max: Tensor | None
     #: device flags: the products route's Neumann factors the flags' last read chose (else None)
     factors: int | None
+    #: row steps (row_steps.py): each class's accumulator (D,); None when off
+    row_acc: Tensor | None = None
