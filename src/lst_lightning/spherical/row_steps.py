@@ -79,11 +79,10 @@ class RowSteps:
         ids = idx.reshape(-1).clamp(min=0)  # padding: a zero row added to class 0's
         on = torch.where(idx >= 0, GA, torch.zeros((), dtype=GA.dtype, device=GA.device))
         rows = (on[:, :, None] * Hx[:, None, :].to(GA.dtype)).reshape(m * K, -1)  # each slot's part of g_c
+        real = (idx >= 0).reshape(-1)
         if neg.shared:  # the block's rows of Yd^T H, G_u^T H (its columns past u: zeros)
             ids = torch.cat([ids, neg.uniq])
             rows = torch.cat([rows, neg.G_u.T @ Hx.to(GA.dtype)])
-        real = (idx >= 0).reshape(-1)
-        if neg.shared:
             real = torch.cat([real, torch.ones_like(neg.uniq, dtype=torch.bool)])
         uniq, inv = padded_unique(ids)
         g = torch.zeros_like(rows).index_add_(0, inv, rows)  # each class's row g_c (entries past u: 0)
