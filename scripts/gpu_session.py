@@ -30,9 +30,9 @@ import argparse
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -134,7 +134,7 @@ def profile(out: Path, smoke: bool) -> list[Step]:
     sync-free and from a graph, the last two at 2 and at 6 Neumann factors side by side; its
     tables go into the log."""
     argv = [PY, "scripts/profile_step.py", "--loss", "sampled", "--inverse", "products", "--factors", "2,6",
-            "--out", tempfile.mkdtemp(prefix="profile_step_")]
+            "--out", str(out / SCRATCH / "profile_step")]
     return [Step("profile_step", [*argv, "--smoke"] if smoke else argv, 60 if smoke else 50)]
 
 
@@ -145,7 +145,7 @@ def heads(out: Path, smoke: bool) -> list[Step]:
     bench = [PY, "scripts/bench_heads.py"]
     if smoke:
         return [Step("bench_heads", [*bench, "--smoke", "--D", "50", "--out", str(out)], 120)]
-    scratch = Path(tempfile.mkdtemp(prefix="bench_heads_smoke_"))
+    scratch = out / SCRATCH / "bench_heads_smoke"
     factored = ["--heads", "factored/zloss,factored_sync,factored_graph"]
     return [Step("bench_heads_smoke", [*bench, "--smoke", *factored, "--out", str(scratch)], 40),
             Step("bench_heads", [*bench, "--D", "10000,793471,20000000", "--d", "512,300", "--m", "128,1024",
@@ -222,6 +222,8 @@ PARTS = {"tests": tests, "kernels": kernels, "compiled": compiled, "batch_sizes"
          "heads": heads,
          "dsweep": dsweep, "equal_time": equal_time, "whole_step": whole_step, "quality": quality, "tf32": tf32}
 LOG = "gpu_session_log.txt"
+# the outputs a step writes only for its log (profiles, a smoke run before the real one): removed after the run
+SCRATCH = "scratch"
 
 
 def junit_counts(path: Path | None) -> str:
@@ -327,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         table = "\n".join(["", "=== summary", *("  ".join(c for c in r if c) for r in rows)])
         print(table, flush=True)
         log.write(table + "\n")
+    shutil.rmtree(out / SCRATCH, ignore_errors=True)
     return 0 if all(r[1] in ("ok", "PASS", "FAIL", "UNMEASURED") for r in rows) else 1
 
 

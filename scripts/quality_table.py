@@ -22,6 +22,7 @@ any ``-o`` overrides), so what is measured is exactly what ``lst-train`` does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import multiprocessing
@@ -250,7 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of this machine's table in the output folder (--out DIR, or the "
                          "committed one with --update-results) that this run does not redo")
-    ap.add_argument("--runs-dir", default=None, help="where run directories go (default: a temp dir)")
+    ap.add_argument("--runs-dir", default=None,
+                    help="where run directories go, kept (default: a temporary folder, removed at the end)")
     add_output_args(ap)
     args = ap.parse_args(argv)
     if args.merge and not (args.out or args.update_results):
@@ -260,23 +262,25 @@ def main(argv: list[str] | None = None) -> None:
     machine = machine_name()
     task_overrides(args.task_override, "wiki")  # bad input fails before any run, not after an hour
     folder = output_dir(args, "quality_table")
-    out_dir = Path(args.runs_dir or tempfile.mkdtemp(prefix="quality_table_"))
-    rerun = {(t, m, h) for t in args.tasks for m in args.modes for h in args.heads}
-    rows = previous_rows(folder, machine, rerun, args.stem) if args.merge else []
-    for task in args.tasks:
-        for mode in args.modes:
-            for head in args.heads:
-                try:
-                    rows.append(run_apart(task, head, mode, args, out_dir))
-                except Exception as exc:  # one head failing must not lose the others' results
-                    print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
-                    rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
-                                 "curve": []})
-                # after every run, so that a run cut short still leaves its table
-                md, stem = write_results(rows, args.metric, machine, folder, args.stem)
-    print(md)
-    wrote(*(stem.with_suffix(s) for s in (".csv", ".md", ".png")), stem.parent / (stem.name + "_curves.json"))
-    print(f"run directories in {out_dir}")
+    with contextlib.ExitStack() as scratch:  # the runs' folders kept only where --runs-dir names one
+        out_dir = Path(args.runs_dir or scratch.enter_context(tempfile.TemporaryDirectory(prefix="quality_table_")))
+        rerun = {(t, m, h) for t in args.tasks for m in args.modes for h in args.heads}
+        rows = previous_rows(folder, machine, rerun, args.stem) if args.merge else []
+        for task in args.tasks:
+            for mode in args.modes:
+                for head in args.heads:
+                    try:
+                        rows.append(run_apart(task, head, mode, args, out_dir))
+                    except Exception as exc:  # one head failing must not lose the others' results
+                        print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
+                        rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
+                                     "curve": []})
+                    # after every run, so that a run cut short still leaves its table
+                    md, stem = write_results(rows, args.metric, machine, folder, args.stem)
+        print(md)
+        wrote(*(stem.with_suffix(s) for s in (".csv", ".md", ".png")), stem.parent / (stem.name + "_curves.json"))
+    if args.runs_dir:
+        print(f"run directories in {out_dir}")
 
 
 if __name__ == "__main__":

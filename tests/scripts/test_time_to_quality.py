@@ -34,6 +34,7 @@ def test_a_variant_of_a_head_adds_its_settings_after_the_heads_own():
     assert words[-3:] == ["head.preconditioner=null", "head.lr=8", "loss.kwargs.mu=0.03"]
     assert ttq.head_overrides("sampled_softmax") == ["head=sampled"]
 
+@pytest.mark.slow  # two lst-train processes end to end (40 to 60 s); the rows' arithmetic is tested above
 def test_a_smoke_pair_runs_side_by_side_and_writes_its_rows(sandbox):
     run_dir = sandbox.run_default(ttq.main, ["--smoke"], "time_to_quality")
     rows = list(csv.DictReader((run_dir / "time_to_quality.csv").open()))
