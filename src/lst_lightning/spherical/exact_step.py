@@ -18,6 +18,7 @@ and the repairs that fell due after it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -271,20 +272,33 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
 
 
 # -- backward ------------------------------------------------------------------------------------
+def z_rows(state, YV: Tensor, ybar: Tensor, gs: Tensor) -> Tensor:
+    """Z = (g_s 1^T + Yd) W = (Yd V) U + ybar omega^T + g_s wbar^T, from Yd V and Yd's row sums."""
+    return YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
+
+
+def do_w(Z: Tensor, gq: Tensor, Hq: Tensor) -> Tensor:
+    """dO W = Z + 2 diag(g_q) H Q."""
+    return torch.addcmul(Z, gq[:, None], Hq, value=2.0)
+
+
 @torch.no_grad()
 def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
     upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses:
-    g_q, g_s, G_A scaled, ybar, Z)."""
+    g_q, g_s, G_A scaled, ybar, Z, and the forward the update takes: under row steps its sparse
+    part Yd diag(r), row_steps.py's, a new ``SavedForward``)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
     if plan.negatives == "shared":  # one dense block (negatives.py)
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
-    Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
-    dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
+    Z = z_rows(state, YV, ybar, gs)
+    dH = do_w(Z, gq, fwd.Hq)
     if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
-        GA, ybar, Z = plan.row_steps.scaled(plan, state, fwd, GA, gs)
-    return dH, gq, gs, GA, ybar, Z
+        GA, YV, ybar, neg, row_sq = plan.row_steps.scaled(plan, state, fwd, GA)
+        fwd = dataclasses.replace(fwd, neg=neg, row_sq=row_sq)
+        Z = z_rows(state, YV, ybar, gs)
+    return dH, gq, gs, GA, ybar, Z, fwd
 
 
 def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -507,7 +521,7 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
     changes here. ``lr``: under device flags a device scalar."""
     Hx, route = fwd.Hx, fwd.route
     if plan.row_steps is not None:  # dO W of the scaled update (dH is the body's)
-        dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
+        dH = do_w(Z, gq, fwd.Hq)
     by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
@@ -586,7 +600,7 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     bound first, each kept where the step is not ok: a fold (a device bool) takes V <- V U B in one
     gated pass over V's rows (one load a block where it is not set: ``lk.fold_rows_``) and leaves
     U = U^-1 = I, the bound 1."""
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad)
+    dH, gq, gs, GA, ybar, Z, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
     ok = ok & new.ok
