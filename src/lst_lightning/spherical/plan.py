@@ -79,9 +79,10 @@ class StepPlan:
     row_steps: object = None
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
-    #: exact_step.py's ``DEVICE_FLAGS`` or ``HOST_CHECKS``: the screens of bad ids, the bounds, the routes
-    checks: exact_step.Checks = field(init=False, compare=False, repr=False)
-    #: the checks' screen of bad ids for these processes (one, or several exchanging their rows)
+    #: the fold and cond(B): exact_step.py's ``device_bounds`` (the bounds alone), or with ``sync_every == 1``
+    #: ``eigen_bounds`` (B's eigenvalues where the bounds cannot rule out a fold)
+    bounds: object = field(init=False, compare=False, repr=False)
+    #: the screen of bad ids for these processes (one, or several exchanging their rows)
     screen: object = field(init=False, compare=False, repr=False)
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
     few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
@@ -98,10 +99,11 @@ class StepPlan:
     scatter_rows: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        checks, sh = exact_step.DEVICE_FLAGS if self.deferred else exact_step.HOST_CHECKS, self.collectives
-        alone = self.processes == "none"
-        chosen = dict(checks=checks, screen=checks.screens[not alone], few_rows=checks.routes["woodbury"],
-                      many_rows=checks.routes[self.inverse],
+        sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
+        products = routes["products"] if self.deferred else exact_step.PRODUCTS_BY_RHO
+        chosen = dict(bounds=exact_step.device_bounds if self.deferred else exact_step.eigen_bounds,
+                      screen=exact_step.screen if alone else exact_step.screen_exchanged,
+                      few_rows=routes["woodbury"], many_rows={**routes, "products": products}[self.inverse],
                       y_sq=exact_step.y_sq if getattr(self.loss, "needs_y_sq", False) else exact_step.nothing,
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
                       weights=exact_step.WEIGHTS[self.reduction],
