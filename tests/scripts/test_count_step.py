@@ -17,7 +17,7 @@ def test_counts_each_product_where_the_step_makes_it(tmp_path, monkeypatch):
     c = count_step.count(D=500, d=16, m=32)
     unit = 2 * 32 * c.width ** 2  # the width: d, and one more for the bias
     assert c.flops["exact_step.py:outputs"] == 2 * unit and c.gemms["exact_step.py:outputs"] == 1
-    assert c.flops["exact_step.py:z_rows"] == unit
+    assert c.flops["exact_step.py:hidden_grad"] == unit
     assert c.gemms["inverse_update.py:uinv_by_products"] > 0
     assert sum(c.ops.values()) > 100 and "aten.view" not in c.ops  # views are not counted
     box = make_sandbox(tmp_path, monkeypatch)  # a default run writes its own run directory only

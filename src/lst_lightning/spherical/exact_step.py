@@ -267,33 +267,28 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
 
 
 # -- backward ------------------------------------------------------------------------------------
-def z_rows(state, YV: Tensor, ybar: Tensor, gs: Tensor) -> Tensor:
-    """Z = (g_s 1^T + Yd) W = (Yd V) U + ybar omega^T + g_s wbar^T, from Yd V and Yd's row sums."""
-    return YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
-
-
-def do_w(Z: Tensor, gq: Tensor, Hq: Tensor) -> Tensor:
-    """dO W = Z + 2 diag(g_q) H Q."""
-    return torch.addcmul(Z, gq[:, None], Hq, value=2.0)
-
-
 @torch.no_grad()
 def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
-    upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses:
-    g_q, g_s, G_A scaled, ybar, Z, and the forward the update takes: under row steps its sparse
-    part Yd diag(r), row_steps.py's, a new ``SavedForward``)."""
+    upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses: g_q,
+    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes; under
+    row steps the update's Yd is Yd diag(r), row_steps.py's, with its block and the accumulators'
+    change in a new ``SavedForward``)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
     if plan.negatives == "shared":  # one dense block (negatives.py)
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
-    Z = z_rows(state, YV, ybar, gs)
-    dH = do_w(Z, gq, fwd.Hq)
+    parts = [(YV, ybar)]
     if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
         GA, YV, ybar, neg, row_sq = plan.row_steps.scaled(plan, state, fwd, GA)
         fwd = dataclasses.replace(fwd, neg=neg, row_sq=row_sq)
-        Z = z_rows(state, YV, ybar, gs)
-    return dH, gq, gs, GA, ybar, Z, fwd
+        parts.append((YV, ybar))
+    made = []
+    for YV, ybar_k in parts:  # Z = Yd V U + ybar omega^T + g_s wbar^T, dO W = Z + 2 diag(g_q) H Q: the body's, the update's
+        Z = YV @ state.U + torch.outer(ybar_k, state.omega) + torch.outer(gs, state.wbar)
+        made.append((Z, torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)))
+    (_, dH), (Z, dOW) = made[0], made[-1]
+    return dH, gq, gs, GA, ybar, Z, dOW, fwd
 
 
 def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -494,12 +489,10 @@ ROUTES = {"woodbury": Route("woodbury", woodbury_forms, woodbury, 3, True, True)
 PRODUCTS_BY_RHO = ROUTES["products"]._replace(inverse=products_by_rho)
 
 
-def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> NewState:
+def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> NewState:
     """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
-    changes here. ``lr``: under device flags a device scalar."""
+    changes here. ``lr``: a device scalar; ``Z``, ``dOW``: ``hidden_grad``'s of the update's Yd."""
     Hx, route = fwd.Hx, fwd.route
-    if plan.row_steps is not None:  # dO W of the scaled update (dH is the body's)
-        dH = do_w(Z, gq, fwd.Hq)
     by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
@@ -524,7 +517,7 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if by_m:
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
-        Q_new = lk.q_update(state.Q, f.X, dH, M, lr, c)
+        Q_new = lk.q_update(state.Q, f.X, dOW, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
         YYH, HYYH = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
@@ -566,9 +559,9 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     bound first, each kept where the step is not ok: a fold (a device bool) takes V <- V U B in one
     gated pass over V's rows (one load a block where it is not set: ``lk.fold_rows_``) and leaves
     U = U^-1 = I, the bound 1."""
-    dH, gq, gs, GA, ybar, Z, fwd = hidden_grad(plan, state, fwd, grad)
+    dH, gq, gs, GA, ybar, Z, dOW, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
+    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
     ok = ok & new.ok
     if new.eig is not None:  # B's eigenvalues computed (and failed) for the fold (``eigen_bounds``), counted
         state.eig_checks.add_(new.eig[0])
