@@ -3,12 +3,12 @@ and its gradients), backward (dL/dH), the new state computed aside, its checks, 
 
 The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
 collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. The plan holds the function of each choice (its ``checks``' rules:
-the device flags' or, with ``sync_every == 1``, the host checks'; the U^-1 ``Route`` of a batch's
-rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
+none of them takes the head. The plan holds the function of each choice (the fold's bounds:
+``device_bounds``, or with ``sync_every == 1`` ``eigen_bounds``, B's eigenvalues on the device; the
+U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
 the collectives), and the step branches only on its plan (what it holds, and P on or off) and on
 the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step: every check a
-flag masking the write (a failed host check too), the one unit driver.py compiles whole and a CUDA
+flag masking the write, the one unit driver.py compiles whole and a CUDA
 graph replays (``sync_every > 1``: nothing read on the host); the autograd step runs its halves
 (``forward``, ``update``) and exact accumulation ``records_step``.
 

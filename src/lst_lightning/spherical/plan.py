@@ -2,12 +2,12 @@
 
 ``StepPlan`` holds each choice the step makes by its mode, made once whenever a setting,
 the device or the process group changes (``head.plan``, made again by the head's ``_replan``
-at each such change): the driver (``step``), the checks' rules (device flags' or host checks'), compiled or eager, the
+at each such change): the driver (``step``), ``sync_every > 1`` or not (``deferred``), compiled or eager, the
 processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
 batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
 width, the fold's thresholds, the head's ``Processes``, its loss and reduction, its draw of sampled
 classes. From these it holds the function of each choice (exact_step.py's), chosen here once: the
-checks, the U^-1 routes, P or none, the sampled classes or none, the reduction's weights, the
+fold's bounds, the U^-1 routes, P or none, the sampled classes or none, the reduction's weights, the
 collectives. The step (exact_step.py) calls what its plan holds; it asks the head's settings for
 none of these.
 
@@ -37,8 +37,9 @@ NEGATIVE_KINDS = ("shared", "per_row", "kernel")
 class StepPlan:
     #: the driver: "autograd" (the update in ``loss.backward()``), "fused", "cuda_graph"
     step: str = "autograd"
-    #: ``sync_every > 1``: the step reads nothing on the host (the device flags' rules); else the host checks'
-    #: rules (each flag read after the step; the fold from B's eigenvalues, ids checked before the step)
+    #: ``sync_every > 1``: the step reads nothing on the host; else the flags read after each step, with the
+    #: fold from B's eigenvalues (``eigen_bounds``), the products' factors from the step's own rho
+    #: (``products_by_rho``), shared negatives coalesced by ``torch.unique`` and ids checked before the step
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
