@@ -251,9 +251,8 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
 def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
 
-    Device flags (``sync_every > 1``): ``update``, every check a flag that masks the write, read by
-    ``head.sync()`` every ``sync_every`` steps (``DeviceFlags``). Checks read on the host
-    (``sync_every == 1``): a failed check skips the step and counts it at once."""
+    ``update``: every check a flag that masks the write, read by ``head.sync()`` every
+    ``sync_every`` steps (``DeviceFlags``; 1: after this step, which a failed check skipped)."""
     dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
     return dH if fwd.kept is None else dH[:fwd.kept]
 
