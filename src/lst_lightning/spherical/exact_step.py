@@ -346,7 +346,7 @@ def eigen_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
     |eig(A)| there; the computations and their failures counted (``eig``). A step whose eigenvalues
     could not be computed (LAPACK did not converge, or they are not finite) is skipped (``ok``); one
     that overflowed (A or its bound not finite: no eigenvalues taken) is left to the step's
-    finiteness check. Device scalars in float64 (the cond(U) bound's), no host read but ``cpu_flag``'s."""
+    finiteness check. Device scalars in float64 (the cond(U) bound's)."""
     rho_pos, rho_neg = (b.to(torch.float64) for b in eig_bounds(A, sq, kappa))
     large = ~(rho_pos <= 0.5)
     need = large & torch.isfinite(rho_pos) & torch.isfinite(A).all()
@@ -366,12 +366,13 @@ def eigenvalues(plan, A: Tensor, need: Tensor) -> tuple[Tensor, Tensor]:
     """A's eigenvalues where ``need`` (a device bool; zeros elsewhere), real (``eig_bounds``; the
     m x m form with a 0 for A's null space, which it lacks), and whether computing them failed (a
     device bool: LAPACK raised, ``torch.linalg.LinAlgError`` among others, or they are not finite).
-    Eager on the CPU (``reads_flags``) they are computed only where needed (``cpu_flag``)."""
+    Computed only where needed: ``need`` read where it is made (eager on the CPU ``cpu_flag``; a
+    GPU's ``eigvals`` waits for the host whatever, and the read spares its O(n^3) where not needed)."""
     zeros = A.new_zeros(A.shape[0] + (A.shape[0] < plan.width))
-    if plan.reads_flags and not cpu_flag(need):
+    if not (cpu_flag(need) if plan.reads_flags else bool(need)):
         return zeros, torch.zeros((), dtype=torch.bool, device=A.device)
     try:
-        ev = torch.linalg.eigvals(torch.where(need, A, torch.zeros((), dtype=A.dtype, device=A.device))).real
+        ev = torch.linalg.eigvals(A).real
     except RuntimeError:
         return zeros, torch.ones((), dtype=torch.bool, device=A.device)
     ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < plan.width else ev
