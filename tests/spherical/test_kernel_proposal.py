@@ -127,9 +127,10 @@ def test_repairs_and_folds_rebuild_the_tree_and_keep_the_steps_equal(monkeypatch
     assert f.negatives.kernel.builds > 1
     f.negatives.kernel.sync(f)
     assert_tree_is_rebuilt_tree(f)
-    # every step folded into V (V <- V U B; a host-checked step's): each next draw rebuilds
+    # every step folded into V (V <- V U B; a step with B's eigenvalues, sync_every=1): each next draw rebuilds
+    monkeypatch.setattr(exact_step, "eigen_bounds", lambda plan, state, A, sq, kappa: exact_step.Bounds(
+        torch.tensor(True), A.new_tensor(1.0), A.new_tensor(0.0)))
     f, n = pair(sync_every=1)
-    monkeypatch.setattr(exact_step, "fold_and_cond", lambda head, Hx, G, kappa: (True, 1.0, 0.0, (0, 0)))
     run(f, n, steps=3)
     assert int(f.folds) == 3 and f.negatives.kernel.builds == 3 and f.negatives.kernel.synced is None
     f.negatives.kernel.sync(f)

@@ -21,9 +21,10 @@ and counted, lr is a device scalar; ``head.sync()`` reads the flags in one host 
 warns about skipped steps, runs the repairs that fell due, and raises for bad ids. With
 ``sync_every > 1`` the step reads nothing on the host, so a GPU never waits for it and it can be
 captured in a CUDA graph: bad target ids turn into padding and void the step. With
-``sync_every == 1`` the plan's rules are the host checks' (exact_step.py's ``HOST_CHECKS``): a
-bad target id raises before anything changes, the fold is decided from B's eigenvalues where the
-bounds cannot rule it out.
+``sync_every == 1`` a bad target id raises before anything changes (the head's input check), the
+fold is decided from B's eigenvalues where the bounds cannot rule it out (exact_step.py's
+``eigen_bounds``), and the products route takes the factors of the step's own rho
+(``products_by_rho``).
 """
 from __future__ import annotations
 
@@ -223,11 +224,8 @@ def run_device_part(head, fn, rows: int, *args):
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
         flags = out[-1]
         head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
-    flags = out[-1]
-    if plan.deferred and not flags.uinv:  # the step solved with U_new: U^-1 left behind
+    if not out[-1].uinv:  # the step solved with U_new: U^-1 left behind
         head._uinv_fresh = False
-    elif not plan.deferred and (flags.fold is True or not flags.uinv) and bool(flags.ok):
-        head._uinv_fresh = flags.fold is True  # host checks: a fold wrote U^-1 = I, a solve left it behind
     if head.step_checks.tick(head):
         head.sync()
     return out
@@ -253,9 +251,8 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
 def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
 
-    Device flags (``sync_every > 1``): ``update``, every check a flag that masks the write, read by
-    ``head.sync()`` every ``sync_every`` steps (``DeviceFlags``). Checks read on the host
-    (``sync_every == 1``): a failed check skips the step and counts it at once."""
+    ``update``: every check a flag that masks the write, read by ``head.sync()`` every
+    ``sync_every`` steps (``DeviceFlags``; 1: after this step, which a failed check skipped)."""
     dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
     return dH if fwd.kept is None else dH[:fwd.kept]
 

@@ -3,12 +3,12 @@ and its gradients), backward (dL/dH), the new state computed aside, its checks, 
 
 The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
 collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. The plan holds the function of each choice (its ``checks``' rules:
-the device flags' or, with ``sync_every == 1``, the host checks'; the U^-1 ``Route`` of a batch's
-rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
+none of them takes the head. The plan holds the function of each choice (the fold's bounds:
+``device_bounds``, or with ``sync_every == 1`` ``eigen_bounds``, B's eigenvalues on the device; the
+U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
 the collectives), and the step branches only on its plan (what it holds, and P on or off) and on
 the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step: every check a
-flag masking the write (a failed host check too), the one unit driver.py compiles whole and a CUDA
+flag masking the write, the one unit driver.py compiles whole and a CUDA
 graph replays (``sync_every > 1``: nothing read on the host); the autograd step runs its halves
 (``forward``, ``update``) and exact accumulation ``records_step``.
 
@@ -18,6 +18,7 @@ and the repairs that fell due after it.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -121,7 +122,7 @@ class NewState:
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | float | None = None  # a bound on A's spectral radius (device flags: the adaptive rule keeps it)
-    eig: tuple[int, int] = (0, 0)  # host checks: (eigenvalue computations, their failures) of this step
+    eig: tuple | None = None  # ``eigen_bounds``: (B's eigenvalues computed, their computation failed), device bools
 
 
 class TargetsOnly:
@@ -241,11 +242,6 @@ def screen_exchanged(plan, state, idx: Tensor, T: Tensor, exchange):
     return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
 
 
-def unscreened(plan, state, idx: Tensor, T: Tensor, exchange):
-    """Host checks: the ids were checked on the host (base.py's ``prepare``)."""
-    return idx, T, True
-
-
 @torch.no_grad()
 def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Tensor, SavedForward]:
     """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
@@ -274,17 +270,25 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
 @torch.no_grad()
 def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
-    upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses:
-    g_q, g_s, G_A scaled, ybar, Z)."""
+    upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses: g_q,
+    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes; under
+    row steps the update's Yd is Yd diag(r), row_steps.py's, with its block and the accumulators'
+    change in a new ``SavedForward``)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
     if plan.negatives == "shared":  # one dense block (negatives.py)
         YV, ybar = fwd.neg.hidden(grad, YV, ybar)
-    Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
-    dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
+    parts = [(YV, ybar)]
     if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
-        GA, ybar, Z = plan.row_steps.scaled(plan, state, fwd, GA, gs)
-    return dH, gq, gs, GA, ybar, Z
+        GA, YV, ybar, neg, row_sq = plan.row_steps.scaled(plan, state, fwd, GA)
+        fwd = dataclasses.replace(fwd, neg=neg, row_sq=row_sq)
+        parts.append((YV, ybar))
+    made = []
+    for YV, ybar_k in parts:  # Z = Yd V U + ybar omega^T + g_s wbar^T, dO W = Z + 2 diag(g_q) H Q: the body's, the update's
+        Z = YV @ state.U + torch.outer(ybar_k, state.omega) + torch.outer(gs, state.wbar)
+        made.append((Z, torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)))
+    (_, dH), (Z, dOW) = made[0], made[-1]
+    return dH, gq, gs, GA, ybar, Z, dOW, fwd
 
 
 def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -310,46 +314,16 @@ def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
             torch.minimum(trace_neg, (spread - mu).clamp(min=0)))
 
 
-def fold_and_cond(plan, A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[bool, float | None, float, tuple[int, int]]:
-    """Read on the host: whether to fold this step into V (min |eig(B/c)| < fold_tol), a
-    bound on cond(B), one on the spectral radius of A (the products route's rho), for
-    B = c (I - A) and A as ``eig_bounds`` takes it, and (eigenvalue computations, their failures)
-    for the head's counters (``eig_checks``, ``eig_failures``: this function changes nothing).
-    The eigenvalues of A are computed only when the cheap bounds cannot rule out one of B/c below
-    1/2 (O(n^3): large steps only). When that eigenvalue computation fails (or returns non-finite
-    values) the bound is None: the step is skipped, counted in ``eig_failures`` and
-    ``skipped_nonfinite``, never raised."""
-    rho_pos, rho_neg = torch.stack(eig_bounds(A, sq, kappa)).tolist()  # one host read
-    rho = max(rho_pos, rho_neg)
-    if rho_pos <= 0.5:
-        return False, (1.0 + rho_neg) / (1.0 - rho_pos), rho, (0, 0)
-    if not math.isfinite(rho_pos) or not bool(torch.isfinite(A).all()):
-        # an overflowed step (huge H or loss gradients): no eigenvalues to take (LAPACK
-        # would raise); the step's own finiteness check skips it and counts it
-        return False, math.inf, math.inf, (0, 0)
-    try:  # A's eigenvalues are real (eig_bounds); the m x m form lacks the 1s of B/c on A's null space
-        ev = torch.linalg.eigvals(A).real
-        ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < plan.width else ev
-    except RuntimeError:  # torch.linalg.LinAlgError (LAPACK did not converge on a finite but
-        # ill-conditioned A) among others: the step is skipped and counted, never raised
-        return False, None, math.inf, (1, 1)
-    if not bool(torch.isfinite(ev).all()):
-        return False, None, math.inf, (1, 1)
-    lam = (1.0 - ev).abs()
-    lo, hi = float(lam.min()), float(lam.max())
-    return lo < plan.fold_tol, (hi / lo if lo > 0 else math.inf), float(ev.abs().max()), (1, 0)
-
-
-
 class Bounds(NamedTuple):
-    """What the checks make of B's eigenvalue bounds: whether the step folds, a bound on cond(B),
-    one on A's spectral radius (the products' factors read it, on the host or at the flags' read),
-    (eigenvalue computations, their failures) and whether the eigenvalues could be computed."""
-    fold: Tensor | bool
-    cond_step: Tensor | float
-    rho: Tensor | float | None
-    eig: tuple[int, int] = (0, 0)
-    ok: bool = True
+    """What the plan's ``bounds`` make of B's eigenvalues (device scalars): whether the step folds,
+    a bound on cond(B), one on A's spectral radius (the products' factors read it at the flags' read,
+    ``sync_every == 1`` at the step), and with B's eigenvalues (``eigen_bounds``) their computations
+    and failures, (checks, failures), and whether the step may be taken (they could be computed)."""
+    fold: Tensor
+    cond_step: Tensor
+    rho: Tensor
+    eig: tuple[Tensor, Tensor] | None = None
+    ok: Tensor | bool = True
 
 
 def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
@@ -365,13 +339,44 @@ def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
     return Bounds(fold, cond_step, rho)
 
 
-def host_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
-    """Host checks: ``fold_and_cond``, read on the host (the fold a Python bool, rho a device
-    scalar as the flags' board keeps it); a step whose eigenvalues could not be computed is
-    skipped (``ok`` False)."""
-    fold, cond_step, rho, eig = fold_and_cond(plan, A, sq, kappa)
-    return Bounds(fold, math.inf if cond_step is None else cond_step, torch.tensor(rho, dtype=torch.float64, device=A.device),
-                  eig, cond_step is not None)
+def eigen_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
+    """``sync_every == 1`` (the plan's ``bounds``): the fold from B's eigenvalues, computed only where
+    the bounds (``eig_bounds``) cannot rule out one of B/c below 1/2 (O(n^3): large steps only),
+    at min |eig(B/c)| < ``fold_tol``; cond(B) exact there, the bounds' elsewhere, rho the largest
+    |eig(A)| there; the computations and their failures counted (``eig``). A step whose eigenvalues
+    could not be computed (LAPACK did not converge, or they are not finite) is skipped (``ok``); one
+    that overflowed (A or its bound not finite: no eigenvalues taken) is left to the step's
+    finiteness check. Device scalars in float64 (the cond(U) bound's)."""
+    rho_pos, rho_neg = (b.to(torch.float64) for b in eig_bounds(A, sq, kappa))
+    large = ~(rho_pos <= 0.5)
+    need = large & torch.isfinite(rho_pos) & torch.isfinite(A).all()
+    ev, failed = eigenvalues(plan, A, need)
+    failed = need & failed
+    lam = (1.0 - ev).abs()
+    lo, hi = lam.min().to(torch.float64), lam.max().to(torch.float64)
+    taken = need & ~failed
+    inf = torch.full((), math.inf, dtype=torch.float64, device=A.device)
+    cond = torch.where(taken & (lo > 0), hi / lo, inf)
+    rho = torch.where(taken, ev.abs().max().to(torch.float64), inf)
+    return Bounds(taken & (lo < plan.fold_tol), torch.where(large, cond, (1.0 + rho_neg) / (1.0 - rho_pos)),
+                  torch.where(large, rho, torch.maximum(rho_pos, rho_neg)), (need, failed), ~failed)
+
+
+def eigenvalues(plan, A: Tensor, need: Tensor) -> tuple[Tensor, Tensor]:
+    """A's eigenvalues where ``need`` (a device bool; zeros elsewhere), real (``eig_bounds``; the
+    m x m form with a 0 for A's null space, which it lacks), and whether computing them failed (a
+    device bool: LAPACK raised, ``torch.linalg.LinAlgError`` among others, or they are not finite).
+    Computed only where needed: ``need`` read where it is made (eager on the CPU ``cpu_flag``; a
+    GPU's ``eigvals`` waits for the host whatever, and the read spares its O(n^3) where not needed)."""
+    zeros = A.new_zeros(A.shape[0] + (A.shape[0] < plan.width))
+    if not (cpu_flag(need) if plan.reads_flags else bool(need)):
+        return zeros, torch.zeros((), dtype=torch.bool, device=A.device)
+    try:
+        ev = torch.linalg.eigvals(A).real
+    except RuntimeError:
+        return zeros, torch.ones((), dtype=torch.bool, device=A.device)
+    ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < plan.width else ev
+    return ev, ~torch.isfinite(ev).all()
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -422,14 +427,12 @@ def square_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Te
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
 class Inverse(NamedTuple):
     """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (a singular solve or a residual
-    past the products' reach folds too; host checks: the host's fold alone), whether it is regular
-    (host checks: a singular solve skips the step) and R with H U_new^-1 = H R (the products route,
+    past the products' reach folds too) and R with H U_new^-1 = H R (the products route,
     R = P U_new^-1; else None)."""
     Uinv: Tensor | None
     HUinv: Tensor
     fold: Tensor | bool
     total: Tensor            # the sum of H U_new^-1 (and U_new^-1): finite where they are
-    ok: Tensor | bool = True
     right: Tensor | None = None
 
 
@@ -463,51 +466,34 @@ def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, boun
     Uinv = torch.where(fold, torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device), Uinv)
     right = Uinv if P is None else P @ Uinv  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
     HUinv = fwd.Hx @ right
-    return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), True, right)
+    return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), right)
 
 
-# Host checks (``sync_every == 1``), around the same routes: a fold the host decided takes no
-# route (V absorbs U B; U = U^-1 = I); where a route would fold (a singular solve) the step is
-# skipped instead (``ok``, a flag at the write); the products route takes the factors of the
-# step's own rho, and solves instead past their reach (none, or a residual past the tolerance).
-def on_host(route: Callable) -> Callable:
-    def checked(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-        if bounds.fold:
-            X = side(fwd, f, P)
-            return Inverse(torch.eye(plan.width, dtype=X.dtype, device=X.device), X, True, X.sum(), bounds.ok)
-        inv = route(plan, state, fwd, f, P, c, kappa, bounds)
-        return inv._replace(fold=False, ok=~inv.fold & bounds.ok)
-    return checked
-
-
-def side(fwd: SavedForward, f: Forms, P) -> Tensor:
-    """X = H P, formed now where the step did not."""
-    return f.X if f.X is not None else fwd.Hx if P is None else fwd.Hx @ P
-
-
-def products_host(plan, state, fwd, f, P, c, kappa, bounds) -> Inverse:
-    factors = neumann_factors(float(bounds.rho), float(state.cond_bound), f.U.dtype)
+def products_by_rho(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
+    """``sync_every == 1``'s products route: the Neumann factors of the step's own rho (read on the
+    host: their number is the loop's length), a fresh solve where they cannot reach (none, or a
+    residual past the tolerance; U^-1 then left stale); a fold takes the products' (U^-1 = I)."""
+    fold = bool(bounds.fold)
+    factors = 1 if fold else neumann_factors(float(bounds.rho), float(state.cond_bound), f.U.dtype)
     if factors is not None:
         inv = products(plan, state._replace(factors=factors), fwd, f, P, c, kappa, bounds)
-        if not bool(inv.fold):
+        if fold or not bool(inv.fold):
             return inv
-    return solve(plan, state, fwd, f._replace(X=side(fwd, f, P)), P, c, kappa, bounds)
+    X = f.X if f.X is not None else fwd.Hx @ P  # (None only with P)
+    return solve(plan, state, fwd, f._replace(X=X), P, c, kappa, bounds)
 
 
-def routes(deferred: bool) -> dict[str, Route]:
-    """The three routes with device flags (``deferred``) or host checks, by name."""
-    inverse = (woodbury, solve, products) if deferred else (on_host(woodbury), on_host(solve), on_host(products_host))
-    return {"woodbury": Route("woodbury", woodbury_forms, inverse[0], 3, True, True),
-            "solve": Route("solve", square_forms, inverse[1], 2, True, False),
-            "products": Route("products", square_forms, inverse[2], 2, False, True)}
+#: the three routes by name (``sync_every == 1``'s products: ``products_by_rho``)
+ROUTES = {"woodbury": Route("woodbury", woodbury_forms, woodbury, 3, True, True),
+          "solve": Route("solve", square_forms, solve, 2, True, False),
+          "products": Route("products", square_forms, products, 2, False, True)}
+PRODUCTS_BY_RHO = ROUTES["products"]._replace(inverse=products_by_rho)
 
 
-def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> NewState:
+def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> NewState:
     """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
-    changes here. ``lr``: under device flags a device scalar."""
+    changes here. ``lr``: a device scalar; ``Z``, ``dOW``: ``hidden_grad``'s of the update's Yd."""
     Hx, route = fwd.Hx, fwd.route
-    if plan.row_steps is not None:  # dO W of the scaled update (dH is the body's)
-        dH = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)
     by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
     kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
@@ -525,21 +511,21 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dH) -> Ne
     omega_new = c * state.omega - lr * omega_new
     wbar_new = c * state.wbar - lr * wbar_new
     f = route.forms(plan, state, fwd, P, lr, c, kappa, gq, X)
-    bounds = plan.checks.bounds(plan, state, f.A, f.sq, kappa)  # the fold and cond(B): a flag or read
+    bounds = plan.bounds(plan, state, f.A, f.sq, kappa)  # the fold and cond(B): device scalars
     inv = route.inverse(plan, state, fwd, f, P, c, kappa, bounds)
     # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
     # the step's factors, whichever has fewer multiply-adds.
     order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if by_m:
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
-        Q_new = lk.q_update(state.Q, f.X, dH, M, lr, c)
+        Q_new = lk.q_update(state.Q, f.X, dOW, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
         YYH, HYYH = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
         Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
                                     GqP=f.GqP, HYYH=HYYH)
     total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
-    ok = torch.isfinite(total) & (inv.ok & p_ok)  # NaN and inf survive a sum
+    ok = torch.isfinite(total) & (bounds.ok & p_ok)  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
                     fold=inv.fold, cond_step=bounds.cond_step, ok=ok, lr=lr, moments=moments, order=order,
                     right=inv.right, rho=bounds.rho, eig=bounds.eig)
@@ -565,18 +551,6 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
         new.moments.write(state, ok)
 
 
-class Checks(NamedTuple):
-    """How a step checks itself, as the plan holds it: device flags or each check read on the host."""
-    screens: tuple     # bad target ids, of one process's batch and of an exchanged one: device flags'
-    # (flagged), or none (host checks: checked before)
-    bounds: Callable   # the fold and cond(B): ``device_bounds`` or ``host_bounds``
-    routes: dict       # the U^-1 routes by name
-
-
-DEVICE_FLAGS = Checks((screen, screen_exchanged), device_bounds, routes(True))
-HOST_CHECKS = Checks((unscreened, unscreened), host_bounds, routes(False))
-
-
 # -- the device step: the whole step under device flags, a function of the plan and tensors -------
 @torch.no_grad()
 def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
@@ -586,11 +560,11 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     bound first, each kept where the step is not ok: a fold (a device bool) takes V <- V U B in one
     gated pass over V's rows (one load a block where it is not set: ``lk.fold_rows_``) and leaves
     U = U^-1 = I, the bound 1."""
-    dH, gq, gs, GA, ybar, Z = hidden_grad(plan, state, fwd, grad)
+    dH, gq, gs, GA, ybar, Z, dOW, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
-    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dH)
+    new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
     ok = ok & new.ok
-    if new.eig[0]:  # host checks: B's eigenvalues computed (and failed) for the fold, counted
+    if new.eig is not None:  # B's eigenvalues computed (and failed) for the fold (``eigen_bounds``), counted
         state.eig_checks.add_(new.eig[0])
         state.eig_failures.add_(new.eig[1])
     if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made

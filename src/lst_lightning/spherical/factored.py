@@ -165,7 +165,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def sync_every(self, value: int) -> None:
         deferred, old = self.plan.deferred, self.step_checks
         self._drive(sync_every=value)
-        if self.plan.deferred != deferred:  # the host checks' rules or the device flags': a board of theirs
+        if self.plan.deferred != deferred:  # sync_every=1's rules (eigen_bounds, products_by_rho) or more's: a board of theirs
             self.step_checks = DeviceFlags()
             self.step_checks.calls, self.step_checks.synced = old.calls, old.synced
 

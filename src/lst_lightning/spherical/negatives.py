@@ -365,6 +365,12 @@ class SharedBlock:
         self.G_u = G_ut.T
         return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1)
 
+    def with_gradients(self, G_u: Tensor) -> "SharedBlock":
+        """The same block with the step's gradients ``G_u`` (row steps' scaled ones: row_steps.py)."""
+        out = SharedBlock(self.cols, self.uniq, self.inv, self.G_neg, self.V_u, self.padded)
+        out.G_u = G_u
+        return out
+
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
         too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the

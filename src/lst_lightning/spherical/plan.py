@@ -2,12 +2,12 @@
 
 ``StepPlan`` holds each choice the step makes by its mode, made once whenever a setting,
 the device or the process group changes (``head.plan``, made again by the head's ``_replan``
-at each such change): the driver (``step``), the checks' rules (device flags' or host checks'), compiled or eager, the
+at each such change): the driver (``step``), ``sync_every > 1`` or not (``deferred``), compiled or eager, the
 processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
 batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
 width, the fold's thresholds, the head's ``Processes``, its loss and reduction, its draw of sampled
 classes. From these it holds the function of each choice (exact_step.py's), chosen here once: the
-checks, the U^-1 routes, P or none, the sampled classes or none, the reduction's weights, the
+fold's bounds, the U^-1 routes, P or none, the sampled classes or none, the reduction's weights, the
 collectives. The step (exact_step.py) calls what its plan holds; it asks the head's settings for
 none of these.
 
@@ -37,8 +37,9 @@ NEGATIVE_KINDS = ("shared", "per_row", "kernel")
 class StepPlan:
     #: the driver: "autograd" (the update in ``loss.backward()``), "fused", "cuda_graph"
     step: str = "autograd"
-    #: ``sync_every > 1``: the step reads nothing on the host (the device flags' rules); else the host checks'
-    #: rules (each flag read after the step; the fold from B's eigenvalues, ids checked before the step)
+    #: ``sync_every > 1``: the step reads nothing on the host; else the flags read after each step, with the
+    #: fold from B's eigenvalues (``eigen_bounds``), the products' factors from the step's own rho
+    #: (``products_by_rho``), shared negatives coalesced by ``torch.unique`` and ids checked before the step
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
@@ -79,9 +80,10 @@ class StepPlan:
     row_steps: object = None
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
-    #: exact_step.py's ``DEVICE_FLAGS`` or ``HOST_CHECKS``: the screens of bad ids, the bounds, the routes
-    checks: exact_step.Checks = field(init=False, compare=False, repr=False)
-    #: the checks' screen of bad ids for these processes (one, or several exchanging their rows)
+    #: the fold and cond(B): exact_step.py's ``device_bounds`` (the bounds alone), or with ``sync_every == 1``
+    #: ``eigen_bounds`` (B's eigenvalues where the bounds cannot rule out a fold)
+    bounds: object = field(init=False, compare=False, repr=False)
+    #: the screen of bad ids for these processes (one, or several exchanging their rows)
     screen: object = field(init=False, compare=False, repr=False)
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
     few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
@@ -98,10 +100,11 @@ class StepPlan:
     scatter_rows: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
-        checks, sh = exact_step.DEVICE_FLAGS if self.deferred else exact_step.HOST_CHECKS, self.collectives
-        alone = self.processes == "none"
-        chosen = dict(checks=checks, screen=checks.screens[not alone], few_rows=checks.routes["woodbury"],
-                      many_rows=checks.routes[self.inverse],
+        sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
+        products = routes["products"] if self.deferred else exact_step.PRODUCTS_BY_RHO
+        chosen = dict(bounds=exact_step.device_bounds if self.deferred else exact_step.eigen_bounds,
+                      screen=exact_step.screen if alone else exact_step.screen_exchanged,
+                      few_rows=routes["woodbury"], many_rows={**routes, "products": products}[self.inverse],
                       y_sq=exact_step.y_sq if getattr(self.loss, "needs_y_sq", False) else exact_step.nothing,
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
                       weights=exact_step.WEIGHTS[self.reduction],

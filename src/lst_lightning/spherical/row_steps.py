@@ -70,10 +70,11 @@ class RowSteps:
         return self.scale * torch.rsqrt(a + self.eps)
 
     # -- the factored step (exact_step.hidden_grad) ---------------------------------------------
-    def scaled(self, plan, state, fwd, GA: Tensor, gs: Tensor):
-        """The update's sparse part scaled by r: (G_A r, ybar, Z) of Yd diag(r); the shared
-        negatives' block's ``G_u`` scaled in place (its scatter and Gramian read it). The classes'
-        squared norms are left on ``fwd.row_sq`` for ``write_acc``. Static shapes (a compiled step)."""
+    def scaled(self, plan, state, fwd, GA: Tensor):
+        """The update's sparse part scaled by r, Yd diag(r): (G_A r, its Yd V and row sums, the
+        shared negatives' block with its ``G_u`` scaled (a new block: its scatter and Gramian read
+        it), the classes and their (acc, w)'s change for ``write_acc``). Changes nothing. Static
+        shapes (a compiled step)."""
         idx, neg, Hx = fwd.idx, fwd.neg, fwd.Hx
         m, K = idx.shape
         ids = idx.reshape(-1).clamp(min=0)  # padding: a zero row added to class 0's
@@ -92,14 +93,13 @@ class RowSteps:
         old = state.row_acc.index_select(0, uniq).to(GA.dtype)
         new = self.advanced(old, sq)
         r = self.factors(new).index_select(0, inv)
-        fwd.row_sq = (uniq, torch.where(hit[:, None], new - old, torch.zeros((), dtype=sq.dtype, device=sq.device)))
+        row_sq = (uniq, torch.where(hit[:, None], new - old, torch.zeros((), dtype=sq.dtype, device=sq.device)))
         GA = GA * r[:m * K].view(m, K)
         YV, ybar = plan.gather_sum(state.V, idx, GA), GA.sum(1)
         if neg.shared:
-            neg.G_u = neg.G_u * r[m * K:]
+            neg = neg.with_gradients(neg.G_u * r[m * K:])
             YV, ybar = torch.addmm(YV, neg.G_u, neg.V_u.to(YV.dtype)), ybar + neg.G_u.sum(1)
-        Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
-        return GA, ybar, Z
+        return GA, YV, ybar, neg, row_sq
 
     def write_acc(self, state, fwd, ok: Tensor | None) -> None:
         """(acc, w) moved at the step's classes (``scaled``: the change, 0 off them), kept where the

@@ -117,7 +117,7 @@ class StepState(NamedTuple):
     steps: Tensor
     skipped_nonfinite: Tensor
     bad_input: Tensor
-    #: B's eigenvalue computations and their failures (host checks' fold)
+    #: B's eigenvalue computations and their failures (``sync_every == 1``'s fold: exact_step.py's ``eigen_bounds``)
     eig_checks: Tensor
     eig_failures: Tensor
     #: device flags, the adaptive Neumann rule: the largest bound on rho since the flags' last read (else None)
