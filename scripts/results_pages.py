@@ -588,6 +588,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             if c["mode"] == "same_steps":
                 groups[(c["case"], c["D"], c["machine"], c["step"])].setdefault(c["head"], []).append(c["val_mrr"])
         heads = [h for h in ("default", "sampled_softmax", "softmax") if any(r["head"] == h for r in same)]
+        heads += sorted({r["head"] for r in same if r["head"].startswith("default;")})  # the default's settings tried
         step_lines = []
         for (case, D, machine, step), by_head in sorted(groups.items()):
             step_lines.append([CASE_NAMES.get(case, case), big(D), short_machine(machine), fmt(step),
@@ -596,7 +597,8 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
         text += ("\n\n## After the same number of steps, against the full softmax\n\nValidation MRR at each "
                  "validation of runs of a fixed number of steps (time plays no part), the same seed: the full "
                  "softmax (`head=softmax`, its configured lr) takes the exact gradient of the whole loss each step.\n\n"
-                 + table(["corpus", "D", "machine", "step", "seeds", *[HEAD_NAMES[h] for h in heads]], step_lines,
+                 + table(["corpus", "D", "machine", "step", "seeds",
+                          *[HEAD_NAMES.get(h) or f"the default, {variant_name(h)}" for h in heads]], step_lines,
                          right_from=3))
     text += ("\n\nEvery validation of every run (the curves): "
              "[benchmarks/results/time_to_quality_curves.csv](../../benchmarks/results/time_to_quality_curves.csv).")
