@@ -134,7 +134,20 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     if _use_triton(V, impl, idx, G, X, alpha):
         from .scatter_add_rows_kernel import scatter_add_rows_ as launch  # noqa: PLC0415
         return launch(V, idx, G, X, alpha, order)
-    return _scatter_add_rows_static(V, idx, G, X, alpha, order)
+    # The reference's sums in shapes fixed by idx (no ``torch.unique``, no boolean mask: no host
+    # read, ``torch.compile`` takes it whole): the m K slots sorted stably, each run of equal ids
+    # summed in batch order into one row of an (m K, d) buffer, then one ``index_add_`` into V, the
+    # buffer's unused rows adding exact zeros to row 0. The reference's bits.
+    ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
+    keys, perm = SortedIds.of(idx) if order is None else order
+    first = torch.ones_like(keys, dtype=torch.bool)
+    first[1:] = keys[1:] != keys[:-1]
+    run = torch.cumsum(first, 0) - 1  # each sorted slot's run of equal ids
+    contrib = G.to(ct).reshape(-1, 1) * (X.to(ct) if K == 1 else X.to(ct).repeat_interleave(K, dim=0))
+    contrib = torch.where((keys >= 0)[:, None], contrib.index_select(0, perm), 0.0)  # padding adds nothing
+    summed = torch.zeros(m * K, X.shape[1], dtype=ct, device=V.device).index_add_(0, run, contrib)
+    rows = torch.zeros_like(keys).scatter_(0, run, keys.clamp(min=0))  # each run's row of V
+    return V.index_add_(0, rows, (alpha * summed).to(V.dtype))
 
 
 def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto") -> Tensor:
@@ -187,25 +200,6 @@ def _fold_rows_op(V: Tensor, M: Tensor, flag: Tensor) -> None:
 @_fold_rows_op.register_fake
 def _(V: Tensor, M: Tensor, flag: Tensor) -> None:
     return None
-
-
-def _scatter_add_rows_static(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
-                             order: SortedIds | None) -> Tensor:
-    """The reference's sums in shapes fixed by idx (no ``torch.unique``, no boolean mask: no
-    host read, ``torch.compile`` takes it whole): the m K slots sorted stably, each run of
-    equal ids summed in batch order into one row of an (m K, d) buffer, then one ``index_add_``
-    into V, the buffer's unused rows adding exact zeros to row 0. The reference's bits."""
-    m, K = idx.shape
-    ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
-    keys, perm = SortedIds.of(idx) if order is None else order
-    first = torch.ones_like(keys, dtype=torch.bool)
-    first[1:] = keys[1:] != keys[:-1]
-    run = torch.cumsum(first, 0) - 1  # each sorted slot's run of equal ids
-    contrib = G.to(ct).reshape(-1, 1) * (X.to(ct) if K == 1 else X.to(ct).repeat_interleave(K, dim=0))
-    contrib = torch.where((keys >= 0)[:, None], contrib.index_select(0, perm), 0.0)  # padding adds nothing
-    summed = torch.zeros(m * K, X.shape[1], dtype=ct, device=V.device).index_add_(0, run, contrib)
-    rows = torch.zeros_like(keys).scatter_(0, run, keys.clamp(min=0))  # each run's row of V
-    return V.index_add_(0, rows, (alpha * summed).to(V.dtype))
 
 
 def sparse_gram(idx: Tensor, G: Tensor, *, impl: str = "auto") -> Tensor:

@@ -63,9 +63,8 @@ class _HeadLoss(torch.autograd.Function):
         ctx.head, ctx.saved, ctx.version, ctx.token, ctx.in_dtype = head, saved, head._version, token, H.dtype
         return loss
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        return driver.autograd_backward(ctx, grad_out), None, None, None, None, None
+    #: dL/dH and the head's step with this forward's gradients: driver.py's
+    backward = staticmethod(driver.autograd_backward)
 
 
 class _AppliedLoss(torch.autograd.Function):

@@ -97,9 +97,10 @@ class DeviceFlags:
         (outside any graph capture) when it changed, which the step reads (a captured graph
         and a compiled step at each call: no recompile for a new lr); the adaptive rule's rho
         bound's board made once."""
-        if not self.pinned and self.lr_filled != head.lr and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            head._lr_t.fill_(head.lr)
-            self.lr_filled = head.lr
+        lr = head._lr
+        if not self.pinned and self.lr_filled != lr and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            head._lr_t.fill_(lr)
+            self.lr_filled = lr
         if self.rho_max is None:
             self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
 
@@ -257,9 +258,9 @@ def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     return dH if fwd.kept is None else dH[:fwd.kept]
 
 
-def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
-    """The backward of a training forward through autograd (base.py's ``_HeadLoss``, both heads):
-    dL/dH of the rows H came with, and the head's step with this very forward's gradients
+def autograd_backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+    """The backward of a training forward through autograd (base.py's ``_HeadLoss.backward``, both
+    heads): dL/dH of the rows H came with (and nothing for ``_HeadLoss.forward``'s other inputs), and the head's step with this very forward's gradients
     (``head._backward_step``), or its rows kept for the optimizer's step when attached
     (``head.pending``). A frozen head (eval mode: no token) hands dL/dH on and takes no step; a
     second backward through the same forward hands on the first one's dL/dH; a backward after the
@@ -302,7 +303,7 @@ def autograd_backward(ctx, grad_out: Tensor) -> Tensor:
     dH = dH[:ctx.m]
     if ctx.rows is not None:
         dH = head.processes.own_rows(dH, ctx.rows)
-    return dH[:, : head.hidden_dim].to(ctx.in_dtype)
+    return dH[:, : head.hidden_dim].to(ctx.in_dtype), None, None, None, None, None
 
 
 @torch.no_grad()

@@ -191,7 +191,7 @@ class NegativeSampling:
         if self.kernel is not None:
             self.kernel.sync(head)
             return None
-        key = (head.device, head.dtype)
+        key = (head._factory["device"], head._factory["dtype"])
         if key not in self._q:
             self._q[key] = self.sampler.log_q.to(*key).exp()
         S = self.settings.num
