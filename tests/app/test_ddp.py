@@ -316,11 +316,13 @@ def test_two_ranks_factored_head_reads_the_host_only_when_its_flags_are_read(tmp
     for rank in range(2):
         got = torch.load(tmp_path / f"reads{rank}.pt", weights_only=False)
         assert got["steps"] == READ_STEPS
-        head = {f: n for f, n in got["after"].items() if f.startswith("src/lst_lightning/spherical/")}
+        exchange_file = "src/lst_lightning/spherical/fixed_exchange.py"  # the head's flags carry its own fault
+        head = {f: n for f, n in got["after"].items() if f.startswith("src/lst_lightning/spherical/")
+                and f != exchange_file}
         allowed = {f"src/lst_lightning/spherical/{f}.py" for f in ("driver", "stabiliser", "factored")}
         assert set(head) <= allowed, head
         assert head.get("src/lst_lightning/spherical/driver.py", 0) / (READ_STEPS - 1) <= 0.1, head
-        exchange = got["after"].get("src/lst_lightning/app/first_fault.py", 0)  # (the loss's: not this head's)
+        exchange = got["after"].get(exchange_file, 0)  # the embedding's check (the loss's: not this head's)
         assert 1 <= exchange <= 2, got["after"]  # its check at step 64 (a transfer and its tolist)
 
 

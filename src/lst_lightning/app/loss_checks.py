@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..spherical.driving import SYNC_EVERY
-from .first_fault import FirstFault
+from ..spherical.fixed_exchange import FirstFault
 
 
 class LossChecks:

@@ -19,13 +19,14 @@ Each rank receives world x (8 + n x (8 + row bytes)) bytes: it depends on the ro
 step touched, never on the number of rows D of the table.
 
 Static rows (``optimizer.embedding=row_adam``: a ``RowGrad``'s ids and rows) are exchanged in
-fixed shapes, with no host read a step (``StaticRowsExchange``): the ranks agree on a capacity C
-at their first exchange (the most rows a rank sends, one host read), then each step every rank
-sends its ids and rows padded to C and its count, in two all-gathers of a fixed size; the rows
-of repeated ids are summed by ``coalesce_rows`` (a sort of fixed size) and divided by the world
-size. A rank with more than C rows sends none: every rank then leaves that step's rows of the
-table untouched, and the next ``check()`` (every ``SYNC_EVERY`` steps, and at the end of
-training) raises on every rank, in one line, naming the step.
+fixed shapes, with no host read a step (``StaticRowsExchange``, a client of the head's one
+fixed-size exchange, spherical/fixed_exchange.py): the ranks agree on a capacity C at their first
+exchange (the most rows a rank sends, one host read), then each step every rank sends its count
+and its ids and rows padded to C, in two all-gathers of a fixed size; the rows of repeated ids
+are summed by ``coalesce_rows`` (a sort of fixed size) and divided by the world size. A rank
+with more than C rows sends none: every rank then leaves that step's rows of the table
+untouched, and the next ``check()`` (every ``SYNC_EVERY`` steps, and at the end of training)
+raises on every rank, in one line, naming the step.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from torch import Tensor, nn
 from ..rows import RowGrad, row_grad_of
 from ..rows.coalesce import coalesce_rows
 from ..spherical.collectives import ProcessGroup
-from .first_fault import FirstFault
+from ..spherical.fixed_exchange import TOO_LARGE, FixedExchange
 
 
 @torch.no_grad()
@@ -67,44 +68,39 @@ def average_row_sparse(grad: Tensor, group=None) -> tuple[Tensor, int]:
     return averaged, received
 
 
-class StaticRowsExchange:
+class StaticRowsExchange(FixedExchange):
     """The average over the ranks of one table's static rows (a ``RowGrad``), in fixed shapes
     after the first exchange (see the module docstring)."""
 
     def __init__(self, table: nn.Parameter, pg: ProcessGroup, sizes: list[int]):
-        self.shape, self.device, self.pg = tuple(table.shape), table.device, pg
+        super().__init__(pg)
+        self.shape, self.device = tuple(table.shape), table.device
         #: the rows a rank sends each step: the most a rank had at the first exchange
         self.capacity = max(sizes)
-        #: the first step whose rows were left out, and a rank's rows then
-        self.fault = FirstFault()
 
     def average(self, rows: RowGrad, got: tuple[Tensor, Tensor] | None, step: int) -> int:
         """``rows``' gradient (``got``: its ``grad()``) replaced by the ranks' average (every rank's
-        ids, repeated ids summed, -1 on the slots no id fills); returns the bytes this rank received."""
+        ids, repeated ids summed, -1 on the slots no id fills); returns the bytes this rank received.
+        The first step whose rows were left out is ``fault``, with the most rows a rank had then."""
         row_shape, dev = self.shape[1:], self.device
         ids, values = got if got is not None else (torch.empty(0, dtype=torch.int64, device=dev),
                                                    torch.empty(0, *row_shape, dtype=rows.rows.dtype, device=dev))
-        n, C, world = ids.shape[0], self.capacity, self.pg.world
+        n, C = ids.shape[0], self.capacity
         sent = n if n <= C else 0  # a rank over the capacity sends no rows, and its count
-        ids_out = torch.full((C + 1,), -1, dtype=torch.int64, device=dev)
-        ids_out[:sent] = ids[:sent]
-        ids_out[C] = n
-        rows_out = values.new_zeros((C, *row_shape))
-        rows_out[:sent] = values[:sent]
-        all_ids = self.pg.gather_fixed(ids_out).view(world, C + 1)
-        all_rows = self.pg.gather_fixed(rows_out)
-        counts = all_ids[:, C]
+        counts, (all_ids,), (all_rows,) = self.gather_padded([n], [(ids[:sent], (C,))],
+                                                             [(values[:sent], (C, *row_shape))])
+        counts = counts[:, 0]
         over = (counts > C).any()
-        uids, summed = coalesce_rows(torch.where(over, -1, all_ids[:, :C].reshape(-1)), all_rows)
-        self.fault.note(over, step, counts.max())
-        rows.set_grad(uids, summed / world)
-        return world * ((C + 1) * ids_out.element_size() + rows_out.numel() * rows_out.element_size())
+        uids, summed = coalesce_rows(torch.where(over, -1, all_ids), all_rows)
+        self.fault.note(over, step, code=TOO_LARGE, count=counts.max())
+        rows.set_grad(uids, summed / self.pg.world)
+        return self.received
 
     def check(self) -> None:
         """Raise, on every rank alike (the fault is the gathered counts'), for a step left out: one host read."""
         fault = self.fault.read()
         if fault is not None:
-            step, n = fault
+            step, _, _, n = fault
             raise ValueError(f"the row-sparse gradient of a table {self.shape}: at step {step} a rank's batch "
                              f"gathered {n} rows, more than the {self.capacity} the ranks agreed at their first step, "
                              "so every rank left that step's rows of the table untouched; keep every batch's shape "

@@ -141,15 +141,15 @@ class DeviceFlags:
         flags = stats + [head._bad_input, head._loss_factor]
         if self.rho_max is not None:
             flags.append(self.rho_max)
-        padded = head.processes.padded if head.processes.padded.fault is not None else None
-        ranks = [] if padded is None else padded.flags()  # several processes: the void step's rank and code
+        padded = head.processes.padded if head.processes.padded.capacity is not None else None
+        ranks = [] if padded is None else padded.flags()  # several processes: the void step's fault
         values = torch.stack([f.to(torch.float64) for f in flags + ranks]).tolist()
         self.stats = head.stats_of(values[:len(stats)])
         bad, factor, *rho_max = values[len(stats):len(flags)]
         steps, skipped, cond_bound, bad = self.stats["steps"], self.stats["skipped_nonfinite"], \
             self.stats["cond_bound"], int(bad)
         if padded is not None:  # every rank reads at the same step: a void rank's message is gathered here
-            self.fault = padded.read(tuple(int(v) for v in values[len(flags):]) if bad else None)
+            self.fault = padded.read(values[len(flags):] if bad else None)
         if factor:
             head._warn_loss_factor(factor)
             head._loss_factor.zero_()

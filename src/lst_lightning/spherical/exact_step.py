@@ -237,8 +237,9 @@ def screen_exchanged(plan, state, idx: Tensor, T: Tensor, exchange):
     bad = (idx < -1) | (idx >= plan.num_classes)
     input_ok = exchange.checked(~bad.any())
     first = (state.bad_input == 0) & ~input_ok
-    state.bad_input.copy_(torch.where(first, state.steps + state.skipped_nonfinite + 1, state.bad_input))
-    exchange.note_fault(first, bad)
+    step = state.steps + state.skipped_nonfinite + 1
+    state.bad_input.copy_(torch.where(first, step, state.bad_input))
+    exchange.note_fault(first, bad, step)
     return torch.where(bad, -1, idx), torch.where(bad, 0.0, T), input_ok
 
 

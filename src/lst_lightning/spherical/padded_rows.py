@@ -1,6 +1,6 @@
 """How the ranks of a multi-process head share each training step's rows under device flags
 (``sync_every > 1``) with no host read; a ``Processes`` of several processes holds one
-(``processes.padded``):
+(``processes.padded``), a client of the one fixed-size exchange (fixed_exchange.py):
 
 - at the first training step the ranks agree on a capacity, in the one host read of
   ``Processes.agree`` (which raises a bad input on every rank at once there): the most rows C
@@ -27,10 +27,10 @@ from torch import Tensor
 
 from .batch_shapes import padded_rows, padded_slots
 from .collectives import ProcessGroup
+from .fixed_exchange import INVALID, SENT, TOO_LARGE, FirstFault, FixedExchange
 
-#: a rank's error codes in the header and in ``fault``: its rows sent; its input failed the
-#: host checks; it had more rows or slots than the capacity; the gathered batch had bad ids
-SENT, INVALID, TOO_LARGE, BAD_IDS = 0, 1, 2, 3
+#: the code of a void step whose gathered batch had bad ids (beside fixed_exchange.py's)
+BAD_IDS = 3
 
 
 class _VoidHidden(torch.autograd.Function):
@@ -47,11 +47,11 @@ class _VoidHidden(torch.autograd.Function):
         return torch.zeros(shape, dtype=dtype, device=device), None, None
 
 
-class PaddedRows:
+class PaddedRows(FixedExchange):
     """The ranks' rows of each training step, padded to the capacity agreed at the first."""
 
     def __init__(self, pg: ProcessGroup):
-        self.pg = pg
+        super().__init__(pg)
         #: (rows C, slots K) a rank sends each step; None until the first training step
         self.capacity: tuple[int, int] | None = None
         #: this rank's code for the step ``prepare`` checked and ``gather`` sends (None: none checked)
@@ -59,8 +59,8 @@ class PaddedRows:
         #: this rank's message for its first void input since the last read of the flags
         self.message: str | None = None
         # on the device, made at the agreement: the last gathered header (world, 2: rows, code),
-        # its real rows (the sum), and the first void step's (rank, code) since the last read
-        self.header = self.rows = self.fault = None
+        # and its real rows (the sum); the first void step since the last read is ``fault``
+        self.header = self.rows = None
 
     # -- the host's part, before the step --------------------------------------------------------
     def agree(self, head, sizes: list[list[int]]) -> None:
@@ -73,7 +73,7 @@ class PaddedRows:
         dev = head.device
         self.header = torch.zeros(self.pg.world, 2, dtype=torch.int64, device=dev)
         self.rows = torch.zeros((), dtype=torch.int64, device=dev)
-        self.fault = torch.zeros(2, dtype=torch.int64, device=dev)
+        self.fault = FirstFault(dev)
         self.code = SENT
 
     def prepare(self, head, prepare) -> tuple[Tensor, Tensor, Tensor]:
@@ -115,32 +115,22 @@ class PaddedRows:
     def gather(self, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Tensor, Tensor, slice]:
         """Every rank's rows padded to the capacity, in two all-gathers and no host read; this
         rank's rows in the gathered batch."""
-        (C, K), (m, k), world = self.capacity, idx.shape, self.pg.world
-        width = Hx.shape[1]
-        ints = idx.new_full((2 + C * K,), -1)
-        ints[0:1].fill_(m)
-        ints[1:2].fill_(self.code)
-        ints[2:].view(C, K)[:m, :k] = idx
-        floats = Hx.new_zeros(C * (width + K))
-        floats[:C * width].view(C, width)[:m] = Hx
-        floats[C * width:].view(C, K)[:m, :k] = T
-        ints = self.pg.gather_fixed(ints).view(world, -1)
-        floats = self.pg.gather_fixed(floats).view(world, -1)
-        self.header.copy_(ints[:, :2])
+        (C, K), m, width = self.capacity, idx.shape[0], Hx.shape[1]
+        header, (idx,), (Hx, T) = self.gather_padded([m, self.code], [(idx, (C, K))], [(Hx, (C, width)), (T, (C, K))])
+        self.header.copy_(header)
         self.rows.copy_(self.header[:, 0].sum())
         self.code = None
         lo = self.pg.rank * C
-        return (floats[:, :C * width].reshape(world * C, width), ints[:, 2:].reshape(world * C, K),
-                floats[:, C * width:].reshape(world * C, K), slice(lo, lo + m))
+        return Hx, idx, T, slice(lo, lo + m)
 
     def checked(self, input_ok: Tensor) -> Tensor:
         """``input_ok`` and every rank sent its rows this step (a device bool)."""
         return input_ok & (self.header[:, 1] == SENT).all()
 
-    def note_fault(self, first: Tensor, bad: Tensor) -> None:
-        """Record who voided the step where it is the first void step since the read (``first``):
-        the first rank that sent an error code, else the rank whose rows held the first bad id
-        (``bad``: the gathered batch's bad slots)."""
+    def note_fault(self, first: Tensor, bad: Tensor, step: Tensor) -> None:
+        """Record who voided the step ``step`` where it is the first void step since the read
+        (``first``): the first rank that sent an error code, else the rank whose rows held the
+        first bad id (``bad``: the gathered batch's bad slots)."""
         codes = self.header[:, 1]
         failing = codes != SENT
         sender = failing.to(torch.int64).argmax()
@@ -148,26 +138,25 @@ class PaddedRows:
         any_failing = failing.any()
         rank = torch.where(any_failing, sender, holder)
         code = torch.where(any_failing, codes.gather(0, sender.view(1))[0], BAD_IDS)
-        self.fault.copy_(torch.where(first, torch.stack([rank, code]), self.fault))
+        self.fault.note(first, step, rank, code)
 
     # -- the read of the flags ----------------------------------------------------------------------
     def flags(self) -> list[Tensor]:
-        """What the read of the flags transfers for the exchange: the recorded (rank, code)."""
-        return [self.fault[0], self.fault[1]]
+        """What the read of the flags transfers for the exchange: the recorded fault."""
+        return self.fault.values()
 
-    def read(self, fault: tuple[int, int] | None) -> tuple[int, str | None] | None:
-        """After a read of the flags that found a void step (``fault``: its (rank, code) as
-        read; None: no void step): its rank and why, None for bad ids in that rank's rows
-        (a void rank's own message is gathered: every rank reads the flags at the same step,
-        so every rank takes part). Every rank's message is dropped for the next reads."""
+    def read(self, values: list[float] | None) -> tuple[int, str | None] | None:
+        """After a read of the flags that found a void step (``values``: the fault as read;
+        None: no void step): its rank and why, None for bad ids in that rank's rows (a void
+        rank's own message is gathered: every rank reads the flags at the same step, so every
+        rank takes part). Every rank's message is dropped for the next reads."""
         out = None
-        if fault is not None:
-            rank, code = fault
+        if values is not None:
+            _, rank, code, _ = self.fault.take(values) or (0, 0, SENT, 0)
             if code == BAD_IDS:
                 out = (rank, None)
             else:
                 said = self.pg.all_gather_objects(self.message)
                 out = (rank, f"was invalid ({said[rank]})" if code == INVALID else said[rank])
-            self.fault.zero_()
         self.message = None
         return out
