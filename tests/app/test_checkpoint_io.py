@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from lst_lightning.app.checkpoint_io import (AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_torch_save,
+from lst_lightning.app.checkpoint_io import (SPAWN_WEIGHTS, AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_torch_save,
                                              link_atomically)
 
 
@@ -26,6 +26,24 @@ def test_a_failed_save_leaves_the_old_file_whole(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]
     AtomicCheckpointIO().save_checkpoint({"step": 3}, path)
     assert AtomicCheckpointIO().load_checkpoint(path, weights_only=True) == {"step": 3}
+
+
+@pytest.mark.parametrize("io", [AtomicCheckpointIO, AsyncAtomicCheckpointIO])
+def test_the_spawn_launchers_weights_file_leaves_no_folder_and_other_removals_keep_theirs(tmp_path, io):
+    """Lightning's spawn launcher saves a worker's weights in a fresh temp folder and removes
+    the file through the checkpoint IO: the folder goes with it; any other file's folder stays."""
+    spawned, crowded, kept = (tmp_path / "tmpabc" / SPAWN_WEIGHTS, tmp_path / "tmpdef" / SPAWN_WEIGHTS,
+                              tmp_path / "checkpoints" / "last.ckpt")
+    for path in (spawned, crowded, crowded.with_name("x"), kept, kept.with_name("other.ckpt")):
+        atomic_torch_save({"step": 1}, path)
+    plugin = io()
+    for path in (spawned, crowded, kept):
+        plugin.remove_checkpoint(path)
+    if io is AsyncAtomicCheckpointIO:
+        plugin.teardown()  # the removals run in its writer thread
+    assert not spawned.parent.exists()
+    assert [p.name for p in crowded.parent.iterdir()] == ["x"]  # a folder with something else in it stays
+    assert [p.name for p in kept.parent.iterdir()] == ["other.ckpt"]
 
 
 def test_last_becomes_a_link_to_the_step_file_or_stays_as_it_was(tmp_path, monkeypatch):

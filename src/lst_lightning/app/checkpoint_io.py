@@ -96,6 +96,10 @@ def sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+#: the file Lightning's spawn launcher passes a worker's trained weights in
+SPAWN_WEIGHTS = ".temp.ckpt"
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     def __init__(self):
         super().__init__()
@@ -113,6 +117,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def after_next_save(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` once the next save (not yet called) is on disk."""
         self._after_next.append(fn)
+
+    def remove_checkpoint(self, path) -> None:
+        """The file removed; Lightning's spawn launcher hands a worker's weights to the launching
+        process in ``<a mkdtemp folder>/.temp.ckpt`` and removes only the file: its folder, left
+        empty, goes too (else every spawned ``fit`` leaves an empty folder in the temp dir)."""
+        super().remove_checkpoint(path)
+        folder = os.path.dirname(os.fspath(path))
+        if os.path.basename(os.fspath(path)) == SPAWN_WEIGHTS and os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def snapshot_too_large(checkpoint: dict[str, Any], share: float = 0.5, to: torch.device | None = None) -> str | None:
