@@ -123,6 +123,7 @@ class NewState:
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | float | None = None  # a bound on A's spectral radius (device flags: the adaptive rule keeps it)
     eig: tuple | None = None  # ``eigen_bounds``: (B's eigenvalues computed, their computation failed), device bools
+    N: Tensor | None = None  # shared negatives, Q from d x d products: G_u^T H (``gram_terms``), for the write
 
 
 class TargetsOnly:
@@ -139,8 +140,8 @@ class TargetsOnly:
         return lk.sparse_gram(idx, GA)
 
     def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
-        """(Yd Yd^T H by rows, ``lk.gram_rows``; nothing given whole)."""
-        return lk.gram_rows(idx, GA, H, order=order), None
+        """(Yd Yd^T H by rows, ``lk.gram_rows``; nothing given whole, no N)."""
+        return lk.gram_rows(idx, GA, H, order=order), None, None
 
 
 TARGETS_ONLY = TargetsOnly()
@@ -272,13 +273,14 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
 def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
     upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses: g_q,
-    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes; under
-    row steps the update's Yd is Yd diag(r), row_steps.py's, with its block and the accumulators'
-    change in a new ``SavedForward``)."""
+    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes: a new
+    ``SavedForward`` where shared negatives' block holds the step's gradients, or under row steps
+    the update's Yd is Yd diag(r), row_steps.py's, with the accumulators' change)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
-    if plan.negatives == "shared":  # one dense block (negatives.py)
-        YV, ybar = fwd.neg.hidden(grad, YV, ybar)
+    if plan.negatives == "shared":  # one dense block (negatives.py): the step's, with its gradients
+        YV, ybar, neg = fwd.neg.hidden(grad, YV, ybar)
+        fwd = dataclasses.replace(fwd, neg=neg)
     parts = [(YV, ybar)]
     if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
         GA, YV, ybar, neg, row_sq = plan.row_steps.scaled(plan, state, fwd, GA)
@@ -516,20 +518,20 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     inv = route.inverse(plan, state, fwd, f, P, c, kappa, bounds)
     # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
     # the step's factors, whichever has fewer multiply-adds.
-    order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
+    order = N = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if by_m:
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
         Q_new = lk.q_update(state.Q, f.X, dOW, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
-        YYH, HYYH = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
+        YYH, HYYH, N = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
         Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
                                     GqP=f.GqP, HYYH=HYYH)
     total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
     ok = torch.isfinite(total) & (bounds.ok & p_ok)  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
                     fold=inv.fold, cond_step=bounds.cond_step, ok=ok, lr=lr, moments=moments, order=order,
-                    right=inv.right, rho=bounds.rho, eig=bounds.eig)
+                    right=inv.right, rho=bounds.rho, eig=bounds.eig, N=N)
 
 
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
@@ -542,7 +544,7 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
     alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
-    fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right)  # shared negatives' rows: one GEMM
+    fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right, new.N)  # shared negatives' rows: one GEMM
     if fwd.row_sq is not None:
         plan.row_steps.write_acc(state, fwd, ok)
     state.omega.copy_(omega)
