@@ -1,20 +1,13 @@
 """The exact step of the factored head, in docs/algorithm.md's order: forward (q, s, A; the loss
 and its gradients), backward (dL/dH), the new state computed aside, its checks, the write.
 
-The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
-collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. The plan holds the function of each choice (the fold's bounds:
-``device_bounds``, or with ``sync_every == 1`` ``eigen_bounds``, B's eigenvalues on the device; the
-U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
-the collectives), and the step branches only on its plan (what it holds, and P on or off) and on
-the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step: every check a
-flag masking the write, the one unit driver.py compiles whole and a CUDA
-graph replays (``sync_every > 1``: nothing read on the host); the autograd step runs its halves
-(``forward``, ``update``) and exact accumulation ``records_step``.
-
-The host's part of a step, the only code that takes the head, is driver.py: the version, U^-1
-refreshed where due, the lr and the draw's uniforms before the device part, the flags ticked and read
-and the repairs that fell due after it.
+The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, and the function of
+each choice), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
+none takes the head (its part of a step is driver.py's), and the step branches only on its plan
+and on the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step, every
+check a flag masking the write: the one unit driver.py compiles whole and a CUDA graph replays
+(``sync_every > 1``: nothing read on the host); the autograd step runs its halves (``forward``,
+``update``), exact accumulation ``records_step``.
 """
 from __future__ import annotations
 
@@ -32,19 +25,16 @@ from .inverse_update import neumann_factors, residual_tolerance, uinv_by_product
 from .state import StepState
 
 
-def unchanged(x):
-    """x itself: the screen of a batch that was not exchanged."""
-    return x
-
-
 def nothing(*args, **kwargs) -> None:
     """Nothing to do: no fault to note, no shared negatives' rows to write, no ||y||^2 to take."""
 
 
 class Unexchanged:
     """The exchange of a batch of one process's own rows: every rank sent its rows."""
-    checked = staticmethod(unchanged)  # input_ok as it is
     note_fault = staticmethod(nothing)
+
+    def checked(self, input_ok):
+        return input_ok
 
 
 UNEXCHANGED = Unexchanged()
@@ -214,11 +204,6 @@ def outputs(plan, state, Hx: Tensor, blocks: int = 2):
 def step_route(plan, m: int) -> Route:
     """The U^-1 route of a step of m rows, as its plan says: Woodbury up to ``woodbury_rows`` rows."""
     return plan.few_rows if m <= plan.woodbury_rows else plan.many_rows
-
-
-def inverse_route(plan, m: int) -> str:
-    """The name of ``step_route``'s route: "woodbury", "solve" or "products"."""
-    return step_route(plan, m).name
 
 
 def screen(plan, state, idx: Tensor, T: Tensor, exchange=UNEXCHANGED):
@@ -570,34 +555,32 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     if new.eig is not None:  # B's eigenvalues computed (and failed) for the fold (``eigen_bounds``), counted
         state.eig_checks.add_(new.eig[0])
         state.eig_failures.add_(new.eig[1])
+    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
+    state.steps.add_(ok)
+    state.skipped_nonfinite.add_(~ok)
+    flags = Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
     if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
-        return take_read(plan, state, fwd, new, ok, dH)
+        return take_read(plan, state, fwd, new, ok, dH), flags
     fold = new.fold & ok
     lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
         state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where the step folds)
-    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
     state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
     state.folds.add_(fold)
     write(plan, state, fwd, new, ok)
-    state.steps.add_(ok)
-    state.skipped_nonfinite.add_(~ok)
-    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
+    return torch.where(ok, dH, 0.0), flags
 
 
-def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> tuple[Tensor, Flags]:
+def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
     """``update``'s write eager on the CPU (``plan.reads_flags``): ``ok`` and the fold read where they
     are made (``cpu_flag``: nothing waits on a CPU), and the write taken whole, unmasked, or not at
-    all: the masked write's bits."""
-    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
-    state.steps.add_(ok)
-    state.skipped_nonfinite.add_(~ok)
+    all: the masked write's bits. (dL/dH, zeros where the step is not taken.)"""
     if not cpu_flag(ok):
-        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
+        return torch.zeros_like(dH)
     if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
         lk.fold_rows_(state.V, new.U, True)
         state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
@@ -610,7 +593,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     if new.Uinv is not None:
         state.Uinv.copy_(new.Uinv)
     write(plan, state, fwd, new)
-    return dH, Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
+    return dH
 
 
 @torch.no_grad()
@@ -624,9 +607,8 @@ def device_step(plan, state, batch: Batch, lr: Tensor, draws: Tensor | None) -> 
     return loss, dH, state, flags
 
 
-def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
-                    input_ok: Tensor | bool = True, cols: Tensor | None = None,
-                    G_neg: Tensor | None = None) -> SavedForward:
+def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok,
+                    cols: Tensor | None, G_neg: Tensor | None) -> SavedForward:
     """Exact accumulation's records as a forward had made them: their products with the current
     state, and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
     route = step_route(plan, Hx.shape[0])

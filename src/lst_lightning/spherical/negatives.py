@@ -1,28 +1,14 @@
 """Sampled classes as slots of the exact step (docs/algorithm.md, "Sampled classes").
 
 The exact update needs only ``dO = 2 diag(g_q) O + g_s 1^T + Yd`` with ``Yd`` sparse. A
-sampled-softmax term over each row's targets and S sampled classes adds one column of
-``Yd`` per sampled class, so a loss = sampled-softmax CE + spherical terms
-(``losses/sampled_composite.py``) takes the exact SGD step on the whole implicit W in
-O(m d^2 + m S d), with the same V, U, Q, wbar, omega.
-
-- ``Negatives``: the settings (how many, which sampler, shared per batch or drawn per row,
-  the seed), validated once.
-- ``NegativeSampling`` (``head.negatives``, built by the shell, base.py, for the factored
-  and the naive head alike): the proposal (a static table, or the quadratic kernel's
-  sum-tree over the head's rows, kernel_proposal.py), the head's own generator (its state is
-  in the head's extra state: a resumed run draws the same next negatives), the draw with its
-  correction and accidental-hit mask, and, for the factored head, the loss and its
-  gradients on (q, s, A, A_neg).
-- ``SharedBlock``: shared negatives as ONE dense block of S columns, not m S slots: their
-  outputs ``A_neg = (H U^T) V[neg]^T + H omega`` in one GEMM, their part of ``Yd V`` as
-  ``G_u V[u]`` (the columns coalesced to the u unique negatives), ``Yd Yd^T`` =
-  ``sparse_gram(the other targets) + Y_u Y_u^T`` (Y_u: G_u plus the gradients of the
-  targets that fall on a negative's column, the accidental hits) and the scatter into V[u]
-  in one ``index_add_`` of one GEMM.
-- ``PerRowSlots``: negatives drawn per row are extra target slots of the general path
-  (value 0), with ``Yd Yd^T`` coalesced to unique columns (``unique_column_gram``).
-
+sampled-softmax term over each row's targets and S sampled classes adds one column of ``Yd`` per
+sampled class, so a loss = sampled-softmax CE + spherical terms (``losses/sampled_composite.py``)
+takes the exact SGD step on the whole implicit W in O(m d^2 + m S d), with the same V, U, Q, wbar,
+omega. Here: ``Negatives`` (the settings), ``NegativeSampling`` (``head.negatives``, both heads:
+the proposal, a static table or the quadratic kernel's sum-tree, kernel_proposal.py; the head's
+own generator, in its extra state; the draw with its correction and accidental-hit mask; for the
+factored head the loss and its gradients), ``SharedBlock`` (negatives shared by the batch as one
+dense block) and ``PerRowSlots`` (negatives drawn per row as extra slots of the general path).
 The step (exact_step.py) enters this module only when the head has negatives.
 """
 from __future__ import annotations
