@@ -235,10 +235,8 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
 
 @torch.no_grad()
 def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
-    """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
-
-    ``update``: every check a flag that masks the write, read by ``head.sync()`` every
-    ``sync_every`` steps (``DeviceFlags``; 1: after this step, which a failed check skipped)."""
+    """The autograd step's second half: dL/dH, and ``update``, its write masked by its checks, by
+    ``run_device_part`` (the flags read, and the repairs due run, every ``sync_every`` steps)."""
     dH, _ = run_device_part(head, update, fwd, grad, head._lr_t)
     return dH if fwd.kept is None else dH[:fwd.kept]
 

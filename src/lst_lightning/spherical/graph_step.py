@@ -56,10 +56,9 @@ def at_zero_lr(head: torch.nn.Module):
 @torch.no_grad()
 def replayed_step(head: torch.nn.Module, Hx: Tensor, idx: Tensor, T: Tensor, rows: Tensor,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """What a graph captures: one device step of a static batch (``Hx`` augmented, M rows, of which
-    ``rows`` are real: a device count), its draw's uniforms made on the device inside it, run by the
-    driver (``run_device_part``: exact_step.py's ``device_step``, compiled where the plan says).
-    (the loss, dL/dH's columns of H in ``dtype``)."""
+    """What a graph captures: one device step (``run_device_part``'s ``device_step``) of a static
+    batch (``Hx`` augmented, M rows of which ``rows`` are real, a device count), its draw's uniforms
+    made on the device inside it. (the loss, dL/dH's columns of H in ``dtype``)."""
     with own_math(Hx.device.type, head.tf32):
         draws = None if head.negatives is None else head.negatives.uniforms(head, Hx.shape[0])
         batch = exact_step.Batch(Hx, idx, T, rows)
