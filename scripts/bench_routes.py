@@ -136,7 +136,7 @@ class CountingProcessGroup(ProcessGroup):
 
 
 #: ProcessGroup's methods that send nothing themselves (they call the counted ones).
-NOT_COUNTED = ("current", "gather_rows", "any")
+NOT_COUNTED = ("current", "gather_rows")
 
 
 def count_head_collectives() -> None:

@@ -29,10 +29,10 @@ def test_deferred_step_reads_nothing_on_the_host(monkeypatch, inverse, m):
     with no_host_reads(monkeypatch):
         for H, idx in batches:
             head(H.requires_grad_(), idx).backward()
-    assert head._synced == (0, 0)  # not read yet
+    assert head.step_checks.synced == (0, 0)  # not read yet
     H, idx = batch(m, d, D, 3)
     head(H.requires_grad_(), idx).backward()  # the 10th step reads the flags
-    assert head._synced == (10, 0)
+    assert head.step_checks.synced == (10, 0)
 
 
 def test_sync_mode_reads_the_host(monkeypatch):

@@ -16,7 +16,7 @@ def test_cuda_graph_step_equals_the_eager_step():
     step = CudaGraphStep(graphed, m=16, K=2)
     assert state(graphed) == state(eager)  # warm-up and capture change nothing
     replays_as_eager(step, eager, graphed, [(16, 2)] * 12, lr=lambda i: 0.05 / (1 + i))
-    assert int(graphed.steps) == 12 and graphed._synced[0] == 10
+    assert int(graphed.steps) == 12 and graphed.step_checks.synced[0] == 10
 
 
 def replays_as_eager(step, eager, graphed, shapes, lr=None):
@@ -85,11 +85,11 @@ def test_steps_at_zero_lr_change_no_bit(inverse, dtype):
                     stabiliser={"inverse": inverse}, dtype=dtype)
     for _ in range(3):
         step(head, *batch(16, d, D, 2, dtype=dtype))  # U away from I
-    before, counters = state(head), (int(head.steps), head._calls, head.lr)
+    before, counters = state(head), (int(head.steps), head.step_checks.calls, head.lr)
     with at_zero_lr(head):
         for _ in range(3):
             head.train_step(*batch(16, d, D, 2, dtype=dtype))
-    assert state(head) == before and (int(head.steps), head._calls, head.lr) == counters
+    assert state(head) == before and (int(head.steps), head.step_checks.calls, head.lr) == counters
     step(head, *batch(16, d, D, 2, dtype=dtype))  # and the lr is back
     assert state(head) != before
 

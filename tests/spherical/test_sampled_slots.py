@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lst_lightning.spherical import FactoredSphericalHead, Negatives, plan
+from lst_lightning.spherical import FactoredSphericalHead, Negatives, driver, exact_step, plan
 from lst_lightning.spherical.graph_step import at_zero_lr
 from lst_lightning.spherical.negatives import padded_unique, unique_column_gram
 
@@ -141,6 +141,38 @@ def test_a_state_saved_with_other_negatives_is_refused_untouched():
     assert_untouched(g, before)
 
 
+def backward_forward(head, fwd):
+    """The forward the update takes: ``hidden_grad``'s, its block holding the step's gradients."""
+    return exact_step.hidden_grad(head.plan, driver.step_state(head), fwd, torch.ones((), dtype=head.dtype))[-1]
+
+
+@pytest.mark.parametrize("inverse,m,sync_every", [("products", 7, 4), ("woodbury", 5, 1), ("solve", 7, 1)])
+def test_the_step_changes_nothing_of_its_forward(monkeypatch, inverse, m, sync_every):
+    # The step's contract: dL/dH (hidden_grad) and the write change nothing of their inputs. After
+    # a step with shared negatives the forward's block is the object the forward made, unchanged:
+    # the step's gradients G_u and N = G_u^T H (Q from d x d products, m > d) are the backward's
+    # own; and the step equals the naive head's.
+    made = []
+    forward = driver.forward
+
+    def spy(*a, **k):
+        loss, fwd = forward(*a, **k)
+        made.append((fwd, dict(vars(fwd)), dict(vars(fwd.neg)),
+                     {k: v.clone() for k, v in vars(fwd.neg).items() if isinstance(v, torch.Tensor)}))
+        return loss, fwd
+
+    monkeypatch.setattr(driver, "forward", spy)
+    torch.manual_seed(12)
+    f, n = pair(num=30, sync_every=sync_every, stabiliser=dict(inverse=inverse))
+    errs = step_both(f, n, *hard_batch(m=m))
+    assert max(errs) < 1e-10, errs
+    (fwd, fields, block, values), = made
+    assert f.plan.negatives == "shared" and int(f.steps) == 1 and fwd.neg.G_u is None
+    for now, before in ((vars(fwd), fields), (vars(fwd.neg), block)):  # the same objects
+        assert now.keys() == before.keys() and all(now[k] is v for k, v in before.items())
+    assert all(torch.equal(getattr(fwd.neg, k), v) for k, v in values.items())
+
+
 @pytest.mark.parametrize("sync_every", [1, 4])  # the block's columns found on the host, or padded (device flags)
 def test_shared_block_gram_equals_the_slot_gram(sync_every):
     # Yd Yd^T of the dense block (sparse_gram of the targets off the block + Y_u Y_u^T, the
@@ -150,18 +182,18 @@ def test_shared_block_gram_equals_the_slot_gram(sync_every):
     f, _ = pair(num=30, sync_every=sync_every)
     H, idx = hard_batch()
     _, fwd = f._forward_step(f.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
-    f._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
+    fwd = backward_forward(f, fwd)  # the block with the step's gradients
     idx_s, GA_s = fwd.neg.as_slots(fwd.idx, fwd.GA)
     want = lk.reference.sparse_gram(idx_s, GA_s)
     torch.testing.assert_close(fwd.neg.gram(f.plan, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(unique_column_gram(idx_s, GA_s), want, rtol=1e-12, atol=1e-12)
     # Q's route without M: H^T Yd Yd^T H as H^T gram_rows(the targets off the block) + N_Y^T N_Y,
-    # N_Y = Y_u^T H; N = G_u^T H kept for the write
+    # N_Y = Y_u^T H; N = G_u^T H, for the write
     H = fwd.Hx
     assert (fwd.neg._hits(fwd.idx, fwd.GA)[0] >= 0).sum() >= 2  # accidental hits, their rows of N_Y scattered
-    YYH, HYYH = fwd.neg.gram_terms(fwd.idx, fwd.GA, H)
+    YYH, HYYH, N = fwd.neg.gram_terms(fwd.idx, fwd.GA, H)
     torch.testing.assert_close(H.T @ YYH + HYYH, H.T @ lk.reference.gram_rows(idx_s, GA_s, H), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(fwd.neg.N, fwd.neg.G_u.T @ H, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(N, fwd.neg.G_u.T @ H, rtol=1e-12, atol=1e-12)
 
 
 class LargestAllocation(TorchDispatchMode):
@@ -201,7 +233,7 @@ def test_per_row_negatives_never_form_their_slot_pairs(sync_every, sampler):
                 sync_every=sync_every)
     H, idx = hard_batch()
     _, fwd = g._forward_step(g.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
-    g._hidden_grad(fwd, torch.ones((), dtype=torch.float64))
+    fwd = backward_forward(g, fwd)
     torch.testing.assert_close(fwd.neg.gram(g.plan, fwd.idx, fwd.GA), lk.reference.sparse_gram(fwd.idx, fwd.GA),
                                rtol=1e-12, atol=1e-12)
 

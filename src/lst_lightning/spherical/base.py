@@ -1,13 +1,9 @@
-"""The shell of the spherical heads, shared by the factored head and its naive reference:
-the ``nn.Module`` (constructor, input checks, lr and weight decay, the loss on m-sized
-tensors), the thin ``autograd.Function`` whose backward is driver.py's ``autograd_backward``
-(the step in backward), and the token of each training forward. The step itself is the head's:
-``_forward_step`` and ``_backward_step`` (for the factored head, driver.py's around
-exact_step.py's step).
-
-The parts the shell holds are called only when they have something to do:
-``self.pending`` (``PendingRows``, pending.py) once the head is attached to an optimizer,
-``self.processes`` (multi_process.py) when more than one process shares the step.
+"""The shell of the spherical heads, shared by the factored head and its naive reference: the
+``nn.Module`` (constructor, input checks, lr and weight decay, the loss on m-sized tensors), the
+thin ``autograd.Function`` whose backward is driver.py's ``autograd_backward`` (the step in
+backward), the token of each training forward, and the public face of ``self.pending``
+(pending.py). The step itself is the head's: ``_forward_step``, ``_backward_step`` and the other
+methods subclasses provide.
 """
 from __future__ import annotations
 
@@ -145,8 +141,8 @@ class SphericalHeadBase(OutputHead):
         self._factory = {"dtype": dtype, "device": torch.empty(0, device=device).device}
         #: how the step is driven (driving.py): the naive head steps in backward, one process
         self.driving = Driving(sync_every=1, compile=False)
-        #: how the step checks itself: at once on the host (the factored head: device flags
-        #: with ``sync_every > 1``; driver.py)
+        #: the step's checks (driver.py): the naive head's at once on the host, the factored
+        #: head's device flags, read every ``sync_every`` steps
         self.step_checks = driver.DeviceFlags()
         #: the rows kept for the attached optimizer's step (pending.py)
         self.pending = PendingRows()
@@ -352,6 +348,14 @@ class SphericalHeadBase(OutputHead):
         from its seed, every counter zero): the way to finish a head built on the meta
         device, after ``to_empty()``."""
         raise NotImplementedError
+
+    def _check_weight(self, W) -> None:
+        """Refuse a W for ``reset_weight`` of another shape than (D, width), or not finite."""
+        if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
+            raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got "
+                             f"{tuple(W.shape) if isinstance(W, Tensor) else type(W).__name__}")
+        if not torch.isfinite(W).all():
+            raise ValueError("W has non-finite entries")
 
     def _init_rows(self, lo: int, hi: int, device=None) -> Tensor:
         """Rows lo:hi of the initial W: block c of rows comes from seed + c, drawn on the
@@ -572,13 +576,6 @@ class SphericalHeadBase(OutputHead):
         ``row_weights`` already made)."""
         w = self.row_weights(idx, per_example.dtype) if weight is None else weight
         return exact_step.reduce(per_example, w)
-
-    # -- the counters --------------------------------------------------------------------
-    def _zero_counters(self) -> None:
-        """Every long counter buffer (steps, skips, repairs) back to 0."""
-        for buf in self.buffers(recurse=False):
-            if buf.dtype == torch.long:
-                buf.zero_()
 
     def _skip(self, what: str) -> None:
         """Count a skipped step and warn at the 1st, 2nd, 4th, 8th... so logs are not flooded."""

@@ -1,20 +1,16 @@
 """Batches of any size, compiled once per batch size (docs/factored_head.md, "Batch shapes").
 
-A compiled step (driver.py) and a CUDA graph (graph_step.py) hold static shapes: each new
-number of rows m or of target slots K would compile (or capture) a step of its own. Where the
-step runs compiled, a batch of m rows and K slots is padded to the step's batch size for m
-(``padded_rows``: the smallest of ``head.batch_sizes`` at least m; past the largest, and with
-"pow2", the next power of two, at least ``MIN_ROWS``) and to the next power of two of K
-(``padded_slots``). Over any sequence of batches of at most M rows, at most
-max(1, ceil(log2 M) - 3) sizes of m (with "pow2") are met: a graph each, per K.
+A compiled step (driver.py) and a CUDA graph (graph_step.py) hold static shapes, so a batch of m
+rows and K slots is padded to the step's batch size for m (``padded_rows``: the smallest of
+``head.batch_sizes`` at least m; past the largest, and with "pow2", the next power of two, at
+least ``MIN_ROWS``) and to the next power of two of K (``padded_slots``): over batches of at most
+M rows, at most max(1, ceil(log2 M) - 3) sizes of m (with "pow2"), a graph each, per K.
 
-A padding row changes nothing: its H is zero (the bias column too), its ids are -1, its target
-values 0. It has no real target, so the loss weighs it 0 (the "mean" reduction divides by the
-batch's own rows, ``rows``, a device count the step reads: no graph per m), the preconditioner's
-moments do not count it, and its loss gradients, and with them its share of every product of
-the step, are exact zeros. The sampled classes' draw is the batch's own: its uniforms are drawn
-for the m rows (``before_step``), those of the padding rows are zeros appended to them
-(``pad_draws``). The step's dL/dH keeps the batch's rows (``base._HeadLoss``, ``whole_step``).
+A padding row changes nothing: its H is zero (the bias column too), its ids -1, its values 0, so
+the loss weighs it 0 (the "mean" reduction divides by the batch's own rows, ``rows``, a device
+count the step reads: no graph per m), P's moments do not count it, and its share of every product
+of the step is an exact zero. The sampled classes' draw is the batch's own: the uniforms of the m
+rows (``before_step``), zeros appended for the padding rows (``pad_draws``).
 """
 from __future__ import annotations
 

@@ -49,10 +49,6 @@ class ProcessGroup:
         dist.all_gather(out, x, group=self.group)
         return torch.stack(out).cpu()
 
-    def any(self, flag: bool, device=None) -> bool:
-        """True on every rank when ``flag`` is true on any rank."""
-        return bool(self.all_gather_ints([int(flag)], device).any())
-
     def all_gather_objects(self, obj: object) -> list:
         """Every rank's ``obj`` (picklable: an error message, random states), rank 0 first;
         never on the hot path."""

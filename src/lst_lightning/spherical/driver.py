@@ -1,30 +1,16 @@
-"""The host's part of the factored step: the driver of exact_step.py's device step.
+"""The host's part of the factored step, the only part of the step that takes the head: the
+driver of exact_step.py's device part (``device_step``; its halves ``forward`` and ``update`` for
+the autograd step; ``records_step`` for exact accumulation). Before it, ``before_step``: what only
+the host can do; around it, ``run_device_part``: the version, the device part compiled whole
+(``run``; docs/factored_head.md, "The compiled step") or eager, the flags ticked and read.
 
-exact_step.py's step takes the plan and tensors, never the head; this file is where the head
-comes in. Around a device part (``device_step``, or its halves ``forward`` and ``update`` for the
-autograd step, ``records_step`` for exact accumulation) the driver does what only the host can:
-U^-1 refreshed where the last steps left it behind, the device lr refilled, the uniforms of the
-sampled classes' draw (``before_step``); the version moved, the device part run compiled or eager,
-the flags ticked and read every ``sync_every`` steps with the repairs that fell due
-(``run_device_part``).
-
-Compiled (``head.plan.compiled``; docs/factored_head.md, "The compiled step"): ``run`` calls the
-device part compiled by ``torch.compile(fullgraph=True)``: one graph (a break is an error, not a
-silent fallback), shapes static per graph, lr a device scalar (a new lr is no recompile); a batch
-is padded to one of a few sizes first (batch_shapes.py), so that any m compiles once per size.
-Inductor fuses the step's few hundred small operators into a few dozen kernels.
-
-The checks: one board of device flags (``DeviceFlags``, ``head.step_checks``), read every
-``sync_every`` steps (1: after every step). Every check is a flag masking the write: a
-non-finite or singular step is masked out with ``torch.where`` (every buffer keeps its value)
-and counted, lr is a device scalar; ``head.sync()`` reads the flags in one host transfer,
-warns about skipped steps, runs the repairs that fell due, and raises for bad ids. With
-``sync_every > 1`` the step reads nothing on the host, so a GPU never waits for it and it can be
-captured in a CUDA graph: bad target ids turn into padding and void the step. With
-``sync_every == 1`` a bad target id raises before anything changes (the head's input check), the
-fold is decided from B's eigenvalues where the bounds cannot rule it out (exact_step.py's
-``eigen_bounds``), and the products route takes the factors of the step's own rho
-(``products_by_rho``).
+The checks are one board of device flags (``DeviceFlags``, ``head.step_checks``): every check a
+flag masking the write (a bad step changes nothing and is counted), read by ``head.sync()`` in one
+host transfer every ``sync_every`` steps, with the repairs that fell due. With ``sync_every > 1``
+the step reads nothing on the host (a CUDA graph can capture it; bad target ids void the step);
+with ``sync_every == 1`` bad ids raise before anything changes (the head's input check), the fold
+is decided from B's eigenvalues where the bounds cannot rule it out (``eigen_bounds``) and the
+products route takes the factors of the step's own rho (``products_by_rho``).
 """
 from __future__ import annotations
 
@@ -212,20 +198,19 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
 
 
-def run_device_part(head, fn, rows: int, *args):
-    """``fn(plan, state, *args)``, a device part under device flags (``device_step``, ``update``,
-    ``records_step``), as the plan says (compiled or eager: ``run``), between the host's
-    parts: the version moved first (a pending backward of an earlier forward is stale from here);
-    after it, the kernel proposal's tree moved with the rows written, U^-1 marked stale where the
-    step of ``rows`` rows solved with U_new, the step ticked, and every ``sync_every`` steps the flags
+def run_device_part(head, fn, *args):
+    """``fn(plan, state, *args)``, a device part (``device_step``, ``update``, ``records_step``), as
+    the plan says (``run``), after the version moved (a pending backward of an earlier forward is
+    stale from here); after it, the kernel proposal's tree moved with the rows written, U^-1 marked
+    stale where the step solved with U_new, the step ticked, and every ``sync_every`` steps the flags
     read and the repairs due run (``head.sync()``)."""
     head._version += 1
     plan = head.plan
     out = run(plan, fn, plan, step_state(head), *args)
+    flags = out[-1]
     if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        flags = out[-1]
         head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
-    if not out[-1].uinv:  # the step solved with U_new: U^-1 left behind
+    if not flags.uinv:  # the step solved with U_new: U^-1 left behind
         head._uinv_fresh = False
     if head.step_checks.tick(head):
         head.sync()
@@ -250,11 +235,9 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
 
 @torch.no_grad()
 def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
-    """dL/dH, then the exact update written if its checks pass, then the repairs that fell due.
-
-    ``update``: every check a flag that masks the write, read by ``head.sync()`` every
-    ``sync_every`` steps (``DeviceFlags``; 1: after this step, which a failed check skipped)."""
-    dH, _ = run_device_part(head, update, fwd.Hx.shape[0], fwd, grad, head._lr_t)
+    """The autograd step's second half: dL/dH, and ``update``, its write masked by its checks, by
+    ``run_device_part`` (the flags read, and the repairs due run, every ``sync_every`` steps)."""
+    dH, _ = run_device_part(head, update, fwd, grad, head._lr_t)
     return dH if fwd.kept is None else dH[:fwd.kept]
 
 
@@ -322,7 +305,7 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         Hx, idx, T = pad_batch(Hx, idx, T, *size)
         draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
     batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
-    loss, dH, _, _ = run_device_part(head, device_step, Hx.shape[0], batch, head._lr_t, draws)
+    loss, dH, _, _ = run_device_part(head, device_step, batch, head._lr_t, draws)
     dH = dH[:m]
     if own is not None:
         dH = sh.own_rows(dH, own)
@@ -362,4 +345,4 @@ def apply_records(head, records: list) -> None:
         gq, gs = pad_rows(gq, M), pad_rows(gs, M)
         real = None if real is None else pad_rows(real, M, False)
         G_neg = None if G_neg is None else pad_rows(G_neg, M)
-    run_device_part(head, records_step, Hx.shape[0], Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t)
+    run_device_part(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t)

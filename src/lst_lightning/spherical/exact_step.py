@@ -1,20 +1,13 @@
 """The exact step of the factored head, in docs/algorithm.md's order: forward (q, s, A; the loss
 and its gradients), backward (dL/dH), the new state computed aside, its checks, the write.
 
-The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, the loss, the
-collectives), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
-none of them takes the head. The plan holds the function of each choice (the fold's bounds:
-``device_bounds``, or with ``sync_every == 1`` ``eigen_bounds``, B's eigenvalues on the device; the
-U^-1 ``Route`` of a batch's rows, ``step_route``; the sampled classes' part or ``TARGETS_ONLY``; the reduction's ``WEIGHTS``;
-the collectives), and the step branches only on its plan (what it holds, and P on or off) and on
-the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step: every check a
-flag masking the write, the one unit driver.py compiles whole and a CUDA
-graph replays (``sync_every > 1``: nothing read on the host); the autograd step runs its halves
-(``forward``, ``update``) and exact accumulation ``records_step``.
-
-The host's part of a step, the only code that takes the head, is driver.py: the version, U^-1
-refreshed where due, the lr and the draw's uniforms before the device part, the flags ticked and read
-and the repairs that fell due after it.
+The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, and the function of
+each choice), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
+none takes the head (its part of a step is driver.py's), and the step branches only on its plan
+and on the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step, every
+check a flag masking the write: the one unit driver.py compiles whole and a CUDA graph replays
+(``sync_every > 1``: nothing read on the host); the autograd step runs its halves (``forward``,
+``update``), exact accumulation ``records_step``.
 """
 from __future__ import annotations
 
@@ -32,19 +25,16 @@ from .inverse_update import neumann_factors, residual_tolerance, uinv_by_product
 from .state import StepState
 
 
-def unchanged(x):
-    """x itself: the screen of a batch that was not exchanged."""
-    return x
-
-
 def nothing(*args, **kwargs) -> None:
     """Nothing to do: no fault to note, no shared negatives' rows to write, no ||y||^2 to take."""
 
 
 class Unexchanged:
     """The exchange of a batch of one process's own rows: every rank sent its rows."""
-    checked = staticmethod(unchanged)  # input_ok as it is
     note_fault = staticmethod(nothing)
+
+    def checked(self, input_ok):
+        return input_ok
 
 
 UNEXCHANGED = Unexchanged()
@@ -123,6 +113,7 @@ class NewState:
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | float | None = None  # a bound on A's spectral radius (device flags: the adaptive rule keeps it)
     eig: tuple | None = None  # ``eigen_bounds``: (B's eigenvalues computed, their computation failed), device bools
+    N: Tensor | None = None  # shared negatives, Q from d x d products: G_u^T H (``gram_terms``), for the write
 
 
 class TargetsOnly:
@@ -139,8 +130,8 @@ class TargetsOnly:
         return lk.sparse_gram(idx, GA)
 
     def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
-        """(Yd Yd^T H by rows, ``lk.gram_rows``; nothing given whole)."""
-        return lk.gram_rows(idx, GA, H, order=order), None
+        """(Yd Yd^T H by rows, ``lk.gram_rows``; nothing given whole, no N)."""
+        return lk.gram_rows(idx, GA, H, order=order), None, None
 
 
 TARGETS_ONLY = TargetsOnly()
@@ -215,11 +206,6 @@ def step_route(plan, m: int) -> Route:
     return plan.few_rows if m <= plan.woodbury_rows else plan.many_rows
 
 
-def inverse_route(plan, m: int) -> str:
-    """The name of ``step_route``'s route: "woodbury", "solve" or "products"."""
-    return step_route(plan, m).name
-
-
 def screen(plan, state, idx: Tensor, T: Tensor, exchange=UNEXCHANGED):
     """Device flags: bad ids become padding and the step is void (``input_ok`` False); the first
     such step since the last read is recorded (``state.bad_input``: its number, from 1)."""
@@ -272,13 +258,14 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
 def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
     upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses: g_q,
-    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes; under
-    row steps the update's Yd is Yd diag(r), row_steps.py's, with its block and the accumulators'
-    change in a new ``SavedForward``)."""
+    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes: a new
+    ``SavedForward`` where shared negatives' block holds the step's gradients, or under row steps
+    the update's Yd is Yd diag(r), row_steps.py's, with the accumulators' change)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
-    if plan.negatives == "shared":  # one dense block (negatives.py)
-        YV, ybar = fwd.neg.hidden(grad, YV, ybar)
+    if plan.negatives == "shared":  # one dense block (negatives.py): the step's, with its gradients
+        YV, ybar, neg = fwd.neg.hidden(grad, YV, ybar)
+        fwd = dataclasses.replace(fwd, neg=neg)
     parts = [(YV, ybar)]
     if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
         GA, YV, ybar, neg, row_sq = plan.row_steps.scaled(plan, state, fwd, GA)
@@ -516,20 +503,20 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     inv = route.inverse(plan, state, fwd, f, P, c, kappa, bounds)
     # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
     # the step's factors, whichever has fewer multiply-adds.
-    order = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
+    order = N = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if by_m:
         M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
         Q_new = lk.q_update(state.Q, f.X, dOW, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
         order = lk.SortedIds.of(fwd.idx)
-        YYH, HYYH = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
+        YYH, HYYH, N = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
         Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
                                     GqP=f.GqP, HYYH=HYYH)
     total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
     ok = torch.isfinite(total) & (bounds.ok & p_ok)  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
                     fold=inv.fold, cond_step=bounds.cond_step, ok=ok, lr=lr, moments=moments, order=order,
-                    right=inv.right, rho=bounds.rho, eig=bounds.eig)
+                    right=inv.right, rho=bounds.rho, eig=bounds.eig, N=N)
 
 
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
@@ -542,7 +529,7 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
     alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
-    fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right)  # shared negatives' rows: one GEMM
+    fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right, new.N)  # shared negatives' rows: one GEMM
     if fwd.row_sq is not None:
         plan.row_steps.write_acc(state, fwd, ok)
     state.omega.copy_(omega)
@@ -568,34 +555,32 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     if new.eig is not None:  # B's eigenvalues computed (and failed) for the fold (``eigen_bounds``), counted
         state.eig_checks.add_(new.eig[0])
         state.eig_failures.add_(new.eig[1])
+    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
+    state.steps.add_(ok)
+    state.skipped_nonfinite.add_(~ok)
+    flags = Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
     if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
-        return take_read(plan, state, fwd, new, ok, dH)
+        return take_read(plan, state, fwd, new, ok, dH), flags
     fold = new.fold & ok
     lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
         state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where the step folds)
-    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
     state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
     state.folds.add_(fold)
     write(plan, state, fwd, new, ok)
-    state.steps.add_(ok)
-    state.skipped_nonfinite.add_(~ok)
-    return torch.where(ok, dH, 0.0), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
+    return torch.where(ok, dH, 0.0), flags
 
 
-def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> tuple[Tensor, Flags]:
+def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
     """``update``'s write eager on the CPU (``plan.reads_flags``): ``ok`` and the fold read where they
     are made (``cpu_flag``: nothing waits on a CPU), and the write taken whole, unmasked, or not at
-    all: the masked write's bits."""
-    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))
-    state.steps.add_(ok)
-    state.skipped_nonfinite.add_(~ok)
+    all: the masked write's bits. (dL/dH, zeros where the step is not taken.)"""
     if not cpu_flag(ok):
-        return torch.zeros_like(dH), Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
+        return torch.zeros_like(dH)
     if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
         lk.fold_rows_(state.V, new.U, True)
         state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
@@ -608,7 +593,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     if new.Uinv is not None:
         state.Uinv.copy_(new.Uinv)
     write(plan, state, fwd, new)
-    return dH, Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
+    return dH
 
 
 @torch.no_grad()
@@ -622,9 +607,8 @@ def device_step(plan, state, batch: Batch, lr: Tensor, draws: Tensor | None) -> 
     return loss, dH, state, flags
 
 
-def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real,
-                    input_ok: Tensor | bool = True, cols: Tensor | None = None,
-                    G_neg: Tensor | None = None) -> SavedForward:
+def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok,
+                    cols: Tensor | None, G_neg: Tensor | None) -> SavedForward:
     """Exact accumulation's records as a forward had made them: their products with the current
     state, and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
     route = step_route(plan, Hx.shape[0])

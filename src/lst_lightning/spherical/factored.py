@@ -1,20 +1,14 @@
-"""The exact factored spherical head (Vincent, de Brebisson & Bouthillier).
+"""The exact factored spherical head (Vincent, de Brebisson & Bouthillier): the D x d output
+matrix kept as ``W = V U + 1 omega^T``, never formed. A minibatch costs O(m d^2 + m K d): the loss
+reads W only through ``Q = W^T W``, ``wbar = W^T 1`` and the K target rows of V, and the exact SGD
+step ``W <- (1 - lr wd) W - lr dO^T H`` is a d x d update of U plus a sparse update of the target
+rows of V (docs/algorithm.md, with the code's names; H is m x d).
 
-The D x d output matrix is kept as ``W = V U + 1 omega^T`` and never formed.
-Each minibatch costs O(m d^2 + m K d): the loss reads W only through
-``Q = W^T W``, ``wbar = W^T 1`` and the K target rows of V, and the exact SGD
-step ``W <- (1 - lr wd) W - lr dO^T H`` becomes a d x d update of U plus a
-sparse update of the target rows of V. The derivation, with the code's names
-(row layout: H is m x d), is docs/algorithm.md.
-
-The step itself is exact_step.py, functions of the plan, the state and the batch read top to
-bottom, driven by driver.py; this file is the head around it: its buffers (as ``state.py`` declares them),
-the implicit W, the ways to drive the step (``self.driving``: ``train_step``, the fused
-and CUDA-graph steps), ``sync()``, the repairs' entry (``run_due``) and the
-multi-process setup. The head holds its parts and calls them: ``self.step_checks``
-(driver.py), ``self.repairs`` (stabiliser.py), ``self.processes`` (multi_process.py),
-``self.pending`` (pending.py, through base.py). Sharded evaluation is a mixin
-(``sharded_eval.py``): it overrides the interface's chunked evaluation.
+The step is exact_step.py, driven by driver.py; this file is the head around it: its buffers
+(state.py), the implicit W, the ways to drive the step (``self.driving``), ``sync()``, the
+repairs' entry (``run_due``) and the multi-process setup. It holds its parts and calls them:
+``step_checks`` (driver.py), ``repairs`` (stabiliser.py), ``processes`` (multi_process.py),
+``pending`` (pending.py, through base.py); sharded evaluation is a mixin (sharded_eval.py).
 """
 from __future__ import annotations
 
@@ -87,8 +81,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
-        #: the step's device flags, read every sync_every steps (driver.py)
-        self.step_checks = DeviceFlags()
         self._replan()
         if self.processes.joined:
             self.refresh_bookkeeping()
@@ -221,16 +213,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         checks raise device flags that ``sync()`` reads every ``sync_every`` steps."""
         return self.plan.deferred
 
-    @property
-    def _calls(self) -> int:
-        """Training steps run since the checks were made (host count; DeviceFlags)."""
-        return self.step_checks.calls
-
-    @property
-    def _synced(self) -> tuple[int, int]:
-        """(steps, skipped) at the last read of the checks."""
-        return self.step_checks.synced
-
     def cannot_accumulate(self) -> str | None:
         return self.driving.cannot_accumulate() or super().cannot_accumulate()
 
@@ -291,11 +273,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self.step_checks = DeviceFlags()
             self._reset_factors()
             return
-        if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
-            raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got "
-                             f"{tuple(W.shape) if isinstance(W, Tensor) else type(W).__name__}")
-        if not torch.isfinite(W).all():
-            raise ValueError("W has non-finite entries")
+        self._check_weight(W)
         self._ensure_distributed()
         self.V.copy_(W[self.row_lo:self.row_hi])
         self._reset_factors()

@@ -1,19 +1,14 @@
-"""The factored head's device step captured in one CUDA graph.
+"""The factored head's device step captured in one CUDA graph (``step="cuda_graph"``).
 
-A step is a few hundred small kernels (GEMMs of m x d and d x d, the sparse
-kernels, the loss); on a GPU their launch gaps, not their work, decide the time
-at moderate m. Replaying a captured graph launches them all at once. The graph holds
-``replayed_step``: exact_step.py's ``device_step``, run by the driver as every device step
-is (driver.py's ``run_device_part``: compiled where the plan says), so the graph replays the
-same compiled function as the fused step, with no second implementation. It needs the step
-to read nothing on the host (``sync_every > 1``) and fixed shapes: a graph holds a batch size
-(M rows of K slots, batch_shapes.py) and takes any batch of at most M rows and K slots, checked
-and augmented by the head (``prepare``) outside the graph and copied into the graph's static
-batch, padded (H 0, ids -1, the real rows a device count the step reads). With sampled classes
-(``loss="sampled"``) the draw is part of the graph: the head's negatives draw on the device
-from a generator registered with the graph (``NegativeSampling.draw_on``), so each replay
-draws anew (per-row negatives: for the M rows; the real rows' share of that draw is not the
-draw an unpadded step of m rows would make).
+A step is a few hundred small kernels; on a GPU their launch gaps, not their work, decide its time
+at moderate m, and a captured graph launches them all at once. The graph holds ``replayed_step``:
+exact_step.py's ``device_step`` run by the driver as every device step is (compiled where the plan
+says), the same function as the fused step's. It needs a step that reads nothing on the host
+(``sync_every > 1``) and fixed shapes: a graph holds a batch size (batch_shapes.py) and takes any
+batch of at most its M rows and K slots, checked by the head (``prepare``) outside the graph and
+copied in padded. Sampled classes are drawn inside the graph, from a device generator registered
+with it (``NegativeSampling.draw_on``): each replay draws anew (per-row negatives for the M rows,
+not the draw an unpadded step of m rows would make).
 """
 from __future__ import annotations
 
@@ -61,15 +56,13 @@ def at_zero_lr(head: torch.nn.Module):
 @torch.no_grad()
 def replayed_step(head: torch.nn.Module, Hx: Tensor, idx: Tensor, T: Tensor, rows: Tensor,
                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """What a graph captures: one device step of a static batch (``Hx`` augmented, M rows, of which
-    ``rows`` are real: a device count), its draw's uniforms made on the device inside it, run by the
-    driver (``run_device_part``: exact_step.py's ``device_step``, compiled where the plan says).
-    (the loss, dL/dH's columns of H in ``dtype``)."""
+    """What a graph captures: one device step (``run_device_part``'s ``device_step``) of a static
+    batch (``Hx`` augmented, M rows of which ``rows`` are real, a device count), its draw's uniforms
+    made on the device inside it. (the loss, dL/dH's columns of H in ``dtype``)."""
     with own_math(Hx.device.type, head.tf32):
         draws = None if head.negatives is None else head.negatives.uniforms(head, Hx.shape[0])
         batch = exact_step.Batch(Hx, idx, T, rows)
-        loss, dH, _, _ = driver.run_device_part(head, exact_step.device_step, Hx.shape[0], batch, head.device_lr(),
-                                                draws)
+        loss, dH, _, _ = driver.run_device_part(head, exact_step.device_step, batch, head.device_lr(), draws)
         return loss, dH[:, : head.hidden_dim].to(dtype)
 
 

@@ -1,15 +1,13 @@
-"""The quadratic proposal of the exact head's sampled classes (docs/algorithm.md,
-"Sampled classes"): q(c | h) proportional to alpha (h.w_c)^2 + 1 on the implicit
-W = V U + 1 omega^T, drawn per row through a sum-tree (heads/sum_tree.py).
+"""The quadratic proposal of the exact head's sampled classes (docs/algorithm.md, "Sampled
+classes"): q(c | h) proportional to alpha (h.w_c)^2 + 1 on the implicit W = V U + 1 omega^T, drawn
+per row through a sum-tree (heads/sum_tree.py) kept on the host, in the head's dtype, beside the
+generator it draws with.
 
-The factored head's tree is over the rows z_c = [v_c, 1], its query per row [U h, h.omega]:
-h.w_c = (U h).v_c + h.omega, so U and omega are in the query and a step moves only the
-leaves of the rows it scattered into V, updated after the write (``moved``). Whatever else
-moves the state (a fold or a singular-value fix, a load, a reset, a move) bumps the head's
-version, and the next draw rebuilds the tree (O(D d^2)). The naive head's tree is over its
-rows w_c, its query h: the same law; its every step moves every row of W, so it rebuilds at
-each draw (the reference's price). The tree lives on the host, in the head's dtype, beside
-the generator it draws with.
+The factored head's tree is over the rows z_c = [v_c, 1], its query per row [U h, h.omega]
+(h.w_c = (U h).v_c + h.omega): a step moves only the leaves of the rows it wrote (``moved``, after
+the write); whatever else moves the state (a fold or a singular-value fix, a load, a reset, a move)
+bumps the head's version, and the next draw rebuilds the tree (O(D d^2)). The naive head's tree is
+over its rows w_c, its query h (the same law), rebuilt at each draw: its every step moves all of W.
 """
 from __future__ import annotations
 

@@ -1,23 +1,13 @@
-"""The process-group work of the factored head (``parallel``; docs/multi_gpu.md), as one
-object the head holds (``head.processes``); the step calls it only when it is not ``alone``:
-
-- ``Processes``: one process; every operation is the identity;
-- ``Replicated``: every rank holds the whole head; each training step all-gathers
-  H and the targets, so every rank applies the same global update, bit for bit
-  (checked by a hash of the state every ``checksum_every`` steps);
-- ``ShardedRows``: rank r holds V's rows for classes ``[lo, hi)``; U, U^-1, omega, Q and
-  wbar are replicated. The gather-dot and gather-sum are all-reduced (m K and m d
-  values) and each rank scatters into its own rows only.
-
-A training step under device flags (``sync_every > 1``) shares the ranks' rows padded to a
-capacity agreed at the first step, with no host read (``PaddedRows``, padded_rows.py); with
-``sync_every=1`` the ranks' row counts are gathered and read, and the padding cut.
-
-Either way each rank gets ``world x dL/dH`` for its own rows, so that DDP's averaging
-of the body's gradients gives the gradient of the global-batch loss. A multi-process
-head starts unjoined (``joined`` False); ``head.distribute()`` (every rank, once
-torch.distributed is up, or the first forward) swaps in the object of its process
-group; without a process group every operation stays the one-process identity.
+"""The process-group work of the factored head (``parallel``; docs/multi_gpu.md), one object the
+head holds (``head.processes``), which the step calls only when it is not ``alone``: one process
+(``Processes``), every rank holding the whole head (``Replicated``: every rank applies the same
+global update, bit for bit, checked by a hash every ``checksum_every`` steps) or V's rows sharded
+(``ShardedRows``). A training step gathers every rank's rows: under device flags padded to a
+capacity agreed at the first step, with no host read (``processes.padded``, padded_rows.py); with
+``sync_every=1`` the row counts gathered and read, the padding cut. Each rank gets ``world x
+dL/dH`` for its own rows, so that DDP's averaging of the body's gradients gives the gradient of the
+global-batch loss. A multi-process head starts unjoined; ``head.distribute()`` (every rank, or the
+first forward) swaps in the object of its process group.
 """
 from __future__ import annotations
 
@@ -140,7 +130,6 @@ class Processes:
         return REPLICATED_STATE + ("V",)
 
     def check_replicas(self, head) -> None:
-        """Raise on every rank when the ranks' shared state differs in any bit."""
         if self.world == 1:
             return
         h = self.pg.all_gather_ints([head.state_hash()], head.device)[:, 0]

@@ -29,23 +29,15 @@ class NaiveSphericalHead(SphericalHeadBase):
     @torch.no_grad()
     def reset_weight(self, W: Tensor | None = None) -> None:
         if W is None:  # the head as constructed
-            self._zero_counters()
-            for buf in INPUT_MOMENTS:
+            for buf in STEP_COUNTERS + INPUT_MOMENTS:
                 getattr(self, buf.name).copy_(buf.initial(self, self.device))
             W = self._init_rows(0, self.num_classes, self.device)
             if self.row_acc is not None:
                 self.row_acc.zero_()
-        if not isinstance(W, Tensor) or tuple(W.shape) != (self.num_classes, self.width):
-            raise ValueError(f"W must have shape {(self.num_classes, self.width)}, got "
-                             f"{tuple(W.shape) if isinstance(W, Tensor) else type(W).__name__}")
-        if not torch.isfinite(W).all():
-            raise ValueError("W has non-finite entries")
+        self._check_weight(W)
         self.W.copy_(W)
         self._uninitialised = False
         self._version += 1
-
-    def _dense(self, Hx: Tensor, idx: Tensor, T: Tensor, W: Tensor, draw=None):
-        return self._loss_of(Hx @ W.T, idx, T, draw)
 
     def _loss_of(self, O: Tensor, idx: Tensor, T: Tensor, draw=None):
         Y = torch.zeros_like(O).scatter_add_(1, idx.clamp(min=0), T)  # T is 0 on padding
@@ -60,7 +52,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         return self.W if rows is None else self.W[rows]
 
     def _eval_loss(self, Hx, idx, T):
-        return self._dense(Hx, idx, T, self.W)
+        return self._loss_of(Hx @ self.W.T, idx, T)
 
     def _forward_step(self, Hx, idx, T):
         with torch.enable_grad():

@@ -1,28 +1,14 @@
 """Sampled classes as slots of the exact step (docs/algorithm.md, "Sampled classes").
 
 The exact update needs only ``dO = 2 diag(g_q) O + g_s 1^T + Yd`` with ``Yd`` sparse. A
-sampled-softmax term over each row's targets and S sampled classes adds one column of
-``Yd`` per sampled class, so a loss = sampled-softmax CE + spherical terms
-(``losses/sampled_composite.py``) takes the exact SGD step on the whole implicit W in
-O(m d^2 + m S d), with the same V, U, Q, wbar, omega.
-
-- ``Negatives``: the settings (how many, which sampler, shared per batch or drawn per row,
-  the seed), validated once.
-- ``NegativeSampling`` (``head.negatives``, built by the shell, base.py, for the factored
-  and the naive head alike): the proposal (a static table, or the quadratic kernel's
-  sum-tree over the head's rows, kernel_proposal.py), the head's own generator (its state is
-  in the head's extra state: a resumed run draws the same next negatives), the draw with its
-  correction and accidental-hit mask, and, for the factored head, the loss and its
-  gradients on (q, s, A, A_neg).
-- ``SharedBlock``: shared negatives as ONE dense block of S columns, not m S slots: their
-  outputs ``A_neg = (H U^T) V[neg]^T + H omega`` in one GEMM, their part of ``Yd V`` as
-  ``G_u V[u]`` (the columns coalesced to the u unique negatives), ``Yd Yd^T`` =
-  ``sparse_gram(the other targets) + Y_u Y_u^T`` (Y_u: G_u plus the gradients of the
-  targets that fall on a negative's column, the accidental hits) and the scatter into V[u]
-  in one ``index_add_`` of one GEMM.
-- ``PerRowSlots``: negatives drawn per row are extra target slots of the general path
-  (value 0), with ``Yd Yd^T`` coalesced to unique columns (``unique_column_gram``).
-
+sampled-softmax term over each row's targets and S sampled classes adds one column of ``Yd`` per
+sampled class, so a loss = sampled-softmax CE + spherical terms (``losses/sampled_composite.py``)
+takes the exact SGD step on the whole implicit W in O(m d^2 + m S d), with the same V, U, Q, wbar,
+omega. Here: ``Negatives`` (the settings), ``NegativeSampling`` (``head.negatives``, both heads:
+the proposal, a static table or the quadratic kernel's sum-tree, kernel_proposal.py; the head's
+own generator, in its extra state; the draw with its correction and accidental-hit mask; for the
+factored head the loss and its gradients), ``SharedBlock`` (negatives shared by the batch as one
+dense block) and ``PerRowSlots`` (negatives drawn per row as extra slots of the general path).
 The step (exact_step.py) enters this module only when the head has negatives.
 """
 from __future__ import annotations
@@ -330,46 +316,50 @@ class PerRowSlots(TargetsOnly):
         return unique_column_gram(idx, GA)
 
 
+@dataclass(eq=False)
 class SharedBlock:
-    """Negatives shared by the batch: S columns of Yd as one dense block.
+    """Negatives shared by the batch: S columns of Yd as one dense block, never changed once made.
 
     ``cols`` (S,) the draw, ``uniq`` (u,) its distinct classes, ``inv`` (S,) each draw's
     place among them, ``G_neg`` (m, S) dL/dA_neg, ``V_u`` (u, d) their rows of V at the
     forward (the step's V: it changes only at the write); ``G_u`` (m, u) the step's
-    gradients on the unique columns (repeated negatives summed), set by ``hidden``; ``N``
-    (u, d) = G_u^T H, set by ``gram_terms`` (Q's update from d x d products), which the write
-    reuses. ``padded``: ``uniq`` is ``padded_unique``'s (S columns, those past the distinct
-    ones unused; the draw on the device). The sums over repeated columns are the deterministic
-    scatter's (``lk.scatter_add_rows_``: in a fixed order, no float atomics on a GPU: the eager
-    step and its CUDA graph give the same bits)."""
+    gradients on the unique columns (repeated negatives summed): None in the forward's block,
+    held by the block ``hidden`` returns. ``padded``: ``uniq`` is ``padded_unique``'s (S columns,
+    those past the distinct ones unused; the draw on the device). The sums over repeated columns
+    are the deterministic scatter's (``lk.scatter_add_rows_``: in a fixed order, no float atomics
+    on a GPU: the eager step and its CUDA graph give the same bits)."""
 
     shared = True
 
-    def __init__(self, cols: Tensor, uniq: Tensor, inv: Tensor, G_neg: Tensor, V_u: Tensor, padded: bool = False):
-        self.cols, self.uniq, self.inv, self.G_neg, self.V_u = cols, uniq, inv, G_neg, V_u
-        self.padded = padded
-        self.G_u = self.N = None
+    cols: Tensor
+    uniq: Tensor
+    inv: Tensor
+    G_neg: Tensor
+    V_u: Tensor
+    padded: bool = False
+    G_u: Tensor | None = None
 
-    def hidden(self, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor]:
-        """Their part of Yd V (one GEMM) and of Yd's row sums; G_u, the step's gradients
-        coalesced to the unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j],
-        O(m S)) in the order of j on every device: torch's ``index_add_`` on the CPU, which adds
-        in that order; on a GPU, whose ``index_add_`` adds by float atomics, the deterministic
-        scatter. ``grad``: the upstream gradient (None: 1)."""
+    def hidden(self, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
+        """``with_gradients``' (YV, ybar, the block) of G_u, the step's gradients coalesced to the
+        unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j], O(m S)) in the order
+        of j on every device: torch's ``index_add_`` on the CPU, which adds in that order; on a GPU, whose
+        ``index_add_`` adds by float atomics, the deterministic scatter. ``grad``: the upstream
+        gradient (None: 1)."""
         G = self.G_neg if grad is None else self.G_neg * grad
         G_ut = G.new_zeros(self.uniq.numel(), G.shape[0])
         if G.is_cuda:
             lk.scatter_add_rows_(G_ut, self.inv[:, None], G.new_ones(G.shape[1], 1), G.T.contiguous(), 1.0)
         else:  # rows copied whole: 0.16 against 0.29 ms from G.T's strided columns (m = 128, S = 512)
             G_ut.index_add_(0, self.inv, G.T.contiguous())
-        self.G_u = G_ut.T
-        return torch.addmm(YV, self.G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1)
+        return self.with_gradients(G_ut.T, YV, ybar, G.sum(1))
 
-    def with_gradients(self, G_u: Tensor) -> "SharedBlock":
-        """The same block with the step's gradients ``G_u`` (row steps' scaled ones: row_steps.py)."""
-        out = SharedBlock(self.cols, self.uniq, self.inv, self.G_neg, self.V_u, self.padded)
-        out.G_u = G_u
-        return out
+    def with_gradients(self, G_u: Tensor, YV: Tensor, ybar: Tensor,
+                       sums: Tensor | None = None) -> tuple[Tensor, Tensor, "SharedBlock"]:
+        """The block's part of Yd V (one GEMM) and of Yd's row sums, for the step's gradients
+        ``G_u`` (m, u), added to ``YV`` and ``ybar``; and the block with them (a new one). ``sums``:
+        the row sums as summed before the columns were coalesced (``hidden``'s; None: G_u's)."""
+        return (torch.addmm(YV, G_u, self.V_u.to(YV.dtype)), ybar + (G_u.sum(1) if sums is None else sums),
+                dataclasses.replace(self, G_u=G_u))
 
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
@@ -385,13 +375,13 @@ class SharedBlock:
 
     def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
         """H^T Yd Yd^T H in two terms, split as ``gram``: (Yd Yd^T H of the other targets, by rows:
-        ``lk.gram_rows``; the block's H^T Y_u Y_u^T H = N_Y^T N_Y, d x d). N_Y = Y_u^T H is
-        ``N`` = G_u^T H (one GEMM, kept for the write) plus the hits' rows, N_Y[hit] += GA h
-        (the deterministic scatter, O(m K d))."""
+        ``lk.gram_rows``; the block's H^T Y_u Y_u^T H = N_Y^T N_Y, d x d), and N = G_u^T H (one
+        GEMM, for the write's ``scatter_``). N_Y = Y_u^T H is N plus the hits' rows,
+        N_Y[hit] += GA h (the deterministic scatter, O(m K d))."""
         hit, GA_on = self._hits(idx, GA)
-        self.N = self.G_u.T @ H.to(self.G_u.dtype)
-        N_Y = lk.scatter_add_rows_(self.N.clone(), hit, GA_on, H.to(self.N.dtype), 1.0)
-        return lk.gram_rows(idx, GA - GA_on, H, order=order), N_Y.T @ N_Y
+        N = self.G_u.T @ H.to(self.G_u.dtype)
+        N_Y = lk.scatter_add_rows_(N.clone(), hit, GA_on, H.to(N.dtype), 1.0)
+        return lk.gram_rows(idx, GA - GA_on, H, order=order), N_Y.T @ N_Y, N
 
     def _hits(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
         """The targets on the block's columns: each slot's column among the block's (-1 off
@@ -402,12 +392,13 @@ class SharedBlock:
         return (torch.where(on_neg, pos, -1),
                 torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device)))
 
-    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, processes, right: Tensor | None = None) -> None:
+    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, processes, right: Tensor | None = None,
+                 N: Tensor | None = None) -> None:
         """V[u] += alpha G_u^T (H U_new^-1), masked by ``ok`` under device flags, one index_add_;
         sharded, into the rows this rank holds (the others add zeros to row 0). As alpha N R
         where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
         was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
-        rows = self.G_u.T @ HUinv if right is None or self.N is None else self.N @ right.to(self.N.dtype)
+        rows = self.G_u.T @ HUinv if right is None or N is None else N @ right.to(N.dtype)
         update = alpha * rows
         update = (update if ok is None else torch.where(ok, update, 0.0)).to(V.dtype)
         if not processes.sharded:

@@ -1,24 +1,18 @@
 """How the ranks of a multi-process head share each training step's rows under device flags
-(``sync_every > 1``) with no host read; a ``Processes`` of several processes holds one
-(``processes.padded``), a client of the one fixed-size exchange (fixed_exchange.py):
+(``sync_every > 1``) with no host read (``processes.padded``), a client of the one fixed-size
+exchange and its fault scheme (fixed_exchange.py):
 
-- at the first training step the ranks agree on a capacity, in the one host read of
-  ``Processes.agree`` (which raises a bad input on every rank at once there): the most rows C
-  and target slots K a rank sends, the largest of their first batches' (and of
-  ``head.rows_per_rank``), where the step runs compiled the batch size of those rows
-  (batch_shapes.py);
-- at every step each rank sends a header (its rows m and an error code) and its rows padded
-  to C x K (padding rows: H 0, ids -1, values 0), in two all-gathers of a fixed size. The
-  step works on the gathered batch, the ranks' rows in rank order each followed by its
-  padding: padding rows add nothing to the step, and the "mean" reduction divides by the real
-  rows, the headers' sum (``rows``, a device count). A rank's own rows of dL/dH are the
-  static slice [rank C, rank C + m);
-- a rank whose input fails the host checks (``prepare``) or exceeds the capacity does not
-  raise (the other ranks would wait in the collective): it sends no rows and an error code,
-  keeps its message, and its H gets a zero gradient. Every rank voids the step on the device
-  (the gathered header folds into the step's ``input_ok``: ``DeviceFlags.screen``), the first
-  void step since the last read is recorded with its rank (``fault``), and the next read of
-  the flags raises on every rank, in one line, with that rank's message and the step's number.
+- the capacity, agreed at the first training step in the one host read of ``Processes.agree``:
+  the most rows C and target slots K a rank sends, the largest of the ranks' first batches' (and
+  of ``head.rows_per_rank``), where the step runs compiled the batch size of those (batch_shapes.py);
+- each step works on the gathered batch, the ranks' rows in rank order each followed by its
+  padding (H 0, ids -1, values 0: they add nothing); the "mean" reduction divides by the real
+  rows, the headers' sum (``rows``, a device count); a rank's own rows of dL/dH are the static
+  slice [rank C, rank C + m);
+- a rank whose input fails ``prepare`` or exceeds the capacity sends no rows and an error code,
+  keeps its message, and its H gets a zero gradient; every rank voids the step (the header folds
+  into the step's ``input_ok``), and the next read of the flags raises on every rank, in one
+  line, with that rank's message and the step's number.
 """
 from __future__ import annotations
 

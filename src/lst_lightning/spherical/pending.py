@@ -1,29 +1,18 @@
-"""Exact accumulation: the rows a self-updating head keeps for the optimizer step that
-owns them (docs/training_loop.md). The head holds one ``PendingRows`` (``head.pending``);
-its public methods (``attach``, ``detach``, ``apply_pending_step``, ...) call it.
+"""Exact accumulation: the rows a self-updating head keeps for the optimizer step that owns
+them (``head.pending``; docs/training_loop.md). Unattached, the head steps in the backward of
+each training forward and never calls this object. Attached (``head.attach(optimizer, scaler)``),
+each backward hands dL/dH on and keeps the micro-batch's rows (H, targets and the m-sized loss
+gradients, all made with the same W, which does not move before the step), and the optimizer's
+step applies ONE exact update for all of them. A ``GradScaler``'s scale is divided out, and when
+the scaler skips the optimizer's step the kept rows are dropped at the next backward (the scaler
+lowered its scale), so the head skips too.
 
-By default the head steps inside the backward of each training forward and this object
-has nothing to do (the head does not call into it). Attached to an optimizer
-(``head.attach(optimizer, scaler)``) the head steps at that optimizer's step instead:
-each backward hands dL/dH on and keeps the micro-batch's rows (H, targets and the
-m-sized loss gradients, all computed with the same W, which does not change before the
-step), and the optimizer's step applies ONE exact update for all of them. A
-``GradScaler``'s scale is divided out of the head's step, and when the scaler skips the
-optimizer's step (non-finite gradients) the kept rows are dropped at the next backward
-(the scaler lowered its scale), so the head skips too.
-
-The rows belong to the optimizer step that owns them. A loop that raises inside its
-accumulation window leaves rows that no step will take; so that a head never stops
-stepping silently:
-
-- ``attach(..., accumulate=N)`` (the Hugging Face and Lightning integrations pass their
-  ``gradient_accumulation_steps`` / ``accumulate_grad_batches``): a training forward that
-  finds N micro-batches kept and no optimizer step since raises, with the fix
-  (``head.detach()``) in its one line;
-- the optimizer is held by a weak reference: once it is gone, the next training forward
-  drops the kept rows with a warning and detaches the head, which steps in each backward
-  again;
-- Lightning's ``HeadSteps`` callback detaches the head when training raises.
+So that a head never stops stepping silently when a loop raises inside its accumulation window
+(leaving rows no step will take): with ``attach(..., accumulate=N)`` (the Hugging Face and
+Lightning integrations pass theirs) a training forward that finds N micro-batches kept and no
+step since raises, with the fix in its one line; the optimizer is held weakly, and once it is
+gone the next training forward drops the rows with a warning and detaches the head; Lightning's
+``HeadSteps`` callback detaches the head when training raises.
 """
 from __future__ import annotations
 
@@ -59,10 +48,6 @@ class PendingRows:
         self.records_scale: float | None = None
         self.rows = 0
 
-    @property
-    def attached(self) -> bool:
-        return self.hook is not None
-
     def attach(self, head, optimizer: torch.optim.Optimizer, scaler=None, max_pending_rows: int | None = None,
                accumulate: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -91,7 +76,6 @@ class PendingRows:
         self.records, self.records_scale, self.rows = [], None, 0
 
     def scale(self) -> float:
-        """The scale in the backward's gradient: the attached scaler's, else ``loss_scale``."""
         if self.scaler is not None and self.scaler.is_enabled():
             return float(self.scaler.get_scale())
         return self.loss_scale

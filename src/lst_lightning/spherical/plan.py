@@ -1,20 +1,12 @@
 """The plan of the factored head's step: every mode settled once, and every refusal.
 
-``StepPlan`` holds each choice the step makes by its mode, made once whenever a setting,
-the device or the process group changes (``head.plan``, made again by the head's ``_replan``
-at each such change): the driver (``step``), ``sync_every > 1`` or not (``deferred``), compiled or eager, the
-processes, the kind of sampled classes, P's settings, the U^-1 route and the Q route (each by the
-batch's rows: a threshold), the Neumann rule; and what the update reads besides its tensors: D, the
-width, the fold's thresholds, the head's ``Processes``, its loss and reduction, its draw of sampled
-classes. From these it holds the function of each choice (exact_step.py's), chosen here once: the
-fold's bounds, the U^-1 routes, P or none, the sampled classes or none, the reduction's weights, the
-collectives. The step (exact_step.py) calls what its plan holds; it asks the head's settings for
-none of these.
-
-The refusals of combinations of settings are here too, each one line saying why:
-``driving_refusal`` (of the driving settings together), ``compile_refusal`` (what keeps the
-step's device part from compiling whole), ``head_refusal`` (the head's parts with the
-driving), ``accumulate_refusal`` (exact accumulation).
+``StepPlan`` (``head.plan``) is made again by the head's ``_replan`` whenever a setting, the
+device or the process group changes. It holds every mode of the step (its fields) and, chosen
+once from them, the function of each choice (exact_step.py's): the step calls what its plan
+holds and asks the head's settings for none of it. The refusals of combinations of settings are
+here too, each one line saying why: ``driving_refusal``, ``compile_refusal`` (what keeps the
+step's device part from compiling whole), ``head_refusal`` (the head's parts with the driving),
+``accumulate_refusal`` (exact accumulation).
 """
 from __future__ import annotations
 
@@ -27,10 +19,6 @@ import lst_kernels as lk
 
 from . import exact_step
 from .stabiliser import Stabiliser
-
-#: the kinds of sampled classes a step takes (negatives.py): one shared dense block, slots per
-#: row from a static proposal, or slots per row from the kernel proposal's sum-tree (host side)
-NEGATIVE_KINDS = ("shared", "per_row", "kernel")
 
 
 @dataclass(frozen=True)
@@ -48,7 +36,8 @@ class StepPlan:
     reads_flags: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
-    #: the sampled classes: None (off) or one of ``NEGATIVE_KINDS``
+    #: the sampled classes (negatives.py): None (off), "shared" (one dense block), "per_row" (slots of
+    #: each row from a static proposal) or "kernel" (slots of each row from the kernel proposal's sum-tree)
     negatives: str | None = None
     #: the right preconditioner's settings (preconditioner.py: its moments, P), None: off
     preconditioner: object = None
@@ -134,7 +123,7 @@ def inverse_rows(route: str, device: torch.device, d: int) -> tuple[str, int]:
 
 
 def negatives_kind(negatives) -> str | None:
-    """The kind of sampled classes of a head's ``NegativeSampling`` (None: off): one of ``NEGATIVE_KINDS``."""
+    """The kind of sampled classes of a head's ``NegativeSampling`` (None: off; ``StepPlan.negatives``)."""
     return None if negatives is None else "kernel" if negatives.kernel is not None else \
         "shared" if negatives.settings.shared else "per_row"
 

@@ -10,10 +10,9 @@ import torch
 
 @contextlib.contextmanager
 def own_math(device_type: str, tf32: bool = False):
-    """The head's math in its own precision, whatever the caller's: autocast off (bf16/fp16
-    mixed precision), and float32 matrix products in full float32 ("highest") unless ``tf32``
-    opts in to TensorFloat-32 on a GPU (a loop's ``torch.set_float32_matmul_precision("high")``,
-    common in LM training, would otherwise round every product of the exact step to 10 bits)."""
+    """Autocast off (bf16/fp16 mixed precision) and float32 matrix products in full float32
+    ("highest") unless ``tf32``: a loop's ``torch.set_float32_matmul_precision("high")``, common in
+    LM training, would otherwise round every product of the exact step to 10 bits (TF32 on a GPU)."""
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     try:

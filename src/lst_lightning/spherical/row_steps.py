@@ -97,8 +97,7 @@ class RowSteps:
         GA = GA * r[:m * K].view(m, K)
         YV, ybar = plan.gather_sum(state.V, idx, GA), GA.sum(1)
         if neg.shared:
-            neg = neg.with_gradients(neg.G_u * r[m * K:])
-            YV, ybar = torch.addmm(YV, neg.G_u, neg.V_u.to(YV.dtype)), ybar + neg.G_u.sum(1)
+            YV, ybar, neg = neg.with_gradients(neg.G_u * r[m * K:], YV, ybar)
         return GA, YV, ybar, neg, row_sq
 
     def write_acc(self, state, fwd, ok: Tensor | None) -> None:

@@ -1,22 +1,17 @@
-"""Numerical stabilisation of the factored head (section 5 of the long paper;
-docs/algorithm.md, "Stabilisation").
-
-Every repair is an exact change of (V, U, U^-1) that leaves W = V U + 1 omega^T
+"""Numerical stabilisation of the factored head (section 5 of the long paper; docs/algorithm.md,
+"Stabilisation"). Every repair is an exact change of (V, U, U^-1) that leaves W = V U + 1 omega^T
 unchanged:
 
-- every step bounds the eigenvalues of ``B = c I - 2 lr H^T diag(g_q) H`` cheaply;
-  when the bounds cannot rule out a nearly singular B, the eigenvalues are computed,
-  and a step with ``min |eig(B)/c| < fold_tol`` is folded into V (``V <- V U B``,
-  U = I; O(D d^2), rare) instead of ill-conditioning U (the bounds are step math:
-  exact_step.py; the fold is here, ``fold_into_v``);
-- an upper bound on cond(U) is carried from step to step (times cond(B)); when it
-  exceeds ``cond_trigger``, or every ``check_every`` steps, U^-1 is recomputed and
-  U's singular values are brought back into ``[sv_min, sv_max]`` (``sv_method``:
-  ``"power"`` iteration or a full ``"svd"``), each fix a rank-one update, V's of one
-  check composed and applied in one O(D d k) pass;
-  more than ``max_sv_fixes`` at once fold U into V ("unfactorize");
-- U^-1 is recomputed every ``uinv_refresh_every`` steps (Woodbury updates drift), Q and
-  wbar from (V, U, omega) every ``q_refresh_every`` steps (O(D d^2); 0: never).
+- a step whose B = c (I - A) may be nearly singular (``min |eig(B)/c| < fold_tol``, by cheap bounds
+  or, where they cannot rule it out, B's eigenvalues: exact_step.py) is folded into V
+  (``V <- V U B``, U = I; O(D d^2), rare) instead of ill-conditioning U;
+- an upper bound on cond(U) is carried from step to step (times cond(B)); past ``cond_trigger``,
+  or every ``check_every`` steps, U^-1 is recomputed and U's singular values are brought back into
+  ``[sv_min, sv_max]`` (``sv_method``: ``"power"`` iteration or a full ``"svd"``), each fix a
+  rank-one update, V's of one check composed and applied in one O(D d k) pass; more than
+  ``max_sv_fixes`` at once fold U into V ("unfactorize");
+- U^-1 is recomputed every ``uinv_refresh_every`` steps (its updates drift), Q and wbar from
+  (V, U, omega) every ``q_refresh_every`` steps (O(D d^2); 0: never).
 """
 from __future__ import annotations
 
@@ -113,14 +108,6 @@ class Repairs:
 
     def __init__(self, settings: Stabiliser):
         self.settings = settings
-
-    def due(self, n_prev: int, n: int, cond_bound: float, checksum_every: int = 0) -> bool:
-        """Whether a repair (or, ``checksum_every``, the replica check) fell due between step n_prev
-        and step n, with cond(U)'s bound ``cond_bound``: ``run_due`` has something to do."""
-        st = self.settings
-        return cond_bound > st.cond_trigger or any(
-            fell_due(every, n_prev, n) for every in (st.q_refresh_every, st.check_every, st.uinv_refresh_every,
-                                                     checksum_every))
 
     def run_due(self, head, n_prev: int, n: int, cond_bound: float | None = None) -> None:
         """The repairs that fell due between step n_prev and step n (``cond_bound``: cond(U)'s
@@ -223,7 +210,6 @@ class Repairs:
 
     @torch.no_grad()
     def stabilise(self, head) -> None:
-        """Recompute U^-1, then bring U's singular values into [sv_min, sv_max] (exact, W unchanged)."""
         st = self.settings
         head.checks += 1
         self.refresh_uinv(head)

@@ -98,10 +98,9 @@ EXACT_STATE = tuple(b.name for b in STATE if b.exact)
 
 
 class StepState(NamedTuple):
-    """The tensors a step reads and writes (exact_step.py's ``device_step``, ``forward``,
-    ``new_state``, ``write``): the head's buffers themselves, gathered before the step, so that the
-    step reads and writes these, never the head; the write updates them in place (masked under device
-    flags: a bad batch changes nothing). ``driver.step_state`` gathers them."""
+    """The tensors a step reads and writes: the head's buffers themselves (``driver.step_state``
+    gathers them), so that the step (exact_step.py) reads and writes these, never the head; the write
+    updates them in place (masked under device flags: a bad batch changes nothing)."""
     V: Tensor
     U: Tensor
     Uinv: Tensor
