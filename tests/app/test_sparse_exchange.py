@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from lst_lightning.app.sparse_exchange import average_row_sparse, average_sparse_gradients
+from lst_lightning.heads.flag_board import FlagBoard
 
 WORLD, d = 2, 5
 # rows each rank touches (repeats within a rank, rows shared across the ranks); the
@@ -107,7 +108,6 @@ STATIC_STEPS = [([3, 3, -1, 7, 0, 9, 3], [7, 1, -1]), ([5, 5], [2, 4, 5, 6]), ([
 def _static_worker(rank, rdv, out):
     from host_reads import HostReads  # noqa: PLC0415
 
-    from lst_lightning.app.sparse_exchange import check_static_exchanges  # noqa: PLC0415
     from lst_lightning.rows import RowGrad  # noqa: PLC0415
 
     dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=WORLD)
@@ -116,6 +116,7 @@ def _static_worker(rank, rdv, out):
     table = nn.Parameter(torch.zeros(D, d, dtype=torch.float64))
     rows = RowGrad(table)
     res = {"steps": [], "reads": [], "error": None}
+    board = FlagBoard()  # the exchange's fault, read at the end
     for step, case in enumerate(STATIC_STEPS):
         mine = case[rank]
         rows.zero_grad()
@@ -128,14 +129,14 @@ def _static_worker(rank, rdv, out):
         dense = torch.zeros(D, d, dtype=torch.float64).index_add_(0, ids[ids >= 0], vals[ids >= 0])
         dist.all_reduce(dense)
         with HostReads() as reads:
-            received = average_sparse_gradients([table], step=step)
+            received = average_sparse_gradients([table], step=step, board=board)
         uids, summed = rows.grad()
         got = torch.zeros(D, d, dtype=torch.float64).index_add_(0, uids[uids >= 0], summed[uids >= 0])
         assert uids[uids >= 0].unique().numel() == (uids >= 0).sum()  # each id once
         res["steps"].append({"got": got, "ref": dense / WORLD, "received": received})
         res["reads"].append(dict(reads.sites))
     try:
-        check_static_exchanges([table])
+        board.read()
     except ValueError as e:
         res["error"] = str(e)
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
@@ -172,3 +173,39 @@ def test_a_rank_over_the_static_capacity_leaves_the_rows_untouched_and_every_ran
         assert r["steps"][last]["ref"].any()  # though both ranks had some
         assert f"at step {last} a rank's batch gathered 8 rows, more than the 7" in r["error"]
         assert "\n" not in r["error"]
+
+
+def _head_board_worker(rank, rdv, out):
+    """A factored head with deferred checks (``sync_every=4``) whose board carries a static-rows
+    exchange's fault (as ``LanguageModel.flag_board`` gives it): rank 0 gathers more rows than the
+    capacity at step 1; each step the head steps, then the rows are exchanged (the app's order)."""
+    from lst_lightning.rows import RowGrad  # noqa: PLC0415
+    from lst_lightning.spherical import FactoredSphericalHead  # noqa: PLC0415
+
+    dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    head = FactoredSphericalHead(12, d, loss="zloss", lr=0.05, dtype=torch.float64, sync_every=4)
+    table = nn.Parameter(torch.zeros(20, d, dtype=torch.float64))
+    rows, g = RowGrad(table), torch.Generator().manual_seed(rank)
+    res = {"raised_at": None, "error": None}
+    for step in range(8):
+        try:
+            head(torch.randn(6, d, generator=g, dtype=torch.float64).requires_grad_(),
+                 torch.randint(0, 12, (6,), generator=g)).backward()  # every 4th step reads the head's board
+        except ValueError as e:
+            res["raised_at"], res["error"] = step, str(e)
+            break
+        rows.zero_grad()
+        ids = torch.tensor([1, 2, 3, 4, 5] if (step, rank) == (1, 0) else [1, 2, 3])
+        rows.gather(table, ids).sum().backward()
+        average_sparse_gradients([table], step=step, board=head.flag_board)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_the_exchange_fault_rides_on_the_head_read_every_sync_every_steps(tmp_path):
+    """The exchange's fault at step 1 raises at the head's read of step 3 (sync_every=4), not at
+    the app's own interval of 64 steps, on both ranks, with the exchange's own message."""
+    for r in results_of(_head_board_worker, tmp_path):
+        assert r["raised_at"] == 3, r
+        assert "at step 1 a rank's batch gathered 5 rows, more than the 3 the ranks agreed" in r["error"]

@@ -14,7 +14,7 @@ from lst_lightning.spherical.state import POWER_STARTS
 
 MODES = ["replicated", "sharded"]
 MAX_READS_A_STEP = 0.1
-FLAGS = "src/lst_lightning/spherical/driver.py"  # the read of the device flags
+FLAGS = "src/lst_lightning/heads/flag_board.py"  # the read of the device flags (driver.py's, on the head's board)
 REPAIRS = "src/lst_lightning/spherical/stabiliser.py"  # the repairs a read runs when they fell due
 #: what else reads after the first step: at the end of training, a sharded head's V gathered whole
 #: (gather_v, one transfer a shard) for trainer.save_model()

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from lst_lightning.spherical import NaiveSphericalHead
+from lst_lightning.spherical.fixed_exchange import FirstFault
 
 from head_pairs import D, batch, d, deferred, make_pair, no_host_reads, run_steps, state, step
+from host_reads import HostReads
 
 
 @pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "mse"])
@@ -140,3 +142,34 @@ def test_stats_without_a_read_are_the_counters_the_flags_last_read(monkeypatch):
             kept = f.logged_stats()
         assert kept == ({} if n < 4 else at_read), n
     assert kept["steps"] == 8 and f.stats()["steps"] == 10
+
+
+def test_a_party_on_the_flag_board_is_read_with_the_flags_on_their_schedule():
+    """A training loop's device flags registered on ``head.flag_board`` ride on the head's read,
+    in its one transfer, every ``sync_every`` steps: a fault noted at step 1 raises at the read
+    of step 3 (the 4th step), not before; one noted after the last read is read by the end of
+    training's ``sync(repair=False)`` with no step since."""
+    head, fault, seen = deferred(sync_every=4), FirstFault(), []
+
+    def on_read(values):
+        seen.append(len(values))
+        got = FirstFault.of(values)
+        if got is not None:
+            raise ValueError(f"a fault at step {got[0]}")
+
+    head.flag_board.register("loop", fault.values, on_read)
+    H, idx = batch(5, d, D, 3)
+    for s in range(3):
+        step(head, H, idx)
+        fault.note(torch.tensor(s == 1), s)
+    assert seen == []
+    with HostReads() as reads, pytest.raises(ValueError, match="a fault at step 1"):
+        step(head, H, idx)  # the 4th step reads the flags, the party's with them
+    assert seen == [4] and sum(n for site, n in reads.sites.items() if "flag_board" in site) == 1, reads.sites
+    late = FirstFault()
+    head.flag_board.register("loop", late.values, on_read)
+    for s in range(4, 8):
+        step(head, H, idx)  # read at the 8th step: nothing noted yet
+    late.note(torch.tensor(True), 7)
+    with pytest.raises(ValueError, match="a fault at step 7"):
+        head.sync(repair=False)

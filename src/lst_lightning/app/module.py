@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
+from ..heads.flag_board import FlagBoard
 from ..spherical.driving import SYNC_EVERY
 from .callbacks.head_steps import HeadSteps
 from .callbacks.sparse_gradients import SparseGradients
@@ -97,11 +98,19 @@ class LanguageModel(pl.LightningModule):
         self.val_loss, self.test_loss = WeightedMean(), WeightedMean()
         #: what ``compile`` compiles (compiling.py; set by the app before training, installed at fit start)
         self.compiled = Compiled()
-        #: the loss read for non-finite values every ``check_every`` steps (heads without deferred checks)
+        #: the app's device flags where the head has no deferred checks (an ordinary head's loss, a
+        #: sparse embedding's exchange), read every ``check_every`` steps (``flag_board``)
         self.loss_checks = LossChecks(check_every)
         self._head_distributed = False
         self._body_sharded = False  # configure_model: FSDP2 units made once
         self._fit_start = time.perf_counter()  # reset in on_train_start
+
+    @property
+    def flag_board(self) -> FlagBoard:
+        """The board the app's device flags ride on (heads/flag_board.py): the head's where it has
+        deferred checks (read with its flags, every ``sync_every`` steps), else the app's own
+        (``loss_checks``, every ``check_every`` steps)."""
+        return self.head.flag_board if self.head.deferred_checks else self.loss_checks.board
 
     # -- multi-process ----------------------------------------------------------------
     def setup(self, stage: str) -> None:
@@ -167,9 +176,9 @@ class LanguageModel(pl.LightningModule):
         # Lightning asks again at test/validate: a second one would only be announced as a replacement.
         # Row-sparse gradients (kept out of DDP in setup) are averaged over the ranks by SparseGradients.
         have = {type(c) for c in self.trainer.callbacks} if self._trainer is not None else set()
-        wanted = [HeadSteps] if self.head.self_updating else []
-        wanted += [SparseGradients] if sparse_embedding_params(self) else []
-        return [c() for c in wanted if c not in have]
+        made = [HeadSteps()] if self.head.self_updating else []
+        made += [SparseGradients(self.flag_board)] if sparse_embedding_params(self) else []
+        return [c for c in made if type(c) not in have]
 
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)
@@ -199,12 +208,12 @@ class LanguageModel(pl.LightningModule):
             self.head.lr = self.head_base_lr * self.current_lr_factor()
         loss = self.head(*as_rows(self.body(context), target))
         # A head with deferred checks masks a non-finite step itself. A self-updating one without
-        # is read now, before backward changes it; an ordinary head's loss every check_every steps
-        # (a device flag: reading it every step would make every step wait for the GPU).
+        # is read now, before backward changes it; an ordinary head's loss every check_every steps, with
+        # the app's other device flags (reading it every step would make every step wait for the GPU).
         if self.head.self_updating and not self.head.deferred_checks and not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite training loss {loss.item()} at step {self.global_step}")
-        if not self.head.self_updating:
-            self.loss_checks.record(loss, self.global_step)
+        if not self.head.deferred_checks:
+            self.loss_checks.record(None if self.head.self_updating else loss, self.global_step)
         self.log("train/loss", loss.detach(), prog_bar=True)
         # wall-clock since fit start: learning curves against time (lst-compare)
         self.log("train/elapsed_s", time.perf_counter() - self._fit_start)

@@ -25,8 +25,10 @@ exchange (the most rows a rank sends, one host read), then each step every rank 
 and its ids and rows padded to C, in two all-gathers of a fixed size; the rows of repeated ids
 are summed by ``coalesce_rows`` (a sort of fixed size) and divided by the world size. A rank
 with more than C rows sends none: every rank then leaves that step's rows of the table
-untouched, and the next ``check()`` (every ``SYNC_EVERY`` steps, and at the end of training)
-raises on every rank, in one line, naming the step.
+untouched, and the next read of the board the exchange's fault is registered on (a
+``heads.flag_board.FlagBoard``: the head's, read with its flags every ``sync_every`` steps, or the
+app's own, every ``check_every`` steps; and at the end of training) raises on every rank, in one
+line, naming the step.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from ..heads.flag_board import FlagBoard
 from ..rows import RowGrad, row_grad_of
 from ..rows.coalesce import coalesce_rows
 from ..spherical.collectives import ProcessGroup
@@ -96,9 +99,10 @@ class StaticRowsExchange(FixedExchange):
         rows.set_grad(uids, summed / self.pg.world)
         return self.received
 
-    def check(self) -> None:
-        """Raise, on every rank alike (the fault is the gathered counts'), for a step left out: one host read."""
-        fault = self.fault.read()
+    def check(self, values: list[float]) -> None:
+        """Raise, on every rank alike (the fault is the gathered counts'), for a step left out
+        (``values``: the fault as a board's read transferred it)."""
+        fault = self.fault.of(values)
         if fault is not None:
             step, _, _, n = fault
             raise ValueError(f"the row-sparse gradient of a table {self.shape}: at step {step} a rank's batch "
@@ -111,28 +115,26 @@ class StaticRowsExchange(FixedExchange):
 _EXCHANGES: "weakref.WeakKeyDictionary[RowGrad, StaticRowsExchange]" = weakref.WeakKeyDictionary()
 
 
-def static_rows_exchange(table: nn.Parameter, rows: RowGrad, pg: ProcessGroup, n: int) -> StaticRowsExchange:
-    """``table``'s exchange; the first call agrees on its capacity (every rank's rows ``n``, one host read)."""
+def static_rows_exchange(table: nn.Parameter, rows: RowGrad, pg: ProcessGroup, n: int,
+                         board: FlagBoard | None) -> StaticRowsExchange:
+    """``table``'s exchange, its fault registered on ``board`` (the run's that steps it); the first
+    call agrees on its capacity (every rank's rows ``n``, one host read)."""
     ex = _EXCHANGES.get(rows)
     if ex is None:
         ex = _EXCHANGES[rows] = StaticRowsExchange(table, pg, pg.all_gather_ints([n], table.device)[:, 0].tolist())
+    if board is not None:
+        board.register(f"static rows {id(ex)}", ex.fault.values, ex.check)
     return ex
 
 
-def check_static_exchanges(params: Iterable[nn.Parameter]) -> None:
-    """``StaticRowsExchange.check`` for each of ``params`` exchanged so far."""
-    for p in params:
-        rows = row_grad_of(p)
-        if rows is not None and rows in _EXCHANGES:
-            _EXCHANGES[rows].check()
-
-
 @torch.no_grad()
-def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: int = 0) -> int:
+def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: int = 0,
+                             board: FlagBoard | None = None) -> int:
     """Replace each parameter's row-sparse gradient by its average over the ranks (every
     rank must pass the same parameters in the same order); a rank that has no gradient
     for one takes part with no rows. Static rows go in fixed shapes (``step``: the optimizer
-    step, named if a rank's rows had to be left out). Returns the bytes this rank received."""
+    step, named if a rank's rows had to be left out, at the next read of ``board``, where their
+    faults are registered; None: unread). Returns the bytes this rank received."""
     received = 0
     pg = ProcessGroup.current(group)
     if pg.world == 1:
@@ -142,7 +144,7 @@ def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: i
         if rows is not None:  # static rows (lst_lightning.rows)
             got = rows.grad()
             n = got[0].shape[0] if got is not None else 0
-            received += static_rows_exchange(p, rows, pg, n).average(rows, got, step)
+            received += static_rows_exchange(p, rows, pg, n, board).average(rows, got, step)
             continue
         grad = p.grad
         if grad is None:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
+from .flag_board import FlagBoard
 from .ranking import count_at_or_above, target_scores_of_chunks, topk_of_chunks
 from .targets import check_class_ids, check_k
 
@@ -46,6 +47,10 @@ class OutputHead(nn.Module):
     #: True when the training step leaves its checks on the device (read every few
     #: steps): the loop must not read the loss on the host each step either.
     deferred_checks: bool = False
+    #: The board of device flags the head reads its own with (flag_board.py): a loop's device
+    #: flags registered on it ride on the head's read, every few steps with ``deferred_checks``.
+    #: None: the head has none.
+    flag_board: FlagBoard | None = None
     #: True when the head's own training step runs compiled (the factored head on a GPU:
     #: ``compile_step``); a loop that compiles its model leaves such a head out of its graph.
     compiles: bool = False

@@ -4,13 +4,14 @@ the autograd step; ``records_step`` for exact accumulation). Before it, ``before
 the host can do; around it, ``run_device_part``: the version, the device part compiled whole
 (``run``; docs/factored_head.md, "The compiled step") or eager, the flags ticked and read.
 
-The checks are one board of device flags (``DeviceFlags``, ``head.step_checks``): every check a
-flag masking the write (a bad step changes nothing and is counted), read by ``head.sync()`` in one
-host transfer every ``sync_every`` steps, with the repairs that fell due. With ``sync_every > 1``
-the step reads nothing on the host (a CUDA graph can capture it; bad target ids void the step);
-with ``sync_every == 1`` bad ids raise before anything changes (the head's input check), the fold
-is decided from B's eigenvalues where the bounds cannot rule it out (``eigen_bounds``) and the
-products route takes the factors of the step's own rho (``products_by_rho``).
+The checks are device flags (``DeviceFlags``, ``head.step_checks``): every check a flag masking
+the write (a bad step changes nothing and is counted), read by ``head.sync()`` in one host
+transfer every ``sync_every`` steps, with the training loop's flags on ``head.flag_board``, and
+the repairs that fell due. With ``sync_every > 1`` the step reads nothing on the host (a CUDA
+graph can capture it; bad target ids void the step); with ``sync_every == 1`` bad ids raise before
+anything changes (the head's input check), the fold is decided from B's eigenvalues where the
+bounds cannot rule it out (``eigen_bounds``) and the products route takes the factors of the
+step's own rho (``products_by_rho``).
 """
 from __future__ import annotations
 
@@ -114,12 +115,15 @@ class DeviceFlags:
     def read(self, head, peek: bool = False):
         """Read the flags in one host transfer (the steps taken and skipped, the step of a bad
         batch, cond(U)'s bound, a loss factor, the adaptive rule's rho bound; several processes:
-        the void step's rank), and warn about skipped steps and a loss that reached the head
+        the void step's rank) with the parties' on ``head.flag_board`` (the training loop's: each
+        raises for its fault first), and warn about skipped steps and a loss that reached the head
         multiplied. (steps at the last read, steps now, cond(U)'s bound, the step of a bad batch
-        or 0), or None when no step ran since the last read (nothing is read then). ``peek``: the
-        read changes nothing the steps depend on (the read's place in the run, the Neumann
-        factors): the next read takes the same window of steps, and its repairs, as without it."""
+        or 0), or None when no step ran since the last read (the parties' flags alone are read
+        then). ``peek``: the read changes nothing the steps depend on (the read's place in the run,
+        the Neumann factors): the next read takes the same window of steps, and its repairs, as
+        without it."""
         if self.calls == self.read_at:
+            head.flag_board.read()
             return None
         if not peek:
             self.read_at = self.calls
@@ -129,7 +133,7 @@ class DeviceFlags:
             flags.append(self.rho_max)
         padded = head.processes.padded if head.processes.padded.capacity is not None else None
         ranks = [] if padded is None else padded.flags()  # several processes: the void step's fault
-        values = torch.stack([f.to(torch.float64) for f in flags + ranks]).tolist()
+        values = head.flag_board.read(flags + ranks)
         self.stats = head.stats_of(values[:len(stats)])
         bad, factor, *rho_max = values[len(stats):len(flags)]
         steps, skipped, cond_bound, bad = self.stats["steps"], self.stats["skipped_nonfinite"], \

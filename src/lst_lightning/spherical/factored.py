@@ -18,6 +18,7 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..heads.flag_board import FlagBoard
 from . import driver, exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
@@ -81,6 +82,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for buf in STATE:  # every buffer, as state.py declares it
             self.register_buffer(buf.name, buf.initial(self), persistent=buf.persistent)
         self._uinv_fresh = True  # host-side: the forward must not read a device flag
+        #: the board its flags are read with: a training loop's device flags registered on it
+        #: ride on the same transfer (heads/flag_board.py)
+        self.flag_board = FlagBoard()
         self._replan()
         if self.processes.joined:
             self.refresh_bookkeeping()

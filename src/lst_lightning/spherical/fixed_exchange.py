@@ -6,7 +6,8 @@ all-gathers of a fixed size, nothing read on the host (``FixedExchange.gather_pa
 whose input cannot be sent (refused, or over the capacity) sends none and says so in its header
 (raising alone would leave the others waiting in the collective): every rank voids that step
 alike, its first void step since the last read is kept on the device (``FirstFault``), and the
-read raises on every rank in one line. ``FirstFault`` also keeps the app's first non-finite loss.
+read of the flags it rides on (heads/flag_board.py) raises on every rank in one line.
+``FirstFault`` also keeps the app's first non-finite loss.
 """
 from __future__ import annotations
 
@@ -46,24 +47,22 @@ class FirstFault:
         kept.copy_(torch.where((kept[0] < 0) & bad, new, kept))
 
     def values(self) -> list[Tensor]:
-        """The record's four scalars, for a read that transfers them with others (the head's flags)."""
-        return list(self.kept.unbind())
+        """The record's four scalars, for a read that transfers them with others (a
+        ``heads.flag_board.FlagBoard``'s, the head's flags'); none before any ``note``."""
+        return [] if self.kept is None else list(self.kept.unbind())
 
-    def take(self, values) -> tuple[int, int, int, int] | None:
-        """The fault in ``values`` (as a read transferred them), None for none; the record is
-        emptied for the next reads."""
-        step, rank, code, count = (int(v) for v in values)
+    @staticmethod
+    def of(values: list[float]) -> tuple[int, int, int, int] | None:
+        """(step, rank, code, count) of the fault in ``values`` (as a read transferred them), or
+        None; the record stays, so that every later read finds it too."""
+        step, rank, code, count = (int(v) for v in values) if values else (-1, 0, 0, 0)
+        return (step, rank, code, count) if step >= 0 else None
+
+    def take(self, values: list[float]) -> tuple[int, int, int, int] | None:
+        """``of(values)``, the record emptied for the next reads."""
         self.kept[0].fill_(-1)
         self.kept[1:].zero_()
-        return (step, rank, code, count) if step >= 0 else None
-
-    def read(self) -> tuple[int, int, int, int] | None:
-        """(step, rank, code, count) of the first fault, or None: one host read (none before any
-        ``note``); the record stays, so that every later read raises too."""
-        if self.kept is None:
-            return None
-        step, rank, code, count = self.kept.tolist()
-        return (step, rank, code, count) if step >= 0 else None
+        return self.of(values)
 
 
 class FixedExchange:

@@ -9,9 +9,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from ...heads.flag_board import FlagBoard
 from ...spherical.driving import SYNC_EVERY
 from ..optimizers import sparse_embedding_params
-from ..sparse_exchange import average_sparse_gradients, check_static_exchanges
+from ..sparse_exchange import average_sparse_gradients
 
 BYTES_KEY = "train/sparse_exchange_bytes"  # logged: what each rank received for these gradients per step
 
@@ -20,11 +21,16 @@ class SparseGradients(pl.Callback):
     """At fit start, rank 0's values of the row-sparse parameters go to every rank (what
     DDP does for the parameters it wraps); at every optimizer step, after all the
     micro-batches' backward passes and before clipping, their gradients are averaged over
-    the ranks; static rows' exchanges are checked every ``check_every`` steps and at the end
-    of training (one host read each). One process: nothing."""
+    the ranks. Static rows' exchanges keep their faults on ``board``: the module's
+    (``LanguageModel.flag_board``), read by its owner; else one of this callback's own, read
+    every ``check_every`` steps and at the end of training (one host transfer each). One
+    process: nothing."""
 
-    def __init__(self, check_every: int = SYNC_EVERY):
+    def __init__(self, board: FlagBoard | None = None, check_every: int = SYNC_EVERY):
         self.bytes_last_step = 0
+        #: whether this callback reads ``board`` itself (no board given)
+        self.reads = board is None
+        self.board = FlagBoard() if board is None else board
         self.check_every = check_every
 
     @staticmethod
@@ -41,11 +47,11 @@ class SparseGradients(pl.Callback):
         if not self._active(trainer):
             return
         params = sparse_embedding_params(pl_module)
-        self.bytes_last_step = average_sparse_gradients(params, step=trainer.global_step)
+        self.bytes_last_step = average_sparse_gradients(params, step=trainer.global_step, board=self.board)
         pl_module.log(BYTES_KEY, float(self.bytes_last_step))
-        if (trainer.global_step + 1) % self.check_every == 0:
-            check_static_exchanges(params)
+        if self.reads and (trainer.global_step + 1) % self.check_every == 0:
+            self.board.read()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active(trainer):
-            check_static_exchanges(sparse_embedding_params(pl_module))
+        if self._active(trainer) and self.reads:
+            self.board.read()
