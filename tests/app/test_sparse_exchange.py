@@ -139,6 +139,16 @@ def _static_worker(rank, rdv, out):
         board.read()
     except ValueError as e:
         res["error"] = str(e)
+    # no board: a table's fault is read at the end of the call that had it
+    other = nn.Parameter(torch.zeros(D, d, dtype=torch.float64))
+    other_rows = RowGrad(other)
+    for step, ids in enumerate(([1, 2], [1, 2, 3] if rank == 0 else [1])):  # rank 0 over the 2 agreed
+        other_rows.zero_grad()
+        other_rows.gather(other, torch.tensor(ids)).sum().backward()
+        try:
+            average_sparse_gradients([other], step=step)
+        except ValueError as e:
+            res["unboarded"] = (step, str(e))
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -173,6 +183,8 @@ def test_a_rank_over_the_static_capacity_leaves_the_rows_untouched_and_every_ran
         assert r["steps"][last]["ref"].any()  # though both ranks had some
         assert f"at step {last} a rank's batch gathered 8 rows, more than the 7" in r["error"]
         assert "\n" not in r["error"]
+        step, error = r["unboarded"]  # without a board: raised by the call itself, on every rank
+        assert step == 1 and "at step 1 a rank's batch gathered 3 rows, more than the 2" in error
 
 
 def _head_board_worker(rank, rdv, out):

@@ -134,11 +134,13 @@ def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: i
     rank must pass the same parameters in the same order); a rank that has no gradient
     for one takes part with no rows. Static rows go in fixed shapes (``step``: the optimizer
     step, named if a rank's rows had to be left out, at the next read of ``board``, where their
-    faults are registered; None: unread). Returns the bytes this rank received."""
+    faults are registered; None: read at the end of this call, one host read). Returns the bytes
+    this rank received."""
     received = 0
     pg = ProcessGroup.current(group)
     if pg.world == 1:
         return 0
+    own, board = board is None, FlagBoard() if board is None else board
     for p in params:
         rows = row_grad_of(p)
         if rows is not None:  # static rows (lst_lightning.rows)
@@ -154,4 +156,6 @@ def average_sparse_gradients(params: Iterable[nn.Parameter], group=None, step: i
         received += n
         if p.grad is not None or averaged._nnz():
             p.grad = averaged
+    if own:
+        board.read()
     return received
