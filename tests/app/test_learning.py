@@ -22,7 +22,7 @@ def test_factored_head_learns_the_synthetic_rule(tmp_path):
     the previous one XOR 1 half of the time: the unigram baseline cannot know that."""
     res = run(cfg_of("logger=csv", "callbacks=minimal", "data=synthetic", "data.num_classes=2000",
                      "data.input_vocab_size=null", "data.context_size=2", "data.max_eval_examples=2000",
-                     "trainer.limit_train_batches=300", "metrics.simlex=false"), tmp_path)
+                     "trainer.limit_train_batches=120", "metrics.simlex=false"), tmp_path)
     _beats_unigram(res, 0.05)
 
 
@@ -33,7 +33,7 @@ def test_default_head_learns_at_large_D(tmp_path):
     unigram ranking here: docs/learning_at_scale.md). The default is the sampled classes inside
     the exact step (loss=sampled)."""
     res = run(cfg_of("logger=csv", "callbacks=minimal", "data=synthetic", "data.num_classes=100000",
-                     "data.input_vocab_size=100000", "data.max_eval_examples=1024", "trainer.max_steps=600",
+                     "data.input_vocab_size=100000", "data.max_eval_examples=1024", "trainer.max_steps=250",
                      "trainer.limit_val_batches=0", "metrics.simlex=false"), tmp_path)
     test, uni = res["test"], res["unigram_test"]
     assert res["loss"] == "sampled" and res["num_classes"] == 100_000

@@ -91,7 +91,7 @@ def same(a, b):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    finished(lst_train(run_dir))
+    run(cfg_of(*RUN), run_dir)  # in this process: the killed runs' processes are the ones to stop
     return outcome(run_dir)
 
 
@@ -106,7 +106,7 @@ def test_a_killed_run_resumes_exactly(tmp_path, uninterrupted):
     assert proc.returncode == -signal.SIGKILL and not (tmp_path / "results.json").exists()
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == STOP_AT  # mid-epoch: step 7 of 10
-    finished(lst_train(tmp_path, "ckpt_path=last"))
+    run(cfg_of(*RUN, "ckpt_path=last"), tmp_path)  # in this process, to save one start-up
     same(outcome(tmp_path), uninterrupted)
 
 
@@ -126,7 +126,7 @@ def test_a_run_killed_in_the_middle_of_a_background_save_resumes_exactly(tmp_pat
     assert files == [".step7.ckpt.tmp" + str(proc.pid), "last.ckpt", "step6.ckpt"], files
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == STOP_AT - 1
-    finished(lst_train(tmp_path, "ckpt_path=last"))
+    run(cfg_of(*RUN, "ckpt_path=last"), tmp_path)  # in this process, to save one start-up
     same(outcome(tmp_path), uninterrupted)
 
 
