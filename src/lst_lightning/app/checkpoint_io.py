@@ -123,8 +123,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         process in ``<a mkdtemp folder>/.temp.ckpt`` and removes only the file: its folder, left
         empty, goes too (else every spawned ``fit`` leaves an empty folder in the temp dir)."""
         super().remove_checkpoint(path)
-        folder = os.path.dirname(os.fspath(path))
-        if os.path.basename(os.fspath(path)) == SPAWN_WEIGHTS and os.path.isdir(folder) and not os.listdir(folder):
+        folder, name = os.path.split(os.fspath(path))
+        if name == SPAWN_WEIGHTS and os.path.isdir(folder) and not os.listdir(folder):
             os.rmdir(folder)
 
 
