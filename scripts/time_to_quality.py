@@ -184,6 +184,11 @@ def run_heads(words: dict, dirs: dict, apart: bool) -> list[float]:
     return [load for h in words for load in wait_all([launch(words[h], dirs[h])], [dirs[h]])]
 
 
+def val_examples(words: list[str]) -> int:
+    """The validation examples a run's overrides ask for: Hydra's last override wins."""
+    return [int(w.split("=")[1]) for w in words if w.startswith("data.max_eval_examples=")][-1]
+
+
 def equal_time_pair(case: str, heads: list[str], seed: int, budget: float, points: int, work: Path,
                     info: dict, apart: bool = False) -> tuple[list[dict], list[dict]]:
     D = CASES[case][1]
@@ -202,7 +207,7 @@ def equal_time_pair(case: str, heads: list[str], seed: int, budget: float, point
                      "clock": "cpu", "budget_s": budget, "steps": res["train_steps"],
                      "head_share": round(res["head_share"], 3) if res.get("head_share") is not None else None,
                      "train_s": round(mine[-1]["clock_s"], 2),
-                     "val_examples": next(int(w.split("=")[1]) for w in words[h] if w.startswith("data.max_eval")),
+                     "val_examples": val_examples(words[h]),
                      "val_mrr": round(mine[-1]["val_mrr"], 4), "val_top10_error": round(mine[-1]["val_top10_error"], 4),
                      "reach_s": None if reach is None else round(reach, 2),
                      "reach_ratio": None if reach is None else round(reach / rival_s, 3),
@@ -231,8 +236,7 @@ def same_steps(case: str, heads: list[str], seed: int, steps: int, points: int, 
             rows.append({"case": case, "D": D, "mode": "same_steps", "head": h, "rival": "softmax", "seed": seed,
                          "clock": "", "budget_s": None, "steps": res["train_steps"], "train_s": None,
                          "head_share": round(res["head_share"], 3) if res.get("head_share") is not None else None,
-                         "val_examples": next(int(w.split("=")[1]) for w in words[h]
-                                              if w.startswith("data.max_eval")),
+                         "val_examples": val_examples(words[h]),
                          "val_mrr": round(pts[-1]["val_mrr"], 4), "val_top10_error": round(pts[-1]["val_top10_error"], 4),
                          "reach_s": None, "reach_ratio": None, "load_mean": round(sum(loads) / len(loads), 2), "together": 1,
                          **info, "command": command_of(words[h])})

@@ -28,11 +28,17 @@ def test_the_budget_and_the_validations_count_on_the_cpu_clock():
     assert not any(w.startswith("+trainer.max_time") for w in steps)
 
 
-
 def test_a_variant_of_a_head_adds_its_settings_after_the_heads_own():
     words = ttq.overrides("python_code", "default_no_P;head.lr=8;loss.kwargs.mu=0.03", 0, "equal_time", 60, 6, 0)
     assert words[-3:] == ["head.preconditioner=null", "head.lr=8", "loss.kwargs.mu=0.03"]
     assert ttq.head_overrides("sampled_softmax") == ["head=sampled"]
+
+
+def test_the_validation_size_recorded_is_the_last_override_as_hydra_takes_it():
+    words = ttq.overrides("python_code", "default;data.max_eval_examples=4096", 0, "equal_time", 90, 6, 0)
+    assert ttq.val_examples(words) == 4096
+    assert ttq.val_examples(ttq.overrides("python_code", "default", 0, "equal_time", 90, 6, 0)) == 1024
+
 
 @pytest.mark.slow  # two lst-train processes end to end (40 to 60 s); the rows' arithmetic is tested above
 def test_a_smoke_pair_runs_side_by_side_and_writes_its_rows(sandbox):
