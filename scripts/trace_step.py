@@ -6,8 +6,8 @@ the right preconditioner),
 takes one warm-up step, then traces one more ``head(H, idx).backward()`` with
 ``sys.setprofile`` and prints every file of ``src/`` and ``triton_kernels/`` it enters,
 with the functions (lambdas and comprehensions count: each is a call a reader follows).
-tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 46 functions,
-and the default loss=sampled's step to 12 files and 62 functions.
+tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 45 functions,
+and the default loss=sampled's step to 12 files and 61 functions.
 """
 from __future__ import annotations
 

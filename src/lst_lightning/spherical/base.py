@@ -569,7 +569,7 @@ class SphericalHeadBase(OutputHead):
 
     def row_weights(self, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
         """d reduce(per, idx) / d per (m,), as ``reduction`` says (exact_step.py's ``row_weights``)."""
-        return exact_step.row_weights(self.reduction, idx, dtype, rows)
+        return exact_step.row_weights(self.reduction, (idx >= 0).any(1), dtype, rows)
 
     def reduce(self, per_example: Tensor, idx: Tensor, weight: Tensor | None = None) -> Tensor:
         """The minibatch loss from per-example losses (exact_step.py's ``reduce``; ``weight``:

@@ -25,13 +25,11 @@ from .inverse_update import neumann_factors, residual_tolerance, uinv_by_product
 from .state import StepState
 
 
-def nothing(*args, **kwargs) -> None:
-    """Nothing to do: no fault to note, no shared negatives' rows to write, no ||y||^2 to take."""
-
-
 class Unexchanged:
     """The exchange of a batch of one process's own rows: every rank sent its rows."""
-    note_fault = staticmethod(nothing)
+
+    def note_fault(self, first, bad, step) -> None:
+        """No fault to note: every rank sent its rows."""
 
     def checked(self, input_ok):
         return input_ok
@@ -118,9 +116,9 @@ class NewState:
 
 class TargetsOnly:
     """The step's part of the sampled classes when there are none (the plan's ``slots``): Yd's
-    Gramian terms of the target slots alone, no rows of a block to write."""
+    Gramian terms of the target slots alone, no rows of a block to write (``write`` scatters a
+    ``shared`` block's only)."""
     shared = False
-    scatter_ = staticmethod(nothing)
 
     def slots_part(self) -> "TargetsOnly":
         return self
@@ -155,28 +153,17 @@ def y_sq(idx: Tensor, T: Tensor) -> Tensor:
     return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
 
-# d reduce(per, idx) / d per (m,) from ``real`` (m,), the rows with a real slot, for each
-# reduction (the plan's ``weights``): 1/n on those rows (n as the reduction says; 1 for "sum"), 0 on
-# a fully padded row. ``rows``: the rows "mean" divides by, a device count (the ranks' rows of a
-# gathered batch padded to their capacity: ``processes.rows``); None: all of them.
-def sum_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-    return real.to(dtype)
-
-
-def mean_real_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-    return real.to(dtype) / real.sum().clamp_min(1)
-
-
-def mean_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-    return real.to(dtype) / (real.shape[0] if rows is None else rows)
-
-
-WEIGHTS = {"sum": sum_weights, "mean_real": mean_real_weights, "mean": mean_weights}
-
-
-def row_weights(reduction: str, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-    """d reduce(per, idx) / d per (m,), as ``reduction`` says (``WEIGHTS``)."""
-    return WEIGHTS[reduction]((idx >= 0).any(1), dtype, rows)
+def row_weights(reduction: str, real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    """d reduce(per) / d per (m,) from ``real`` (m,), the rows with a real slot: 0 on a fully padded
+    row, 1/n on the others, n as ``reduction`` says: 1 ("sum"), the real rows ("mean_real"), all the
+    rows ("mean": ``rows``, a device count, the ranks' rows of a gathered batch padded to their
+    capacity, ``processes.rows``; None: m)."""
+    weight = real.to(dtype)
+    if reduction == "mean_real":
+        return weight / real.sum().clamp_min(1)
+    if reduction == "mean":
+        return weight / (real.shape[0] if rows is None else rows)
+    return weight
 
 
 def reduce(per_example: Tensor, weight: Tensor) -> Tensor:
@@ -242,8 +229,8 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
     real = (idx >= 0).any(1)  # the rows with a target: the loss's weights, P's moments
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
-    y2 = plan.y_sq(idx, T)  # ||y||^2 where the loss takes it (with sampled classes: the spherical term's)
-    weight = plan.weights(real, q.dtype, rows)
+    y2 = y_sq(idx, T) if plan.loss.needs_y_sq else None  # ||y||^2 where the loss takes it (sampled: the spherical term)
+    weight = row_weights(plan.reduction, real, q.dtype, rows)
     if plan.sampling is None:
         per, gq, gs, GA = plan.loss.grads(q, s, A, T, weight, num_classes=plan.num_classes, y_sq=y2)
         neg = TARGETS_ONLY
@@ -529,7 +516,8 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
     alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
-    fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right, new.N)  # shared negatives' rows: one GEMM
+    if fwd.neg.shared:  # shared negatives' rows: one GEMM
+        fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right, new.N)
     if fwd.row_sq is not None:
         plan.row_steps.write_acc(state, fwd, ok)
     state.omega.copy_(omega)

@@ -79,10 +79,6 @@ class StepPlan:
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
-    #: ||y||^2 per row where the loss takes it (exact_step.py's ``y_sq``), else ``nothing``
-    y_sq: object = field(init=False, compare=False, repr=False)
-    #: the reduction's row weights (exact_step.py's ``WEIGHTS``)
-    weights: object = field(init=False, compare=False, repr=False)
     #: the gathers and the scatter of V's rows: lst_kernels' own in one process, else the ``Processes``'
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
@@ -94,9 +90,7 @@ class StepPlan:
         chosen = dict(bounds=exact_step.device_bounds if self.deferred else exact_step.eigen_bounds,
                       screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       few_rows=routes["woodbury"], many_rows={**routes, "products": products}[self.inverse],
-                      y_sq=exact_step.y_sq if getattr(self.loss, "needs_y_sq", False) else exact_step.nothing,
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
-                      weights=exact_step.WEIGHTS[self.reduction],
                       gather_dot=lk.gather_dot if alone else sh.gather_dot,
                       gather_sum=lk.gather_sum if alone else sh.gather_sum,
                       scatter_rows=lk.scatter_add_rows_ if alone else sh.scatter_rows)
