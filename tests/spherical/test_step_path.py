@@ -4,7 +4,12 @@ enters at most 8 project files and 45 functions: the input check, the loss, the 
 and its step (base.py, exact_step.py), its host driver with its device flags, compiled or eager
 (driver.py), its precision (precision.py) and the kernel ops; not the head's class
 (factored.py): the step reads the head's plan and settings as data.
-Processes, pending rows and the repairs are not entered when they have nothing to do."""
+Processes, pending rows and the repairs are not entered when they have nothing to do.
+
+The step's device part (below driver.py's ``run``: ``forward`` and ``update``, ``device_step``'s
+halves) branches on its plan, never on tensors' values where its device flags are masked (as on a
+GPU or compiled); eager on the CPU it reads them where they are made (``take_read``'s two
+``cpu_flag``), and the CPU's fold of the kernel ops reads its flag (``_fold_rows_gated``)."""
 import importlib.util
 from pathlib import Path
 
@@ -12,6 +17,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FILES, MAX_FUNCTIONS = 8, 45
+#: the device part's (functions, branches), the step's own (src/) and the kernel ops'
+#: (triton_kernels/), as scripts/trace_step.py counts them, by (loss, masked): the eager CPU step
+#: reads its device flags where they are made, ``masked`` masks them by ``torch.where`` as a GPU does
+DEVICE_PART = {("zloss", False): ((18, 23), (13, 24)), ("zloss", True): ((16, 20), (15, 29)),
+               ("sampled", False): ((31, 49), (14, 27)), ("sampled", True): ((29, 46), (16, 32))}
+EXACT_STEP = "src/lst_lightning/spherical/exact_step.py"
+_traces: dict = {}
 
 
 def trace_script():
@@ -21,9 +33,18 @@ def trace_script():
     return module
 
 
+def traced(loss: str = "zloss", masked: bool = False):
+    """(the step's path, its device part, the device part's branches), traced once a loss and flags."""
+    if (loss, masked) not in _traces:
+        script, device = trace_script(), {}
+        path = script.default_step_path(loss=loss, masked=masked, device=device)
+        _traces[loss, masked] = path, device, script.device_branches(device)
+    return _traces[loss, masked]
+
+
 @pytest.fixture(scope="module")
 def path():
-    return trace_script().default_step_path()
+    return traced()[0]
 
 
 def test_the_default_step_enters_at_most_8_files_and_45_functions(path):
@@ -48,13 +69,63 @@ def test_the_default_losss_step_enters_at_most_12_files_and_61_functions():
     """lst-train's default, loss=sampled: the spherical step above plus the draw (negatives.py,
     the sampler), the composite loss, the target slots and the right preconditioner (its step,
     the write of its moments)."""
-    path = trace_script().default_step_path(loss="sampled")
+    path = traced("sampled")[0]
     assert {"src/lst_lightning/spherical/negatives.py", "src/lst_lightning/losses/sampled_composite.py",
             "src/lst_lightning/spherical/preconditioner.py"} <= set(path)
     assert len(path) <= 12 and sum(len(v) for v in path.values()) <= 61, path
+
+
+@pytest.mark.parametrize("loss", ["zloss", "sampled"])
+@pytest.mark.parametrize("masked", [False, True], ids=["read", "masked"])
+def test_the_device_part_enters_at_most_its_functions_and_branches(loss, masked):
+    _, device, branches = traced(loss, masked)
+    for part, (functions, most) in zip(("src/", "triton_kernels/"), DEVICE_PART[loss, masked]):
+        mine = [b for b in branches if b.file.startswith(part)]
+        assert sum(1 for key in device["codes"] if key[0].startswith(part)) <= functions, sorted(device["codes"])
+        assert len(mine) <= most, "\n".join(map(str, mine))
+    assert not {key[1] for key in device["codes"]} & {"before_step", "run_device_part", "step_state"}  # the host's
+
+
+@pytest.mark.parametrize("loss", ["zloss", "sampled"])
+def test_the_device_part_branches_on_tensors_values_only_where_the_cpu_reads_its_flags(loss):
+    """Masked (a GPU's, a compiled step's), the step itself branches on its plan alone; the kernel
+    ops' fold on the CPU reads its flag (on CUDA a Triton kernel, compiled an opaque op). Eager on
+    the CPU the step reads its two flags where they are made (``take_read``) and enters the kernel
+    ops' fold only where it folds (not in the traced step)."""
+    values = {masked: [(b.file, b.function, b.test) for b in traced(loss, masked)[2] if b.on == "values"]
+              for masked in (False, True)}
+    assert values[True] == [("triton_kernels/lst_kernels/functional.py", "_fold_rows_gated", "not bool(flag)")]
+    assert values[False] == [(EXACT_STEP, "take_read", "not cpu_flag(ok)"),
+                             (EXACT_STEP, "take_read", "cpu_flag(new.fold)")]
+
+
+def test_a_branch_on_a_tensor_read_on_the_host_is_classed_by_its_test_or_by_the_trace(tmp_path):
+    """A conversion in the test, or of a name the test reads, is on tensors' values; so is a test
+    during which the trace saw a tensor read on the host (``reads``: its lines), an ``if x.any():``."""
+    source = tmp_path / "step.py"
+    source.write_text("def step(plan, x, grad=None):\n"
+                      "    y = bool(x.any())\n"
+                      "    if plan.flag:\n"
+                      "        x = x + 1\n"
+                      "    if y:\n"
+                      "        x = x * 2\n"
+                      "    z = x if grad is None else grad\n"
+                      "    if x.any():\n"
+                      "        z = [v for v in z if v.shape[0]]\n"
+                      "    return z, plan.flag or grad\n")
+    spec = importlib.util.spec_from_file_location("step", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    code = module.step.__code__
+    device = {"codes": {("step.py", "step", 1): code}, "reads": {"step.py": {8}}}
+    branches = trace_script().device_branches(device)
+    assert [(b.line, b.kind, b.on) for b in branches] == [
+        (3, "if", "plan"), (5, "if", "values"), (7, "if-else", "plan"), (8, "if", "values"), (10, "and/or", "plan")]
+    assert branches[0].note == "plan/settings" and branches[2].note == "optional"
 
 
 def test_the_script_traces_either_loss_from_its_command_line(capsys):
     trace_script().main(["--loss", "sampled", "-m", "4"])
     out = capsys.readouterr().out
     assert "src/lst_lightning/spherical/negatives.py" in out and out.split()[1] == "files,"
+    assert "device part: " in out and f"{EXACT_STEP}:" in out
