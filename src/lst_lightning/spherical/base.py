@@ -27,8 +27,8 @@ from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
 from .preconditioner import Preconditioner
 from .row_steps import RowSteps
-from .settings import AUTO, on_with_sampled
-from .pending import PendingRows, check_loss_scale, check_max_rows
+from .settings import AUTO, Setting, finite, on_with_sampled, one_of, positive_int
+from .pending import PendingRows
 from .plan import StepPlan, negatives_kind
 from .precision import own_math
 
@@ -112,8 +112,7 @@ class SphericalHeadBase(OutputHead):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
         if not (isinstance(hidden_dim, int) and hidden_dim >= 1):
             raise ValueError(f"hidden_dim must be a positive int, got {hidden_dim!r}")
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        self.reduction = reduction
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or 0 <= ignore_index < num_classes:
             raise ValueError(f"ignore_index must be an int outside the class ids [0, {num_classes}) "
                              f"(default {IGNORE_INDEX}), got {ignore_index!r}")
@@ -126,7 +125,7 @@ class SphericalHeadBase(OutputHead):
         if dtype not in STATE_DTYPES:
             raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
-        self.bias, self._reduction = bool(bias), reduction
+        self.bias = bool(bias)
         #: columns of the implicit W: the hidden size, plus one constant column for the bias.
         self.width = hidden_dim + int(self.bias)
         loss_fn = loss if isinstance(loss, SphericalLoss) else make_loss(loss, **(loss_kwargs or {}))
@@ -213,41 +212,11 @@ class SphericalHeadBase(OutputHead):
         self._graphs = {}  # a captured CUDA graph holds the old tensors
         self._version += 1  # a pending backward from before the move is stale
         return out
-    # -- hyperparameters the training loop may change ---------------------------------
-    @property
-    def lr(self) -> float:
-        return self._lr
-
-    @lr.setter
-    def lr(self, value: float) -> None:
-        value = float(value)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"lr must be finite and positive, got {value}")
-        self._lr = value
-
-    @property
-    def weight_decay(self) -> float:
-        return self._weight_decay
-
-    @weight_decay.setter
-    def weight_decay(self, value: float) -> None:
-        value = float(value)
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"weight_decay must be finite and >= 0, got {value}")
-        self._weight_decay = value
-        self._in_plan(weight_decay=value)
-
-    @property
-    def reduction(self) -> str:
-        """How the rows' losses make the minibatch loss: one of ``REDUCTIONS``."""
-        return self._reduction
-
-    @reduction.setter
-    def reduction(self, value: str) -> None:
-        if value not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {value!r}")
-        self._reduction = value
-        self._in_plan(reduction=value)
+    # -- hyperparameters the training loop may change (settings.py's ``Setting``) ----------
+    lr = Setting(finite("lr"))
+    weight_decay = Setting(finite("weight_decay", positive=False), planned=True)
+    #: how the rows' losses make the minibatch loss: one of ``REDUCTIONS``
+    reduction = Setting(one_of("reduction", REDUCTIONS), planned=True)
 
     def _in_plan(self, **fields) -> None:
         """A setting the step's plan holds, changed in it (before the plan is made: nothing to change)."""
@@ -474,40 +443,17 @@ class SphericalHeadBase(OutputHead):
             return _HeadLoss.apply(H, self, Hx, idx, T, token)
 
     # -- when the step is taken: in backward, or at an attached optimizer's step (pending.py) --
-    @property
-    def loss_scale(self) -> float:
-        """The loss scale the backward's gradient carries when no scaler is attached (a
-        user's loop sets it: ``head.loss_scale = scaler.get_scale()``)."""
-        return self.pending.loss_scale
-
-    @loss_scale.setter
-    def loss_scale(self, value) -> None:
-        self.pending.loss_scale = check_loss_scale(value)
-
-    @property
-    def max_pending_rows(self) -> int:
-        """Bound on the rows kept between optimizer steps."""
-        return self.pending.max_rows
-
-    @max_pending_rows.setter
-    def max_pending_rows(self, value: int) -> None:
-        self.pending.max_rows = check_max_rows(value)
-
-    @property
-    def rows_per_rank(self) -> int | None:
-        """Several processes under device flags: the rows each rank may send a training step,
-        at least (the ranks agree at their first training step on the largest of this and
-        their first batches' rows, and pad every batch to it: padded_rows.py); None: the
-        first batches' rows. Set it on every rank before the first step when later batches
-        may hold more rows than the first (a batch of more voids its step, raised at the
-        next read of the flags)."""
-        return self._rows_per_rank
-
-    @rows_per_rank.setter
-    def rows_per_rank(self, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"rows_per_rank must be a positive int or None, got {value!r}")
-        self._rows_per_rank = value
+    #: the loss scale the backward's gradient carries when no scaler is attached (a user's loop
+    #: sets it: ``head.loss_scale = scaler.get_scale()``); the bound on the rows kept between
+    #: optimizer steps
+    loss_scale = Setting(finite("loss_scale"), "pending.loss_scale")
+    max_pending_rows = Setting(positive_int("max_pending_rows"), "pending.max_rows")
+    #: Several processes under device flags: the rows each rank may send a training step, at least
+    #: (the ranks agree at their first training step on the largest of this and their first
+    #: batches' rows, and pad every batch to it: padded_rows.py); None: the first batches' rows.
+    #: Set it on every rank before the first step when later batches may hold more rows than the
+    #: first (a batch of more voids its step, raised at the next read of the flags).
+    rows_per_rank = Setting(positive_int("rows_per_rank", optional=True))
 
     @property
     def scaler_skips(self) -> int:

@@ -595,19 +595,14 @@ def device_step(plan, state, batch: Batch, lr: Tensor, draws: Tensor | None) -> 
     return loss, dH, state, flags
 
 
-def records_forward(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok,
-                    cols: Tensor | None, G_neg: Tensor | None) -> SavedForward:
-    """Exact accumulation's records as a forward had made them: their products with the current
-    state, and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
-    route = step_route(plan, Hx.shape[0])
-    _, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
-    neg = plan.slots.slots_part() if cols is None else plan.slots.records_block(plan, state, cols, G_neg)
-    return SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg=neg, real=real)
-
-
 @torch.no_grad()
 def records_step(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
                  cols: Tensor | None, G_neg: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
-    """Exact accumulation's step under device flags, whole (as ``device_step``)."""
-    return update(plan, state, records_forward(plan, state, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg),
-                  None, lr)
+    """Exact accumulation's step under device flags, whole (as ``device_step``): ``update`` of the
+    records as a forward had made them, their products with the current state, and their shared
+    negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
+    route = step_route(plan, Hx.shape[0])
+    _, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
+    neg = plan.slots.slots_part() if cols is None else plan.slots.records_block(plan, state, cols, G_neg)
+    return update(plan, state, SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg=neg,
+                                            real=real), None, lr)

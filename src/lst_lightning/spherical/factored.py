@@ -30,6 +30,7 @@ from .graph_step import CudaGraphStep
 from .multi_process import processes_for
 from .plan import StepPlan, head_refusal, plan_for
 from .precision import own_precision
+from .settings import Driven
 from .shard_files import load_rows
 from .sharded_eval import ShardedEvaluation
 from .stabiliser import REPAIR_COUNTERS, Repairs, Stabiliser, fell_due
@@ -115,11 +116,18 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def _drive(self, **fields) -> None:
         """Driving settings changed (validated with the others by ``Driving``, refused in one line
-        where this head cannot take them), then the plan made again."""
-        driving = dataclasses.replace(self.driving, **fields)
+        where this head cannot take them), then the plan made again; a new ``step`` drops the CUDA
+        graphs, and a change between ``sync_every`` 1 and more makes a board of the new rules'
+        (eigen_bounds, products_by_rho or device flags'), counting on."""
+        driving, deferred, old = dataclasses.replace(self.driving, **fields), self.plan.deferred, self.step_checks
         self._refuse(driving)
         self.driving = driving
         self._replan()
+        if "step" in fields:
+            self._graphs = {}
+        if self.plan.deferred != deferred:
+            self.step_checks = DeviceFlags()
+            self.step_checks.calls, self.step_checks.synced = old.calls, old.synced
 
     def _replan(self) -> None:
         """The step's plan (plan.py) made again: at a change of a setting, the device or the process group."""
@@ -143,47 +151,15 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def row_hi(self) -> int:
         return self.processes.hi
 
-    @property
-    def step(self) -> str:
-        """Where the update runs: "autograd", "fused" or "cuda_graph" (driving.py)."""
-        return self.driving.step
-
-    @step.setter
-    def step(self, value: str) -> None:
-        self._drive(step=value)
-        self._graphs = {}
-
-    @property
-    def sync_every(self) -> int:
-        return self.driving.sync_every
-
-    @sync_every.setter
-    def sync_every(self, value: int) -> None:
-        deferred, old = self.plan.deferred, self.step_checks
-        self._drive(sync_every=value)
-        if self.plan.deferred != deferred:  # sync_every=1's rules (eigen_bounds, products_by_rho) or more's: a board of theirs
-            self.step_checks = DeviceFlags()
-            self.step_checks.calls, self.step_checks.synced = old.calls, old.synced
-
-    @property
-    def compile_step(self) -> bool | str:
-        """Whether the step's device part runs compiled whole (driver.py): "auto" (on a CUDA
-        device, where nothing refuses it), True or False."""
-        return self.driving.compile
-
-    @compile_step.setter
-    def compile_step(self, value: bool | str) -> None:
-        self._drive(compile=value)
-
-    @property
-    def batch_sizes(self) -> str | tuple[int, ...]:
-        """The rows a compiled step (or a CUDA graph) pads a batch to, so that any m compiles (or is
-        captured) once per size (batch_shapes.py): "pow2" (16, 32, 64, ...) or a sequence of sizes."""
-        return self.driving.batch_sizes
-
-    @batch_sizes.setter
-    def batch_sizes(self, value) -> None:
-        self._drive(batch_sizes=value)
+    # -- the driving settings (settings.py's ``Driven``: set through ``_drive``) ---------------
+    #: where the update runs: "autograd", "fused" or "cuda_graph"; how often the flags are read
+    step, sync_every = Driven("step"), Driven("sync_every")
+    #: whether the step's device part runs compiled whole (driver.py): "auto" (on a CUDA device,
+    #: where nothing refuses it), True or False
+    compile_step = Driven("compile")
+    #: the rows a compiled step (or a CUDA graph) pads a batch to, so that any m compiles (or is
+    #: captured) once per size (batch_shapes.py): "pow2" (16, 32, 64, ...) or a sequence of sizes
+    batch_sizes = Driven("batch_sizes")
 
     @property
     def graph_sizes(self) -> tuple[tuple[int, int], ...]:

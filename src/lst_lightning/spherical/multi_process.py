@@ -105,21 +105,6 @@ class Processes:
         """Class ids as rows of the V held here (-1: another rank's)."""
         return idx
 
-    def gather_dot(self, V: Tensor, idx: Tensor, X: Tensor, x0: Tensor) -> Tensor:
-        return lk.gather_dot(V, idx, X, x0)
-
-    def gather_sum(self, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
-        return lk.gather_sum(V, idx, G)
-
-    def scatter_rows(self, V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha, order=None) -> Tensor:
-        """``lk.scatter_add_rows_`` into the rows of V held here (the ids' sort, of every rank's
-        rows, is not reused)."""
-        return lk.scatter_add_rows_(V, self.local_idx(idx), G, X, alpha)
-
-    def rows_of(self, V: Tensor, ids: Tensor) -> Tensor:
-        """V's rows of the classes ``ids`` (u, d), wherever they are held."""
-        return V[ids]
-
     def all_reduce_(self, x: Tensor) -> Tensor:
         """The sum over the ranks that hold parts of V (one process, replicated: x itself)."""
         return x
@@ -150,7 +135,8 @@ class Replicated(Processes):
 
 
 class ShardedRows(Processes):
-    """Rank r holds V's rows [lo, hi); the rest of the state is replicated."""
+    """Rank r holds V's rows [lo, hi); the rest of the state is replicated. The step's gathers and
+    scatter of V's rows are this object's (the plan's; with V whole, lst_kernels' own)."""
 
     parallel = "sharded"
     sharded = True
@@ -170,7 +156,13 @@ class ShardedRows(Processes):
     def gather_sum(self, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
         return self.pg.all_reduce_(lk.gather_sum(V, self.local_idx(idx), G))
 
+    def scatter_rows(self, V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha, order=None) -> Tensor:
+        """``lk.scatter_add_rows_`` into the rows of V held here (the ids' sort, of every rank's
+        rows, is not reused)."""
+        return lk.scatter_add_rows_(V, self.local_idx(idx), G, X, alpha)
+
     def rows_of(self, V: Tensor, ids: Tensor) -> Tensor:
+        """V's rows of the classes ``ids`` (u, d), wherever they are held."""
         local = self.local_idx(ids)  # each row has one owner: the others contribute zeros (u x d values)
         rows = V[local.clamp(min=0)] if V.shape[0] else V.new_zeros(ids.numel(), V.shape[1])
         return self.pg.all_reduce_(torch.where(local[:, None] >= 0, rows, 0.0))

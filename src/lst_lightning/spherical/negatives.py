@@ -246,7 +246,7 @@ class NegativeSampling:
         else:
             uniq, inv = torch.unique(cols, sorted=True, return_inverse=True)
         sh = plan.collectives
-        V_u = state.V.index_select(0, uniq) if plan.processes == "none" else sh.rows_of(state.V, uniq)
+        V_u = state.V.index_select(0, uniq) if plan.processes != "sharded" else sh.rows_of(state.V, uniq)
         return SharedBlock(cols, uniq, inv, G_neg, V_u, padded=static)
 
     # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
@@ -260,7 +260,7 @@ class NegativeSampling:
         cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, plan.deferred, query)
         sh = plan.collectives  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:  # the block's rows of V, fetched once
-            V_u = state.V.index_select(0, uniq) if plan.processes == "none" else sh.rows_of(state.V, uniq)
+            V_u = state.V.index_select(0, uniq) if plan.processes != "sharded" else sh.rows_of(state.V, uniq)
             A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
             A_neg = plan.gather_dot(state.V, cols, HUt, ht)

@@ -16,7 +16,6 @@ gone the next training forward drops the rows with a warning and detaches the he
 """
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 
@@ -128,15 +127,3 @@ class PendingRows:
         with own_math(head.device.type, head.tf32):  # the head's math in its own dtype and precision
             head._apply_records(records)
 
-
-def check_loss_scale(value) -> float:
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"loss_scale must be finite and positive, got {value}")
-    return value
-
-
-def check_max_rows(value) -> int:
-    if not (isinstance(value, int) and value >= 1):
-        raise ValueError(f"max_pending_rows must be a positive int, got {value!r}")
-    return value

@@ -79,21 +79,22 @@ class StepPlan:
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
-    #: the gathers and the scatter of V's rows: lst_kernels' own in one process, else the ``Processes``'
+    #: the gathers and the scatter of V's rows: lst_kernels' own with V whole, else the ``ShardedRows``'
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
+        whole = self.processes != "sharded"  # V's rows all here
         products = routes["products"] if self.deferred else exact_step.PRODUCTS_BY_RHO
         chosen = dict(bounds=exact_step.device_bounds if self.deferred else exact_step.eigen_bounds,
                       screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       few_rows=routes["woodbury"], many_rows={**routes, "products": products}[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
-                      gather_dot=lk.gather_dot if alone else sh.gather_dot,
-                      gather_sum=lk.gather_sum if alone else sh.gather_sum,
-                      scatter_rows=lk.scatter_add_rows_ if alone else sh.scatter_rows)
+                      gather_dot=lk.gather_dot if whole else sh.gather_dot,
+                      gather_sum=lk.gather_sum if whole else sh.gather_sum,
+                      scatter_rows=lk.scatter_add_rows_ if whole else sh.scatter_rows)
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
 

@@ -1,8 +1,11 @@
-"""A head's nested settings (``Negatives``, ``Preconditioner``, ``Stabiliser``) from what a
-user or a Hydra config passes: the dataclass itself, or a dict of some of its fields."""
+"""A head's settings: the nested ones (``Negatives``, ``Preconditioner``, ``Stabiliser``) from what
+a user or a Hydra config passes, the dataclass itself or a dict of some of its fields
+(``settings_from``); and the ones a training loop may change, as attributes validated when set
+(``Setting``, ``Driven``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 #: a nested setting's default on the spherical heads (negatives, preconditioner): on at the
 #: dataclass's defaults with a loss that samples classes (the default, ``loss="sampled"``),
@@ -30,3 +33,74 @@ def settings_from(cls: type, value, name: str):
     if unknown:
         raise ValueError(f"unknown {name} setting(s) {unknown}; the settings are {names}")
     return cls(**value)
+
+
+class Setting:
+    """A head's setting as an attribute: ``check(value)`` refuses a bad value in one line and gives
+    the value kept, at ``place`` (``"_<name>"``, or an attribute of one of the head's parts:
+    ``"pending.max_rows"``); one that the step's plan holds (``planned``) changes there too (the
+    head's ``_in_plan``)."""
+
+    def __init__(self, check, place: str | None = None, planned: bool = False):
+        self.check, self.place, self.planned = check, place, planned
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        *self.part, self.attr = (self.place or "_" + name).split(".")
+
+    def _holder(self, head):
+        for part in self.part:
+            head = getattr(head, part)
+        return head
+
+    def __get__(self, head, owner=None):
+        return self if head is None else getattr(self._holder(head), self.attr)
+
+    def __set__(self, head, value) -> None:
+        value = self.check(value)
+        setattr(self._holder(head), self.attr, value)
+        if self.planned:
+            head._in_plan(**{self.name: value})
+
+
+class Driven:
+    """A field of the head's ``driving`` (driving.py) as an attribute: set through the head's
+    ``_drive``, which validates it with the others and makes the step's plan again."""
+
+    def __init__(self, field: str):
+        self.field = field
+
+    def __get__(self, head, owner=None):
+        return self if head is None else getattr(head.driving, self.field)
+
+    def __set__(self, head, value) -> None:
+        head._drive(**{self.field: value})
+
+
+def finite(name: str, positive: bool = True):
+    """The check of a finite float, > 0 (``positive``) or >= 0."""
+    def check(value) -> float:
+        value = float(value)
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise ValueError(f"{name} must be finite and {'positive' if positive else '>= 0'}, got {value}")
+        return value
+    return check
+
+
+def positive_int(name: str, optional: bool = False):
+    """The check of a positive int (not a bool), or None where ``optional``."""
+    def check(value):
+        if not ((optional and value is None) or (isinstance(value, int) and not isinstance(value, bool)
+                                                 and value >= 1)):
+            raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}, got {value!r}")
+        return value
+    return check
+
+
+def one_of(name: str, choices: tuple):
+    """The check of one of ``choices``."""
+    def check(value):
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+        return value
+    return check

@@ -219,11 +219,9 @@ class Repairs:
                 P, sig, _ = torch.linalg.svd(head.U)
                 if not bool(torch.isfinite(sig).all()):
                     raise torch.linalg.LinAlgError("non-finite singular values")
-            except RuntimeError:  # LinAlgError: fold U into V (exact, W unchanged) and count it
+            except RuntimeError:  # LinAlgError: fold U into V (exact, W unchanged; cond(U) 1) and count it
                 head.eig_failures += 1
                 self.unfactorize(head)
-                head.cond_estimate.fill_(1.0)
-                head.cond_bound.fill_(1.0)
                 return
             bad = (sig < lo) | (sig > hi)
             k = int(bad.sum())
