@@ -97,6 +97,17 @@ def test_too_many_kept_rows_are_refused_before_any_change():
     assert f.pending_rows == 5 and torch.equal(f.weight(), W0)
 
 
+@pytest.mark.parametrize("bad", [True, 0, 2.5])
+def test_a_bad_bound_on_kept_rows_is_refused_and_the_old_one_kept(bad):
+    f, _ = make_pair("zloss")
+    before = f.max_pending_rows
+    with pytest.raises(ValueError, match="max_pending_rows must be a positive int"):
+        f.max_pending_rows = bad
+    with pytest.raises(ValueError, match="max_pending_rows must be a positive int"):
+        f.attach(dummy_optimizer(), max_pending_rows=bad)
+    assert f.max_pending_rows == before and not f.attached
+
+
 def test_attach_refuses_heads_that_step_in_their_forward():
     f = deferred(sync_every=1, step="fused")
     with pytest.raises(ValueError, match="step='fused'"):
