@@ -69,8 +69,9 @@ def train_padded(head):
 
 
 #: the long run whose host reads are counted: its steps, and every 8th step's rows per rank
-#: (an epoch's last batch: fewer rows than the first step's, which the ranks pad to)
-LONG_STEPS, SHORT_ROWS = 66, [2, 1]
+#: (an epoch's last batch: fewer rows than the first step's, which the ranks pad to); its heads
+#: read their flags every LONG_SYNC_EVERY steps (once in the run, past its first 32 steps)
+LONG_STEPS, SHORT_ROWS, LONG_SYNC_EVERY = 34, [2, 1], 32
 
 
 def rows_at(step):
@@ -299,7 +300,7 @@ def worker(rank, rdv, out):
     # The default step (device flags) reads the host at its flags' reads only, ragged batches included.
     for mode in ("replicated", "sharded"):
         for micro in (1, 2):
-            head = make_head(mode)
+            head = make_head(mode, sync_every=LONG_SYNC_EVERY)
             head.distribute()
             with HostReads() as reads:
                 losses = train_long(head, rank, micro)

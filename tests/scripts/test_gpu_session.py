@@ -17,10 +17,17 @@ def summary(out):
 
 
 def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
-    assert gs.main(["tests", "kernels", "compiled", "profile", "heads", "tf32", "--out", str(tmp_path), "--smoke"]) == 0
+    """The kernels' pytest step (its junit counted into the summary), compiled_step.py,
+    profile_step.py, bench_heads.py and tf32_drift.py at tiny sizes. The ``tests`` part, whose
+    gpu-marked tests all skip on a CPU, runs under -m slow (test_the_gpu_tests_part_smoke);
+    here its paths exist and the same pytest step's plumbing runs as ``kernels``."""
+    for s in gs.tests(tmp_path, smoke=True) + gs.tests(tmp_path, smoke=False):
+        paths = [a for a in s.argv if a.startswith("tests/")]
+        assert paths and all((gs.ROOT / a).exists() for a in paths), paths
+    assert gs.main(["kernels", "compiled", "profile", "heads", "tf32", "--out", str(tmp_path), "--smoke"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if not n.startswith("bench_heads_")] == [
-        "compiled_step.csv", gs.LOG, "gpu_tests_junit.xml", "kernel_tests_junit.xml", "tf32_drift.csv"]
+        "compiled_step.csv", gs.LOG, "kernel_tests_junit.xml", "tf32_drift.csv"]
     (row,) = list(csv.DictReader((tmp_path / "compiled_step.csv").open()))
     assert (row["graphs"], row["breaks"]) == ("1", "0")  # the step compiled whole
     assert sorted(p.suffix for p in tmp_path.glob("bench_heads_*")) == [".csv", ".md", ".png"]
@@ -28,7 +35,7 @@ def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
     assert int(kernels.split()[0]) > 0 and " 0 failed, 0 errors" in kernels, kernels
     text = summary(tmp_path)
     assert "kernel_tests  ok" in text and kernels in text
-    assert "gpu_tests" in text and "profile_step  ok" in text
+    assert "profile_step  ok" in text
     assert "compiled_step  ok" in text and "tf32_drift  ok" in text
     log = (tmp_path / gs.LOG).read_text()  # the profile of the default head, pinned factors side by side
     assert "== factored, loss=sampled, inverse=products" in log and "== factored_sync, loss=sampled, inverse=products, factors=2" in log
@@ -36,6 +43,14 @@ def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
     rows = list(csv.DictReader(path.open()))
     assert any(r["head"] == "factored" and r["status"] == "ok" for r in rows)
     assert "UNMEASURED" in text  # the targets, from the benchmark's output
+
+
+@pytest.mark.slow  # a pytest child whose tests all skip on a CPU: its paths and the pytest step's plumbing are
+# test_the_correctness_parts_and_bench_heads_smoke's
+def test_the_gpu_tests_part_smoke(tmp_path):
+    assert gs.main(["tests", "--out", str(tmp_path), "--smoke"]) == 0
+    counts = gs.junit_counts(tmp_path / "gpu_tests_junit.xml")
+    assert " 0 failed, 0 errors" in counts and "gpu_tests  ok" in summary(tmp_path), counts
 
 
 @pytest.mark.slow  # two children importing Lightning, and one lst-train run: about a minute here
@@ -131,10 +146,13 @@ def test_a_silent_step_past_its_limit_is_killed(tmp_path, monkeypatch):
 
 
 def test_the_batch_sizes_part_smoke(tmp_path):
-    """compiled_step.py --batch-sizes at tiny sizes on the CPU: m padded against exactly m, and 30
-    random sizes up to 24 compiled as two graphs (batch sizes 16 and 32)."""
+    """compiled_step.py --batch-sizes at tiny sizes on the CPU, the Z-loss's step (the default head's
+    compiled step through random batch sizes, equal to the eager one: test_batch_shapes.py's
+    fused and accumulated cases): m padded against exactly m, and 30 random sizes up to 24
+    compiled as two graphs (batch sizes 16 and 32)."""
     assert gs.main(["batch_sizes", "--out", str(tmp_path), "--smoke"]) == 0
     (row,) = list(csv.DictReader((tmp_path / "compiled_batch_sizes.csv").open()))
+    assert row["loss"] == "zloss"
     assert (row["m"], row["padded_to"], row["sizes"], row["graphs"]) == ("24", "32", "30", "2")
     assert float(row["padded_over_static"]) > 0 and row["captures"] == ""  # no CUDA graph on a CPU
     assert "compiled_batch_sizes  ok" in summary(tmp_path)

@@ -1,4 +1,4 @@
-"""The two-rank run and its one-process reference, made once per session: they spawn processes."""
+"""The two-rank run and its one-process reference, made once per session: they start processes."""
 import warnings
 from pathlib import Path
 
@@ -19,7 +19,10 @@ def run_two_ranks(folder: Path) -> None:
         tmp = folder / f"attempt{attempt}"
         tmp.mkdir()
         try:
-            mp.spawn(worker, args=(str(tmp / "rdv"), str(tmp)), nprocs=WORLD, join=True)
+            # forked (as test_sparse_exchange.py's and forked_ranks.py's ranks): a rank starts with this
+            # process's imports instead of importing torch and the package again (spawn: about 10 s of
+            # CPU a rank on a loaded 2-core machine)
+            mp.start_processes(worker, args=(str(tmp / "rdv"), str(tmp)), nprocs=WORLD, start_method="fork")
         except mp.ProcessExitedException as e:
             if attempt == 2 or e.signal_name is None:
                 raise

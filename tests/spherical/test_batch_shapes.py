@@ -97,9 +97,15 @@ ROUTES = [pytest.param(route, kind, marks=[] if (route, kind) in FAST_ROUTES els
           for route in ("fused", "autograd", "accumulated") for kind in sorted(KINDS)]
 
 
+#: under accumulation batches of up to 16 rows (one batch size: the fused route's 30 sizes up to 32
+#: cross it), whose unions of two (up to 32 rows) pad to two sizes: the records' step, compiled a
+#: size a union, half the graphs of batches up to 32
+MOST = {"accumulated": 16}
+
+
 @pytest.mark.parametrize("route,kind", ROUTES)
 def test_thirty_random_batch_sizes_compile_once_a_size_and_equal_the_eager_step(aot_eager, route, kind):
-    ms = sizes()
+    ms = sizes(most=MOST.get(route, 32))
     eager, fast = head(kind, False), head(kind, True)
     worst, Ks = drive(route, eager, fast, ms)
     for h in (eager, fast):
@@ -136,17 +142,17 @@ def test_a_resumed_head_steps_bit_for_bit_on_new_batch_sizes(aot_eager):
 
 
 def test_more_batch_sizes_than_dynamos_limit_never_hit_it(aot_eager):
-    """Four batch sizes (set by hand), one graph each, past a recompile limit of 2: the step runs
+    """Three batch sizes (set by hand), one graph each, past a recompile limit of 2: the step runs
     under its own limit (``driver.RECOMPILE_LIMIT``), whatever the loop's."""
-    fast = head("zloss", True, batch_sizes=(1, 2, 3, 4))
+    fast = head("zloss", True, batch_sizes=(1, 2, 3))
     fast.step = "fused"
     g = torch.Generator().manual_seed(3)
     # (the config's own patch: a monkeypatch of a torch config module deletes the key at its undo)
     with torch._dynamo.config.patch(recompile_limit=2):
-        for m in (1, 2, 3, 4, 2):
+        for m in (1, 2, 3, 2):
             H = torch.randn(m, d, generator=g, dtype=torch.float64)
             fast.train_step(H, torch.randint(0, D, (m,), generator=g))
-        assert graphs() == 4 > torch._dynamo.config.recompile_limit
+        assert graphs() == 3 > torch._dynamo.config.recompile_limit
 
 
 def test_the_sizes_rule_and_setting():

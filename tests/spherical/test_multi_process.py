@@ -5,8 +5,7 @@ replicated, agreed input errors, divergence caught, a gathered V reloads into sh
 import pytest
 import torch
 
-from lst_lightning.spherical.driving import SYNC_EVERY
-from two_ranks import (LONG_STEPS, NEGATIVE_MODES, RAGGED_STEPS, ROWS, STEPS, WORLD, D, d, make_head, negatives, rel,
+from two_ranks import (LONG_STEPS, LONG_SYNC_EVERY, NEGATIVE_MODES, RAGGED_STEPS, ROWS, STEPS, WORLD, D, d, make_head, negatives, rel,
                        train, train_long, train_ragged)
 
 MAX_READS_A_STEP = 0.1
@@ -18,7 +17,7 @@ def long_single():
     union of two (``micro``)."""
     out = {}
     for micro in (1, 2):
-        head = make_head("none")
+        head = make_head("none", sync_every=LONG_SYNC_EVERY)
         out[micro] = {"losses": train_long(head, micro=micro), "W": head.weight()}
     return out
 
@@ -101,7 +100,7 @@ def test_the_default_step_on_two_ranks_reads_the_host_at_most_once_in_ten_steps(
         got = r[f"reads_{mode}_{micro}"]
         assert got["steps"] == LONG_STEPS
         assert got["reads"] / LONG_STEPS <= MAX_READS_A_STEP, got["sites"]
-        assert got["reads"] >= LONG_STEPS // SYNC_EVERY, got["sites"]  # the flags are read: the counter sees them
+        assert got["reads"] >= LONG_STEPS // LONG_SYNC_EVERY, got["sites"]  # the flags are read: the counter sees them
 
 
 @pytest.mark.parametrize("micro", [1, 2])
