@@ -298,6 +298,9 @@ def test_a_window_kept_with_no_optimizer_step_raises_with_the_fix():
     assert int(f.steps) == 2
     with pytest.raises(ValueError, match="accumulate"):
         f.attach(opt, accumulate=0)
+    with pytest.raises(ValueError, match="accumulate must be a positive int or None, got True"):
+        f.attach(opt, accumulate=True)
+    assert not f.attached
 
 
 def test_a_head_whose_optimizer_is_gone_drops_its_rows_and_steps_again():

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .precision import own_math
+from .settings import positive_int
 
 #: Default bound on the rows a head keeps between optimizer steps (memory: about
 #: rows x (d + 3 + 2K) values of the head's dtype).
@@ -53,9 +54,7 @@ class PendingRows:
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
             raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
-        if accumulate is not None and not (isinstance(accumulate, int) and not isinstance(accumulate, bool)
-                                           and accumulate >= 1):
-            raise ValueError(f"accumulate must be a positive int or None, got {accumulate!r}")
+        positive_int("accumulate", optional=True)(accumulate)
         why = head.cannot_accumulate()
         if why:
             raise ValueError(f"{type(head).__name__} cannot wait for the optimizer's step: {why}")
