@@ -112,14 +112,13 @@ def count(D: int, d: int, m: int, loss: str = "zloss", sync_every: int = 64, inv
     for _ in range(2):
         for _ in range(warmup):
             head.train_step(*batch())
-        if head.deferred_checks:
-            head.sync()
+        head.sync()
     H, idx = batch()
     counter = StepCounter()
     with counter:
         head.train_step(H, idx)
     counter.width = head.width  # d, and one more where the head has a bias (H augmented)
-    counter.factors = head.step_checks.factors if head.deferred_checks else None
+    counter.factors = head.step_checks.factors
     counter.negatives = None if head.negatives is None else head.negatives.settings.num
     return counter
 

@@ -36,7 +36,7 @@ def mode(drive="backward", m=4, scale=1.0, compiled=False, lr=0.2, bad=False, **
 
 
 def routes():
-    """Each U^-1 route, with host checks and with device flags (the products route: both Neumann rules)."""
+    """Each U^-1 route, with the flags read after every step and every 8 (the products route: both Neumann rules)."""
     out = {}
     for route in ("woodbury", "solve", "products"):
         for sync in (1, 8):
@@ -47,7 +47,8 @@ def routes():
 
 
 MODES = {
-    # the Z-loss: autograd and fused steps, host checks and device flags, both Q routes (m < d: M; m > d: factors)
+    # the Z-loss: autograd and fused steps, the flags read after every step and every 8, both Q routes
+    # (m < d: M; m > d: factors)
     "zloss_autograd_sync1": mode(loss="zloss", sync_every=1),
     "zloss_autograd_sync8": mode(loss="zloss", sync_every=8),
     "zloss_fused_sync1": mode(loss="zloss", sync_every=1, step="fused"),

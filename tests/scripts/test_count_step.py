@@ -30,8 +30,8 @@ def test_counts_each_product_where_the_step_makes_it(tmp_path, monkeypatch):
 
 
 def test_the_default_head_counts_its_sampled_columns_and_its_host_checked_step():
-    """loss=sampled is lst-train's head (its negatives and preconditioner); sync_every=1 the
-    CPU's step, which solves with U_new instead of the products."""
+    """loss=sampled is lst-train's head (its negatives and preconditioner); sync_every=1 (the
+    flags read after every step) with the CPU's route, which solves with U_new instead of the products."""
     c = count_step.count(D=500, d=16, m=32, loss="sampled", sync_every=1, inverse="solve")
     assert any(site.startswith("negatives.py:") for site in c.flops)
     assert any(site.startswith("preconditioner.py:") for site in c.flops)

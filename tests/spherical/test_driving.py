@@ -50,9 +50,8 @@ def test_the_naive_head_always_accumulates():
 
 
 def test_one_board_of_flags_read_every_sync_every_steps_and_after_each_with_1():
-    """One board of device flags whatever sync_every: sync_every=1 reads it after every step
-    (the host checks' rules); a change between two sync_every > 1 keeps it, a change between
-    1 and more makes the rules' own board, with the counts carried."""
+    """One board of device flags whatever sync_every: sync_every=1 reads it after every step, the
+    same device part's flags; a change of sync_every keeps it, its counts and its Neumann factors."""
     from lst_lightning.spherical.driver import DeviceFlags
 
     head = deferred(sync_every=1)
@@ -62,13 +61,11 @@ def test_one_board_of_flags_read_every_sync_every_steps_and_after_each_with_1():
     board = head.step_checks
     assert board.calls == board.read_at == 1 and board.synced == (1, 0) and board.stats["steps"] == 1
     head.sync_every = 3
-    flags = head.step_checks
-    assert type(flags) is DeviceFlags and head.deferred_checks and flags is not board
-    assert (flags.calls, flags.synced) == (1, (1, 0))
+    assert head.step_checks is board and head.deferred_checks
+    assert (board.calls, board.synced) == (1, (1, 0))
     head.sync_every = 5
-    assert head.step_checks is flags
     head.sync_every = 1
-    assert type(head.step_checks) is DeviceFlags and head.step_checks is not flags
+    assert head.step_checks is board
 
 
 def test_the_old_names_of_the_mode_and_the_checks_warn():

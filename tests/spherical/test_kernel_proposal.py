@@ -127,8 +127,8 @@ def test_repairs_and_folds_rebuild_the_tree_and_keep_the_steps_equal(monkeypatch
     assert f.negatives.kernel.builds > 1
     f.negatives.kernel.sync(f)
     assert_tree_is_rebuilt_tree(f)
-    # every step folded into V (V <- V U B; a step with B's eigenvalues, sync_every=1): each next draw rebuilds
-    monkeypatch.setattr(exact_step, "eigen_bounds", lambda plan, state, A, sq, kappa: exact_step.Bounds(
+    # every step folded into V (V <- V U B; the flags read after each step, sync_every=1): each next draw rebuilds
+    monkeypatch.setattr(exact_step, "device_bounds", lambda plan, state, A, sq, kappa: exact_step.Bounds(
         torch.tensor(True), A.new_tensor(1.0), A.new_tensor(0.0)))
     f, n = pair(sync_every=1)
     run(f, n, steps=3)

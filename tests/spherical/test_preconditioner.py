@@ -79,10 +79,10 @@ def test_every_inverse_route_and_weight_decay(inverse):
 
 def test_a_fold_equals_the_naive_step(monkeypatch):
     # every step folded into V (V <- V U B, U = I): the rows scattered with H P
-    monkeypatch.setattr(exact_step, "eigen_bounds", lambda plan, state, A, sq, kappa: exact_step.Bounds(
+    monkeypatch.setattr(exact_step, "device_bounds", lambda plan, state, A, sq, kappa: exact_step.Bounds(
         torch.tensor(True), A.new_tensor(1.0), A.new_tensor(0.0)))
     torch.manual_seed(4)
-    f, n = pair(sync_every=1)  # a step with B's eigenvalues (sync_every=1) folds
+    f, n = pair(sync_every=1)
     run(f, n, steps=3)
     assert int(f.folds) == 3
 

@@ -26,13 +26,13 @@ def test_inverse_routes_and_sv_methods(inverse, sv_method):
 
 def test_singular_step_is_folded_and_stays_exact():
     # m = 1, squared error: B = I - 2 lr h h^T is exactly singular at lr = 1 / (2 ||h||^2).
-    f, n = make_pair("mse", lr=0.01, sync_every=1)  # host checks: a fold is decided at once
+    f, n = make_pair("mse", lr=0.01, sync_every=1)  # the flags read after each step
     for _ in range(3):
         H, idx = batch(1, 8, 60, 1)
         Hx = H.clone()
         f.lr = n.lr = 1.0 / (2.0 * float(Hx.pow(2).sum()))
         assert max(step_both(f, n, H, idx)) < 1e-9
-    assert int(f.folds) == 3 and int(f.eig_checks) == 3, f.stats()
+    assert int(f.folds) == 3, f.stats()
     torch.testing.assert_close(f.U, torch.eye(8, dtype=torch.float64))
 
 
@@ -157,7 +157,7 @@ def test_stabiliser_settings_from_a_config_dict():
 
 def _large_gq_step(dtype, inverse, sync_every=1):
     """A head and a batch whose g_q is large (lr 8, the loss scaled by 1e4 upstream): the cheap
-    bounds cannot rule out a nearly singular B, so the host-checked step computes B's eigenvalues."""
+    bounds cannot rule out a nearly singular B."""
     f, _ = make_pair("zloss", d=8, lr=8.0, dtype=dtype, stabiliser={"inverse": inverse}, sync_every=sync_every)
     H, idx = batch(4 if inverse == "woodbury" else 12, 8, 60, 2)
     return f, (3.0 * H).to(dtype), idx
@@ -166,48 +166,16 @@ def _large_gq_step(dtype, inverse, sync_every=1):
 GQ_SCALE = 1e4
 
 
-def _counters_out(sd):
-    return {k: v for k, v in sd.items() if v.dtype != torch.long}
-
-
+@pytest.mark.parametrize("sync_every", [1, 2])
 @pytest.mark.parametrize("inverse", ["woodbury", "solve", "products"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_failed_eigenvalues_skip_the_step_and_count_it(monkeypatch, dtype, inverse):
-    # LAPACK raised LinAlgError on a finite but ill-conditioned matrix with
-    # a large g_q (lr 8, a Gramian penalty); the step is skipped and counted, never raised.
-    f, H, idx = _large_gq_step(dtype, inverse)
-    before = {k: v.clone() for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)}
-
-    def fail(*a, **k):
-        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
-
-    monkeypatch.setattr(torch.linalg, "eigvalsh", fail)
-    monkeypatch.setattr(torch.linalg, "eigvals", fail)
-    Hc = H.clone().requires_grad_()
-    with pytest.warns(RuntimeWarning, match="skipped"):
-        (GQ_SCALE * f(Hc, idx)).backward()
-    s = f.stats()
-    assert s["eig_checks"] == 1 and s["eig_failures"] == 1 and s["skipped_nonfinite"] == 1 and s["steps"] == 0, s
-    after = _counters_out({k: v for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)})
-    for k, v in _counters_out(before).items():  # exactly a skipped step: nothing but the counters moved
-        assert torch.equal(after[k], v), k
-    assert torch.isfinite(f.weight()).all() and torch.equal(Hc.grad, torch.zeros_like(Hc.grad))
-    monkeypatch.undo()
-    (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # the next step runs as usual
-    assert f.stats()["eig_failures"] == 1 and torch.isfinite(f.weight()).all()
-
-
-@pytest.mark.parametrize("inverse", ["solve", "products"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_large_gq_steps_never_raise(dtype, inverse):
-    f, H, idx = _large_gq_step(dtype, inverse)
-    for _ in range(3):
-        (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()  # folded, stepped or skipped: never raised
-    assert torch.isfinite(f.weight()).all() and f.stats()["eig_checks"] >= 1, f.stats()
-    # device flags compute no eigenvalues: a step is taken or masked out, never raised
-    f, H, idx = _large_gq_step(dtype, inverse, sync_every=2)
-    for _ in range(4):
-        (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()
+def test_large_gq_steps_never_raise(dtype, inverse, sync_every):
+    """The step computes no eigenvalues: a step is taken, folded or masked out, never raised."""
+    f, H, idx = _large_gq_step(dtype, inverse, sync_every=sync_every)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skipped steps' warnings
+        for _ in range(4):
+            (GQ_SCALE * f(H.clone().requires_grad_(), idx)).backward()
     s = f.stats()
     assert torch.isfinite(f.weight()).all() and s["steps"] + s["skipped_nonfinite"] == 4, s
 
@@ -215,9 +183,8 @@ def test_large_gq_steps_never_raise(dtype, inverse):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_probes_crash_setting_never_raises(dtype):
     """A setting that crashed LAPACK: loss=sampled with the Gramian penalty at gram = 1 and head lr 8 (the
-    penalty's g_q makes B expand W; LAPACK raised on the ill-conditioned result). Every step
-    computes B's eigenvalues and is taken, folded or skipped and counted: none raises, W
-    stays finite."""
+    penalty's g_q makes B expand W; LAPACK raised on the ill-conditioned result). Every step is
+    taken, folded or skipped and counted: none raises, W stays finite."""
     torch.manual_seed(0)
     f = FactoredSphericalHead(500, 16, loss="sampled", loss_kwargs=dict(gram=1.0), lr=8.0, dtype=dtype,
                               negatives=dict(num=16, seed=1), sync_every=1)
@@ -226,7 +193,7 @@ def test_the_probes_crash_setting_never_raises(dtype):
         for _ in range(10):
             f(3.0 * torch.randn(64, 16, dtype=dtype, requires_grad=True), torch.randint(0, 500, (64, 2))).backward()
     s = f.stats()
-    assert s["eig_checks"] == 10 and s["steps"] + s["skipped_nonfinite"] == 10, s
+    assert s["steps"] + s["skipped_nonfinite"] == 10, s
     assert torch.isfinite(f.weight()).all()
 
 

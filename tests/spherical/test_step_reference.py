@@ -1,15 +1,30 @@
 """The step pinned: each mode's hundred float64 steps (tests/helpers/step_reference.py: eager,
-fused, compiled; host checks and device flags; each U^-1 route and Neumann rule, both Q routes;
-P on and off; negatives shared, per row and from the kernel's sum-tree; the Z-loss, MSE and lst-train's
-default loss=sampled; exact accumulation; folds, repairs and a bad batch) end where the code that
-wrote tests/spherical/data/step_reference.pt ended, to 1e-12: its buffers, W, its counters, the
-losses and the last dL/dH."""
+fused, compiled; the flags read after every step and every 8; each U^-1 route and Neumann rule, both
+Q routes; P on and off; negatives shared, per row and from the kernel's sum-tree; the Z-loss, MSE and
+lst-train's default loss=sampled; exact accumulation; folds, repairs and a bad batch) end where the
+code that wrote tests/spherical/data/step_reference.pt ended, to 1e-12: its buffers, W, its counters,
+the losses and the last dL/dH."""
 import pytest
 import torch
+
+from lst_lightning.spherical import FactoredSphericalHead
 
 from step_reference import MODES, PATH, run_mode
 
 TOL = 1e-12
+#: The entries of ``stats`` three ``*_sync1`` modes do not reproduce, by name, with what is held
+#: instead. The file was written when ``sync_every=1`` ran host twins of the device part: B's
+#: eigenvalues for the fold (counted in ``eig_checks``), shared negatives coalesced by ``torch.unique``
+#: and per-row negatives' Yd Yd^T by unique columns. ``sync_every=1`` runs the device part of
+#: ``sync_every > 1``: its step computes no eigenvalues (``eig_checks`` 0), and ``padded_unique``'s
+#: and ``gram_rows``' rounding moves the last check's power-iteration estimate of cond(U) (which the
+#: bound takes) by 2.4e-7 and 7e-9, held to 1e-6, while every buffer, W, the losses and dL/dH stay
+#: within 1e-12 of the file. The sync8 twins' pinned runs cannot stand in: the flags' reads run the
+#: repairs that fell due, so reading after every step runs them at other steps (11 checks against 9
+#: in zloss_autograd's hundred steps). Every other entry, and every other mode, is compared as written.
+UNPINNED = {"zloss_folds_sync1": {"eig_checks": ("equal", 0.0)},
+            "sampled_autograd_sync1": {"cond_estimate": ("close", 1e-6), "cond_bound": ("close", 1e-6)},
+            "per_row_sync1": {"cond_estimate": ("close", 1e-6), "cond_bound": ("close", 1e-6)}}
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +36,23 @@ def test_every_mode_has_its_reference(reference):
     assert sorted(reference) == sorted(MODES)
 
 
+def unpinned(name: str, got: dict, ref: dict) -> dict:
+    """``ref`` with the entries of ``UNPINNED[name]`` checked here and then taken from ``got``."""
+    stats = ref["stats"].clone()
+    for entry, (how, value) in UNPINNED.get(name, {}).items():
+        i = FactoredSphericalHead.STATS.index(entry)
+        if how == "equal":
+            assert float(got["stats"][i]) == value, entry
+        else:
+            assert abs(float(got["stats"][i]) - float(stats[i])) <= value * abs(float(stats[i])), entry
+        stats[i] = got["stats"][i]
+    return {**ref, "stats": stats}
+
+
 @pytest.mark.parametrize("name", list(MODES))
 def test_a_hundred_steps_end_where_the_reference_did(name, reference):
-    got, ref = run_mode(name), reference[name]
+    got = run_mode(name)
+    ref = unpinned(name, got, reference[name])
     assert sorted(got) == sorted(ref)
     steps, skipped = got["stats"][:2].tolist()
     assert (steps, skipped) == tuple(ref["stats"][:2].tolist())

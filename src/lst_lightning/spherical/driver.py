@@ -7,11 +7,12 @@ the host can do; around it, ``run_device_part``: the version, the device part co
 The checks are device flags (``DeviceFlags``, ``head.step_checks``): every check a flag masking
 the write (a bad step changes nothing and is counted), read by ``head.sync()`` in one host
 transfer every ``sync_every`` steps, with the training loop's flags on ``head.flag_board``, and
-the repairs that fell due. With ``sync_every > 1`` the step reads nothing on the host (a CUDA
-graph can capture it; bad target ids void the step); with ``sync_every == 1`` bad ids raise before
-anything changes (the head's input check), the fold is decided from B's eigenvalues where the
-bounds cannot rule it out (``eigen_bounds``) and the products route takes the factors of the
-step's own rho (``products_by_rho``).
+the repairs that fell due. Every ``sync_every`` runs the same device part: the fold decided by
+the bounds of B's eigenvalues (``device_bounds``), the products route's Neumann factors those the
+flags' last read chose, shared negatives coalesced in static shapes. With ``sync_every > 1`` the
+step reads nothing on the host (a CUDA graph can capture it; bad target ids void the step, raised at
+the next read); with ``sync_every == 1`` the flags are read after every step, and bad ids raise
+before anything changes (the head's input check, which the naive head makes too).
 """
 from __future__ import annotations
 
@@ -186,7 +187,7 @@ def step_state(head) -> StepState:
     checks = head.step_checks
     return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
                      head.input_moment, head.input_moment_weight, head.folds, head.steps, head.skipped_nonfinite,
-                     head._bad_input, head.eig_checks, head.eig_failures, checks.rho_max, checks.factors,
+                     head._bad_input, checks.rho_max, checks.factors,
                      head.row_acc)
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 
 import lst_kernels as lk
 
-from .inverse_update import neumann_factors, residual_tolerance, uinv_by_products
+from .inverse_update import residual_tolerance, uinv_by_products
 from .state import StepState
 
 
@@ -101,16 +101,14 @@ class NewState:
     Q: Tensor
     wbar: Tensor
     HUinv: Tensor            # H U_new^-1: the rows scattered into V
-    fold: bool | Tensor      # a nearly singular step: U B is folded into V (device flags: a device bool)
+    fold: Tensor             # a nearly singular step: U B is folded into V (a device bool)
     ok: Tensor               # device bool: all of it finite, every solve regular
-    # floats when the checks are read on the host; device tensors under device flags
-    cond_step: Tensor | float  # bound on cond(B): the carried bound on cond(U) grows by it
-    lr: Tensor | float
+    cond_step: Tensor  # bound on cond(B): the carried bound on cond(U) grows by it
+    lr: Tensor
     moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
-    rho: Tensor | float | None = None  # a bound on A's spectral radius (device flags: the adaptive rule keeps it)
-    eig: tuple | None = None  # ``eigen_bounds``: (B's eigenvalues computed, their computation failed), device bools
+    rho: Tensor | None = None  # a bound on A's spectral radius (the adaptive rule keeps it)
     N: Tensor | None = None  # shared negatives, Q from d x d products: G_u^T H (``gram_terms``), for the write
 
 
@@ -290,15 +288,11 @@ def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class Bounds(NamedTuple):
-    """What the plan's ``bounds`` make of B's eigenvalues (device scalars): whether the step folds,
-    a bound on cond(B), one on A's spectral radius (the products' factors read it at the flags' read,
-    ``sync_every == 1`` at the step), and with B's eigenvalues (``eigen_bounds``) their computations
-    and failures, (checks, failures), and whether the step may be taken (they could be computed)."""
+    """What ``device_bounds`` makes of B's eigenvalues (device scalars): whether the step folds, a
+    bound on cond(B), and one on A's spectral radius (the products' factors read it at the flags' read)."""
     fold: Tensor
     cond_step: Tensor
     rho: Tensor
-    eig: tuple[Tensor, Tensor] | None = None
-    ok: Tensor | bool = True
 
 
 def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
@@ -312,46 +306,6 @@ def device_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
     cond_step = torch.where(rho_pos < 1, (1 + rho_neg) / (1 - rho_pos).clamp_min(1e-30), math.inf)
     fold = (rho_pos > 1 - plan.fold_tol) | (state.cond_bound * cond_step > plan.fold_cond)
     return Bounds(fold, cond_step, rho)
-
-
-def eigen_bounds(plan, state, A: Tensor, sq: Tensor, kappa: Tensor) -> Bounds:
-    """``sync_every == 1`` (the plan's ``bounds``): the fold from B's eigenvalues, computed only where
-    the bounds (``eig_bounds``) cannot rule out one of B/c below 1/2 (O(n^3): large steps only),
-    at min |eig(B/c)| < ``fold_tol``; cond(B) exact there, the bounds' elsewhere, rho the largest
-    |eig(A)| there; the computations and their failures counted (``eig``). A step whose eigenvalues
-    could not be computed (LAPACK did not converge, or they are not finite) is skipped (``ok``); one
-    that overflowed (A or its bound not finite: no eigenvalues taken) is left to the step's
-    finiteness check. Device scalars in float64 (the cond(U) bound's)."""
-    rho_pos, rho_neg = (b.to(torch.float64) for b in eig_bounds(A, sq, kappa))
-    large = ~(rho_pos <= 0.5)
-    need = large & torch.isfinite(rho_pos) & torch.isfinite(A).all()
-    ev, failed = eigenvalues(plan, A, need)
-    failed = need & failed
-    lam = (1.0 - ev).abs()
-    lo, hi = lam.min().to(torch.float64), lam.max().to(torch.float64)
-    taken = need & ~failed
-    inf = torch.full((), math.inf, dtype=torch.float64, device=A.device)
-    cond = torch.where(taken & (lo > 0), hi / lo, inf)
-    rho = torch.where(taken, ev.abs().max().to(torch.float64), inf)
-    return Bounds(taken & (lo < plan.fold_tol), torch.where(large, cond, (1.0 + rho_neg) / (1.0 - rho_pos)),
-                  torch.where(large, rho, torch.maximum(rho_pos, rho_neg)), (need, failed), ~failed)
-
-
-def eigenvalues(plan, A: Tensor, need: Tensor) -> tuple[Tensor, Tensor]:
-    """A's eigenvalues where ``need`` (a device bool; zeros elsewhere), real (``eig_bounds``; the
-    m x m form with a 0 for A's null space, which it lacks), and whether computing them failed (a
-    device bool: LAPACK raised, ``torch.linalg.LinAlgError`` among others, or they are not finite).
-    Computed only where needed: ``need`` read where it is made (eager on the CPU ``cpu_flag``; a
-    GPU's ``eigvals`` waits for the host whatever, and the read spares its O(n^3) where not needed)."""
-    zeros = A.new_zeros(A.shape[0] + (A.shape[0] < plan.width))
-    if not (cpu_flag(need) if plan.reads_flags else bool(need)):
-        return zeros, torch.zeros((), dtype=torch.bool, device=A.device)
-    try:
-        ev = torch.linalg.eigvals(A).real
-    except RuntimeError:
-        return zeros, torch.ones((), dtype=torch.bool, device=A.device)
-    ev = torch.cat([ev, ev.new_zeros(1)]) if A.shape[0] < plan.width else ev
-    return ev, ~torch.isfinite(ev).all()
 
 
 def solve_right(U: Tensor, X: Tensor) -> tuple[Tensor, Tensor]:
@@ -444,25 +398,10 @@ def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, boun
     return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), right)
 
 
-def products_by_rho(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-    """``sync_every == 1``'s products route: the Neumann factors of the step's own rho (read on the
-    host: their number is the loop's length), a fresh solve where they cannot reach (none, or a
-    residual past the tolerance; U^-1 then left stale); a fold takes the products' (U^-1 = I)."""
-    fold = bool(bounds.fold)
-    factors = 1 if fold else neumann_factors(float(bounds.rho), float(state.cond_bound), f.U.dtype)
-    if factors is not None:
-        inv = products(plan, state._replace(factors=factors), fwd, f, P, c, kappa, bounds)
-        if fold or not bool(inv.fold):
-            return inv
-    X = f.X if f.X is not None else fwd.Hx @ P  # (None only with P)
-    return solve(plan, state, fwd, f._replace(X=X), P, c, kappa, bounds)
-
-
-#: the three routes by name (``sync_every == 1``'s products: ``products_by_rho``)
+#: the three routes by name
 ROUTES = {"woodbury": Route("woodbury", woodbury_forms, woodbury, 3, True, True),
           "solve": Route("solve", square_forms, solve, 2, True, False),
           "products": Route("products", square_forms, products, 2, False, True)}
-PRODUCTS_BY_RHO = ROUTES["products"]._replace(inverse=products_by_rho)
 
 
 def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> NewState:
@@ -486,7 +425,7 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     omega_new = c * state.omega - lr * omega_new
     wbar_new = c * state.wbar - lr * wbar_new
     f = route.forms(plan, state, fwd, P, lr, c, kappa, gq, X)
-    bounds = plan.bounds(plan, state, f.A, f.sq, kappa)  # the fold and cond(B): device scalars
+    bounds = device_bounds(plan, state, f.A, f.sq, kappa)  # the fold and cond(B): device scalars
     inv = route.inverse(plan, state, fwd, f, P, c, kappa, bounds)
     # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
     # the step's factors, whichever has fewer multiply-adds.
@@ -500,10 +439,10 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
         Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
                                     GqP=f.GqP, HYYH=HYYH)
     total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
-    ok = torch.isfinite(total) & (bounds.ok & p_ok)  # NaN and inf survive a sum
+    ok = torch.isfinite(total) & p_ok  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
                     fold=inv.fold, cond_step=bounds.cond_step, ok=ok, lr=lr, moments=moments, order=order,
-                    right=inv.right, rho=bounds.rho, eig=bounds.eig, N=N)
+                    right=inv.right, rho=bounds.rho, N=N)
 
 
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
@@ -540,9 +479,6 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
     ok = ok & new.ok
-    if new.eig is not None:  # B's eigenvalues computed (and failed) for the fold (``eigen_bounds``), counted
-        state.eig_checks.add_(new.eig[0])
-        state.eig_failures.add_(new.eig[1])
     state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)

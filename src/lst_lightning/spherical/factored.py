@@ -117,17 +117,13 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def _drive(self, **fields) -> None:
         """Driving settings changed (validated with the others by ``Driving``, refused in one line
         where this head cannot take them), then the plan made again; a new ``step`` drops the CUDA
-        graphs, and a change between ``sync_every`` 1 and more makes a board of the new rules'
-        (eigen_bounds, products_by_rho or device flags'), counting on."""
-        driving, deferred, old = dataclasses.replace(self.driving, **fields), self.plan.deferred, self.step_checks
+        graphs. The device flags go on as they are: every ``sync_every`` takes the same device part."""
+        driving = dataclasses.replace(self.driving, **fields)
         self._refuse(driving)
         self.driving = driving
         self._replan()
         if "step" in fields:
             self._graphs = {}
-        if self.plan.deferred != deferred:
-            self.step_checks = DeviceFlags()
-            self.step_checks.calls, self.step_checks.synced = old.calls, old.synced
 
     def _replan(self) -> None:
         """The step's plan (plan.py) made again: at a change of a setting, the device or the process group."""
@@ -206,7 +202,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def get_extra_state(self):
         out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
-        if self.plan.deferred and self.plan.neumann == "adaptive":  # a resumed run goes on
+        if self.plan.neumann == "adaptive":  # a resumed run goes on
             out["neumann_factors"] = self.step_checks.factors  # with the factors its last read chose
         if self.V.shape[0] != self.num_classes:  # V is one rank's shard: which rows (checked on load)
             out[V_ROWS] = (self.row_lo, self.row_hi)
@@ -220,7 +216,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         # stopped would
         steps, skipped = int(self.steps), int(self.skipped_nonfinite)
         self.step_checks.synced, self.step_checks.calls = (steps, skipped), steps + skipped
-        if self.plan.deferred and "neumann_factors" in state:
+        if "neumann_factors" in state:
             self.step_checks.factors = int(state["neumann_factors"])
 
     # -- the implicit W -----------------------------------------------------------------

@@ -34,7 +34,7 @@ def residual_tolerance(dtype: torch.dtype) -> float:
 def neumann_factors(rho: float, cond_bound: float, dtype: torch.dtype) -> int | None:
     """The fewest factors k with ``cond(U) rho^(2^k)`` (a bound on the residual before the
     Newton-Schulz steps) within ``residual_tolerance``; None when more than MAX_FACTORS
-    would be needed (rho near 1, or not finite): the step then solves with U_new instead."""
+    would be needed (rho near 1, or not finite: ``adaptive_factors`` then takes MAX_FACTORS)."""
     if not (math.isfinite(rho) and math.isfinite(cond_bound)) or rho >= 1.0:
         return None
     tol = residual_tolerance(dtype) / max(cond_bound, 1.0)

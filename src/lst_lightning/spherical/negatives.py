@@ -126,10 +126,9 @@ class NegativeSampling:
 
     def draw_on(self, device: torch.device) -> None:
         """Draw on ``device`` from now on, reading nothing on the host (a CUDA graph captures
-        the step, ``step="cuda_graph"``): the proposal's tables move there, a generator of that
-        device draws (seeded once from the host generator, or given a checkpoint's state), and
-        shared negatives are coalesced by a sort of static shape (``padded_unique``) instead of
-        ``torch.unique`` on the host. A kernel proposal (its sum-tree is on the host) is refused."""
+        the step, ``step="cuda_graph"``): the proposal's tables move there and a generator of that
+        device draws (seeded once from the host generator, or given a checkpoint's state). A kernel
+        proposal (its sum-tree is on the host) is refused."""
         device = torch.device(device)
         if self.kernel is not None:
             raise ValueError(f"negatives.sampler={self.settings.sampler!r} draws from a sum-tree kept on the "
@@ -184,34 +183,25 @@ class NegativeSampling:
         return self.sampler.uniforms(S if self.settings.shared else m * S,
                                      generator=self.device_generator or self.generator)
 
-    def static_shapes(self, deferred: bool) -> bool:
-        """Whether shared negatives are coalesced in shapes fixed by S (``padded_unique``): on
-        the device (``draw_on``) and under device flags (``deferred``), where the step reads nothing
-        on the host."""
-        return self.device_generator is not None or deferred
-
     def draw(self, head, idx: Tensor, query: Tensor | None = None, u: Tensor | None = None):
         """``draw_slots`` for ``head``: by the uniforms ``u`` (None: drawn here, ``uniforms``)."""
         u = self.uniforms(head, idx.shape[0]) if u is None else u
-        return self.draw_slots(idx, u, head.dtype, head.plan.deferred, query)
+        return self.draw_slots(idx, u, head.dtype, query)
 
-    def draw_slots(self, idx: Tensor, u: Tensor | None, dtype: torch.dtype, deferred: bool,
-                   query: Tensor | None = None):
+    def draw_slots(self, idx: Tensor, u: Tensor | None, dtype: torch.dtype, query: Tensor | None = None):
         """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (``uniforms``;
         None: the kernel proposal's tree draws); their correction ``log(k q / (1 - q_T))`` and
         accidental-hit mask, (m, S). ``query``: each row's query of the kernel proposal (the factored
-        head: [H U^T, H omega]; the naive head: H), unused by a static one."""
+        head: [H U^T, H omega]; the naive head: H), unused by a static one. Shared negatives are
+        coalesced in shapes fixed by S (``padded_unique``): no host read."""
         st, (m, S) = self.settings, (idx.shape[0], self.settings.num)
         if self.kernel is not None:  # per row, from each row's law (shared is refused)
             neg, log_q = self.kernel.sample(query, S, self.generator)
         else:
             neg, log_q = self.sampler.at(u)
         uniq = inv = None
-        if st.shared and self.static_shapes(deferred):  # static shapes, no host read
+        if st.shared:  # static shapes, no host read
             uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
-        elif st.shared:
-            uniq, inv = torch.unique(neg, sorted=True, return_inverse=True)  # on the host: no device sync
-            uniq, inv = uniq.to(idx.device, non_blocking=True), inv.to(idx.device, non_blocking=True)
         neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
         cols = neg if st.shared else neg.reshape(m, S)
         neg_m, log_q = cols.expand(m, S), log_q.expand(m, S) if st.shared else log_q.reshape(m, S)
@@ -240,14 +230,10 @@ class NegativeSampling:
         """Exact accumulation's shared negatives: the micro-batches' draws side by side (``cols``,
         k S) with their gradients block-diagonal (``G_neg``, M x k S: a row's own draw only), as one
         block of the union's step, V's rows fetched now (W has not moved since the records' forwards)."""
-        static = self.static_shapes(plan.deferred)
-        if static:
-            uniq, inv = padded_unique(cols)
-        else:
-            uniq, inv = torch.unique(cols, sorted=True, return_inverse=True)
+        uniq, inv = padded_unique(cols)
         sh = plan.collectives
         V_u = state.V.index_select(0, uniq) if plan.processes != "sharded" else sh.rows_of(state.V, uniq)
-        return SharedBlock(cols, uniq, inv, G_neg, V_u, padded=static)
+        return SharedBlock(cols, uniq, inv, G_neg, V_u)
 
     # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, plan, state, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
@@ -257,7 +243,7 @@ class NegativeSampling:
         (per, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives as extra slots
         (the general path); shared, they stay apart in a ``SharedBlock``."""
         query = None if self.kernel is None else torch.cat([HUt, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
-        cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, plan.deferred, query)
+        cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, query)
         sh = plan.collectives  # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:  # the block's rows of V, fetched once
             V_u = state.V.index_select(0, uniq) if plan.processes != "sharded" else sh.rows_of(state.V, uniq)
@@ -267,8 +253,7 @@ class NegativeSampling:
         per, gq, gs, GA, G_neg = plan.loss.with_slots_grads(q, s, A, T, A_neg, slots, weight,
                                                             num_classes=plan.num_classes, y_sq=y_sq)
         if self.settings.shared:
-            return per, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u,
-                                                     padded=self.static_shapes(plan.deferred))
+            return per, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
         return per, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1), PerRowSlots()
 
 
@@ -288,44 +273,27 @@ def padded_unique(ids: Tensor) -> tuple[Tensor, Tensor]:
     return uniq, inv
 
 
-def unique_column_gram(idx: Tensor, G: Tensor) -> Tensor:
-    """Yd Yd^T (m x m) for Yd[i, idx[i, k]] += G[i, k] (padding -1 ignored), by coalescing the
-    slots to their u unique columns: O(m K) to build Yd on them, O(m^2 u) to multiply (the
-    slot-pair form compares (m K)^2 pairs). Equals ``lk.sparse_gram``."""
-    m, K = idx.shape
-    flat = idx.reshape(-1)
-    g = torch.where(flat >= 0, G.reshape(-1), torch.zeros((), dtype=G.dtype, device=G.device))
-    uniq, inv = torch.unique(flat.clamp(min=0), return_inverse=True)
-    rows = torch.arange(m, device=idx.device).repeat_interleave(K)
-    Yc = torch.zeros(m, uniq.numel(), dtype=G.dtype, device=G.device)
-    Yc.index_put_((rows, inv), g, accumulate=True)  # g is 0 on padding, whichever column it lands in
-    return Yc @ Yc.T
-
-
 class PerRowSlots(TargetsOnly):
     """Negatives drawn per row: the last S of the step's K + S slots (the general path, value 0);
     the rest as for the targets alone."""
 
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T (m x m), never the slot-pair form (``lk.sparse_gram`` compares (m (K + S))^2
-        pairs: 13.5 GB at m = 128, S = 512). torch.unique syncs a GPU with the host, so under
-        device flags Yd (Yd^T I) by rows (``lk.gram_rows``, static shapes): O(m (K + S) m)
-        memory, within O(m (K + S) d) on this route (the step takes it for m <= d)."""
-        if plan.deferred:
-            return lk.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
-        return unique_column_gram(idx, GA)
+        pairs: 13.5 GB at m = 128, S = 512): Yd (Yd^T I) by rows (``lk.gram_rows``, static shapes,
+        no host read): O(m (K + S) m) memory, within O(m (K + S) d) on this route (the step takes it
+        for m <= d)."""
+        return lk.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
 
 
 @dataclass(eq=False)
 class SharedBlock:
     """Negatives shared by the batch: S columns of Yd as one dense block, never changed once made.
 
-    ``cols`` (S,) the draw, ``uniq`` (u,) its distinct classes, ``inv`` (S,) each draw's
-    place among them, ``G_neg`` (m, S) dL/dA_neg, ``V_u`` (u, d) their rows of V at the
-    forward (the step's V: it changes only at the write); ``G_u`` (m, u) the step's
-    gradients on the unique columns (repeated negatives summed): None in the forward's block,
-    held by the block ``hidden`` returns. ``padded``: ``uniq`` is ``padded_unique``'s (S columns,
-    those past the distinct ones unused; the draw on the device). The sums over repeated columns
+    ``cols`` (S,) the draw, ``uniq`` (S,) its distinct classes (``padded_unique``'s: the columns
+    past the distinct ones unused), ``inv`` (S,) each draw's place among them, ``G_neg`` (m, S)
+    dL/dA_neg, ``V_u`` (S, d) their rows of V at the forward (the step's V: it changes only at the
+    write); ``G_u`` (m, S) the step's gradients on the unique columns (repeated negatives summed):
+    None in the forward's block, held by the block ``hidden`` returns. The sums over repeated columns
     are the deterministic scatter's (``lk.scatter_add_rows_``: in a fixed order, no float atomics
     on a GPU: the eager step and its CUDA graph give the same bits)."""
 
@@ -336,7 +304,6 @@ class SharedBlock:
     inv: Tensor
     G_neg: Tensor
     V_u: Tensor
-    padded: bool = False
     G_u: Tensor | None = None
 
     def hidden(self, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
@@ -366,10 +333,10 @@ class SharedBlock:
         too) join the block there: with Y_u = G_u + those targets' gradients (m x u), the
         column sets are disjoint, so Yd Yd^T = sparse_gram(the other targets) + Y_u Y_u^T."""
         hit, GA_on = self._hits(idx, GA)
-        if self.padded and idx.shape[1] > 1:  # a row's targets on one column (a class repeated in the row)
+        if idx.shape[1] > 1:  # a row's targets on one column (a class repeated in the row)
             cols = torch.arange(self.uniq.numel(), device=hit.device)  # summed in order
             Y_u = self.G_u + (GA_on[:, :, None] * (hit[:, :, None] == cols)).sum(1)
-        else:  # one target a row (or on the host): at most one add to each entry, or in order
+        else:  # one target a row: at most one add to each entry
             Y_u = self.G_u.scatter_add(1, hit.clamp(min=0), GA_on)
         return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
 

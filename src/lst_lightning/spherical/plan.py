@@ -25,9 +25,10 @@ from .stabiliser import Stabiliser
 class StepPlan:
     #: the driver: "autograd" (the update in ``loss.backward()``), "fused", "cuda_graph"
     step: str = "autograd"
-    #: ``sync_every > 1``: the step reads nothing on the host; else the flags read after each step, with the
-    #: fold from B's eigenvalues (``eigen_bounds``), the products' factors from the step's own rho
-    #: (``products_by_rho``), shared negatives coalesced by ``torch.unique`` and ids checked before the step
+    #: ``sync_every > 1``: a training step reads nothing on the host (bad ids void it, raised at the
+    #: flags' read); else (``sync_every == 1``, and the naive head) the target ids are checked on the host
+    #: before the step, raised before anything changes, and several processes gather their exact rows.
+    #: The device part is the same either way; the flags are read after every step with ``sync_every == 1``
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
@@ -47,13 +48,13 @@ class StepPlan:
     woodbury_rows: int = -1
     #: the most rows a step updates Q for through the m x m M (``m_matrix_rows``); more: from d x d products
     m_matrix_rows: int = 0
-    #: the products route's Neumann factors under device flags: "adaptive" or "max" (stabiliser.py)
+    #: the products route's Neumann factors: "adaptive" or "max" (stabiliser.py)
     neumann: str = Stabiliser.neumann
     #: D, the classes, and d, the head's width (its hidden size, one more with a bias)
     num_classes: int = 1
     width: int = 1
-    #: a step is folded into V where an eigenvalue of B / c may lie within ``fold_tol`` of 0, or
-    #: (device flags) where cond(U)'s bound would pass ``fold_cond`` (the ``Stabiliser``'s)
+    #: a step is folded into V where the bounds cannot rule out an eigenvalue of B / c within ``fold_tol``
+    #: of 0, or where cond(U)'s bound would pass ``fold_cond`` (the ``Stabiliser``'s)
     fold_tol: float = Stabiliser.fold_tol
     fold_cond: float = Stabiliser.fold_cond
     #: the head's ``Processes`` (multi_process.py), whose collectives a step of several processes calls
@@ -69,9 +70,6 @@ class StepPlan:
     row_steps: object = None
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
-    #: the fold and cond(B): exact_step.py's ``device_bounds`` (the bounds alone), or with ``sync_every == 1``
-    #: ``eigen_bounds`` (B's eigenvalues where the bounds cannot rule out a fold)
-    bounds: object = field(init=False, compare=False, repr=False)
     #: the screen of bad ids for these processes (one, or several exchanging their rows)
     screen: object = field(init=False, compare=False, repr=False)
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
@@ -87,10 +85,8 @@ class StepPlan:
     def __post_init__(self):
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
         whole = self.processes != "sharded"  # V's rows all here
-        products = routes["products"] if self.deferred else exact_step.PRODUCTS_BY_RHO
-        chosen = dict(bounds=exact_step.device_bounds if self.deferred else exact_step.eigen_bounds,
-                      screen=exact_step.screen if alone else exact_step.screen_exchanged,
-                      few_rows=routes["woodbury"], many_rows={**routes, "products": products}[self.inverse],
+        chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
+                      few_rows=routes["woodbury"], many_rows=routes[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
                       gather_dot=lk.gather_dot if whole else sh.gather_dot,
                       gather_sum=lk.gather_sum if whole else sh.gather_sum,

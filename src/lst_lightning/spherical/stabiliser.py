@@ -2,8 +2,8 @@
 "Stabilisation"). Every repair is an exact change of (V, U, U^-1) that leaves W = V U + 1 omega^T
 unchanged:
 
-- a step whose B = c (I - A) may be nearly singular (``min |eig(B)/c| < fold_tol``, by cheap bounds
-  or, where they cannot rule it out, B's eigenvalues: exact_step.py) is folded into V
+- a step whose B = c (I - A) may be nearly singular (``min |eig(B)/c| < fold_tol``, where cheap bounds
+  on its eigenvalues cannot rule it out: exact_step.py's ``device_bounds``) is folded into V
   (``V <- V U B``, U = I; O(D d^2), rare) instead of ill-conditioning U;
 - an upper bound on cond(U) is carried from step to step (times cond(B)); past ``cond_trigger``,
   or every ``check_every`` steps, U^-1 is recomputed and U's singular values are brought back into
@@ -41,8 +41,8 @@ class Stabiliser:
     cond_trigger: float = 4.0
     check_every: int = 100
     fold_tol: float = 0.05
-    #: Under device flags (``sync_every > 1``) a step is folded into V on the device where cond(U)'s
-    #: carried bound would pass this (the repairs that bring it back run only at the flags' reads)
+    #: A step is folded into V on the device where cond(U)'s carried bound would pass this (the
+    #: repairs that bring it back run only at the flags' reads)
     fold_cond: float = 16.0
     max_sv_fixes: int = 8
     uinv_refresh_every: int = 100
@@ -52,8 +52,8 @@ class Stabiliser:
     #: d x d products alone ("products": no factorisation; capturable in a CUDA graph);
     #: "auto": products on a GPU, on a CPU Woodbury when 2 m <= d, else the solve (measured).
     inverse: str = "auto"
-    #: Under device flags (``sync_every > 1``, a CUDA graph's step) the products route cannot
-    #: read rho on the host: "adaptive" takes as many Neumann factors as four times the largest
+    #: The products route reads no rho on the host (whatever ``sync_every``; a CUDA graph's step):
+    #: "adaptive" takes as many Neumann factors as four times the largest
     #: rho bound since the last read of the flags needs (at least 2; ``MAX_FACTORS`` until the
     #: first read), read with the flags, and the maximum again after a read that found a skipped
     #: step (inverse_update.py); "max" takes ``MAX_FACTORS`` every step (enough for rho up to
@@ -91,7 +91,9 @@ class Stabiliser:
         return settings_from(cls, value, "stabiliser")
 
 
-#: The repair counters, beside ``steps`` and ``skipped_nonfinite``.
+#: The repair counters, beside ``steps`` and ``skipped_nonfinite``. ``eig_checks`` stays 0 (no step
+#: computes B's eigenvalues), kept for the state dicts and logs that hold it; ``eig_failures`` counts
+#: the failed SVDs of ``stabilise()``.
 REPAIR_COUNTERS = ("checks", "sv_fixes", "unfactorizations", "folds", "uinv_refreshes", "q_refreshes", "eig_checks",
                    "eig_failures")
 

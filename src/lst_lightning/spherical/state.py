@@ -116,12 +116,9 @@ class StepState(NamedTuple):
     steps: Tensor
     skipped_nonfinite: Tensor
     bad_input: Tensor
-    #: B's eigenvalue computations and their failures (``sync_every == 1``'s fold: exact_step.py's ``eigen_bounds``)
-    eig_checks: Tensor
-    eig_failures: Tensor
-    #: device flags, the adaptive Neumann rule: the largest bound on rho since the flags' last read (else None)
+    #: the adaptive Neumann rule: the largest bound on rho since the flags' last read (None before the first step)
     rho_max: Tensor | None
-    #: device flags: the products route's Neumann factors the flags' last read chose (else None)
-    factors: int | None
+    #: the products route's Neumann factors the flags' last read chose
+    factors: int
     #: row steps (row_steps.py): each class's accumulator (D,); None when off
     row_acc: Tensor | None = None
