@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -83,7 +84,7 @@ class StepPlan:
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
-    #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``'
+    #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``' (bound to them)
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
@@ -96,9 +97,9 @@ class StepPlan:
                       screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       few_rows=routes["woodbury"], many_rows={**routes, "products": products}[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
-                      gather_dot=self.kernels.gather_dot if whole else sh.gather_dot,
-                      gather_sum=self.kernels.gather_sum if whole else sh.gather_sum,
-                      scatter_rows=self.kernels.scatter_add_rows_ if whole else sh.scatter_rows)
+                      gather_dot=self.kernels.gather_dot if whole else partial(sh.gather_dot, self.kernels),
+                      gather_sum=self.kernels.gather_sum if whole else partial(sh.gather_sum, self.kernels),
+                      scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels))
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
 
