@@ -7,8 +7,8 @@ the right preconditioner),
 takes one warm-up step, then traces one more ``head(H, idx).backward()`` with
 ``sys.setprofile`` and prints every file of ``src/`` and ``triton_kernels/`` it enters,
 with the functions (lambdas and comprehensions count: each is a call a reader follows).
-tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 45 functions,
-and the default loss=sampled's step to 12 files and 60 functions.
+tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 39 functions,
+and the default loss=sampled's step to 12 files and 54 functions.
 
 It counts the branches of the step's device part too: the functions entered below driver.py's ``run``
 (what ``run_device_part`` and ``forward_step`` run, compiled whole where the plan says:
@@ -27,13 +27,14 @@ is read by ``ast`` from its function's source and classed by its test:
   holds (the loss's, the draw's), the batch's shapes and dtypes, ``is None`` of optional inputs,
   static attributes (``fwd.neg.shared``), its note says which of these the test reads.
 Every branch is listed with its file:line, the step's own (``src/``) apart from the kernel ops
-(``triton_kernels/``: their argument checks and dispatch). ``--masked``: the device flags masked
-by ``torch.where`` (``exact_step.READ_CPU_FLAGS`` False), as a GPU or a compiled step runs the
-write, rather than read where they are made as the eager CPU step does (``plan.reads_flags``).
+(``triton_kernels/``: the implementation the plan chose, ``plan.kernels``, unchecked).
+``--masked``: the device flags masked by ``torch.where`` (``exact_step.READ_CPU_FLAGS`` False),
+as a GPU or a compiled step runs the write, rather than read where they are made as the eager
+CPU step does (``plan.reads_flags``).
 tests/spherical/test_step_path.py holds the counts: the step's own, 22 branches in 18 functions
 with the Z-loss and 46 in 30 with loss=sampled (19 in 16 and 43 in 28 masked), on the plan
-but for ``take_read``'s two ``cpu_flag`` reads (none masked); the kernel ops' 24 and 27 (29 and
-32 masked, the CPU's fold reading its flag, ``_fold_rows_gated``).
+but for ``take_read``'s two ``cpu_flag`` reads (none masked); the kernel ops' 3 in 7 and 4 in 8
+(5 in 9 and 6 in 10 masked, the CPU's fold reading its flag, ``_fold_rows_gated``).
 """
 from __future__ import annotations
 

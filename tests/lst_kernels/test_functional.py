@@ -1,5 +1,5 @@
-"""The public ops (functional.py): each checks its arguments before anything runs, picks its
-implementation inline, and its torch path equals the term-by-term reference."""
+"""The public ops (functional.py): each checks its arguments before anything runs, calls the
+implementation ``ops_for`` chooses, and its torch path equals the term-by-term reference."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ import torch
 from kernel_cases import KERNEL_DEVICES, SHAPES, TILED_SHAPE, bookkeeping_inputs, close, factored_state, make_case
 
 import lst_kernels
-from lst_kernels import _launch, functional, reference
+from lst_kernels import _launch, functional, ops, reference
 
 OPS = ("gather_dot", "gather_sum", "scatter_add_rows_", "sparse_gram", "gram_rows", "m_matrix", "q_update",
        "q_update_factors", "logsumexp_rows", "fold_rows_")
@@ -23,7 +23,7 @@ MADE = {"q_update_factors": ["GqP"]}
 
 
 def test_every_op_is_one_public_function_with_the_reference_signature_and_impl():
-    assert set(OPS) == {n for n in lst_kernels.__all__ if n not in ("reference", "SortedIds")}
+    assert set(OPS) == {n for n in lst_kernels.__all__ if n not in ("reference", "SortedIds", "Ops", "ops_for")}
     for name in OPS:
         op = getattr(lst_kernels, name)
         assert op is getattr(functional, name), name
@@ -63,20 +63,12 @@ def test_a_bad_order_is_refused_and_changes_nothing():
     assert torch.equal(V, before)
 
 
-def test_the_choice_of_implementation():
-    cpu = torch.zeros(1)
-    assert not functional._use_triton(cpu, "auto") and not functional._use_triton(cpu, "torch")
-    assert functional._use_triton(cpu, "triton")
+def test_an_unknown_impl_or_tensors_on_two_devices_are_refused():
+    V, idx, G, X = make_case(6, 2, 9, 5, "cpu")
     with pytest.raises(ValueError, match="impl must be one of"):
-        functional._use_triton(cpu, "cuda")
-
-
-def test_lst_kernels_torch_keeps_cuda_tensors_on_torch(monkeypatch):
-    fake_cuda = type("T", (), {"is_cuda": True, "device": "cuda:0"})()
-    monkeypatch.setattr(functional, "_TRITON_IMPORTABLE", True)
-    assert functional._use_triton(fake_cuda, "auto")
-    monkeypatch.setenv("LST_KERNELS", "torch")
-    assert not functional._use_triton(fake_cuda, "auto")
+        lst_kernels.gather_sum(V, idx, G, impl="cuda")
+    with pytest.raises(ValueError, match="tensors must be on one device"):
+        lst_kernels.gather_sum(V, idx, G.to("meta"))
 
 
 @pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])
@@ -102,7 +94,7 @@ def test_gram_rows_matches_the_reference(shape):
     close(lst_kernels.gram_rows(idx, G, X.double(), impl="torch"), reference.gram_rows(idx, G, X.double()))
 
 
-@pytest.mark.skipif(not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)")
+@pytest.mark.skipif(not ops._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)")
 @pytest.mark.parametrize("shape", SHAPES + [(12, 3, 4, 5)])
 def test_gram_rows_through_the_triton_scatter_and_gather(shape):
     m, K, D, d = shape
@@ -113,7 +105,7 @@ def test_gram_rows_through_the_triton_scatter_and_gather(shape):
     assert torch.equal(lst_kernels.gram_rows(idx, G, X, order=lst_kernels.SortedIds.of(idx), impl="triton"), out)
 
 
-@pytest.mark.skipif(not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)")
+@pytest.mark.skipif(not ops._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)")
 @pytest.mark.parametrize("shape", SHAPES + [(12, 3, 4, 5)])
 def test_the_triton_scatter_with_the_sort_handed_in_gives_the_same_bits(shape):
     m, K, D, d = shape
@@ -157,7 +149,7 @@ def test_q_update_factors_matches_the_reference_and_the_m_route(shape):
 
 
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not functional._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)"))]
+    not ops._TRITON_IMPORTABLE, reason="the Triton path needs triton (a Linux x86-64 dependency)"))]
 
 
 @pytest.mark.parametrize("impl", IMPLS)

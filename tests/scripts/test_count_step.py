@@ -55,7 +55,7 @@ def test_the_step_stays_within_its_product_budget_at_the_target_size():
     for loss, budget in BUDGETS.items():
         c = count_step.count(D=100_000, d=32, m=64, loss=loss, negatives=33)
         assert c.width == 33 and c.factors == 2, (c.width, c.factors)
-        assert c.gemms["functional.py:q_update_factors"] > 0  # Q from d x d products, as at m = 2 d
+        assert c.gemms["torch_ops.py:q_update_factors"] > 0  # Q from d x d products, as at m = 2 d
         units = sum(c.flops.values()) / (2 * 64 * c.width ** 2)
         assert units <= budget, (loss, units)
         committed = (RESULTS / f"count_step_{loss}_D793471_d512_m1024.md").read_text()

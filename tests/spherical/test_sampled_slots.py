@@ -191,7 +191,7 @@ def test_shared_block_gram_equals_the_slot_gram(sync_every):
     # N_Y = Y_u^T H; N = G_u^T H, for the write
     H = fwd.Hx
     assert (fwd.neg._hits(fwd.idx, fwd.GA)[0] >= 0).sum() >= 2  # accidental hits, their rows of N_Y scattered
-    YYH, HYYH, N = fwd.neg.gram_terms(fwd.idx, fwd.GA, H)
+    YYH, HYYH, N = fwd.neg.gram_terms(f.plan, fwd.idx, fwd.GA, H)
     torch.testing.assert_close(H.T @ YYH + HYYH, H.T @ lk.reference.gram_rows(idx_s, GA_s, H), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(N, fwd.neg.G_u.T @ H, rtol=1e-12, atol=1e-12)
 

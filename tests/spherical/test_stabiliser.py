@@ -116,7 +116,7 @@ def test_long_float32_run_keeps_uinv_accurate(m):
 
 @pytest.mark.parametrize("preconditioned", [False, True])
 @pytest.mark.parametrize("m,d", [(3, 8), (12, 5)])
-def test_eigen_bounds_bound_the_eigenvalues(m, d, preconditioned):
+def test_eig_bounds_bound_the_eigenvalues(m, d, preconditioned):
     """Every eigenvalue of A = H^T diag(kappa) H P lies in [-rho_neg, rho_pos] (``eig_bounds``),
     on fresh random inputs of both signs over five decades of kappa, P symmetric positive definite
     or I: from the d x d A (h^T P h bounded by lambda_max(P) ||h||^2) and from the m x m

@@ -2,9 +2,9 @@
 
 Shapes: ``V`` (D, d); ``idx`` (m, K) int64 with -1 for padding; ``G`` (m, K);
 ``X`` (m, d). Each Triton kernel in this package has the same signature and is
-tested against the function here, and off CUDA the public ops (``functional.py``)
-run three of the sparse ones as they are (the scatter, the same sums in static
-shapes: ``functional.py``). Arithmetic is done in the promoted dtype of
+tested against the function here, and off CUDA the plain-torch implementation
+(``ops.TORCH``) runs three of the sparse ones as they are (the scatter, the same sums in
+static shapes: ``torch_ops.py``). Arithmetic is done in the promoted dtype of
 the inputs, so bf16 activations meet a float32 ``V`` in float32.
 """
 from __future__ import annotations

@@ -11,7 +11,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ._launch import BLOCK_D, scalar_arg
-from .functional import SortedIds
+from .torch_ops import SortedIds
 
 
 @triton.jit
@@ -46,13 +46,13 @@ def _scatter_add_rows_kernel(V, KEYS, PERM, G, X, ALPHA, n, K, d, D, stride_vr, 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
                       order: SortedIds | None = None) -> Tensor:
     """V[idx[j, k]] += alpha * G[j, k] * X[j], in place, deterministic; returns V. ``order``:
-    ``SortedIds.of(idx)`` when the caller has it."""
+    the ids' ``SortedIds`` when the caller has it."""
     m, K = idx.shape
     D, d = V.shape
     if m * K == 0 or d == 0:
         return V
     # One sort on the device, no host sync: a fixed grid of m*K programs finds the runs.
-    keys, perm = SortedIds.of(idx) if order is None else order
+    keys, perm = SortedIds.sort(idx) if order is None else order
     alpha_arg, alpha_ptr = scalar_arg(alpha)
     grid = (m * K, triton.cdiv(d, BLOCK_D))
     _scatter_add_rows_kernel[grid](V, keys, perm, G.contiguous(), X.contiguous(), alpha_arg,

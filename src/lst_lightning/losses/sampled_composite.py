@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-import lst_kernels as lk
+from lst_kernels.torch_ops import logsumexp_rows  # torch on every device: no kernel to choose, inputs made here
 
 from .base import SphericalLoss
 from .mse import MSELoss
@@ -129,7 +129,7 @@ class SampledCompositeLoss(SphericalLoss):
         neg_inf = torch.full((), float("-inf"), dtype=A.dtype, device=A.device)  # no host copy: graphs
         o_t = torch.where(slots.first, A, neg_inf)
         o_n = torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))
-        log_z = lk.logsumexp_rows(torch.cat([o_t, o_n], 1))
+        log_z = logsumexp_rows(torch.cat([o_t, o_n], 1))
         return (T * (log_z - A)).sum(1)  # T is 0 on padding
 
     def with_slots(self, q, s, A, T, A_neg, slots: SampledSlots, *, num_classes, y_sq=None):
@@ -147,7 +147,7 @@ class SampledCompositeLoss(SphericalLoss):
         K = A.shape[1]
         Zc = torch.cat([torch.where(slots.first, A, neg_inf),  # sampled_ce's logits
                         torch.where(slots.hit, neg_inf, A_neg - slots.correction.to(A.dtype))], 1)
-        log_z, p = lk.logsumexp_rows(Zc, with_softmax=True)
+        log_z, p = logsumexp_rows(Zc, with_softmax=True)
         per = (T * (log_z - A)).sum(1)
         wT = T * weight[:, None]
         G = wT.sum(1, keepdim=True) * p

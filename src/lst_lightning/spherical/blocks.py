@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from lst_kernels.functional import CACHE_BYTES
+from lst_kernels.torch_ops import CACHE_BYTES
 
 BLOCK = 1 << 16  # rows per block; also the unit in which the initial V is drawn
 # CACHE_BYTES, a block of an in-place pass over V on the CPU (a fold, a singular-value fix; the

@@ -123,11 +123,11 @@ class TargetsOnly:
 
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T (m x m)."""
-        return lk.sparse_gram(idx, GA)
+        return plan.kernels.sparse_gram(idx, GA)
 
-    def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
-        """(Yd Yd^T H by rows, ``lk.gram_rows``; nothing given whole, no N)."""
-        return lk.gram_rows(idx, GA, H, order=order), None, None
+    def gram_terms(self, plan, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
+        """(Yd Yd^T H by rows, ``gram_rows``; nothing given whole, no N)."""
+        return plan.kernels.gram_rows(idx, GA, H, order), None, None
 
 
 TARGETS_ONLY = TargetsOnly()
@@ -249,7 +249,7 @@ def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
     if plan.negatives == "shared":  # one dense block (negatives.py): the step's, with its gradients
-        YV, ybar, neg = fwd.neg.hidden(grad, YV, ybar)
+        YV, ybar, neg = fwd.neg.hidden(plan, grad, YV, ybar)
         fwd = dataclasses.replace(fwd, neg=neg)
     parts = [(YV, ybar)]
     if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
@@ -431,13 +431,14 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     # the step's factors, whichever has fewer multiply-adds.
     order = N = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
     if by_m:
-        M = lk.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes, fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
-        Q_new = lk.q_update(state.Q, f.X, dOW, M, lr, c)
+        M = plan.kernels.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes,
+                                  fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
+        Q_new = plan.kernels.q_update(state.Q, f.X, dOW, M, lr, c)
     else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
-        order = lk.SortedIds.of(fwd.idx)
-        YYH, HYYH, N = fwd.neg.gram_terms(fwd.idx, GA, Hx, order)
-        Q_new = lk.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P, Gq=f.Gq,
-                                    GqP=f.GqP, HYYH=HYYH)
+        order = plan.kernels.sorted_ids(fwd.idx)
+        YYH, HYYH, N = fwd.neg.gram_terms(plan, fwd.idx, GA, Hx, order)
+        Q_new = plan.kernels.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P,
+                                              Gq=f.Gq, GqP=f.GqP, HYYH=HYYH)
     total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
     ok = torch.isfinite(total) & p_ok  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,
@@ -473,7 +474,7 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     batch changes nothing), the step counted on the device (taken where ok, else skipped); it
     reads nothing on the host. ``grad``: the upstream gradient (None: 1). U, U^-1 and cond(U)'s
     bound first, each kept where the step is not ok: a fold (a device bool) takes V <- V U B in one
-    gated pass over V's rows (one load a block where it is not set: ``lk.fold_rows_``) and leaves
+    gated pass over V's rows (one load a block where it is not set: ``fold_rows_``) and leaves
     U = U^-1 = I, the bound 1."""
     dH, gq, gs, GA, ybar, Z, dOW, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
@@ -486,7 +487,7 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
         return take_read(plan, state, fwd, new, ok, dH), flags
     fold = new.fold & ok
-    lk.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
+    plan.kernels.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
@@ -506,7 +507,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     if not cpu_flag(ok):
         return torch.zeros_like(dH)
     if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
-        lk.fold_rows_(state.V, new.U, True)
+        plan.kernels.fold_rows_(state.V, new.U, True)
         state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
         state.cond_bound.fill_(1.0)
         state.cond_estimate.fill_(1.0)

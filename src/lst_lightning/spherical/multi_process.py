@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import lst_kernels as lk
-
 from .collectives import ProcessGroup
 from .exact_step import UNEXCHANGED
 from .padded_rows import PaddedRows
@@ -136,7 +134,8 @@ class Replicated(Processes):
 
 class ShardedRows(Processes):
     """Rank r holds V's rows [lo, hi); the rest of the state is replicated. The step's gathers and
-    scatter of V's rows are this object's (the plan's; with V whole, lst_kernels' own)."""
+    scatter of V's rows are this object's (the plan's, each bound to the plan's ``kernels``, the
+    kernel ops it calls on the rows held here; with V whole, those ops themselves)."""
 
     parallel = "sharded"
     sharded = True
@@ -149,17 +148,17 @@ class ShardedRows(Processes):
         inside = (idx >= self.lo) & (idx < self.hi)
         return torch.where(inside, idx - self.lo, -1)
 
-    def gather_dot(self, V: Tensor, idx: Tensor, X: Tensor, x0: Tensor) -> Tensor:
-        A = self.pg.all_reduce_(lk.gather_dot(V, self.local_idx(idx), X))  # one owner per slot
+    def gather_dot(self, kernels, V: Tensor, idx: Tensor, X: Tensor, x0: Tensor) -> Tensor:
+        A = self.pg.all_reduce_(kernels.gather_dot(V, self.local_idx(idx), X))  # one owner per slot
         return torch.where(idx >= 0, A + x0[:, None], 0.0)
 
-    def gather_sum(self, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
-        return self.pg.all_reduce_(lk.gather_sum(V, self.local_idx(idx), G))
+    def gather_sum(self, kernels, V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
+        return self.pg.all_reduce_(kernels.gather_sum(V, self.local_idx(idx), G))
 
-    def scatter_rows(self, V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha, order=None) -> Tensor:
-        """``lk.scatter_add_rows_`` into the rows of V held here (the ids' sort, of every rank's
+    def scatter_rows(self, kernels, V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha, order=None) -> Tensor:
+        """``kernels.scatter_add_rows_`` into the rows of V held here (the ids' sort, of every rank's
         rows, is not reused)."""
-        return lk.scatter_add_rows_(V, self.local_idx(idx), G, X, alpha)
+        return kernels.scatter_add_rows_(V, self.local_idx(idx), G, X, alpha)
 
     def rows_of(self, V: Tensor, ids: Tensor) -> Tensor:
         """V's rows of the classes ``ids`` (u, d), wherever they are held."""

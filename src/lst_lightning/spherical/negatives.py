@@ -282,7 +282,7 @@ class PerRowSlots(TargetsOnly):
         pairs: 13.5 GB at m = 128, S = 512): Yd (Yd^T I) by rows (``lk.gram_rows``, static shapes,
         no host read): O(m (K + S) m) memory, within O(m (K + S) d) on this route (the step takes it
         for m <= d)."""
-        return lk.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
+        return plan.kernels.gram_rows(idx, GA, torch.eye(idx.shape[0], dtype=GA.dtype, device=GA.device))
 
 
 @dataclass(eq=False)
@@ -306,7 +306,7 @@ class SharedBlock:
     V_u: Tensor
     G_u: Tensor | None = None
 
-    def hidden(self, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
+    def hidden(self, plan, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
         """``with_gradients``' (YV, ybar, the block) of G_u, the step's gradients coalesced to the
         unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j], O(m S)) in the order
         of j on every device: torch's ``index_add_`` on the CPU, which adds in that order; on a GPU, whose
@@ -315,7 +315,7 @@ class SharedBlock:
         G = self.G_neg if grad is None else self.G_neg * grad
         G_ut = G.new_zeros(self.uniq.numel(), G.shape[0])
         if G.is_cuda:
-            lk.scatter_add_rows_(G_ut, self.inv[:, None], G.new_ones(G.shape[1], 1), G.T.contiguous(), 1.0)
+            plan.kernels.scatter_add_rows_(G_ut, self.inv[:, None], G.new_ones(G.shape[1], 1), G.T.contiguous(), 1.0)
         else:  # rows copied whole: 0.16 against 0.29 ms from G.T's strided columns (m = 128, S = 512)
             G_ut.index_add_(0, self.inv, G.T.contiguous())
         return self.with_gradients(G_ut.T, YV, ybar, G.sum(1))
@@ -338,17 +338,17 @@ class SharedBlock:
             Y_u = self.G_u + (GA_on[:, :, None] * (hit[:, :, None] == cols)).sum(1)
         else:  # one target a row: at most one add to each entry
             Y_u = self.G_u.scatter_add(1, hit.clamp(min=0), GA_on)
-        return torch.addmm(lk.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
+        return torch.addmm(plan.kernels.sparse_gram(idx, GA - GA_on), Y_u, Y_u.T)
 
-    def gram_terms(self, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
+    def gram_terms(self, plan, idx: Tensor, GA: Tensor, H: Tensor, order: lk.SortedIds | None = None):
         """H^T Yd Yd^T H in two terms, split as ``gram``: (Yd Yd^T H of the other targets, by rows:
         ``lk.gram_rows``; the block's H^T Y_u Y_u^T H = N_Y^T N_Y, d x d), and N = G_u^T H (one
         GEMM, for the write's ``scatter_``). N_Y = Y_u^T H is N plus the hits' rows,
         N_Y[hit] += GA h (the deterministic scatter, O(m K d))."""
         hit, GA_on = self._hits(idx, GA)
         N = self.G_u.T @ H.to(self.G_u.dtype)
-        N_Y = lk.scatter_add_rows_(N.clone(), hit, GA_on, H.to(N.dtype), 1.0)
-        return lk.gram_rows(idx, GA - GA_on, H, order=order), N_Y.T @ N_Y, N
+        N_Y = plan.kernels.scatter_add_rows_(N.clone(), hit, GA_on, H.to(N.dtype), 1.0)
+        return plan.kernels.gram_rows(idx, GA - GA_on, H, order), N_Y.T @ N_Y, N
 
     def _hits(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
         """The targets on the block's columns: each slot's column among the block's (-1 off

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -68,6 +69,10 @@ class StepPlan:
     sampling: object = field(default=None, compare=False)
     #: per-row step sizes on the update's sparse part (row_steps.py's ``RowSteps``), None: off
     row_steps: object = None
+    #: the kernel ops' implementation (``lst_kernels.ops_for`` of the head's device when the plan is made:
+    #: Triton on CUDA where importable and the environment's ``LST_KERNELS`` is not "torch", else torch),
+    #: which the step calls unchecked (``plan.kernels.m_matrix(...)``): no op re-checks or re-chooses
+    kernels: lk.Ops = lk.ops_for("cpu")
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
     #: the screen of bad ids for these processes (one, or several exchanging their rows)
@@ -77,7 +82,7 @@ class StepPlan:
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
-    #: the gathers and the scatter of V's rows: lst_kernels' own with V whole, else the ``ShardedRows``'
+    #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``' (bound to them)
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
@@ -88,9 +93,9 @@ class StepPlan:
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       few_rows=routes["woodbury"], many_rows=routes[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
-                      gather_dot=lk.gather_dot if whole else sh.gather_dot,
-                      gather_sum=lk.gather_sum if whole else sh.gather_sum,
-                      scatter_rows=lk.scatter_add_rows_ if whole else sh.scatter_rows)
+                      gather_dot=self.kernels.gather_dot if whole else partial(sh.gather_dot, self.kernels),
+                      gather_sum=self.kernels.gather_sum if whole else partial(sh.gather_sum, self.kernels),
+                      scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels))
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
 
@@ -120,7 +125,8 @@ def negatives_kind(negatives) -> str | None:
 
 
 def plan_for(head) -> StepPlan:
-    """The plan of ``head``'s step from its settings, its device and its process group."""
+    """The plan of ``head``'s step from its settings, its device and its process group (and the
+    kernel ops' implementation for that device, ``LST_KERNELS`` read here)."""
     driving = head.driving
     kind = negatives_kind(head.negatives)
     compile_ = driving.compile
@@ -136,7 +142,7 @@ def plan_for(head) -> StepPlan:
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
                     fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
                     reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay,
-                    row_steps=head.row_steps)
+                    row_steps=head.row_steps, kernels=lk.ops_for(head.device))
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------
