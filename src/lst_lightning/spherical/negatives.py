@@ -231,9 +231,7 @@ class NegativeSampling:
         k S) with their gradients block-diagonal (``G_neg``, M x k S: a row's own draw only), as one
         block of the union's step, V's rows fetched now (W has not moved since the records' forwards)."""
         uniq, inv = padded_unique(cols)
-        sh = plan.collectives
-        V_u = state.V.index_select(0, uniq) if plan.processes != "sharded" else sh.rows_of(state.V, uniq)
-        return SharedBlock(cols, uniq, inv, G_neg, V_u)
+        return SharedBlock(cols, uniq, inv, G_neg, plan.rows_of(state.V, uniq))
 
     # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, plan, state, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
@@ -244,9 +242,9 @@ class NegativeSampling:
         (the general path); shared, they stay apart in a ``SharedBlock``."""
         query = None if self.kernel is None else torch.cat([HUt, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
         cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, query)
-        sh = plan.collectives  # several processes: every rank drew the same negatives from the same seed
+        # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:  # the block's rows of V, fetched once
-            V_u = state.V.index_select(0, uniq) if plan.processes != "sharded" else sh.rows_of(state.V, uniq)
+            V_u = plan.rows_of(state.V, uniq)
             A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
         else:
             A_neg = plan.gather_dot(state.V, cols, HUt, ht)

@@ -10,6 +10,7 @@ step's device part from compiling whole), ``head_refusal`` (the head's parts wit
 """
 from __future__ import annotations
 
+import operator
 import sys
 from dataclasses import dataclass, field
 from functools import partial
@@ -82,7 +83,9 @@ class StepPlan:
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
-    #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``' (bound to them)
+    #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``' (bound to them);
+    #: ``rows_of(V, ids)``, V's rows of the classes ``ids``: indexing with V whole, else ``ShardedRows.rows_of``
+    rows_of: object = field(init=False, compare=False, repr=False)
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
@@ -93,6 +96,7 @@ class StepPlan:
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       few_rows=routes["woodbury"], many_rows=routes[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
+                      rows_of=operator.getitem if whole else sh.rows_of,
                       gather_dot=self.kernels.gather_dot if whole else partial(sh.gather_dot, self.kernels),
                       gather_sum=self.kernels.gather_sum if whole else partial(sh.gather_sum, self.kernels),
                       scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels))
