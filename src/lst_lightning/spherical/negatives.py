@@ -361,13 +361,12 @@ class SharedBlock:
 
     def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, processes, right: Tensor | None = None,
                  N: Tensor | None = None) -> None:
-        """V[u] += alpha G_u^T (H U_new^-1), masked by ``ok`` under device flags, one index_add_;
+        """V[u] += alpha G_u^T (H U_new^-1), masked by the device flag ``ok``, one index_add_;
         sharded, into the rows this rank holds (the others add zeros to row 0). As alpha N R
         where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
         was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
         rows = self.G_u.T @ HUinv if right is None or N is None else N @ right.to(N.dtype)
-        update = alpha * rows
-        update = (update if ok is None else torch.where(ok, update, 0.0)).to(V.dtype)
+        update = torch.where(ok, alpha * rows, 0.0).to(V.dtype)
         if not processes.sharded:
             V.index_add_(0, self.uniq, update)
         elif V.shape[0]:
