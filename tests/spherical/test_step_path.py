@@ -22,7 +22,7 @@ MAX_FILES, MAX_FUNCTIONS = 8, 39
 #: (triton_kernels/), as scripts/trace_step.py counts them, by (loss, masked): the eager CPU step
 #: reads its device flags where they are made, ``masked`` masks them by ``torch.where`` as a GPU does
 DEVICE_PART = {("zloss", False): ((18, 17), (7, 3)), ("zloss", True): ((17, 14), (9, 5)),
-               ("sampled", False): ((30, 40), (8, 4)), ("sampled", True): ((29, 37), (10, 6))}
+               ("sampled", False): ((30, 37), (8, 4)), ("sampled", True): ((29, 34), (10, 6))}
 EXACT_STEP = "src/lst_lightning/spherical/exact_step.py"
 _traces: dict = {}
 

@@ -97,7 +97,8 @@ class RowSteps:
         GA = GA * r[:m * K].view(m, K)
         YV, ybar = plan.gather_sum(state.V, idx, GA), GA.sum(1)
         if neg.shared:
-            YV, ybar, neg = neg.with_gradients(neg.G_u * r[m * K:], YV, ybar)
+            G_u = neg.G_u * r[m * K:]
+            YV, ybar, neg = neg.with_gradients(G_u, YV, ybar, G_u.sum(1))
         return GA, YV, ybar, neg, row_sq
 
     def write_acc(self, state, fwd, ok: Tensor) -> None:
