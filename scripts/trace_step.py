@@ -31,8 +31,8 @@ Every branch is listed with its file:line, the step's own (``src/``) apart from 
 ``--masked``: the device flags masked by ``torch.where`` (``exact_step.READ_CPU_FLAGS`` False),
 as a GPU or a compiled step runs the write, rather than read where they are made as the eager
 CPU step does (``plan.reads_flags``).
-tests/spherical/test_step_path.py holds the counts: the step's own, 22 branches in 18 functions
-with the Z-loss and 46 in 30 with loss=sampled (19 in 16 and 43 in 28 masked), on the plan
+tests/spherical/test_step_path.py holds the counts: the step's own, 17 branches in 18 functions
+with the Z-loss and 36 in 30 with loss=sampled (14 in 17 and 33 in 29 masked), on the plan
 but for ``take_read``'s two ``cpu_flag`` reads (none masked); the kernel ops' 3 in 7 and 4 in 8
 (5 in 9 and 6 in 10 masked, the CPU's fold reading its flag, ``_fold_rows_gated``).
 """

@@ -177,7 +177,8 @@ def test_on_cuda_a_compiled_fold_never_waits_for_the_gpu(step_mode):
 @pytest.mark.parametrize("loss", ["zloss", "sampled"])
 def test_the_cpus_flags_read_at_once_write_the_masked_writes_bits(monkeypatch, loss):
     """Eager on the CPU a device flag is read where it is made (``exact_step.cpu_flag``: nothing
-    waits) and the write taken unmasked: the same bits as the write masked by ``torch.where``,
+    waits) and U's part and the fold taken unmasked (``take_read``): the same bits as the write masked
+    by ``torch.where`` (``take_masked``),
     which a GPU and a compiled step take, through folds, a non-finite batch and a bad one."""
     runs = []
     for read in (False, True):

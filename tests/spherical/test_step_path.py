@@ -21,8 +21,8 @@ MAX_FILES, MAX_FUNCTIONS = 8, 39
 #: the device part's (functions, branches), the step's own (src/) and the kernel ops'
 #: (triton_kernels/), as scripts/trace_step.py counts them, by (loss, masked): the eager CPU step
 #: reads its device flags where they are made, ``masked`` masks them by ``torch.where`` as a GPU does
-DEVICE_PART = {("zloss", False): ((18, 22), (7, 3)), ("zloss", True): ((16, 19), (9, 5)),
-               ("sampled", False): ((30, 46), (8, 4)), ("sampled", True): ((28, 43), (10, 6))}
+DEVICE_PART = {("zloss", False): ((18, 17), (7, 3)), ("zloss", True): ((17, 14), (9, 5)),
+               ("sampled", False): ((30, 36), (8, 4)), ("sampled", True): ((29, 33), (10, 6))}
 EXACT_STEP = "src/lst_lightning/spherical/exact_step.py"
 _traces: dict = {}
 

@@ -514,8 +514,8 @@ class SphericalHeadBase(OutputHead):
         return exact_step.y_sq(idx, T) if self.loss_fn.needs_y_sq else None
 
     def row_weights(self, idx: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-        """d reduce(per, idx) / d per (m,), as ``reduction`` says (exact_step.py's ``row_weights``)."""
-        return exact_step.row_weights(self.reduction, (idx >= 0).any(1), dtype, rows)
+        """d reduce(per, idx) / d per (m,), as ``reduction`` says (exact_step.py's ``ROW_WEIGHTS``)."""
+        return exact_step.ROW_WEIGHTS[self.reduction]((idx >= 0).any(1), dtype, rows)
 
     def reduce(self, per_example: Tensor, idx: Tensor, weight: Tensor | None = None) -> Tensor:
         """The minibatch loss from per-example losses (exact_step.py's ``reduce``; ``weight``:

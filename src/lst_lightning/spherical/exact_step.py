@@ -96,7 +96,7 @@ class NewState:
     """Everything one step changes, computed aside so a failure leaves the head untouched."""
     GA: Tensor               # dL/dA, scaled by the upstream gradient
     U: Tensor
-    Uinv: Tensor | None      # None: U^-1 is left stale (the step solved with U instead)
+    Uinv: Tensor             # U_new^-1; the solve's: U^-1 as it was, stale (the step solved with U instead)
     omega: Tensor
     Q: Tensor
     wbar: Tensor
@@ -151,21 +151,29 @@ def y_sq(idx: Tensor, T: Tensor) -> Tensor:
     return (T[:, :, None] * T[:, None, :] * same).sum((1, 2))
 
 
-def row_weights(reduction: str, real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
-    """d reduce(per) / d per (m,) from ``real`` (m,), the rows with a real slot: 0 on a fully padded
-    row, 1/n on the others, n as ``reduction`` says: 1 ("sum"), the real rows ("mean_real"), all the
-    rows ("mean": ``rows``, a device count, the ranks' rows of a gathered batch padded to their
-    capacity, ``processes.rows``; None: m)."""
-    weight = real.to(dtype)
-    if reduction == "mean_real":
-        return weight / real.sum().clamp_min(1)
-    if reduction == "mean":
-        return weight / (real.shape[0] if rows is None else rows)
-    return weight
+def sum_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    """d reduce(per) / d per (m,) of the "sum" reduction (``ROW_WEIGHTS``) from ``real`` (m,), the
+    rows with a real slot: 1 on them, 0 on a fully padded row."""
+    return real.to(dtype)
+
+
+def mean_real_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    """"mean_real"'s: 1/n on the real rows, n of them, 0 on a fully padded row."""
+    return real.to(dtype) / real.sum().clamp_min(1)
+
+
+def mean_weights(real: Tensor, dtype: torch.dtype, rows: Tensor | None = None) -> Tensor:
+    """"mean"'s: 1/n on the real rows, 0 on a fully padded row, n all the rows (``rows``, a device
+    count, the ranks' rows of a gathered batch padded to their capacity, ``processes.rows``; None: m)."""
+    return real.to(dtype) / (real.shape[0] if rows is None else rows)
+
+
+#: the row weights of each reduction (base.py's ``REDUCTIONS``): the plan's ``row_weights``
+ROW_WEIGHTS = {"sum": sum_weights, "mean_real": mean_real_weights, "mean": mean_weights}
 
 
 def reduce(per_example: Tensor, weight: Tensor) -> Tensor:
-    """The minibatch loss from per-example losses, ``sum_i weight_i l_i`` (``row_weights``); a fully
+    """The minibatch loss from per-example losses, ``sum_i weight_i l_i`` (``ROW_WEIGHTS``); a fully
     padded row (every slot -1) contributes nothing, whatever its loss, for every loss (the squared
     error would see a zero target)."""
     return (torch.where(weight != 0, per_example, torch.zeros((), dtype=weight.dtype, device=weight.device))
@@ -228,7 +236,7 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
     # the minibatch loss and its gradients dL/dq (m), dL/ds (m), dL/dA (m, K): in closed form
     # where the loss has one (Loss.grads; autograd on these m-sized tensors otherwise)
     y2 = y_sq(idx, T) if plan.loss.needs_y_sq else None  # ||y||^2 where the loss takes it (sampled: the spherical term)
-    weight = row_weights(plan.reduction, real, q.dtype, rows)
+    weight = plan.row_weights(real, q.dtype, rows)
     if plan.sampling is None:
         per, gq, gs, GA = plan.loss.grads(q, s, A, T, weight, num_classes=plan.num_classes, y_sq=y2)
         neg = TARGETS_ONLY
@@ -355,10 +363,10 @@ def square_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Te
 
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
 class Inverse(NamedTuple):
-    """A route's H U_new^-1: U_new^-1 (None: left stale), the fold (a singular solve or a residual
+    """A route's H U_new^-1: U_new^-1 (the solve: U^-1 as it was, stale), the fold (a singular solve or a residual
     past the products' reach folds too) and R with H U_new^-1 = H R (the products route,
     R = P U_new^-1; else None)."""
-    Uinv: Tensor | None
+    Uinv: Tensor
     HUinv: Tensor
     fold: Tensor | bool
     total: Tensor            # the sum of H U_new^-1 (and U_new^-1): finite where they are
@@ -386,7 +394,7 @@ def solve(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds:
     HUinv, info = solve_right(f.U, f.X)
     fold = bounds.fold | (info != 0).any()
     HUinv = torch.where(fold, f.X, HUinv)
-    return Inverse(None, HUinv, fold, HUinv.sum())
+    return Inverse(state.Uinv, HUinv, fold, HUinv.sum())
 
 
 def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
@@ -446,12 +454,11 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
                     right=inv.right, rho=bounds.rho, N=N)
 
 
-def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = None) -> None:
+def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
     """Write the step's new rows of V, omega, Q, wbar and P's moments into ``state`` (the head's
-    buffers; U's part first: ``update``'s or ``take_read``'s), each
-    kept where the device flag ``ok`` is false; None: taken (a failed check stopped the step before)."""
+    buffers; U's part first: the plan's ``take``), each kept where the device flag ``ok`` is false."""
     Q = 0.5 * (new.Q + new.Q.T)
-    GA, HUinv, omega, Q, wbar = (new.GA, new.HUinv, new.omega, Q, new.wbar) if ok is None else (
+    GA, HUinv, omega, Q, wbar = (
         torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
     alpha = -new.lr
@@ -472,10 +479,8 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor | None = Non
 def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
     """dL/dH and the update under device flags: every check a flag that masks the write (a bad
     batch changes nothing), the step counted on the device (taken where ok, else skipped); it
-    reads nothing on the host. ``grad``: the upstream gradient (None: 1). U, U^-1 and cond(U)'s
-    bound first, each kept where the step is not ok: a fold (a device bool) takes V <- V U B in one
-    gated pass over V's rows (one load a block where it is not set: ``fold_rows_``) and leaves
-    U = U^-1 = I, the bound 1."""
+    reads nothing on the host but where the plan ``reads_flags`` (its ``take``). ``grad``: the
+    upstream gradient (None: 1)."""
     dH, gq, gs, GA, ybar, Z, dOW, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
@@ -483,27 +488,35 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    flags = Flags(ok, new.fold, fwd.idx, new.Uinv is not None)
-    if plan.reads_flags and not torch.compiler.is_compiling():  # eager on the CPU: the flags read where made
-        return take_read(plan, state, fwd, new, ok, dH), flags
+    return plan.take(plan, state, fwd, new, ok, dH), Flags(ok, new.fold, fwd.idx, fwd.route.keeps_uinv)
+
+
+def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
+    """``update``'s write masked by its device flags (a GPU's, a compiled step's): U, U^-1 (the
+    solve's stale one kept) and cond(U)'s bound first, each kept where the step is not ok: a fold
+    (a device bool) takes V <- V U B in one gated pass over V's rows (one load a block where it is
+    not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then ``write``. (dL/dH, zeros
+    where the step is not taken.)"""
     fold = new.fold & ok
     plan.kernels.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
     eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
-    if new.Uinv is not None:  # (the solve leaves U^-1 stale: run_device_part marks it so)
-        state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where the step folds)
+    state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where it folds; the solve: stale, marked so)
     grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
     state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
     state.folds.add_(fold)
     write(plan, state, fwd, new, ok)
-    return torch.where(ok, dH, 0.0), flags
+    return torch.where(ok, dH, 0.0)
 
 
 def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
     """``update``'s write eager on the CPU (``plan.reads_flags``): ``ok`` and the fold read where they
-    are made (``cpu_flag``: nothing waits on a CPU), and the write taken whole, unmasked, or not at
-    all: the masked write's bits. (dL/dH, zeros where the step is not taken.)"""
+    are made (``cpu_flag``: nothing waits on a CPU), and U's part taken whole or not at all, the
+    write masked by the read ``ok``: the masked write's bits. Traced whole (a plan of an eager head
+    compiled, as tests do) it is ``take_masked``. (dL/dH, zeros where the step is not taken.)"""
+    if torch.compiler.is_compiling():
+        return take_masked(plan, state, fwd, new, ok, dH)
     if not cpu_flag(ok):
         return torch.zeros_like(dH)
     if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
@@ -515,9 +528,8 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
     else:
         state.U.copy_(new.U)
         state.cond_bound.copy_(state.cond_bound * new.cond_step)
-    if new.Uinv is not None:
-        state.Uinv.copy_(new.Uinv)
-    write(plan, state, fwd, new)
+    state.Uinv.copy_(new.Uinv)  # (the solve's: U^-1 as it was)
+    write(plan, state, fwd, new, ok)
     return dH
 
 

@@ -109,7 +109,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         if acc is not None:
             self.row_acc.copy_(acc)
         if moments is not None:
-            moments.write(self)
+            moments.write(self, moments.ok)  # (checked above: True)
         self.steps += 1
         self._version += 1
         return dH

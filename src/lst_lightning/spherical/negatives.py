@@ -204,7 +204,7 @@ class NegativeSampling:
             uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
         neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
         cols = neg if st.shared else neg.reshape(m, S)
-        neg_m, log_q = cols.expand(m, S), log_q.expand(m, S) if st.shared else log_q.reshape(m, S)
+        neg_m, log_q = cols.expand(m, S), log_q.reshape(-1, S).expand(m, S)  # shared: (S,), one row for all
         first = first_occurrence(idx)
         if st.remove_accidental_hits:
             hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
@@ -319,12 +319,11 @@ class SharedBlock:
         return self.with_gradients(G_ut.T, YV, ybar, G.sum(1))
 
     def with_gradients(self, G_u: Tensor, YV: Tensor, ybar: Tensor,
-                       sums: Tensor | None = None) -> tuple[Tensor, Tensor, "SharedBlock"]:
+                       sums: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
         """The block's part of Yd V (one GEMM) and of Yd's row sums, for the step's gradients
         ``G_u`` (m, u), added to ``YV`` and ``ybar``; and the block with them (a new one). ``sums``:
-        the row sums as summed before the columns were coalesced (``hidden``'s; None: G_u's)."""
-        return (torch.addmm(YV, G_u, self.V_u.to(YV.dtype)), ybar + (G_u.sum(1) if sums is None else sums),
-                dataclasses.replace(self, G_u=G_u))
+        the row sums (``hidden``'s as summed before the columns were coalesced)."""
+        return torch.addmm(YV, G_u, self.V_u.to(YV.dtype)), ybar + sums, dataclasses.replace(self, G_u=G_u)
 
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows
@@ -359,13 +358,12 @@ class SharedBlock:
 
     def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, processes, right: Tensor | None = None,
                  N: Tensor | None = None) -> None:
-        """V[u] += alpha G_u^T (H U_new^-1), masked by ``ok`` under device flags, one index_add_;
+        """V[u] += alpha G_u^T (H U_new^-1), masked by the device flag ``ok``, one index_add_;
         sharded, into the rows this rank holds (the others add zeros to row 0). As alpha N R
         where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
         was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
         rows = self.G_u.T @ HUinv if right is None or N is None else N @ right.to(N.dtype)
-        update = alpha * rows
-        update = (update if ok is None else torch.where(ok, update, 0.0)).to(V.dtype)
+        update = torch.where(ok, alpha * rows, 0.0).to(V.dtype)
         if not processes.sharded:
             V.index_add_(0, self.uniq, update)
         elif V.shape[0]:

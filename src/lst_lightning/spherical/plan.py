@@ -78,6 +78,11 @@ class StepPlan:
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
     #: the screen of bad ids for these processes (one, or several exchanging their rows)
     screen: object = field(init=False, compare=False, repr=False)
+    #: d reduce / d per of the ``reduction`` (``exact_step.ROW_WEIGHTS``: sum, mean_real or mean's)
+    row_weights: object = field(init=False, compare=False, repr=False)
+    #: how ``update`` takes U's part and the write: ``take_read`` where the plan ``reads_flags``,
+    #: else ``take_masked`` (masked by ``torch.where``)
+    take: object = field(init=False, compare=False, repr=False)
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
     few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
@@ -94,6 +99,8 @@ class StepPlan:
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
         whole = self.processes != "sharded"  # V's rows all here
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
+                      row_weights=exact_step.ROW_WEIGHTS[self.reduction],
+                      take=exact_step.take_read if self.reads_flags else exact_step.take_masked,
                       few_rows=routes["woodbury"], many_rows=routes[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
                       rows_of=operator.getitem if whole else sh.rows_of,

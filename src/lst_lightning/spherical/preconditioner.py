@@ -83,8 +83,8 @@ class Moments:
     P: Tensor
     ok: Tensor
 
-    def write(self, state, ok: Tensor | None = None) -> None:
+    def write(self, state, ok: Tensor) -> None:
         """Into the buffers ``input_moment`` and ``input_moment_weight`` of ``state`` (a head, or the
-        step's ``StepState``), with its step (where ``ok``, a device flag, when given)."""
+        step's ``StepState``), with its step where ``ok``, a device flag."""
         for buf, new in ((state.input_moment, self.moment), (state.input_moment_weight, self.weight)):
-            buf.copy_(new if ok is None else torch.where(ok, new, buf))
+            buf.copy_(torch.where(ok, new, buf))

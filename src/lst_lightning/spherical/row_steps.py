@@ -97,12 +97,13 @@ class RowSteps:
         GA = GA * r[:m * K].view(m, K)
         YV, ybar = plan.gather_sum(state.V, idx, GA), GA.sum(1)
         if neg.shared:
-            YV, ybar, neg = neg.with_gradients(neg.G_u * r[m * K:], YV, ybar)
+            G_u = neg.G_u * r[m * K:]
+            YV, ybar, neg = neg.with_gradients(G_u, YV, ybar, G_u.sum(1))
         return GA, YV, ybar, neg, row_sq
 
-    def write_acc(self, state, fwd, ok: Tensor | None) -> None:
+    def write_acc(self, state, fwd, ok: Tensor) -> None:
         """(acc, w) moved at the step's classes (``scaled``: the change, 0 off them), kept where the
-        device flag ``ok`` is false (None: taken)."""
+        device flag ``ok`` is false."""
         uniq, change = fwd.row_sq
-        change = change if ok is None else torch.where(ok, change, 0.0)
+        change = torch.where(ok, change, 0.0)
         state.row_acc.index_add_(0, uniq, change.to(state.row_acc.dtype))
