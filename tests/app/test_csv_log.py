@@ -2,13 +2,14 @@
 validation and test rows in csv/metrics.csv (trainer=ddp_cpu starts new workers, and
 so a new writer, for every trainer call)."""
 import csv
+from functools import partial
 
 import pytest
 
 from lst_lightning.app.csv_log import AppendingCSVLogger
-from lst_lightning.app.train import run
 
-from app_configs import FAST, cfg_of, group, lst_train
+from app_configs import FAST, cfg_of, group, lst_train, run_of
+from forked_ranks import in_fresh_process
 
 CPU_TRAINERS = [t for t in group("trainer") if cfg_of(f"trainer={t}").trainer.accelerator == "cpu"]
 #: trainer configs whose launcher re-runs the command line for the other ranks (Lightning's
@@ -42,9 +43,10 @@ TINY = [*FAST, "trainer.limit_train_batches=8", "trainer.log_every_n_steps=2", "
         "metrics.timing_every=0"]
 
 
-def run_keeps_its_rows(tmp_path, *overrides):
-    """Tiny run: 8 steps, validation at the end of the epoch, the test split."""
-    run(cfg_of(*TINY, "head=softmax", *overrides), tmp_path)
+def run_keeps_its_rows(tmp_path, *overrides, launch=run_of):
+    """Tiny run: 8 steps, validation at the end of the epoch, the test split (``launch``: how run
+    is called, ``in_fresh_process`` where the trainer forks its ranks)."""
+    launch([*TINY, "head=softmax", *overrides], tmp_path)
     assert_rows(tmp_path)
 
 
@@ -74,4 +76,4 @@ def test_a_trainer_that_relaunches_its_command_keeps_the_rows(tmp_path, trainer)
 
 
 def test_workers_started_per_trainer_call_keep_the_rows(tmp_path):
-    run_keeps_its_rows(tmp_path, "trainer=ddp_cpu", "trainer.strategy=ddp_fork")
+    run_keeps_its_rows(tmp_path, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", launch=partial(in_fresh_process, run_of))

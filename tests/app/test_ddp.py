@@ -6,7 +6,9 @@ multi-process jobs runs each job once.
 The equivalence tests use ``ddp_fork``: the same launcher as ``trainer=ddp_cpu``'s
 ``ddp_spawn`` (workers started per trainer call, rank 0's state handed back) but without
 re-importing torch in every worker, which costs ~30 s per trainer call on a loaded
-2-core machine. The multirun test runs ``trainer=ddp_cpu`` as shipped (spawn)."""
+2-core machine; each such run is called in a process of its own (forked_ranks.py's
+``in_fresh_process``), whose ranks can fork whatever this worker compiled before. The multirun
+test runs ``trainer=ddp_cpu`` as shipped (spawn)."""
 import csv
 import json
 import os
@@ -19,17 +21,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import yaml
+from forked_ranks import free_port, in_fresh_process, start_ranks
 from host_reads import by_file
-from hydra import compose, initialize_config_dir
 
 from lst_lightning.app.callbacks.sparse_gradients import BYTES_KEY
-from lst_lightning.app.configs import config_dir
 from lst_lightning.app.train import run
 from lst_lightning.data.datamodule import _PaddedIds
 from lst_lightning.data.ngram import EpochBatchSampler
 from lst_lightning.spherical.shard_files import load_rows
 
-CONF = Path(config_dir())
+from app_configs import cfg_of, run_of
+
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"  # toy_heads, for subprocesses
 B = 8  # per-rank batch; the one-process run uses 2B
 # float64 and plain SGD (the sparse input embedding's rows too): the only difference left
@@ -41,11 +43,6 @@ COMMON = ["experiment=tiny", "logger=csv", "callbacks=minimal", "optimizer.name=
           "data.max_eval_examples=101", "data.eval_batch_size=32", "metrics.timing_every=0", "model.dropout=0.0"]
 TWO_RANKS = ["trainer=ddp_cpu", "trainer.strategy=ddp_fork", f"data.batch_size={B}"]
 ONE_RANK = [f"data.batch_size={2 * B}"]
-
-
-def cfg_of(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def state(run_dir):
@@ -140,7 +137,7 @@ def test_two_ranks_train_like_one_softmax(tmp_path, head, embedding):
     (row_adam: the hierarchical softmax's rows and the embedding's)."""
     over = [*(o for o in COMMON if not o.startswith("optimizer.embedding=")), f"head={head}",
             f"optimizer.embedding={embedding}", f"model.sparse_embedding={embedding != 'dense'}"]
-    r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two")
+    r2 = in_fresh_process(run_of, [*over, *TWO_RANKS], tmp_path / "two")
     r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
     assert r2["world_size"] == 2 and r1["world_size"] == 1
     assert r2["train_steps"] == r1["train_steps"] == 6
@@ -167,7 +164,7 @@ def test_two_ranks_train_like_one_self_updating_head(tmp_path):
             "~data.vocab_size", "data.num_classes=300", "data.input_vocab_size=100", "data.context_size=3"]
     out = tmp_path / "ranks"
     out.mkdir()
-    r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
+    r2 = in_fresh_process(run_of, [*over, *TWO_RANKS], tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
     r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
     assert r2["train_steps"] == r1["train_steps"] == 6
     assert_close_rel(state(tmp_path / "two"), state(tmp_path / "one"))
@@ -192,16 +189,8 @@ def run_external(overrides: list, run_dir: Path, world: int = 2, callbacks_out: 
     """What torchrun does: start the ranks with the rendezvous variables set and run the
     whole app on each (``strategy=ddp``: Lightning sees the environment and starts
     nothing); rank 0 writes the results."""
-    import socket  # noqa: PLC0415
-
-    import torch.multiprocessing as mp  # noqa: PLC0415
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     over = [*overrides, "trainer=ddp_cpu", "trainer.strategy=ddp", f"trainer.devices={world}"]
-    mp.start_processes(_external_rank, args=(world, port, over, str(run_dir), callbacks_out), nprocs=world,
-                       start_method="fork")
+    start_ranks(_external_rank, (world, free_port(), over, str(run_dir), callbacks_out), world)
     return json.loads((run_dir / "results.json").read_text())
 
 
@@ -215,7 +204,7 @@ def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
     out = tmp_path / "ranks"
     out.mkdir()
     if launch == "fork":
-        r2 = run(cfg_of(*over, *TWO_RANKS), tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
+        r2 = in_fresh_process(run_of, [*over, *TWO_RANKS], tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
     else:
         r2 = run_external([*over, f"data.batch_size={B}"], tmp_path / "two", callbacks_out=out)
     r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
@@ -246,7 +235,8 @@ def test_two_ranks_accumulating_train_like_one_factored_head(tmp_path, parallel,
     over = [*COMMON, *FACTORED, f"head.parallel={parallel}", "test=false"]
     two = [f"data.batch_size={B // 2}", "trainer.accumulate_grad_batches=2", "trainer.limit_train_batches=12"]
     if launch == "fork":
-        r2 = run(cfg_of(*over, *(o for o in TWO_RANKS if not o.startswith("data.batch_size=")), *two), tmp_path / "two")
+        r2 = in_fresh_process(run_of, [*over, *(o for o in TWO_RANKS if not o.startswith("data.batch_size=")), *two],
+                              tmp_path / "two")
     else:
         r2 = run_external([*over, *two], tmp_path / "two")
     r1 = run(cfg_of(*over, *ONE_RANK), tmp_path / "one")
@@ -301,19 +291,11 @@ def test_two_ranks_factored_head_reads_the_host_only_when_its_flags_are_read(tmp
     rides on the head's read of its flags, in the same transfer (heads/flag_board.py). (The app's
     other reads are not the head's: the sampler's ids, host data, in the data module; the progress
     log.)"""
-    import socket  # noqa: PLC0415
-
-    import torch.multiprocessing as mp  # noqa: PLC0415
-
     over = [*COMMON, *FACTORED, "head.checksum_every=100", f"head.parallel={parallel}", "test=false",
             "optimizer.embedding=row_adam", "model.sparse_embedding=true", f"data.batch_size={B // 2}",
             "trainer.accumulate_grad_batches=2", f"trainer.limit_train_batches={2 * READ_STEPS}",
             "trainer=ddp_cpu", "trainer.strategy=ddp", "trainer.devices=2"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_counting_rank, args=(2, port, over, str(tmp_path / "two"), str(tmp_path)), nprocs=2,
-                       start_method="fork")
+    start_ranks(_counting_rank, (2, free_port(), over, str(tmp_path / "two"), str(tmp_path)))
     for rank in range(2):
         got = torch.load(tmp_path / f"reads{rank}.pt", weights_only=False)
         assert got["steps"] == READ_STEPS

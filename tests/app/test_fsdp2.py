@@ -13,8 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.multiprocessing as mp
-from forked_ranks import free_port
+from forked_ranks import free_port, start_ranks
 
 from lst_lightning.app.train import run
 
@@ -53,7 +52,7 @@ DDP = ["trainer=ddp_cpu", "trainer.strategy=ddp"]
 def two_ranks(overrides: list, run_dir: Path, report: Path | None = None, trainer=FSDP2) -> dict:
     """What torchrun does (the rendezvous variables set, the whole app on each rank)."""
     over = [*trainer, f"data.batch_size={B}", *overrides]
-    mp.start_processes(_rank, args=(free_port(), over, str(run_dir), report), nprocs=2, start_method="fork")
+    start_ranks(_rank, (free_port(), over, str(run_dir), report))
     return json.loads((run_dir / "results.json").read_text())
 
 

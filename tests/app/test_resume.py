@@ -16,7 +16,8 @@ from lst_lightning.app.resume import resolve_ckpt_path, run_checkpoints
 from lst_lightning.app.train import run
 from lst_lightning.spherical.shard_files import load_rows
 
-from app_configs import FAST, cfg_of
+from app_configs import FAST, cfg_of, run_of
+from forked_ranks import in_fresh_process
 
 HELPERS = Path(__file__).parents[1] / "helpers"
 # Two epochs of 10 steps, validation every 4, dropout and the factored head (its counters,
@@ -172,10 +173,11 @@ def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
             "trainer.limit_train_batches=6", "model.dropout=0.2", "callbacks.checkpoint.every_n_steps=1",
             "callbacks.checkpoint.max_overhead=null",
             "callbacks.checkpoint.keep=10", "callbacks.checkpoint.every_minutes=null"]
-    full = run(cfg_of(*over), tmp_path / "full")
+    full = in_fresh_process(run_of, over, tmp_path / "full")  # forked_ranks.py: ddp_fork's ranks
     saved = torch.load(tmp_path / "full" / "checkpoints" / "step3.ckpt", weights_only=True)
     assert len(saved["rng_states"]) == 2
-    resumed = run(cfg_of(*over, f"ckpt_path={tmp_path / 'full' / 'checkpoints' / 'step3.ckpt'}"), tmp_path / "resumed")
+    resumed = in_fresh_process(run_of, [*over, f"ckpt_path={tmp_path / 'full' / 'checkpoints' / 'step3.ckpt'}"],
+                               tmp_path / "resumed")
     assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 6
     a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
     equal(a["state_dict"], b["state_dict"], "state_dict")

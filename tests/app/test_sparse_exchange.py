@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 from torch import nn
 
 from lst_lightning.app.sparse_exchange import average_row_sparse, average_sparse_gradients
@@ -51,8 +51,8 @@ def _worker(rank, rdv, out):
 
 
 def results_of(worker, out):
-    """``worker`` on WORLD forked gloo ranks; each rank's saved results."""
-    mp.start_processes(worker, args=(str(out / "rdv"), str(out)), nprocs=WORLD, start_method="fork")
+    """``worker`` on WORLD gloo ranks (forked_ranks.py); each rank's saved results."""
+    start_ranks(worker, (str(out / "rdv"), str(out)), WORLD)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -19,6 +19,14 @@ def cfg_of(*overrides):
         return compose("config", overrides=list(overrides))
 
 
+def run_of(overrides: list, run_dir, **kwargs) -> dict:
+    """lst-train's ``run`` on ``cfg_of(*overrides)``: what a fresh process is handed (forked_ranks.py's
+    ``in_fresh_process``: the overrides pickle, the composed config's classes do not)."""
+    from lst_lightning.app.train import run  # noqa: PLC0415
+
+    return run(cfg_of(*overrides), run_dir, **kwargs)
+
+
 def cfgs_of(*override_lists):
     """Several configs composed under one Hydra initialisation."""
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

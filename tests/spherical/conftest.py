@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from forked_ranks import start_ranks
 
 from made_once import made_once
 from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, train_padded, worker
@@ -19,10 +20,7 @@ def run_two_ranks(folder: Path) -> None:
         tmp = folder / f"attempt{attempt}"
         tmp.mkdir()
         try:
-            # forked (as test_sparse_exchange.py's and forked_ranks.py's ranks): a rank starts with this
-            # process's imports instead of importing torch and the package again (spawn: about 10 s of
-            # CPU a rank on a loaded 2-core machine)
-            mp.start_processes(worker, args=(str(tmp / "rdv"), str(tmp)), nprocs=WORLD, start_method="fork")
+            start_ranks(worker, (str(tmp / "rdv"), str(tmp)), WORLD)  # forked from a fresh process
         except mp.ProcessExitedException as e:
             if attempt == 2 or e.signal_name is None:
                 raise
