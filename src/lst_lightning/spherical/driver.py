@@ -206,15 +206,12 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
 def run_device_part(head, fn, *args):
     """``fn(plan, state, *args)``, a device part (``device_step``, ``update``, ``records_step``), as
     the plan says (``run``), after the version moved (a pending backward of an earlier forward is
-    stale from here); after it, the kernel proposal's tree moved with the rows written, U^-1 marked
-    stale where the step solved with U_new, the step ticked, and every ``sync_every`` steps the flags
-    read and the repairs due run (``head.sync()``)."""
+    stale from here); after it, U^-1 marked stale where the step solved with U_new, the step ticked,
+    and every ``sync_every`` steps the flags read and the repairs due run (``head.sync()``)."""
     head._version += 1
     plan = head.plan
     out = run(plan, fn, plan, step_state(head), *args)
     flags = out[-1]
-    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
     if not flags.uinv:  # the step solved with U_new: U^-1 left behind
         head._uinv_fresh = False
     if head.step_checks.tick(head):

@@ -50,12 +50,10 @@ class Batch(NamedTuple):
 
 
 class Flags(NamedTuple):
-    """What a device step leaves for the host to read: ``ok`` (a device bool: the write was taken),
-    ``fold`` (the step folded into V), and the classes whose rows of V the write moved
-    (``written``: the kernel proposal's sum-tree follows them)."""
+    """What a device step leaves for the host to read: ``ok`` (a device bool: the write was taken)
+    and ``fold`` (the step folded into V)."""
     ok: Tensor
     fold: Tensor | bool
-    written: Tensor
     uinv: bool = True  # U_new^-1 made (the solve route leaves U^-1 behind)
 
 
@@ -225,8 +223,7 @@ def screen_exchanged(plan, state, idx: Tensor, T: Tensor, exchange):
 @torch.no_grad()
 def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Tensor, SavedForward]:
     """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
-    ``draws``: the host's uniforms of the sampled classes (``before_step``; None: the kernel
-    proposal, which draws here from its tree)."""
+    ``draws``: the host's uniforms of the sampled classes (``before_step``; None without them)."""
     Hx, idx, T, rows, exchange = batch
     idx, T, input_ok = plan.screen(plan, state, idx, T, exchange)  # device flags: bad ids a flag
     route = step_route(plan, Hx.shape[0])
@@ -488,7 +485,7 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return plan.take(plan, state, fwd, new, ok, dH), Flags(ok, new.fold, fwd.idx, fwd.route.keeps_uinv)
+    return plan.take(plan, state, fwd, new, ok, dH), Flags(ok, new.fold, fwd.route.keeps_uinv)
 
 
 def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:

@@ -5,9 +5,8 @@ sampled-softmax term over each row's targets and S sampled classes adds one colu
 sampled class, so a loss = sampled-softmax CE + spherical terms (``losses/sampled_composite.py``)
 takes the exact SGD step on the whole implicit W in O(m d^2 + m S d), with the same V, U, Q, wbar,
 omega. Here: ``Negatives`` (the settings), ``NegativeSampling`` (``head.negatives``, both heads:
-the proposal, a static table or the quadratic kernel's sum-tree, kernel_proposal.py; the head's
-own generator, in its extra state; the draw with its correction and accidental-hit mask; for the
-factored head the loss and its gradients), ``SharedBlock`` (negatives shared by the batch as one
+the proposal, a static table; the head's own generator, in its extra state; the draw with its
+correction and accidental-hit mask; for the factored head the loss and its gradients), ``SharedBlock`` (negatives shared by the batch as one
 dense block) and ``PerRowSlots`` (negatives drawn per row as extra slots of the general path).
 The step (exact_step.py) enters this module only when the head has negatives.
 """
@@ -27,17 +26,16 @@ from ..heads.samplers import STATIC_SAMPLERS
 from ..heads.targets import first_occurrence
 from ..losses import SampledSlots
 from .exact_step import TargetsOnly
-from .kernel_proposal import KernelProposal
 from .settings import settings_from
 
-#: the kernel proposals the exact head draws (per row: q depends on each row's h)
-KERNEL_SAMPLERS = ("quadratic",)
-SAMPLER_NAMES = (*STATIC_SAMPLERS, *KERNEL_SAMPLERS)
+SAMPLER_NAMES = tuple(STATIC_SAMPLERS)
 RFF_REFUSAL = ("the RF-softmax proposal is not drawn for the implicit W = V U + 1 omega^T: its kernel is on "
                "w_c / ||w_c||, whose norm moves with U for every class at every step (a tree over it is O(D d^2) "
                "a step), and one over V's rows would draw a law of the factors, not of W, that the naive "
-               "reference cannot draw; use 'quadratic' (exact: its tree moves only with the rows the step writes) "
-               "or a static sampler")
+               "reference cannot draw; use a static sampler")
+QUADRATIC_REFUSAL = ("the quadratic kernel's proposal is not drawn by the spherical heads: its sum-tree walk costs "
+                     "thousands of the default's steps (docs/choosing_a_head.md); use a static sampler "
+                     "(the sampled softmax keeps it: head=sampled_quadratic)")
 
 
 @dataclass(frozen=True)
@@ -46,13 +44,12 @@ class Negatives:
 
     ``num``: S negatives (None: S for D, ``heads.samplers.default_num_samples``); ``sampler``:
     "log_uniform" (Zipf over frequency-sorted ids), "unigram" (``class_counts ** power``, +
-    ``smoothing``), "uniform", or "quadratic"
-    (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
-    ``leaf_size`` classes a leaf; None: max(16, width + 1)); ``shared``: one draw for the whole
-    batch (one dense block) or S per row (the quadratic proposal: per row only); ``seed``:
+    ``smoothing``), or "uniform" ("quadratic" and "rff" are refused, each in one line saying why);
+    ``shared``: one draw for the whole batch (one dense block) or S per row; ``seed``:
     of the head's own generator (None: the head's init seed); ``remove_accidental_hits``: a
     negative equal to one of its row's targets is masked out (and the correction uses the
-    law it was drawn from, q / (1 - q_T), q_T of that row)."""
+    law it was drawn from, q / (1 - q_T), q_T of that row). ``alpha`` and ``leaf_size`` are
+    validated and recorded with the settings (a checkpoint's), and draw nothing."""
 
     num: int | None = None
     sampler: str = "log_uniform"
@@ -71,11 +68,10 @@ class Negatives:
                              f"got {self.num!r}")
         if self.sampler == "rff":
             raise ValueError(f"negatives.sampler='rff': {RFF_REFUSAL}")
+        if self.sampler == "quadratic":
+            raise ValueError(f"negatives.sampler='quadratic': {QUADRATIC_REFUSAL}")
         if self.sampler not in SAMPLER_NAMES:
             raise ValueError(f"negatives.sampler must be one of {sorted(SAMPLER_NAMES)}, got {self.sampler!r}")
-        if self.sampler in KERNEL_SAMPLERS and self.shared is True:
-            raise ValueError(f"negatives.sampler={self.sampler!r} draws per row (its q depends on each row's h): "
-                             "shared=True would need one law for the whole batch; set negatives.shared=False")
         number = isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
         if not (number and math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"negatives.alpha must be a finite number > 0, got {self.alpha!r}")
@@ -110,13 +106,9 @@ class NegativeSampling:
 
     def __init__(self, settings: Negatives, num_classes: int, seed: int):
         self.settings = settings
-        self.sampler = self.kernel = None
-        if settings.sampler in KERNEL_SAMPLERS:  # a sum-tree over the head's rows, built at the first draw
-            self.kernel = KernelProposal(num_classes, settings.alpha, settings.leaf_size)
-        else:
-            kw = {"class_counts": settings.class_counts, "power": settings.power,
-                  "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
-            self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
+        kw = {"class_counts": settings.class_counts, "power": settings.power,
+              "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
+        self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
         #: the generator of the device the draws run on since ``draw_on`` (None: on the host)
@@ -127,12 +119,8 @@ class NegativeSampling:
     def draw_on(self, device: torch.device) -> None:
         """Draw on ``device`` from now on, reading nothing on the host (a CUDA graph captures
         the step, ``step="cuda_graph"``): the proposal's tables move there and a generator of that
-        device draws (seeded once from the host generator, or given a checkpoint's state). A kernel
-        proposal (its sum-tree is on the host) is refused."""
+        device draws (seeded once from the host generator, or given a checkpoint's state)."""
         device = torch.device(device)
-        if self.kernel is not None:
-            raise ValueError(f"negatives.sampler={self.settings.sampler!r} draws from a sum-tree kept on the "
-                             "host: it cannot draw on the device; use a static sampler")
         if self.device_generator is not None and self.device_generator.device == device:
             return
         self.sampler.to(device)
@@ -153,6 +141,8 @@ class NegativeSampling:
         return out
 
     def check_state(self, state: dict) -> None:
+        if state["settings"].get("sampler") == "quadratic":
+            raise ValueError(f"the state was saved with negatives.sampler='quadratic': {QUADRATIC_REFUSAL}")
         if Negatives.saved(state["settings"]) != self.settings.public():
             raise ValueError(f"the state was saved with negatives {state['settings']} but this head has "
                              f"{self.settings.public()}")
@@ -168,14 +158,10 @@ class NegativeSampling:
             self.device_generator.set_state(self._device_rng)
 
     # -- the draw ---------------------------------------------------------------------------
-    def uniforms(self, head, m: int) -> Tensor | None:
+    def uniforms(self, head, m: int) -> Tensor:
         """The randomness of the next draw for m rows, from the head's generator (the device's
         after ``draw_on``), and the proposal's q made once on the head's device: the host's
-        part of a draw, outside a compiled step. None for a kernel proposal (it draws itself, from
-        its tree, brought here to the head's state)."""
-        if self.kernel is not None:
-            self.kernel.sync(head)
-            return None
+        part of a draw, outside a compiled step."""
         key = (head._factory["device"], head._factory["dtype"])
         if key not in self._q:
             self._q[key] = self.sampler.log_q.to(*key).exp()
@@ -183,22 +169,17 @@ class NegativeSampling:
         return self.sampler.uniforms(S if self.settings.shared else m * S,
                                      generator=self.device_generator or self.generator)
 
-    def draw(self, head, idx: Tensor, query: Tensor | None = None, u: Tensor | None = None):
+    def draw(self, head, idx: Tensor, u: Tensor | None = None):
         """``draw_slots`` for ``head``: by the uniforms ``u`` (None: drawn here, ``uniforms``)."""
         u = self.uniforms(head, idx.shape[0]) if u is None else u
-        return self.draw_slots(idx, u, head.dtype, query)
+        return self.draw_slots(idx, u, head.dtype)
 
-    def draw_slots(self, idx: Tensor, u: Tensor | None, dtype: torch.dtype, query: Tensor | None = None):
-        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (``uniforms``;
-        None: the kernel proposal's tree draws); their correction ``log(k q / (1 - q_T))`` and
-        accidental-hit mask, (m, S). ``query``: each row's query of the kernel proposal (the factored
-        head: [H U^T, H omega]; the naive head: H), unused by a static one. Shared negatives are
-        coalesced in shapes fixed by S (``padded_unique``): no host read."""
+    def draw_slots(self, idx: Tensor, u: Tensor, dtype: torch.dtype):
+        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (``uniforms``);
+        their correction ``log(k q / (1 - q_T))`` and accidental-hit mask, (m, S). Shared negatives
+        are coalesced in shapes fixed by S (``padded_unique``): no host read."""
         st, (m, S) = self.settings, (idx.shape[0], self.settings.num)
-        if self.kernel is not None:  # per row, from each row's law (shared is refused)
-            neg, log_q = self.kernel.sample(query, S, self.generator)
-        else:
-            neg, log_q = self.sampler.at(u)
+        neg, log_q = self.sampler.at(u)
         uniq = inv = None
         if st.shared:  # static shapes, no host read
             uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
@@ -209,10 +190,7 @@ class NegativeSampling:
         if st.remove_accidental_hits:
             hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
             kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
-            if self.kernel is not None:  # q of each row's targets, under the law its negatives were drawn from
-                q_idx = self.kernel.log_q(query, idx).to(idx.device, dtype).exp()
-            else:
-                q_idx = self._q[(idx.device, dtype)][idx.clamp(min=0)]
+            q_idx = self._q[(idx.device, dtype)][idx.clamp(min=0)]
             q_t = torch.where(first, q_idx, torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
             log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
         else:
@@ -235,13 +213,12 @@ class NegativeSampling:
 
     # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
     def loss_and_grads(self, plan, state, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
-                       ht: Tensor, u: Tensor | None, weight: Tensor, y_sq: Tensor | None):
+                       ht: Tensor, u: Tensor, weight: Tensor, y_sq: Tensor | None):
         """The draw (by the uniforms ``u``), the negatives' outputs and the composite loss's
         per-row values and gradients (in closed form), the rows weighted by ``weight``. Returns
         (per, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives as extra slots
         (the general path); shared, they stay apart in a ``SharedBlock``."""
-        query = None if self.kernel is None else torch.cat([HUt, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
-        cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, query)
+        cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype)
         # several processes: every rank drew the same negatives from the same seed
         if self.settings.shared:  # the block's rows of V, fetched once
             V_u = plan.rows_of(state.V, uniq)

@@ -39,8 +39,8 @@ class StepPlan:
     reads_flags: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
-    #: the sampled classes (negatives.py): None (off), "shared" (one dense block), "per_row" (slots of
-    #: each row from a static proposal) or "kernel" (slots of each row from the kernel proposal's sum-tree)
+    #: the sampled classes (negatives.py): None (off), "shared" (one dense block) or "per_row" (slots of
+    #: each row)
     negatives: str | None = None
     #: the right preconditioner's settings (preconditioner.py: its moments, P), None: off
     preconditioner: object = None
@@ -131,8 +131,7 @@ def inverse_rows(route: str, device: torch.device, d: int) -> tuple[str, int]:
 
 def negatives_kind(negatives) -> str | None:
     """The kind of sampled classes of a head's ``NegativeSampling`` (None: off; ``StepPlan.negatives``)."""
-    return None if negatives is None else "kernel" if negatives.kernel is not None else \
-        "shared" if negatives.settings.shared else "per_row"
+    return None if negatives is None else "shared" if negatives.settings.shared else "per_row"
 
 
 def plan_for(head) -> StepPlan:
@@ -144,7 +143,7 @@ def plan_for(head) -> StepPlan:
     wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
-    compiled = wanted and compile_refusal(driving, kind) is None
+    compiled = wanted and compile_refusal(driving) is None
     reads = head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
     return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
@@ -168,35 +167,24 @@ def driving_refusal(driving) -> str | None:
     return None
 
 
-def compile_refusal(driving, negatives: str | None, sampler: str = "quadratic") -> str | None:
-    """Why the step's device part cannot be compiled whole, or None (``negatives``: the plan's kind)."""
+def compile_refusal(driving) -> str | None:
+    """Why the step's device part cannot be compiled whole, or None."""
     if driving.sync_every == 1:
         return "sync_every=1 reads each check on the host as it is made (compiling needs device flags, sync_every > 1)"
     if driving.parallel == "sharded":
         return "parallel='sharded' all-reduces between the step's parts"
-    if negatives == "kernel":
-        return f"negatives.sampler={sampler!r} draws from a sum-tree kept on the host"
     return None
 
 
-def head_refusal(driving, negatives, row_steps=None) -> str | None:
-    """Why a head with these sampled classes (``negatives``: the head's ``NegativeSampling`` or
-    None) and row steps (``RowSteps`` or None) cannot be driven so, or None."""
+def head_refusal(driving, row_steps=None) -> str | None:
+    """Why a head with these row steps (``RowSteps`` or None) cannot be driven so, or None."""
     if row_steps is not None and driving.parallel != "none":
         return (f"row_steps={row_steps.rule!r} with parallel={driving.parallel!r}: the classes' accumulators "
                 "are kept by one process; use parallel='none' or row_steps=None")
-    kernel = negatives is not None and negatives.kernel is not None
-    sampler = None if negatives is None else negatives.settings.sampler
     if driving.compile is True:
-        why = compile_refusal(driving, "kernel" if kernel else None, sampler)
+        why = compile_refusal(driving)
         if why is not None:
             return f"compile_step=True: this head's step cannot be compiled whole: {why}"
-    if kernel and driving.step == "cuda_graph":
-        return (f"negatives.sampler={sampler!r} with step='cuda_graph': its sum-tree is kept on the host; "
-                "use a static sampler or step='fused'")
-    if kernel and driving.parallel != "none":
-        return (f"negatives.sampler={sampler!r} with parallel={driving.parallel!r}: its sum-tree holds every "
-                "row of V in one process; use parallel='none' or a static sampler")
     return None
 
 
