@@ -305,8 +305,10 @@ def test_default_heads_never_enter_the_negatives_code(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("entered")
 
-    for name in ("loss_and_grads", "draw", "slots_part"):
-        monkeypatch.setattr(negatives.NegativeSampling, name, boom)
+    for mode in (negatives.SharedDraw, negatives.PerRowDraw):
+        for name in ("loss_and_grads", "draw"):
+            monkeypatch.setattr(mode, name, boom)
+    monkeypatch.setattr(negatives.NegativeSampling, "draw", boom)
     f, n = make_pair("zloss", D=D, d=d)
     H, idx = hard_batch()
     step_both(f, n, H, idx)

@@ -19,7 +19,7 @@ import torch
 
 import lst_kernels as lk
 
-from . import exact_step
+from . import exact_step, negatives
 from .stabiliser import Stabiliser
 
 
@@ -74,6 +74,8 @@ class StepPlan:
     #: Triton on CUDA where importable and the environment's ``LST_KERNELS`` is not "torch", else torch),
     #: which the step calls unchecked (``plan.kernels.m_matrix(...)``): no op re-checks or re-chooses
     kernels: lk.Ops = lk.ops_for("cpu")
+    #: the type of the head's device ("cpu", "cuda", ...)
+    device: str = "cpu"
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
     #: the screen of bad ids for these processes (one, or several exchanging their rows)
@@ -86,7 +88,8 @@ class StepPlan:
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
     few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
-    #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
+    #: the sampled classes' mode (``sampling.mode``: negatives.py's ``SharedDraw`` or ``PerRowDraw``), or
+    #: exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
     #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``' (bound to them);
     #: ``rows_of(V, ids)``, V's rows of the classes ``ids``: indexing with V whole, else ``ShardedRows.rows_of``
@@ -94,6 +97,15 @@ class StepPlan:
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
+    #: ``index_add_rows(V, 0, ids, rows)``: V[ids] += rows, ``Tensor.index_add_`` with V whole, else into the rows
+    #: this rank holds (negatives.py's ``add_own_rows_``): a shared block's scatter
+    index_add_rows: object = field(init=False, compare=False, repr=False)
+    #: ``index_add_in_order(out, 0, ids, rows)``: the same, summed in the order of ids: ``Tensor.index_add_``
+    #: on the CPU, which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
+    #: deterministic scatter (negatives.py's ``add_in_order_``): a shared block's repeated columns
+    index_add_in_order: object = field(init=False, compare=False, repr=False)
+    #: the write of the row steps' accumulators (``RowSteps.write_acc``), or ``writes_nothing`` without them
+    write_row_acc: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
@@ -102,11 +114,15 @@ class StepPlan:
                       row_weights=exact_step.ROW_WEIGHTS[self.reduction],
                       take=exact_step.take_read if self.reads_flags else exact_step.take_masked,
                       few_rows=routes["woodbury"], many_rows=routes[self.inverse],
-                      slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
+                      slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling.mode,
                       rows_of=operator.getitem if whole else sh.rows_of,
                       gather_dot=self.kernels.gather_dot if whole else partial(sh.gather_dot, self.kernels),
                       gather_sum=self.kernels.gather_sum if whole else partial(sh.gather_sum, self.kernels),
-                      scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels))
+                      scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels),
+                      index_add_rows=torch.Tensor.index_add_ if whole else partial(negatives.add_own_rows_, sh),
+                      index_add_in_order=(partial(negatives.add_in_order_, self.kernels) if self.device == "cuda"
+                                          else torch.Tensor.index_add_),
+                      write_row_acc=exact_step.writes_nothing if self.row_steps is None else self.row_steps.write_acc)
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
 
@@ -152,7 +168,7 @@ def plan_for(head) -> StepPlan:
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
                     fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
                     reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay,
-                    row_steps=head.row_steps, kernels=lk.ops_for(head.device))
+                    row_steps=head.row_steps, kernels=lk.ops_for(head.device), device=head.device.type)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------
