@@ -23,8 +23,8 @@ from head_pairs import (accumulate_both, assert_load_refused, assert_resumes_ali
 D, d = 40, 6
 
 
-def pair(shared=True, num=6, sampler="log_uniform", gram=0.0, mu=1.0, spherical="zloss", **kw):
-    neg = dict(num=num, sampler=sampler, shared=shared, seed=11)
+def pair(shared=True, num=6, sampler="log_uniform", gram=0.0, mu=1.0, spherical="zloss", hits_removed=True, **kw):
+    neg = dict(num=num, sampler=sampler, shared=shared, seed=11, remove_accidental_hits=hits_removed)
     if sampler == "unigram":
         neg["class_counts"] = torch.arange(D, 0, -1).double()
     skw = {"a": 0.5, "b": 2.0} if spherical == "zloss" else {}
@@ -79,6 +79,21 @@ def test_accidental_hits_and_repeated_negatives(shared):
     cols, uniq, _, slots = f.negatives.draw(f, idx)
     assert bool(slots.hit.any())
     assert uniq is None or uniq.unique().numel() < cols.numel()  # (device flags: padded to S, static shapes)
+    f.negatives.generator.manual_seed(11)
+    errs = step_both(f, n, H, idx)
+    assert max(errs) < 1e-10, errs
+    run(f, n, steps=3)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_accidental_hits_kept_where_the_settings_say(shared):
+    # remove_accidental_hits=False: no negative masked, the correction log(S q); the same step as
+    # the naive head's, which draws by the same slots
+    torch.manual_seed(2)
+    f, n = pair(shared=shared, num=40, hits_removed=False)
+    H, idx = hard_batch()
+    cols, _, _, slots = f.negatives.draw(f, idx)
+    assert not bool(slots.hit.any()) and bool((cols.expand(idx.shape[0], -1)[:, :, None] == idx[:, None, :]).any())
     f.negatives.generator.manual_seed(11)
     errs = step_both(f, n, H, idx)
     assert max(errs) < 1e-10, errs
