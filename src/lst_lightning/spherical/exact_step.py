@@ -465,23 +465,32 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
                     right=inv.right, rho=bounds.rho, N=N)
 
 
-def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
-    """Write the step's new rows of V (the targets', then a shared block's), the row steps'
-    accumulators, omega, Q, wbar and P's moments into ``state`` (the head's buffers; U's part
-    first: the plan's ``take``), each kept where the device flag ``ok`` is false. A part the plan
-    does not have writes nothing (``writes_nothing``)."""
+def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> tuple[Tensor, Tensor]:
+    """Write the step's new rows of V (the targets'), omega, Q and wbar into ``state`` (the head's
+    buffers; U's part first: the plan's ``take``), each kept where the device flag ``ok`` is false:
+    the whole write of a plan without parts of its own (``write_with_parts``). (H U_new^-1 masked
+    by ``ok``, -lr: what a shared block's scatter takes.)"""
     Q = 0.5 * (new.Q + new.Q.T)
     GA, HUinv, omega, Q, wbar = (
         torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
     alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
-    fwd.neg.scatter_(plan, state.V, HUinv, alpha, ok, new.right, new.N)  # shared negatives' rows: one GEMM
-    plan.write_row_acc(state, fwd, ok)  # row steps' accumulators
     state.omega.copy_(omega)
     state.Q.copy_(Q)
     state.wbar.copy_(wbar)
-    new.moments.write(state, ok)  # P's moments
+    return HUinv, alpha
+
+
+def write_with_parts(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
+    """``write``, then what the plan's parts write, each kept where ``ok`` is false: a shared
+    block's rows of V (after the targets': one GEMM), the row steps' accumulators, P's moments. A
+    part the plan does not have writes nothing (``writes_nothing``). The plan's ``write`` where it
+    has any of them."""
+    HUinv, alpha = write(plan, state, fwd, new, ok)
+    fwd.neg.scatter_(plan, state.V, HUinv, alpha, ok, new.right, new.N)
+    plan.write_row_acc(state, fwd, ok)
+    new.moments.write(state, ok)
 
 
 # -- the device step: the whole step under device flags, a function of the plan and tensors -------
@@ -505,7 +514,7 @@ def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: T
     """``update``'s write masked by its device flags (a GPU's, a compiled step's): U, U^-1 (the
     solve's stale one kept) and cond(U)'s bound first, each kept where the step is not ok: a fold
     (a device bool) takes V <- V U B in one gated pass over V's rows (one load a block where it is
-    not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then ``write``. (dL/dH, zeros
+    not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then the plan's ``write``. (dL/dH, zeros
     where the step is not taken.)"""
     fold = new.fold & ok
     plan.kernels.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
@@ -516,7 +525,7 @@ def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: T
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
     state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
     state.folds.add_(fold)
-    write(plan, state, fwd, new, ok)
+    plan.write(plan, state, fwd, new, ok)
     return torch.where(ok, dH, 0.0)
 
 
@@ -539,7 +548,7 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
         state.U.copy_(new.U)
         state.cond_bound.copy_(state.cond_bound * new.cond_step)
     state.Uinv.copy_(new.Uinv)  # (the solve's: U^-1 as it was)
-    write(plan, state, fwd, new, ok)
+    plan.write(plan, state, fwd, new, ok)
     return dH
 
 

@@ -106,10 +106,14 @@ class StepPlan:
     index_add_in_order: object = field(init=False, compare=False, repr=False)
     #: the write of the row steps' accumulators (``RowSteps.write_acc``), or ``writes_nothing`` without them
     write_row_acc: object = field(init=False, compare=False, repr=False)
+    #: the step's write (after U's part, ``take``): ``exact_step.write_with_parts`` where the plan has a part
+    #: that writes its own (a shared block, P, row steps), else ``exact_step.write``
+    write: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
         whole = self.processes != "sharded"  # V's rows all here
+        parts = self.negatives == "shared" or self.preconditioner is not None or self.row_steps is not None
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       row_weights=exact_step.ROW_WEIGHTS[self.reduction],
                       take=exact_step.take_read if self.reads_flags else exact_step.take_masked,
@@ -122,7 +126,8 @@ class StepPlan:
                       index_add_rows=torch.Tensor.index_add_ if whole else partial(negatives.add_own_rows_, sh),
                       index_add_in_order=(partial(negatives.add_in_order_, self.kernels) if self.device == "cuda"
                                           else torch.Tensor.index_add_),
-                      write_row_acc=exact_step.writes_nothing if self.row_steps is None else self.row_steps.write_acc)
+                      write_row_acc=exact_step.writes_nothing if self.row_steps is None else self.row_steps.write_acc,
+                      write=exact_step.write_with_parts if parts else exact_step.write)
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
 
