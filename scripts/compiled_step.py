@@ -106,7 +106,8 @@ def explained(head, H, idx) -> tuple[int, int, int]:
     Hx, idx, T = head.prepare(H.detach(), idx, None, step=True)
     draws = driver.before_step(head, Hx.shape[0])
     out = torch._dynamo.explain(exact_step.device_step)(head.plan, driver.step_state(head),
-                                                        exact_step.Batch(Hx, idx, T), head.device_lr(), draws)
+                                                        exact_step.Batch(Hx, idx, T), head.device_lr(), draws,
+                                                        exact_step.step_route(head.plan, Hx.shape[0]))
     torch._dynamo.reset()
     return out.graph_count, out.graph_break_count, out.op_count
 

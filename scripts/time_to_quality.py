@@ -72,7 +72,6 @@ HEADS = {
     "default": [],
     "sampled_softmax": ["head=sampled"],
     "softmax": ["head=softmax"],
-    "default_quadratic": ["head.negatives.sampler=quadratic", "head.negatives.shared=false"],
     "default_no_P": ["head.preconditioner=null"],
 }
 #: a run that compiles (``compile=true``, ``head.compile_step=true``) compiles cold (Inductor's caches

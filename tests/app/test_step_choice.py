@@ -69,19 +69,13 @@ def test_what_refuses_the_graph_leaves_the_autograd_step(run, why, caplog):
 
 
 def test_the_heads_own_refusal_leaves_it_as_it_was(caplog):
-    """A sampler whose tables stay on the host cannot be drawn inside a graph: the head
-    refuses the graph, and keeps its settings."""
-    h = head(negatives={"num": 8, "sampler": "quadratic", "shared": False})
+    """Host checks (sync_every=1) cannot run inside a graph: the head refuses the graph, and keeps
+    its settings."""
+    h = head(sync_every=1)
     with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
         choose_step(h, trainer())
-    assert (h.step, h.sync_every) == ("autograd", SYNC_EVERY)
-    assert "its sum-tree is kept on the host" in caplog.text
-
-
-def test_host_checks_refuse_the_graph():
-    h = head(sync_every=1)
-    choose_step(h, trainer())
     assert (h.step, h.sync_every) == ("autograd", 1)
+    assert "it needs sync_every > 1" in caplog.text
 
 
 def test_the_app_defaults_to_auto_and_trains_on_one_cpu_fused(tmp_path):

@@ -27,7 +27,6 @@ PATH = Path(__file__).resolve().parents[1] / "spherical" / "data" / "step_refere
 REPAIRS = dict(check_every=25, uinv_refresh_every=20, q_refresh_every=50)
 SAMPLED = dict(loss="sampled", negatives=dict(num=8, seed=3), preconditioner={})  # lst-train's default head
 PER_ROW = dict(loss="sampled", negatives=dict(num=6, seed=5, shared=False))
-KERNEL = dict(loss="sampled", negatives=dict(num=6, seed=5, shared=False, sampler="quadratic"))
 
 
 def mode(drive="backward", m=4, scale=1.0, compiled=False, lr=0.2, bad=False, **head):
@@ -74,11 +73,9 @@ MODES = {
     "sampled_products_sync8": mode(**SAMPLED, sync_every=8, stabiliser=dict(inverse="products")),
     "sampled_factors_sync8": mode(m=20, **SAMPLED, sync_every=8),
     "sampled_noP_sync8": mode(loss="sampled", negatives=dict(num=8, seed=3), sync_every=8),
-    # negatives per row: a static proposal, and the quadratic kernel's sum-tree
+    # negatives per row, from a static proposal
     "per_row_sync1": mode(**PER_ROW, sync_every=1),
     "per_row_sync8": mode(**PER_ROW, sync_every=8),
-    "kernel_sync1": mode(**KERNEL, sync_every=1),
-    "kernel_sync8": mode(**KERNEL, sync_every=8),
     # exact accumulation: two micro-batches a step
     "zloss_accumulate_sync1": mode("accumulate", loss="zloss", sync_every=1),
     "zloss_accumulate_sync8": mode("accumulate", loss="zloss", sync_every=8),

@@ -68,14 +68,15 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
     Hx, idx, T = h.prepare(H, idx, None, step=True)
     draws = driver.before_step(h, m)
     plan, state, batch, lr = h.plan, driver.step_state(h), exact_step.Batch(Hx, idx, T), h.device_lr()
-    explained = torch._dynamo.explain(exact_step.device_step)(plan, state, batch, lr, draws)
+    route = exact_step.step_route(plan, Hx.shape[0])
+    explained = torch._dynamo.explain(exact_step.device_step)(plan, state, batch, lr, draws, route)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     if kind is DEFAULT:  # the autograd step's two halves and exact accumulation's step
-        _, fwd = exact_step.forward(plan, state, batch, draws)
-        for fn, args in ((exact_step.forward, (batch, draws)),
+        _, fwd = exact_step.forward(plan, state, batch, draws, route)
+        for fn, args in ((exact_step.forward, (batch, draws, route)),
                          (exact_step.update, (fwd, Hx.new_ones(()), lr)),
                          (exact_step.records_step, (Hx, idx, fwd.gq, fwd.gs, fwd.GA, fwd.real, fwd.input_ok,
-                                                     fwd.neg.cols, fwd.neg.G_neg, lr))):
+                                                     fwd.neg.cols, fwd.neg.G_neg, lr, route))):
             explained = torch._dynamo.explain(fn)(plan, state, *args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), (fn, explained.break_reasons)
 
@@ -166,8 +167,7 @@ def test_the_autograd_step_and_exact_accumulation_run_compiled(aot_eager, kind):
 
 def test_compile_step_true_is_refused_in_one_line_where_the_step_cannot_compile():
     for kw, why in ((dict(sync_every=1), "sync_every=1 reads each check on the host"),
-                    (dict(parallel="sharded"), "parallel='sharded' all-reduces"),
-                    (dict(loss="sampled", negatives=dict(num=4, sampler="quadratic", shared=False)), "sum-tree")):
+                    (dict(parallel="sharded"), "parallel='sharded' all-reduces")):
         with pytest.raises(ValueError, match=f"compile_step=True: .*{why}") as err:
             FactoredSphericalHead(D, d, compile_step=True, **kw)
         assert "\n" not in str(err.value)

@@ -30,7 +30,8 @@ def singular_lr(f, H: torch.Tensor, idx: torch.Tensor, off: float) -> float | No
     probe = copy.deepcopy(f)
     Hx, idx, T = probe.prepare(H.to(probe.dtype), idx, None, step=True)
     draws = driver.before_step(probe, Hx.shape[0])
-    _, fwd = exact_step.forward(probe.plan, driver.step_state(probe), exact_step.Batch(Hx, idx, T), draws)
+    route = exact_step.step_route(probe.plan, Hx.shape[0])
+    _, fwd = exact_step.forward(probe.plan, driver.step_state(probe), exact_step.Batch(Hx, idx, T), draws, route)
     curvature = 2.0 * float(fwd.gq.sum()) * float(Hx[0].double().pow(2).sum())
     lr = (1.0 - off) / curvature if curvature > 0 else None
     return lr if lr is not None and lr <= LR_CAP else None

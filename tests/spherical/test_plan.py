@@ -58,3 +58,21 @@ def test_a_step_on_the_triton_ops_matches_the_torch_ops(loss, m):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
             torch.testing.assert_close(heads[1].state_dict()[name], t, rtol=1e-4, atol=1e-5, msg=name)
     assert int(heads[1].steps) == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_plan_sums_a_blocks_repeated_columns_in_order_on_its_device(device):
+    """A shared block's repeated columns are summed in the order of the draw: by torch's
+    ``index_add_`` on the CPU, which adds in that order, by the deterministic scatter on CUDA (whose
+    ``index_add_`` adds by float atomics): the same sums (the CUDA plan's function run here on the
+    CPU's tensors)."""
+    from lst_lightning.spherical import negatives
+    from lst_lightning.spherical.plan import StepPlan
+    plan = StepPlan(device=device)
+    chosen = plan.index_add_in_order
+    assert (chosen is torch.Tensor.index_add_) if device == "cpu" else (chosen.func is negatives.add_in_order_)
+    g = torch.Generator().manual_seed(0)
+    rows, ids = torch.randn(40, 6, generator=g, dtype=torch.float64), torch.randint(0, 5, (40,), generator=g)
+    got = torch.zeros(5, 6, dtype=torch.float64)
+    chosen(got, 0, ids, rows)
+    assert torch.equal(got, torch.zeros(5, 6, dtype=torch.float64).index_add_(0, ids, rows))

@@ -173,7 +173,8 @@ def test_the_compiled_step_traces_whole_and_equals_the_naive_head(monkeypatch):
         Hx, idx, T = g.prepare(H, idx, None, step=True)
         draws = driver.before_step(g, H.shape[0])
         explained = torch._dynamo.explain(exact_step.device_step)(g.plan, driver.step_state(g),
-                                                                  exact_step.Batch(Hx, idx, T), g.device_lr(), draws)
+                                                                  exact_step.Batch(Hx, idx, T), g.device_lr(), draws,
+                                                                  exact_step.step_route(g.plan, Hx.shape[0]))
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
         run(f, n, steps=4)
         f.sync()

@@ -1,6 +1,6 @@
 """The step pinned: each mode's hundred float64 steps (tests/helpers/step_reference.py: eager,
 fused, compiled; the flags read after every step and every 8; each U^-1 route and Neumann rule, both
-Q routes; P on and off; negatives shared, per row and from the kernel's sum-tree; the Z-loss, MSE and
+Q routes; P on and off; negatives shared and per row; the Z-loss, MSE and
 lst-train's default loss=sampled; exact accumulation; folds, repairs and a bad batch) end where the
 code that wrote tests/spherical/data/step_reference.pt ended, to 1e-12: its buffers, W, its counters,
 the losses and the last dL/dH."""

@@ -51,7 +51,7 @@ def choose_step(head, trainer) -> None:
     if why is None:
         try:
             head.step = "cuda_graph"
-        except ValueError as e:  # the head's own refusal (sync_every=1, a sampler whose tables stay on the host)
+        except ValueError as e:  # the head's own refusal (sync_every=1)
             why = str(e)
     compiled = "compiled" if head.compiles else "eager"
     if why is None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: the quadratic kernel's alpha by default (the baseline's sampler and the exact head's negatives)
+#: the quadratic kernel's alpha by default (the baseline's sampler; the spherical heads' negatives record it)
 QUADRATIC_ALPHA = 100.0
 
 

@@ -99,6 +99,10 @@ class SampledCompositeLoss(SphericalLoss):
         self.spherical_name, self.spherical_kwargs = spherical, dict(spherical_kwargs or {})
         self.spherical = _SPHERICAL[spherical](**self.spherical_kwargs)
         self.needs_y_sq = self.spherical.needs_y_sq
+        #: ``with_slots_grads``' terms past the CE, chosen once by which of gram and mu are on
+        self.terms = {(False, False): self._no_terms, (True, False): self._gram_term,
+                      (False, True): self._spherical_term,
+                      (True, True): self._gram_and_spherical_terms}[bool(self.gram), bool(self.mu)]
 
     def hparams(self):
         return {"mu": self.mu, "spherical": self.spherical_name, "spherical_kwargs": self.spherical_kwargs,
@@ -154,12 +158,26 @@ class SampledCompositeLoss(SphericalLoss):
         GA = torch.where(slots.first, G[:, :K], zero) - wT
         gq = self.gram * weight
         gs = torch.zeros_like(s)
-        if self.gram:
-            per = per + self.gram * q
-        if self.mu:
-            sph, sq, ss, sA = self.spherical.grads(q, s, A, T, self.mu * weight, num_classes=num_classes, y_sq=y_sq)
-            per, gq, gs, GA = per + self.mu * sph, gq + sq, gs + ss, GA + sA
+        per, gq, gs, GA = self.terms(per, gq, gs, GA, q, s, A, T, weight, num_classes, y_sq)
         return per, gq, gs, GA, G[:, K:]
+
+    # -- ``terms``: the spherical terms' parts of ``with_slots_grads``, one per setting of gram and mu --
+    def _no_terms(self, per, gq, gs, GA, q, s, A, T, weight, num_classes, y_sq):
+        """gram and mu 0: the CE alone."""
+        return per, gq, gs, GA
+
+    def _gram_term(self, per, gq, gs, GA, q, s, A, T, weight, num_classes, y_sq):
+        """``gram q`` (its gradient ``gram weight`` is g_q's start)."""
+        return per + self.gram * q, gq, gs, GA
+
+    def _spherical_term(self, per, gq, gs, GA, q, s, A, T, weight, num_classes, y_sq):
+        """``mu`` times the spherical loss, with its gradients (its ``grads``)."""
+        sph, sq, ss, sA = self.spherical.grads(q, s, A, T, self.mu * weight, num_classes=num_classes, y_sq=y_sq)
+        return per + self.mu * sph, gq + sq, gs + ss, GA + sA
+
+    def _gram_and_spherical_terms(self, per, gq, gs, GA, *rest):
+        """Both, gram's first."""
+        return self._spherical_term(*self._gram_term(per, gq, gs, GA, *rest), *rest)
 
     def with_slots_dense(self, O, Y, T, A_neg, slots: SampledSlots, *, idx):
         """The same per-row losses from the explicit outputs O (m, D): the reference."""

@@ -206,15 +206,12 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
 def run_device_part(head, fn, *args):
     """``fn(plan, state, *args)``, a device part (``device_step``, ``update``, ``records_step``), as
     the plan says (``run``), after the version moved (a pending backward of an earlier forward is
-    stale from here); after it, the kernel proposal's tree moved with the rows written, U^-1 marked
-    stale where the step solved with U_new, the step ticked, and every ``sync_every`` steps the flags
-    read and the repairs due run (``head.sync()``)."""
+    stale from here); after it, U^-1 marked stale where the step solved with U_new, the step ticked,
+    and every ``sync_every`` steps the flags read and the repairs due run (``head.sync()``)."""
     head._version += 1
     plan = head.plan
     out = run(plan, fn, plan, step_state(head), *args)
     flags = out[-1]
-    if plan.negatives == "kernel":  # its tree follows the rows just written (a fold: all of V)
-        head.negatives.kernel.moved(head, None if bool(flags.fold) else flags.written)
     if not flags.uinv:  # the step solved with U_new: U^-1 left behind
         head._uinv_fresh = False
     if head.step_checks.tick(head):
@@ -231,9 +228,10 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     plan, state = head.plan, step_state(head)
     size = batch_size(head, m, idx.shape[1]) if plan.compiled else None  # static shapes: padded
     if size is None:
-        return run(plan, forward, plan, state, Batch(Hx, idx, T, head.processes.rows, head.processes.exchange), draws)
+        batch = Batch(Hx, idx, T, head.processes.rows, head.processes.exchange)
+        return run(plan, forward, plan, state, batch, draws, step_route(plan, m))
     batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
-    loss, fwd = run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]))
+    loss, fwd = run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]), step_route(plan, size[0]))
     fwd.kept = m
     return loss, fwd
 
@@ -310,7 +308,7 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
         Hx, idx, T = pad_batch(Hx, idx, T, *size)
         draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
     batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
-    loss, dH, _, _ = run_device_part(head, device_step, batch, head._lr_t, draws)
+    loss, dH, _, _ = run_device_part(head, device_step, batch, head._lr_t, draws, step_route(plan, Hx.shape[0]))
     dH = dH[:m]
     if own is not None:
         dH = sh.own_rows(dH, own)
@@ -350,4 +348,5 @@ def apply_records(head, records: list) -> None:
         gq, gs = pad_rows(gq, M), pad_rows(gs, M)
         real = None if real is None else pad_rows(real, M, False)
         G_neg = None if G_neg is None else pad_rows(G_neg, M)
-    run_device_part(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t)
+    run_device_part(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t,
+                    step_route(head.plan, Hx.shape[0]))

@@ -4,7 +4,7 @@ and its gradients), backward (dL/dH), the new state computed aside, its checks, 
 The step is functions of the plan (plan.py's ``StepPlan``: every mode settled, and the function of
 each choice), the state (state.py's ``StepState``: the head's buffers, gathered) and the batch;
 none takes the head (its part of a step is driver.py's), and the step branches only on its plan
-and on the batch's shape. ``device_step(plan, state, batch, lr, draws)`` is the whole step, every
+and on the batch's shape. ``device_step(plan, state, batch, lr, draws, route)`` is the whole step, every
 check a flag masking the write: the one unit driver.py compiles whole and a CUDA graph replays
 (``sync_every > 1``: nothing read on the host); the autograd step runs its halves (``forward``,
 ``update``), exact accumulation ``records_step``.
@@ -50,12 +50,10 @@ class Batch(NamedTuple):
 
 
 class Flags(NamedTuple):
-    """What a device step leaves for the host to read: ``ok`` (a device bool: the write was taken),
-    ``fold`` (the step folded into V), and the classes whose rows of V the write moved
-    (``written``: the kernel proposal's sum-tree follows them)."""
+    """What a device step leaves for the host to read: ``ok`` (a device bool: the write was taken)
+    and ``fold`` (the step folded into V)."""
     ok: Tensor
     fold: Tensor | bool
-    written: Tensor
     uinv: bool = True  # U_new^-1 made (the solve route leaves U^-1 behind)
 
 
@@ -105,18 +103,31 @@ class NewState:
     ok: Tensor               # device bool: all of it finite, every solve regular
     cond_step: Tensor  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor
-    moments: object = None   # the preconditioner's new moments (preconditioner.Moments); None when off
+    moments: object = None   # the preconditioner's new moments (preconditioner.Moments); P off: NO_MOMENTS
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | None = None  # a bound on A's spectral radius (the adaptive rule keeps it)
     N: Tensor | None = None  # shared negatives, Q from d x d products: G_u^T H (``gram_terms``), for the write
 
 
+def writes_nothing(*_) -> None:
+    """The write of a part the plan does not have (no shared block, no row steps, P off): nothing."""
+
+
+class NoMoments:
+    """P off: no moments to write."""
+    write = staticmethod(writes_nothing)
+
+
+NO_MOMENTS = NoMoments()
+
+
 class TargetsOnly:
     """The step's part of the sampled classes when there are none (the plan's ``slots``): Yd's
     Gramian terms of the target slots alone, no rows of a block to write (``write`` scatters a
-    ``shared`` block's only)."""
+    ``shared`` block's only: ``scatter_`` writes nothing here)."""
     shared = False
+    scatter_ = staticmethod(writes_nothing)
 
     def slots_part(self) -> "TargetsOnly":
         return self
@@ -195,7 +206,9 @@ def outputs(plan, state, Hx: Tensor, blocks: int = 2):
 
 
 def step_route(plan, m: int) -> Route:
-    """The U^-1 route of a step of m rows, as its plan says: Woodbury up to ``woodbury_rows`` rows."""
+    """The U^-1 route of a step of m rows, as its plan says: Woodbury up to ``woodbury_rows`` rows.
+    Chosen on the host before the step (driver.py), for the rows the device part takes (padded:
+    the batch size)."""
     return plan.few_rows if m <= plan.woodbury_rows else plan.many_rows
 
 
@@ -223,13 +236,12 @@ def screen_exchanged(plan, state, idx: Tensor, T: Tensor, exchange):
 
 
 @torch.no_grad()
-def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Tensor, SavedForward]:
+def forward(plan, state, batch: Batch, draws: Tensor | None, route: Route) -> tuple[Tensor, SavedForward]:
     """The loss and what the backward reuses: q, s, A, the loss gradients and the products with H.
-    ``draws``: the host's uniforms of the sampled classes (``before_step``; None: the kernel
-    proposal, which draws here from its tree)."""
+    ``draws``: the host's uniforms of the sampled classes (``before_step``; None without them);
+    ``route``: the U^-1 route of the batch's rows, chosen before the step (``step_route``)."""
     Hx, idx, T, rows, exchange = batch
     idx, T, input_ok = plan.screen(plan, state, idx, T, exchange)  # device flags: bad ids a flag
-    route = step_route(plan, Hx.shape[0])
     q, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
     A = plan.gather_dot(state.V, idx, HUt, ht)
     real = (idx >= 0).any(1)  # the rows with a target: the loss's weights, P's moments
@@ -241,8 +253,7 @@ def forward(plan, state, batch: Batch, draws: Tensor | None = None) -> tuple[Ten
         per, gq, gs, GA = plan.loss.grads(q, s, A, T, weight, num_classes=plan.num_classes, y_sq=y2)
         neg = TARGETS_ONLY
     else:  # sampled classes as slots (negatives.py)
-        per, gq, gs, GA, idx, neg = plan.sampling.loss_and_grads(plan, state, q, s, A, idx, T, HUt, ht, draws,
-                                                                 weight, y2)
+        per, gq, gs, GA, idx, neg = plan.slots.loss_and_grads(plan, state, q, s, A, idx, T, HUt, ht, draws, weight, y2)
     return reduce(per, weight), SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg, real)
 
 
@@ -423,10 +434,10 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     wbar_new = Hx.T @ (2.0 * gq * fwd.s + plan.num_classes * gs + ybar)
     # The right preconditioner P (preconditioner.py): X = H P, the update's side of H, is formed where a
     # route takes it whole (Woodbury, the solve, Q through M); omega's and wbar's updates take P v.
-    moments = P = None
+    moments, P = NO_MOMENTS, None
     X, p_ok = Hx, True
     if plan.preconditioner is not None:
-        moments = plan.preconditioner.update_moments(state.input_moment, state.input_moment_weight, Hx, fwd.real)
+        moments = plan.preconditioner.moments_of(state.input_moment, state.input_moment_weight, Hx, fwd.real)
         P, p_ok = moments.P, moments.ok & torch.isfinite(moments.P.sum())
         X = Hx @ P if by_m or route.takes_x else None
         omega_new, wbar_new = P @ omega_new, P @ wbar_new
@@ -454,24 +465,32 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
                     right=inv.right, rho=bounds.rho, N=N)
 
 
-def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
-    """Write the step's new rows of V, omega, Q, wbar and P's moments into ``state`` (the head's
-    buffers; U's part first: the plan's ``take``), each kept where the device flag ``ok`` is false."""
+def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> tuple[Tensor, Tensor]:
+    """Write the step's new rows of V (the targets'), omega, Q and wbar into ``state`` (the head's
+    buffers; U's part first: the plan's ``take``), each kept where the device flag ``ok`` is false:
+    the whole write of a plan without parts of its own (``write_with_parts``). (H U_new^-1 masked
+    by ``ok``, -lr: what a shared block's scatter takes.)"""
     Q = 0.5 * (new.Q + new.Q.T)
     GA, HUinv, omega, Q, wbar = (
         torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
     alpha = -new.lr
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
-    if fwd.neg.shared:  # shared negatives' rows: one GEMM
-        fwd.neg.scatter_(state.V, HUinv, alpha, ok, plan.collectives, new.right, new.N)
-    if fwd.row_sq is not None:
-        plan.row_steps.write_acc(state, fwd, ok)
     state.omega.copy_(omega)
     state.Q.copy_(Q)
     state.wbar.copy_(wbar)
-    if new.moments is not None:
-        new.moments.write(state, ok)
+    return HUinv, alpha
+
+
+def write_with_parts(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
+    """``write``, then what the plan's parts write, each kept where ``ok`` is false: a shared
+    block's rows of V (after the targets': one GEMM), the row steps' accumulators, P's moments. A
+    part the plan does not have writes nothing (``writes_nothing``). The plan's ``write`` where it
+    has any of them."""
+    HUinv, alpha = write(plan, state, fwd, new, ok)
+    fwd.neg.scatter_(plan, state.V, HUinv, alpha, ok, new.right, new.N)
+    plan.write_row_acc(state, fwd, ok)
+    new.moments.write(state, ok)
 
 
 # -- the device step: the whole step under device flags, a function of the plan and tensors -------
@@ -488,14 +507,14 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return plan.take(plan, state, fwd, new, ok, dH), Flags(ok, new.fold, fwd.idx, fwd.route.keeps_uinv)
+    return plan.take(plan, state, fwd, new, ok, dH), Flags(ok, new.fold, fwd.route.keeps_uinv)
 
 
 def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
     """``update``'s write masked by its device flags (a GPU's, a compiled step's): U, U^-1 (the
     solve's stale one kept) and cond(U)'s bound first, each kept where the step is not ok: a fold
     (a device bool) takes V <- V U B in one gated pass over V's rows (one load a block where it is
-    not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then ``write``. (dL/dH, zeros
+    not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then the plan's ``write``. (dL/dH, zeros
     where the step is not taken.)"""
     fold = new.fold & ok
     plan.kernels.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
@@ -506,7 +525,7 @@ def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: T
     state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
     state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
     state.folds.add_(fold)
-    write(plan, state, fwd, new, ok)
+    plan.write(plan, state, fwd, new, ok)
     return torch.where(ok, dH, 0.0)
 
 
@@ -529,28 +548,29 @@ def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Ten
         state.U.copy_(new.U)
         state.cond_bound.copy_(state.cond_bound * new.cond_step)
     state.Uinv.copy_(new.Uinv)  # (the solve's: U^-1 as it was)
-    write(plan, state, fwd, new, ok)
+    plan.write(plan, state, fwd, new, ok)
     return dH
 
 
 @torch.no_grad()
-def device_step(plan, state, batch: Batch, lr: Tensor, draws: Tensor | None) -> tuple[Tensor, Tensor, StepState, Flags]:
+def device_step(plan, state, batch: Batch, lr: Tensor, draws: Tensor | None,
+                route: Route) -> tuple[Tensor, Tensor, StepState, Flags]:
     """The whole step under device flags: forward, dL/dH, the checks as flags, the write masked by
     them, the device counts; it reads nothing on the host and takes no head (what
-    ``torch.compile(fullgraph=True)`` takes whole, and a CUDA graph replays). (the loss, dL/dH
-    (m, width), the new state: ``state`` itself, written in place, the flags)."""
-    loss, fwd = forward(plan, state, batch, draws)
+    ``torch.compile(fullgraph=True)`` takes whole, and a CUDA graph replays). ``route``: the batch's
+    U^-1 route (``step_route``, chosen before the step). (the loss, dL/dH (m, width), the new state:
+    ``state`` itself, written in place, the flags)."""
+    loss, fwd = forward(plan, state, batch, draws, route)
     dH, flags = update(plan, state, fwd, None, lr)
     return loss, dH, state, flags
 
 
 @torch.no_grad()
 def records_step(plan, state, Hx: Tensor, idx: Tensor, gq: Tensor, gs: Tensor, GA: Tensor, real, input_ok: Tensor,
-                 cols: Tensor | None, G_neg: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
+                 cols: Tensor | None, G_neg: Tensor | None, lr: Tensor, route: Route) -> tuple[Tensor, Flags]:
     """Exact accumulation's step under device flags, whole (as ``device_step``): ``update`` of the
-    records as a forward had made them, their products with the current state, and their shared
-    negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
-    route = step_route(plan, Hx.shape[0])
+    records as a forward had made them, their products with the current state (by ``route``, chosen
+    before the step), and their shared negatives as one block (``cols``, ``G_neg``; per row: slots of idx)."""
     _, s, Hq, HUt, HP, ht = outputs(plan, state, Hx, route.blocks)
     neg = plan.slots.slots_part() if cols is None else plan.slots.records_block(plan, state, cols, G_neg)
     return update(plan, state, SavedForward(Hx, idx, Hq, HUt, HP, ht, s, gq, gs, GA, route, input_ok, neg=neg,

@@ -110,7 +110,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def _refuse(self, driving: Driving) -> None:
         """The modes this head cannot take, each refused in one line with the reason (plan.py)."""
-        why = head_refusal(driving, self.negatives, self.row_steps)
+        why = head_refusal(driving, self.row_steps)
         if why is not None:
             raise ValueError(why)
 
@@ -228,12 +228,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         for a, blk in row_blocks(self.V):
             torch.addmm(self.omega, blk, self.U, out=W[a:a + blk.shape[0]])
         return W
-
-    def _proposal_rows(self, rows: Tensor | None = None) -> Tensor:
-        """The rows a kernel proposal's tree holds (negatives.py): [v_c, 1], for the query
-        [U h, h.omega] (h.w_c = (U h).v_c + h.omega: a step moves only the rows it writes)."""
-        V = self.V if rows is None else self.V[rows]
-        return torch.cat([V, V.new_ones(V.shape[0], 1)], 1)
 
     @torch.no_grad()
     def reset_weight(self, W: Tensor | None = None) -> None:

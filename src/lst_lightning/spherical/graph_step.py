@@ -62,7 +62,8 @@ def replayed_step(head: torch.nn.Module, Hx: Tensor, idx: Tensor, T: Tensor, row
     with own_math(Hx.device.type, head.tf32):
         draws = None if head.negatives is None else head.negatives.uniforms(head, Hx.shape[0])
         batch = exact_step.Batch(Hx, idx, T, rows)
-        loss, dH, _, _ = driver.run_device_part(head, exact_step.device_step, batch, head.device_lr(), draws)
+        route = exact_step.step_route(head.plan, Hx.shape[0])
+        loss, dH, _, _ = driver.run_device_part(head, exact_step.device_step, batch, head.device_lr(), draws, route)
         return loss, dH[:, : head.hidden_dim].to(dtype)
 
 

@@ -47,10 +47,6 @@ class NaiveSphericalHead(SphericalHeadBase):
         A_neg = O[:, cols] if cols.dim() == 1 else O.gather(1, cols)
         return self.reduce(self.loss_fn.with_slots_dense(O, Y, T, A_neg, slots, idx=idx), idx)
 
-    def _proposal_rows(self, rows: Tensor | None = None) -> Tensor:
-        """The rows a kernel proposal's tree holds (negatives.py): W's, for the query H."""
-        return self.W if rows is None else self.W[rows]
-
     def _eval_loss(self, Hx, idx, T):
         return self._loss_of(Hx @ self.W.T, idx, T)
 
@@ -58,7 +54,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         with torch.enable_grad():
             Hl = Hx.detach().requires_grad_()
             Wl = self.W.detach().requires_grad_()  # W changes only after autograd.grad ran
-            draw = None if self.negatives is None else self.negatives.draw(self, idx, Hx)
+            draw = None if self.negatives is None else self.negatives.draw(self, idx)
             O = Hl @ Wl.T
             L = self._loss_of(O, idx, T, draw)
         return L.detach(), (L, Hl, Wl, None if self.preconditioner is None else (idx >= 0).any(1), (O, idx, draw))

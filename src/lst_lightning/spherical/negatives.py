@@ -5,11 +5,12 @@ sampled-softmax term over each row's targets and S sampled classes adds one colu
 sampled class, so a loss = sampled-softmax CE + spherical terms (``losses/sampled_composite.py``)
 takes the exact SGD step on the whole implicit W in O(m d^2 + m S d), with the same V, U, Q, wbar,
 omega. Here: ``Negatives`` (the settings), ``NegativeSampling`` (``head.negatives``, both heads:
-the proposal, a static table or the quadratic kernel's sum-tree, kernel_proposal.py; the head's
-own generator, in its extra state; the draw with its correction and accidental-hit mask; for the
-factored head the loss and its gradients), ``SharedBlock`` (negatives shared by the batch as one
-dense block) and ``PerRowSlots`` (negatives drawn per row as extra slots of the general path).
-The step (exact_step.py) enters this module only when the head has negatives.
+the proposal, a static table; the head's own generator, in its extra state; the slots' correction
+and accidental-hit mask), the draw's two modes, settled when the head is made and held by the
+step's plan (``plan.slots``): ``SharedDraw`` (negatives shared by the batch: the draw, and for the
+factored head the loss and its gradients, its part a ``SharedBlock``, one dense block) and
+``PerRowDraw`` (drawn per row: its part ``PerRowSlots``, extra slots of the general path). The
+step (exact_step.py) enters this module only when the head has negatives.
 """
 from __future__ import annotations
 
@@ -27,17 +28,16 @@ from ..heads.samplers import STATIC_SAMPLERS
 from ..heads.targets import first_occurrence
 from ..losses import SampledSlots
 from .exact_step import TargetsOnly
-from .kernel_proposal import KernelProposal
 from .settings import settings_from
 
-#: the kernel proposals the exact head draws (per row: q depends on each row's h)
-KERNEL_SAMPLERS = ("quadratic",)
-SAMPLER_NAMES = (*STATIC_SAMPLERS, *KERNEL_SAMPLERS)
+SAMPLER_NAMES = tuple(STATIC_SAMPLERS)
 RFF_REFUSAL = ("the RF-softmax proposal is not drawn for the implicit W = V U + 1 omega^T: its kernel is on "
                "w_c / ||w_c||, whose norm moves with U for every class at every step (a tree over it is O(D d^2) "
                "a step), and one over V's rows would draw a law of the factors, not of W, that the naive "
-               "reference cannot draw; use 'quadratic' (exact: its tree moves only with the rows the step writes) "
-               "or a static sampler")
+               "reference cannot draw; use a static sampler")
+QUADRATIC_REFUSAL = ("the quadratic kernel's proposal is not drawn by the spherical heads: its sum-tree walk costs "
+                     "thousands of the default's steps (docs/choosing_a_head.md); use a static sampler "
+                     "(the sampled softmax keeps it: head=sampled_quadratic)")
 
 
 @dataclass(frozen=True)
@@ -46,13 +46,12 @@ class Negatives:
 
     ``num``: S negatives (None: S for D, ``heads.samplers.default_num_samples``); ``sampler``:
     "log_uniform" (Zipf over frequency-sorted ids), "unigram" (``class_counts ** power``, +
-    ``smoothing``), "uniform", or "quadratic"
-    (q(c | h) proportional to ``alpha`` (h.w_c)^2 + 1, per row, through a sum-tree with
-    ``leaf_size`` classes a leaf; None: max(16, width + 1)); ``shared``: one draw for the whole
-    batch (one dense block) or S per row (the quadratic proposal: per row only); ``seed``:
+    ``smoothing``), or "uniform" ("quadratic" and "rff" are refused, each in one line saying why);
+    ``shared``: one draw for the whole batch (one dense block) or S per row; ``seed``:
     of the head's own generator (None: the head's init seed); ``remove_accidental_hits``: a
     negative equal to one of its row's targets is masked out (and the correction uses the
-    law it was drawn from, q / (1 - q_T), q_T of that row)."""
+    law it was drawn from, q / (1 - q_T), q_T of that row). ``alpha`` and ``leaf_size`` are
+    validated and recorded with the settings (a checkpoint's), and draw nothing."""
 
     num: int | None = None
     sampler: str = "log_uniform"
@@ -71,11 +70,10 @@ class Negatives:
                              f"got {self.num!r}")
         if self.sampler == "rff":
             raise ValueError(f"negatives.sampler='rff': {RFF_REFUSAL}")
+        if self.sampler == "quadratic":
+            raise ValueError(f"negatives.sampler='quadratic': {QUADRATIC_REFUSAL}")
         if self.sampler not in SAMPLER_NAMES:
             raise ValueError(f"negatives.sampler must be one of {sorted(SAMPLER_NAMES)}, got {self.sampler!r}")
-        if self.sampler in KERNEL_SAMPLERS and self.shared is True:
-            raise ValueError(f"negatives.sampler={self.sampler!r} draws per row (its q depends on each row's h): "
-                             "shared=True would need one law for the whole batch; set negatives.shared=False")
         number = isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool)
         if not (number and math.isfinite(self.alpha) and self.alpha > 0):
             raise ValueError(f"negatives.alpha must be a finite number > 0, got {self.alpha!r}")
@@ -106,33 +104,29 @@ class Negatives:
 
 
 class NegativeSampling:
-    """``head.negatives``: the proposal, the head's generator and the draw."""
+    """``head.negatives``: the proposal, the head's generator and the draw (by its ``mode``)."""
 
     def __init__(self, settings: Negatives, num_classes: int, seed: int):
         self.settings = settings
-        self.sampler = self.kernel = None
-        if settings.sampler in KERNEL_SAMPLERS:  # a sum-tree over the head's rows, built at the first draw
-            self.kernel = KernelProposal(num_classes, settings.alpha, settings.leaf_size)
-        else:
-            kw = {"class_counts": settings.class_counts, "power": settings.power,
-                  "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
-            self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
+        kw = {"class_counts": settings.class_counts, "power": settings.power,
+              "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
+        self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
         #: the generator of the device the draws run on since ``draw_on`` (None: on the host)
         self.device_generator = None
         self._device_rng = None  # a checkpoint's device generator state, set when draw_on makes it
         self._q = {}  # the proposal's q on each (device, dtype) the targets came on: made once
+        #: the draw's mode, settled once: shared by the batch (one block) or per row (slots)
+        self.mode = SharedDraw(self) if settings.shared else PerRowDraw(self)
+        #: the slots' correction and hit mask (``draw_slots``), accidental hits masked or kept
+        self.slots = self._slots_masking_hits if settings.remove_accidental_hits else self._slots_keeping_hits
 
     def draw_on(self, device: torch.device) -> None:
         """Draw on ``device`` from now on, reading nothing on the host (a CUDA graph captures
         the step, ``step="cuda_graph"``): the proposal's tables move there and a generator of that
-        device draws (seeded once from the host generator, or given a checkpoint's state). A kernel
-        proposal (its sum-tree is on the host) is refused."""
+        device draws (seeded once from the host generator, or given a checkpoint's state)."""
         device = torch.device(device)
-        if self.kernel is not None:
-            raise ValueError(f"negatives.sampler={self.settings.sampler!r} draws from a sum-tree kept on the "
-                             "host: it cannot draw on the device; use a static sampler")
         if self.device_generator is not None and self.device_generator.device == device:
             return
         self.sampler.to(device)
@@ -153,6 +147,8 @@ class NegativeSampling:
         return out
 
     def check_state(self, state: dict) -> None:
+        if state["settings"].get("sampler") == "quadratic":
+            raise ValueError(f"the state was saved with negatives.sampler='quadratic': {QUADRATIC_REFUSAL}")
         if Negatives.saved(state["settings"]) != self.settings.public():
             raise ValueError(f"the state was saved with negatives {state['settings']} but this head has "
                              f"{self.settings.public()}")
@@ -168,14 +164,10 @@ class NegativeSampling:
             self.device_generator.set_state(self._device_rng)
 
     # -- the draw ---------------------------------------------------------------------------
-    def uniforms(self, head, m: int) -> Tensor | None:
+    def uniforms(self, head, m: int) -> Tensor:
         """The randomness of the next draw for m rows, from the head's generator (the device's
         after ``draw_on``), and the proposal's q made once on the head's device: the host's
-        part of a draw, outside a compiled step. None for a kernel proposal (it draws itself, from
-        its tree, brought here to the head's state)."""
-        if self.kernel is not None:
-            self.kernel.sync(head)
-            return None
+        part of a draw, outside a compiled step."""
         key = (head._factory["device"], head._factory["dtype"])
         if key not in self._q:
             self._q[key] = self.sampler.log_q.to(*key).exp()
@@ -183,48 +175,72 @@ class NegativeSampling:
         return self.sampler.uniforms(S if self.settings.shared else m * S,
                                      generator=self.device_generator or self.generator)
 
-    def draw(self, head, idx: Tensor, query: Tensor | None = None, u: Tensor | None = None):
+    def draw(self, head, idx: Tensor, u: Tensor | None = None):
         """``draw_slots`` for ``head``: by the uniforms ``u`` (None: drawn here, ``uniforms``)."""
         u = self.uniforms(head, idx.shape[0]) if u is None else u
-        return self.draw_slots(idx, u, head.dtype, query)
+        return self.draw_slots(idx, u, head.dtype)
 
-    def draw_slots(self, idx: Tensor, u: Tensor | None, dtype: torch.dtype, query: Tensor | None = None):
-        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (``uniforms``;
-        None: the kernel proposal's tree draws); their correction ``log(k q / (1 - q_T))`` and
-        accidental-hit mask, (m, S). ``query``: each row's query of the kernel proposal (the factored
-        head: [H U^T, H omega]; the naive head: H), unused by a static one. Shared negatives are
-        coalesced in shapes fixed by S (``padded_unique``): no host read."""
-        st, (m, S) = self.settings, (idx.shape[0], self.settings.num)
-        if self.kernel is not None:  # per row, from each row's law (shared is refused)
-            neg, log_q = self.kernel.sample(query, S, self.generator)
-        else:
-            neg, log_q = self.sampler.at(u)
-        uniq = inv = None
-        if st.shared:  # static shapes, no host read
-            uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
-        neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
-        cols = neg if st.shared else neg.reshape(m, S)
-        neg_m, log_q = cols.expand(m, S), log_q.reshape(-1, S).expand(m, S)  # shared: (S,), one row for all
+    def draw_slots(self, idx: Tensor, u: Tensor, dtype: torch.dtype):
+        """S negatives (shared: (S,); per row: (m, S)), drawn by the uniforms ``u`` (``uniforms``),
+        as the draw's mode draws them (``mode.draw``): (the columns, their distinct classes and each
+        column's place among them (shared; per row: None), the slots' correction and hit mask)."""
+        return self.mode.draw(idx, u, dtype)
+
+    def _slots_masking_hits(self, idx: Tensor, cols: Tensor, log_q: Tensor, dtype: torch.dtype) -> SampledSlots:
+        """The slots of the negatives ``cols`` (shared: (S,), one row for all; per row: (m, S)) of
+        log-probability ``log_q``: their correction ``log(k q / (1 - q_T))``, a negative equal to one
+        of its row's targets masked out (an accidental hit), q_T the row's targets' q."""
+        m, S = idx.shape[0], self.settings.num
+        neg_m, log_q = cols.expand(m, S), log_q.reshape(-1, S).expand(m, S)
         first = first_occurrence(idx)
-        if st.remove_accidental_hits:
-            hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
-            kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
-            if self.kernel is not None:  # q of each row's targets, under the law its negatives were drawn from
-                q_idx = self.kernel.log_q(query, idx).to(idx.device, dtype).exp()
-            else:
-                q_idx = self._q[(idx.device, dtype)][idx.clamp(min=0)]
-            q_t = torch.where(first, q_idx, torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
-            log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
-        else:
-            hit = torch.zeros((m, S), dtype=torch.bool, device=idx.device)
-            kept = torch.full((m, 1), float(S), dtype=dtype, device=idx.device)
-            log_rest = torch.zeros((m, 1), dtype=dtype, device=idx.device)
-        return cols, uniq, inv, SampledSlots(log_q + kept.log() - log_rest, hit, first)
+        hit = neg_m == idx if idx.shape[1] == 1 else (neg_m[:, :, None] == idx[:, None, :]).any(2)
+        kept = (~hit).sum(1, keepdim=True).clamp(min=1).to(dtype)
+        q_idx = self._q[(idx.device, dtype)][idx.clamp(min=0)]
+        q_t = torch.where(first, q_idx, torch.zeros((), dtype=dtype, device=idx.device)).sum(1, keepdim=True)
+        log_rest = torch.log1p(-q_t.clamp(max=1 - 1e-6))
+        return SampledSlots(log_q + kept.log() - log_rest, hit, first)
 
-    def slots_part(self) -> "PerRowSlots":
-        """Exact accumulation's records of negatives drawn per row carry each as a slot: their Yd Yd^T
-        by unique columns."""
-        return PerRowSlots()
+    def _slots_keeping_hits(self, idx: Tensor, cols: Tensor, log_q: Tensor, dtype: torch.dtype) -> SampledSlots:
+        """``_slots_masking_hits`` with ``remove_accidental_hits=False``: every negative kept, the
+        correction ``log(S q)``."""
+        m, S = idx.shape[0], self.settings.num
+        log_q = log_q.reshape(-1, S).expand(m, S)
+        first = first_occurrence(idx)
+        hit = torch.zeros((m, S), dtype=torch.bool, device=idx.device)
+        kept = torch.full((m, 1), float(S), dtype=dtype, device=idx.device)
+        log_rest = torch.zeros((m, 1), dtype=dtype, device=idx.device)
+        return SampledSlots(log_q + kept.log() - log_rest, hit, first)
+
+
+class SharedDraw:
+    """The draw's mode of negatives shared by the batch (``NegativeSampling.mode``, the plan's
+    ``slots``): one draw of S, coalesced in shapes fixed by S (``padded_unique``: no host read),
+    the step's part a ``SharedBlock`` (one dense block)."""
+
+    def __init__(self, sampling: NegativeSampling):
+        self.sampling = sampling
+
+    def draw(self, idx: Tensor, u: Tensor, dtype: torch.dtype):
+        """``NegativeSampling.draw_slots``: (cols (S,), uniq, inv, slots)."""
+        ns = self.sampling
+        neg, log_q = ns.sampler.at(u)
+        uniq, inv = padded_unique(neg.to(idx.device, non_blocking=True))
+        neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
+        return neg, uniq, inv, ns.slots(idx, neg, log_q, dtype)
+
+    def loss_and_grads(self, plan, state, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
+                       ht: Tensor, u: Tensor, weight: Tensor, y_sq: Tensor | None):
+        """The draw (by the uniforms ``u``), the negatives' outputs and the composite loss's
+        per-row values and gradients (in closed form), the rows weighted by ``weight``: (per, g_q,
+        g_s, G_A, idx, the block); the negatives stay apart, in the ``SharedBlock``, V's rows of
+        its classes fetched once (several processes: every rank drew the same negatives from the
+        same seed)."""
+        cols, uniq, inv, slots = self.draw(idx, u, q.dtype)
+        V_u = plan.rows_of(state.V, uniq)
+        A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
+        per, gq, gs, GA, G_neg = plan.loss.with_slots_grads(q, s, A, T, A_neg, slots, weight,
+                                                            num_classes=plan.num_classes, y_sq=y_sq)
+        return per, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
 
     def records_block(self, plan, state, cols: Tensor, G_neg: Tensor) -> "SharedBlock":
         """Exact accumulation's shared negatives: the micro-batches' draws side by side (``cols``,
@@ -233,26 +249,37 @@ class NegativeSampling:
         uniq, inv = padded_unique(cols)
         return SharedBlock(cols, uniq, inv, G_neg, plan.rows_of(state.V, uniq))
 
-    # -- the factored step's loss (exact_step.forward enters here only when the head has negatives) --
+
+class PerRowDraw:
+    """The draw's mode of negatives drawn per row (``NegativeSampling.mode``, the plan's ``slots``):
+    S a row, extra slots of the general path (``PerRowSlots``)."""
+
+    def __init__(self, sampling: NegativeSampling):
+        self.sampling = sampling
+
+    def draw(self, idx: Tensor, u: Tensor, dtype: torch.dtype):
+        """``NegativeSampling.draw_slots``: (cols (m, S), None, None, slots)."""
+        ns = self.sampling
+        m, S = idx.shape[0], ns.settings.num
+        neg, log_q = ns.sampler.at(u)
+        neg, log_q = neg.to(idx.device, non_blocking=True), log_q.to(idx.device, dtype, non_blocking=True)
+        cols = neg.reshape(m, S)
+        return cols, None, None, ns.slots(idx, cols, log_q, dtype)
+
     def loss_and_grads(self, plan, state, q: Tensor, s: Tensor, A: Tensor, idx: Tensor, T: Tensor, HUt: Tensor,
-                       ht: Tensor, u: Tensor | None, weight: Tensor, y_sq: Tensor | None):
-        """The draw (by the uniforms ``u``), the negatives' outputs and the composite loss's
-        per-row values and gradients (in closed form), the rows weighted by ``weight``. Returns
-        (per, g_q, g_s, G_A, idx, step part): per row, idx and G_A carry the negatives as extra slots
-        (the general path); shared, they stay apart in a ``SharedBlock``."""
-        query = None if self.kernel is None else torch.cat([HUt, ht[:, None]], 1)  # [U h, h.omega]: (h.w_c)^2
-        cols, uniq, inv, slots = self.draw_slots(idx, u, q.dtype, query)
-        # several processes: every rank drew the same negatives from the same seed
-        if self.settings.shared:  # the block's rows of V, fetched once
-            V_u = plan.rows_of(state.V, uniq)
-            A_neg = torch.addmm(ht[:, None], HUt, V_u.index_select(0, inv).T)  # (H U^T) V[neg]^T + H omega: one GEMM
-        else:
-            A_neg = plan.gather_dot(state.V, cols, HUt, ht)
+                       ht: Tensor, u: Tensor, weight: Tensor, y_sq: Tensor | None):
+        """``SharedDraw.loss_and_grads`` of negatives drawn per row: idx and G_A carry them as extra
+        slots (the general path)."""
+        cols, _, _, slots = self.draw(idx, u, q.dtype)
+        A_neg = plan.gather_dot(state.V, cols, HUt, ht)
         per, gq, gs, GA, G_neg = plan.loss.with_slots_grads(q, s, A, T, A_neg, slots, weight,
                                                             num_classes=plan.num_classes, y_sq=y_sq)
-        if self.settings.shared:
-            return per, gq, gs, GA, idx, SharedBlock(cols, uniq, inv, G_neg, V_u)
         return per, gq, gs, torch.cat([GA, G_neg], 1), torch.cat([idx, cols], 1), PerRowSlots()
+
+    def slots_part(self) -> "PerRowSlots":
+        """Exact accumulation's records of negatives drawn per row carry each as a slot: their Yd Yd^T
+        by unique columns."""
+        return PerRowSlots()
 
 
 def padded_unique(ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -269,6 +296,20 @@ def padded_unique(ids: Tensor) -> tuple[Tensor, Tensor]:
     inv = torch.empty_like(seg).scatter_(0, order, seg)
     uniq = s[-1:].expand(s.shape[0]).clone().scatter_(0, seg, s)
     return uniq, inv
+
+
+def add_own_rows_(processes, V: Tensor, dim: int, ids: Tensor, rows: Tensor) -> None:
+    """V[ids] += rows (along ``dim`` 0) into the rows of V this rank holds (sharded): the others add
+    zeros to row 0."""
+    if V.shape[0]:
+        local = processes.local_idx(ids)
+        V.index_add_(dim, local.clamp(min=0), torch.where(local[:, None] >= 0, rows, 0.0))
+
+
+def add_in_order_(kernels, out: Tensor, dim: int, ids: Tensor, rows: Tensor) -> None:
+    """out[ids] += rows (along ``dim`` 0), summed in the order of ids by the deterministic scatter
+    (``lk.scatter_add_rows_``: no float atomics on a GPU)."""
+    kernels.scatter_add_rows_(out, ids[:, None], rows.new_ones(rows.shape[0], 1), rows, 1.0)
 
 
 class PerRowSlots(TargetsOnly):
@@ -307,16 +348,14 @@ class SharedBlock:
     def hidden(self, plan, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
         """``with_gradients``' (YV, ybar, the block) of G_u, the step's gradients coalesced to the
         unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j], O(m S)) in the order
-        of j on every device: torch's ``index_add_`` on the CPU, which adds in that order; on a GPU, whose
-        ``index_add_`` adds by float atomics, the deterministic scatter. ``grad``: the upstream
-        gradient (None: 1)."""
+        of j on every device (the plan's ``index_add_in_order``). ``grad``: the upstream gradient
+        (None: 1)."""
         G = self.G_neg if grad is None else self.G_neg * grad
         G_ut = G.new_zeros(self.uniq.numel(), G.shape[0])
-        if G.is_cuda:
-            plan.kernels.scatter_add_rows_(G_ut, self.inv[:, None], G.new_ones(G.shape[1], 1), G.T.contiguous(), 1.0)
-        else:  # rows copied whole: 0.16 against 0.29 ms from G.T's strided columns (m = 128, S = 512)
-            G_ut.index_add_(0, self.inv, G.T.contiguous())
-        return self.with_gradients(G_ut.T, YV, ybar, G.sum(1))
+        # rows copied whole: 0.16 against 0.29 ms from G.T's strided columns on the CPU (m = 128, S = 512)
+        plan.index_add_in_order(G_ut, 0, self.inv, G.T.contiguous())
+        G_u = G_ut.T  # ``with_gradients``, written out
+        return torch.addmm(YV, G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1), dataclasses.replace(self, G_u=G_u)
 
     def with_gradients(self, G_u: Tensor, YV: Tensor, ybar: Tensor,
                        sums: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
@@ -356,19 +395,14 @@ class SharedBlock:
         return (torch.where(on_neg, pos, -1),
                 torch.where(on_neg, GA, torch.zeros((), dtype=GA.dtype, device=GA.device)))
 
-    def scatter_(self, V: Tensor, HUinv: Tensor, alpha, ok, processes, right: Tensor | None = None,
+    def scatter_(self, plan, V: Tensor, HUinv: Tensor, alpha, ok, right: Tensor | None = None,
                  N: Tensor | None = None) -> None:
-        """V[u] += alpha G_u^T (H U_new^-1), masked by the device flag ``ok``, one index_add_;
-        sharded, into the rows this rank holds (the others add zeros to row 0). As alpha N R
+        """V[u] += alpha G_u^T (H U_new^-1), masked by the device flag ``ok``, one index_add_
+        (the plan's ``index_add_rows``: sharded, into the rows this rank holds). As alpha N R
         where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
         was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
         rows = self.G_u.T @ HUinv if right is None or N is None else N @ right.to(N.dtype)
-        update = torch.where(ok, alpha * rows, 0.0).to(V.dtype)
-        if not processes.sharded:
-            V.index_add_(0, self.uniq, update)
-        elif V.shape[0]:
-            local = processes.local_idx(self.uniq)
-            V.index_add_(0, local.clamp(min=0), torch.where(local[:, None] >= 0, update, 0.0))
+        plan.index_add_rows(V, 0, self.uniq, torch.where(ok, alpha * rows, 0.0).to(V.dtype))
 
     def as_slots(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
         """The block as S extra slots of every row (exact accumulation's general path)."""

@@ -19,7 +19,7 @@ import torch
 
 import lst_kernels as lk
 
-from . import exact_step
+from . import exact_step, negatives
 from .stabiliser import Stabiliser
 
 
@@ -39,8 +39,8 @@ class StepPlan:
     reads_flags: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
-    #: the sampled classes (negatives.py): None (off), "shared" (one dense block), "per_row" (slots of
-    #: each row from a static proposal) or "kernel" (slots of each row from the kernel proposal's sum-tree)
+    #: the sampled classes (negatives.py): None (off), "shared" (one dense block) or "per_row" (slots of
+    #: each row)
     negatives: str | None = None
     #: the right preconditioner's settings (preconditioner.py: its moments, P), None: off
     preconditioner: object = None
@@ -74,6 +74,8 @@ class StepPlan:
     #: Triton on CUDA where importable and the environment's ``LST_KERNELS`` is not "torch", else torch),
     #: which the step calls unchecked (``plan.kernels.m_matrix(...)``): no op re-checks or re-chooses
     kernels: lk.Ops = lk.ops_for("cpu")
+    #: the type of the head's device ("cpu", "cuda", ...)
+    device: str = "cpu"
 
     # -- the functions the step calls for these modes, chosen once (``__post_init__``) -----------
     #: the screen of bad ids for these processes (one, or several exchanging their rows)
@@ -86,7 +88,8 @@ class StepPlan:
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
     few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
-    #: the sampled classes (``sampling``), or exact_step.py's ``TARGETS_ONLY``
+    #: the sampled classes' mode (``sampling.mode``: negatives.py's ``SharedDraw`` or ``PerRowDraw``), or
+    #: exact_step.py's ``TARGETS_ONLY``
     slots: object = field(init=False, compare=False, repr=False)
     #: the gathers and the scatter of V's rows: ``kernels``' with V whole, else the ``ShardedRows``' (bound to them);
     #: ``rows_of(V, ids)``, V's rows of the classes ``ids``: indexing with V whole, else ``ShardedRows.rows_of``
@@ -94,19 +97,37 @@ class StepPlan:
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
+    #: ``index_add_rows(V, 0, ids, rows)``: V[ids] += rows, ``Tensor.index_add_`` with V whole, else into the rows
+    #: this rank holds (negatives.py's ``add_own_rows_``): a shared block's scatter
+    index_add_rows: object = field(init=False, compare=False, repr=False)
+    #: ``index_add_in_order(out, 0, ids, rows)``: the same, summed in the order of ids: ``Tensor.index_add_``
+    #: on the CPU, which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
+    #: deterministic scatter (negatives.py's ``add_in_order_``): a shared block's repeated columns
+    index_add_in_order: object = field(init=False, compare=False, repr=False)
+    #: the write of the row steps' accumulators (``RowSteps.write_acc``), or ``writes_nothing`` without them
+    write_row_acc: object = field(init=False, compare=False, repr=False)
+    #: the step's write (after U's part, ``take``): ``exact_step.write_with_parts`` where the plan has a part
+    #: that writes its own (a shared block, P, row steps), else ``exact_step.write``
+    write: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
         whole = self.processes != "sharded"  # V's rows all here
+        parts = self.negatives == "shared" or self.preconditioner is not None or self.row_steps is not None
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       row_weights=exact_step.ROW_WEIGHTS[self.reduction],
                       take=exact_step.take_read if self.reads_flags else exact_step.take_masked,
                       few_rows=routes["woodbury"], many_rows=routes[self.inverse],
-                      slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling,
+                      slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling.mode,
                       rows_of=operator.getitem if whole else sh.rows_of,
                       gather_dot=self.kernels.gather_dot if whole else partial(sh.gather_dot, self.kernels),
                       gather_sum=self.kernels.gather_sum if whole else partial(sh.gather_sum, self.kernels),
-                      scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels))
+                      scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels),
+                      index_add_rows=torch.Tensor.index_add_ if whole else partial(negatives.add_own_rows_, sh),
+                      index_add_in_order=(partial(negatives.add_in_order_, self.kernels) if self.device == "cuda"
+                                          else torch.Tensor.index_add_),
+                      write_row_acc=exact_step.writes_nothing if self.row_steps is None else self.row_steps.write_acc,
+                      write=exact_step.write_with_parts if parts else exact_step.write)
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
 
@@ -131,8 +152,7 @@ def inverse_rows(route: str, device: torch.device, d: int) -> tuple[str, int]:
 
 def negatives_kind(negatives) -> str | None:
     """The kind of sampled classes of a head's ``NegativeSampling`` (None: off; ``StepPlan.negatives``)."""
-    return None if negatives is None else "kernel" if negatives.kernel is not None else \
-        "shared" if negatives.settings.shared else "per_row"
+    return None if negatives is None else "shared" if negatives.settings.shared else "per_row"
 
 
 def plan_for(head) -> StepPlan:
@@ -144,7 +164,7 @@ def plan_for(head) -> StepPlan:
     wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
-    compiled = wanted and compile_refusal(driving, kind) is None
+    compiled = wanted and compile_refusal(driving) is None
     reads = head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
     return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
@@ -153,7 +173,7 @@ def plan_for(head) -> StepPlan:
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
                     fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
                     reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay,
-                    row_steps=head.row_steps, kernels=lk.ops_for(head.device))
+                    row_steps=head.row_steps, kernels=lk.ops_for(head.device), device=head.device.type)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------
@@ -168,35 +188,24 @@ def driving_refusal(driving) -> str | None:
     return None
 
 
-def compile_refusal(driving, negatives: str | None, sampler: str = "quadratic") -> str | None:
-    """Why the step's device part cannot be compiled whole, or None (``negatives``: the plan's kind)."""
+def compile_refusal(driving) -> str | None:
+    """Why the step's device part cannot be compiled whole, or None."""
     if driving.sync_every == 1:
         return "sync_every=1 reads each check on the host as it is made (compiling needs device flags, sync_every > 1)"
     if driving.parallel == "sharded":
         return "parallel='sharded' all-reduces between the step's parts"
-    if negatives == "kernel":
-        return f"negatives.sampler={sampler!r} draws from a sum-tree kept on the host"
     return None
 
 
-def head_refusal(driving, negatives, row_steps=None) -> str | None:
-    """Why a head with these sampled classes (``negatives``: the head's ``NegativeSampling`` or
-    None) and row steps (``RowSteps`` or None) cannot be driven so, or None."""
+def head_refusal(driving, row_steps=None) -> str | None:
+    """Why a head with these row steps (``RowSteps`` or None) cannot be driven so, or None."""
     if row_steps is not None and driving.parallel != "none":
         return (f"row_steps={row_steps.rule!r} with parallel={driving.parallel!r}: the classes' accumulators "
                 "are kept by one process; use parallel='none' or row_steps=None")
-    kernel = negatives is not None and negatives.kernel is not None
-    sampler = None if negatives is None else negatives.settings.sampler
     if driving.compile is True:
-        why = compile_refusal(driving, "kernel" if kernel else None, sampler)
+        why = compile_refusal(driving)
         if why is not None:
             return f"compile_step=True: this head's step cannot be compiled whole: {why}"
-    if kernel and driving.step == "cuda_graph":
-        return (f"negatives.sampler={sampler!r} with step='cuda_graph': its sum-tree is kept on the host; "
-                "use a static sampler or step='fused'")
-    if kernel and driving.parallel != "none":
-        return (f"negatives.sampler={sampler!r} with parallel={driving.parallel!r}: its sum-tree holds every "
-                "row of V in one process; use parallel='none' or a static sampler")
     return None
 
 

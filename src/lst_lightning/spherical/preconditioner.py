@@ -56,11 +56,15 @@ class Preconditioner:
         return (1.0 + self.damping) / self.damping
 
     def update_moments(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
+        """``moments_of`` with ``real`` None: every row counted."""
+        real = torch.ones(Hx.shape[0], dtype=torch.bool, device=Hx.device) if real is None else real
+        return self.moments_of(moment, weight, Hx, real)
+
+    def moments_of(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor) -> "Moments":
         """This step's moments (computed aside: the head's buffers are not touched) and P. ``real`` (m,):
         the rows with a target, the only ones counted (a batch without any leaves the moments
         as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""
         w = Hx.shape[1]
-        real = torch.ones(Hx.shape[0], dtype=torch.bool, device=Hx.device) if real is None else real
         n = real.sum()
         keep = torch.where(n > 0, self.beta, 1.0).to(Hx.dtype)  # the old moment's share
         Hr = torch.where(real[:, None], Hx, 0.0)
