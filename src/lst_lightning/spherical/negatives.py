@@ -298,6 +298,13 @@ def padded_unique(ids: Tensor) -> tuple[Tensor, Tensor]:
     return uniq, inv
 
 
+def add_rows_(V: Tensor, dim: int, ids: Tensor, rows: Tensor) -> None:
+    """V[ids] += rows (along ``dim`` 0), ``Tensor.index_add_``: on the CPU summed in the order of ids.
+    A function, not the method itself, in the plan: Dynamo of torch 2.11 traces no method
+    descriptor held by a dataclass."""
+    V.index_add_(dim, ids, rows)
+
+
 def add_own_rows_(processes, V: Tensor, dim: int, ids: Tensor, rows: Tensor) -> None:
     """V[ids] += rows (along ``dim`` 0) into the rows of V this rank holds (sharded): the others add
     zeros to row 0."""

@@ -97,11 +97,11 @@ class StepPlan:
     gather_dot: object = field(init=False, compare=False, repr=False)
     gather_sum: object = field(init=False, compare=False, repr=False)
     scatter_rows: object = field(init=False, compare=False, repr=False)
-    #: ``index_add_rows(V, 0, ids, rows)``: V[ids] += rows, ``Tensor.index_add_`` with V whole, else into the rows
-    #: this rank holds (negatives.py's ``add_own_rows_``): a shared block's scatter
+    #: ``index_add_rows(V, 0, ids, rows)``: V[ids] += rows, ``Tensor.index_add_`` with V whole (negatives.py's
+    #: ``add_rows_``), else into the rows this rank holds (negatives.py's ``add_own_rows_``): a shared block's scatter
     index_add_rows: object = field(init=False, compare=False, repr=False)
     #: ``index_add_in_order(out, 0, ids, rows)``: the same, summed in the order of ids: ``Tensor.index_add_``
-    #: on the CPU, which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
+    #: on the CPU (``add_rows_``), which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
     #: deterministic scatter (negatives.py's ``add_in_order_``): a shared block's repeated columns
     index_add_in_order: object = field(init=False, compare=False, repr=False)
     #: the write of the row steps' accumulators (``RowSteps.write_acc``), or ``writes_nothing`` without them
@@ -123,9 +123,9 @@ class StepPlan:
                       gather_dot=self.kernels.gather_dot if whole else partial(sh.gather_dot, self.kernels),
                       gather_sum=self.kernels.gather_sum if whole else partial(sh.gather_sum, self.kernels),
                       scatter_rows=self.kernels.scatter_add_rows_ if whole else partial(sh.scatter_rows, self.kernels),
-                      index_add_rows=torch.Tensor.index_add_ if whole else partial(negatives.add_own_rows_, sh),
+                      index_add_rows=negatives.add_rows_ if whole else partial(negatives.add_own_rows_, sh),
                       index_add_in_order=(partial(negatives.add_in_order_, self.kernels) if self.device == "cuda"
-                                          else torch.Tensor.index_add_),
+                                          else negatives.add_rows_),
                       write_row_acc=exact_step.writes_nothing if self.row_steps is None else self.row_steps.write_acc,
                       write=exact_step.write_with_parts if parts else exact_step.write)
         for name, value in chosen.items():
