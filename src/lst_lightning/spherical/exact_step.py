@@ -89,6 +89,18 @@ class SavedForward:
     row_sq: tuple | None = None  # row steps (row_steps.py): the classes and their ||g_c||^2, for the write
 
 
+def writes_nothing(*_) -> None:
+    """The write of a part the plan does not have (no shared block, no row steps, P off): nothing."""
+
+
+class NoMoments:
+    """P off: no moments to write."""
+    write = staticmethod(writes_nothing)
+
+
+NO_MOMENTS = NoMoments()
+
+
 @dataclass
 class NewState:
     """Everything one step changes, computed aside so a failure leaves the head untouched."""
@@ -103,23 +115,11 @@ class NewState:
     ok: Tensor               # device bool: all of it finite, every solve regular
     cond_step: Tensor  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor
-    moments: object = None   # the preconditioner's new moments (preconditioner.Moments); P off: NO_MOMENTS
+    moments: object = NO_MOMENTS  # the preconditioner's new moments (preconditioner.Moments); P off: none to write
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | None = None  # a bound on A's spectral radius (the adaptive rule keeps it)
     N: Tensor | None = None  # shared negatives, Q from d x d products: G_u^T H (``gram_terms``), for the write
-
-
-def writes_nothing(*_) -> None:
-    """The write of a part the plan does not have (no shared block, no row steps, P off): nothing."""
-
-
-class NoMoments:
-    """P off: no moments to write."""
-    write = staticmethod(writes_nothing)
-
-
-NO_MOMENTS = NoMoments()
 
 
 class TargetsOnly:
