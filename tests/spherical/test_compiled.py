@@ -165,16 +165,45 @@ def test_the_autograd_step_and_exact_accumulation_run_compiled(aot_eager, kind):
     assert graphs() == 3  # and the records' step
 
 
+@pytest.mark.parametrize("step", ["autograd", "fused"])
+def test_with_sync_every_1_the_step_compiles_checks_each_batch_first_and_equals_the_eager_one(aot_eager, step):
+    """``sync_every=1`` compiles the same device part: 6 steps of lst-train's default head equal
+    the eager head's (float64, 1e-12) in one graph, the flags read after every step; a batch
+    with a bad id raises before the step, and both heads keep every buffer and take the next
+    batch as before."""
+    eager, fast = (head(DEFAULT, c, sync_every=1) for c in (False, True))
+    for h in (eager, fast):
+        h.step = step
+    assert fast.compiles and not fast.deferred_checks and not eager.compiles
+    worst = 0.0
+    for i, (H, idx) in enumerate(batches(6)):
+        if i == 3:
+            bad = idx.clone()
+            bad[4, 0] = D
+            for h in (eager, fast):
+                before = {k: v.clone() for k, v in h.state_dict().items() if torch.is_tensor(v)}
+                with pytest.raises(ValueError, match="outside \\[0, 300\\)") as err:
+                    h(H.clone().requires_grad_(), bad)
+                assert "\n" not in str(err.value)
+                assert all(torch.equal(v, h.state_dict()[k]) for k, v in before.items())
+        Hs = [H.clone().requires_grad_() for _ in range(2)]
+        losses = [h(x, idx) for h, x in zip((eager, fast), Hs)]
+        for L in losses:
+            L.backward()
+        worst = max(worst, rel(losses[1], losses[0]), rel(Hs[1].grad, Hs[0].grad))
+        assert int(fast.steps) == int(eager.steps) == i + 1  # read after every step: nothing waits
+    worst = max(worst, rel(fast.weight(), eager.weight()))
+    assert worst <= 1e-12 and graphs() == (2 if step == "autograd" else 1), worst
+
+
 def test_compile_step_true_is_refused_in_one_line_where_the_step_cannot_compile():
-    for kw, why in ((dict(sync_every=1), "sync_every=1 reads each check on the host"),
-                    (dict(parallel="sharded"), "parallel='sharded' all-reduces")):
-        with pytest.raises(ValueError, match=f"compile_step=True: .*{why}") as err:
-            FactoredSphericalHead(D, d, compile_step=True, **kw)
-        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="compile_step=True: .*parallel='sharded' all-reduces") as err:
+        FactoredSphericalHead(D, d, compile_step=True, parallel="sharded")
+    assert "\n" not in str(err.value)
     h = FactoredSphericalHead(D, d, compile_step=True)
-    with pytest.raises(ValueError, match="sync_every=1"):
-        h.sync_every = 1
-    assert h.sync_every > 1 and h.compiles
+    with pytest.raises(ValueError, match="parallel"):
+        h._drive(parallel="sharded")
+    assert h.parallel == "none" and h.compiles
     auto = FactoredSphericalHead(D, d)
     assert auto.compile_step == "auto" and not auto.compiles  # auto: on a CUDA device only
     with pytest.raises(ValueError, match="compile must be one of"):

@@ -189,9 +189,8 @@ def driving_refusal(driving) -> str | None:
 
 
 def compile_refusal(driving) -> str | None:
-    """Why the step's device part cannot be compiled whole, or None."""
-    if driving.sync_every == 1:
-        return "sync_every=1 reads each check on the host as it is made (compiling needs device flags, sync_every > 1)"
+    """Why the step's device part cannot be compiled whole, or None. ``sync_every=1`` compiles the
+    same device part: its host checks come before the step, and its flags are read after it."""
     if driving.parallel == "sharded":
         return "parallel='sharded' all-reduces between the step's parts"
     return None
