@@ -134,10 +134,10 @@ def train_ragged(head, rank=None):
     return torch.stack(losses)
 
 
-def compiled_ragged(rank):
+def compiled_ragged(rank, **kw):
     """The replicated default head's compiled step (shared negatives, the preconditioner; Dynamo and
-    AOTAutograd, without Inductor's code generation) on ``train_ragged``'s batches: its losses, W
-    and the graphs compiled."""
+    AOTAutograd, without Inductor's code generation; ``kw``: more settings) on ``train_ragged``'s
+    batches: its losses, W and the graphs compiled."""
     from torch._dynamo.utils import counters  # noqa: PLC0415
 
     from lst_lightning.spherical import driver  # noqa: PLC0415
@@ -147,7 +147,7 @@ def compiled_ragged(rank):
     torch._dynamo.reset()
     counters.clear()
     try:
-        head = make_head("replicated", compile_step=True, **negatives(True))
+        head = make_head("replicated", compile_step=True, **negatives(True), **kw)
         head.rows_per_rank = RAGGED_MOST
         head.distribute()
         losses = train_ragged(head, rank)
@@ -312,6 +312,7 @@ def worker(rank, rdv, out):
             res[f"void_{mode}_{case}"] = void_input(mode, rank, case)
     res["void_replicated_shape_fused"] = void_input("replicated", rank, "shape", step="fused")
     res["compiled_ragged"] = compiled_ragged(rank)
+    res["compiled_ragged_sync1"] = compiled_ragged(rank, sync_every=1)  # exact rows gathered, padded to a batch size
     torch.save(res, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 

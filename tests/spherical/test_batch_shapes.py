@@ -90,9 +90,10 @@ def drive(route, eager, fast, ms, seed=1):
     return worst, Ks
 
 
-#: lst-train's default head on the fused route and under accumulation (which pads the union of
-#: two batches); the other losses and routes: -m slow (the padding is the same code)
-FAST_ROUTES = {("fused", "shared"), ("accumulated", "shared")}
+#: lst-train's default head on every route: fused, autograd (its backward takes the forward's
+#: saved state, padded) and under accumulation (which pads the union of two batches); the other
+#: losses: -m slow (the padding is the same code)
+FAST_ROUTES = {("fused", "shared"), ("autograd", "shared"), ("accumulated", "shared")}
 ROUTES = [pytest.param(route, kind, marks=[] if (route, kind) in FAST_ROUTES else pytest.mark.slow)
           for route in ("fused", "autograd", "accumulated") for kind in sorted(KINDS)]
 

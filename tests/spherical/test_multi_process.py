@@ -129,6 +129,18 @@ def test_two_ranks_compiled_take_batches_of_any_size_in_one_graph_a_part(ranks):
         assert rel(got["W"], want.weight()) < 1e-12 and rel(got["losses"], losses) < 1e-12
 
 
+def test_two_ranks_compiled_with_sync_every_1_pad_the_gathered_rows_to_a_batch_size(ranks):
+    """``sync_every=1`` gathers the ranks' exact rows (their counts read on the host); compiled,
+    their union (2 to 12 rows) is padded to a batch size (16), so 30 batches of changing sizes
+    compile the two parts once; W and the losses are one eager process's on the union."""
+    want = make_head("none", **negatives(True))
+    losses = train_ragged(want)
+    for r in ranks:
+        got = r["compiled_ragged_sync1"]
+        assert got["compiles"] and got["steps"] == RAGGED_STEPS and got["graphs"] <= 2, got["graphs"]
+        assert rel(got["W"], want.weight()) < 1e-12 and rel(got["losses"], losses) < 1e-12
+
+
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_one_ranks_bad_shape_or_too_many_rows_raise_on_every_rank_at_the_next_read(ranks, mode):
     """After the first step no rank raises alone (the others would wait in the collective): the

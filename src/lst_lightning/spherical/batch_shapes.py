@@ -77,9 +77,10 @@ def pad_draws(head, draws: Tensor | None, m: int, M: int) -> Tensor | None:
 
 def batch_size(head, m: int, K: int) -> tuple[int, int] | None:
     """(M, K) a compiled step (driver.py asks only where it runs compiled) pads a batch
-    of m rows of K slots to; None on several processes, whose rows are exchanged padded to the
-    capacity they agreed on (padded_rows.py), a batch size."""
-    if not head.processes.alone:
+    of m rows of K slots to; None for several processes' rows exchanged padded to the capacity
+    they agreed on (padded_rows.py), a batch size already (``sync_every=1`` gathers their exact
+    rows, padded here)."""
+    if head.processes.rows is not None:
         return None
     return padded_rows(m, head.driving.batch_sizes), padded_slots(K)
 

@@ -16,6 +16,7 @@ before anything changes (the head's input check, which the naive head makes too)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import operator
@@ -239,8 +240,10 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
 @torch.no_grad()
 def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """The autograd step's second half: dL/dH, and ``update``, its write masked by its checks, by
-    ``run_device_part`` (the flags read, and the repairs due run, every ``sync_every`` steps)."""
-    dH, _ = run_device_part(head, update, fwd, grad, head._lr_t)
+    ``run_device_part`` (the flags read, and the repairs due run, every ``sync_every`` steps).
+    A padded batch's own rows (``fwd.kept``, a host int) stay out of the device part, which
+    would compile again for each of them."""
+    dH, _ = run_device_part(head, update, dataclasses.replace(fwd, kept=None), grad, head._lr_t)
     return dH if fwd.kept is None else dH[:fwd.kept]
 
 
