@@ -116,27 +116,18 @@ def test_two_ranks_padding_ragged_batches_equal_one_process_on_their_union(ranks
         assert rel(got["losses"], want["losses"]) < 1e-12
 
 
-def test_two_ranks_compiled_take_batches_of_any_size_in_one_graph_a_part(ranks):
+@pytest.mark.parametrize("key", ["compiled_ragged", "compiled_ragged_sync1"])
+def test_two_ranks_compiled_take_batches_of_any_size_in_one_graph_a_part(ranks, key):
     """The compiled replicated default step (shared negatives, the preconditioner) on 30 batches whose every rank's rows change size (1 to 6):
-    the ranks' rows are exchanged padded to one batch size (16 rows of 4 slots a rank: the
-    capacity made a batch size, batch_shapes.py), so the autograd step compiles its two parts
-    once; W and the losses are one eager process's on the union of the rows."""
+    under device flags the ranks' rows are exchanged padded to one batch size (16 rows of 4 slots a
+    rank: the capacity made a batch size, batch_shapes.py); with ``sync_every=1`` their exact rows
+    are gathered and the union (2 to 12 rows) padded to a batch size (16). Either way the autograd
+    step compiles its two parts once; W and the losses are one eager process's on the union of
+    the rows."""
     want = make_head("none", **negatives(True))
     losses = train_ragged(want)
     for r in ranks:
-        got = r["compiled_ragged"]
-        assert got["compiles"] and got["steps"] == RAGGED_STEPS and got["graphs"] <= 2, got["graphs"]
-        assert rel(got["W"], want.weight()) < 1e-12 and rel(got["losses"], losses) < 1e-12
-
-
-def test_two_ranks_compiled_with_sync_every_1_pad_the_gathered_rows_to_a_batch_size(ranks):
-    """``sync_every=1`` gathers the ranks' exact rows (their counts read on the host); compiled,
-    their union (2 to 12 rows) is padded to a batch size (16), so 30 batches of changing sizes
-    compile the two parts once; W and the losses are one eager process's on the union."""
-    want = make_head("none", **negatives(True))
-    losses = train_ragged(want)
-    for r in ranks:
-        got = r["compiled_ragged_sync1"]
+        got = r[key]
         assert got["compiles"] and got["steps"] == RAGGED_STEPS and got["graphs"] <= 2, got["graphs"]
         assert rel(got["W"], want.weight()) < 1e-12 and rel(got["losses"], losses) < 1e-12
 
