@@ -177,3 +177,19 @@ def test_default_init_std_is_the_losss_rule_at_every_D(cls):
 def test_bad_init_std_is_refused(bad):
     with pytest.raises(ValueError, match="init_std must be a finite number > 0"):
         FactoredSphericalHead(100, 8, init_std=bad)
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+def test_a_state_holding_per_class_step_sizes_is_refused_in_one_line_untouched(cls):
+    """A state with ``row_acc`` (per-class step sizes, which the heads do not take) is refused
+    before any buffer is written; without that entry it loads."""
+    head = cls(D, d, generator=torch.Generator().manual_seed(0))
+    saved = {**head.state_dict(), "row_acc": torch.ones(D, 2)}
+    step(head, *batch(6, d, D, 3, dtype=torch.float32))
+    before = state_of(head)
+    with pytest.raises(ValueError, match="per-class step sizes .*row_acc") as err:
+        head.load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    assert_untouched(head, before)
+    del saved["row_acc"]
+    head.load_state_dict(saved)

@@ -26,7 +26,6 @@ from .driving import Driving
 from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
 from .preconditioner import Preconditioner
-from .row_steps import RowSteps
 from .settings import AUTO, Setting, finite, on_with_sampled, one_of, positive_int
 from .pending import PendingRows
 from .plan import StepPlan, negatives_kind
@@ -105,8 +104,7 @@ class SphericalHeadBase(OutputHead):
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX,
                  negatives: Negatives | dict | str | None = AUTO,
                  preconditioner: Preconditioner | dict | str | None = AUTO,
-                 tf32: bool = False, row_steps: str | None = None, row_step_scale: float = 1.0,
-                 row_step_eps: float = 1e-8, row_step_beta: float = 0.999):
+                 tf32: bool = False):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -171,11 +169,6 @@ class SphericalHeadBase(OutputHead):
         self.negatives = None if settings is None else NegativeSampling(settings, num_classes, self._init_seed)
         #: the right preconditioner of the update (preconditioner.py); None: the plain SGD step
         self.preconditioner = Preconditioner.of(on_with_sampled(preconditioner, self.loss_fn.sampled))
-        #: per-row step sizes on the update's sparse part (row_steps.py), None: off; each class's
-        #: accumulator in ``row_acc`` (D,), a buffer only when on
-        self.row_steps = RowSteps.of(row_steps, row_step_scale, row_step_eps, row_step_beta)
-        self.register_buffer("row_acc", None if self.row_steps is None else
-                             torch.zeros(num_classes, 2, dtype=dtype, device=self._factory["device"]))
         #: every mode of the step (plan.py): the naive head's, host checks in backward, one process
         #: (the factored head makes its own from its settings)
         self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),
@@ -256,8 +249,9 @@ class SphericalHeadBase(OutputHead):
             self.negatives.check_state(saved_neg)
         self._version += 1
         self._uninitialised = False
-        if self.row_acc is not None and prefix + "row_acc" not in state_dict:  # saved without row steps
-            state_dict[prefix + "row_acc"] = torch.zeros_like(self.row_acc)
+        if prefix + "row_acc" in state_dict:
+            raise ValueError("the state holds per-class step sizes (row_acc), which this head does not take: "
+                             "load it without that entry to go on with the plain exact step")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -342,9 +336,7 @@ class SphericalHeadBase(OutputHead):
         return out
 
     def cannot_accumulate(self) -> str | None:
-        """None: attach() makes it step at the optimizer's step (pending.py); with row steps a reason."""
-        if self.row_steps is not None:
-            return f"row_steps={self.row_steps.rule!r} steps once a batch (set row_steps=None to accumulate)"
+        """None: attach() makes it step at the optimizer's step (pending.py)."""
         return None
 
     def sync(self, repair: bool = True) -> None:

@@ -188,8 +188,7 @@ def step_state(head) -> StepState:
     checks = head.step_checks
     return StepState(head.V, head.U, head.Uinv, head.omega, head.Q, head.wbar, head.cond_bound, head.cond_estimate,
                      head.input_moment, head.input_moment_weight, head.folds, head.steps, head.skipped_nonfinite,
-                     head._bad_input, checks.rho_max, checks.factors,
-                     head.row_acc)
+                     head._bad_input, checks.rho_max, checks.factors)
 
 
 def before_step(head, m: int, draw: bool = True) -> Tensor | None:

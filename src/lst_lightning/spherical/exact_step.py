@@ -86,11 +86,10 @@ class SavedForward:
     neg: object = None  # the sampled classes' part (negatives.py: SharedBlock, PerRowSlots), or TARGETS_ONLY
     real: Tensor | None = None  # the rows with a target (the preconditioner's moments count these only)
     kept: int | None = None  # padded to a batch size (batch_shapes.py): the batch's own rows; None: not padded
-    row_sq: tuple | None = None  # row steps (row_steps.py): the classes and their ||g_c||^2, for the write
 
 
 def writes_nothing(*_) -> None:
-    """The write of a part the plan does not have (no shared block, no row steps, P off): nothing."""
+    """The write of a part the plan does not have (no shared block, P off): nothing."""
 
 
 class NoMoments:
@@ -263,24 +262,15 @@ def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
     upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses: g_q,
     g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes: a new
-    ``SavedForward`` where shared negatives' block holds the step's gradients, or under row steps
-    the update's Yd is Yd diag(r), row_steps.py's, with the accumulators' change)."""
+    ``SavedForward`` where shared negatives' block holds the step's gradients)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
     if plan.negatives == "shared":  # one dense block (negatives.py): the step's, with its gradients
         YV, ybar, neg = fwd.neg.hidden(plan, grad, YV, ybar)
         fwd = dataclasses.replace(fwd, neg=neg)
-    parts = [(YV, ybar)]
-    if plan.row_steps is not None:  # the update's sparse part Yd diag(r) (row_steps.py); dL/dH keeps Yd
-        GA, YV, ybar, neg, row_sq = plan.row_steps.scaled(plan, state, fwd, GA)
-        fwd = dataclasses.replace(fwd, neg=neg, row_sq=row_sq)
-        parts.append((YV, ybar))
-    made = []
-    for YV, ybar_k in parts:  # Z = Yd V U + ybar omega^T + g_s wbar^T, dO W = Z + 2 diag(g_q) H Q: the body's, the update's
-        Z = YV @ state.U + torch.outer(ybar_k, state.omega) + torch.outer(gs, state.wbar)
-        made.append((Z, torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)))
-    (_, dH), (Z, dOW) = made[0], made[-1]
-    return dH, gq, gs, GA, ybar, Z, dOW, fwd
+    Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
+    dOW = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)  # dO W = Z + 2 diag(g_q) H Q: dL/dH
+    return dOW, gq, gs, GA, ybar, Z, dOW, fwd
 
 
 def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -484,12 +474,11 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> tuple[Te
 
 def write_with_parts(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> None:
     """``write``, then what the plan's parts write, each kept where ``ok`` is false: a shared
-    block's rows of V (after the targets': one GEMM), the row steps' accumulators, P's moments. A
+    block's rows of V (after the targets': one GEMM), P's moments. A
     part the plan does not have writes nothing (``writes_nothing``). The plan's ``write`` where it
     has any of them."""
     HUinv, alpha = write(plan, state, fwd, new, ok)
     fwd.neg.scatter_(plan, state.V, HUinv, alpha, ok, new.right, new.N)
-    plan.write_row_acc(state, fwd, ok)
     new.moments.write(state, ok)
 
 

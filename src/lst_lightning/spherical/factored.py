@@ -110,7 +110,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def _refuse(self, driving: Driving) -> None:
         """The modes this head cannot take, each refused in one line with the reason (plan.py)."""
-        why = head_refusal(driving, self.row_steps)
+        why = head_refusal(driving)
         if why is not None:
             raise ValueError(why)
 
@@ -238,8 +238,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self._ensure_distributed()
             for buf in STATE:  # every buffer as constructed (state.py)
                 getattr(self, buf.name).copy_(buf.initial(self, self.device))
-            if self.row_acc is not None:
-                self.row_acc.zero_()
             self.step_checks = DeviceFlags()
             self._reset_factors()
             return

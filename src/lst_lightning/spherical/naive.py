@@ -32,8 +32,6 @@ class NaiveSphericalHead(SphericalHeadBase):
             for buf in STEP_COUNTERS + INPUT_MOMENTS:
                 getattr(self, buf.name).copy_(buf.initial(self, self.device))
             W = self._init_rows(0, self.num_classes, self.device)
-            if self.row_acc is not None:
-                self.row_acc.zero_()
         self._check_weight(W)
         self.W.copy_(W)
         self._uninitialised = False
@@ -57,7 +55,7 @@ class NaiveSphericalHead(SphericalHeadBase):
             draw = None if self.negatives is None else self.negatives.draw(self, idx)
             O = Hl @ Wl.T
             L = self._loss_of(O, idx, T, draw)
-        return L.detach(), (L, Hl, Wl, None if self.preconditioner is None else (idx >= 0).any(1), (O, idx, draw))
+        return L.detach(), (L, Hl, Wl, None if self.preconditioner is None else (idx >= 0).any(1))
 
     @torch.no_grad()
     def _hidden_grad(self, saved, grad_out):
@@ -77,18 +75,11 @@ class NaiveSphericalHead(SphericalHeadBase):
 
     @torch.no_grad()
     def _backward_step(self, saved, grad_out):
-        L, Hl, Wl, real, (O, idx, draw) = saved
-        if self.row_steps is None:
-            dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
-            return self._apply_dW(dH, dW, Hl.detach(), real)
-        dH, dW, dO = torch.autograd.grad(L, (Hl, Wl, O), grad_out)
-        on = touched(idx, draw, O.shape[1])
-        G = sparse_part(dO, O.detach(), on).T @ Hl.detach()  # Yd^T H (D, d)
-        acc = torch.where(on.any(0)[:, None], self.row_steps.advanced(self.row_acc, (G * G).sum(1)), self.row_acc)
-        dW = dW + (self.row_steps.factors(acc) - 1.0)[:, None] * G  # the sparse part's rows times r
-        return self._apply_dW(dH, dW, Hl.detach(), real, acc)
+        L, Hl, Wl, real = saved
+        dH, dW = torch.autograd.grad(L, (Hl, Wl), grad_out)
+        return self._apply_dW(dH, dW, Hl.detach(), real)
 
-    def _apply_dW(self, dH: Tensor, dW: Tensor, Hx: Tensor, real: Tensor | None, acc: Tensor | None = None) -> Tensor:
+    def _apply_dW(self, dH: Tensor, dW: Tensor, Hx: Tensor, real: Tensor | None) -> Tensor:
         """The SGD step with dL/dW (times P), unless something is non-finite; dL/dH (zeros when skipped)."""
         if not (torch.isfinite(dH).all() and torch.isfinite(dW).all() and torch.isfinite(Hx).all()):
             self._skip("hidden states or loss gradients")
@@ -102,8 +93,6 @@ class NaiveSphericalHead(SphericalHeadBase):
             self._skip("weights after the step")
             return torch.zeros_like(dH)
         self.W.copy_(W_new)
-        if acc is not None:
-            self.row_acc.copy_(acc)
         if moments is not None:
             moments.write(self, moments.ok)  # (checked above: True)
         self.steps += 1
@@ -127,26 +116,3 @@ class NaiveSphericalHead(SphericalHeadBase):
     def stats(self) -> dict[str, float]:
         return {"steps": int(self.steps), "skipped_nonfinite": int(self.skipped_nonfinite)}
 
-
-def touched(idx: Tensor, draw, D: int) -> Tensor:
-    """(m, D) bool: the classes each row's loss reads apart from q and s: its targets and its
-    sampled classes (shared: every row's)."""
-    mask = torch.zeros(idx.shape[0], D, dtype=torch.bool, device=idx.device)
-    rows, real = torch.arange(idx.shape[0], device=idx.device)[:, None].expand_as(idx), idx >= 0
-    mask[rows[real], idx[real]] = True
-    if draw is not None:
-        cols = draw[0]
-        mask |= torch.zeros_like(mask).scatter_(1, cols.expand(idx.shape[0], -1) if cols.dim() == 1 else cols, True)
-    return mask
-
-
-def sparse_part(dO: Tensor, O: Tensor, on: Tensor) -> Tensor:
-    """Yd of dL/dO = 2 diag(g_q) O + g_s 1^T + Yd: dO less its part affine in each row's outputs,
-    2 g_q o + g_s, fitted (exactly: least squares) on the classes the row does not touch (``on``
-    false), where Yd is 0; Yd is 0 off ``on``."""
-    off = (~on).to(O.dtype)
-    n = off.sum(1, keepdim=True).clamp(min=1)
-    mo, md = (off * O).sum(1, keepdim=True) / n, (off * dO).sum(1, keepdim=True) / n
-    var = (off * (O - mo) ** 2).sum(1, keepdim=True)
-    a = torch.where(var > 0, (off * (O - mo) * (dO - md)).sum(1, keepdim=True) / var.clamp(min=1e-300), 0.0)
-    return torch.where(on, dO - a * O - (md - a * mo), 0.0)

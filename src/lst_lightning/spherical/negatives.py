@@ -353,23 +353,16 @@ class SharedBlock:
     G_u: Tensor | None = None
 
     def hidden(self, plan, grad: Tensor | None, YV: Tensor, ybar: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
-        """``with_gradients``' (YV, ybar, the block) of G_u, the step's gradients coalesced to the
-        unique columns (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j], O(m S)) in the order
-        of j on every device (the plan's ``index_add_in_order``). ``grad``: the upstream gradient
-        (None: 1)."""
+        """The block's part of Yd V (one GEMM) and of Yd's row sums, added to ``YV`` and ``ybar``, and
+        the block with G_u (a new one): the step's gradients coalesced to the unique columns
+        (repeated negatives summed: G_u^T[inv[j]] += G_neg^T[j], O(m S)) in the order of j on every
+        device (the plan's ``index_add_in_order``). ``grad``: the upstream gradient (None: 1)."""
         G = self.G_neg if grad is None else self.G_neg * grad
         G_ut = G.new_zeros(self.uniq.numel(), G.shape[0])
         # rows copied whole: 0.16 against 0.29 ms from G.T's strided columns on the CPU (m = 128, S = 512)
         plan.index_add_in_order(G_ut, 0, self.inv, G.T.contiguous())
-        G_u = G_ut.T  # ``with_gradients``, written out
+        G_u = G_ut.T
         return torch.addmm(YV, G_u, self.V_u.to(YV.dtype)), ybar + G.sum(1), dataclasses.replace(self, G_u=G_u)
-
-    def with_gradients(self, G_u: Tensor, YV: Tensor, ybar: Tensor,
-                       sums: Tensor) -> tuple[Tensor, Tensor, "SharedBlock"]:
-        """The block's part of Yd V (one GEMM) and of Yd's row sums, for the step's gradients
-        ``G_u`` (m, u), added to ``YV`` and ``ybar``; and the block with them (a new one). ``sums``:
-        the row sums (``hidden``'s as summed before the columns were coalesced)."""
-        return torch.addmm(YV, G_u, self.V_u.to(YV.dtype)), ybar + sums, dataclasses.replace(self, G_u=G_u)
 
     def gram(self, plan, idx: Tensor, GA: Tensor) -> Tensor:
         """Yd Yd^T. The targets that fall on a negative's column (accidental hits, across rows

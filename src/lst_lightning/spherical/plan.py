@@ -68,8 +68,6 @@ class StepPlan:
     reduction: str = "mean"
     #: the head's ``NegativeSampling`` (negatives.py: its proposal and the draw), None without sampled classes
     sampling: object = field(default=None, compare=False)
-    #: per-row step sizes on the update's sparse part (row_steps.py's ``RowSteps``), None: off
-    row_steps: object = None
     #: the kernel ops' implementation (``lst_kernels.ops_for`` of the head's device when the plan is made:
     #: Triton on CUDA where importable and the environment's ``LST_KERNELS`` is not "torch", else torch),
     #: which the step calls unchecked (``plan.kernels.m_matrix(...)``): no op re-checks or re-chooses
@@ -104,16 +102,14 @@ class StepPlan:
     #: on the CPU (``add_rows_``), which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
     #: deterministic scatter (negatives.py's ``add_in_order_``): a shared block's repeated columns
     index_add_in_order: object = field(init=False, compare=False, repr=False)
-    #: the write of the row steps' accumulators (``RowSteps.write_acc``), or ``writes_nothing`` without them
-    write_row_acc: object = field(init=False, compare=False, repr=False)
     #: the step's write (after U's part, ``take``): ``exact_step.write_with_parts`` where the plan has a part
-    #: that writes its own (a shared block, P, row steps), else ``exact_step.write``
+    #: that writes its own (a shared block, P), else ``exact_step.write``
     write: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         sh, alone, routes = self.collectives, self.processes == "none", exact_step.ROUTES
         whole = self.processes != "sharded"  # V's rows all here
-        parts = self.negatives == "shared" or self.preconditioner is not None or self.row_steps is not None
+        parts = self.negatives == "shared" or self.preconditioner is not None
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       row_weights=exact_step.ROW_WEIGHTS[self.reduction],
                       take=exact_step.take_read if self.reads_flags else exact_step.take_masked,
@@ -126,7 +122,6 @@ class StepPlan:
                       index_add_rows=negatives.add_rows_ if whole else partial(negatives.add_own_rows_, sh),
                       index_add_in_order=(partial(negatives.add_in_order_, self.kernels) if self.device == "cuda"
                                           else negatives.add_rows_),
-                      write_row_acc=exact_step.writes_nothing if self.row_steps is None else self.row_steps.write_acc,
                       write=exact_step.write_with_parts if parts else exact_step.write)
         for name, value in chosen.items():
             object.__setattr__(self, name, value)
@@ -173,7 +168,7 @@ def plan_for(head) -> StepPlan:
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
                     fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
                     reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay,
-                    row_steps=head.row_steps, kernels=lk.ops_for(head.device), device=head.device.type)
+                    kernels=lk.ops_for(head.device), device=head.device.type)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------
@@ -196,11 +191,8 @@ def compile_refusal(driving) -> str | None:
     return None
 
 
-def head_refusal(driving, row_steps=None) -> str | None:
-    """Why a head with these row steps (``RowSteps`` or None) cannot be driven so, or None."""
-    if row_steps is not None and driving.parallel != "none":
-        return (f"row_steps={row_steps.rule!r} with parallel={driving.parallel!r}: the classes' accumulators "
-                "are kept by one process; use parallel='none' or row_steps=None")
+def head_refusal(driving) -> str | None:
+    """Why the factored head cannot be driven so, or None."""
     if driving.compile is True:
         why = compile_refusal(driving)
         if why is not None:

@@ -120,5 +120,3 @@ class StepState(NamedTuple):
     rho_max: Tensor | None
     #: the products route's Neumann factors the flags' last read chose
     factors: int
-    #: row steps (row_steps.py): each class's accumulator (D,); None when off
-    row_acc: Tensor | None = None
