@@ -202,6 +202,12 @@ def test_the_step_changes_nothing_of_its_forward(monkeypatch, inverse, m, sync_e
     assert all(torch.equal(getattr(fwd.neg, k), v) for k, v in values.items())
 
 
+def as_slots(block, idx, GA):
+    """A shared block as S extra slots of every row: the general path's form of the same Yd."""
+    m, S = idx.shape[0], block.cols.numel()
+    return torch.cat([idx, block.cols.expand(m, S)], 1), torch.cat([GA, block.G_neg], 1)
+
+
 @pytest.mark.parametrize("sync_every", [1, 4])  # the same device part, the flags read every step or every 4
 def test_shared_block_gram_equals_the_slot_gram(sync_every):
     # Yd Yd^T of the dense block (sparse_gram of the targets off the block + Y_u Y_u^T, the
@@ -212,7 +218,7 @@ def test_shared_block_gram_equals_the_slot_gram(sync_every):
     H, idx = hard_batch()
     _, fwd = f._forward_step(f.augment(H), idx, torch.ones(idx.shape, dtype=torch.float64) * (idx >= 0))
     fwd = backward_forward(f, fwd)  # the block with the step's gradients
-    idx_s, GA_s = fwd.neg.as_slots(fwd.idx, fwd.GA)
+    idx_s, GA_s = as_slots(fwd.neg, fwd.idx, fwd.GA)
     want = lk.reference.sparse_gram(idx_s, GA_s)
     torch.testing.assert_close(fwd.neg.gram(f.plan, fwd.idx, fwd.GA), want, rtol=1e-12, atol=1e-12)
     # Q's route without M: H^T Yd Yd^T H as H^T gram_rows(the targets off the block) + N_Y^T N_Y,

@@ -403,8 +403,3 @@ class SharedBlock:
         was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
         rows = self.G_u.T @ HUinv if right is None or N is None else N @ right.to(N.dtype)
         plan.index_add_rows(V, 0, self.uniq, torch.where(ok, alpha * rows, 0.0).to(V.dtype))
-
-    def as_slots(self, idx: Tensor, GA: Tensor) -> tuple[Tensor, Tensor]:
-        """The block as S extra slots of every row (exact accumulation's general path)."""
-        m, S = idx.shape[0], self.cols.numel()
-        return torch.cat([idx, self.cols.expand(m, S)], 1), torch.cat([GA, self.G_neg], 1)
