@@ -4,6 +4,7 @@ head, bit for bit on resume within the compiled mode, and no recompile across lr
 batches of one shape or a resumed head. On every route: the fused step, the autograd step
 (forward and backward, two graphs) and exact accumulation. ``compile_step=True`` is refused
 in one line where the step cannot be compiled."""
+import dataclasses
 import io
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, driver
-from lst_lightning.spherical import exact_step
+from lst_lightning.spherical import exact_step, negatives
 
 from head_pairs import rel
 
@@ -79,6 +80,27 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
                                                      fwd.neg.cols, fwd.neg.G_neg, lr, route))):
             explained = torch._dynamo.explain(fn)(plan, state, *args)
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), (fn, explained.break_reasons)
+
+
+def defaults(cls) -> dict:
+    """The field defaults of a dataclass or a NamedTuple."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return dict(getattr(cls, "_field_defaults", {}))
+
+
+def test_what_the_device_part_builds_defaults_to_plain_values_only():
+    """Dynamo of torch 2.11 (the GPU machine's) cannot trace the construction of a dataclass or a
+    NamedTuple inside the compiled step whose defaults hold an object of the project's own (a
+    graph break there, where torch 2.13 traces it; the suite runs 2.13): every such default is
+    None, a bool, an int, a float or a str. ``Batch`` is built by the host driver, outside."""
+    built_inside = [c for module in (exact_step, negatives) for c in vars(module).values()
+                    if isinstance(c, type) and c.__module__ == module.__name__
+                    and (dataclasses.is_dataclass(c) or hasattr(c, "_field_defaults")) and c is not exact_step.Batch]
+    assert {"SavedForward", "NewState", "Flags", "Forms", "Inverse", "SharedBlock"} <= {c.__name__ for c in built_inside}
+    for cls in built_inside:
+        for name, value in defaults(cls).items():
+            assert value is None or isinstance(value, (bool, int, float, str)), (cls.__name__, name, value)
 
 
 def test_the_compiled_default_step_equals_the_eager_and_the_naive_head(fresh):

@@ -114,7 +114,7 @@ class NewState:
     ok: Tensor               # device bool: all of it finite, every solve regular
     cond_step: Tensor  # bound on cond(B): the carried bound on cond(U) grows by it
     lr: Tensor
-    moments: object = NO_MOMENTS  # the preconditioner's new moments (preconditioner.Moments); P off: none to write
+    moments: object  # the preconditioner's new moments (preconditioner.Moments); P off: NO_MOMENTS, none to write
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
     right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
     rho: Tensor | None = None  # a bound on A's spectral radius (the adaptive rule keeps it)
