@@ -80,11 +80,22 @@ def make_step(impl: str, D: int, d: int, m: int) -> Callable[[], None]:
     raise ValueError(f"unknown implementation {impl!r}")
 
 
+def missing(impl: str) -> str | None:
+    """Why this torch cannot run ``impl``, or None."""
+    if impl == "linear_cross_entropy" and not hasattr(F, "linear_cross_entropy"):
+        return f"F.linear_cross_entropy is new in torch 2.13, this is torch {torch.__version__}"
+    return None
+
+
 def run(configs: list[dict], reps: int, console: Console) -> list[dict]:
-    """Time each group's implementations (or each size of a group) in alternation."""
+    """Time each group's implementations (or each size of a group) in alternation; one this
+    torch lacks is left out, and said so."""
     rows = []
+    for impl in dict.fromkeys(i for c in configs for i in c["impls"]):
+        if missing(impl):
+            console.print(f"[yellow]{impl} left out: {missing(impl)}[/yellow]")
     for group in dict.fromkeys(c["group"] for c in configs):
-        members = [(c, impl) for c in configs if c["group"] == group for impl in c["impls"]]
+        members = [(c, impl) for c in configs if c["group"] == group for impl in c["impls"] if not missing(impl)]
         steps, keys = {}, []
         for cfg, impl in members:
             console.print(f"[dim]building {impl} at D={cfg['D']:,} d={cfg['d']} m={cfg['m']}[/dim]")

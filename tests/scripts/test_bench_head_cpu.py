@@ -13,7 +13,8 @@ def test_default_run_writes_its_run_directory_only(sandbox):
     csv_path = run_dir / f"head_cpu_smoke_{machine}.csv"
     assert csv_path.with_suffix(".png").stat().st_size > 0
     rows = list(csv.DictReader(csv_path.open()))
-    expected = [(c["group"], impl, str(c["D"])) for c in hc.CONFIGS["smoke"] for impl in c["impls"]]
+    expected = [(c["group"], impl, str(c["D"])) for c in hc.CONFIGS["smoke"] for impl in c["impls"]
+                if not hc.missing(impl)]  # (F.linear_cross_entropy: torch 2.13 on)
     assert [(r["group"], r["impl"], r["D"]) for r in rows] == expected
     assert all(r["machine"] == machine and float(r["ms"]) > 0 for r in rows)
     assert set(rows[0]) >= {"torch", "threads"}

@@ -57,6 +57,8 @@ def test_smoke_writes_every_head_at_every_size(smoke_run):
             assert (int(r["d"]), int(r["m"]), r["device"]) == (sizes["d"][0], sizes["m"][0], "cpu")
             if spec.cuda_only:
                 assert r["status"] == "skipped: CUDA only" and r["median_ms"] == ""
+            elif spec.key == ("softmax", "torch") and not hasattr(torch.nn.functional, "linear_cross_entropy"):
+                assert r["status"].startswith("not installed: F.linear_cross_entropy: new in torch 2.13"), r
             else:
                 assert r["status"] == "ok", r
                 p10, med, p90 = (float(r[k]) for k in ("p10_ms", "median_ms", "p90_ms"))

@@ -8,6 +8,7 @@ import re
 
 import gpu_session as gs
 import pytest
+import torch
 
 
 def summary(out):
@@ -74,8 +75,9 @@ def test_the_d_sweep_part_smoke(tmp_path):
     (sweep,) = tmp_path.glob("bench_heads_smoke_dsweep_*.csv")
     rows = list(csv.DictReader(sweep.open()))
     assert {int(r["d"]) for r in rows} == {8, 16}
+    fused = hasattr(torch.nn.functional, "linear_cross_entropy")  # torch 2.13 on: torch's fused softmax
     assert {(r["head"], r["variant"]) for r in rows if r["status"] == "ok"} == {("factored", "sampled"),
-                                                                              ("softmax", "torch")}
+                                                                              *[("softmax", "torch")][:fused]}
     (cross,) = tmp_path.glob("crossover_*.csv")
     assert [int(r["d"]) for r in csv.DictReader(cross.open())] == [8, 16]
     assert all(p.is_file() for p in tmp_path.iterdir())
