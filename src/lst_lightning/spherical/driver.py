@@ -16,7 +16,6 @@ before anything changes (the head's input check, which the naive head makes too)
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import operator
@@ -222,7 +221,8 @@ def run_device_part(head, fn, *args):
 @torch.no_grad()
 def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, SavedForward]:
     """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
-    where the head's step is: ``run``)."""
+    where the head's step is: ``run``). Compiled, the batch is padded to a batch size: the caller
+    keeps its own m rows of what the step hands back (``_HeadLoss``'s ``ctx.m``)."""
     m = Hx.shape[0]
     draws = before_step(head, m)
     plan, state = head.plan, step_state(head)
@@ -231,19 +231,16 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
         batch = Batch(Hx, idx, T, head.processes.rows, head.processes.exchange)
         return run(plan, forward, plan, state, batch, draws, step_route(plan, m))
     batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
-    loss, fwd = run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]), step_route(plan, size[0]))
-    fwd.kept = m
-    return loss, fwd
+    return run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]), step_route(plan, size[0]))
 
 
 @torch.no_grad()
 def backward(head, fwd: SavedForward, grad: Tensor | None) -> Tensor:
     """The autograd step's second half: dL/dH, and ``update``, its write masked by its checks, by
     ``run_device_part`` (the flags read, and the repairs due run, every ``sync_every`` steps).
-    A padded batch's own rows (``fwd.kept``, a host int) stay out of the device part, which
-    would compile again for each of them."""
-    dH, _ = run_device_part(head, update, dataclasses.replace(fwd, kept=None), grad, head._lr_t)
-    return dH if fwd.kept is None else dH[:fwd.kept]
+    (dL/dH of the forward's rows, padding rows too: ``autograd_backward`` keeps the batch's own.)"""
+    dH, _ = run_device_part(head, update, fwd, grad, head._lr_t)
+    return dH
 
 
 def autograd_backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None, None, None]:
@@ -275,7 +272,7 @@ def autograd_backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None, 
                     "in backward, so each forward must be followed by its own backward.")
             pending = head.pending
             if pending.hook is not None:  # attached: the rows wait for the optimizer's step
-                dH = pending.keep(head, ctx.saved, grad)
+                dH = pending.keep(head, ctx.saved, grad, ctx.m)
             else:
                 scale = pending.loss_scale
                 factor = getattr(head, "_loss_factor", None)  # the factored head's: warned at the flags' read
@@ -318,10 +315,10 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
 
 
 # -- exact accumulation: the micro-batches' records, one step on their union ----------------------
-def pending_record(head, fwd: SavedForward, weight: Tensor):
-    """What one micro-batch keeps for the optimizer's step: its rows and loss gradients, and its
-    shared negatives' draw and gradients (None without them; negatives per row are slots of idx)."""
-    n = fwd.Hx.shape[0] if fwd.kept is None else fwd.kept  # a padded batch keeps its own rows only
+def pending_record(head, fwd: SavedForward, weight: Tensor, n: int):
+    """What one micro-batch of ``n`` rows keeps for the optimizer's step (a padded batch: its own
+    rows only): its rows and loss gradients, and its shared negatives' draw and gradients (None
+    without them; negatives per row are slots of idx)."""
     block = None if not fwd.neg.shared else (fwd.neg.cols, fwd.neg.G_neg[:n] * weight)
     real = None if fwd.real is None else fwd.real[:n]
     return (fwd.Hx[:n], fwd.idx[:n], fwd.gq[:n] * weight, fwd.gs[:n] * weight, fwd.GA[:n] * weight, real,

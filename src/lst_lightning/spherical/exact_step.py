@@ -85,7 +85,6 @@ class SavedForward:
     input_ok: Tensor | bool = True  # device flags: False when the batch had bad target ids
     neg: object = None  # the sampled classes' part (negatives.py: SharedBlock, PerRowSlots), or TARGETS_ONLY
     real: Tensor | None = None  # the rows with a target (the preconditioner's moments count these only)
-    kept: int | None = None  # padded to a batch size (batch_shapes.py): the batch's own rows; None: not padded
 
 
 def writes_nothing(*_) -> None:

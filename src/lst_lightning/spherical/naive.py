@@ -63,7 +63,7 @@ class NaiveSphericalHead(SphericalHeadBase):
         return torch.autograd.grad(L, Hl, grad_out, retain_graph=True)[0]
 
     @torch.no_grad()
-    def _pending_record(self, saved, weight):
+    def _pending_record(self, saved, weight, m):  # m: the batch's rows (H's: none padded here)
         L, Hl, Wl, real = saved[:4]
         return torch.autograd.grad(L, Wl, weight, retain_graph=True)[0], Hl.detach(), real
 

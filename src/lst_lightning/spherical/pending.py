@@ -33,7 +33,7 @@ MAX_PENDING_ROWS = 1 << 20
 class PendingRows:
     """The rows kept for the attached optimizer's next step, the loss scale, and the checks
     of an accumulation window. The head provides ``_hidden_grad(saved, grad)`` (dL/dH, no
-    change of state), ``_pending_record(saved, weight)`` (what one micro-batch keeps) and
+    change of state), ``_pending_record(saved, weight, m)`` (what one micro-batch of m rows keeps) and
     ``_apply_records(records)`` (the one exact step on all of them)."""
 
     def __init__(self):
@@ -104,14 +104,15 @@ class PendingRows:
                 f"max_pending_rows={self.max_rows}: raise head.max_pending_rows or step the optimizer "
                 "more often (fewer accumulated micro-batches)")
 
-    def keep(self, head, saved, grad: Tensor) -> Tensor:
-        """The backward of a micro-batch while attached: dL/dH now, its rows kept for the step."""
+    def keep(self, head, saved, grad: Tensor, m: int) -> Tensor:
+        """The backward of a micro-batch of ``m`` rows while attached: dL/dH now, its rows kept for
+        the step."""
         scale = self.scale()
         if self._scaler_skipped():
             self.scaler_skips += 1
             self.discard()
         dH = head._hidden_grad(saved, grad)
-        self.records.append(head._pending_record(saved, grad / scale))
+        self.records.append(head._pending_record(saved, grad / scale, m))
         self.records_scale = scale
         self.rows += self.records[-1][1].shape[0]  # the batch's own rows (a padded step's record drops its padding)
         return dH
