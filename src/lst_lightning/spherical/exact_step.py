@@ -259,9 +259,9 @@ def forward(plan, state, batch: Batch, draws: Tensor | None, route: Route) -> tu
 @torch.no_grad()
 def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
     """dL/dH = dO W without dO: Z = (g_s 1^T + Yd) W, plus 2 g_q H Q. Nothing changes. ``grad``: the
-    upstream gradient (None: 1, the fused step's). (dL/dH, and the parts the update reuses: g_q,
-    g_s, G_A scaled, ybar, Z and dO W of the update's Yd, and the forward the update takes: a new
-    ``SavedForward`` where shared negatives' block holds the step's gradients)."""
+    upstream gradient (None: 1, the fused step's). (dL/dH = dO W, and the parts the update reuses:
+    g_q, g_s, G_A scaled, ybar, Z, and the forward the update takes: a new ``SavedForward`` where
+    shared negatives' block holds the step's gradients)."""
     gq, gs, GA = (fwd.gq, fwd.gs, fwd.GA) if grad is None else (fwd.gq * grad, fwd.gs * grad, fwd.GA * grad)
     YV, ybar = plan.gather_sum(state.V, fwd.idx, GA), GA.sum(1)
     if plan.negatives == "shared":  # one dense block (negatives.py): the step's, with its gradients
@@ -269,7 +269,7 @@ def hidden_grad(plan, state, fwd: SavedForward, grad: Tensor | None):
         fwd = dataclasses.replace(fwd, neg=neg)
     Z = YV @ state.U + torch.outer(ybar, state.omega) + torch.outer(gs, state.wbar)
     dOW = torch.addcmul(Z, gq[:, None], fwd.Hq, value=2.0)  # dO W = Z + 2 diag(g_q) H Q: dL/dH
-    return dOW, gq, gs, GA, ybar, Z, dOW, fwd
+    return dOW, gq, gs, GA, ybar, Z, fwd
 
 
 def eig_bounds(A: Tensor, sq: Tensor, kappa: Tensor) -> tuple[Tensor, Tensor]:
@@ -414,7 +414,7 @@ ROUTES = {"woodbury": Route("woodbury", woodbury_forms, woodbury, 3, True, True)
 
 def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> NewState:
     """The step's new state from ``state`` (state.py's ``StepState``), computed aside: nothing of it
-    changes here. ``lr``: a device scalar; ``Z``, ``dOW``: ``hidden_grad``'s of the update's Yd."""
+    changes here. ``lr``: a device scalar; ``Z`` and ``dOW`` (dO W): ``hidden_grad``'s."""
     Hx, route = fwd.Hx, fwd.route
     by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
@@ -488,14 +488,14 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     batch changes nothing), the step counted on the device (taken where ok, else skipped); it
     reads nothing on the host but where the plan ``reads_flags`` (its ``take``). ``grad``: the
     upstream gradient (None: 1)."""
-    dH, gq, gs, GA, ybar, Z, dOW, fwd = hidden_grad(plan, state, fwd, grad)
+    dOW, gq, gs, GA, ybar, Z, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
     ok = ok & new.ok
     state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return plan.take(plan, state, fwd, new, ok, dH), Flags(ok, new.fold, fwd.route.keeps_uinv)
+    return plan.take(plan, state, fwd, new, ok, dOW), Flags(ok, new.fold, fwd.route.keeps_uinv)
 
 
 def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
