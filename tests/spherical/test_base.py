@@ -186,10 +186,11 @@ def test_a_state_holding_per_class_step_sizes_is_refused_in_one_line_untouched(c
     head = cls(D, d, generator=torch.Generator().manual_seed(0))
     saved = {**head.state_dict(), "row_acc": torch.ones(D, 2)}
     step(head, *batch(6, d, D, 3, dtype=torch.float32))
-    before = state_of(head)
+    before, version = state_of(head), head._version
     with pytest.raises(ValueError, match="per-class step sizes .*row_acc") as err:
         head.load_state_dict(saved)
     assert "\n" not in str(err.value)
     assert_untouched(head, before)
+    assert head._version == version  # nothing of the head's own changed either
     del saved["row_acc"]
     head.load_state_dict(saved)

@@ -235,7 +235,11 @@ class SphericalHeadBase(OutputHead):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         without_placeholder_extra_state(state_dict, prefix)
-        # Refuse a state saved with another loss before any buffer is overwritten.
+        # Refuse a state saved with another loss (or what this head does not take) before any
+        # buffer or setting is changed.
+        if prefix + "row_acc" in state_dict:
+            raise ValueError("the state holds per-class step sizes (row_acc), which this head does not take: "
+                             "load it without that entry to go on with the plain exact step")
         extra = state_dict.get(prefix + "_extra_state", {})
         saved = extra.get("loss")
         mine = {"name": self.loss_fn.name, **self.loss_fn.hparams()}
@@ -249,9 +253,6 @@ class SphericalHeadBase(OutputHead):
             self.negatives.check_state(saved_neg)
         self._version += 1
         self._uninitialised = False
-        if prefix + "row_acc" in state_dict:
-            raise ValueError("the state holds per-class step sizes (row_acc), which this head does not take: "
-                             "load it without that entry to go on with the plain exact step")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
