@@ -194,3 +194,43 @@ def test_a_state_holding_per_class_step_sizes_is_refused_in_one_line_untouched(c
     assert head._version == version  # nothing of the head's own changed either
     del saved["row_acc"]
     head.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+@pytest.mark.parametrize("bad", ["shape", "nan", "inf"])
+def test_a_state_torch_would_load_in_part_is_refused_in_one_line_untouched(cls, bad):
+    """A state tensor of another shape (torch copies every other one, then raises) or holding
+    a non-finite value is refused before any buffer or the head's own version changes."""
+    head = cls(D, d, generator=torch.Generator().manual_seed(0))
+    other = cls(D, d, generator=torch.Generator().manual_seed(1))
+    step(other, *batch(6, d, D, 3, dtype=torch.float32))
+    saved = other.state_dict()
+    name = "W" if cls is NaiveSphericalHead else "V"
+    if bad == "shape":
+        name = "W" if cls is NaiveSphericalHead else "U"
+        saved[name] = torch.zeros(3, 3)
+    else:
+        saved[name] = saved[name].clone()
+        saved[name][D // 2, 1] = float(bad)
+    step(head, *batch(6, d, D, 3, dtype=torch.float32))
+    before, version = state_of(head), head._version
+    with pytest.raises(ValueError, match=f"the state's {name} (has shape|holds non-finite)") as err:
+        head.load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    assert_untouched(head, before)
+    assert head._version == version
+
+
+def test_a_refused_tensors_only_state_leaves_u_inverse_as_it_was():
+    """A state without its extra state (a saver of tensors only) marks U^-1 for a refresh only
+    once it has loaded: refused, the head keeps its U^-1 fresh."""
+    head = FactoredSphericalHead(D, d, generator=torch.Generator().manual_seed(0))
+    saved = {k: v for k, v in head.state_dict().items() if k != "_extra_state"}
+    saved["U"] = torch.zeros(2, 2)
+    assert head.uinv_fresh
+    with pytest.raises(ValueError, match="has shape"):
+        head.load_state_dict(saved, strict=False)
+    assert head.uinv_fresh
+    del saved["U"]
+    head.load_state_dict(saved, strict=False)
+    assert not head.uinv_fresh

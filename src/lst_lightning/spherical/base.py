@@ -21,7 +21,7 @@ from ..heads.samplers import slots_num_samples
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from . import driver, exact_step
-from .blocks import BLOCK
+from .blocks import BLOCK, row_blocks
 from .driving import Driving
 from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
@@ -85,6 +85,11 @@ def without_placeholder_extra_state(state_dict: dict, prefix: str) -> None:
     extra = state_dict.get(prefix + "_extra_state")
     if extra is not None and not isinstance(extra, dict):
         del state_dict[prefix + "_extra_state"]
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, read in blocks of rows (V: no D x d temporary)."""
+    return all(bool(torch.isfinite(blk).all()) for _, blk in row_blocks(t.reshape(t.shape[0], -1) if t.dim() else t[None]))
 
 
 def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
@@ -251,9 +256,24 @@ class SphericalHeadBase(OutputHead):
         saved_neg = extra.get("negatives")
         if saved_neg is not None and self.negatives is not None:
             self.negatives.check_state(saved_neg)
+        self._refuse_tensors(state_dict, prefix)
         self._version += 1
         self._uninitialised = False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _refuse_tensors(self, state_dict: dict, prefix: str) -> None:
+        """Refuse, before any buffer is written, a state tensor torch would not load (another
+        shape: torch copies the others and raises after) or one holding non-finite values."""
+        mine = {**self._parameters, **self._buffers}
+        for name, t in mine.items():
+            v = state_dict.get(prefix + name)
+            if not isinstance(v, Tensor) or name in self._non_persistent_buffers_set:
+                continue
+            if tuple(v.shape) != tuple(t.shape):
+                raise ValueError(f"the state's {name} has shape {tuple(v.shape)} but this head's is {tuple(t.shape)}: "
+                                 "it was saved by a head of another size")
+            if v.is_floating_point() and v.device.type != "meta" and not all_finite(v):
+                raise ValueError(f"the state's {name} holds non-finite values: refused, the head left as it was")
 
     def extra_repr(self) -> str:
         return (f"num_classes={self.num_classes}, hidden_dim={self.hidden_dim}, loss={self.loss_fn.name}, "

@@ -413,9 +413,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         rows = (extra or {}).get(V_ROWS, rows.tolist() if rows is not None else None)
         if V is not None and V.shape[0] != self.num_classes and files is None:
             self._check_shard(V, rows)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prefix + "Uinv" in state_dict and extra is None:
             self._uinv_fresh = False  # loaded one tensor at a time, without the flag: refreshed when needed
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _check_shard(self, V: Tensor, rows) -> None:
         """A state whose V is one rank's shard (``rows``: the rows it holds, when recorded) loads
