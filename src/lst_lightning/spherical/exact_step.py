@@ -492,7 +492,9 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
     ok = ok & new.ok
-    state.rho_max.copy_(torch.maximum(state.rho_max, new.rho))  # since the flags' last read: the adaptive rule's
+    # since the flags' last read: the adaptive rule's. Each 0-dim float64 buffer is written through a view
+    # (``buf[...] = value``): a compiled step's copy_ into one is lost (torch 2.11 to 2.13, CPU; test_compiled.py)
+    state.rho_max[...] = torch.maximum(state.rho_max, new.rho)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
     return plan.take(plan, state, fwd, new, ok, dOW), Flags(ok, new.fold, fwd.route.keeps_uinv)
@@ -510,8 +512,8 @@ def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: T
     state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
     state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where it folds; the solve: stale, marked so)
     grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
-    state.cond_bound.copy_(torch.where(ok, grown, state.cond_bound))
-    state.cond_estimate.copy_(torch.where(fold, 1.0, state.cond_estimate))
+    state.cond_bound[...] = torch.where(ok, grown, state.cond_bound)  # (through a view: ``update``)
+    state.cond_estimate[...] = torch.where(fold, 1.0, state.cond_estimate)
     state.folds.add_(fold)
     plan.write(plan, state, fwd, new, ok)
     return torch.where(ok, dH, 0.0)

@@ -91,4 +91,4 @@ class Moments:
         """Into the buffers ``input_moment`` and ``input_moment_weight`` of ``state`` (a head, or the
         step's ``StepState``), with its step where ``ok``, a device flag."""
         for buf, new in ((state.input_moment, self.moment), (state.input_moment_weight, self.weight)):
-            buf.copy_(torch.where(ok, new, buf))
+            buf[...] = torch.where(ok, new, buf)  # through a view: exact_step.py's ``update`` says why
