@@ -144,7 +144,7 @@ def test_a_resumed_head_steps_bit_for_bit_on_new_batch_sizes(aot_eager):
 
 def test_more_batch_sizes_than_dynamos_limit_never_hit_it(aot_eager):
     """Three batch sizes (set by hand), one graph each, past a recompile limit of 2: the step runs
-    under its own limit (``driver.RECOMPILE_LIMIT``), whatever the loop's."""
+    under its own limit (one graph a key met, ``driver.graph_key``), whatever the loop's."""
     fast = head("zloss", True, batch_sizes=(1, 2, 3))
     fast.step = "fused"
     g = torch.Generator().manual_seed(3)
@@ -172,3 +172,28 @@ def test_the_sizes_rule_and_setting():
             h.batch_sizes = bad
         assert "\n" not in str(err.value)
     assert h.batch_sizes == (8, 64)
+
+
+def test_batch_sizes_and_neumann_factors_past_any_fixed_limit_never_stop_the_step(aot_eager, monkeypatch):
+    """The products route under the adaptive rule (a GPU's default) compiles a graph for each
+    batch size and number of Neumann factors a run meets: Dynamo's limit follows the keys met
+    (``driver.graph_key``), with room for one more here, so the step never stops where a fixed
+    limit would (64 graphs: 13 batch sizes under 5 factor counts); and it equals the eager step,
+    its factors too."""
+    monkeypatch.setattr(driver, "RECOMPILE_LIMIT", 1)
+    kw = dict(stabiliser=dict(inverse="products", neumann="adaptive"), sync_every=2)
+    fast, slow = head("zloss", True, **kw), head("zloss", False, **kw)
+    fast.step = slow.step = "fused"
+    g = torch.Generator().manual_seed(5)
+    keys = set()
+    for i, m in enumerate([1, 20, 40, 80, 20, 1, 40, 80, 160, 20]):
+        for h in (fast, slow):
+            h.lr = (0.02, 0.3)[i % 2]  # rho's bound moves the factors at each read
+        H, idx = batch(m, g)
+        keys.add((padded_rows(m, BATCH_SIZES), padded_slots(idx.shape[1]), fast.step_checks.factors))
+        a, b = fast.train_step(H, idx), slow.train_step(H, idx)
+        assert rel(a[1], b[1]) < 1e-12 and rel(a[0], b[0]) < 1e-12
+        assert fast.step_checks.factors == slow.step_checks.factors
+    assert rel(fast.weight(), slow.weight()) < 1e-12
+    assert len({k[2] for k in keys}) > 1, "the factors never moved"
+    assert len(keys) > 1 + driver.RECOMPILE_LIMIT and graphs() == len(keys)

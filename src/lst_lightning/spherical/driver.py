@@ -16,6 +16,7 @@ before anything changes (the head's input check, which the naive head makes too)
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import operator
@@ -30,11 +31,26 @@ from .inverse_update import MAX_FACTORS, adaptive_factors
 from .precision import own_math
 from .state import StepState
 
-#: Dynamo's limit of graphs per compiled function while the step runs: each batch size
-#: (batch_shapes.py) of m and K, and each number of Neumann factors, is one; a run meets a few dozen
-RECOMPILE_LIMIT = 64
+#: Dynamo's limit of graphs per compiled function while the step runs, past one graph for each
+#: key it has met (``graph_key``: a batch size of m and K, batch_shapes.py, a number of Neumann
+#: factors): the room for graphs no key explains
+RECOMPILE_LIMIT = 8
 
 _compiled: dict = {}
+_keys: dict = {}  # the keys each compiled function met (graph_key)
+
+
+def graph_key(plan, args) -> tuple:
+    """What a device part's graph is specialised on that a run changes: the plan (by identity), and
+    from the arguments (and the fields of those that are tuples or dataclasses, one level down)
+    each tensor's shape, each int and str (the Neumann factors, the route's name), each other
+    value's type."""
+    key = [id(plan)]
+    for a in args:
+        parts = a if isinstance(a, tuple) else vars(a).values() if dataclasses.is_dataclass(a) else (a,)
+        key.extend(tuple(p.shape) if isinstance(p, Tensor) else p if isinstance(p, (int, str)) else type(p)
+                   for p in parts)
+    return tuple(key)
 
 
 def compiled(fn):
@@ -50,13 +66,18 @@ def compiled(fn):
 
 def run(plan, fn, *args):
     """``fn(*args)``, one of exact_step.py's device parts (a function of the plan and tensors):
-    compiled where the plan says, with Dynamo's limit of graphs per function at ``RECOMPILE_LIMIT``
-    (a graph per batch size, batch_shapes.py, and Neumann factors: more than Dynamo's default of 8
-    in a long run)."""
+    compiled where the plan says, with Dynamo's limit of graphs per function at one per key met
+    (``graph_key``: however many batch sizes and Neumann factors a run meets, none stops it) and
+    ``RECOMPILE_LIMIT`` more."""
     if not plan.compiled:
         return fn(*args)
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-        return compiled(fn)(*args)
+    step = compiled(fn)
+    keys = _keys.setdefault(step, set())
+    keys.add(graph_key(plan, args[1:]))
+    limit = len(keys) + RECOMPILE_LIMIT
+    with torch._dynamo.config.patch(recompile_limit=limit,
+                                    accumulated_recompile_limit=max(limit, torch._dynamo.config.accumulated_recompile_limit)):
+        return step(*args)
 
 
 # -- the checks: device flags, read every sync_every steps ------------------------------------
