@@ -106,9 +106,17 @@ def batches(m: int, scale: float, bad: bool = False, seed: int = 0):
     return first, second
 
 
-def run(name: str) -> dict[str, torch.Tensor]:
-    """Mode ``name``'s hundred steps: the head's buffers, its counters, the losses and the last dL/dH."""
-    spec = MODES[name]
+def compiled_twin(spec: dict) -> dict:
+    """An eager mode's settings with its device part compiled whole, its batches' rows each a batch
+    size (no padding rows: the same U^-1 route as eager)."""
+    sizes = tuple(sorted({spec["m"], spec["m"] + 1, 2 * spec["m"] + 1}))
+    return {**spec, "compiled": True, "head": {**spec["head"], "compile_step": True, "batch_sizes": sizes}}
+
+
+def run(name: str, spec: dict | None = None) -> dict[str, torch.Tensor]:
+    """Mode ``name``'s hundred steps (``spec``: its settings, by default ``MODES[name]``): the head's
+    buffers, its counters, the losses and the last dL/dH."""
+    spec = MODES[name] if spec is None else spec
     settings = {"bias": True, **spec["head"]}
     settings["stabiliser"] = {**REPAIRS, **settings.get("stabiliser", {})}
     head = FactoredSphericalHead(D, d, **settings, lr=spec["lr"], weight_decay=0.01, dtype=torch.float64,
@@ -158,11 +166,12 @@ def compiling(spec):
     return stack
 
 
-def run_mode(name: str) -> dict[str, torch.Tensor]:
-    with compiling(MODES[name]):
+def run_mode(name: str, spec: dict | None = None) -> dict[str, torch.Tensor]:
+    spec = MODES[name] if spec is None else spec
+    with compiling(spec):
         torch._dynamo.reset()
         try:
-            return run(name)
+            return run(name, spec)
         finally:
             torch._dynamo.reset()
 
