@@ -234,3 +234,22 @@ def test_a_refused_tensors_only_state_leaves_u_inverse_as_it_was():
     del saved["U"]
     head.load_state_dict(saved, strict=False)
     assert not head.uinv_fresh
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+@pytest.mark.parametrize("entry", ["lr", "weight_decay", "negatives"])
+def test_a_state_whose_settings_would_fail_after_its_tensors_loaded_is_refused_untouched(cls, entry):
+    """The extra state's settings are set after the buffers have loaded: a bad lr, weight decay or
+    generator state of the negatives is refused in one line before any buffer changes."""
+    head = cls(D, d, generator=torch.Generator().manual_seed(0))
+    saved = cls(D, d, generator=torch.Generator().manual_seed(1)).state_dict()
+    extra = dict(saved["_extra_state"])
+    extra[entry] = {"lr": float("nan"), "weight_decay": "x",
+                    "negatives": {**extra["negatives"], "rng": torch.zeros(3, dtype=torch.uint8)}}[entry]
+    saved["_extra_state"] = extra
+    before, version, lr = state_of(head), head._version, head.lr
+    with pytest.raises(ValueError, match=f"the state's {entry}") as err:
+        head.load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    assert_untouched(head, before)
+    assert head._version == version and head.lr == lr

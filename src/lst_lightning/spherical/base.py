@@ -256,6 +256,12 @@ class SphericalHeadBase(OutputHead):
         saved_neg = extra.get("negatives")
         if saved_neg is not None and self.negatives is not None:
             self.negatives.check_state(saved_neg)
+        for name in ("lr", "weight_decay"):  # set after the buffers have loaded: checked before
+            if name in extra:
+                try:
+                    getattr(type(self), name).check(extra[name])
+                except ValueError as e:
+                    raise ValueError(f"the state's {e}") from None
         self._refuse_tensors(state_dict, prefix)
         self._version += 1
         self._uninitialised = False

@@ -152,6 +152,10 @@ class NegativeSampling:
         if Negatives.saved(state["settings"]) != self.settings.public():
             raise ValueError(f"the state was saved with negatives {state['settings']} but this head has "
                              f"{self.settings.public()}")
+        try:
+            torch.Generator().set_state(state["rng"])  # a scratch generator: a bad state is refused here
+        except (RuntimeError, TypeError, KeyError) as e:
+            raise ValueError(f"the state's negatives generator state cannot be loaded ({e})") from None
         if self.device_generator is not None and state.get("device_rng") is None:
             raise ValueError("the state was saved with negatives drawn on the host but this head draws them on "
                              "its device (step='cuda_graph'): resume it with the step it was saved with")

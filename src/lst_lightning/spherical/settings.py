@@ -80,10 +80,13 @@ class Driven:
 def finite(name: str, positive: bool = True):
     """The check of a finite float, > 0 (``positive``) or >= 0."""
     def check(value) -> float:
-        value = float(value)
-        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-            raise ValueError(f"{name} must be finite and {'positive' if positive else '>= 0'}, got {value}")
-        return value
+        try:  # a number (a numpy or 0-dim torch one, a str that float() reads too), not a bool
+            number = None if isinstance(value, bool) else float(value)
+        except (TypeError, ValueError):
+            number = None
+        if number is None or not (math.isfinite(number) and (number > 0 if positive else number >= 0)):
+            raise ValueError(f"{name} must be finite and {'positive' if positive else '>= 0'}, got {value!r}")
+        return number
     return check
 
 
