@@ -400,9 +400,14 @@ def solve(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds:
 def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
     Uinv, residual = uinv_by_products(f.U, state.Uinv, f.A, c, state.factors)
     fold = bounds.fold | ~(residual <= residual_tolerance(f.U.dtype))
-    Uinv = torch.where(fold, torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device), Uinv)
-    right = Uinv if P is None else P @ Uinv  # H U_new^-1 = X U_new^-1 = H (P U_new^-1)
-    HUinv = fwd.Hx @ right
+    eye = torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device)
+    if P is None:  # H U_new^-1 from the inverse as made, masked after (H I = H): the product waits for no fold
+        HUinv = torch.where(fold, fwd.Hx, fwd.Hx @ Uinv)
+        Uinv = right = torch.where(fold, eye, Uinv)
+    else:  # H U_new^-1 = X U_new^-1 = H (P U_new^-1), and H P after a fold
+        Uinv = torch.where(fold, eye, Uinv)
+        right = P @ Uinv
+        HUinv = fwd.Hx @ right
     return Inverse(Uinv, HUinv, fold, HUinv.sum() + Uinv.sum(), right)
 
 
