@@ -40,12 +40,12 @@ _compiled: dict = {}
 _keys: dict = {}  # the keys each compiled function met (graph_key)
 
 
-def graph_key(plan, args) -> tuple:
-    """What a device part's graph is specialised on that a run changes: the plan (by identity), and
-    from the arguments (and the fields of those that are tuples or dataclasses, one level down)
-    each tensor's shape, each int and str (the Neumann factors, the route's name), each other
-    value's type."""
-    key = [id(plan)]
+def graph_key(plan, state: StepState, args) -> tuple:
+    """What a device part's graph is specialised on that a run changes: the plan (by identity; a new
+    one at every change of the head's buffers' shapes), the state's Neumann factors, and from the
+    other arguments (and the fields of those that are tuples or dataclasses, one level down) each
+    tensor's shape, each int and str (the route's name), each other value's type."""
+    key = [id(plan), state.factors]
     for a in args:
         parts = a if isinstance(a, tuple) else vars(a).values() if dataclasses.is_dataclass(a) else (a,)
         key.extend(tuple(p.shape) if isinstance(p, Tensor) else p if isinstance(p, (int, str)) else type(p)
@@ -73,7 +73,7 @@ def run(plan, fn, *args):
         return fn(*args)
     step = compiled(fn)
     keys = _keys.setdefault(step, set())
-    keys.add(graph_key(plan, args[1:]))
+    keys.add(graph_key(plan, args[1], args[2:]))
     limit = len(keys) + RECOMPILE_LIMIT
     with torch._dynamo.config.patch(recompile_limit=limit,
                                     accumulated_recompile_limit=max(limit, torch._dynamo.config.accumulated_recompile_limit)):
