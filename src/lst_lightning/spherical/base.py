@@ -273,7 +273,7 @@ class SphericalHeadBase(OutputHead):
         mine = {**self._parameters, **self._buffers}
         for name, t in mine.items():
             v = state_dict.get(prefix + name)
-            if not isinstance(v, Tensor) or name in self._non_persistent_buffers_set:
+            if not isinstance(v, Tensor) or t is None or name in self._non_persistent_buffers_set:
                 continue
             if tuple(v.shape) != tuple(t.shape):
                 raise ValueError(f"the state's {name} has shape {tuple(v.shape)} but this head's is {tuple(t.shape)}: "
