@@ -64,7 +64,7 @@ class Route(NamedTuple):
     forms: Callable      # B's forms: the m x m ones (Woodbury) or the d x d ones, and U B
     inverse: Callable    # H U_new^-1 (an ``Inverse``)
     blocks: int          # the products with H of the forward's one GEMM: H Q, H U^T, and H U^-1 (Woodbury)
-    takes_x: bool        # X = H P formed whatever Q's route (the products route: only for Q through M)
+    takes_x: bool        # X = H P formed whatever Q's route (the products and the solve: only for Q through M)
     keeps_uinv: bool     # U^-1 made with the step (the solve leaves it stale)
 
 
@@ -115,7 +115,7 @@ class NewState:
     lr: Tensor
     moments: object  # the preconditioner's new moments (preconditioner.Moments); P off: NO_MOMENTS, none to write
     order: lk.SortedIds | None = None  # the step's ids sorted once (the gram_rows route), for the write's scatter
-    right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1, the products route); else None
+    right: Tensor | None = None  # R with H U_new^-1 = H R (R = P U_new^-1: the products and the solve); else None
     rho: Tensor | None = None  # a bound on A's spectral radius (the adaptive rule keeps it)
     N: Tensor | None = None  # shared negatives, Q from d x d products: G_u^T H (``gram_terms``), for the write
 
@@ -364,8 +364,8 @@ def square_forms(plan, state, fwd: SavedForward, P, lr, c, kappa: Tensor, gq: Te
 # -- the U^-1 routes: H U_new^-1 by Woodbury, by products of U^-1 or by a solve (solve_right) -----
 class Inverse(NamedTuple):
     """A route's H U_new^-1: U_new^-1 (the solve: U^-1 as it was, stale), the fold (a singular solve or a residual
-    past the products' reach folds too) and R with H U_new^-1 = H R (the products route,
-    R = P U_new^-1; else None)."""
+    past the products' reach folds too) and R with H U_new^-1 = H R (the products and the
+    solve: R = P U_new^-1; Woodbury: None)."""
     Uinv: Tensor
     HUinv: Tensor
     fold: Tensor | bool
@@ -391,10 +391,18 @@ def woodbury(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, boun
 
 
 def solve(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-    HUinv, info = solve_right(f.U, f.X)
+    # R = P U_new^-1 (d x d solves), H U_new^-1 = H R: one m d^2 GEMM where the solve of X = H P took
+    # two (X, then its m x d triangular solves), and a shared block's scatter takes N R (u d^2)
+    eye = torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device)
+    R, info = solve_right(f.U, eye if P is None else P)
     fold = bounds.fold | (info != 0).any()
-    HUinv = torch.where(fold, f.X, HUinv)
-    return Inverse(state.Uinv, HUinv, fold, HUinv.sum())
+    if P is None:  # masked after, as the products route (H I = H)
+        HUinv = torch.where(fold, fwd.Hx, fwd.Hx @ R)
+        right = torch.where(fold, eye, R)
+    else:
+        right = torch.where(fold, P, R)
+        HUinv = fwd.Hx @ right
+    return Inverse(state.Uinv, HUinv, fold, HUinv.sum() + right.sum(), right)
 
 
 def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
@@ -413,7 +421,7 @@ def products(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, boun
 
 #: the three routes by name
 ROUTES = {"woodbury": Route("woodbury", woodbury_forms, woodbury, 3, True, True),
-          "solve": Route("solve", square_forms, solve, 2, True, False),
+          "solve": Route("solve", square_forms, solve, 2, False, False),
           "products": Route("products", square_forms, products, 2, False, True)}
 
 

@@ -403,7 +403,7 @@ class SharedBlock:
                  N: Tensor | None = None) -> None:
         """V[u] += alpha G_u^T (H U_new^-1), masked by the device flag ``ok``, one index_add_
         (the plan's ``index_add_rows``: sharded, into the rows this rank holds). As alpha N R
-        where H U_new^-1 = H R (``right``, the products route: R = P U_new^-1) and N = G_u^T H
+        where H U_new^-1 = H R (``right``, the products and the solve: R = P U_new^-1) and N = G_u^T H
         was made (``gram_terms``): u d^2 multiply-adds instead of m u d."""
         rows = self.G_u.T @ HUinv if right is None or N is None else N @ right.to(N.dtype)
         plan.index_add_rows(V, 0, self.uniq, torch.where(ok, alpha * rows, 0.0).to(V.dtype))
