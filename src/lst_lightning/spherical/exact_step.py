@@ -391,8 +391,8 @@ def woodbury(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, boun
 
 
 def solve(plan, state, fwd: SavedForward, f: Forms, P, c, kappa: Tensor, bounds: Bounds) -> Inverse:
-    # R = P U_new^-1 (d x d solves), H U_new^-1 = H R: one m d^2 GEMM where the solve of X = H P took
-    # two (X, then its m x d triangular solves), and a shared block's scatter takes N R (u d^2)
+    # R = P U_new^-1 (d x d solves), H U_new^-1 = H R: one m d^2 GEMM, against X = H P and m x d
+    # triangular solves with X; a shared block's scatter takes N R (u d^2)
     eye = torch.eye(plan.width, dtype=f.U.dtype, device=f.U.device)
     R, info = solve_right(f.U, eye if P is None else P)
     fold = bounds.fold | (info != 0).any()
