@@ -585,20 +585,28 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
         curves = load("time_to_quality_curves")
         groups: dict[tuple, dict] = defaultdict(dict)
         for c in curves:
-            if c["mode"] == "same_steps":
-                groups[(c["case"], c["D"], c["machine"], c["step"])].setdefault(c["head"], []).append(c["val_mrr"])
+            if c["mode"] == "same_steps":  # by the run's length too: the lr's decay spans it
+                length = int(re.search(r"trainer\.max_steps=(\d+)", c["command"]).group(1))
+                groups[(c["case"], c["D"], c["machine"], length, c["step"])].setdefault(
+                    c["head"], {})[c["seed"]] = c["val_mrr"]
         heads = [h for h in ("default", "sampled_softmax", "softmax") if any(r["head"] == h for r in same)]
+        heads += sorted({r["head"] for r in same if r["head"].startswith("softmax;")})  # the full softmax's lrs
         heads += sorted({r["head"] for r in same if r["head"].startswith("default;")})  # the default's settings tried
         step_lines = []
-        for (case, D, machine, step), by_head in sorted(groups.items()):
-            step_lines.append([CASE_NAMES.get(case, case), big(D), short_machine(machine), fmt(step),
-                               str(max(len(v) for v in by_head.values())),
-                               *[fmt(statistics.fmean(by_head[h])) if h in by_head else "" for h in heads]])
+        for (case, D, machine, length, step), by_head in sorted(groups.items()):
+            step_lines.append([CASE_NAMES.get(case, case), big(D), short_machine(machine), fmt(length), fmt(step),
+                               str(most := max(len(v) for v in by_head.values())),
+                               *[(fmt(statistics.fmean(by_head[h].values()))
+                                  + ("" if len(by_head[h]) == most else f" (seed {', '.join(map(str, sorted(by_head[h])))})"))
+                                 if h in by_head else "" for h in heads]])
         text += ("\n\n## After the same number of steps, against the full softmax\n\nValidation MRR at each "
-                 "validation of runs of a fixed number of steps (time plays no part), the same seed: the full "
-                 "softmax (`head=softmax`, its configured lr) takes the exact gradient of the whole loss each step.\n\n"
-                 + table(["corpus", "D", "machine", "step", "seeds",
-                          *[HEAD_NAMES.get(h) or f"the default, {variant_name(h)}" for h in heads]], step_lines,
+                 "validation of runs of a fixed number of steps (time plays no part; the lr's warm-up and decay span "
+                 "the run's steps), the mean over the seeds run (a head run on fewer seeds names its own): the full softmax "
+                 "(`head=softmax`, at its configured lr and at the lrs named) takes the exact gradient of the whole "
+                 "loss each step.\n\n"
+                 + table(["corpus", "D", "machine", "steps a run", "step", "seeds",
+                          *[HEAD_NAMES.get(h) or (f"the default, {variant_name(h)}" if h.startswith("default;")
+                                                  else variant_name(h)) for h in heads]], step_lines,
                          right_from=3))
     text += ("\n\nEvery validation of every run (the curves): "
              "[benchmarks/results/time_to_quality_curves.csv](../../benchmarks/results/time_to_quality_curves.csv).")
