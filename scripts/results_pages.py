@@ -588,7 +588,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
             if c["mode"] == "same_steps":  # by the run's length too: the lr's decay spans it
                 length = int(re.search(r"trainer\.max_steps=(\d+)", c["command"]).group(1))
                 groups[(c["case"], c["D"], c["machine"], length, c["step"])].setdefault(
-                    c["head"], {})[c["seed"]] = c["val_mrr"]
+                    c["head"], defaultdict(list))[c["seed"]].append(c["val_mrr"])  # a seed run again: both runs
         heads = [h for h in ("default", "sampled_softmax", "softmax") if any(r["head"] == h for r in same)]
         heads += sorted({r["head"] for r in same if r["head"].startswith("softmax;")})  # the full softmax's lrs
         heads += sorted({r["head"] for r in same if r["head"].startswith("default;")})  # the default's settings tried
@@ -597,7 +597,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
         for (case, D, machine, length, step), by_head in sorted(groups.items()):
             step_lines.append([CASE_NAMES.get(case, case), big(D), short_machine(machine), fmt(length), fmt(step),
                                str(most := max(len(v) for v in by_head.values())),
-                               *[(fmt(statistics.fmean(by_head[h].values()))
+                               *[(fmt(statistics.fmean(v for runs in by_head[h].values() for v in runs))
                                   + ("" if len(by_head[h]) == most else f" (seed {', '.join(map(str, sorted(by_head[h])))})"))
                                  if h in by_head else "" for h in heads]])
         text += ("\n\n## After the same number of steps, against the full softmax\n\nValidation MRR at each "
