@@ -63,7 +63,7 @@ from benchlib import (add_output_args, machine_name, markdown_table, output_dir,
 import lightning.pytorch as pl
 from lst_lightning.app.optimizers import sparse_embedding_params
 from lst_lightning.spherical import factored
-from lst_lightning.spherical.collectives import ProcessGroup
+from lst_lightning.distributed.collectives import ProcessGroup
 
 ROUTES = ("lst_ddp", "lst_fsdp2", "hf_ddp", "litgpt_ddp", "litgpt_fsdp2")
 HEADS = ("replicated", "sharded")
@@ -88,7 +88,7 @@ def loopback_bytes() -> int | None:
 
 class CountingProcessGroup(ProcessGroup):
     """The factored head's process group, counting the bytes this rank sends at each of the
-    head's collectives (spherical/collectives.py: every collective of the head's step, in
+    head's collectives (distributed/collectives.py: every collective of the head's step, in
     multi_process.py, padded_rows.py and factored.py, is one of these methods): the payload only, no
     framing, as ideal algorithms on P ranks send it. An all-gather of n bytes per rank:
     (P - 1) n; a (ring) all-reduce of n bytes: 2 (P - 1) / P n; a broadcast of n bytes:

@@ -20,6 +20,10 @@ NEVER = {
     # row-sparse tables in static shapes: torch only, below the bodies and the baselines that use them
     "rows": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data", "models",
                                                          "app", "integrations")},
+    # what the processes share (the process group, the fixed-size exchange): torch only, below the
+    # exact head and the app
+    "distributed": FRAMEWORKS | {"lst_lightning." + p for p in ("heads", "spherical", "baselines", "losses", "data",
+                                                                "models", "rows", "app", "integrations")},
     "data": {"hydra", "omegaconf", "wandb"} | {"lst_lightning." + p for p in ("heads", "spherical", "baselines",
                                                                             "losses", "models", "app")},
     # the bridges to other LM stacks: the exact head and its losses, never the app or the baselines;

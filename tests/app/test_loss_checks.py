@@ -12,7 +12,7 @@ from lst_lightning.app.module import LanguageModel
 from lst_lightning.baselines import HierarchicalSoftmaxHead
 from lst_lightning.models import NgramMLP
 from lst_lightning.spherical import FactoredSphericalHead
-from lst_lightning.spherical.fixed_exchange import FirstFault
+from lst_lightning.distributed.fixed_exchange import FirstFault
 
 from host_reads import HostReads
 

@@ -169,7 +169,7 @@ def test_static_rows_average_equals_the_dense_all_reduce_with_no_host_read_after
             assert r["steps"][step]["received"] == WORLD * (8 * 8 + 7 * d * 8)  # 7 ids + the count, 7 rows
         # the agreement: all_gather_ints's one transfer (.cpu(), then its tolist() on the host)
         assert {site.rsplit(":", 1)[0] for site in r["reads"][0]} == {
-            "src/lst_lightning/spherical/collectives.py", "src/lst_lightning/app/sparse_exchange.py"}, r["reads"][0]
+            "src/lst_lightning/distributed/collectives.py", "src/lst_lightning/app/sparse_exchange.py"}, r["reads"][0]
         assert all(not sites for sites in r["reads"][1:]), r["reads"]
     for step in range(len(STATIC_STEPS)):
         assert torch.equal(two_ranks_static[0]["steps"][step]["got"], two_ranks_static[1]["steps"][step]["got"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
-from lst_lightning.spherical.collectives import bit_hash
+from lst_lightning.distributed.collectives import bit_hash
 from lst_lightning.spherical.state import EXACT_STATE
 
 from host_reads import cpu_kernel

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from host_reads import HostReads
 
 from lst_lightning.spherical import FactoredSphericalHead
-from lst_lightning.spherical.collectives import bit_hash
+from lst_lightning.distributed.collectives import bit_hash
 from lst_lightning.spherical.state import EXACT_STATE
 
 WORLD, D, d, K, STEPS = 2, 50, 6, 3, 8

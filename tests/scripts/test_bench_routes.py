@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lst_lightning.spherical import collectives
+from lst_lightning.distributed import collectives
 from lst_lightning.spherical.factored import FactoredSphericalHead
 
 

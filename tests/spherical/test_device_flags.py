@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lst_lightning.spherical import NaiveSphericalHead
-from lst_lightning.spherical.fixed_exchange import FirstFault
+from lst_lightning.distributed.fixed_exchange import FirstFault
 
 from head_pairs import D, batch, d, deferred, make_pair, no_host_reads, run_steps, state, step
 from host_reads import HostReads

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..heads.flag_board import FlagBoard
 from ..spherical.driving import SYNC_EVERY
-from ..spherical.fixed_exchange import FirstFault
+from ..distributed.fixed_exchange import FirstFault
 
 
 class LossChecks:

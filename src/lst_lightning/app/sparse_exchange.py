@@ -20,7 +20,7 @@ step touched, never on the number of rows D of the table.
 
 Static rows (``optimizer.embedding=row_adam``: a ``RowGrad``'s ids and rows) are exchanged in
 fixed shapes, with no host read a step (``StaticRowsExchange``, a client of the head's one
-fixed-size exchange, spherical/fixed_exchange.py): the ranks agree on a capacity C at their first
+fixed-size exchange, distributed/fixed_exchange.py): the ranks agree on a capacity C at their first
 exchange (the most rows a rank sends, one host read), then each step every rank sends its count
 and its ids and rows padded to C, in two all-gathers of a fixed size; the rows of repeated ids
 are summed by ``coalesce_rows`` (a sort of fixed size) and divided by the world size. A rank
@@ -42,8 +42,8 @@ from torch import Tensor, nn
 from ..heads.flag_board import FlagBoard
 from ..rows import RowGrad, row_grad_of
 from ..rows.coalesce import coalesce_rows
-from ..spherical.collectives import ProcessGroup
-from ..spherical.fixed_exchange import TOO_LARGE, FixedExchange
+from ..distributed.collectives import ProcessGroup
+from ..distributed.fixed_exchange import TOO_LARGE, FixedExchange
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .collectives import ProcessGroup
+from ..distributed.collectives import ProcessGroup
 from .exact_step import UNEXCHANGED
 from .padded_rows import PaddedRows
 from .state import REPLICATED_STATE

@@ -22,7 +22,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 
-from ...spherical.collectives import ProcessGroup
+from ...distributed.collectives import ProcessGroup
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""The collectives of the multi-process factored head, on torch.distributed
-(gloo on CPU, NCCL on GPU). Without an initialised process group every
+"""The collectives of a run's processes (the multi-process factored head's, the app's), on
+torch.distributed (gloo on CPU, NCCL on GPU). Without an initialised process group every
 operation is the one-process identity, so the same code runs alone."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The one fixed-size exchange between the ranks and its one fault scheme, for the head's rows
-under device flags (padded_rows.py) and the app's static row-sparse gradients
+under device flags (spherical/padded_rows.py) and the app's static row-sparse gradients
 (app/sparse_exchange.py). The ranks agree on a capacity once, in one host read (the caller's);
 then each step every rank sends a header of ints and its tensors padded to the capacity, in two
 all-gathers of a fixed size, nothing read on the host (``FixedExchange.gather_padded``). A rank
