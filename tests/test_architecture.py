@@ -159,13 +159,19 @@ def module_imports_of(path: Path, package: str, known: set[str]) -> set[str]:
     return out & known
 
 
-@pytest.mark.parametrize("part", ["app", "integrations", "spherical"])
+#: every part of the package, and the kernels
+PARTS = {**{p.name: (p, f"lst_lightning.{p.name}") for p in sorted(PACKAGE.iterdir()) if (p / "__init__.py").exists()},
+         "lst_kernels": (KERNELS, "lst_kernels")}
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
 def test_no_module_imports_itself_through_others(part):
-    """No import circle in lst_lightning.app, .integrations or .spherical, deferred imports
-    (inside functions) and type hints' imports counted: a module never reaches itself by
-    following what it imports."""
+    """No import circle in any part of the package or in the kernels, deferred imports (inside
+    functions) and type hints' imports counted: a module never reaches itself by following what
+    it imports."""
+    root, top = PARTS[part]
     found = [(path, package if path.name == "__init__.py" else ".".join(parts), package)
-             for path, package, parts in modules(PACKAGE / part, f"lst_lightning.{part}")]
+             for path, package, parts in modules(root, top)]
     known = {name for _, name, _ in found}
     deps = {name: module_imports_of(path, package, known) - {name} for path, name, package in found}
     circles = []

@@ -43,7 +43,7 @@ def test_the_torch_ops_are_the_references_and_torch_ops():
 
 @pytest.mark.skipif(not ops._TRITON_IMPORTABLE, reason="the Triton ops need triton (a Linux x86-64 dependency)")
 def test_every_op_of_either_implementation_takes_the_public_ops_arguments_but_impl():
-    from lst_kernels.triton_ops import TRITON
+    TRITON = ops.triton_impl()
     assert TRITON.impl == "triton" and lst_kernels.ops_for("cpu", "triton") is TRITON
     for f in dataclasses.fields(ops.Ops)[1:]:
         public = "of" if f.name == "sorted_ids" else f.name

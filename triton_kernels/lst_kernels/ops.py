@@ -2,8 +2,8 @@
 
 An ``Ops`` is an immutable namespace of the ops (the public ones' arguments, no ``impl``, no
 check): ``TORCH``, the plain-torch implementation (``reference.py``'s three sparse ops as they
-are, ``torch_ops.py``'s), and the Triton one (``triton_ops.TRITON``: the launchers of
-``<op>_kernel(s).py``; imported, with Triton, only when chosen). ``ops_for(device, impl)``
+are, ``torch_ops.py``'s), and the Triton one (``triton_impl()``: ``triton_ops.py``'s, the
+launchers of ``<op>_kernel(s).py``; imported, with Triton, when first chosen). ``ops_for(device, impl)``
 chooses one: ``impl="auto"`` takes Triton on a CUDA device when Triton is importable and the
 environment's ``LST_KERNELS`` is not ``"torch"`` (read at the call), torch otherwise;
 ``"torch"`` and ``"triton"`` force either. The public ops (``functional.py``) check their
@@ -12,6 +12,7 @@ once chooses once (the factored head's ``StepPlan.kernels``) and calls the ops d
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -52,6 +53,16 @@ TORCH = Ops("torch", gather_dot=reference.gather_dot, gather_sum=reference.gathe
             fold_rows_=torch_ops.fold_rows_, sorted_ids=torch_ops.SortedIds.sort)
 
 
+@functools.cache
+def triton_impl() -> Ops:
+    """The Triton implementation (``triton_ops.py``'s ops), made at the first call; imports Triton."""
+    from . import triton_ops as t  # noqa: PLC0415  (imports Triton)
+    return Ops("triton", gather_dot=t.gather_dot, gather_sum=t.gather_sum, scatter_add_rows_=t.scatter_add_rows_,
+               sparse_gram=t.sparse_gram, gram_rows=t.gram_rows, m_matrix=t.m_matrix, q_update=t.q_update,
+               q_update_factors=t.q_update_factors, logsumexp_rows=t.logsumexp_rows, fold_rows_=t.fold_rows_,
+               sorted_ids=t.SortedIds.sort)
+
+
 def use_triton(device: torch.device | str, impl: str = "auto") -> bool:
     """Whether ``impl`` on ``device`` is the Triton implementation (the rule above)."""
     if impl == "auto":
@@ -63,8 +74,6 @@ def use_triton(device: torch.device | str, impl: str = "auto") -> bool:
 
 
 def ops_for(device: torch.device | str, impl: str = "auto") -> Ops:
-    """The ``Ops`` for tensors on ``device``: Triton's where ``use_triton``, else ``TORCH``."""
-    if use_triton(device, impl):
-        from .triton_ops import TRITON  # noqa: PLC0415  (imports Triton)
-        return TRITON
-    return TORCH
+    """The ``Ops`` for tensors on ``device``: Triton's (``triton_impl()``) where ``use_triton``, else
+    ``TORCH``."""
+    return triton_impl() if use_triton(device, impl) else TORCH

@@ -1,7 +1,8 @@
-"""The Triton implementation of the ops, unchecked (``ops.ops_for`` on CUDA): the launchers of
-``<op>_kernel(s).py``; ``gram_rows`` on the deterministic scatter and gather kernels; the fold's
-kernel on V with unit column stride (torch's fold otherwise); and, with no kernel of their own,
-torch's ``q_update_factors``, ``logsumexp_rows`` and the ids' sort. Importing it imports Triton.
+"""The Triton implementation's ops, unchecked (``ops.triton_impl()``, ``ops.ops_for``'s on CUDA, is
+made of them): the launchers of ``<op>_kernel(s).py``; ``gram_rows`` on the deterministic scatter and
+gather kernels; the fold's kernel on V with unit column stride (torch's fold otherwise); and, with
+no kernel of their own, torch's ``q_update_factors``, ``logsumexp_rows`` and the ids' sort.
+Importing it imports Triton.
 """
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from .bookkeeping_kernels import m_matrix, q_update
 from .fold_rows_kernel import fold_rows_ as _fold_rows_kernel
 from .gather_dot_kernel import gather_dot
 from .gather_sum_kernel import gather_sum
-from .ops import Ops
 from .scatter_add_rows_kernel import scatter_add_rows_
 from .sparse_gram_kernel import sparse_gram
-from .torch_ops import SortedIds
+from .torch_ops import SortedIds, logsumexp_rows, q_update_factors
+
+#: the ops ``ops.triton_impl()`` takes from here, by the names of ``Ops``' fields
+__all__ = ["SortedIds", "fold_rows_", "gather_dot", "gather_sum", "gram_rows", "logsumexp_rows", "m_matrix",
+           "q_update", "q_update_factors", "scatter_add_rows_", "sparse_gram"]
 
 
 def gram_rows(idx: Tensor, G: Tensor, X: Tensor, order: SortedIds | None = None) -> Tensor:
@@ -33,8 +37,3 @@ def fold_rows_(V: Tensor, M: Tensor, flag: Tensor) -> Tensor:
         return _fold_rows_kernel(V, M, flag)
     return torch_ops.fold_rows_(V, M, flag)
 
-
-TRITON = Ops("triton", gather_dot=gather_dot, gather_sum=gather_sum, scatter_add_rows_=scatter_add_rows_,
-             sparse_gram=sparse_gram, gram_rows=gram_rows, m_matrix=m_matrix, q_update=q_update,
-             q_update_factors=torch_ops.q_update_factors, logsumexp_rows=torch_ops.logsumexp_rows,
-             fold_rows_=fold_rows_, sorted_ids=SortedIds.sort)
