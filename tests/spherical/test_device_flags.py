@@ -1,6 +1,7 @@
 """The factored head's training step with no host synchronisation (``sync_every > 1``):
 exact against the naive head, no read of a device value inside the step, and bad or
 non-finite input still skipped, state untouched, and reported at the next read."""
+import copy
 import warnings
 
 import pytest
@@ -73,6 +74,38 @@ def test_non_finite_step_is_skipped_counted_and_warned():
     assert state(head) == before
     assert (int(head.steps), int(head.skipped_nonfinite)) == (1, 1)
 
+
+
+@pytest.mark.parametrize("bad", ["ids", "nan"])
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_a_void_step_changes_only_its_count_and_the_draws_stream(bad, sync_every):
+    """A void step (bad target ids under device flags, a non-finite H) leaves the head as a twin
+    that never saw the batch, but for the skip's count and the sampled classes' generator, which
+    moves on by the step's draw (the draw comes before the step: ``before_step``), so the next
+    steps draw other classes than the twin's; a batch refused at once (bad ids with
+    ``sync_every=1``) moves nothing, the generator included."""
+    head = deferred(sync_every=sync_every, loss="sampled", loss_kwargs=None, negatives={"num": 5, "seed": 7})
+    H, idx = batch(5, d, D, 2)
+    step(head, H, idx)
+    twin = copy.deepcopy(head)
+    H_bad, idx_bad = H.clone(), idx.clone()
+    if bad == "ids":
+        idx_bad[2, 1] = D + 7
+    else:
+        H_bad[1, 3] = float("nan")
+    refused = bad == "ids" and sync_every == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning (its own test above)
+        try:
+            step(head, H_bad, idx_bad)
+            head.sync()
+        except ValueError:
+            assert bad == "ids"
+        twin.sync()
+    a, b = head.state_dict(), twin.state_dict()
+    changed = {k for k in a if isinstance(a[k], torch.Tensor) and not torch.equal(a[k], b[k])}
+    assert changed == (set() if refused else {"skipped_nonfinite"})
+    assert torch.equal(head.negatives.generator.get_state(), twin.negatives.generator.get_state()) == refused
 
 def test_repairs_fall_due_at_the_reads():
     """Periodic repairs still run when their step falls between two reads."""
