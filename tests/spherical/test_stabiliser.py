@@ -90,6 +90,46 @@ def test_several_fixes_take_one_pass_over_v_and_keep_w(monkeypatch, sv_method):
     torch.testing.assert_close(f.Uinv @ f.U, torch.eye(8, dtype=torch.float64))
 
 
+
+@pytest.mark.parametrize("sv_method", ["power", "svd"])
+@pytest.mark.parametrize("scale", [1e-7, 1e5])
+def test_a_spectrum_drifted_out_of_the_band_is_rescaled_as_one_in_float32(sv_method, scale):
+    """Weight decay scales U by c = 1 - lr weight_decay every step, and V grows as U shrinks:
+    U's singular values all 1e-7 (or 1e5) of what they were, float32. A rank-one fix by a factor
+    of 1e7 forms V's new part as the difference of two numbers near 1 and loses every digit
+    (W off by about 100 %); the repair rescales U and V by a scalar first, which keeps W to
+    float32's rounding, and then needs no rank-one fix."""
+    f = FactoredSphericalHead(60, 8, loss="zloss", dtype=torch.float32, stabiliser={"sv_method": sv_method})
+    R = torch.linalg.qr(torch.randn(9, 9, dtype=torch.float64))[0]
+    U = scale * (R @ torch.diag(torch.linspace(0.7, 1.4, 9, dtype=torch.float64)) @ R.T)  # cond(U) 2, in the band once rescaled
+    W = f.weight().double()
+    f.U.copy_(U)
+    f.Uinv.copy_(torch.linalg.inv(U))
+    f.V.copy_(torch.linalg.solve(U.T, (W - f.omega.double()).T).T)  # W = V U + 1 omega^T
+    W = f.weight().double()  # as float32 holds it
+    f.stabilise()
+    assert rel(f.weight(), W) < 1e-6, rel(f.weight(), W)
+    sig = torch.linalg.svdvals(f.U.double())
+    assert f.stabiliser.sv_min <= float(sig.min()) and float(sig.max()) <= f.stabiliser.sv_max
+    assert (int(f.sv_fixes), int(f.unfactorizations)) == (1, 0), f.stats()  # the rescale alone
+
+
+def test_weight_decay_that_would_take_u_out_of_float32_runs_the_check_early():
+    """lr weight_decay = 0.6: U shrinks by 0.4 a step, 0.4^100 = 1.6e-40 at the scheduled check
+    (check_every = 100), past float32's smallest normal number (and the check's power iterations,
+    which square U^-1's scale, overflow from about 1e-19). Small steps of the squared error carry
+    no cond(U) past its trigger and fold nothing, so only the decay itself brings the check
+    forward (``Repairs.decay_period``: every 23 steps); the head stays with the float64 naive
+    head through 150 steps."""
+    f, n = make_pair("mse", lr=1.0, weight_decay=0.6, dtype=torch.float32, ref_dtype=torch.float64,
+                     scale=0.3, sync_every=1)
+    for _ in range(150):
+        H, idx = batch(5, 8, 60, 2)
+        step_both(f, n, 1e-3 * H, idx)
+    assert f.repairs.decay_period(f) == 23
+    assert (int(f.checks), int(f.folds), int(f.skipped_nonfinite)) == (150 // 23 + 150 // 100, 0, 0), f.stats()
+    assert rel(f.weight(), n.weight()) < 1e-6, rel(f.weight(), n.weight())
+
 def test_bookkeeping_refresh_is_exact():
     f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7}, sync_every=1)
     run_steps(f, n, steps=20, m=3, K=2)

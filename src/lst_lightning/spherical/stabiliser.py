@@ -9,12 +9,17 @@ unchanged:
   or every ``check_every`` steps, U^-1 is recomputed and U's singular values are brought back into
   ``[sv_min, sv_max]`` (``sv_method``: ``"power"`` iteration or a full ``"svd"``), each fix a
   rank-one update, V's of one check composed and applied in one O(D d k) pass; more than
-  ``max_sv_fixes`` at once fold U into V ("unfactorize");
+  ``max_sv_fixes`` at once fold U into V ("unfactorize"). A spectrum wholly outside the band on
+  one side (weight decay scales U by c = 1 - lr weight_decay every step) is first rescaled as
+  one: U / s and V s, a scalar, where a rank-one fix by so large a factor would cancel V's digits;
+  the check also runs every ``decay_period`` steps where that decay, c^k, would near the
+  floating-point range's end sooner than ``check_every``;
 - U^-1 is recomputed every ``uinv_refresh_every`` steps (its updates drift), Q and wbar from
   (V, U, omega) every ``q_refresh_every`` steps (O(D d^2); 0: never).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +124,41 @@ class Repairs:
             head.refresh_bookkeeping()
             head.q_refreshes += 1
         cond_bound = float(head.cond_bound) if cond_bound is None else cond_bound
-        if fell_due(st.check_every, n_prev, n) or cond_bound > st.cond_trigger:
+        if fell_due(st.check_every, n_prev, n) or cond_bound > st.cond_trigger \
+                or fell_due(self.decay_period(head), n_prev, n):
             self.stabilise(head)
         elif fell_due(st.uinv_refresh_every, n_prev, n) and head._uinv_fresh:
             self.refresh_uinv(head)  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
+
+    def decay_period(self, head) -> int:
+        """Every how many steps weight decay alone could take U's scale past the fourth root of the
+        dtype's smallest normal number (0: never within ``check_every``): every step scales U by
+        c = 1 - lr weight_decay, so c^k after k steps, and V grows as U shrinks. The check's power
+        iterations square U's scale and U^-1's, which stay within the floating-point range there.
+        Only an lr times weight decay of about 0.2 or more (float32; 0.83 in float64) needs a check
+        sooner than every 100 steps. From the head's lr and dtype alone, so that a resumed run
+        checks where the saved one would."""
+        c = 1.0 - head.lr * head.weight_decay
+        if c >= 1.0:
+            return 0
+        k = max(1, int(math.log(torch.finfo(head.dtype).tiny ** 0.25) / math.log(c)))
+        return k if not self.settings.check_every or k < self.settings.check_every else 0
+
+    @torch.no_grad()
+    def rescale(self, head, smax: float, smin: float) -> float:
+        """U's singular values all below the band or all above it: U <- U / s, U^-1 <- s U^-1 and
+        V <- s V with s = sqrt(smax smin), which centres them on 1 (cond(U) unchanged), W unchanged.
+        A scalar multiplies, so nothing cancels; a rank-one fix of a singular value sigma far from 1
+        multiplies V's part along its direction by sigma, formed as the difference of two numbers
+        near 1, and loses the digits of 1 / sigma. One O(D d) pass over V; counted as one fix. (s)"""
+        scale = (smax * smin) ** 0.5
+        for _, blk in in_place_blocks(head.V):
+            blk.mul_(scale)
+        head.U.div_(scale)
+        head.Uinv.mul_(scale)
+        head.sv_fixes += 1
+        head._version += 1
+        return scale
 
     @torch.no_grad()
     def refresh_uinv(self, head) -> None:
@@ -225,6 +261,9 @@ class Repairs:
                 head.eig_failures += 1
                 self.unfactorize(head)
                 return
+            smax, smin = sig[[0, -1]].tolist()
+            if smax < lo or smin > hi:  # the whole spectrum out on one side: rescaled as one
+                sig = sig / self.rescale(head, smax, smin)
             bad = (sig < lo) | (sig > hi)
             k = int(bad.sum())
             if k > st.max_sv_fixes:
@@ -237,6 +276,9 @@ class Repairs:
             smax, smin = float(sig[0]), float(sig[-1])
         else:
             smax, smin = self._extremes(head)  # one host read
+            if smax < lo or smin > hi:  # the whole spectrum out on one side: rescaled as one
+                scale = self.rescale(head, smax, smin)
+                smax, smin = smax / scale, smin / scale
             if not (lo <= smin and smax <= hi):
                 # up to max_sv_fixes fixes on the device, each of the extreme singular value that is
                 # out of the band (a fix of 0 once both are in it): no host read between them
