@@ -131,17 +131,17 @@ class Repairs:
             self.refresh_uinv(head)  # Woodbury updates drift (a stale U^-1 is refreshed when next needed)
 
     def decay_period(self, head) -> int:
-        """Every how many steps weight decay alone could take U's scale past the fourth root of the
-        dtype's smallest normal number (0: never within ``check_every``): every step scales U by
-        c = 1 - lr weight_decay, so c^k after k steps, and V grows as U shrinks. The check's power
-        iterations square U's scale and U^-1's, which stay within the floating-point range there.
-        Only an lr times weight decay of about 0.2 or more (float32; 0.83 in float64) needs a check
-        sooner than every 100 steps. From the head's lr and dtype alone, so that a resumed run
-        checks where the saved one would."""
-        c = 1.0 - head.lr * head.weight_decay
-        if c >= 1.0:
+        """Every how many steps weight decay alone could take U's scale past the square root of the
+        dtype's smallest normal number (1e-19 in float32), halfway in exponent to where U, and V,
+        which grows as U shrinks, would leave the floating-point range: every step scales U by
+        c = 1 - lr weight_decay, so c^k after k steps (0: never within ``check_every``). Only an lr
+        times weight decay of about 0.35 or more (float32) needs a check sooner than every 100
+        steps. From the head's lr and dtype alone, so that a resumed run checks where the saved one
+        would; the check runs at the flags' reads, so every ``sync_every`` steps at most."""
+        x = head.lr * head.weight_decay
+        if x <= 0:
             return 0
-        k = max(1, int(math.log(torch.finfo(head.dtype).tiny ** 0.25) / math.log(c)))
+        k = max(1, int(math.log(torch.finfo(head.dtype).tiny ** 0.5) / math.log1p(-x)))
         return k if not self.settings.check_every or k < self.settings.check_every else 0
 
     @torch.no_grad()
@@ -213,12 +213,17 @@ class Repairs:
         head._version += 1
 
     def _power(self, A: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Largest singular value of A (a device scalar) and its left singular vector, warm-started at v."""
+        """Largest singular value of A (a device scalar) and its left singular vector, warm-started at v.
+        A is iterated divided by the power of two nearest its largest entry, which changes no bit
+        but the exponents, so that A A^T stays within the floating-point range whatever U's scale
+        (weight decay shrinks U, and U^-1 grows)."""
+        e = torch.frexp(A.abs().amax()).exponent
+        A = torch.ldexp(A, -e)
         v = v / v.norm().clamp_min(1e-30)
         for _ in range(self.settings.power_iters):
             w = A @ (A.T @ v)
             v = w / w.norm().clamp_min(1e-30)
-        return (A.T @ v).norm(), v
+        return torch.ldexp((A.T @ v).norm(), e), v
 
     def _extremes_on_device(self, head) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(sigma_max, its left vector, 1 / sigma_min, its left vector) of U by warm-started power
