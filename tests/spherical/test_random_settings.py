@@ -3,7 +3,8 @@
 The other tests of the step vary one or two settings at a time. Here each case draws all of them
 together from its seed: the loss, the bias, the reduction, weight decay, the sampled classes
 (shared or per row, how many, the proposal), P (off, a running mean, this batch's moment alone),
-the U^-1 route, the checks (read at once or as device flags), the driver (autograd or
+the U^-1 route and the repairs' settings (``stabiliser``), the checks (read at once or as device
+flags), the driver (autograd or
 ``train_step``), the lr and target values. Each step draws a new batch size (m = 1 among them) and
 K, with padding, classes repeated within a row and across rows, and sometimes a fully padded row.
 The hard cases take large steps on large H: most of them fold steps into V (a nearly singular
@@ -43,6 +44,16 @@ def settings(r: random.Random, hard: bool) -> dict:
         lr=r.choice([1.0, 3.0, 10.0] if hard else [0.01, 0.1, 0.5]), dtype=torch.float64)
 
 
+def stabiliser(r: random.Random) -> dict:
+    """The repairs' settings: the U^-1 route, and checks, refreshes and singular-value fixes from
+    as shipped to every step (a check at every read, U^-1 refreshed every 3 steps, Q and wbar
+    every 5, one fix at most before U is folded)."""
+    return {"inverse": r.choice(["woodbury", "solve", "products", "auto"]), "check_every": r.choice([100, 7, 1]),
+            "sv_method": r.choice(["power", "svd"]), "uinv_refresh_every": r.choice([100, 3]),
+            "q_refresh_every": r.choice([10000, 5]), "cond_trigger": r.choice([4.0, 1.5]),
+            "max_sv_fixes": r.choice([8, 1])}
+
+
 def batch(r: random.Random, D: int, d: int, hard: bool, values: bool):
     m, K = r.randint(1, 9), r.randint(1, 3)
     H = torch.randn(m, d, dtype=torch.float64) * (r.choice([0.3, 1.0, 3.0]) if hard else 1.0)
@@ -72,9 +83,9 @@ def run_case(seed: int, kind: str) -> FactoredSphericalHead:
     torch.manual_seed(seed)
     hard = kind == "hard"
     args = settings(r, hard)
-    inverse, sync_every = r.choice(["woodbury", "solve", "products", "auto"]), r.choice([1, 1, 3])
+    stab, sync_every = stabiliser(r), r.choice([1, 1, 3])
     fused, values = r.random() < 0.5 and kind != "accumulated", r.random() < 0.3
-    f = FactoredSphericalHead(stabiliser={"inverse": inverse}, sync_every=sync_every, **args)
+    f = FactoredSphericalHead(stabiliser=stab, sync_every=sync_every, **args)
     n = NaiveSphericalHead(**args)
     D, d = args["num_classes"], args["hidden_dim"]
     W0 = torch.randn(D, d + args["bias"], dtype=torch.float64) * 0.3
@@ -99,11 +110,11 @@ def run_case(seed: int, kind: str) -> FactoredSphericalHead:
                 (Lf / micro).backward()
                 dH = Hf.grad
             gaps = rel(Lf, Ln), rel(dH, Hn.grad)
-            assert max(gaps) < TOL, (step, gaps, args, inverse, sync_every, fused)
+            assert max(gaps) < TOL, (step, gaps, args, stab, sync_every, fused)
         for opt in opts or ():
             opt.step()
         gap = rel(f.weight(), n.weight())
-        assert gap < TOL, (step, gap, args, inverse, sync_every, fused)
+        assert gap < TOL, (step, gap, args, stab, sync_every, fused)
     f.sync()
     return f
 
@@ -135,10 +146,10 @@ def test_in_float32_the_factored_head_rounds_no_worse_than_the_naive_head(seed):
     r = random.Random(seed)
     torch.manual_seed(seed)
     args = settings(r, True)
-    inverse, sync_every = r.choice(["woodbury", "solve", "products", "auto"]), r.choice([1, 3, 64])
+    stab, sync_every = stabiliser(r), r.choice([1, 3, 64])
     values = r.random() < 0.3
     f32 = dict(args, dtype=torch.float32)
-    f = FactoredSphericalHead(stabiliser={"inverse": inverse}, sync_every=sync_every, **f32)
+    f = FactoredSphericalHead(stabiliser=stab, sync_every=sync_every, **f32)
     n, n32 = NaiveSphericalHead(**args), NaiveSphericalHead(**f32)
     D, d = args["num_classes"], args["hidden_dim"]
     W0 = (torch.randn(D, d + args["bias"], dtype=torch.float64) * 0.3).float()
@@ -153,4 +164,4 @@ def test_in_float32_the_factored_head_rounds_no_worse_than_the_naive_head(seed):
         if n.weight().abs().max() > 1e4:
             break
         gap, gap32 = rel(f.weight(), n.weight()), rel(n32.weight(), n.weight())
-        assert gap <= F32_FACTOR * gap32 + F32_FLOOR, (step, gap, gap32, args, inverse, sync_every)
+        assert gap <= F32_FACTOR * gap32 + F32_FLOOR, (step, gap, gap32, args, stab, sync_every)
