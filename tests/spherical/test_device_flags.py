@@ -10,7 +10,8 @@ import torch
 from lst_lightning.spherical import NaiveSphericalHead
 from lst_lightning.distributed.fixed_exchange import FirstFault
 
-from head_pairs import D, batch, d, deferred, make_pair, no_host_reads, run_steps, state, step
+from head_pairs import (D, assert_untouched, batch, d, deferred, make_pair, no_host_reads, run_steps, state,
+                        state_of, step)
 from host_reads import HostReads
 
 
@@ -106,6 +107,38 @@ def test_a_void_step_changes_only_its_count_and_the_draws_stream(bad, sync_every
     changed = {k for k in a if isinstance(a[k], torch.Tensor) and not torch.equal(a[k], b[k])}
     assert changed == (set() if refused else {"skipped_nonfinite"})
     assert torch.equal(head.negatives.generator.get_state(), twin.negatives.generator.get_state()) == refused
+
+
+def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():
+    """Saved after step 9, the flags last read at step 8 (``sync_every=4``): the resumed run's next
+    read (step 12) runs the check that fell due at step 9 (``check_every=9``) and chooses the
+    products route's Neumann factors from the rho bound of steps 9 to 12, as the saved run's read
+    does; the state keeps the last read's step and that bound (``flags_read_at``, ``rho_max``)."""
+    def run(head, batches):
+        for H, idx in batches:
+            step(head, H, idx)
+
+    kw = dict(sync_every=4, stabiliser={"inverse": "products", "check_every": 9, "neumann": "adaptive"})
+    torch.manual_seed(0)
+    batches = [batch(5, d, D, 2) for _ in range(20)]
+    a = deferred(**kw)
+    run(a, batches[:9])
+    saved = copy.deepcopy(a.state_dict())
+    assert saved["_extra_state"]["flags_read_at"] == [8, 0] and "rho_max" in saved["_extra_state"]
+    b = deferred(**kw)
+    b.load_state_dict(saved)
+    run(a, batches[9:])
+    run(b, batches[9:])
+    assert int(a.checks) == int(b.checks) >= 2
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
+    for key, bad in (("flags_read_at", [8]), ("rho_max", torch.tensor(float("nan")))):
+        c = deferred(**kw)
+        before = state_of(c)
+        with pytest.raises(ValueError, match=key) as err:
+            c.load_state_dict({**saved, "_extra_state": {**saved["_extra_state"], key: bad}})
+        assert "\n" not in str(err.value)
+        assert_untouched(c, before)
 
 def test_repairs_fall_due_at_the_reads():
     """Periodic repairs still run when their step falls between two reads."""

@@ -13,6 +13,7 @@ repairs' entry (``run_due``) and the multi-process setup. It holds its parts and
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import torch
@@ -201,9 +202,14 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         return self._uinv_fresh
 
     def get_extra_state(self):
-        out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh}
+        checks = self.step_checks
+        # the steps at the flags' last read: a resumed run's next read runs the repairs that fell due
+        # since that read, as the saved run's would
+        out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh, "flags_read_at": list(checks.synced)}
         if self.plan.neumann == "adaptive":  # a resumed run goes on
-            out["neumann_factors"] = self.step_checks.factors  # with the factors its last read chose
+            out["neumann_factors"] = checks.factors  # with the factors its last read chose
+            if checks.rho_max is not None:  # and the largest rho bound of the steps since that read
+                out["rho_max"] = checks.rho_max.detach().clone()  # a device scalar: no host read
         if self.V.shape[0] != self.num_classes:  # V is one rank's shard: which rows (checked on load)
             out[V_ROWS] = (self.row_lo, self.row_hi)
         return out
@@ -215,9 +221,12 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         # first (taken or skipped), so that a resumed run reads them, and repairs, where the run never
         # stopped would
         steps, skipped = int(self.steps), int(self.skipped_nonfinite)
-        self.step_checks.synced, self.step_checks.calls = (steps, skipped), steps + skipped
+        self.step_checks.synced = tuple(int(v) for v in state.get("flags_read_at", (steps, skipped)))
+        self.step_checks.calls = steps + skipped
         if "neumann_factors" in state:
             self.step_checks.factors = int(state["neumann_factors"])
+        if "rho_max" in state:
+            self.step_checks.rho_max = state["rho_max"].to(self.device, self.cond_bound.dtype).reshape(()).clone()
 
     # -- the implicit W -----------------------------------------------------------------
     @torch.no_grad()
@@ -403,6 +412,13 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         without_placeholder_extra_state(state_dict, prefix)
         V = state_dict.get(prefix + "V")
         extra = state_dict.get(prefix + "_extra_state")
+        read_at, rho = (extra or {}).get("flags_read_at"), (extra or {}).get("rho_max")
+        if read_at is not None and not (isinstance(read_at, (list, tuple)) and len(read_at) == 2
+                                        and all(isinstance(v, int) and v >= 0 for v in read_at)):
+            raise ValueError(f"the state's flags_read_at must be two step counts (ints >= 0), got {read_at!r}")
+        if rho is not None and not (isinstance(rho, Tensor) and rho.numel() == 1 and math.isfinite(float(rho))
+                                    and float(rho) >= 0):
+            raise ValueError(f"the state's rho_max must be one finite value >= 0, got {rho!r}")
         files = (extra or {}).get("v_files")
         if V is not None and (files is not None or (self.sharded and V.shape[0] == self.num_classes != self.V.shape[0])):
             self._ensure_distributed()
