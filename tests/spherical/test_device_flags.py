@@ -76,7 +76,6 @@ def test_non_finite_step_is_skipped_counted_and_warned():
     assert (int(head.steps), int(head.skipped_nonfinite)) == (1, 1)
 
 
-
 @pytest.mark.parametrize("bad", ["ids", "nan"])
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_a_void_step_changes_only_its_count_and_the_draws_stream(bad, sync_every):
@@ -139,6 +138,7 @@ def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():
             c.load_state_dict({**saved, "_extra_state": {**saved["_extra_state"], key: bad}})
         assert "\n" not in str(err.value)
         assert_untouched(c, before)
+
 
 def test_repairs_fall_due_at_the_reads():
     """Periodic repairs still run when their step falls between two reads."""

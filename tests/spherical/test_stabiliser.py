@@ -90,7 +90,6 @@ def test_several_fixes_take_one_pass_over_v_and_keep_w(monkeypatch, sv_method):
     torch.testing.assert_close(f.Uinv @ f.U, torch.eye(8, dtype=torch.float64))
 
 
-
 @pytest.mark.parametrize("sv_method", ["power", "svd"])
 @pytest.mark.parametrize("scale", [1e-30, 1e-7, 1e5])
 def test_a_spectrum_drifted_out_of_the_band_is_rescaled_as_one_in_float32(sv_method, scale):
@@ -128,6 +127,7 @@ def test_weight_decay_that_would_take_u_out_of_float32_runs_the_check_early():
     assert f.repairs.decay_period(f) == 47
     assert (int(f.checks), int(f.folds), int(f.skipped_nonfinite)) == (150 // 47 + 150 // 100, 0, 0), f.stats()
     assert rel(f.weight(), n.weight()) < 1e-6, rel(f.weight(), n.weight())
+
 
 def test_bookkeeping_refresh_is_exact():
     f, n = make_pair("zloss", lr=0.05, stabiliser={"q_refresh_every": 7}, sync_every=1)

@@ -17,7 +17,7 @@ from .scatter_add_rows_kernel import scatter_add_rows_
 from .sparse_gram_kernel import sparse_gram
 from .torch_ops import SortedIds, logsumexp_rows, q_update_factors
 
-#: the ops ``ops.triton_impl()`` takes from here, by the names of ``Ops``' fields
+#: what ``ops.triton_impl()`` takes from here: an op for each of ``Ops``' fields (``SortedIds`` for ``sorted_ids``)
 __all__ = ["SortedIds", "fold_rows_", "gather_dot", "gather_sum", "gram_rows", "logsumexp_rows", "m_matrix",
            "q_update", "q_update_factors", "scatter_add_rows_", "sparse_gram"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..distributed.fixed_exchange import FirstFault
 from ..heads.flag_board import FlagBoard
 from ..spherical.driving import SYNC_EVERY
-from ..distributed.fixed_exchange import FirstFault
 
 
 class LossChecks:

@@ -39,11 +39,11 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
+from ..distributed.collectives import ProcessGroup
+from ..distributed.fixed_exchange import TOO_LARGE, FixedExchange
 from ..heads.flag_board import FlagBoard
 from ..rows import RowGrad, row_grad_of
 from ..rows.coalesce import coalesce_rows
-from ..distributed.collectives import ProcessGroup
-from ..distributed.fixed_exchange import TOO_LARGE, FixedExchange
 
 
 @torch.no_grad()

@@ -19,12 +19,12 @@ import warnings
 import torch
 from torch import Tensor
 
+from ..distributed.collectives import ProcessGroup, bit_hash
 from ..heads.flag_board import FlagBoard
 from . import driver, exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
 from .blocks import row_blocks
-from ..distributed.collectives import ProcessGroup, bit_hash
 from .driver import DeviceFlags
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep

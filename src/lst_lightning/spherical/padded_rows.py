@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .batch_shapes import padded_rows, padded_slots
 from ..distributed.collectives import ProcessGroup
 from ..distributed.fixed_exchange import INVALID, SENT, TOO_LARGE, FirstFault, FixedExchange
+from .batch_shapes import padded_rows, padded_slots
 
 #: the code of a void step whose gathered batch had bad ids (beside fixed_exchange.py's)
 BAD_IDS = 3

@@ -137,7 +137,7 @@ class Repairs:
         c = 1 - lr weight_decay, so c^k after k steps (0: never within ``check_every``). Only an lr
         times weight decay of about 0.35 or more (float32) needs a check sooner than every 100
         steps. From the head's lr and dtype alone, so that a resumed run checks where the saved one
-        would; the check runs at the flags' reads, so every ``sync_every`` steps at most."""
+        would; the check runs at the flags' reads, so no more often than every ``sync_every`` steps."""
         x = head.lr * head.weight_decay
         if x <= 0:
             return 0
