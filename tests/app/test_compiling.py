@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
 
 import lst_lightning.rows.adam as row_adam
 from lst_lightning.app.compiling import Compiled, choose, install
@@ -88,6 +90,24 @@ def test_a_compiled_run_equals_the_eager_run_and_recompiles_are_bounded(aot_eage
     assert not counters["graph_break"], dict(counters["graph_break"])
     train(comp, opt_c, batches([24, 10]))  # the same shapes again: no graph more
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.parametrize("mode, marks", [("reduce-overhead", 3), ("max-autotune-no-cudagraphs", 0)])
+def test_each_step_under_cuda_graphs_is_one_generation_of_the_graph_trees(aot_eager, monkeypatch, mode, marks):
+    """Under CUDA graph trees each training step marks its start once (torch's
+    cudagraph_mark_step_begin): RowAdam's compiled update, after the backward, then runs in the
+    step's generation instead of starting one that frees the row ids and gradients it reads (on a
+    GPU: "accessing tensor output of CUDAGraphs that has been overwritten"). Without CUDA graphs
+    nothing is marked. A Lightning run, its forwards and RowAdam compiled."""
+    calls = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: calls.append(1))
+    lm, _ = model(False)
+    lm.compiled = Compiled(body=True, head=True, mode=mode)
+    trainer = pl.Trainer(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(lm, DataLoader(batches([8] * 3), batch_size=None))
+    assert len(calls) == marks and lm.body.forward.calls == 3
+    assert not Compiled(mode="reduce-overhead").graphed  # nothing compiled: nothing to mark
 
 
 def test_auto_compiles_on_a_gpu_what_compiles_whole_and_says_why_not_the_rest():

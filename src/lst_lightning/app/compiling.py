@@ -20,7 +20,8 @@ training step runs eager: it sizes the static rows and reads its batch's checks 
 the compiled forwards take over from the second. A self-updating head is left out of the graph:
 the factored head compiles its own step (``head.compile_step``). Under compilation a head leaves
 its host checks to the loop, which reads the loss for non-finite values every few steps
-(``LanguageModel``).
+(``LanguageModel``). Under CUDA graphs (``reduce-overhead``, ``max-autotune``) each training step
+is one generation of torch's CUDA graph trees (``Compiled.begin_step``).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ AUTO = "auto"
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 #: the mode on a CUDA device when the setting names none: CUDA graphs over the compiled graphs
 CUDA_MODE = "reduce-overhead"
+#: the modes whose compiled graphs replay from CUDA graphs (torch's CUDA graph trees)
+GRAPHED_MODES = ("reduce-overhead", "max-autotune")
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,20 @@ class Compiled:
     @property
     def any(self) -> bool:
         return self.body or self.head
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the compiled forwards (and RowAdam's update) replay from CUDA graph trees."""
+        return self.any and self.mode in GRAPHED_MODES
+
+    def begin_step(self) -> None:
+        """Mark a training step's start for CUDA graph trees (a no-op unless ``graphed``). Left to
+        itself, the trees start a new generation at every compiled call that has no backward
+        pending, and free the outputs of the last one: RowAdam's compiled update, after the
+        backward, would free the row ids and gradients it reads. Marked here, a step (forwards,
+        backward, updates) is one generation."""
+        if self.graphed:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def describe(self) -> str:
         parts = [p for p, on in (("body", self.body), ("head", self.head)) if on]
@@ -132,7 +149,7 @@ class TrainingForward:
         self.compiled = torch.compile(self.eager, fullgraph=True, dynamic=False, mode=mode)
         # a CUDA graph's replay writes over its last outputs: the loop keeps its own copy (the
         # loss it logs, the hidden states the head reads), which autograd passes through
-        self.copies = mode in ("reduce-overhead", "max-autotune")
+        self.copies = mode in GRAPHED_MODES
         self.calls = 0
 
     def __call__(self, *args, **kwargs):

@@ -187,6 +187,9 @@ class LanguageModel(pl.LightningModule):
     def on_fit_start(self):
         install(self.body, self.head, self.compiled)  # here: in each process (ddp_spawn's workers too)
 
+    def on_train_batch_start(self, batch, batch_idx):
+        self.compiled.begin_step()
+
     def on_train_start(self):
         self._fit_start = time.perf_counter()
 

@@ -12,7 +12,10 @@ correction counts the table's steps (its ``step``, a device scalar: no host read
 other rows: both would touch all D rows every step.
 
 ``compiled=True`` runs each table's update through ``torch.compile`` (``mode``: its mode), the lr
-a device scalar (a new lr is no recompile).
+a device scalar (a new lr is no recompile). In a mode with CUDA graphs (``reduce-overhead``) beside
+a model compiled in one, mark each training step's start with
+``torch.compiler.cudagraph_mark_step_begin()`` (lst-train does): unmarked, the update starts a
+generation of CUDA graph trees, which frees the row ids and gradients that it reads.
 """
 from __future__ import annotations
 
