@@ -56,6 +56,10 @@ NOT_ON_THE_GPU = "tests/lst_kernels/test_compile_for_gpu.py"
 QUALITY_HEADS = ["factored-sampled", "factored-sampled-adaptive", "sampled-log_uniform", "adaptive", "softmax",
                  "factored-zloss", "hsoftmax"]
 TARGET = re.compile(r"^(PASS|FAIL|UNMEASURED)\s+(.*)$")
+#: the most one test may take on the GPU (the default head's step compiles in about a minute on an H200)
+PER_TEST_S = 150
+#: the environment of the pytest steps: each failure's reason printed when it happens
+AT_ONCE = {"LST_REPORT_AT_ONCE": "1"}
 
 
 @dataclass
@@ -77,9 +81,12 @@ def workers(n: int) -> list[str]:
 
 def pytest_argv(paths: list[str], junit: Path, *extra: str) -> list[str]:
     # -o addopts= drops the suite's default "-m 'not slow' --durations=30"; -p no:cacheprovider
-    # writes no .pytest_cache into the checkout; -rA names every test with its outcome in the log.
-    return [PY, "-m", "pytest", *paths, "-q", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
-            "--import-mode=importlib", f"--junitxml={junit}", *extra]
+    # writes no .pytest_cache into the checkout; -v names each test as it ends and -rA again at the
+    # end; a failure's reason is printed at once (tests/conftest.py, LST_REPORT_AT_ONCE); where
+    # pytest-timeout is installed, one test is stopped after PER_TEST_S.
+    timeout = ["--timeout", str(PER_TEST_S)] if importlib.util.find_spec("pytest_timeout") else []
+    return [PY, "-m", "pytest", *paths, "-v", "-rA", "-p", "no:cacheprovider", "-o", "addopts=",
+            "--import-mode=importlib", f"--junitxml={junit}", *timeout, *extra]
 
 
 def tests(out: Path, smoke: bool) -> list[Step]:
@@ -90,7 +97,7 @@ def tests(out: Path, smoke: bool) -> list[Step]:
     # smoke: one file (collecting every path costs 20 s on a 2-core CPU)
     argv = pytest_argv(["tests/spherical/test_cuda.py"] if smoke else GPU_TEST_PATHS, junit, "-m", "gpu",
                        *([] if smoke else workers(4)))
-    return [Step("gpu_tests", argv, 80, junit=junit)]
+    return [Step("gpu_tests", argv, 240, env=dict(AT_ONCE), junit=junit)]
 
 
 def kernels(out: Path, smoke: bool) -> list[Step]:
@@ -99,18 +106,21 @@ def kernels(out: Path, smoke: bool) -> list[Step]:
     junit = out / "kernel_tests_junit.xml"
     argv = pytest_argv(["tests/lst_kernels/test_gather_dot_kernel.py"] if smoke else ["tests/lst_kernels"], junit,
                        "-m", "not slow", "--deselect", NOT_ON_THE_GPU, *(["-k", "shape1"] if smoke else workers(8)))
-    return [Step("kernel_tests", argv, 40, junit=junit)]
+    return [Step("kernel_tests", argv, 60, env=dict(AT_ONCE), junit=junit)]
 
 
 def compiled(out: Path, smoke: bool) -> list[Step]:
     """The factored head's step compiled whole (compiled_step.py) at the target size, the Z-loss's
     and the default head's: graph breaks, Inductor's kernels a step, eager against compiled against
     compiled inside a CUDA graph, and the autograd and accumulated steps (the HF Trainer's and
-    Fabric's routes) against the graph step, with PASS / FAIL lines for the targets."""
+    Fabric's routes) against the graph step, with PASS / FAIL lines for the targets; before it,
+    launch_cost.py: one empty kernel launch and one CUDA-graph node, the units of a launch-bound step."""
     step = [PY, "scripts/compiled_step.py", "--out", str(out)]
+    launches = Step("launch_cost", [PY, "scripts/launch_cost.py", "--out", str(out), *(["--smoke"] if smoke else [])],
+                    60 if smoke else 30)
     if smoke:  # aot_eager: Dynamo's graphs without Inductor's code generation (a CPU compiles it slowly)
-        return [Step("compiled_step", [*step, "--smoke", "--backend", "aot_eager", "--loss", "zloss"], 120)]
-    return [Step("compiled_step", step, 240)]
+        return [launches, Step("compiled_step", [*step, "--smoke", "--backend", "aot_eager", "--loss", "zloss"], 120)]
+    return [launches, Step("compiled_step", step, 240)]
 
 
 def batch_sizes(out: Path, smoke: bool) -> list[Step]:

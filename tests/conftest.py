@@ -24,6 +24,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
 
 
+def pytest_runtest_logreport(report):
+    """With ``LST_REPORT_AT_ONCE`` set (the GPU suite, scripts/gpu_session.py), a failure's reason is
+    printed when it happens, not only in the summary at the end: a run killed at its time limit
+    still says why its tests failed."""
+    if report.failed and os.environ.get("LST_REPORT_AT_ONCE"):
+        print(f"\n[failed] {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext[-4000:]}",
+              flush=True)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

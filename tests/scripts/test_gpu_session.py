@@ -28,7 +28,9 @@ def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
     assert gs.main(["kernels", "compiled", "profile", "heads", "tf32", "--out", str(tmp_path), "--smoke"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if not n.startswith("bench_heads_")] == [
-        "compiled_step.csv", gs.LOG, "kernel_tests_junit.xml", "tf32_drift.csv"]
+        "compiled_step.csv", gs.LOG, "kernel_tests_junit.xml", "launch_cost.csv", "tf32_drift.csv"]
+    units = {r["unit"]: r for r in csv.DictReader((tmp_path / "launch_cost.csv").open())}
+    assert set(units) == {"torch_op", "triton_empty", "cuda_graph_node"} and float(units["torch_op"]["us"]) > 0
     (row,) = list(csv.DictReader((tmp_path / "compiled_step.csv").open()))
     assert (row["graphs"], row["breaks"]) == ("1", "0")  # the step compiled whole
     assert sorted(p.suffix for p in tmp_path.glob("bench_heads_*")) == [".csv", ".md", ".png"]
@@ -37,7 +39,7 @@ def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
     text = summary(tmp_path)
     assert "kernel_tests  ok" in text and kernels in text
     assert "profile_step  ok" in text
-    assert "compiled_step  ok" in text and "tf32_drift  ok" in text
+    assert "compiled_step  ok" in text and "tf32_drift  ok" in text and "launch_cost  ok" in text
     log = (tmp_path / gs.LOG).read_text()  # the profile of the default head, pinned factors side by side
     assert "== factored, loss=sampled, inverse=products" in log and "== factored_sync, loss=sampled, inverse=products, factors=2" in log
     (path,) = tmp_path.glob("bench_heads_smoke_*.csv")
