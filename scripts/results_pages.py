@@ -814,6 +814,11 @@ PAGE_LIST = [
                     "kernel tests ran and passed; the gpu-marked tests ran one at a time, and the first six, the "
                     "compiled step's CUDA tests in `tests/spherical/test_compiled.py` (equal to the eager step and "
                     "the naive head; no host synchronisation on four routes), failed, their reasons not printed. "
+                    "Two faults of those tests, each shown on the CPU, account for them: the float32 head started "
+                    "from another W than the naive head (a float32 head draws another initial W from the same "
+                    "seed), and a read just before the checked steps changed the Neumann factors, so the first "
+                    "checked step compiled a graph (and captured one). The tests give every head one W and "
+                    "read until the factors settle (`test_after_the_factors_settle_the_compiled_steps_compile_nothing`). "
                     "The suite prints each failure's reason when it happens, so a run cut short still names them.")),
 ]
 PAGES_BY_NAME = {p.name: p for p in PAGE_LIST}

@@ -243,6 +243,38 @@ def test_compile_step_true_is_refused_in_one_line_where_the_step_cannot_compile(
         FactoredSphericalHead(D, d, compile_step="yes")
 
 
+def settle_neumann_factors(h, steps, reads: int = 6) -> None:
+    """``steps()`` then a read of the flags, until a read leaves the Neumann factors as they were
+    (each new number of factors is a graph more, compiled, and on a CUDA device captured, at the
+    next step): the steps after it compile nothing."""
+    for _ in range(reads):
+        before = h.step_checks.factors
+        steps()
+        h.sync()
+        if h.step_checks.factors == before:
+            return
+    raise AssertionError(f"the Neumann factors still change after {reads} reads")
+
+
+def test_after_the_factors_settle_the_compiled_steps_compile_nothing(aot_eager):
+    """The CPU side of test_on_cuda_the_default_step_never_waits_for_the_gpu: after
+    settle_neumann_factors, sync_every - 1 steps on the GPU's U^-1 route (products, adaptive
+    factors) compile no graph, on each route."""
+    for route in ("autograd", "fused"):
+        h = head(DEFAULT, True, dtype=torch.float32, stabiliser={"inverse": "products"})
+        h.step = route
+        data = batches(h.sync_every + 2)
+
+        def one(H, idx):
+            h(H.clone().requires_grad_(), idx).backward()
+
+        settle_neumann_factors(h, lambda: [one(H, idx) for H, idx in data[:2]])
+        compiled, calls = graphs(), h.step_checks.calls
+        for H, idx in data[2:2 + h.sync_every - 1 - calls % h.sync_every]:
+            one(H, idx)
+        assert graphs() == compiled and int(h.steps) >= h.sync_every - 1, route
+
+
 # -- on a CUDA device (``-m gpu``; the GPU suite's ``tests`` part) --------------------------------
 def cuda_head(kind, compile_step, dtype=torch.float32, num_classes=D, width=d):
     return FactoredSphericalHead(num_classes, width, **kind, lr=0.1, weight_decay=0.01, dtype=dtype, device="cuda",
@@ -258,7 +290,9 @@ def test_on_cuda_the_compiled_step_equals_the_eager_one_and_the_naive_head(kind)
     eager, fast = cuda_head(kind, False, torch.float64), cuda_head(kind, True, torch.float64)
     f32 = cuda_head(kind, True)
     naive = NaiveSphericalHead(D, d, **kind, lr=0.1, weight_decay=0.01, dtype=torch.float64, device="cuda")
+    # one W for all: a float32 head draws another initial W than a float64 one from the same seed
     naive.reset_weight(eager.weight())
+    f32.reset_weight(eager.weight())
     assert fast.compiles and f32.compiles and not eager.compiles
     gap = {"eager": 0.0, "naive": 0.0}
     for i, (H, idx) in enumerate(batches(50)):
@@ -282,8 +316,10 @@ def test_on_cuda_the_compiled_step_equals_the_eager_one_and_the_naive_head(kind)
 def test_on_cuda_the_default_step_never_waits_for_the_gpu(route):
     """Under ``torch.cuda.set_sync_debug_mode("error")`` any host synchronisation raises: the
     default head's compiled step runs sync_every - 1 steps on each route without one (the read of
-    the flags, every sync_every steps, is the only one), its first steps (the compile, a capture)
-    taken before."""
+    the flags, every sync_every steps, is the only one). Its compiles and captures are taken
+    before: a graph (and a CUDA graph) for each number of Neumann factors that a read chooses
+    (``neumann="adaptive"``), reads until a read leaves them as they were
+    (settle_neumann_factors)."""
     h = cuda_head(DEFAULT, True)
     data = [(H.cuda(), idx.cuda()) for H, idx in batches(h.sync_every + 2)]
     opt = torch.optim.SGD([torch.zeros(1, device="cuda", requires_grad=True)])
@@ -297,10 +333,8 @@ def test_on_cuda_the_default_step_never_waits_for_the_gpu(route):
         if route == "accumulated":
             opt.step()
 
-    for H, idx in data[:2]:
-        one(H, idx)
-    h.sync()  # its own read, before the checked steps: the next read is sync_every steps on
-    calls = h.step_checks.calls
+    settle_neumann_factors(h, lambda: [one(H, idx) for H, idx in data[:2]])
+    calls, compiled = h.step_checks.calls, graphs()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -310,6 +344,7 @@ def test_on_cuda_the_default_step_never_waits_for_the_gpu(route):
         torch.cuda.set_sync_debug_mode("default")
     h.sync()
     assert int(h.skipped_nonfinite) == 0 and int(h.steps) >= h.sync_every - 1
+    assert graphs() == compiled  # nothing compiled in the checked steps
 
 
 @pytest.mark.gpu
