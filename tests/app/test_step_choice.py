@@ -29,8 +29,13 @@ def test_one_cuda_device_replays_the_step_from_a_graph(caplog):
     with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
         choose_step(h, trainer())
     assert (h.step, h.sync_every) == ("cuda_graph", SYNC_EVERY)
-    # the head is on the CPU here: its step is not compiled (on the GPU it is)
-    assert f"eager step replayed from a CUDA graph, its flags read every {SYNC_EVERY} steps" in caplog.text
+    # the head is built on the CPU and moved later: the log says what its step is on the training device
+    assert f"compiled step replayed from a CUDA graph, its flags read every {SYNC_EVERY} steps" in caplog.text
+    caplog.clear()
+    h = head(compile_step=False)
+    with caplog.at_level(logging.INFO, logger="lst_lightning.app.step_choice"):
+        choose_step(h, trainer())
+    assert "the head's eager step replayed from a CUDA graph" in caplog.text
 
 
 def test_a_sync_every_given_above_one_is_kept():

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 
+from ..spherical.plan import compiles_on
+
 AUTO = "auto"
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,8 @@ def choose_step(head, trainer) -> None:
             head.step = "cuda_graph"
         except ValueError as e:  # the head's own refusal (sync_every=1)
             why = str(e)
-    compiled = "compiled" if head.compiles else "eager"
+    # the head is built on the CPU; its plan follows it to the training device
+    compiled = "compiled" if compiles_on(head.driving, trainer.strategy.root_device) else "eager"
     if why is None:
         log.info("head.step=auto: the head's %s step replayed from a CUDA graph, its flags read every %d steps "
                  "(head.step=autograd for the step without a graph)", compiled, head.sync_every)

@@ -155,11 +155,9 @@ def plan_for(head) -> StepPlan:
     kernel ops' implementation for that device, ``LST_KERNELS`` read here)."""
     driving = head.driving
     kind = negatives_kind(head.negatives)
-    compile_ = driving.compile
-    wanted = compile_ is True or (compile_ == "auto" and head.device.type == "cuda")
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
-    compiled = wanted and compile_refusal(driving) is None
+    compiled = compiles_on(driving, head.device)
     reads = head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
     return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
@@ -181,6 +179,13 @@ def driving_refusal(driving) -> str | None:
         return (f"step='cuda_graph' with parallel={driving.parallel!r}: a multi-process head exchanges data "
                 "between ranks each step, which is not captured; use step='fused'")
     return None
+
+
+def compiles_on(driving, device: torch.device) -> bool:
+    """Whether a head driven so runs its step's device part compiled on ``device``: ``compile``
+    True, or "auto" on a CUDA device, and nothing refusing it."""
+    wanted = driving.compile is True or (driving.compile == "auto" and device.type == "cuda")
+    return wanted and compile_refusal(driving) is None
 
 
 def compile_refusal(driving) -> str | None:
