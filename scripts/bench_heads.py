@@ -71,7 +71,7 @@ SIZES = {
 # --sweep-d: the widths of real models, against the fused full softmaxes (the smoke run: tiny widths)
 SWEEP = {"full": dict(D=[100_000, 1_000_000], d=[512, 1024, 2048, 4096], m=[1024]),
          "smoke": dict(D=[50, 300], d=[8, 16], m=[6])}
-SWEEP_HEADS = ("factored/sampled", "factored_graph/sampled", "softmax/torch", "softmax/cce")
+SWEEP_HEADS = ("factored/sampled", "factored_graph/sampled", "softmax/torch", "softmax/liger", "softmax/cce")
 COLUMNS = ["machine", "device", "torch", "threads", "head", "variant", "dtype", "D", "d", "m", "median_ms",
            "p10_ms", "p90_ms", "steps", "peak_extra_mb", "param_mb", "status"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -90,7 +90,7 @@ def measured_crossovers(path: Path) -> dict[tuple[int, int], tuple[int, str]]:
         ours = [float(r["median_ms"]) for r in here if r["head"].startswith("factored") and r["variant"] == "sampled"]
         soft: dict[int, float] = {}
         for r in here:
-            if r["head"] == "softmax" and r["variant"] in ("torch", "cce"):
+            if r["head"] == "softmax" and r["variant"] in ("torch", "liger", "cce"):
                 D = int(r["D"])
                 soft[D] = min(soft.get(D, float("inf")), float(r["median_ms"]))
         if not ours or not soft:
