@@ -102,12 +102,18 @@ def test_the_equal_time_pair_runs_both_sides_compiled_on_the_same_setting():
     """On the GPU: the same budget, validation and preset for both heads, trainer=gpu (compile=auto
     compiles there), the transformer of real size on its second body."""
     steps = gs.equal_time(gs.ROOT / "OUT", smoke=False)
-    assert [s.name for s in steps] == list(gs.EQUAL_TIME_BODIES)
-    for s in steps:
+    assert [s.name for s in steps] == [n for b in gs.EQUAL_TIME_BODIES for n in (f"{b}_warm_up", b)]
+    for warm, s in zip(steps[::2], steps[1::2]):
         assert s.argv[s.argv.index("--heads") + 1:][:2] == gs.EQUAL_TIME_HEADS
         assert "trainer=gpu" in s.argv and s.argv[s.argv.index("--budget-s") + 1] == "60"
         assert "compile=false" not in " ".join(s.argv)
-    assert "model=gpt_d1024" in steps[1].argv and "model=gpt_d1024" not in steps[0].argv
+        # the warm-up: the same heads and overrides, a short budget, its files in the scratch folder
+        setting = [a for a in s.argv if a.startswith(("model=", "trainer=", "compile"))]
+        assert [a for a in warm.argv if a.startswith(("model=", "trainer=", "compile"))] == setting
+        assert warm.argv[warm.argv.index("--budget-s") + 1] == str(gs.WARM_UP_S)
+        assert f"/{gs.SCRATCH}/" in warm.argv[warm.argv.index("--out") + 1]
+        assert s.argv[s.argv.index("--out") + 1] == str(gs.ROOT / "OUT")
+    assert "model=gpt_d1024" in steps[3].argv and "model=gpt_d1024" not in steps[1].argv
 
 
 def test_the_full_suite_takes_what_docs_gpu_md_says_and_writes_into_out(capsys):
