@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 
-from ..spherical.plan import compiles_on
-
 AUTO = "auto"
 
 log = logging.getLogger(__name__)
@@ -56,7 +54,7 @@ def choose_step(head, trainer) -> None:
         except ValueError as e:  # the head's own refusal (sync_every=1)
             why = str(e)
     # the head is built on the CPU; its plan follows it to the training device
-    compiled = "compiled" if compiles_on(head.driving, trainer.strategy.root_device) else "eager"
+    compiled = "compiled" if head.compiles_on(trainer.strategy.root_device) else "eager"
     if why is None:
         log.info("head.step=auto: the head's %s step replayed from a CUDA graph, its flags read every %d steps "
                  "(head.step=autograd for the step without a graph)", compiled, head.sync_every)

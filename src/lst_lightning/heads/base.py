@@ -78,6 +78,11 @@ class OutputHead(nn.Module):
         factored head compiles its own step: ``compiles``)."""
         return "it steps itself in backward (the factored head compiles its own step)" if self.self_updating else None
 
+    def compiles_on(self, device: torch.device) -> bool:
+        """Whether the head's own training step runs compiled once it is on ``device`` (a loop
+        asks before it moves the head there); ``compiles`` unless the head says otherwise."""
+        return self.compiles
+
     def stats(self) -> dict[str, float]:
         """Counters worth logging (repairs, skipped steps...): none by default."""
         return {}

@@ -29,7 +29,7 @@ from .driver import DeviceFlags
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
 from .multi_process import processes_for
-from .plan import StepPlan, head_refusal, plan_for
+from .plan import StepPlan, compiles_on, head_refusal, plan_for
 from .precision import own_precision
 from .settings import Driven
 from .shard_files import load_rows
@@ -167,6 +167,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def compiles(self) -> bool:
         """Whether the step runs compiled now (``compile_step`` on this device, nothing refusing it)."""
         return self.plan.compiled
+
+    def compiles_on(self, device: torch.device) -> bool:
+        """Whether the step runs compiled once the head is on ``device`` (plan.compiles_on)."""
+        return compiles_on(self.driving, torch.device(device))
 
     @property
     def parallel(self) -> str:
