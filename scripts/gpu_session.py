@@ -17,8 +17,8 @@ the n-gram body and the d = 1024 transformer), ``dsweep`` (bench_heads.py --swee
 ``tf32`` (tf32_drift.py: TF32 products against float64).
 Each step runs in its own process (a CUDA error in one does not poison the next), under its own
 time limit; the suite tees their output into ``gpu_session_log.txt`` in ``--out`` and ends that log
-with a table: each step's exit status and time, the tests' counts from their junit XML, and every
-PASS / FAIL / UNMEASURED target line the benchmarks printed. Every file lies directly in ``--out``.
+with a table: each step's exit status and time, the tests' counts from their junit XML, every
+PASS / FAIL / UNMEASURED target line the benchmarks printed, and every run a step reports failed. Every file lies directly in ``--out``.
 
 ``--smoke`` runs the same steps at tiny sizes on whatever device is there (CPU in the test
 suite, tests/scripts/test_gpu_session.py), with no time limit: the limits are the GPU's plan, and
@@ -56,6 +56,8 @@ NOT_ON_THE_GPU = "tests/lst_kernels/test_compile_for_gpu.py"
 QUALITY_HEADS = ["factored-sampled", "factored-sampled-adaptive", "sampled-log_uniform", "adaptive", "softmax",
                  "factored-zloss", "hsoftmax"]
 TARGET = re.compile(r"^(PASS|FAIL|UNMEASURED)\s+(.*)$")
+#: a run that failed inside a step that goes on with the others (quality_table.py's "!! ... failed: why")
+RUN_FAILED = re.compile(r"^!! (.+ failed: .*)$")
 #: the most one test may take on the GPU (the default head's step compiles in about a minute on an H200)
 PER_TEST_S = 150
 #: the environment of the pytest steps: each failure's reason printed when it happens
@@ -283,7 +285,7 @@ def run_step(step: Step, log, limited: bool = True) -> tuple[int, float, list[st
             sys.stdout.write(line)
             log.write(line)
             log.flush()  # a run cut off keeps what reached the file
-            if TARGET.match(line.strip()):
+            if TARGET.match(line.strip()) or RUN_FAILED.match(line.strip()):
                 targets.append(line.strip())
         rc = proc.wait()
     finally:
@@ -350,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
             rc, seconds, targets = run_step(step, log, limited=not args.smoke)
             failed = rc != 0
             rows.append((step.name, "ok" if rc == 0 else f"exit {rc}", f"{seconds:.0f} s", junit_counts(step.junit)))
-            rows += [("  target", t.split()[0], "", " ".join(t.split()[1:])) for t in targets]
+            rows += [("  run", "failed", "", RUN_FAILED.match(t).group(1)[:300]) if RUN_FAILED.match(t)
+                     else ("  target", t.split()[0], "", " ".join(t.split()[1:])) for t in targets]
         table = "\n".join(["", "=== summary", *("  ".join(c for c in r if c) for r in rows)])
         print(table, flush=True)
         log.write(table + "\n")

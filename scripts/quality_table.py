@@ -26,6 +26,7 @@ import contextlib
 import csv
 import json
 import multiprocessing
+import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from datetime import timedelta
@@ -225,7 +226,7 @@ def write_results(rows: list[dict], metric: str, machine: str, folder: Path,
     return md, stem
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
@@ -281,7 +282,9 @@ def main(argv: list[str] | None = None) -> None:
         wrote(*(stem.with_suffix(s) for s in (".csv", ".md", ".png")), stem.parent / (stem.name + "_curves.json"))
     if args.runs_dir:
         print(f"run directories in {out_dir}")
+    # every run's row is written; a run that failed makes the exit status 1 (a suite says so)
+    return 1 if any(r.get("error") for r in rows) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

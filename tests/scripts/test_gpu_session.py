@@ -148,6 +148,16 @@ def test_a_failed_smoke_run_sends_bench_heads_to_the_torch_ops(tmp_path, monkeyp
     assert "kernels: torch" in log and "bench_heads_smoke  exit 3" in log and "bench_heads (LST_KERNELS=torch)  ok" in log
 
 
+def test_a_run_failed_inside_a_step_is_in_the_summary(tmp_path, monkeypatch):
+    """quality_table.py goes on past a failed run, prints why and exits 1: the summary names the run."""
+    why = "synthetic/factored-sampled/budget failed: RuntimeError: accessing tensor output of CUDAGraphs"
+    step = gs.Step("equal_time_ngram", [gs.PY, "-c", f"print('!! {why}'); raise SystemExit(1)"], 60)
+    monkeypatch.setitem(gs.PARTS, "equal_time", lambda out, smoke: [step])
+    assert gs.main(["equal_time", "--out", str(tmp_path)]) == 1
+    text = summary(tmp_path)
+    assert "equal_time_ngram  exit 1" in text and f"run  failed  {why}" in text
+
+
 def test_a_silent_step_past_its_limit_is_killed(tmp_path, monkeypatch):
     slow = gs.Step("quiet", [gs.PY, "-c", "import time; time.sleep(30)"], 1.0)
     monkeypatch.setitem(gs.PARTS, "tests", lambda out, smoke: [slow])
