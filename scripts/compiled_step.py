@@ -42,20 +42,14 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from bench_heads import TARGET, app_head_kwargs, loss_settings
+from bench_heads import app_head_kwargs, loss_settings
+from gpu_targets import MAX_MS, MAX_PADDED_RATIO, MAX_ROUTE_RATIO, TARGET, verdict
 from lst_lightning.spherical import FactoredSphericalHead
 from lst_lightning.spherical import driver, exact_step
 from lst_lightning.spherical.batch_shapes import padded_rows
 from lst_lightning.spherical.graph_step import CudaGraphStep
 
 SMOKE = {"D": 300, "d": 16, "m": 32}
-#: the GPU targets at the target size (TARGET's D, d, m): the compiled step's milliseconds with no
-#: graph and inside the graph, and the autograd and accumulated steps' (the HF Trainer's, Fabric's
-#: routes) against lst-train's graph step
-MAX_MS = {"zloss": 0.4, "sampled": 0.6}
-MAX_ROUTE_RATIO = 1.2
-#: the fused step of m rows padded to its batch size against the step of exactly m rows (any device)
-MAX_PADDED_RATIO = 1.15
 #: the random batch sizes of ``--batch-sizes``
 NUM_SIZES = 30
 BATCH_COLUMNS = ["device", "loss", "inverse", "D", "d", "m", "padded_to", "static_ms", "padded_ms", "padded_over_static",
@@ -202,10 +196,10 @@ def batch_size_targets(row: dict) -> list[str]:
     static one, and at most log2(largest) + 2 graphs over the random sizes."""
     name = f"batches of any size, loss={row['loss']}"
     ratio, bound = row["padded_over_static"], max(1, row["largest"] - 1).bit_length() + 2
-    padded = (f"{'PASS' if ratio <= MAX_PADDED_RATIO else 'FAIL'} {name}: m = {row['m']} padded to "
+    padded = (f"{verdict(ratio, MAX_PADDED_RATIO)} {name}: m = {row['m']} padded to "
               f"{row['padded_to']} takes {ratio:.3f} x the step of exactly {row['m']} rows (target <= "
               f"{MAX_PADDED_RATIO} x)")
-    graphs = (f"{'PASS' if row['graphs'] <= bound else 'FAIL'} {name}: {row['graphs']} graphs over {row['sizes']} "
+    graphs = (f"{verdict(row['graphs'], bound)} {name}: {row['graphs']} graphs over {row['sizes']} "
               f"random sizes up to {row['largest']} (target <= {bound})")
     return [padded, graphs]
 
@@ -237,12 +231,12 @@ def targets(row: dict) -> list[str]:
     if not at_target or row["inverse"] != "products":
         return [f"UNMEASURED {name}: the targets are for D={TARGET['D']}, d={TARGET['d']}, m={TARGET['m']} on a GPU"]
     limit = MAX_MS[row["loss"]]
-    lines = [f"{'PASS' if row[k] <= limit else 'FAIL'} {name}, {what}: {row[k]:.3f} ms (target <= {limit} ms)"
+    lines = [f"{verdict(row[k], limit)} {name}, {what}: {row[k]:.3f} ms (target <= {limit} ms)"
              for k, what in (("compiled_ms", "no graph"), ("graph_ms", "inside a CUDA graph"))]
     for k, route in (("autograd_ms", "the autograd step (a plain loop, Fabric)"),
                      ("accumulated_ms", "the accumulated step (the HF Trainer)")):
         ratio = row[k] / row["graph_ms"]
-        lines.append(f"{'PASS' if ratio <= MAX_ROUTE_RATIO else 'FAIL'} {name}, {route}: {ratio:.2f} x lst-train's "
+        lines.append(f"{verdict(ratio, MAX_ROUTE_RATIO)} {name}, {route}: {ratio:.2f} x lst-train's "
                      f"graph step (target <= {MAX_ROUTE_RATIO} x)")
     return lines
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpu_targets import MAX_MS, TARGET, verdict
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "benchmarks" / "results"
 PAGES = ROOT / "docs" / "results"
@@ -844,15 +846,13 @@ def where(rows: list[Row]) -> str:
 
 def compiled_step_figure() -> Figure:
     """The compiled step replayed from its CUDA graph at the GPU targets' size, the latest row of
-    each loss, beside its target (compiled_step.py's), PASS or FAIL."""
-    from compiled_step import MAX_MS, TARGET  # noqa: PLC0415 (torch: only where the figures are made)
-
+    each loss, beside its target (gpu_targets.py's, which compiled_step.py checks), PASS or FAIL."""
     size = (TARGET["D"], TARGET["d"], TARGET["m"])
     rows = {r["loss"]: r for r in load("compiled_step") if r["device"] == "cuda" and (r["D"], r["d"], r["m"]) == size}
     cells = []
     for loss, name in (("zloss", "the Z-loss"), ("sampled", "the default")):
         ms = rows[loss]["graph_ms"]
-        cells.append(f"{name} {fmt(ms)} ms (target {MAX_MS[loss]:g}: **{'PASS' if ms <= MAX_MS[loss] else 'FAIL'}**)")
+        cells.append(f"{name} {fmt(ms)} ms (target {MAX_MS[loss]:g}: **{verdict(ms, MAX_MS[loss])}**)")
     D = f"{size[0]:,}".replace(",", " ")
     return Figure(f"the compiled step on a GPU, from its CUDA graph, D = {D}, d = {size[1]}, m = {size[2]}",
                   ", ".join(cells), list(rows.values()), "compiled_step")
