@@ -146,11 +146,14 @@ class Repairs:
 
     @torch.no_grad()
     def rescale(self, head, smax: float, smin: float) -> float:
-        """U's singular values all below the band or all above it: U <- U / s, U^-1 <- s U^-1 and
-        V <- s V with s = sqrt(smax smin), which centres them on 1 (cond(U) unchanged), W unchanged.
+        """Where U's singular values (smax to smin) all lie below the band or all above it:
+        U <- U / s, U^-1 <- s U^-1 and V <- s V with s = sqrt(smax smin), which centres them on 1
+        (cond(U) unchanged), W unchanged; returns s, or 1.0 (nothing done) where they do not.
         A scalar multiplies, so nothing cancels; a rank-one fix of a singular value sigma far from 1
         multiplies V's part along its direction by sigma, formed as the difference of two numbers
-        near 1, and loses the digits of 1 / sigma. One O(D d) pass over V; counted as one fix. (s)"""
+        near 1, and loses the digits of 1 / sigma. One O(D d) pass over V; counted as one fix."""
+        if not (smax < self.settings.sv_min or smin > self.settings.sv_max):
+            return 1.0
         scale = (smax * smin) ** 0.5
         for _, blk in in_place_blocks(head.V):
             blk.mul_(scale)
@@ -266,9 +269,7 @@ class Repairs:
                 head.eig_failures += 1
                 self.unfactorize(head)
                 return
-            smax, smin = sig[[0, -1]].tolist()
-            if smax < lo or smin > hi:  # the whole spectrum out on one side: rescaled as one
-                sig = sig / self.rescale(head, smax, smin)
+            sig = sig / self.rescale(head, *sig[[0, -1]].tolist())  # a spectrum out on one side, as one
             bad = (sig < lo) | (sig > hi)
             k = int(bad.sum())
             if k > st.max_sv_fixes:
@@ -281,9 +282,8 @@ class Repairs:
             smax, smin = float(sig[0]), float(sig[-1])
         else:
             smax, smin = self._extremes(head)  # one host read
-            if smax < lo or smin > hi:  # the whole spectrum out on one side: rescaled as one
-                scale = self.rescale(head, smax, smin)
-                smax, smin = smax / scale, smin / scale
+            scale = self.rescale(head, smax, smin)  # a spectrum out on one side, as one
+            smax, smin = smax / scale, smin / scale
             if not (lo <= smin and smax <= hi):
                 # up to max_sv_fixes fixes on the device, each of the extreme singular value that is
                 # out of the band (a fix of 0 once both are in it): no host read between them
