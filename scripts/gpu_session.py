@@ -251,6 +251,15 @@ LOG = "gpu_session_log.txt"
 SCRATCH = "scratch"
 
 
+def summary_row(line: str) -> tuple[str, str, str, str] | None:
+    """The summary's row of a step's output line: a target's verdict, a failed run, or None."""
+    if m := TARGET.match(line):
+        return ("  target", m.group(1), "", m.group(2))
+    if m := RUN_FAILED.match(line):
+        return ("  run", "failed", "", m.group(1)[:300])
+    return None
+
+
 def junit_counts(path: Path | None) -> str:
     """'N passed, N failed, N errors, N skipped' from a junit XML file, or why there is none."""
     if path is None:
@@ -285,7 +294,7 @@ def run_step(step: Step, log, limited: bool = True) -> tuple[int, float, list[st
             sys.stdout.write(line)
             log.write(line)
             log.flush()  # a run cut off keeps what reached the file
-            if TARGET.match(line.strip()) or RUN_FAILED.match(line.strip()):
+            if summary_row(line.strip()) is not None:
                 targets.append(line.strip())
         rc = proc.wait()
     finally:
@@ -352,8 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             rc, seconds, targets = run_step(step, log, limited=not args.smoke)
             failed = rc != 0
             rows.append((step.name, "ok" if rc == 0 else f"exit {rc}", f"{seconds:.0f} s", junit_counts(step.junit)))
-            rows += [("  run", "failed", "", RUN_FAILED.match(t).group(1)[:300]) if RUN_FAILED.match(t)
-                     else ("  target", t.split()[0], "", " ".join(t.split()[1:])) for t in targets]
+            rows += [summary_row(t) for t in targets]
         table = "\n".join(["", "=== summary", *("  ".join(c for c in r if c) for r in rows)])
         print(table, flush=True)
         log.write(table + "\n")
