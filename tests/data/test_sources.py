@@ -56,6 +56,31 @@ def test_python_code_is_the_locked_packages_files():
         PythonCode("/nonexistent/uv.lock", 0.05, 0.05)
 
 
+def _installed(root: Path, version: str, files: dict[str, str]) -> None:
+    """A distribution ``shadowed`` of ``version`` installed into ``root``: its files and a dist-info."""
+    info = root / f"shadowed-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: shadowed\nVersion: {version}\n")
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (info / "RECORD").write_text("".join(f"{name},,\n" for name in files))
+
+
+def test_python_code_takes_a_distribution_installed_twice_once(tmp_path, monkeypatch):
+    """Two installs of one distribution on sys.path (an overlay, as ``uv run --with`` makes): the
+    files of the first, the one that imports, and none of the one it shadows."""
+    first, second = tmp_path / "overlay", tmp_path / "base"
+    _installed(first, "2.0", {"shadowed/a.py": "x = 2\n", "shadowed/new.py": "y = 2\n"})
+    _installed(second, "1.0", {"shadowed/a.py": "x = 1\n", "shadowed/old.py": "y = 1\n"})
+    lock = tmp_path / "uv.lock"
+    lock.write_text('version = 1\n[[package]]\nname = "shadowed"\nversion = "2.0"\n')
+    monkeypatch.setattr("sys.path", [str(first), str(second)])
+    files = PythonCode(str(lock), 0.05, 0.05).files()
+    assert sorted(name for name, _ in files) == ["shadowed/shadowed/a.py", "shadowed/shadowed/new.py"]
+    assert {path.parent.parent for _, path in files} == {first}
+
+
 def test_python_code_prefix_counts(cache):
     """2 x 10^5 tokens of the Python files: documents, tokens, types, split by file."""
     src = PythonCode(None, 0.05, 0.05)

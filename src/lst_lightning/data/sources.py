@@ -114,7 +114,8 @@ def find_uv_lock() -> Path | None:
 
 class PythonCode:
     """The ``.py`` files of the installed distributions that ``uv.lock`` pins (every
-    installed one where there is no lock; never the project's own), each file one
+    installed one where there is no lock; never the project's own; of a distribution installed
+    twice on ``sys.path``, as under ``uv run --with``, the one that imports), each file one
     document, named ``<distribution>/<path in it>``. Files are read in an order drawn
     from their names, so a prefix (``data.max_tokens``) samples every package."""
 
@@ -134,10 +135,12 @@ class PythonCode:
         if self._files is None:
             pinned, own = _pinned(self.lock) if self.lock is not None else (None, set())
             found: dict[str, tuple[str, Path]] = {}
+            taken: set[str] = set()
             for dist in importlib.metadata.distributions():
                 dist_name = _normal(dist.metadata["Name"] or "")
-                if dist_name in own or (pinned is not None and dist_name not in pinned):
-                    continue
+                if dist_name in own or dist_name in taken or (pinned is not None and dist_name not in pinned):
+                    continue  # a name found again further along sys.path is shadowed: the first one imports
+                taken.add(dist_name)
                 for f in dist.files or ():
                     if f.suffix == ".py":
                         path = Path(dist.locate_file(f))
