@@ -24,7 +24,7 @@ update); each run then compiles cold, its tracing and code generation in its own
 budget (``COMPILE_ENV``); the C++ compiler is a child process, which the CPU clock does not count.
 
 ``same_steps``: each head of ``--heads`` (default: the default, the sampled softmax, the full
-softmax) for ``--steps`` steps, validating at every quarter: quality per step against the full
+softmax) for ``--steps`` steps, validating every ``--steps / --points`` steps: quality per step against the full
 softmax's, the gold standard per step (two runs at a time; time plays no part).
 
 Writes ``time_to_quality.csv`` (a row a run) and ``time_to_quality_curves.csv`` (a row a
