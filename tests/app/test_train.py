@@ -13,7 +13,7 @@ import yaml
 from hydra.errors import InstantiationException
 from hydra.utils import get_class
 
-from lst_lightning.app.train import make_head, run, run_name
+from lst_lightning.app.train import make_head, run, run_name, unused_loss
 
 from app_configs import CONF, FAST, TOY, TOY_SOFTMAX, cfg_of, cfgs_of, group
 
@@ -71,6 +71,18 @@ def test_default_config():
     assert run_name(cfg_of("head._target_=toy_heads.ToySoftmaxHead")) == "ToySoftmaxHead"
     assert run_name(cfg_of("head=softmax")) == "SoftmaxHead"  # a head that takes no spherical loss
     assert run_name(cfg_of("head=naive", "loss=mse")) == "NaiveSphericalHead-mse"
+
+
+def test_a_loss_given_to_a_head_that_takes_none_is_named_as_unused():
+    """head=sampled loss=zloss (a sweep over both groups) runs the sampled softmax unchanged: one line
+    says so, naming the overrides; a spherical head, or no loss override, gets none."""
+    over = ["head=sampled", "loss=zloss", "loss.kwargs.b=3.0"]
+    note = unused_loss(cfg_of(*over), over)
+    assert note == ("loss=zloss loss.kwargs.b=3.0: SampledSoftmaxHead takes no spherical loss, so the setting is "
+                    "not used (the factored and naive heads take one)")
+    assert unused_loss(cfg_of("head=sampled"), ["head=sampled", "optimizer.head_lr=0.1"]) is None
+    assert unused_loss(cfg_of("head=naive", "loss=mse"), ["head=naive", "loss=mse"]) is None
+    assert unused_loss(cfg_of("loss.kwargs.mu=0.3"), ["loss.kwargs.mu=0.3"]) is None
 
 
 def test_unigram_negatives_draw_from_the_datas_counts():

@@ -103,6 +103,23 @@ def loss_name(cfg: DictConfig) -> str | None:
     return str(cfg.loss.name) if issubclass(head_class(cfg), SphericalHeadBase) else None
 
 
+def unused_loss(cfg: DictConfig, overrides: Sequence[str]) -> str | None:
+    """A line for overrides of the ``loss`` group (``loss=zloss``, ``loss.kwargs.mu=0.3``) given to a
+    head outside the spherical family, which takes no spherical loss; None where the head takes it."""
+    chosen = [o for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".", 1)[0] == "loss"]
+    if not chosen or loss_name(cfg) is not None:
+        return None
+    return (f"{' '.join(chosen)}: {head_class(cfg).__name__} takes no spherical loss, so the setting is not used "
+            "(the factored and naive heads take one)")
+
+
+def task_overrides() -> list[str]:
+    """This job's command-line overrides (a sweep's: this point's), or none outside a Hydra app."""
+    from hydra.core.hydra_config import HydraConfig  # noqa: PLC0415
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def run_name(cfg: DictConfig) -> str:
     if cfg.get("name"):
         return str(cfg.name)
@@ -195,6 +212,8 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     tcfg = cfg.trainer
     check_device(tcfg)
     head_class(cfg)  # a bad _target_ fails here, before the data is read
+    if pl.utilities.rank_zero_only.rank == 0 and (note := unused_loss(cfg, task_overrides())):
+        log.warning(note)  # head=sampled loss=zloss: a sweep over both groups runs the same head twice
     check_setting_types(cfg.data, get_class(cfg.data._target_), "data")  # data.vocab_size=abc: one line
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.get("cpu_threads"):
