@@ -37,7 +37,6 @@ class Preconditioner:
 
     beta: float = 0.99
     damping: float = 0.1
-    power: float = 1.0
 
     def __post_init__(self):
         number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
@@ -74,11 +73,6 @@ class Preconditioner:
         mean = S / t.clamp_min(torch.finfo(Hx.dtype).tiny)  # t = 0: no row with a target yet, S = 0
         tau = mean.diagonal().mean().clamp_min(torch.finfo(Hx.dtype).tiny)  # H = 0 throughout: P = I (1 + damping) / damping
         eye = torch.eye(w, dtype=Hx.dtype, device=Hx.device)
-        if self.power != 1.0:
-            lam, E = torch.linalg.eigh(mean + (self.damping * tau) * eye)
-            scale = (tau * (1.0 + self.damping)) ** self.power
-            P = (E * (scale * lam.clamp_min(torch.finfo(Hx.dtype).tiny) ** -self.power)) @ E.T
-            return Moments(S, t, P, torch.isfinite(lam).all())
         C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
         Cinv = torch.linalg.solve_triangular(C, eye, upper=False)
         L = (tau * (1.0 + self.damping)).sqrt() * Cinv.T  # P = L L^T = tau (1 + damping) C^-T C^-1
