@@ -24,28 +24,6 @@ from .row_sparse import row_gather
 from ..rows import row_grad_of
 from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
-from ..spherical.preconditioner import Preconditioner
-
-
-class _PreconditionedRows(torch.autograd.Function):
-    """o = rows . query + b, with the rows' (and b's) gradient taken against X P rather than X =
-    [query, 1]: the right preconditioner of the exact head on the drawn rows. ``rows`` (m, K, d) per
-    row or (S, d) shared."""
-
-    @staticmethod
-    def forward(ctx, query, w, b, XP):
-        ctx.save_for_backward(w, XP)
-        ctx.shared = w.dim() == 2
-        o = F.linear(query, w) if ctx.shared else torch.einsum("mkd,md->mk", w, query)
-        return o + (b if ctx.shared else b)
-
-    @staticmethod
-    def backward(ctx, g):
-        w, XP = ctx.saved_tensors
-        d = w.shape[-1]
-        if ctx.shared:
-            return g @ w, g.T @ XP[:, :d], g.T @ XP[:, d], None
-        return (torch.einsum("mk,mkd->md", g, w), g[:, :, None] * XP[:, None, :d], g * XP[:, None, d], None)
 
 
 class SampledSoftmaxHead(LinearClassHead):
@@ -73,7 +51,7 @@ class SampledSoftmaxHead(LinearClassHead):
                  class_counts: Tensor | None = None, remove_accidental_hits: bool = True,
                  resync_every: int = 100, bias: bool = False, init_std: float | None = None,
                  cosine_scale: float | None = None, reduction: str = "mean", sparse: bool = False,
-                 preconditioner: dict | None = None, dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None):
         if not isinstance(sparse, bool):
             raise ValueError(f"sparse must be true or false, got {sparse!r}")
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
@@ -95,13 +73,6 @@ class SampledSoftmaxHead(LinearClassHead):
         self._synced_version: int | None = None
         self._steps_since_build = 0
         self._touched: Tensor | None = None
-        #: the exact head's right preconditioner on the drawn rows' gradient (W <- W - lr g^T X P,
-        #: X = [h, 1]): a lever measured against the default, not a setting of the package
-        self.preconditioner = None if preconditioner is None else Preconditioner.of(preconditioner)
-        if self.preconditioner is not None:
-            width = hidden_dim + 1
-            self.register_buffer("input_moment", torch.zeros(width, width, dtype=dtype or torch.float32))
-            self.register_buffer("input_moment_weight", torch.zeros((), dtype=dtype or torch.float32))
 
     def sparse_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None] if self.sparse else []
@@ -166,10 +137,6 @@ class SampledSoftmaxHead(LinearClassHead):
         ids = torch.cat([idx.reshape(-1), drawn])
         w = self._keys(self._rows(self.weight, ids))
         b = None if self.bias is None else self._rows(self.bias, ids)
-        if self.preconditioner is not None and torch.is_grad_enabled():
-            XP = self._XP(query.detach())
-            o_t = _PreconditionedRows.apply(query, w[:m * K].view(m, K, -1), b[:m * K].view(m, K), XP)
-            return o_t, _PreconditionedRows.apply(query, w[m * K:], b[m * K:], XP)
         o_t = torch.einsum("mkd,md->mk", w[:m * K].view(m, K, -1), query)
         if b is not None:
             o_t = o_t + b[:m * K].view(m, K)
@@ -177,14 +144,6 @@ class SampledSoftmaxHead(LinearClassHead):
             return o_t, F.linear(query, w[m * K:], None if b is None else b[m * K:])
         o_n = torch.einsum("mkd,md->mk", w[m * K:].view(m, -1, w.shape[-1]), query)
         return o_t, o_n if b is None else o_n + b[m * K:].view(m, -1)
-
-    @torch.no_grad()
-    def _XP(self, query: Tensor) -> Tensor:
-        """X P for this step's rows, X = [query, 1], P from the running moments updated by X (written)."""
-        X = torch.cat([query, torch.ones_like(query[:, :1])], 1).to(self.input_moment.dtype)
-        new = self.preconditioner.update_moments(self.input_moment, self.input_moment_weight, X)
-        new.write(self, new.ok)
-        return (X @ new.P).to(query.dtype)
 
     def cannot_compile(self) -> str | None:
         if self.sampler.needs_embeddings:
