@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from lst_lightning.app.schemas import HEADS, MODELS, NOT_MODEL_SETTINGS, parameters, settings_schema
 from lst_lightning.heads import FactoredSphericalHead
-from lst_lightning.spherical.preconditioner import Preconditioner
+from lst_lightning.heads.preconditioner import Preconditioner
 from lst_lightning.spherical.stabiliser import Stabiliser
 
 from app_configs import CONF, cfg_of, group

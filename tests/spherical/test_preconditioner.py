@@ -1,4 +1,4 @@
-"""The right preconditioner of the update (spherical/preconditioner.py): the factored
+"""The right preconditioner of the update (heads/preconditioner.py): the factored
 step W <- c W - lr dO^T H P equals the naive head's step with dW P, in float64, over several
 steps (loss, dL/dH and the implicit W after each), for every loss, sampled classes shared and
 per row, every route to H U_new^-1 and to Q, a fold, device flags and exact accumulation;
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, exact_step, plan
-from lst_lightning.spherical.preconditioner import Preconditioner
+from lst_lightning.heads.preconditioner import Preconditioner
 
 import head_pairs
 from head_pairs import (accumulate_both, assert_resumes_alike, assert_untouched, make_pair, rel, state_of,

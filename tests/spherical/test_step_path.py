@@ -72,7 +72,7 @@ def test_the_default_losss_step_enters_at_most_12_files_and_57_functions():
     the write of its moments)."""
     path = traced("sampled")[0]
     assert {"src/lst_lightning/spherical/negatives.py", "src/lst_lightning/losses/sampled_composite.py",
-            "src/lst_lightning/spherical/preconditioner.py"} <= set(path)
+            "src/lst_lightning/heads/preconditioner.py"} <= set(path)
     assert len(path) <= 12 and sum(len(v) for v in path.values()) <= 57, path
 
 

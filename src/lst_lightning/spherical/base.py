@@ -25,7 +25,7 @@ from .blocks import BLOCK, row_blocks
 from .driving import Driving
 from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
-from .preconditioner import Preconditioner
+from ..heads.preconditioner import Preconditioner
 from .settings import AUTO, Setting, finite, on_with_sampled, one_of, positive_int
 from .pending import PendingRows
 from .plan import StepPlan, negatives_kind

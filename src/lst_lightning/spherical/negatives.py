@@ -28,7 +28,7 @@ from ..heads.samplers import STATIC_SAMPLERS
 from ..heads.targets import first_occurrence
 from ..losses import SampledSlots
 from .exact_step import TargetsOnly
-from .settings import settings_from
+from ..heads.settings import settings_from
 
 SAMPLER_NAMES = tuple(STATIC_SAMPLERS)
 RFF_REFUSAL = ("the RF-softmax proposal is not drawn for the implicit W = V U + 1 omega^T: its kernel is on "

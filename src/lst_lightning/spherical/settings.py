@@ -1,10 +1,8 @@
-"""A head's settings: the nested ones (``Negatives``, ``Preconditioner``, ``Stabiliser``) from what
-a user or a Hydra config passes, the dataclass itself or a dict of some of its fields
-(``settings_from``); and the ones a training loop may change, as attributes validated when set
-(``Setting``, ``Driven``)."""
+"""A spherical head's settings: when its nested ones (``Negatives``, ``Preconditioner``) are on by
+default (``AUTO``), and the ones a training loop may change, as attributes validated when set
+(``Setting``, ``Driven``). The nested ones are read by ``heads.settings.settings_from``."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 #: a nested setting's default on the spherical heads (negatives, preconditioner): on at the
@@ -19,20 +17,6 @@ def on_with_sampled(value, sampled: bool):
     if isinstance(value, str) and value == AUTO:
         return {} if sampled else None
     return value
-
-
-def settings_from(cls: type, value, name: str):
-    """``value`` as a ``cls``: itself, or ``cls(**value)`` for a dict whose keys are all its
-    fields; anything else, or an unknown key, is refused in one line naming ``name``."""
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, dict):
-        raise TypeError(f"{name} must be a {cls.__name__}, a dict or None, got {type(value).__name__}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"unknown {name} setting(s) {unknown}; the settings are {names}")
-    return cls(**value)
 
 
 class Setting:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .blocks import in_place_blocks
-from .settings import settings_from
+from ..heads.settings import settings_from
 
 
 INVERSE_ROUTES = ("auto", "woodbury", "solve", "products")
