@@ -170,3 +170,15 @@ def test_bf16_autocast_leaves_the_step_in_the_heads_own_precision():
         g(H.clone().float().requires_grad_(), idx).backward()
     assert torch.equal(f.weight(), g.weight()) and torch.equal(f.input_moment, g.input_moment)
     assert float(f.input_moment_weight) > 0
+
+
+def test_float64_moments_take_beta_in_float64():
+    """The running mean's decay in the moments' own precision: beta = 0.9 is 0.9 to float64's
+    rounding, not float32's (1.2e-8 off), so a float64 head holds the formula to 1e-15."""
+    pre = Preconditioner(beta=0.9)
+    g = torch.Generator().manual_seed(0)
+    Hx = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    S0 = torch.eye(4, dtype=torch.float64)
+    mom = pre.update_moments(S0, torch.ones((), dtype=torch.float64), Hx)
+    torch.testing.assert_close(mom.moment, 0.9 * S0 + 0.1 * Hx.T @ Hx / 6, rtol=1e-15, atol=1e-15)
+    assert float(mom.weight) == 0.9 * 1.0 + (1 - 0.9)

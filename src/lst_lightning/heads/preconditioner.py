@@ -66,7 +66,8 @@ class Preconditioner:
         as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""
         w = Hx.shape[1]
         n = real.sum()
-        keep = torch.where(n > 0, self.beta, 1.0).to(Hx.dtype)  # the old moment's share
+        beta = torch.full((), self.beta, dtype=Hx.dtype, device=Hx.device)  # in Hx's precision
+        keep = torch.where(n > 0, beta, torch.ones_like(beta))  # the old moment's share
         Hr = torch.where(real[:, None], Hx, 0.0)
         S = moment * keep + (Hr.T @ Hr) * ((1.0 - keep) / n.clamp(min=1))
         t = weight * keep + (1.0 - keep)
