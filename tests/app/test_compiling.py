@@ -40,10 +40,11 @@ def aot_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-def model(compiled: bool):
+def model(compiled: bool, preconditioner: dict | None = None):
     torch.manual_seed(0)
     body = NgramMLP(V, CTX, embed_dim=4, hidden_sizes=[16], hidden_dim=d, sparse_embedding=True)
-    head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=16, bias=True, sparse=True)
+    head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=16, bias=True, sparse=True,
+                              preconditioner=preconditioner)
     lm = LanguageModel(body, head, optimizer={"name": "adam", "lr": 0.01, "embedding": "row_adam"})
     lm.compiled = Compiled(body=compiled, head=compiled)
     install(body, head, lm.compiled)
@@ -90,6 +91,21 @@ def test_a_compiled_run_equals_the_eager_run_and_recompiles_are_bounded(aot_eage
     assert not counters["graph_break"], dict(counters["graph_break"])
     train(comp, opt_c, batches([24, 10]))  # the same shapes again: no graph more
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_the_preconditioned_rows_compile_whole_and_equal_eager(aot_eager):
+    """The sampled softmax with P on its drawn rows (head.preconditioner): its autograd function
+    and the moments it writes in the forward compile with no graph break, and the run equals eager."""
+    data = batches([24] * 4)
+    eager, opt_e = model(False, preconditioner={})
+    want = train(eager, opt_e, data)
+    comp, opt_c = model(True, preconditioner={})
+    got = train(comp, opt_c, data)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(comp.head.input_moment_weight) > 0
+    for (k, a), b in zip(eager.state_dict().items(), comp.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.parametrize("mode, marks", [("reduce-overhead", 3), ("max-autotune-no-cudagraphs", 0)])

@@ -74,7 +74,8 @@ def test_the_sampled_loss_turns_on_the_spherical_heads_negatives_only():
 def test_the_sampled_loss_turns_on_the_spherical_heads_preconditioner():
     """loss=sampled (the default) gives the spherical heads the right preconditioner at the
     code's defaults (head/preconditioner/sampled.yaml is empty); null turns it off; the other
-    losses leave it off unless head/preconditioner=sampled; the other heads never see the key."""
+    losses leave it off unless head/preconditioner=sampled; the sampled softmax has it off but for
+    head=sampled_preconditioned; the other heads never see the key."""
     assert yaml.safe_load((CONF / "head" / "preconditioner" / "sampled.yaml").read_text()) == {}
     defaults = dataclasses.asdict(Preconditioner())
     for head in ("factored", "naive"):
@@ -83,7 +84,11 @@ def test_the_sampled_loss_turns_on_the_spherical_heads_preconditioner():
         assert cfg_of(f"head={head}", "head.preconditioner.damping=0.3").head.preconditioner.damping == 0.3
         assert cfg_of(f"head={head}", "loss=zloss").head.preconditioner is None
         assert dict(cfg_of(f"head={head}", "loss=zloss", "head/preconditioner=sampled").head.preconditioner) == defaults
-    for head in ("softmax", "sampled", "hsoftmax", "adaptive"):
+    assert cfg_of("head=sampled").head.preconditioner is None
+    cfg = cfg_of("head=sampled_preconditioned")
+    assert dict(cfg.head.preconditioner) == defaults
+    assert (cfg.optimizer.head_rows, cfg.optimizer.head_lr) == ("sparse_sgd", 16)
+    for head in ("softmax", "hsoftmax", "adaptive"):
         assert "preconditioner" not in cfg_of(f"head={head}").head
 
 

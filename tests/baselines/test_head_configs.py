@@ -6,7 +6,7 @@ from baseline_cases import zipf_counts
 
 
 @pytest.mark.parametrize("name", ["softmax", "hsoftmax", "adaptive", "sampled", "sampled_unigram", "sampled_rff",
-                                  "sampled_quadratic"])
+                                  "sampled_quadratic", "sampled_preconditioned"])
 def test_head_configs_instantiate_and_train(name):
     """conf/head/<name>.yaml builds a head the way the app does, and one step runs."""
     import inspect
@@ -21,7 +21,7 @@ def test_head_configs_instantiate_and_train(name):
     assert "lr" not in cfg
     target = hydra.utils.get_class(cfg._target_)
     extra = {"class_counts": zipf_counts(60)} if "class_counts" in inspect.signature(target).parameters else {}
-    head = hydra.utils.instantiate(cfg, num_classes=60, hidden_dim=16, **extra)
+    head = hydra.utils.instantiate(cfg, num_classes=60, hidden_dim=16, _convert_="all", **extra)  # as app/train.py
     h = torch.randn(4, 16, requires_grad=True)
     loss = head(h, torch.randint(0, 60, (4,)))
     loss.backward()

@@ -13,15 +13,16 @@ normaliser is exact and the gradient unbiased (Rawat et al. 2019, eq. 5).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 import lst_kernels as lk
 
 from .samplers import make_sampler
 from .linear import LinearClassHead
+from .preconditioned_rows import preconditioned_logits, row_logits
 from .row_sparse import row_gather
 from ..rows import row_grad_of
+from ..heads.preconditioner import Moments, Preconditioner
 from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
@@ -44,6 +45,14 @@ class SampledSoftmaxHead(LinearClassHead):
     (targets and negatives; ``sparse_parameters()``), for a row-sparse optimiser
     (``torch.optim.SparseAdam``): the step then costs O(m S d) whatever D. False: dense
     gradients (D x d), for any optimiser. Evaluation is the same either way.
+
+    ``preconditioner`` (a ``Preconditioner``, a dict of its settings, or None: off): the drawn rows'
+    gradient taken against X P rather than X = [h, 1] (preconditioned_rows.py), P the exact
+    head's right preconditioner from the running moments of X (two buffers, ``input_moment`` and
+    ``input_moment_weight``, written by each training forward that autograd records, over the rows
+    with a target). With SGD on the rows (``optimizer.head_rows=sparse_sgd``; ``head=sampled_preconditioned``)
+    a step is the exact head's update with the all-class term left out. The logits, the loss and
+    dL/dh are unchanged; a batch whose loss is not finite leaves the moments as they were.
     """
 
     def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int | None = None,
@@ -51,7 +60,8 @@ class SampledSoftmaxHead(LinearClassHead):
                  class_counts: Tensor | None = None, remove_accidental_hits: bool = True,
                  resync_every: int = 100, bias: bool = False, init_std: float | None = None,
                  cosine_scale: float | None = None, reduction: str = "mean", sparse: bool = False,
-                 dtype: torch.dtype | None = None, device=None):
+                 preconditioner: Preconditioner | dict | None = None, dtype: torch.dtype | None = None,
+                 device=None):
         if not isinstance(sparse, bool):
             raise ValueError(f"sparse must be true or false, got {sparse!r}")
         if num_samples is not None and (isinstance(num_samples, bool) or not isinstance(num_samples, int)
@@ -59,6 +69,10 @@ class SampledSoftmaxHead(LinearClassHead):
             raise ValueError(f"num_samples must be a positive int or None (S for D), got {num_samples!r}")
         if not isinstance(resync_every, int) or resync_every < 1:
             raise ValueError(f"resync_every must be a positive int, got {resync_every!r}")
+        preconditioner = Preconditioner.of(preconditioner)
+        if preconditioner is not None and cosine_scale is not None:
+            raise ValueError("preconditioner takes the rows' gradient against [h, 1] P: it cannot be combined with "
+                             "cosine_scale (normalised rows and hidden states)")
         sampler_module = make_sampler(sampler, num_classes=num_classes, hidden_dim=hidden_dim,
                                       class_counts=class_counts, **dict(sampler_kwargs or {}))
         super().__init__(num_classes=num_classes, hidden_dim=hidden_dim, bias=bias, init_std=init_std,
@@ -73,6 +87,14 @@ class SampledSoftmaxHead(LinearClassHead):
         self._synced_version: int | None = None
         self._steps_since_build = 0
         self._touched: Tensor | None = None
+        #: the right preconditioner of the drawn rows' gradient (None: off), its moments in the
+        #: head's floating type (float32 at least)
+        self.preconditioner = preconditioner
+        if preconditioner is not None:
+            width = hidden_dim + (self.bias is not None)
+            kind = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+            self.register_buffer("input_moment", torch.zeros(width, width, dtype=kind, device=device))
+            self.register_buffer("input_moment_weight", torch.zeros((), dtype=kind, device=device))
 
     def sparse_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None] if self.sparse else []
@@ -127,23 +149,35 @@ class SampledSoftmaxHead(LinearClassHead):
             hit[rows] = (n2.unsqueeze(2) == idx[rows].unsqueeze(1)).any(2)
         return neg, log_q, hit
 
-    def _sampled_logits(self, query: Tensor, idx: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
+    def _moments(self, query: Tensor, real: Tensor) -> tuple[Moments, Tensor]:
+        """This step's moments of X = [query, 1] over the ``real`` rows (aside: the buffers are
+        written by ``forward``) and X P, with P = I where its factorisation failed."""
+        X = query.to(self.input_moment.dtype)
+        if self.bias is not None:
+            X = torch.cat([X, torch.ones_like(X[:, :1])], 1)
+        new = self.preconditioner.moments_of(self.input_moment, self.input_moment_weight, X, real)
+        eye = torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
+        return new, X @ torch.where(new.ok, new.P, eye)
+
+    def _sampled_logits(self, query: Tensor, idx: Tensor, neg: Tensor,
+                        XP: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The targets' logits (m, K) and the sampled classes' (m, S), from one gather of W (and
         of b): the m K targets' rows, then the S shared classes' (or the m S drawn per row), so
-        that a row-sparse table is read once a step (static rows: one RowGrad a table)."""
+        that a row-sparse table is read once a step (static rows: one RowGrad a table). ``XP``:
+        the rows' gradient taken against it (preconditioned_rows.py)."""
         m, K = idx.shape
         shared = not self.sampler.conditional  # one (m, S) matmul against S rows
         drawn = neg[0] if shared else neg.reshape(-1)
         ids = torch.cat([idx.reshape(-1), drawn])
         w = self._keys(self._rows(self.weight, ids))
         b = None if self.bias is None else self._rows(self.bias, ids)
-        o_t = torch.einsum("mkd,md->mk", w[:m * K].view(m, K, -1), query)
-        if b is not None:
-            o_t = o_t + b[:m * K].view(m, K)
-        if shared:
-            return o_t, F.linear(query, w[m * K:], None if b is None else b[m * K:])
-        o_n = torch.einsum("mkd,md->mk", w[m * K:].view(m, -1, w.shape[-1]), query)
-        return o_t, o_n if b is None else o_n + b[m * K:].view(m, -1)
+        w_t, b_t = w[:m * K].view(m, K, -1), None if b is None else b[:m * K].view(m, K)
+        w_n, b_n = w[m * K:], None if b is None else b[m * K:]
+        if not shared:
+            w_n, b_n = w_n.view(m, -1, w.shape[-1]), None if b_n is None else b_n.view(m, -1)
+        if XP is not None:
+            return preconditioned_logits(query, w_t, b_t, XP), preconditioned_logits(query, w_n, b_n, XP)
+        return row_logits(query, w_t, b_t), row_logits(query, w_n, b_n)
 
     def cannot_compile(self) -> str | None:
         if self.sampler.needs_embeddings:
@@ -162,7 +196,11 @@ class SampledSoftmaxHead(LinearClassHead):
             log_z = self.log_normaliser(hidden)[:, None]
             return reduce_rows((val * (log_z - self.class_logits(hidden, idx).float())).sum(1), self.reduction)
         query = self._query(hidden)
+        moments = XP = None
+        stepped = self.preconditioner is not None and torch.is_grad_enabled()  # a step will follow
         with torch.no_grad():
+            if stepped:
+                moments, XP = self._moments(query.detach(), valid.any(1))
             self.sync_sampler()
             neg, log_q, log_q_t = self._draw(query.detach(), idx)
             first = first_occurrence(idx)
@@ -181,8 +219,11 @@ class SampledSoftmaxHead(LinearClassHead):
                 # forwards) until the next sync; a static sampler never syncs, so never keeps them
                 new_rows = [idx[valid], neg.reshape(-1)] + ([] if self._touched is None else [self._touched])
                 self._touched = torch.unique(torch.cat(new_rows))
-        o_t, o_n = self._sampled_logits(query, idx, neg)
+        o_t, o_n = self._sampled_logits(query, idx, neg, XP)
         o_n = (o_n.float() - correction).masked_fill(hit, float("-inf"))
         o_z = o_t.float().masked_fill(~first, float("-inf"))  # each target class once in Z
         log_z = lk.logsumexp_rows(torch.cat([o_z, o_n], 1))
-        return reduce_rows((val * (log_z - o_t.float())).sum(1), self.reduction)
+        per_row = (val * (log_z - o_t.float())).sum(1)
+        if moments is not None:
+            moments.write(self, moments.ok & torch.isfinite(per_row.detach()).all())
+        return reduce_rows(per_row, self.reduction)

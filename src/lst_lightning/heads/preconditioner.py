@@ -6,7 +6,9 @@ head's inputs (the input factor of K-FAC, or Shampoo's right factor with power -
 step is preconditioned along the hidden directions, for every class at once, and stays
 exact and O(m d^2 + d^3): the factored head takes ``X = H P`` where the plain step takes
 H on the update's side (``U B``, omega, wbar, Q's bookkeeping, the rows scattered into V),
-and the naive head steps with ``dW P`` (spherical/naive.py). dL/dH is unchanged.
+and the naive head steps with ``dW P`` (spherical/naive.py). dL/dH is unchanged. The sampled
+softmax takes the same P on its drawn rows' gradient (``SampledSoftmaxHead(preconditioner=)``,
+baselines/preconditioned_rows.py), for the rows' SGD step.
 
     S_t = beta S_{t-1} + (1 - beta) H^T H / m,    w_t = beta w_{t-1} + (1 - beta)
     (over the m rows with a target; a batch with none leaves S and w as they were)
@@ -16,7 +18,7 @@ and the naive head steps with ``dW P`` (spherical/naive.py). dL/dH is unchanged.
 ``w_t`` corrects the running mean for its start at zero; the factor ``tau (1 + damping)``
 makes P = I wherever the inputs are white (S = tau I), so the head's lr keeps its meaning.
 P's eigenvalues lie in (0, (1 + damping) / damping]. The moments are two buffers of the
-head's exact state (``input_moment``, ``input_moment_weight``; spherical/state.py),
+head (``input_moment``, ``input_moment_weight``; of the exact head's state, spherical/state.py),
 written with the step: a skipped step leaves them untouched, a checkpoint resumes them.
 """
 from __future__ import annotations
