@@ -67,12 +67,14 @@ CASES = {
 }
 #: a head's name -> its overrides: the default is lst-train's own (S, mu, lr, P as the code sets them
 #: by D); the sampled softmax as the project tunes it (head=sampled: row-sparse rows, S by D, its
-#: swept lr); the full softmax; the levers measured against the default (docs/choosing_a_head.md)
+#: swept lr); the full softmax; the levers measured against the default (docs/choosing_a_head.md);
+#: the sampled softmax with P and SGD on its drawn rows
 HEADS = {
     "default": [],
     "sampled_softmax": ["head=sampled"],
     "softmax": ["head=softmax"],
     "default_no_P": ["head.preconditioner=null"],
+    "sampled_preconditioned": ["head=sampled_preconditioned"],
 }
 #: a run that compiles (``compile=true``, ``head.compile_step=true``) compiles cold (Inductor's caches
 #: off: an earlier run's kernels are not reused), its code generation in its own process (no pool of
