@@ -481,7 +481,8 @@ RIVALS = ("sampled_softmax", "default")
 CASE_NAMES = {"wiki": "real: the Wikipedia extract (`data=wiki`)", "python_code": "real: Python code (`data=python_code`)", "linux_source": "real: Linux C (`data=linux_source`)",
               "synthetic_1e5": "synthetic Zipf", "synthetic_1e6": "synthetic Zipf", "synthetic_1e7": "synthetic Zipf"}
 HEAD_NAMES = {"default": "the default", "sampled_softmax": "the sampled softmax", "softmax": "the full softmax",
-              "default_no_P": "the default without P"}
+              "default_no_P": "the default without P",
+              "sampled_preconditioned": "the sampled softmax with P (`head=sampled_preconditioned`)"}
 
 
 def variant_name(head: str) -> str:
