@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader
 
 import lst_lightning.rows.adam as row_adam
+import lst_lightning.rows.sgd as row_sgd
 from lst_lightning.app.compiling import Compiled, choose, install
 from lst_lightning.app.loss_checks import LossChecks
 from lst_lightning.app.module import LanguageModel, as_rows
@@ -34,18 +35,19 @@ def aot_eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", functools.partial(lambda *a, **k: compile_(
         *a, **{**{x: y for x, y in k.items() if x != "mode"}, "backend": "aot_eager"})))
     monkeypatch.setattr(row_adam, "_compiled", {})
+    monkeypatch.setattr(row_sgd, "_compiled", {})
     torch._dynamo.reset()
     counters.clear()
     yield
     torch._dynamo.reset()
 
 
-def model(compiled: bool, preconditioner: dict | None = None):
+def model(compiled: bool, preconditioner: dict | None = None, **optimizer):
     torch.manual_seed(0)
     body = NgramMLP(V, CTX, embed_dim=4, hidden_sizes=[16], hidden_dim=d, sparse_embedding=True)
     head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=16, bias=True, sparse=True,
                               preconditioner=preconditioner)
-    lm = LanguageModel(body, head, optimizer={"name": "adam", "lr": 0.01, "embedding": "row_adam"})
+    lm = LanguageModel(body, head, optimizer={"name": "adam", "lr": 0.01, "embedding": "row_adam", **optimizer})
     lm.compiled = Compiled(body=compiled, head=compiled)
     install(body, head, lm.compiled)
     opt = make_optimizer(lm, lm.optim_cfg, head=head, compiled_rows="" if compiled else None)
@@ -94,15 +96,17 @@ def test_a_compiled_run_equals_the_eager_run_and_recompiles_are_bounded(aot_eage
 
 
 def test_the_preconditioned_rows_compile_whole_and_equal_eager(aot_eager):
-    """The sampled softmax with P on its drawn rows (head.preconditioner): its autograd function
-    and the moments it writes in the forward compile with no graph break, and the run equals eager."""
+    """The sampled softmax with P on its drawn rows (head.preconditioner), its rows stepped by SGD in
+    static shapes (optimizer.head_rows=row_sgd, as on a GPU): its autograd function, the moments it
+    writes in the forward and the rows' update compile with no graph break, and the run equals eager."""
     data = batches([24] * 4)
-    eager, opt_e = model(False, preconditioner={})
+    rows = {"head_rows": "row_sgd", "head_lr": 4.0}
+    eager, opt_e = model(False, preconditioner={}, **rows)
     want = train(eager, opt_e, data)
-    comp, opt_c = model(True, preconditioner={})
+    comp, opt_c = model(True, preconditioner={}, **rows)
     got = train(comp, opt_c, data)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert float(comp.head.input_moment_weight) > 0
+    assert float(comp.head.input_moment_weight) > 0 and counters["stats"]["unique_graphs"] > 0
     for (k, a), b in zip(eager.state_dict().items(), comp.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
     assert not counters["graph_break"], dict(counters["graph_break"])

@@ -76,9 +76,10 @@ def test_row_adam_equals_sparse_adam_with_the_apps_clipping(clip):
     assert not torch.equal(rows.input_embedding.weight, body(True).input_embedding.weight)  # it moved
 
 
-def test_row_adam_takes_only_static_rows():
-    with pytest.raises(ValueError, match="row_adam steps the tables with static rows"):
-        make_optimizer(body(True), {**CFG, "embedding": "row_adam"})  # no static_rows: torch's sparse gradients
+@pytest.mark.parametrize("name", ["row_adam", "row_sgd"])
+def test_the_static_row_optimisers_take_only_static_rows(name):
+    with pytest.raises(ValueError, match="row_adam and row_sgd step the tables with static rows"):
+        make_optimizer(body(True), {**CFG, "embedding": name})  # no static_rows: torch's sparse gradients
 
 
 @pytest.mark.parametrize("name", ["sparse_adam", "adagrad", "sparse_sgd"])

@@ -87,7 +87,7 @@ def test_the_sampled_loss_turns_on_the_spherical_heads_preconditioner():
     assert cfg_of("head=sampled").head.preconditioner is None
     cfg = cfg_of("head=sampled_preconditioned")
     assert dict(cfg.head.preconditioner) == defaults
-    assert (cfg.optimizer.head_rows, cfg.optimizer.head_lr) == ("sparse_sgd", 16)
+    assert (cfg.optimizer.head_rows, cfg.optimizer.head_lr) == ("row_sgd", 16)
     for head in ("softmax", "hsoftmax", "adaptive"):
         assert "preconditioner" not in cfg_of(f"head={head}").head
 

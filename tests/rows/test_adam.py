@@ -9,16 +9,7 @@ from torch import nn
 
 from lst_lightning.rows import RowAdam, RowGrad, coalesce_rows
 
-from host_reads import HostReads
-
-
-def steps_of(D: int, e: int, n: int, steps: int, dtype, g: torch.Generator):
-    """``steps`` batches of n ids in [-1, D / 2) (repeats, and padding -1) and their rows' gradients."""
-    out = []
-    for _ in range(steps):
-        ids = torch.randint(-1, D // 2, (n,), generator=g)
-        out.append((ids, torch.randn(n, e, generator=g, dtype=dtype)))
-    return out
+from row_batches import host_reads_of_a_step, step_rows, steps_of
 
 
 def sparse_adam_reference(table: torch.Tensor, batches, lr: float, betas, eps):
@@ -35,17 +26,13 @@ def sparse_adam_reference(table: torch.Tensor, batches, lr: float, betas, eps):
 
 def row_adam_run(table: torch.Tensor, batches, lr: float, betas, eps, compiled: bool = False):
     p = nn.Parameter(table.clone())
-    rg = RowGrad(p)
+    RowGrad(p)
     opt = RowAdam([p], lr=lr, betas=betas, eps=eps, compiled=compiled, mode=None)
     if compiled:
         import lst_lightning.rows.adam as adam  # noqa: PLC0415
 
         adam._compiled[None] = torch.compile(adam.row_adam_, fullgraph=True, dynamic=False, backend="aot_eager")
-    for ids, rows in batches:
-        out = rg.gather(p, ids)
-        (out * rows).sum().backward()  # the gradient of the gathered rows is `rows`
-        opt.step()
-        opt.zero_grad()
+    step_rows(p, opt, batches)
     return p.detach(), opt.state[p]
 
 
@@ -84,11 +71,7 @@ def test_compiled_row_adam_equals_the_eager_one_and_reads_nothing_on_the_host():
     want, _ = row_adam_run(table, batches, 0.02, (0.9, 0.999), 1e-8)
     got, _ = row_adam_run(table, batches, 0.02, (0.9, 0.999), 1e-8, compiled=True)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-    p = nn.Parameter(table.clone())
-    rg, opt = RowGrad(p), RowAdam([p], lr=0.02)
-    rg.gather(p, batches[0][0]).sum().backward()
-    with HostReads() as reads:
-        opt.step()
+    reads = host_reads_of_a_step(lambda params: RowAdam(params, lr=0.02), table, batches[0][0])
     assert reads.count == 0, reads.sites
 
 

@@ -6,8 +6,8 @@ with ``head.sparse=true``), which reads and writes only the rows a step touched
 (``optimizer.embedding``; a head's rows may take another, ``optimizer.head_rows``).
 ``row_adam`` (``optimizer.embedding=auto``'s choice where the run compiles or trains on a GPU)
 steps them in static shapes: ``static_rows_for`` gives those tables static rows (``lst_lightning.rows``: the gradient as the batch's (ids, rows), which
-``torch.compile`` takes whole) and ``RowAdam`` steps them; the others take torch's sparse
-COO gradients.
+``torch.compile`` takes whole) and ``RowAdam`` steps them (``row_sgd``: ``RowSGD``, torch's sparse
+SGD in static shapes); the others take torch's sparse COO gradients.
 An ordinary head's parameters may have their own lr (``optimizer.head_lr``): their own groups.
 
 Lightning's automatic optimisation drives one optimiser, so ``PairedOptimizer`` presents
@@ -24,13 +24,15 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from ..heads.base import OutputHead
-from ..rows import RowAdam, coalesce_rows, row_grad_of, static_rows
+from ..rows import RowAdam, RowSGD, coalesce_rows, row_grad_of, static_rows
 
 DENSE = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 # optimizer.embedding: the optimiser of sparse embeddings' rows (dense: none may be sparse);
-# row_adam: SparseAdam's arithmetic in static shapes (lst_lightning.rows)
-ROW_ADAM = "row_adam"
-EMBEDDING = (ROW_ADAM, "sparse_adam", "sparse_sgd", "adagrad", "dense")
+# row_adam: SparseAdam's arithmetic in static shapes (lst_lightning.rows); row_sgd: SGD's
+ROW_ADAM, ROW_SGD = "row_adam", "row_sgd"
+#: the optimisers of tables with static rows
+STATIC = {ROW_ADAM: RowAdam, ROW_SGD: RowSGD}
+EMBEDDING = (ROW_ADAM, ROW_SGD, "sparse_adam", "sparse_sgd", "adagrad", "dense")
 # optimizer.head_rows: the optimiser of a head's row-sparse class rows (null: optimizer.embedding's)
 HEAD_ROWS = (None, *EMBEDDING[:-1])
 #: optimizer.embedding=auto: row_adam where the run compiles or trains on a GPU (static rows: they
@@ -79,13 +81,13 @@ def check_optimizer_config(cfg: dict, module: nn.Module | None = None) -> None:
 
 
 def static_rows_for(body: nn.Module, head: OutputHead, cfg: dict) -> None:
-    """Static rows (``lst_lightning.rows.static_rows``) for the tables ``row_adam`` steps: the
-    body's sparse embeddings under ``optimizer.embedding=row_adam``, the head's row-sparse
-    parameters under ``optimizer.head_rows`` (null: ``optimizer.embedding``) ``=row_adam``."""
+    """Static rows (``lst_lightning.rows.static_rows``) for the tables ``row_adam`` or ``row_sgd``
+    steps: the body's sparse embeddings under ``optimizer.embedding``, the head's row-sparse
+    parameters under ``optimizer.head_rows`` (null: ``optimizer.embedding``)."""
     name = cfg.get("embedding", "dense")
-    if name == ROW_ADAM:
+    if name in STATIC:
         static_rows(body)
-    if (cfg.get("head_rows") or name) == ROW_ADAM and head.sparse_parameters():
+    if (cfg.get("head_rows") or name) in STATIC and head.sparse_parameters():
         static_rows(head, head.sparse_parameters())
 
 
@@ -99,12 +101,12 @@ def _dense_optimizer(groups: list, cfg: dict) -> torch.optim.Optimizer:
 def _sparse_optimizer(groups: list, name: str, lr: float, compiled: str | None = None) -> torch.optim.Optimizer:
     # No weight decay and no momentum: both would touch all D rows every step.
     static = [p for g in groups for p in g["params"] if row_grad_of(p) is not None]
-    if (name == ROW_ADAM) != bool(static) or (static and len(static) != sum(len(g["params"]) for g in groups)):
-        raise ValueError(f"optimizer.embedding (or head_rows)={name}: row_adam steps the tables with static rows "
-                         "(lst_lightning.rows) and only those; sparse_adam, sparse_sgd and adagrad take torch's "
-                         "sparse gradients")
-    if name == ROW_ADAM:  # compiled: "" for torch.compile's default mode, else a mode's name
-        return RowAdam(groups, lr=lr, compiled=compiled is not None, mode=compiled or None)
+    if (name in STATIC) != bool(static) or (static and len(static) != sum(len(g["params"]) for g in groups)):
+        raise ValueError(f"optimizer.embedding (or head_rows)={name}: row_adam and row_sgd step the tables with "
+                         "static rows (lst_lightning.rows) and only those; sparse_adam, sparse_sgd and adagrad take "
+                         "torch's sparse gradients")
+    if name in STATIC:  # compiled: "" for torch.compile's default mode, else a mode's name
+        return STATIC[name](groups, lr=lr, compiled=compiled is not None, mode=compiled or None)
     if name == "sparse_adam":
         return torch.optim.SparseAdam(groups, lr=lr)
     if name == "sparse_sgd":

@@ -50,7 +50,7 @@ class SampledSoftmaxHead(LinearClassHead):
     gradient taken against X P rather than X = [h, 1] (preconditioned_rows.py), P the exact
     head's right preconditioner from the running moments of X (two buffers, ``input_moment`` and
     ``input_moment_weight``, written by each training forward that autograd records, over the rows
-    with a target). With SGD on the rows (``optimizer.head_rows=sparse_sgd``; ``head=sampled_preconditioned``)
+    with a target). With SGD on the rows (``optimizer.head_rows=row_sgd``; ``head=sampled_preconditioned``)
     a step is the exact head's update with the all-class term left out. The logits, the loss and
     dL/dh are unchanged; a batch whose loss is not finite leaves the moments as they were.
     """
@@ -186,7 +186,7 @@ class SampledSoftmaxHead(LinearClassHead):
             return f"sampler={self.sampler_name!r} redraws, on the host, the rows whose every sample hit a target"
         if self.sparse and row_grad_of(self.weight) is None:
             return ("its row-sparse rows' gradient is a torch sparse tensor, whose size changes each step "
-                    "(static rows: optimizer.embedding=row_adam)")
+                    "(static rows: optimizer.head_rows=row_adam or row_sgd)")
         return None
 
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from .coalesce import coalesce_rows
 from .gathered import row_grad_of
+from .row_optimizer import RowOptimizer, compiled_update
 
 
 def row_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, ids: Tensor, grads: Tensor,
@@ -54,51 +55,26 @@ def row_adam_(param: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, 
     step.copy_(t)
 
 
-_compiled: dict = {}
+_compiled: dict = {}  # the compiled update, by mode
 
 
-def _compiled_update(mode: str | None):
-    fn = _compiled.get(mode)
-    if fn is None:
-        fn = _compiled[mode] = torch.compile(row_adam_, fullgraph=True, dynamic=False, mode=mode)
-    return fn
-
-
-class RowAdam(torch.optim.Optimizer):
+class RowAdam(RowOptimizer):
     """Adam on the rows of tables with static rows (``static_rows``: each parameter has a
     ``RowGrad``); ``lr``, ``betas``, ``eps`` as ``torch.optim.SparseAdam``'s."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  compiled: bool = False, mode: str | None = None):
-        if not lr > 0:
-            raise ValueError(f"RowAdam: lr must be > 0, got {lr}")
         if not eps > 0:
             raise ValueError(f"RowAdam: eps must be > 0, got {eps}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"RowAdam: betas must lie in [0, 1), got {betas}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps})
-        for g in self.param_groups:
-            for p in g["params"]:
-                if row_grad_of(p) is None:
-                    raise ValueError(f"RowAdam steps tables with static rows (rows.static_rows), but a parameter "
-                                     f"of shape {tuple(p.shape)} has none")
-        self.compiled, self.mode = bool(compiled), mode
-        self._lr: dict[torch.device, Tensor] = {}
-
-    def _lr_on(self, lr: float, device: torch.device) -> float | Tensor:
-        """The lr as the update takes it: a device scalar when compiled (refilled, never remade)."""
-        if not self.compiled:
-            return lr
-        t = self._lr.get(device)
-        if t is None:
-            t = self._lr[device] = torch.zeros((), dtype=torch.float64, device=device)
-        return t.fill_(lr)
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, compiled, mode)
 
     @torch.no_grad()
     def step(self, closure=None):
         with torch.enable_grad():
             loss = closure() if closure is not None else None
-        update = _compiled_update(self.mode) if self.compiled else row_adam_
+        update = compiled_update(_compiled, row_adam_, self.mode) if self.compiled else row_adam_
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -119,12 +95,3 @@ class RowAdam(torch.optim.Optimizer):
                 update(p, state["exp_avg"], state["exp_avg_sq"], state["step"], *got,
                        self._lr_on(group["lr"], p.device), beta1, beta2, group["eps"])
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                rg = row_grad_of(p)
-                if set_to_none or rg.rows.grad is None:
-                    rg.zero_grad()
-                else:
-                    rg.rows.grad.zero_()
