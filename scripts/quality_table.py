@@ -64,6 +64,8 @@ HEADS: dict[str, list[str]] = {
     "sampled-unigram": ["head=sampled_unigram"],
     "sampled-rff": ["head=sampled_rff"],
     "sampled-quadratic": ["head=sampled_quadratic"],
+    # its drawn rows stepped by SGD with the exact head's right preconditioner (static rows: compiled on a GPU)
+    "sampled-preconditioned": ["head=sampled_preconditioned"],
 }
 TASKS = {"wiki": ["data=wiki"], "synthetic": ["data=synthetic"]}
 # Per-task overrides of a preset: "quick" runs in seconds per head (a smoke test of the table).
