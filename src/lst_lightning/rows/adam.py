@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from .coalesce import coalesce_rows
-from .gathered import row_grad_of
 from .row_optimizer import RowOptimizer, compiled_update
 
 
@@ -70,28 +69,21 @@ class RowAdam(RowOptimizer):
             raise ValueError(f"RowAdam: betas must lie in [0, 1), got {betas}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps}, compiled, mode)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        update = compiled_update(_compiled, row_adam_, self.mode) if self.compiled else row_adam_
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                got = row_grad_of(p).grad()
-                if got is None:
-                    continue
-                state = self.state[p]
-                if len(state) == 0:
-                    # (1,), not 0-dim: Dynamo's aot_eager drops in-place writes to a 0-dim float64 input
-                    state["step"] = torch.zeros(1, dtype=torch.float64, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if self.compiled:
-                        for t in (state["step"], state["exp_avg"], state["exp_avg_sq"]):
-                            torch._dynamo.mark_static_address(t)
-                elif state["step"].device != p.device:  # a checkpoint loaded on the host
-                    state["step"] = state["step"].to(p.device)
-                update(p, state["exp_avg"], state["exp_avg_sq"], state["step"], *got,
-                       self._lr_on(group["lr"], p.device), beta1, beta2, group["eps"])
-        return loss
+    def _update(self):
+        return compiled_update(_compiled, row_adam_, self.mode) if self.compiled else row_adam_
+
+    def _step_table(self, update, p: Tensor, group: dict, ids: Tensor, grads: Tensor) -> None:
+        state = self.state[p]
+        if len(state) == 0:
+            # (1,), not 0-dim: Dynamo's aot_eager drops in-place writes to a 0-dim float64 input
+            state["step"] = torch.zeros(1, dtype=torch.float64, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if self.compiled:
+                for t in (state["step"], state["exp_avg"], state["exp_avg_sq"]):
+                    torch._dynamo.mark_static_address(t)
+        elif state["step"].device != p.device:  # a checkpoint loaded on the host
+            state["step"] = state["step"].to(p.device)
+        beta1, beta2 = group["betas"]
+        update(p, state["exp_avg"], state["exp_avg_sq"], state["step"], ids, grads,
+               self._lr_on(group["lr"], p.device), beta1, beta2, group["eps"])

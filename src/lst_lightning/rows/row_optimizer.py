@@ -1,7 +1,8 @@
 """``RowOptimizer``: what the row-sparse optimisers in static shapes share (``RowAdam``, ``RowSGD``):
 every parameter a table with static rows (``static_rows``: a ``RowGrad``), each table's update
 optionally through ``torch.compile`` (``compiled``, in ``mode``) with the lr as a device scalar (a
-new lr is no recompile), and ``zero_grad`` on the tables' ``RowGrad``."""
+new lr is no recompile), the step over the tables that a backward reached, and ``zero_grad`` on the
+tables' ``RowGrad``."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -41,6 +42,26 @@ class RowOptimizer(torch.optim.Optimizer):
         if t is None:
             t = self._lr[device] = torch.zeros((), dtype=torch.float64, device=device)
         return t.fill_(lr)
+
+    def _update(self) -> Callable:
+        """The update of one table's rows, compiled or not (a subclass's: its module's cache)."""
+        raise NotImplementedError
+
+    def _step_table(self, update: Callable, p: Tensor, group: dict, ids: Tensor, grads: Tensor) -> None:
+        """One table's step with its rows' (ids, gradients)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        update = self._update()
+        for group in self.param_groups:
+            for p in group["params"]:
+                got = row_grad_of(p).grad()
+                if got is not None:
+                    self._step_table(update, p, group, *got)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .gathered import row_grad_of
 from .row_optimizer import RowOptimizer, compiled_update
 
 
@@ -33,14 +32,8 @@ class RowSGD(RowOptimizer):
     def __init__(self, params, lr: float = 1e-2, compiled: bool = False, mode: str | None = None):
         super().__init__(params, {"lr": lr}, compiled, mode)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        with torch.enable_grad():
-            loss = closure() if closure is not None else None
-        update = compiled_update(_compiled, row_sgd_, self.mode) if self.compiled else row_sgd_
-        for group in self.param_groups:
-            for p in group["params"]:
-                got = row_grad_of(p).grad()
-                if got is not None:
-                    update(p, *got, self._lr_on(group["lr"], p.device))
-        return loss
+    def _update(self):
+        return compiled_update(_compiled, row_sgd_, self.mode) if self.compiled else row_sgd_
+
+    def _step_table(self, update, p: Tensor, group: dict, ids: Tensor, grads: Tensor) -> None:
+        update(p, ids, grads, self._lr_on(group["lr"], p.device))
