@@ -10,9 +10,9 @@ The parts: ``tests`` (the gpu-marked tests), ``kernels`` (the kernel tests, nati
 --batch-sizes: 30 random batch sizes through the CUDA graphs, m = 1000 padded), ``profile``
 (profile_step.py), ``heads`` (bench_heads.py at the targets' sizes), ``whole_step``
 (bench_whole_step.py on the GPU), ``quality`` (every head at D = 10^6 for the same training time),
-
 ``equal_time`` (the default against the sampled softmax, both compiled, 60 s each at D = 10^6, on
-the n-gram body and the d = 1024 transformer), ``dsweep`` (bench_heads.py --sweep-d: d = 512 to
+the n-gram body and the d = 1024 transformer), ``equal_time_preconditioned`` (head=sampled_preconditioned
+on equal_time's n-gram setting, beside its pair), ``dsweep`` (bench_heads.py --sweep-d: d = 512 to
 4096 against the fused softmaxes, and crossover.py's measured crossover beside the counted one),
 ``tf32`` (tf32_drift.py: TF32 products against float64).
 Each step runs in its own process (a CUDA error in one does not poison the next), under its own
@@ -228,6 +228,27 @@ def equal_time(out: Path, smoke: bool) -> list[Step]:
     return steps
 
 
+#: equal_time_preconditioned's head (quality_table.py's name): the sampled softmax with the default's P on
+#: its drawn rows (head=sampled_preconditioned), on equal_time's n-gram body and setting, its rows read beside
+#: that part's
+EQUAL_TIME_P_HEAD = "sampled-preconditioned"
+
+
+def equal_time_preconditioned(out: Path, smoke: bool) -> list[Step]:
+    """``head=sampled_preconditioned`` alone on ``equal_time``'s n-gram setting (60 s of training at
+    D = 10^6, compiled as lst-train compiles it on one GPU, its compiles warmed first): the third
+    head beside that part's pair, in a file of its own."""
+    argv = [PY, "scripts/quality_table.py", "--tasks", "synthetic", "--modes", "budget", "--budget-clock", "train",
+            "--heads", EQUAL_TIME_P_HEAD]
+    stem = "equal_time_ngram_preconditioned"
+    if smoke:
+        return [Step(stem, [*argv, "--out", str(out), "--preset", "quick", "--budget-s", "1", "--stem", stem], 120)]
+    full = [*argv, "--preset", "large_D", "-o", "trainer=gpu"]
+    return [Step(f"{stem}_warm_up", [*full, "--budget-s", str(WARM_UP_S), "--stem", f"{stem}_warm_up",
+                                     "--out", str(out / SCRATCH / "warm_up")], 90),
+            Step(stem, [*full, "--budget-s", "60", "--val-every-s", "15", "--stem", stem, "--out", str(out)], 110)]
+
+
 def dsweep(out: Path, smoke: bool) -> list[Step]:
     """bench_heads.py --sweep-d: lst-train's default factored step (from its CUDA graph) against
     F.linear_cross_entropy, Liger-Kernel and cut-cross-entropy in bf16 at d = 512 to 4096, m = 1024,
@@ -245,7 +266,8 @@ def dsweep(out: Path, smoke: bool) -> list[Step]:
 #: the parts in the order the suite runs them: correct first, then fast, then quality
 PARTS = {"tests": tests, "kernels": kernels, "compiled": compiled, "batch_sizes": batch_sizes, "profile": profile,
          "heads": heads,
-         "dsweep": dsweep, "equal_time": equal_time, "whole_step": whole_step, "quality": quality, "tf32": tf32}
+         "dsweep": dsweep, "equal_time": equal_time, "equal_time_preconditioned": equal_time_preconditioned,
+         "whole_step": whole_step, "quality": quality, "tf32": tf32}
 LOG = "gpu_session_log.txt"
 # the outputs a step writes only for its log (profiles, a smoke run before the real one): removed after the run
 SCRATCH = "scratch"

@@ -116,6 +116,34 @@ def test_the_equal_time_pair_runs_both_sides_compiled_on_the_same_setting():
     assert "model=gpt_d1024" in steps[3].argv and "model=gpt_d1024" not in steps[1].argv
 
 
+@pytest.mark.slow  # one lst-train run in a fresh process
+def test_the_equal_time_preconditioned_part_smoke(tmp_path):
+    """equal_time_preconditioned: head=sampled_preconditioned alone, its table and curves."""
+    assert gs.main(["equal_time_preconditioned", "--out", str(tmp_path), "--smoke"]) == 0
+    (path,) = tmp_path.glob("equal_time_ngram_preconditioned_*.csv")
+    (row,) = list(csv.DictReader(path.open()))
+    assert row["head"] == gs.EQUAL_TIME_P_HEAD and int(row["train_steps"]) > 0 and not row.get("error"), row
+
+
+def test_the_third_head_runs_on_the_pairs_ngram_setting():
+    """equal_time_preconditioned takes the n-gram pair's budget, validation, preset and overrides
+    (trainer=gpu: compiled as lst-train compiles it), warmed in the scratch folder first."""
+    pair = gs.equal_time(gs.ROOT / "OUT", smoke=False)[:2]
+    third = gs.equal_time_preconditioned(gs.ROOT / "OUT", smoke=False)
+    assert [s.name for s in third] == ["equal_time_ngram_preconditioned_warm_up", "equal_time_ngram_preconditioned"]
+
+    def setting(s):
+        heads = s.argv.index("--heads")
+        rest = s.argv[heads + 1:]
+        return s.argv[:heads], [a for a in rest if not a.startswith("-") and a not in gs.EQUAL_TIME_HEADS
+                                and a != gs.EQUAL_TIME_P_HEAD and "OUT" not in a and "equal_time" not in a]
+
+    for mine, theirs in zip(third, pair):
+        assert mine.argv[mine.argv.index("--heads") + 1] == gs.EQUAL_TIME_P_HEAD
+        assert setting(mine) == setting(theirs), (mine.argv, theirs.argv)
+    assert f"/{gs.SCRATCH}/" in third[0].argv[third[0].argv.index("--out") + 1]
+
+
 def test_the_full_suite_takes_what_docs_gpu_md_says_and_writes_into_out(capsys):
     """The step limits add up to the bound docs/gpu.md states, and every file goes directly into --out
     (what a step writes only for the log into --out's scratch folder, removed after the run)."""
