@@ -101,8 +101,8 @@ class DeviceFlags:
         #: the head's ``stats()`` as the last read took them ({}: no read yet): ``logged_stats()``
         self.stats: dict[str, float] = {}
 
-    def before_step(self, head) -> None:
-        """The host's part before a step: lr refilled into the device scalar ``head._lr_t``
+    def refill(self, head) -> None:
+        """The flags' part before a step (``before_step``): lr refilled into the device scalar ``head._lr_t``
         (outside any graph capture) when it changed, which the step reads (a captured graph
         and a compiled step at each call: no recompile for a new lr); the adaptive rule's rho
         bound's board made once."""
@@ -114,8 +114,8 @@ class DeviceFlags:
             self.rho_max = torch.zeros((), dtype=head.cond_bound.dtype, device=head.device)
 
     def lr(self, head) -> Tensor:
-        """lr as the device scalar the step reads, refilled when lr changed (``before_step``)."""
-        self.before_step(head)
+        """lr as the device scalar the step reads, refilled when lr changed (``refill``)."""
+        self.refill(head)
         return head._lr_t
 
     def pin_lr(self, head, value: float | None) -> None:
@@ -219,7 +219,7 @@ def before_step(head, m: int, draw: bool = True) -> Tensor | None:
     plan = head.plan
     if step_route(plan, m).keeps_uinv and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
-    head.step_checks.before_step(head)
+    head.step_checks.refill(head)
     return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
 
 
