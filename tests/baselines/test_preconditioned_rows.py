@@ -4,7 +4,7 @@ plain autograd's, and the gradient of [W, b] is the dense gradient of the same d
 written out from its formula (heads/preconditioner.py) with an explicit inverse, in float64. K > 1
 targets with padding and repeats, a row with no target, shared and per-row draws, dense and
 row-sparse gradients. Alone, the head is one process (several: test_preconditioned_rows_ranks.py);
-DDP leaves its moments alone."""
+DDP leaves its moments alone, and a cast to half precision keeps them in their dtype."""
 import copy
 
 import pytest
@@ -178,3 +178,19 @@ def test_ddp_leaves_the_moments_alone(preconditioner):
     assert ignored == (["head.input_moment", "head.input_moment_weight"] if preconditioner is not None else [])
     assert head.pg.world == 1  # distribute() ran: one process here
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_cast_to_half_precision_keeps_the_moments_dtype(dtype):
+    """As the exact head keeps its state: ``.to(torch.bfloat16)`` and ``.half()`` cast W and b, the moments
+    keep their dtype (and step: the rows' gradient is in W's); ``.float()`` and ``.double()`` move them."""
+    head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=6, bias=True, preconditioner={}, dtype=dtype)
+    head.to(torch.bfloat16)
+    assert head.weight.dtype == torch.bfloat16
+    assert head.input_moment.dtype == head.input_moment_weight.dtype == dtype
+    head(torch.randn(m, d, dtype=torch.bfloat16, requires_grad=True), make_targets(2)).backward()
+    assert head.weight.grad.dtype == torch.bfloat16 and head.input_moment_weight > 0
+    assert torch.isfinite(head.input_moment).all()
+    head.double()
+    assert head.input_moment.dtype == torch.float64
+    head.float().half()
+    assert head.weight.dtype == torch.float16 and head.input_moment.dtype == torch.float32

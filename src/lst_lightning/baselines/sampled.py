@@ -61,7 +61,9 @@ class SampledSoftmaxHead(LinearClassHead):
     joins the default group) every rank's moments are those of the global batch: the ranks' X^T X and
     row counts are summed (one all-reduce) before the new moment, and none writes it where one rank's
     loss is not finite or P's factorisation failed (a second all-reduce, of that flag), so the ranks
-    hold the same moments and P, one process's on the union of their batches.
+    hold the same moments and P, one process's on the union of their batches. The moments follow
+    ``.float()`` and ``.double()``; a cast to half precision keeps them in their dtype, as the exact
+    head keeps its state.
     """
 
     def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int | None = None,
@@ -117,6 +119,15 @@ class SampledSoftmaxHead(LinearClassHead):
     def buffers_kept_alike(self) -> list[str]:
         return super().buffers_kept_alike() + (list(MOMENTS) if self.preconditioner is not None else [])
 
+    def _apply(self, fn, recurse=True):
+        # The moments follow a move to float32 or float64; a cast to half precision (.half(),
+        # .to(torch.bfloat16)) moves them to its device only, in their dtype.
+        if self.preconditioner is not None:
+            probe = fn(self.input_moment.new_zeros(()))
+            if probe.dtype not in (torch.float32, torch.float64):
+                kept, cast = {id(getattr(self, n)) for n in MOMENTS}, fn
+                fn = lambda t: t.to(device=probe.device) if id(t) in kept else cast(t)  # noqa: E731
+        return super()._apply(fn, recurse)
 
     def sparse_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None] if self.sparse else []
