@@ -3,13 +3,16 @@
 plain autograd's, and the gradient of [W, b] is the dense gradient of the same draws times P, P
 written out from its formula (heads/preconditioner.py) with an explicit inverse, in float64. K > 1
 targets with padding and repeats, a row with no target, shared and per-row draws, dense and
-row-sparse gradients."""
+row-sparse gradients. Alone, the head is one process (several: test_preconditioned_rows_ranks.py);
+DDP leaves its moments alone, and a cast to half precision keeps them in their dtype."""
 import copy
 
 import pytest
 import torch
 
+from lst_lightning.app.module import LanguageModel
 from lst_lightning.baselines import SampledSoftmaxHead
+from lst_lightning.models import NgramMLP
 
 from baseline_cases import D, d, m, make_targets
 
@@ -162,3 +165,32 @@ def test_preconditioner_refuses_cosine_logits_and_unknown_settings():
         SampledSoftmaxHead(num_classes=D, hidden_dim=d, cosine_scale=4.0, preconditioner={})
     with pytest.raises(ValueError, match="unknown preconditioner setting"):
         SampledSoftmaxHead(num_classes=D, hidden_dim=d, preconditioner={"betta": 0.9})
+
+
+@pytest.mark.parametrize("preconditioner", [{}, None])
+def test_ddp_leaves_the_moments_alone(preconditioner):
+    """The ranks keep their moments alike themselves (every rank's rows): lst-train's module lists them in
+    what DDP must not copy from rank 0; without P the head has no buffer DDP is told of."""
+    head = SampledSoftmaxHead(num_classes=30, hidden_dim=4, preconditioner=preconditioner)
+    lm = LanguageModel(NgramMLP(20, 2, 4, [4], 4), head, optimizer={"embedding": "dense"})
+    lm.setup("fit")
+    ignored = getattr(lm, "_ddp_params_and_buffers_to_ignore", [])
+    assert ignored == (["head.input_moment", "head.input_moment_weight"] if preconditioner is not None else [])
+    assert head.pg.world == 1  # distribute() ran: one process here
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_cast_to_half_precision_keeps_the_moments_dtype(dtype):
+    """As the exact head keeps its state: ``.to(torch.bfloat16)`` and ``.half()`` cast W and b, the moments
+    keep their dtype (and step: the rows' gradient is in W's); ``.float()`` and ``.double()`` move them."""
+    head = SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=6, bias=True, preconditioner={}, dtype=dtype)
+    head.to(torch.bfloat16)
+    assert head.weight.dtype == torch.bfloat16
+    assert head.input_moment.dtype == head.input_moment_weight.dtype == dtype
+    head(torch.randn(m, d, dtype=torch.bfloat16, requires_grad=True), make_targets(2)).backward()
+    assert head.weight.grad.dtype == torch.bfloat16 and head.input_moment_weight > 0
+    assert torch.isfinite(head.input_moment).all()
+    head.double()
+    assert head.input_moment.dtype == torch.float64
+    head.float().half()
+    assert head.weight.dtype == torch.float16 and head.input_moment.dtype == torch.float32

@@ -115,9 +115,10 @@ class LanguageModel(pl.LightningModule):
     # -- multi-process ----------------------------------------------------------------
     def setup(self, stage: str) -> None:
         """Once torch.distributed is up (every rank): the head joins the process group,
-        and DDP is told to leave its buffers alone. By default DDP would copy rank 0's
-        buffers over every rank (at wrap time, every forward, and before validate/test):
-        for the head's V (D x d) that is huge, and wrong when V is sharded. Ignoring
+        and DDP is told to leave alone the buffers the head keeps consistent itself
+        (``head.buffers_kept_alike()``). By default DDP would copy rank 0's buffers over
+        every rank (at wrap time, every forward, and before validate/test): for the head's
+        V (D x d) that is huge, and wrong when V is sharded. Ignoring
         them here, rather than ``broadcast_buffers=False`` in the strategy, covers
         every strategy config and the validate/test sync too, and still broadcasts the
         body's buffers."""
@@ -126,10 +127,8 @@ class LanguageModel(pl.LightningModule):
         if not self._head_distributed:
             self.head.distribute()  # the default group: Lightning's
             self._head_distributed = True  # setup runs again for validate/test in the same processes
-        ignore = []
-        if self.head.self_updating or self.head.parallel != "none":
-            # the head keeps its replicas (or shards) consistent itself
-            ignore = [f"head.{n}" for n, _ in self.head.named_buffers()]
+        # the buffers the head keeps consistent itself (its replicas, its shards, moments of every rank's rows)
+        ignore = [f"head.{n}" for n in self.head.buffers_kept_alike()]
         # row-sparse gradients: averaged by all-gathers on any backend (callbacks.SparseGradients)
         sparse = {id(p) for p in sparse_embedding_params(self)}
         ignore += [n for n, p in self.named_parameters() if id(p) in sparse]

@@ -22,9 +22,13 @@ from .linear import LinearClassHead
 from .preconditioned_rows import preconditioned_logits, row_logits
 from .row_sparse import row_gather
 from ..rows import row_grad_of
-from ..heads.preconditioner import Moments, Preconditioner
+from ..distributed.collectives import ProcessGroup
+from ..heads.preconditioner import Moments, Preconditioner, batch_moment
 from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
+
+#: the preconditioner's running moments, buffers of the head
+MOMENTS = ("input_moment", "input_moment_weight")
 
 
 class SampledSoftmaxHead(LinearClassHead):
@@ -52,7 +56,14 @@ class SampledSoftmaxHead(LinearClassHead):
     ``input_moment_weight``, written by each training forward that autograd records, over the rows
     with a target). With SGD on the rows (``optimizer.head_rows=row_sgd``; ``head=sampled_preconditioned``)
     a step is the exact head's update with the all-class term left out. The logits, the loss and
-    dL/dh are unchanged; a batch whose loss is not finite leaves the moments as they were.
+    dL/dh are unchanged; a batch whose loss is not finite leaves the moments as they were. On several
+    processes (``distribute()``: every rank, lst-train's setup; else the first eager training forward
+    joins the default group) every rank's moments are those of the global batch: the ranks' X^T X and
+    row counts are summed (one all-reduce) before the new moment, and none writes it where one rank's
+    loss is not finite or P's factorisation failed (a second all-reduce, of that flag), so the ranks
+    hold the same moments and P, one process's on the union of their batches. The moments follow
+    ``.float()`` and ``.double()``; a cast to half precision keeps them in their dtype, as the exact
+    head keeps its state.
     """
 
     def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int | None = None,
@@ -95,6 +106,28 @@ class SampledSoftmaxHead(LinearClassHead):
             kind = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
             self.register_buffer("input_moment", torch.zeros(width, width, dtype=kind, device=device))
             self.register_buffer("input_moment_weight", torch.zeros((), dtype=kind, device=device))
+        #: the ranks whose rows make the moments (``distribute``); one process until it runs
+        self.pg = ProcessGroup()
+        self._joined = False
+
+    def distribute(self, process_group=None) -> None:
+        """Join the ranks of ``process_group`` (default: the whole world; alone without torch.distributed):
+        from here the moments are over every rank's rows. No collective runs here: the ranks' moments
+        must start alike (zeros, or one checkpoint), and every rank's training forwards then keep them so."""
+        self.pg, self._joined = ProcessGroup.current(process_group), True
+
+    def buffers_kept_alike(self) -> list[str]:
+        return super().buffers_kept_alike() + (list(MOMENTS) if self.preconditioner is not None else [])
+
+    def _apply(self, fn, recurse=True):
+        # The moments follow a move to float32 or float64; a cast to half precision (.half(),
+        # .to(torch.bfloat16)) moves them to its device only, in their dtype.
+        if self.preconditioner is not None:
+            probe = fn(self.input_moment.new_zeros(()))
+            if probe.dtype not in (torch.float32, torch.float64):
+                kept, cast = {id(getattr(self, n)) for n in MOMENTS}, fn
+                fn = lambda t: t.to(device=probe.device) if id(t) in kept else cast(t)  # noqa: E731
+        return super()._apply(fn, recurse)
 
     def sparse_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in (self.weight, self.bias) if p is not None] if self.sparse else []
@@ -150,12 +183,16 @@ class SampledSoftmaxHead(LinearClassHead):
         return neg, log_q, hit
 
     def _moments(self, query: Tensor, real: Tensor) -> tuple[Moments, Tensor]:
-        """This step's moments of X = [query, 1] over the ``real`` rows (aside: the buffers are
-        written by ``forward``) and X P, with P = I where its factorisation failed."""
+        """This step's moments of X = [query, 1] over the ``real`` rows, every rank's (aside: the
+        buffers are written by ``forward``) and X P, with P = I where its factorisation failed."""
         X = query.to(self.input_moment.dtype)
         if self.bias is not None:
             X = torch.cat([X, torch.ones_like(X[:, :1])], 1)
-        new = self.preconditioner.moments_of(self.input_moment, self.input_moment_weight, X, real)
+        gram, n = batch_moment(X, real)
+        if self.pg.world > 1:  # one all-reduce of X^T X and the count: the same bits on every rank
+            both = self.pg.all_reduce_(torch.cat([gram.reshape(-1), n.to(gram.dtype)[None]]))
+            gram, n = both[:-1].view_as(gram), both[-1]
+        new = self.preconditioner.moments_from(self.input_moment, self.input_moment_weight, gram, n)
         eye = torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
         return new, X @ torch.where(new.ok, new.P, eye)
 
@@ -198,6 +235,8 @@ class SampledSoftmaxHead(LinearClassHead):
         query = self._query(hidden)
         moments = XP = None
         stepped = self.preconditioner is not None and torch.is_grad_enabled()  # a step will follow
+        if stepped and not self._joined and not torch.compiler.is_compiling():
+            self.distribute()
         with torch.no_grad():
             if stepped:
                 moments, XP = self._moments(query.detach(), valid.any(1))
@@ -225,5 +264,8 @@ class SampledSoftmaxHead(LinearClassHead):
         log_z = lk.logsumexp_rows(torch.cat([o_z, o_n], 1))
         per_row = (val * (log_z - o_t.float())).sum(1)
         if moments is not None:
-            moments.write(self, moments.ok & torch.isfinite(per_row.detach()).all())
+            ok = moments.ok & torch.isfinite(per_row.detach()).all()
+            if self.pg.world > 1:  # written on every rank or on none
+                ok = self.pg.all_reduce_((~ok).to(torch.int32)) == 0
+            moments.write(self, ok)
         return reduce_rows(per_row, self.reduction)

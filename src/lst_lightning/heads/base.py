@@ -64,6 +64,15 @@ class OutputHead(nn.Module):
         """Join the ranks of ``process_group`` (every rank calls it once torch.distributed
         is up). Nothing to do for a head that keeps no state of its own across ranks."""
 
+    def buffers_kept_alike(self) -> list[str]:
+        """The names of the buffers the head keeps consistent across ranks itself (its replicas, its
+        shards, or state it forms from every rank's rows), which DDP must not overwrite with rank
+        0's: all of them for a head that updates itself or runs a multi-process mode of its own,
+        none by default (DDP copies an ordinary head's buffers from rank 0)."""
+        if self.self_updating or self.parallel != "none":
+            return [n for n, _ in self.named_buffers()]
+        return []
+
     def cannot_accumulate(self) -> str | None:
         """Why this head cannot take one exact step for several micro-batches at the optimizer's
         step (gradient accumulation, a loss scaler), or None when it can. An ordinary head can:

@@ -66,20 +66,32 @@ class Preconditioner:
         """This step's moments (computed aside: the head's buffers are not touched) and P. ``real`` (m,):
         the rows with a target, the only ones counted (a batch without any leaves the moments
         as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""
-        w = Hx.shape[1]
-        n = real.sum()
-        beta = torch.full((), self.beta, dtype=Hx.dtype, device=Hx.device)  # in Hx's precision
+        return self.moments_from(moment, weight, *batch_moment(Hx, real))
+
+    def moments_from(self, moment: Tensor, weight: Tensor, gram: Tensor, n: Tensor) -> "Moments":
+        """``moments_of`` from the batch's ``batch_moment``: ``gram`` = X^T X over the rows with a
+        target and ``n`` their count, each summed over the batches that make one step's (several
+        processes' rows: the sampled softmax's moments)."""
+        w = gram.shape[0]
+        beta = torch.full((), self.beta, dtype=gram.dtype, device=gram.device)  # in the moments' precision
         keep = torch.where(n > 0, beta, torch.ones_like(beta))  # the old moment's share
-        Hr = torch.where(real[:, None], Hx, 0.0)
-        S = moment * keep + (Hr.T @ Hr) * ((1.0 - keep) / n.clamp(min=1))
+        S = moment * keep + gram * ((1.0 - keep) / n.clamp(min=1))
         t = weight * keep + (1.0 - keep)
-        mean = S / t.clamp_min(torch.finfo(Hx.dtype).tiny)  # t = 0: no row with a target yet, S = 0
-        tau = mean.diagonal().mean().clamp_min(torch.finfo(Hx.dtype).tiny)  # H = 0 throughout: P = I (1 + damping) / damping
-        eye = torch.eye(w, dtype=Hx.dtype, device=Hx.device)
+        tiny = torch.finfo(gram.dtype).tiny
+        mean = S / t.clamp_min(tiny)  # t = 0: no row with a target yet, S = 0
+        tau = mean.diagonal().mean().clamp_min(tiny)  # H = 0 throughout: P = I (1 + damping) / damping
+        eye = torch.eye(w, dtype=gram.dtype, device=gram.device)
         C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
         Cinv = torch.linalg.solve_triangular(C, eye, upper=False)
         L = (tau * (1.0 + self.damping)).sqrt() * Cinv.T  # P = L L^T = tau (1 + damping) C^-T C^-1
         return Moments(S, t, L @ L.T, info == 0)
+
+
+def batch_moment(Hx: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+    """A batch's sufficient statistics for the moments: X^T X over the ``real`` rows (m,) of ``Hx``
+    and their count (an integer scalar)."""
+    Hr = torch.where(real[:, None], Hx, 0.0)
+    return Hr.T @ Hr, real.sum()
 
 
 @dataclass
