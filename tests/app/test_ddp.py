@@ -175,6 +175,22 @@ def test_two_ranks_train_like_one_self_updating_head(tmp_path):
     assert_metrics_equal(r1, r2, splits=("val",), exact_only=True)
 
 
+def test_two_ranks_hold_one_preconditioner_of_the_global_batch(tmp_path):
+    """head=sampled_preconditioned through the whole app on two ranks: its moments are summed over
+    the ranks' rows (an all-reduce in the head) and kept out of DDP's broadcast, so both ranks end
+    with the same moments, moved by training; the rows' draws differ by rank, so the runs are not
+    compared with one process here (tests/baselines/test_preconditioned_rows_ranks.py does that)."""
+    over = [*(o for o in COMMON if not o.startswith("optimizer.")), "head=sampled_preconditioned", "test=false"]
+    out = tmp_path / "ranks"
+    out.mkdir()
+    r2 = in_fresh_process(run_of, [*over, *TWO_RANKS], tmp_path / "two", extra_callbacks=[_ReportRanks(out)])
+    assert r2["world_size"] == 2 and r2["train_steps"] == 6
+    b0, b1 = torch.load(out / "rank0.pt"), torch.load(out / "rank1.pt")
+    assert float(b0["input_moment_weight"]) > 0 and b0["input_moment"].abs().sum() > 0
+    assert torch.equal(b0["input_moment"], b1["input_moment"])
+    assert torch.equal(b0["input_moment_weight"], b1["input_moment_weight"])
+
+
 FACTORED = ["head=factored", "loss=zloss", "+head.dtype._target_=hydra.utils.get_object",
             "+head.dtype.path=torch.float64", "head.checksum_every=2"]
 
