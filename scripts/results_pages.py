@@ -595,7 +595,7 @@ def time_to_quality_body(rows: list[Row]) -> tuple[str, dict[str, str]]:
         heads = [h for h in ("default", "sampled_softmax", "softmax") if any(r["head"] == h for r in same)]
         heads += sorted({r["head"] for r in same if r["head"].startswith("softmax;")})  # the full softmax's lrs
         heads += sorted({r["head"] for r in same if r["head"].startswith("default;")})  # the default's settings tried
-        heads += sorted({r["head"] for r in same if r["head"] not in heads and ";" in r["head"]})  # other variants
+        heads += sorted({r["head"] for r in same if r["head"] not in heads})  # the other heads and their variants
         step_lines = []
         for (case, D, machine, length, step), by_head in sorted(groups.items()):
             step_lines.append([CASE_NAMES.get(case, case), big(D), short_machine(machine), fmt(length), fmt(step),
