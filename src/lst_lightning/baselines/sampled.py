@@ -23,7 +23,7 @@ from .preconditioned_rows import preconditioned_logits, row_logits
 from .row_sparse import row_gather
 from ..rows import row_grad_of
 from ..distributed.collectives import ProcessGroup
-from ..heads.preconditioner import Moments, Preconditioner, batch_moment
+from ..heads.preconditioner import Moments, Preconditioner
 from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
@@ -182,17 +182,22 @@ class SampledSoftmaxHead(LinearClassHead):
             hit[rows] = (n2.unsqueeze(2) == idx[rows].unsqueeze(1)).any(2)
         return neg, log_q, hit
 
+    def _summed_over_ranks(self, gram: Tensor, n: Tensor) -> tuple[Tensor, Tensor]:
+        """X^T X and the row count summed over the ranks, in one all-reduce: the same bits on every rank."""
+        both = self.pg.all_reduce_(torch.cat([gram.reshape(-1), n.to(gram.dtype)[None]]))
+        return both[:-1].view_as(gram), both[-1]
+
     def _moments(self, query: Tensor, real: Tensor) -> tuple[Moments, Tensor]:
         """This step's moments of X = [query, 1] over the ``real`` rows, every rank's (aside: the
         buffers are written by ``forward``) and X P, with P = I where its factorisation failed."""
         X = query.to(self.input_moment.dtype)
         if self.bias is not None:
             X = torch.cat([X, torch.ones_like(X[:, :1])], 1)
-        gram, n = batch_moment(X, real)
-        if self.pg.world > 1:  # one all-reduce of X^T X and the count: the same bits on every rank
-            both = self.pg.all_reduce_(torch.cat([gram.reshape(-1), n.to(gram.dtype)[None]]))
-            gram, n = both[:-1].view_as(gram), both[-1]
-        new = self.preconditioner.moments_from(self.input_moment, self.input_moment_weight, gram, n)
+        Hr = torch.where(real[:, None], X, 0.0)
+        gram, n = Hr.T @ Hr, real.sum()
+        if self.pg.world > 1:
+            gram, n = self._summed_over_ranks(gram, n)
+        new = self.preconditioner.moments_of(self.input_moment, self.input_moment_weight, gram, n)
         eye = torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
         return new, X @ torch.where(new.ok, new.P, eye)
 

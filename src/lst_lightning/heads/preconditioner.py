@@ -58,40 +58,28 @@ class Preconditioner:
         return (1.0 + self.damping) / self.damping
 
     def update_moments(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
-        """``moments_of`` with ``real`` None: every row counted."""
+        """``moments_of`` of the rows of ``Hx`` with a target (``real``; None: every row)."""
         real = torch.ones(Hx.shape[0], dtype=torch.bool, device=Hx.device) if real is None else real
-        return self.moments_of(moment, weight, Hx, real)
+        Hr = torch.where(real[:, None], Hx, 0.0)
+        return self.moments_of(moment, weight, Hr.T @ Hr, real.sum())
 
-    def moments_of(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor) -> "Moments":
-        """This step's moments (computed aside: the head's buffers are not touched) and P. ``real`` (m,):
-        the rows with a target, the only ones counted (a batch without any leaves the moments
-        as they were). No host read: a failed Cholesky factorisation is the flag ``ok``."""
-        return self.moments_from(moment, weight, *batch_moment(Hx, real))
-
-    def moments_from(self, moment: Tensor, weight: Tensor, gram: Tensor, n: Tensor) -> "Moments":
-        """``moments_of`` from the batch's ``batch_moment``: ``gram`` = X^T X over the rows with a
-        target and ``n`` their count, each summed over the batches that make one step's (several
-        processes' rows: the sampled softmax's moments)."""
+    def moments_of(self, moment: Tensor, weight: Tensor, gram: Tensor, n: Tensor) -> "Moments":
+        """This step's moments (computed aside: the head's buffers are not touched) and P, from the
+        batch's ``gram``, X^T X over its rows with a target, and ``n``, their count (a batch without
+        any leaves the moments as they were; several processes' rows: each summed over the ranks,
+        the sampled softmax's). No host read: a failed Cholesky factorisation is the flag ``ok``."""
         w = gram.shape[0]
         beta = torch.full((), self.beta, dtype=gram.dtype, device=gram.device)  # in the moments' precision
         keep = torch.where(n > 0, beta, torch.ones_like(beta))  # the old moment's share
         S = moment * keep + gram * ((1.0 - keep) / n.clamp(min=1))
         t = weight * keep + (1.0 - keep)
-        tiny = torch.finfo(gram.dtype).tiny
-        mean = S / t.clamp_min(tiny)  # t = 0: no row with a target yet, S = 0
-        tau = mean.diagonal().mean().clamp_min(tiny)  # H = 0 throughout: P = I (1 + damping) / damping
+        mean = S / t.clamp_min(torch.finfo(gram.dtype).tiny)  # t = 0: no row with a target yet, S = 0
+        tau = mean.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny)  # H = 0 throughout: P = I (1 + damping) / damping
         eye = torch.eye(w, dtype=gram.dtype, device=gram.device)
         C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
         Cinv = torch.linalg.solve_triangular(C, eye, upper=False)
         L = (tau * (1.0 + self.damping)).sqrt() * Cinv.T  # P = L L^T = tau (1 + damping) C^-T C^-1
         return Moments(S, t, L @ L.T, info == 0)
-
-
-def batch_moment(Hx: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
-    """A batch's sufficient statistics for the moments: X^T X over the ``real`` rows (m,) of ``Hx``
-    and their count (an integer scalar)."""
-    Hr = torch.where(real[:, None], Hx, 0.0)
-    return Hr.T @ Hr, real.sum()
 
 
 @dataclass

@@ -439,7 +439,9 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     moments, P = NO_MOMENTS, None
     X, p_ok = Hx, True
     if plan.preconditioner is not None:
-        moments = plan.preconditioner.moments_of(state.input_moment, state.input_moment_weight, Hx, fwd.real)
+        Hr = torch.where(fwd.real[:, None], Hx, 0.0)  # the rows with a target: the moments count these only
+        moments = plan.preconditioner.moments_of(state.input_moment, state.input_moment_weight, Hr.T @ Hr,
+                                                 fwd.real.sum())
         P, p_ok = moments.P, moments.ok & torch.isfinite(moments.P.sum())
         X = Hx @ P if by_m or route.takes_x else None
         omega_new, wbar_new = P @ omega_new, P @ wbar_new
