@@ -25,6 +25,7 @@ from ..rows import row_grad_of
 from ..distributed.collectives import ProcessGroup
 from ..heads.preconditioner import Moments, Preconditioner
 from ..heads.samplers import sampled_softmax_num_samples
+from ..heads.state_dtype import STATE_DTYPES, kept_in_dtype
 from ..heads.targets import check_targets, first_occurrence, reduce_rows
 
 #: the preconditioner's running moments, buffers of the head
@@ -124,9 +125,9 @@ class SampledSoftmaxHead(LinearClassHead):
         # .to(torch.bfloat16)) moves them to its device only, in their dtype.
         if self.preconditioner is not None:
             probe = fn(self.input_moment.new_zeros(()))
-            if probe.dtype not in (torch.float32, torch.float64):
-                kept, cast = {id(getattr(self, n)) for n in MOMENTS}, fn
-                fn = lambda t: t.to(device=probe.device) if id(t) in kept else cast(t)  # noqa: E731
+            if probe.dtype not in STATE_DTYPES:
+                kept = {id(getattr(self, n)) for n in MOMENTS}
+                fn = kept_in_dtype(fn, probe.device, lambda t: id(t) in kept)
         return super()._apply(fn, recurse)
 
     def sparse_parameters(self) -> list[torch.nn.Parameter]:

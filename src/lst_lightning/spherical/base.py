@@ -8,7 +8,6 @@ methods subclasses provide.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import warnings
 import weakref
@@ -18,6 +17,7 @@ from torch import Tensor
 
 from ..heads.base import OutputHead
 from ..heads.samplers import slots_num_samples
+from ..heads.state_dtype import STATE_DTYPES, kept_in_dtype
 from ..heads.targets import IGNORE_INDEX, target_slots
 from ..losses import SphericalLoss, make_loss
 from . import driver, exact_step
@@ -31,7 +31,6 @@ from .pending import PendingRows
 from .plan import StepPlan, negatives_kind
 from .precision import own_math
 
-STATE_DTYPES = (torch.float32, torch.float64)
 #: "mean": over all m rows (padded rows count, adding 0); "mean_real": over the rows with at
 #: least one real target (as F.cross_entropy with ignore_index); "sum".
 REDUCTIONS = ("mean", "mean_real", "sum")
@@ -90,11 +89,6 @@ def without_placeholder_extra_state(state_dict: dict, prefix: str) -> None:
 def all_finite(t: Tensor) -> bool:
     """Whether every entry of ``t`` is finite, read in blocks of rows (V: no D x d temporary)."""
     return all(bool(torch.isfinite(blk).all()) for _, blk in row_blocks(t.reshape(t.shape[0], -1) if t.dim() else t[None]))
-
-
-def _move_keeping_dtype(fn, device: torch.device, t: Tensor) -> Tensor:
-    """``fn``'s move of a tensor with its device change only, for floating tensors."""
-    return t.to(device=device) if t.is_floating_point() else fn(t)
 
 
 class SphericalHeadBase(OutputHead):
@@ -202,7 +196,7 @@ class SphericalHeadBase(OutputHead):
             warnings.warn(f"{type(self).__name__} keeps its state in {self.dtype}, not {probe.dtype}: it takes "
                           "H in any float dtype and returns dL/dH in H's dtype (docs/factored_head.md, "
                           "'Precision, padding and dtype')", UserWarning, stacklevel=3)
-            fn = functools.partial(_move_keeping_dtype, fn, probe.device)
+            fn = kept_in_dtype(fn, probe.device)
         out = super()._apply(fn, recurse)
         self._factory["dtype"], self._factory["device"] = probe.dtype if probe.dtype in STATE_DTYPES \
             else self.dtype, probe.device
