@@ -194,11 +194,8 @@ class SampledSoftmaxHead(LinearClassHead):
         X = query.to(self.input_moment.dtype)
         if self.bias is not None:
             X = torch.cat([X, torch.ones_like(X[:, :1])], 1)
-        Hr = torch.where(real[:, None], X, 0.0)
-        gram, n = Hr.T @ Hr, real.sum()
-        if self.pg.world > 1:
-            gram, n = self._summed_over_ranks(gram, n)
-        new = self.preconditioner.moments_of(self.input_moment, self.input_moment_weight, gram, n)
+        summed = self._summed_over_ranks if self.pg.world > 1 else None
+        new = self.preconditioner.update_moments(self.input_moment, self.input_moment_weight, X, real, summed)
         eye = torch.eye(X.shape[1], dtype=X.dtype, device=X.device)
         return new, X @ torch.where(new.ok, new.P, eye)
 

@@ -24,6 +24,7 @@ written with the step: a skipped step leaves them untouched, a checkpoint resume
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,11 +58,18 @@ class Preconditioner:
         """A bound on P's largest eigenvalue, (1 + damping) / damping (S's are >= 0)."""
         return (1.0 + self.damping) / self.damping
 
-    def update_moments(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None) -> "Moments":
-        """``moments_of`` of the rows of ``Hx`` with a target (``real``; None: every row)."""
+    def update_moments(self, moment: Tensor, weight: Tensor, Hx: Tensor, real: Tensor | None = None,
+                       summed: Callable | None = None) -> "Moments":
+        """``moments_of`` of the rows of ``Hx`` with a target (``real``; None: every row). ``summed``:
+        where a step's rows are several processes' (the sampled softmax's), a function that sums
+        this batch's X^T X and row count over them (None: this batch's own). (The exact step forms
+        them inline, its path one function shorter.)"""
         real = torch.ones(Hx.shape[0], dtype=torch.bool, device=Hx.device) if real is None else real
         Hr = torch.where(real[:, None], Hx, 0.0)
-        return self.moments_of(moment, weight, Hr.T @ Hr, real.sum())
+        gram, n = Hr.T @ Hr, real.sum()
+        if summed is not None:
+            gram, n = summed(gram, n)
+        return self.moments_of(moment, weight, gram, n)
 
     def moments_of(self, moment: Tensor, weight: Tensor, gram: Tensor, n: Tensor) -> "Moments":
         """This step's moments (computed aside: the head's buffers are not touched) and P, from the
