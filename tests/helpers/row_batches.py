@@ -15,6 +15,23 @@ def steps_of(D: int, e: int, n: int, steps: int, dtype, g: torch.Generator):
     return out
 
 
+def table_and_steps(dtype, D: int = 40, e: int = 5, n: int = 33, steps: int = 6, seed: int = 7):
+    """A random D x e table and ``steps_of``'s batches for it, from a generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(D, e, generator=g, dtype=dtype)
+    return table, steps_of(D, e, n, steps, dtype, g)
+
+
+def step_sparse(p: nn.Parameter, opt, batches) -> None:
+    """``opt``'s steps of ``p`` (torch's optimiser, the reference), each gradient torch's sparse COO
+    tensor of the real ids' rows (uncoalesced), as ``nn.Embedding(sparse=True)`` gives it."""
+    for ids, rows in batches:
+        keep = ids >= 0
+        p.grad = torch.sparse_coo_tensor(ids[keep][None], rows[keep], p.shape, check_invariants=True)
+        opt.step()
+        opt.zero_grad()
+
+
 def host_reads_of_a_step(make_optimizer, table: torch.Tensor, ids: torch.Tensor) -> HostReads:
     """The host reads of one step of ``make_optimizer([p])`` on a copy of ``table`` with static rows,
     after a backward through a gather of ``ids``."""

@@ -9,18 +9,14 @@ from torch import nn
 
 from lst_lightning.rows import RowAdam, RowGrad, coalesce_rows
 
-from row_batches import host_reads_of_a_step, step_rows, steps_of
+from row_batches import host_reads_of_a_step, step_rows, step_sparse, table_and_steps
 
 
 def sparse_adam_reference(table: torch.Tensor, batches, lr: float, betas, eps):
     """torch.optim.SparseAdam, each step's gradient a COO tensor of the real ids' rows (uncoalesced)."""
     p = nn.Parameter(table.clone())
     opt = torch.optim.SparseAdam([p], lr=lr, betas=betas, eps=eps)
-    for ids, rows in batches:
-        keep = ids >= 0
-        p.grad = torch.sparse_coo_tensor(ids[keep][None], rows[keep], p.shape, check_invariants=True)
-        opt.step()
-        opt.zero_grad()
+    step_sparse(p, opt, batches)
     return p.detach(), opt.state[p]
 
 
@@ -38,10 +34,8 @@ def row_adam_run(table: torch.Tensor, batches, lr: float, betas, eps, compiled: 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_row_adam_equals_sparse_adam_on_the_same_rows(dtype, tol):
-    g = torch.Generator().manual_seed(7)
-    D, e = 40, 5
-    table = torch.randn(D, e, generator=g, dtype=dtype)
-    batches = steps_of(D, e, 33, 6, dtype, g)
+    table, batches = table_and_steps(dtype)
+    D = table.shape[0]
     lr, betas, eps = 0.05, (0.8, 0.95), 1e-6
     want, ref_state = sparse_adam_reference(table, batches, lr, betas, eps)
     got, state = row_adam_run(table, batches, lr, betas, eps)
@@ -65,9 +59,7 @@ def test_a_step_of_padding_only_changes_nothing_but_the_count():
 
 
 def test_compiled_row_adam_equals_the_eager_one_and_reads_nothing_on_the_host():
-    g = torch.Generator().manual_seed(3)
-    table = torch.randn(30, 4, generator=g)
-    batches = steps_of(30, 4, 17, 4, torch.float32, g)
+    table, batches = table_and_steps(torch.float32, D=30, e=4, n=17, steps=4, seed=3)
     want, _ = row_adam_run(table, batches, 0.02, (0.9, 0.999), 1e-8)
     got, _ = row_adam_run(table, batches, 0.02, (0.9, 0.999), 1e-8, compiled=True)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

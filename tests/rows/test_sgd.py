@@ -10,17 +10,12 @@ from torch import nn
 import lst_lightning.rows.sgd as sgd
 from lst_lightning.rows import RowGrad, RowSGD
 
-from row_batches import host_reads_of_a_step, step_rows, steps_of
+from row_batches import host_reads_of_a_step, step_rows, step_sparse, table_and_steps
 
 
 def sparse_sgd_reference(table: torch.Tensor, batches, lr: float) -> torch.Tensor:
     p = nn.Parameter(table.clone())
-    opt = torch.optim.SGD([p], lr=lr)
-    for ids, rows in batches:
-        keep = ids >= 0
-        p.grad = torch.sparse_coo_tensor(ids[keep][None], rows[keep], p.shape, check_invariants=True)
-        opt.step()
-        opt.zero_grad()
+    step_sparse(p, torch.optim.SGD([p], lr=lr), batches)
     return p.detach()
 
 
@@ -33,10 +28,8 @@ def row_sgd_run(table: torch.Tensor, batches, lr: float, compiled: bool = False)
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
 def test_row_sgd_equals_torch_sgd_on_the_same_sparse_rows(dtype, tol):
-    g = torch.Generator().manual_seed(7)
-    D, e = 40, 5
-    table = torch.randn(D, e, generator=g, dtype=dtype)
-    batches = steps_of(D, e, 33, 6, dtype, g)
+    table, batches = table_and_steps(dtype)
+    D = table.shape[0]
     want = sparse_sgd_reference(table, batches, 0.3)
     got = row_sgd_run(table, batches, 0.3)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
@@ -57,9 +50,7 @@ def test_a_step_of_padding_only_changes_nothing():
 def test_compiled_row_sgd_equals_the_eager_one_and_reads_nothing_on_the_host(monkeypatch):
     monkeypatch.setattr(sgd, "_compiled", {None: torch.compile(sgd.row_sgd_, fullgraph=True, dynamic=False,
                                                                  backend="aot_eager")})
-    g = torch.Generator().manual_seed(3)
-    table = torch.randn(30, 4, generator=g)
-    batches = steps_of(30, 4, 17, 4, torch.float32, g)
+    table, batches = table_and_steps(torch.float32, D=30, e=4, n=17, steps=4, seed=3)
     want = row_sgd_run(table, batches, 0.2)
     got = row_sgd_run(table, batches, 0.2, compiled=True)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
