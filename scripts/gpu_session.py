@@ -202,30 +202,38 @@ TINY_GPT = ["-o", "model.embed_dim=16", "-o", "model.num_layers=1", "-o", "model
             "-o", "model.hidden_dim=16"]
 
 
-def equal_time(out: Path, smoke: bool) -> list[Step]:
-    """The default against the sampled softmax at D = 10^6 for the same 60 s of training (validation
-    excluded, every 15 s on the same 512 held-out examples: curves against training time), both
-    compiled as lst-train compiles them on one GPU, their compile caches warmed by a short run of
-    each first, on the n-gram body and on the d = 1024 transformer (model=gpt_d1024); files named
+def budget_runs(out: Path, smoke: bool, heads: list[str], bodies: dict[str, tuple[list[str], int, int]]) -> list[Step]:
+    """quality_table.py's runs of ``heads`` at D = 10^6 for the same 60 s of training (validation
+    excluded, every 15 s on the same 512 held-out examples: curves against training time), compiled
+    as lst-train compiles them on one GPU, their compile caches warmed by a short run of each first;
+    ``bodies``: stem -> (the body's overrides, the warm-up's limit, the runs' limit); files named
     after the GPU."""
     argv = [PY, "scripts/quality_table.py", "--tasks", "synthetic", "--modes", "budget", "--budget-clock", "train",
-            "--heads", *EQUAL_TIME_HEADS]
+            "--heads", *heads]
     if smoke:
         return [Step(stem, [*argv, "--out", str(out), "--preset", "quick", "--budget-s", "1", "--stem", stem, *body,
-                            *(TINY_GPT if body else [])], 240) for stem, body in EQUAL_TIME_BODIES.items()]
+                            *(TINY_GPT if body else [])], 240) for stem, (body, _, _) in bodies.items()]
     # each run: its process's start (~10 s), 60 s of training, four validations; the transformer's
-    # start and compiles take longer. Before each body's pair, both heads run WARM_UP_S seconds into
+    # start and compiles take longer. Before each body's runs, every head runs WARM_UP_S seconds into
     # the scratch folder: their compiles fill Inductor's caches on disk, so that the measured runs
     # compile from them, as a long run's compiles are a small part of it (on an H200 the default's
     # step alone compiles in 54 s cold, most of a 60 s budget)
     full = [*argv, "--preset", "large_D", "-o", "trainer=gpu"]
     steps = []
-    for (stem, body), (warm, limit) in zip(EQUAL_TIME_BODIES.items(), ((150, 170), (180, 190))):
+    for stem, (body, warm, limit) in bodies.items():
         steps.append(Step(f"{stem}_warm_up", [*full, "--budget-s", str(WARM_UP_S), "--stem", f"{stem}_warm_up", *body,
                                              "--out", str(out / SCRATCH / "warm_up")], warm))
         steps.append(Step(stem, [*full, "--budget-s", "60", "--val-every-s", "15", "--stem", stem, *body,
                                  "--out", str(out)], limit))
     return steps
+
+
+def equal_time(out: Path, smoke: bool) -> list[Step]:
+    """The default against the sampled softmax (``budget_runs``) on the n-gram body and on the
+    d = 1024 transformer (model=gpt_d1024)."""
+    limits = ((150, 170), (180, 190))
+    return budget_runs(out, smoke, EQUAL_TIME_HEADS,
+                       {stem: (body, *lim) for (stem, body), lim in zip(EQUAL_TIME_BODIES.items(), limits)})
 
 
 #: equal_time_preconditioned's head (quality_table.py's name): the sampled softmax with the default's P on
@@ -235,18 +243,10 @@ EQUAL_TIME_P_HEAD = "sampled-preconditioned"
 
 
 def equal_time_preconditioned(out: Path, smoke: bool) -> list[Step]:
-    """``head=sampled_preconditioned`` alone on ``equal_time``'s n-gram setting (60 s of training at
-    D = 10^6, compiled as lst-train compiles it on one GPU, its compiles warmed first): the third
-    head beside that part's pair, in a file of its own."""
-    argv = [PY, "scripts/quality_table.py", "--tasks", "synthetic", "--modes", "budget", "--budget-clock", "train",
-            "--heads", EQUAL_TIME_P_HEAD]
-    stem = "equal_time_ngram_preconditioned"
-    if smoke:
-        return [Step(stem, [*argv, "--out", str(out), "--preset", "quick", "--budget-s", "1", "--stem", stem], 120)]
-    full = [*argv, "--preset", "large_D", "-o", "trainer=gpu"]
-    return [Step(f"{stem}_warm_up", [*full, "--budget-s", str(WARM_UP_S), "--stem", f"{stem}_warm_up",
-                                     "--out", str(out / SCRATCH / "warm_up")], 90),
-            Step(stem, [*full, "--budget-s", "60", "--val-every-s", "15", "--stem", stem, "--out", str(out)], 110)]
+    """``head=sampled_preconditioned`` alone on ``equal_time``'s n-gram setting (``budget_runs``):
+    the third head beside that part's pair, in a file of its own."""
+    return budget_runs(out, smoke, [EQUAL_TIME_P_HEAD],
+                       {"equal_time_ngram_preconditioned": (EQUAL_TIME_BODIES["equal_time_ngram"], 90, 110)})
 
 
 def dsweep(out: Path, smoke: bool) -> list[Step]:
