@@ -15,6 +15,7 @@ from lst_lightning.baselines import SampledSoftmaxHead
 from lst_lightning.models import NgramMLP
 
 from baseline_cases import D, d, m, make_targets
+from preconditioner_formula import p_of
 
 BETA, DAMPING = 0.9, 0.1
 
@@ -38,10 +39,7 @@ def reference_moments(S0, w0, X, real):
     Xr = X[real]
     S = BETA * S0 + (1 - BETA) * Xr.T @ Xr / Xr.shape[0]
     w = BETA * w0 + (1 - BETA)
-    mean = S / w
-    tau = mean.trace() / X.shape[1]
-    P = tau * (1 + DAMPING) * torch.linalg.inv(mean + DAMPING * tau * torch.eye(X.shape[1], dtype=X.dtype))
-    return S, w, P
+    return S, w, p_of(S, w, DAMPING)
 
 
 def dense(g):

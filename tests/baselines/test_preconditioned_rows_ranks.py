@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from forked_ranks import start_ranks
+from preconditioner_formula import p_of
 from torch._dynamo.utils import counters
 
 from lst_lightning.baselines import SampledSoftmaxHead
@@ -39,13 +40,6 @@ def global_batch(step):
     return H, idx
 
 
-def p_of(S, w):
-    """P from the moments, written out (heads/preconditioner.py) with an explicit inverse."""
-    mean = S / w
-    tau = mean.trace() / S.shape[0]
-    return tau * (1 + DAMPING) * torch.linalg.inv(mean + DAMPING * tau * torch.eye(S.shape[0], dtype=S.dtype))
-
-
 def train(head, rows, steps=STEPS, forward=None, summed=False):
     """SGD steps on rows ``rows`` of each global batch, the draws seeded alike (shared by the rows: every
     rank draws what one process draws); ``summed``: the rows' gradient summed over the ranks, as DDP's
@@ -64,7 +58,7 @@ def train(head, rows, steps=STEPS, forward=None, summed=False):
             head.weight -= LR * G[:, :d]
             head.bias -= LR * G[:, d]
         S, w = head.input_moment.clone(), head.input_moment_weight.clone()
-        out.append({"S": S, "w": w, "P": p_of(S, w), "G": G})
+        out.append({"S": S, "w": w, "P": p_of(S, w, DAMPING), "G": G})
     return out
 
 
