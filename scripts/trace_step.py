@@ -7,8 +7,8 @@ the right preconditioner),
 takes one warm-up step, then traces one more ``head(H, idx).backward()`` with
 ``sys.setprofile`` and prints every file of ``src/`` and ``triton_kernels/`` it enters,
 with the functions (lambdas and comprehensions count: each is a call a reader follows).
-tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 39 functions,
-and the default loss=sampled's step to 12 files and 57 functions.
+tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 40 functions,
+and the default loss=sampled's step to 12 files and 58 functions.
 
 It counts the branches of the step's device part too: the functions entered below driver.py's ``run``
 (what ``run_device_part`` and ``forward_step`` run, compiled whole where the plan says:
@@ -31,8 +31,8 @@ Every branch is listed with its file:line, the step's own (``src/``) apart from 
 ``--masked``: the device flags masked by ``torch.where`` (``exact_step.READ_CPU_FLAGS`` False),
 as a GPU or a compiled step runs the write, rather than read where they are made as the eager
 CPU step does (``plan.reads_flags``).
-tests/spherical/test_step_path.py holds the counts: the step's own, 13 branches in 17 functions
-with the Z-loss and 18 in 32 with loss=sampled (10 in 16 and 15 in 31 masked), on the plan
+tests/spherical/test_step_path.py holds the counts: the step's own, 13 branches in 18 functions
+with the Z-loss and 18 in 33 with loss=sampled (10 in 17 and 15 in 32 masked), on the plan
 but for ``take_read``'s two ``cpu_flag`` reads (none masked); the kernel ops' 3 in 7 and 4 in 8
 (5 in 9 and 6 in 10 masked, the CPU's fold reading its flag, ``_fold_rows_gated``).
 """

@@ -140,3 +140,21 @@ def test_a_setting_that_is_a_word_or_a_list_takes_a_list():
     assert list(cfg.head.batch_sizes) == [512, 1000]
     assert cfg_of().head.batch_sizes == "pow2"
     assert tuple(make_head(cfg, 50, 4, torch.ones(50)).batch_sizes) == (512, 1000)
+
+
+@pytest.mark.parametrize("head", ["factored", "naive"])
+def test_the_trainers_gradient_clipping_bounds_a_self_updating_heads_step_too(head):
+    """``trainer.gradient_clip_val`` reaches the exact heads as ``clip_norm`` (their step's
+    gradient scaled to it, as the app clips the body's and every other head's); null lifts it,
+    and ``head.clip_norm`` sets it alone."""
+    import torch  # noqa: PLC0415
+
+    from lst_lightning.app.train import make_head  # noqa: PLC0415
+
+    cfg = cfg_of(f"head={head}")
+    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.head.clip_norm == 1.0
+    assert make_head(cfg, 50, 4, torch.ones(50)).plan.clip_norm == 1.0
+    assert cfg_of(f"head={head}", "trainer.gradient_clip_val=0.5").head.clip_norm == 0.5
+    off = cfg_of(f"head={head}", "trainer.gradient_clip_val=null")
+    assert off.head.clip_norm is None and make_head(off, 50, 4, torch.ones(50)).clip_norm is None
+    assert cfg_of(f"head={head}", "head.clip_norm=null").trainer.gradient_clip_val == 1.0

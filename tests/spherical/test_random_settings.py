@@ -3,7 +3,8 @@
 The other tests of the step vary one or two settings at a time. Here each case draws all of them
 together from its seed: the loss, the bias, the reduction, weight decay, the sampled classes
 (shared or per row, how many, the proposal), P (off, a running mean, this batch's moment alone),
-the U^-1 route and the repairs' settings (``stabiliser``), the checks (read at once or as device
+the bound on the gradient's norm (``clip_norm``: off, or one that most steps' gradients pass), the
+U^-1 route and the repairs' settings (``stabiliser``), the checks (read at once or as device
 flags), the driver (autograd or
 ``train_step``), the lr and target values. Each step draws a new batch size (m = 1 among them) and
 K, with padding, classes repeated within a row and across rows, and sometimes a fully padded row.
@@ -83,6 +84,8 @@ def run_case(seed: int, kind: str) -> FactoredSphericalHead:
     torch.manual_seed(seed)
     hard = kind == "hard"
     args = settings(r, hard)
+    # drawn apart, so that the other settings' draws stay those of the cases without it
+    args["clip_norm"] = random.Random(-1 - seed).choice([None, None, 0.05, 1.0])
     stab, sync_every = stabiliser(r), r.choice([1, 1, 3])
     fused, values = r.random() < 0.5 and kind != "accumulated", r.random() < 0.3
     f = FactoredSphericalHead(stabiliser=stab, sync_every=sync_every, **args)

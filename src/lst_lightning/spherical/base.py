@@ -26,7 +26,7 @@ from .driving import Driving
 from .multi_process import Processes
 from .negatives import NegativeSampling, Negatives
 from ..heads.preconditioner import Preconditioner
-from .settings import AUTO, Setting, finite, on_with_sampled, one_of, positive_int
+from .settings import AUTO, Setting, bound_or_off, finite, on_with_sampled, one_of, positive_int
 from .pending import PendingRows
 from .plan import StepPlan, negatives_kind
 from .precision import own_math
@@ -103,7 +103,7 @@ class SphericalHeadBase(OutputHead):
                  generator: torch.Generator | None = None, ignore_index: int = IGNORE_INDEX,
                  negatives: Negatives | dict | str | None = AUTO,
                  preconditioner: Preconditioner | dict | str | None = AUTO,
-                 tf32: bool = False):
+                 tf32: bool = False, clip_norm: float | None = None):
         super().__init__()
         if not (isinstance(num_classes, int) and num_classes >= 1):
             raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
@@ -130,6 +130,7 @@ class SphericalHeadBase(OutputHead):
         self.has_log_prob = self.loss_fn.normalised
         self.lr = lr if lr is not None else self.loss_fn.default_lr_for(num_classes)  # the loss's own (Z-loss: 1.0)
         self.weight_decay = weight_decay
+        self.clip_norm = clip_norm
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()
         # the state's dtype and device, followed by every move (_apply)
@@ -172,7 +173,8 @@ class SphericalHeadBase(OutputHead):
         #: (the factored head makes its own from its settings)
         self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),
                              preconditioner=self.preconditioner, num_classes=num_classes, width=self.width,
-                             weight_decay=self.weight_decay, collectives=self.processes, loss=self.loss_fn,
+                             weight_decay=self.weight_decay, clip_norm=self.clip_norm, collectives=self.processes,
+                             loss=self.loss_fn,
                              reduction=self.reduction, sampling=self.negatives)
 
     @property
@@ -207,6 +209,10 @@ class SphericalHeadBase(OutputHead):
     # -- hyperparameters the training loop may change (settings.py's ``Setting``) ----------
     lr = Setting(finite("lr"))
     weight_decay = Setting(finite("weight_decay", positive=False), planned=True)
+    #: the bound on the norm of the step's gradient of W (times P with the preconditioner): a larger
+    #: one is scaled down to it before the SGD step, as ``torch.nn.utils.clip_grad_norm_`` would
+    #: (the weight decay is not scaled); None (or 0): no bound
+    clip_norm = Setting(bound_or_off("clip_norm"), planned=True)
     #: how the rows' losses make the minibatch loss: one of ``REDUCTIONS``
     reduction = Setting(one_of("reduction", REDUCTIONS), planned=True)
 

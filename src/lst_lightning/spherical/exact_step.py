@@ -431,7 +431,6 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
     Hx, route = fwd.Hx, fwd.route
     by_m = Hx.shape[0] <= plan.m_matrix_rows  # Q's update through M (m x m), else from d x d products
     c = 1.0 - lr * plan.weight_decay  # > 0: forward checked lr * weight_decay < 1
-    kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
     omega_new = Hx.T @ (2.0 * gq * fwd.ht + gs)
     wbar_new = Hx.T @ (2.0 * gq * fwd.s + plan.num_classes * gs + ybar)
     # The right preconditioner P (preconditioner.py): X = H P, the update's side of H, is formed where a
@@ -445,23 +444,33 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
         P, p_ok = moments.P, moments.ok & torch.isfinite(moments.P.sum())
         X = Hx @ P if by_m or route.takes_x else None
         omega_new, wbar_new = P @ omega_new, P @ wbar_new
+    # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
+    # the step's factors, whichever has fewer multiply-adds; Q's update for an lr, as ``q_new(lr, c)``.
+    order = N = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
+    if by_m:
+        M = plan.kernels.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes,
+                                  fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
+
+        def q_new(lr, c, Gq=None, GqP=None):
+            return plan.kernels.q_update(state.Q, X, dOW, M, lr, c)
+    else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
+        order = plan.kernels.sorted_ids(fwd.idx)
+        YYH, HYYH, N = fwd.neg.gram_terms(plan, fwd.idx, GA, Hx, order)
+
+        def q_new(lr, c, Gq=None, GqP=None):
+            return plan.kernels.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P,
+                                                 Gq=Gq, GqP=GqP, HYYH=HYYH)
+    if plan.clip_norm is not None:  # the gradient G P scaled to at most clip_norm: lr by the factor
+        # ||G P||^2 is the trace of Q's lr^2 term, (G P)^T (G P): Q's update at lr 1 without Q (c 0)
+        norm = q_new(1.0, 0.0).diagonal().sum().clamp_min(0.0).sqrt()
+        lr = lr * torch.clamp(plan.clip_norm / norm, max=1.0)
+    kappa = (2.0 * lr / c) * gq  # B = c (I - A), A = H^T diag(kappa) H P
     omega_new = c * state.omega - lr * omega_new
     wbar_new = c * state.wbar - lr * wbar_new
     f = route.forms(plan, state, fwd, P, lr, c, kappa, gq, X)
     bounds = device_bounds(plan, state, f.A, f.sq, kappa)  # the fold and cond(B): device scalars
     inv = route.inverse(plan, state, fwd, f, P, c, kappa, bounds)
-    # The exact bookkeeping of Q = W^T W: through M = dO dO^T (m x m), or from d x d products of
-    # the step's factors, whichever has fewer multiply-adds.
-    order = N = None  # the ids' sort, where Yd Yd^T H makes one: the write's scatter then sorts nothing
-    if by_m:
-        M = plan.kernels.m_matrix(fwd.Hq, Hx, Z, gq, gs, ybar, plan.num_classes,
-                                  fwd.neg.gram(plan, fwd.idx, GA))  # Yd Yd^T
-        Q_new = plan.kernels.q_update(state.Q, f.X, dOW, M, lr, c)
-    else:  # H^T Yd Yd^T H without Yd Yd^T: Yd Yd^T H by rows (and shared negatives' block as N^T N)
-        order = plan.kernels.sorted_ids(fwd.idx)
-        YYH, HYYH, N = fwd.neg.gram_terms(plan, fwd.idx, GA, Hx, order)
-        Q_new = plan.kernels.q_update_factors(state.Q, Hx, gq, Z, gs, ybar, plan.num_classes, YYH, lr, c, P=P,
-                                              Gq=f.Gq, GqP=f.GqP, HYYH=HYYH)
+    Q_new = q_new(lr, c, f.Gq, f.GqP)
     total = f.U.sum() + omega_new.sum() + inv.total + Q_new.sum() + wbar_new.sum()
     ok = torch.isfinite(total) & p_ok  # NaN and inf survive a sum
     return NewState(GA=GA, U=f.U, Uinv=inv.Uinv, omega=omega_new, Q=Q_new, wbar=wbar_new, HUinv=inv.HUinv,

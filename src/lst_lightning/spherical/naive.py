@@ -88,6 +88,8 @@ class NaiveSphericalHead(SphericalHeadBase):
         if self.preconditioner is not None:
             moments = self.preconditioner.update_moments(self.input_moment, self.input_moment_weight, Hx, real)
             dW = dW @ moments.P
+        if self.clip_norm is not None:  # the gradient scaled to a norm of at most clip_norm
+            dW = dW * torch.clamp(self.clip_norm / torch.linalg.matrix_norm(dW), max=1.0)
         W_new = self.W - self.lr * (dW + self.weight_decay * self.W)
         if not (torch.isfinite(W_new).all() and (moments is None or moments.ok)):
             self._skip("weights after the step")

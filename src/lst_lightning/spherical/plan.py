@@ -63,6 +63,8 @@ class StepPlan:
     collectives: object = field(default=None, compare=False)
     #: the head's weight decay (W <- c W - ..., c = 1 - lr weight_decay)
     weight_decay: float = 0.0
+    #: the bound on the norm of the step's gradient of W (times P), None: none (base.py's ``clip_norm``)
+    clip_norm: float | None = None
     #: the head's loss (``losses``) and its reduction over the rows (base.py's ``REDUCTIONS``)
     loss: object = field(default=None, compare=False)
     reduction: str = "mean"
@@ -166,7 +168,7 @@ def plan_for(head) -> StepPlan:
                     num_classes=head.num_classes, width=head.width, fold_tol=settings.fold_tol,
                     fold_cond=settings.fold_cond, collectives=head.processes, loss=head.loss_fn,
                     reduction=head.reduction, sampling=head.negatives, weight_decay=head.weight_decay,
-                    kernels=lk.ops_for(head.device), device=head.device.type)
+                    clip_norm=head.clip_norm, kernels=lk.ops_for(head.device), device=head.device.type)
 
 
 # -- the refusals, each one line saying why ----------------------------------------------------

@@ -74,6 +74,20 @@ def finite(name: str, positive: bool = True):
     return check
 
 
+def bound_or_off(name: str):
+    """The check of a finite bound > 0, or None or 0 for none (given as None)."""
+    positive = finite(name)
+
+    def check(value):
+        if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0):
+            return None
+        try:
+            return positive(value)
+        except ValueError:
+            raise ValueError(f"{name} must be finite and positive, or None or 0 for none, got {value!r}") from None
+    return check
+
+
 def positive_int(name: str, optional: bool = False):
     """The check of a positive int (not a bool), or None where ``optional``."""
     def check(value):
