@@ -143,18 +143,15 @@ def test_a_setting_that_is_a_word_or_a_list_takes_a_list():
 
 
 @pytest.mark.parametrize("head", ["factored", "naive"])
-def test_the_trainers_gradient_clipping_bounds_a_self_updating_heads_step_too(head):
-    """``trainer.gradient_clip_val`` reaches the exact heads as ``clip_norm`` (their step's
-    gradient scaled to it, as the app clips the body's and every other head's); null lifts it,
-    and ``head.clip_norm`` sets it alone."""
+def test_an_exact_heads_own_clipping_is_off_unless_asked_and_then_reaches_the_head(head):
+    """``head.clip_norm``: null by default (the trainer's clipping bounds the body and the
+    other heads' rows, not this head's step); a value, or the trainer's by interpolation,
+    reaches the head's plan."""
     import torch  # noqa: PLC0415
 
     from lst_lightning.app.train import make_head  # noqa: PLC0415
 
     cfg = cfg_of(f"head={head}")
-    assert cfg.trainer.gradient_clip_val == 1.0 and cfg.head.clip_norm == 1.0
-    assert make_head(cfg, 50, 4, torch.ones(50)).plan.clip_norm == 1.0
-    assert cfg_of(f"head={head}", "trainer.gradient_clip_val=0.5").head.clip_norm == 0.5
-    off = cfg_of(f"head={head}", "trainer.gradient_clip_val=null")
-    assert off.head.clip_norm is None and make_head(off, 50, 4, torch.ones(50)).clip_norm is None
-    assert cfg_of(f"head={head}", "head.clip_norm=null").trainer.gradient_clip_val == 1.0
+    assert cfg.head.clip_norm is None and make_head(cfg, 50, 4, torch.ones(50)).plan.clip_norm is None
+    on = cfg_of(f"head={head}", "head.clip_norm=${trainer.gradient_clip_val}")
+    assert on.head.clip_norm == 1.0 and make_head(on, 50, 4, torch.ones(50)).plan.clip_norm == 1.0
