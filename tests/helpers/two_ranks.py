@@ -20,6 +20,10 @@ NEGATIVE_MODES = {"replicated_negatives": ("replicated", True), "sharded_negativ
                   "sharded_negatives_per_row": ("sharded", False)}
 
 
+#: the bound on the step's gradient (clip_norm) of the clipped runs: every step's gradient passes it
+CLIP_NORM = 0.01
+
+
 def negatives(shared: bool) -> dict:
     return {"loss": "sampled", "negatives": {"num": 7, "shared": shared},
             "preconditioner": {"beta": 0.9, "damping": 0.05}}
@@ -253,6 +257,10 @@ def worker(rank, rdv, out):
         sampled = make_head(mode, **negatives(shared))
         sampled.distribute()
         res[name] = {"grads": train(sampled, rows), "W": sampled.weight(), "hash": sampled.state_hash()}
+    for mode in ("replicated", "sharded"):  # the step's gradient clipped: its norm the global batch's
+        clipped = make_head(mode, clip_norm=CLIP_NORM, **negatives(True))
+        clipped.distribute()
+        res[f"clipped_{mode}"] = {"grads": train(clipped, rows), "W": clipped.weight()}
     for mode in ("replicated", "sharded"):  # gradient accumulation across the processes
         acc = make_head(mode)
         acc.distribute()

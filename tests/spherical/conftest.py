@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from forked_ranks import start_ranks
 
 from made_once import made_once
-from two_ranks import ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, train_padded, worker
+from two_ranks import CLIP_NORM, ROWS, WORLD, evaluate, make_head, negatives, train, train_on_unions, train_padded, worker
 
 
 def run_two_ranks(folder: Path) -> None:
@@ -52,6 +52,8 @@ def single():
         out[f"negatives_shared={shared}"] = {"grads": train(sampled, all_rows), "W": sampled.weight()}
     # per row, under device flags, each rank's padded rows draw too: the one process on the padded
     # batches, its mean over the real rows (every row of the global batch has a target)
+    clipped = make_head("none", clip_norm=CLIP_NORM, **negatives(True))
+    out["clipped"] = {"grads": train(clipped, all_rows), "W": clipped.weight()}
     padded = make_head("none", reduction="mean_real", **negatives(False))
     out["negatives_per_padded_row"] = {"grads": train_padded(padded), "W": padded.weight()}
     return out

@@ -5,7 +5,7 @@ replicated, agreed input errors, divergence caught, a gathered V reloads into sh
 import pytest
 import torch
 
-from two_ranks import (LONG_STEPS, LONG_SYNC_EVERY, NEGATIVE_MODES, RAGGED_STEPS, ROWS, STEPS, WORLD, D, d, make_head, negatives, rel,
+from two_ranks import (CLIP_NORM, LONG_STEPS, LONG_SYNC_EVERY, NEGATIVE_MODES, RAGGED_STEPS, ROWS, STEPS, WORLD, D, d, make_head, negatives, rel,
                        train, train_long, train_ragged)
 
 MAX_READS_A_STEP = 0.1
@@ -51,6 +51,19 @@ def test_two_ranks_with_negatives_equal_one_process_on_the_global_batch(ranks, s
         for step in range(STEPS):
             assert rel(got["grads"][step], WORLD * want["grads"][step][lo:lo + ROWS[r]]) < 1e-12
     assert res[0]["hash"] == res[1]["hash"]
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_two_ranks_clip_the_global_batchs_gradient_as_one_process_does(ranks, single, mode):
+    """``clip_norm``: the gradient scaled is the global batch's (the ranks' gathered rows), so two
+    ranks step as one process on the global batch, and the bound mattered."""
+    res, want = [r[f"clipped_{mode}"] for r in ranks], single["clipped"]
+    W = torch.cat([r["W"] for r in res]) if mode == "sharded" else res[0]["W"]
+    assert CLIP_NORM and rel(W, want["W"]) < 1e-12 and rel(W, single["negatives_shared=True"]["W"]) > 1e-3
+    for r, got in enumerate(res):
+        lo = sum(ROWS[:r])
+        for step in range(STEPS):
+            assert rel(got["grads"][step], WORLD * want["grads"][step][lo:lo + ROWS[r]]) < 1e-12
 
 
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
