@@ -75,16 +75,16 @@ def finite(name: str, positive: bool = True):
 
 
 def bound_or_off(name: str):
-    """The check of a finite bound > 0, or None or 0 for none (given as None)."""
-    positive = finite(name)
+    """The check of a finite bound > 0, or None or 0 for none (given as None): ``finite``'s of a
+    number >= 0, a 0 of any kind it reads (an int, a numpy or 0-dim torch number) none."""
+    nonnegative = finite(name, positive=False)
 
     def check(value):
-        if value is None or (not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0):
-            return None
         try:
-            return positive(value)
+            number = None if value is None else nonnegative(value)
         except ValueError:
             raise ValueError(f"{name} must be finite and positive, or None or 0 for none, got {value!r}") from None
+        return number or None
     return check
 
 
