@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from lst_lightning.spherical import NaiveSphericalHead
+from lst_lightning.spherical import NaiveSphericalHead, exact_step
 from lst_lightning.distributed.fixed_exchange import FirstFault
 
 from head_pairs import (D, assert_untouched, batch, d, deferred, make_pair, no_host_reads, run_steps, state,
@@ -76,6 +76,16 @@ def test_non_finite_step_is_skipped_counted_and_warned():
     assert (int(head.steps), int(head.skipped_nonfinite)) == (1, 1)
 
 
+def void_batch(H, idx, bad: str):
+    """A copy of the batch made void: a target id out of range ("ids"), or a nan or inf in H."""
+    H_bad, idx_bad = H.clone(), idx.clone()
+    if bad == "ids":
+        idx_bad[2, 1] = D + 7
+    else:
+        H_bad[1, 3] = float(bad)
+    return H_bad, idx_bad
+
+
 @pytest.mark.parametrize("bad", ["ids", "nan"])
 @pytest.mark.parametrize("sync_every", [1, 3])
 def test_a_void_step_changes_only_its_count_and_the_draws_stream(bad, sync_every):
@@ -88,11 +98,7 @@ def test_a_void_step_changes_only_its_count_and_the_draws_stream(bad, sync_every
     H, idx = batch(5, d, D, 2)
     step(head, H, idx)
     twin = copy.deepcopy(head)
-    H_bad, idx_bad = H.clone(), idx.clone()
-    if bad == "ids":
-        idx_bad[2, 1] = D + 7
-    else:
-        H_bad[1, 3] = float("nan")
+    H_bad, idx_bad = void_batch(H, idx, bad)
     refused = bad == "ids" and sync_every == 1
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the skip's warning (its own test above)
@@ -106,6 +112,29 @@ def test_a_void_step_changes_only_its_count_and_the_draws_stream(bad, sync_every
     changed = {k for k in a if isinstance(a[k], torch.Tensor) and not torch.equal(a[k], b[k])}
     assert changed == (set() if refused else {"skipped_nonfinite"})
     assert torch.equal(head.negatives.generator.get_state(), twin.negatives.generator.get_state()) == refused
+
+
+@pytest.mark.parametrize("masked", [False, True])  # flags read where made (eager CPU), or masked as on a GPU
+@pytest.mark.parametrize("bad", ["ids", "nan", "inf"])
+def test_a_void_step_leaves_a_state_that_saves_and_loads(monkeypatch, bad, masked):
+    """Between two reads, a void step leaves the adaptive rule's rho bound as its twin's (a
+    non-finite batch's own bound is nan, a bad-id batch's any value), so a checkpoint taken
+    before the next read loads, with the twin's state."""
+    monkeypatch.setattr(exact_step, "READ_CPU_FLAGS", not masked)
+    kw = dict(sync_every=4, stabiliser={"inverse": "products", "neumann": "adaptive"})
+    torch.manual_seed(0)
+    head = deferred(**kw)
+    H, idx = batch(5, d, D, 2)
+    step(head, H, idx)
+    twin = copy.deepcopy(head)
+    head.lr = 10 * twin.lr  # a step whose rho bound, were it kept, would pass the twin's (bad ids)
+    step(head, *void_batch(H, idx, bad))
+    head.lr = twin.lr
+    saved = head.state_dict()
+    assert torch.equal(saved["_extra_state"]["rho_max"], twin.state_dict()["_extra_state"]["rho_max"])
+    resumed = deferred(**kw)
+    resumed.load_state_dict(saved)
+    assert state(resumed) == state(head) == state(twin)
 
 
 def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():

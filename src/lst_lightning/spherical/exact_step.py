@@ -516,9 +516,11 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
     ok = ok & new.ok
-    # since the flags' last read: the adaptive rule's. Each 0-dim float64 buffer is written through a view
-    # (``buf[...] = value``): a compiled step's copy_ into one is lost (torch 2.11 to 2.13, CPU; test_compiled.py)
-    state.rho_max[...] = torch.maximum(state.rho_max, new.rho)
+    # since the flags' last read, of the steps taken: the adaptive rule's (a void step's own bound, nan for a
+    # non-finite batch, is not kept: the read takes the most factors after one). Each 0-dim float64 buffer is
+    # written through a view (``buf[...] = value``): a compiled step's copy_ into one is lost (torch 2.11 to
+    # 2.13, CPU; test_compiled.py)
+    state.rho_max[...] = torch.where(ok, torch.maximum(state.rho_max, new.rho), state.rho_max)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
     return plan.take(plan, state, fwd, new, ok, dOW), Flags(ok, new.fold, fwd.route.keeps_uinv)
