@@ -221,6 +221,51 @@ def test_a_state_torch_would_load_in_part_is_refused_in_one_line_untouched(cls, 
     assert head._version == version
 
 
+def test_a_state_of_another_number_of_classes_is_refused_in_one_line_untouched():
+    """A whole V of a head with other classes is named as such (not as a sharded head's shard)."""
+    head = FactoredSphericalHead(D + 1, d, generator=torch.Generator().manual_seed(0))
+    saved = FactoredSphericalHead(D, d, generator=torch.Generator().manual_seed(1)).state_dict()
+    before, version = state_of(head), head._version
+    with pytest.raises(ValueError, match=f"V has {D} rows but this head has num_classes={D + 1}: it was saved "
+                                         "by a head of another size") as err:
+        head.load_state_dict(saved)
+    assert "\n" not in str(err.value)
+    assert_untouched(head, before)
+    assert head._version == version
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+@pytest.mark.parametrize("attached", [False, True])
+def test_a_trained_head_pickles_and_deep_copies_as_its_checkpoint(cls, attached):
+    """``torch.save(head)`` and ``copy.deepcopy`` of a head that has trained (its last training
+    forward is held weakly) or is attached with rows kept: the copy is the head's state and
+    settings, detached, with nothing kept (warned), and it trains on as the head does after a step."""
+    import io
+
+    head = cls(D, d, generator=torch.Generator().manual_seed(0))
+    step(head, *batch(6, d, D, 3, dtype=torch.float32))
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    if attached:
+        head.attach(optimizer)
+        step(head, *batch(6, d, D, 3, dtype=torch.float32))  # kept, not stepped
+    copies = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        buf = io.BytesIO()
+        torch.save(head, buf)
+        buf.seek(0)
+        copies += [torch.load(buf, weights_only=False), copy.deepcopy(head)]
+    assert sum("rows kept" in str(w.message) for w in said) == (2 if attached else 0)
+    if attached:
+        head.detach()
+    batches = [batch(6, d, D, 3, dtype=torch.float32) for _ in range(3)]
+    for h in (head, *copies):
+        assert h.pending.optimizer is None and h.pending.rows == 0
+        for b in batches:
+            step(h, *b)
+    assert torch.equal(copies[0].weight(), head.weight()) and torch.equal(copies[1].weight(), head.weight())
+
+
 def test_a_refused_tensors_only_state_leaves_u_inverse_as_it_was():
     """A state without its extra state (a saver of tensors only) marks U^-1 for a refresh only
     once it has loaded: refused, the head keeps its U^-1 fresh."""

@@ -188,6 +188,25 @@ class SphericalHeadBase(OutputHead):
         """The device of the head's state: it follows ``.to()``, ``.cuda()``, ``to_empty()``."""
         return self._factory["device"]
 
+    def __getstate__(self) -> dict:
+        """A pickled or deep-copied head (``torch.save(model)``, a spawned process, ``copy.deepcopy``)
+        is the head as its checkpoint holds it: its state and settings, without its ties to this
+        process's loop: no training forward awaiting its backward, not attached (the optimizer is not
+        in the copy), no rows kept for that optimizer's step (warned where there were), no CUDA graph."""
+        out = super().__getstate__()
+        pending = out["pending"] = PendingRows.__new__(PendingRows)
+        pending.__dict__.update(self.pending.__dict__)
+        if pending.rows:
+            warnings.warn(f"{type(self).__name__}: the copy does not hold the {pending.rows} rows kept for the "
+                          "attached optimizer's next step (copy or save at optimizer-step boundaries)",
+                          UserWarning, stacklevel=2)
+        pending.optimizer = pending.hook = pending.scaler = pending.accumulate = None
+        pending.discard()
+        out["_open"] = None
+        if "_graphs" in out:
+            out["_graphs"] = {}
+        return out
+
     def _apply(self, fn, recurse=True):
         # Every dtype/device move (.double(), .to(), .half(), .cuda(), to_empty()) comes here.
         # The state follows a move to float32/float64; half precision would make the exact

@@ -432,6 +432,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         rows = state_dict.pop(prefix + V_ROWS, None)  # a saver of tensors only records them so
         rows = (extra or {}).get(V_ROWS, rows.tolist() if rows is not None else None)
         if V is not None and V.shape[0] != self.num_classes and files is None:
+            if rows is None and extra is not None:  # a whole V: a shard's extra state records its rows
+                raise ValueError(f"the state's V has {V.shape[0]} rows but this head has num_classes="
+                                 f"{self.num_classes}: it was saved by a head of another size")
             self._check_shard(V, rows)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prefix + "Uinv" in state_dict and extra is None:
