@@ -7,6 +7,7 @@ methods subclasses provide.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -194,8 +195,7 @@ class SphericalHeadBase(OutputHead):
         process's loop: no training forward awaiting its backward, not attached (the optimizer is not
         in the copy), no rows kept for that optimizer's step (warned where there were), no CUDA graph."""
         out = super().__getstate__()
-        pending = out["pending"] = PendingRows.__new__(PendingRows)
-        pending.__dict__.update(self.pending.__dict__)
+        pending = out["pending"] = copy.copy(self.pending)
         if pending.rows:
             warnings.warn(f"{type(self).__name__}: the copy does not hold the {pending.rows} rows kept for the "
                           "attached optimizer's next step (copy or save at optimizer-step boundaries)",
