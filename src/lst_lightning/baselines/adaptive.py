@@ -42,7 +42,7 @@ class AdaptiveSoftmaxHead(OutputHead):
 
     has_log_prob = True
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, cutoffs: Sequence[int | float] = (0.05, 0.25),
+    def __init__(self, num_classes: int, hidden_dim: int, *, cutoffs: Sequence[int | float] = (0.05, 0.25),
                  div_value: float = 4.0, head_bias: bool = False, reduction: str = "mean",
                  dtype: torch.dtype | None = None, device=None):
         super().__init__()

@@ -65,7 +65,7 @@ class HierarchicalSoftmaxHead(OutputHead):
 
     has_log_prob = True
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, class_counts: Tensor | None = None,
+    def __init__(self, num_classes: int, hidden_dim: int, *, class_counts: Tensor | None = None,
                  num_clusters: int | None = None, binning: str = "sqrt_mass", bias: bool = False,
                  init_std: float | None = None, reduction: str = "mean", sparse: bool = False,
                  dtype: torch.dtype | None = None, device=None):

@@ -23,7 +23,7 @@ class LinearClassHead(OutputHead):
 
     has_log_prob = True
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, bias: bool = False,
+    def __init__(self, num_classes: int, hidden_dim: int, *, bias: bool = False,
                  init_std: float | None = None, cosine_scale: float | None = None,
                  reduction: str = "mean", dtype: torch.dtype | None = None, device=None):
         super().__init__()

@@ -67,7 +67,7 @@ class SampledSoftmaxHead(LinearClassHead):
     head keeps its state.
     """
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, num_samples: int | None = None,
+    def __init__(self, num_classes: int, hidden_dim: int, *, num_samples: int | None = None,
                  sampler: str = "log_uniform", sampler_kwargs: dict | None = None,
                  class_counts: Tensor | None = None, remove_accidental_hits: bool = True,
                  resync_every: int = 100, bias: bool = False, init_std: float | None = None,

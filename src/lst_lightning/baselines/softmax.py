@@ -64,7 +64,7 @@ class SoftmaxHead(LinearClassHead):
     cross-entropy: its Triton kernels on CUDA, its torch path elsewhere), both optional installs.
     """
 
-    def __init__(self, *, num_classes: int, hidden_dim: int, impl: str = "torch", chunked: bool = True,
+    def __init__(self, num_classes: int, hidden_dim: int, *, impl: str = "torch", chunked: bool = True,
                  chunk_elements: int = 1 << 24, bias: bool = False, init_std: float | None = None, cosine_scale: float | None = None,
                  reduction: str = "mean", dtype: torch.dtype | None = None, device=None):
         if impl not in IMPLS:
