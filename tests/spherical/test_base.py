@@ -1,6 +1,7 @@
 """What both spherical heads share (base.py): input checks before any change, the
 training-step semantics of forward and backward, skipped non-finite steps."""
 import copy
+import io
 import warnings
 
 import pytest
@@ -240,8 +241,6 @@ def test_a_trained_head_pickles_and_deep_copies_as_its_checkpoint(cls, attached)
     """``torch.save(head)`` and ``copy.deepcopy`` of a head that has trained (its last training
     forward is held weakly) or is attached with rows kept: the copy is the head's state and
     settings, detached, with nothing kept (warned), and it trains on as the head does after a step."""
-    import io
-
     head = cls(D, d, generator=torch.Generator().manual_seed(0))
     step(head, *batch(6, d, D, 3, dtype=torch.float32))
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)

@@ -175,8 +175,7 @@ class SphericalHeadBase(OutputHead):
         self.plan = StepPlan(step="autograd", deferred=False, negatives=negatives_kind(self.negatives),
                              preconditioner=self.preconditioner, num_classes=num_classes, width=self.width,
                              weight_decay=self.weight_decay, clip_norm=self.clip_norm, collectives=self.processes,
-                             loss=self.loss_fn,
-                             reduction=self.reduction, sampling=self.negatives)
+                             loss=self.loss_fn, reduction=self.reduction, sampling=self.negatives)
 
     @property
     def dtype(self) -> torch.dtype:
