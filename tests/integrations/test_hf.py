@@ -1,3 +1,6 @@
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -331,3 +334,26 @@ def test_logits_under_bf16_autocast_are_the_outputs_in_the_heads_precision():
         hidden = model.base_model(input_ids=ids, attention_mask=mask)[0]
     ref = hidden.float().reshape(-1, 16) @ model.lm_head.weight().T
     assert torch.allclose(logits.float().reshape(-1, VOCAB), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_a_patched_trained_model_pickles_and_deep_copies_with_its_forward_and_head(family):
+    """``torch.save(model)`` / ``torch.load`` (and ``copy.deepcopy``) of a patched model that has
+    trained: the copy's forward is still the patched one, on its own head, and gives the same loss
+    and step as the model."""
+    model = factor_lm_head(tiny(family), loss="zloss", lr=0.5)
+    ids, mask, labels = batch()
+    model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+
+    def pickled(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    for twin in (make(model) for make in (pickled, copy.deepcopy)):  # each of the model as it is then
+        assert twin.forward.args[0] is twin and factored_head(twin) is not factored_head(model)
+        a, b = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (model, twin))
+        assert a.logits is None and b.logits is None and torch.equal(a.loss, b.loss)
+        a.loss.backward()
+        b.loss.backward()
+        assert torch.equal(factored_head(twin).weight(), factored_head(model).weight())

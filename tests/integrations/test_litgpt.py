@@ -1,5 +1,8 @@
 """litgpt's GPT with the factored head (factor_gpt_head): tiny random-init models of the
 real class, trained by Fabric and Lightning loops, exported back to an ordinary GPT."""
+import copy
+import io
+
 import lightning as L
 import pytest
 import torch
@@ -263,3 +266,26 @@ def test_a_fabric_loop_reads_the_host_at_most_once_in_ten_optimizer_steps():
     reads.__exit__(None, None, None)
     assert int(head.steps) == 66
     assert 1 <= reads.count <= 0.1 * 64, reads.sites
+
+
+def test_a_patched_trained_gpt_pickles_and_deep_copies_with_its_forward_and_head():
+    """``torch.save(model)`` / ``torch.load`` (and ``copy.deepcopy``) of a patched GPT that has
+    trained: the copy's forward is still the patched one (it takes ``targets``), on its own head,
+    and gives the same loss and step as the model."""
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+    ids, targets = rows()
+    model(ids, targets=targets).backward()
+
+    def pickled(m):
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    for twin in (make(model) for make in (pickled, copy.deepcopy)):  # each of the model as it is then
+        assert twin.forward.args[0] is twin and factored_head(twin) is not factored_head(model)
+        a, b = model(ids, targets=targets), twin(ids, targets=targets)
+        assert torch.equal(a, b)
+        a.backward()
+        b.backward()
+        assert torch.equal(factored_head(twin).weight(), factored_head(model).weight())

@@ -111,7 +111,8 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     setattr(model, PATCH, patch)
     model.lm_head = head
     ddp_ignores_head(model, "lm_head", head)  # several processes: the head keeps its replicas itself
-    model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
+    # an instance attribute (export deletes it); a partial, which pickles by reference, not a bound method
+    model.forward = functools.partial(_forward, model)
     return model
 
 

@@ -65,7 +65,8 @@ def factor_gpt_head(model: nn.Module, **head_kwargs) -> nn.Module:
     setattr(model, PATCH, patch)
     model.factored_head = head
     model.lm_head = nn.Identity()  # litgpt's forward then returns the body's last hidden states
-    model.forward = types.MethodType(_forward, model)  # an instance attribute: export deletes it
+    # an instance attribute (export deletes it); a partial, which pickles by reference, not a bound method
+    model.forward = functools.partial(_forward, model)
     ddp_ignores_head(model, "factored_head", head)  # several processes: the head keeps its replicas itself
     return model
 
