@@ -1,6 +1,3 @@
-import copy
-import io
-
 import pytest
 import torch
 from torch import nn
@@ -8,6 +5,8 @@ from torch import nn
 from lst_lightning.integrations import factor_lm_head, factored_head, untie_lm_head
 from lst_lightning.integrations.hf import dense_outputs, shifted
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
+
+from round_trips import COPIES
 
 from .conftest import VOCAB, batch, tiny
 
@@ -343,14 +342,7 @@ def test_a_patched_trained_model_pickles_and_deep_copies_with_its_forward_and_he
     model = factor_lm_head(tiny(family), loss="zloss", lr=0.5)
     ids, mask, labels = batch()
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-
-    def pickled(m):
-        buf = io.BytesIO()
-        torch.save(m, buf)
-        buf.seek(0)
-        return torch.load(buf, weights_only=False)
-
-    for twin in (make(model) for make in (pickled, copy.deepcopy)):  # each of the model as it is then
+    for twin in (make(model) for make in COPIES):  # each of the model as it is then
         assert twin.forward.args[0] is twin and factored_head(twin) is not factored_head(model)
         a, b = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (model, twin))
         assert a.logits is None and b.logits is None and torch.equal(a.loss, b.loss)

@@ -1,8 +1,5 @@
 """litgpt's GPT with the factored head (factor_gpt_head): tiny random-init models of the
 real class, trained by Fabric and Lightning loops, exported back to an ordinary GPT."""
-import copy
-import io
-
 import lightning as L
 import pytest
 import torch
@@ -14,6 +11,7 @@ from torch import nn
 from lst_lightning.app.callbacks.head_steps import HeadSteps
 from lst_lightning.integrations import export_dense_head, factor_gpt_head, factored_head
 from lst_lightning.spherical import NaiveSphericalHead
+from round_trips import COPIES
 
 VOCAB, PADDED, HIDDEN, T = 40, 48, 16, 12
 
@@ -275,14 +273,7 @@ def test_a_patched_trained_gpt_pickles_and_deep_copies_with_its_forward_and_head
     model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
     ids, targets = rows()
     model(ids, targets=targets).backward()
-
-    def pickled(m):
-        buf = io.BytesIO()
-        torch.save(m, buf)
-        buf.seek(0)
-        return torch.load(buf, weights_only=False)
-
-    for twin in (make(model) for make in (pickled, copy.deepcopy)):  # each of the model as it is then
+    for twin in (make(model) for make in COPIES):  # each of the model as it is then
         assert twin.forward.args[0] is twin and factored_head(twin) is not factored_head(model)
         a, b = model(ids, targets=targets), twin(ids, targets=targets)
         assert torch.equal(a, b)

@@ -1,13 +1,14 @@
 """What both spherical heads share (base.py): input checks before any change, the
 training-step semantics of forward and backward, skipped non-finite steps."""
 import copy
-import io
 import warnings
 
 import pytest
 import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
+
+from round_trips import COPIES
 
 from head_pairs import D, assert_untouched, batch, d, deferred, make_pair, rel, state, state_of, step
 
@@ -250,10 +251,7 @@ def test_a_trained_head_pickles_and_deep_copies_as_its_checkpoint(cls, attached)
     copies = []
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        buf = io.BytesIO()
-        torch.save(head, buf)
-        buf.seek(0)
-        copies += [torch.load(buf, weights_only=False), copy.deepcopy(head)]
+        copies += [make(head) for make in COPIES]
     assert sum("rows kept" in str(w.message) for w in said) == (2 if attached else 0)
     if attached:
         head.detach()
