@@ -98,10 +98,9 @@ def make_head(loss: str, D: int, d: int, inverse: str, device: torch.device, com
 def explained(head, H, idx) -> tuple[int, int, int]:
     """(graphs, graph breaks, operators) of the step's device part as Dynamo traces it."""
     Hx, idx, T = head.prepare(H.detach(), idx, None, step=True)
-    draws = driver.before_step(head, Hx.shape[0])
+    draws, route = driver.before_step(head, Hx.shape[0])
     out = torch._dynamo.explain(exact_step.device_step)(head.plan, driver.step_state(head),
-                                                        exact_step.Batch(Hx, idx, T), head.device_lr(), draws,
-                                                        exact_step.step_route(head.plan, Hx.shape[0]))
+                                                        exact_step.Batch(Hx, idx, T), head.device_lr(), draws, route)
     torch._dynamo.reset()
     return out.graph_count, out.graph_break_count, out.op_count
 

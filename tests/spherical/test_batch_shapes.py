@@ -197,3 +197,20 @@ def test_batch_sizes_and_neumann_factors_past_any_fixed_limit_never_stop_the_ste
     assert rel(fast.weight(), slow.weight()) < 1e-12
     assert len({k[2] for k in keys}) > 1, "the factors never moved"
     assert len(keys) > 1 + driver.RECOMPILE_LIMIT and graphs() == len(keys)
+
+
+def test_the_step_takes_and_prepares_the_route_of_the_rows_it_runs(aot_eager):
+    """The U^-1 route is chosen once, before the step, for the rows its device part takes: a
+    compiled step's batch size. On a CPU past ``woodbury_rows`` (width // 2 = 4 here) a step solves
+    with U_new and leaves U^-1 behind; a batch of 3 rows pads to 16 and solves too, so U^-1 is never
+    refreshed for it, where the eager step takes Woodbury for the same 3 rows and refreshes U^-1
+    first. The steps are the same to 1e-12."""
+    fast, eager = head("zloss", True), head("zloss", False)
+    fast.step = eager.step = "fused"
+    g = torch.Generator().manual_seed(4)
+    for m in (40, 3, 40, 3, 3):
+        H, idx = batch(m, g)
+        a, b = fast.train_step(H, idx), eager.train_step(H, idx)
+        assert rel(a[0], b[0]) < 1e-12 and rel(a[1], b[1]) < 1e-12
+    assert rel(fast.weight(), eager.weight()) < 1e-12
+    assert fast.uinv_refreshes == 0 and eager.uinv_refreshes == 2

@@ -68,9 +68,8 @@ def test_every_device_part_traces_as_one_graph_without_a_break(kind):
     h = head(kind, False)
     H, idx = batches(1)[0]
     Hx, idx, T = h.prepare(H, idx, None, step=True)
-    draws = driver.before_step(h, m)
+    draws, route = driver.before_step(h, m)
     plan, state, batch, lr = h.plan, driver.step_state(h), exact_step.Batch(Hx, idx, T), h.device_lr()
-    route = exact_step.step_route(plan, Hx.shape[0])
     explained = torch._dynamo.explain(exact_step.device_step)(plan, state, batch, lr, draws, route)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
     if kind is not ZLOSS:  # the autograd step's two halves and exact accumulation's step

@@ -29,8 +29,7 @@ def singular_lr(f, H: torch.Tensor, idx: torch.Tensor, off: float) -> float | No
     that lr is not in (0, LR_CAP]."""
     probe = copy.deepcopy(f)
     Hx, idx, T = probe.prepare(H.to(probe.dtype), idx, None, step=True)
-    draws = driver.before_step(probe, Hx.shape[0])
-    route = exact_step.step_route(probe.plan, Hx.shape[0])
+    draws, route = driver.before_step(probe, Hx.shape[0])
     _, fwd = exact_step.forward(probe.plan, driver.step_state(probe), exact_step.Batch(Hx, idx, T), draws, route)
     curvature = 2.0 * float(fwd.gq.sum()) * float(Hx[0].double().pow(2).sum())
     lr = (1.0 - off) / curvature if curvature > 0 else None

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
-from .exact_step import Batch, SavedForward, device_step, forward, records_step, step_route, update
+from .exact_step import Batch, Route, SavedForward, device_step, forward, records_step, step_route, update
 from .inverse_update import MAX_FACTORS, adaptive_factors
 from .precision import own_math
 from .state import StepState
@@ -211,16 +211,20 @@ def step_state(head) -> StepState:
                      head._bad_input, checks.rho_max, checks.factors)
 
 
-def before_step(head, m: int, draw: bool = True) -> Tensor | None:
-    """What a step needs from the host, done before its device part (which a compiled step
-    runs whole): U^-1 refreshed where the last steps left it behind, the device lr refilled
-    (device flags), and with ``draw`` the uniforms of the sampled classes' draw (a compiled
-    graph cannot take a ``torch.Generator``), returned. Reads nothing on the device."""
-    plan = head.plan
-    if step_route(plan, m).keeps_uinv and not head._uinv_fresh:
+def before_step(head, m: int, rows: int | None = None, draw: bool = True) -> tuple[Tensor | None, Route]:
+    """What a step of m rows needs from the host, done before its device part (which a compiled
+    step runs whole) on ``rows`` rows (m, or the batch size a compiled step pads them to): the U^-1
+    route of those rows (``step_route``), U^-1 refreshed where that route keeps it and the last
+    steps left it behind, the device lr refilled (device flags), and with ``draw`` the uniforms of
+    the m rows' draw of sampled classes (a compiled graph cannot take a ``torch.Generator``),
+    padded to ``rows``. Reads nothing on the device. (the uniforms or None, the route)"""
+    plan, rows = head.plan, m if rows is None else rows
+    route = step_route(plan, rows)
+    if route.keeps_uinv and not head._uinv_fresh:
         head.repairs.refresh_uinv(head)  # the last steps solved with U directly and left U^-1 behind
     head.step_checks.refill(head)
-    return None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
+    draws = None if head.negatives is None or not draw else head.negatives.uniforms(head, m)
+    return (draws if rows == m else pad_draws(head, draws, m, rows)), route
 
 
 def run_device_part(head, fn, *args):
@@ -244,15 +248,14 @@ def forward_step(head, Hx: Tensor, idx: Tensor, T: Tensor) -> tuple[Tensor, Save
     """A training forward (the autograd step's): ``before_step``, then ``forward`` (compiled
     where the head's step is: ``run``). Compiled, the batch is padded to a batch size: the caller
     keeps its own m rows of what the step hands back (``_HeadLoss``'s ``ctx.m``)."""
-    m = Hx.shape[0]
-    draws = before_step(head, m)
-    plan, state = head.plan, step_state(head)
+    m, plan = Hx.shape[0], head.plan
     size = batch_size(head, m, idx.shape[1]) if plan.compiled else None  # static shapes: padded
+    draws, route = before_step(head, m, None if size is None else size[0])
     if size is None:
         batch = Batch(Hx, idx, T, head.processes.rows, head.processes.exchange)
-        return run(plan, forward, plan, state, batch, draws, step_route(plan, m))
-    batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
-    return run(plan, forward, plan, state, batch, pad_draws(head, draws, m, size[0]), step_route(plan, size[0]))
+    else:
+        batch = Batch(*pad_batch(Hx, idx, T, *size), real_rows(Hx, m))
+    return run(plan, forward, plan, step_state(head), batch, draws, route)
 
 
 @torch.no_grad()
@@ -322,13 +325,13 @@ def whole_step(head, H: Tensor, Hx: Tensor, idx: Tensor, T: Tensor,
     if not sh.alone:
         Hx, idx, T, own = sh.collect(Hx, idx, T, training=True)
     m = Hx.shape[0]
-    draws, plan = before_step(head, m), head.plan
-    size = batch_size(head, m, idx.shape[1]) if real is None and plan.compiled else None
+    size = batch_size(head, m, idx.shape[1]) if real is None and head.plan.compiled else None
+    draws, route = before_step(head, m, None if size is None else size[0])
     if size is not None:
         Hx, idx, T = pad_batch(Hx, idx, T, *size)
-        draws, real = pad_draws(head, draws, m, size[0]), real_rows(Hx, m)
+        real = real_rows(Hx, m)
     batch = Batch(Hx, idx, T, sh.rows, sh.exchange) if real is None else Batch(Hx, idx, T, real)
-    loss, dH, _, _ = run_device_part(head, device_step, batch, head._lr_t, draws, step_route(plan, Hx.shape[0]))
+    loss, dH, _, _ = run_device_part(head, device_step, batch, head._lr_t, draws, route)
     dH = dH[:m]
     if own is not None:
         dH = sh.own_rows(dH, own)
@@ -360,13 +363,12 @@ def apply_records(head, records: list) -> None:
     blocks = [r[7] for r in records if r[7] is not None]  # shared negatives: each micro-batch's own draw
     cols = torch.cat([c for c, _ in blocks]) if blocks else None
     G_neg = torch.block_diag(*[g for _, g in blocks]) if blocks else None
-    before_step(head, Hx.shape[0], draw=False)  # the records carry their draws
     size = batch_size(head, Hx.shape[0], idx.shape[1]) if head.plan.compiled else None
+    _, route = before_step(head, Hx.shape[0], None if size is None else size[0], draw=False)  # the records carry their draws
     if size is not None:  # padding rows: H 0, ids -1, loss gradients 0
         M = size[0]
         Hx, idx, GA = pad_batch(Hx, idx, GA, *size)
         gq, gs = pad_rows(gq, M), pad_rows(gs, M)
         real = None if real is None else pad_rows(real, M, False)
         G_neg = None if G_neg is None else pad_rows(G_neg, M)
-    run_device_part(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t,
-                    step_route(head.plan, Hx.shape[0]))
+    run_device_part(head, records_step, Hx, idx, gq, gs, GA, real, input_ok, cols, G_neg, head._lr_t, route)
