@@ -21,3 +21,32 @@ def test_target_score_and_rank_agree_with_full_scores(name):
     assert torch.equal(head.target_rank(h, t, chunk_size=5), 1 + at_or_above.sum(1))
     if head.has_log_prob:
         torch.testing.assert_close(head.log_prob(h, t), torch.log_softmax(full, 1).gather(1, t[:, None])[:, 0])
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_a_state_that_cannot_load_whole_is_refused_in_one_line_with_nothing_loaded(name):
+    """``OutputHead.load_state_dict`` checks the state whole first: a tensor of another shape, and
+    with ``strict`` a key missing or not the head's, are refused in one line, the head left as it was
+    (torch's own loader copies the tensors that fit before it raises); strict=False loads the keys
+    both have, and a state of the same kind loads."""
+    head, other = HEADS[name](), HEADS[name]()
+    with torch.no_grad():
+        for t in other.state_dict(keep_vars=True).values():
+            if t.is_floating_point():
+                t.add_(1.0)
+    saved = {k: v.clone() for k, v in head.state_dict().items()}
+    good = other.state_dict()
+    first, last = list(good)[0], list(good)[-1]
+    shape = {**good, last: torch.zeros(*good[last].shape[:-1], good[last].shape[-1] + 1)}
+    typo = {**{k: v for k, v in good.items() if k != last}, last + "_": good[last]}
+    extra = {**good, "bias_": torch.zeros(1)}
+    for bad, strict, why in ((shape, True, "has shape"), (shape, False, "has shape"), (typo, True, "missing"),
+                             (extra, True, "not this head's")):
+        with pytest.raises(RuntimeError, match=why) as err:
+            head.load_state_dict(bad, strict=strict)
+        assert "\n" not in str(err.value) and "nothing was loaded" in str(err.value)
+        assert all(torch.equal(v, saved[k]) for k, v in head.state_dict().items()), "a refused state changed the head"
+    head.load_state_dict(extra, strict=False)
+    assert all(torch.equal(v, good[k]) for k, v in head.state_dict().items())
+    head.load_state_dict(saved)
+    assert torch.equal(head.state_dict()[first], saved[first])

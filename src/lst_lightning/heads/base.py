@@ -92,6 +92,32 @@ class OutputHead(nn.Module):
         asks before it moves the head there); ``compiles`` unless the head says otherwise."""
         return self.compiles
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's ``load_state_dict``, the state checked whole first (``state_problem``): a state that
+        cannot load whole is refused in one line and nothing is loaded, where torch's own copies the
+        tensors that fit, then raises in several lines."""
+        problem = self.state_problem(state_dict, strict)
+        if problem is not None:
+            raise RuntimeError(f"{type(self).__name__}: {problem}; nothing was loaded")
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def state_problem(self, state_dict, strict: bool = True) -> str | None:
+        """Why ``state_dict`` cannot load whole into this head (a tensor of another shape; with
+        ``strict`` a key missing, or one that is not this head's), or None. The spherical heads
+        check their state themselves as they load it, before any buffer changes."""
+        mine = self.state_dict(keep_vars=True)
+        for key, t in mine.items():
+            v = state_dict.get(key)
+            if isinstance(t, Tensor) and isinstance(v, Tensor) and v.shape != t.shape:
+                return (f"the state's {key} has shape {tuple(v.shape)} but this head's is {tuple(t.shape)}: it was saved by "
+                        "a head of another size")
+        if strict:
+            missing, unexpected = [k for k in mine if k not in state_dict], [k for k in state_dict if k not in mine]
+            if missing or unexpected:
+                return (f"the state is not this head's: missing {missing or 'nothing'}, not this head's {unexpected or 'nothing'} "
+                        "(strict=False loads the keys both have)")
+        return None
+
     def stats(self) -> dict[str, float]:
         """Counters worth logging (repairs, skipped steps...): none by default."""
         return {}

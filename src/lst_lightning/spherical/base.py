@@ -285,6 +285,11 @@ class SphericalHeadBase(OutputHead):
         self._uninitialised = False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def state_problem(self, state_dict, strict: bool = True) -> str | None:
+        """None: the head checks its state as it loads it (``_load_from_state_dict``: a sharded V
+        takes a shard of a whole one, and a V kept in files comes from them)."""
+        return None
+
     def _refuse_tensors(self, state_dict: dict, prefix: str) -> None:
         """Refuse, before any buffer is written, a state tensor torch would not load (another
         shape: torch copies the others and raises after) or one holding non-finite values."""
