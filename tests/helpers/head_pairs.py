@@ -173,11 +173,11 @@ def state_of(head):
     return {k: v.clone() for k, v in head.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def assert_load_refused(head, saved: dict, match: str, generator) -> None:
-    """Loading ``saved`` into ``head`` is refused in one line matching ``match``; the head's
-    state and ``generator``'s state (its negatives' draws) are left as they were."""
+def assert_load_refused(head, saved: dict, match: str, generator, error: type = ValueError) -> None:
+    """Loading ``saved`` into ``head`` is refused in one line matching ``match`` (an ``error``); the
+    head's state and ``generator``'s state (its negatives' draws) are left as they were."""
     before, rng = state_of(head), generator.get_state()
-    with pytest.raises(ValueError, match=match) as err:
+    with pytest.raises(error, match=match) as err:
         head.load_state_dict(saved)
     assert "\n" not in str(err.value)
     assert_untouched(head, before)

@@ -10,7 +10,7 @@ from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
 from round_trips import COPIES
 
-from head_pairs import D, assert_untouched, batch, d, deferred, make_pair, rel, state, state_of, step
+from head_pairs import D, assert_load_refused, assert_untouched, batch, d, deferred, make_pair, rel, state, state_of, step
 
 
 def test_eval_mode_and_no_grad_do_not_update():
@@ -221,6 +221,32 @@ def test_a_state_torch_would_load_in_part_is_refused_in_one_line_untouched(cls, 
     assert "\n" not in str(err.value)
     assert_untouched(head, before)
     assert head._version == version
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+@pytest.mark.parametrize("bad", ["missing", "not_its"])
+def test_a_state_whose_keys_are_not_the_heads_is_refused_in_one_line_untouched(cls, bad):
+    """With ``strict`` (torch's default) a state key missing, or one that is not the head's, is
+    refused before anything loads (torch loads every other tensor and the extra state first, then
+    raises in several lines); strict=False loads the keys both have."""
+    head = cls(D, d, loss="sampled", negatives=dict(num=4, seed=1), generator=torch.Generator().manual_seed(0))
+    other = cls(D, d, loss="sampled", negatives=dict(num=4, seed=1), generator=torch.Generator().manual_seed(1))
+    step(other, *batch(6, d, D, 3, dtype=torch.float32))
+    other.lr = 0.5
+    saved = other.state_dict()
+    key = "input_moment_weight"
+    if bad == "missing":
+        del saved[key]
+    else:
+        saved[key + "_"] = saved.pop(key) if cls is FactoredSphericalHead else saved[key]
+    step(head, *batch(6, d, D, 3, dtype=torch.float32))
+    lr, version = head.lr, head._version
+    assert_load_refused(head, saved, "the state is not this head's: missing", head.negatives.generator,
+                        error=RuntimeError)
+    assert head.lr == lr != 0.5 and head._version == version
+    head.load_state_dict(saved, strict=False)
+    assert head.lr == 0.5 and torch.equal(head.state_dict()["Q" if cls is FactoredSphericalHead else "W"],
+                                          other.state_dict()["Q" if cls is FactoredSphericalHead else "W"])
 
 
 def test_a_state_of_another_number_of_classes_is_refused_in_one_line_untouched():

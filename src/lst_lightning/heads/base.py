@@ -23,6 +23,16 @@ from .ranking import count_at_or_above, target_scores_of_chunks, topk_of_chunks
 from .targets import check_class_ids, check_k
 
 
+def keys_problem(expected: set[str], given: set[str], optional: tuple[str, ...] = ()) -> str | None:
+    """What a strict load of a state with the keys ``given`` into a module expecting ``expected``
+    would find missing or not the module's (``optional``: keys a state may hold or not), or None."""
+    missing, unexpected = sorted(expected - given), sorted(given - expected - set(optional))
+    if not (missing or unexpected):
+        return None
+    return (f"the state is not this head's: missing {missing or 'nothing'}, not this head's {unexpected or 'nothing'} "
+            "(strict=False loads the keys both have)")
+
+
 class OutputHead(nn.Module):
     """Base class of all output heads. The class attributes and the methods with a
     default body are the capabilities a training loop may ask a head about; the
@@ -111,12 +121,7 @@ class OutputHead(nn.Module):
             if isinstance(t, Tensor) and isinstance(v, Tensor) and v.shape != t.shape:
                 return (f"the state's {key} has shape {tuple(v.shape)} but this head's is {tuple(t.shape)}: it was saved by "
                         "a head of another size")
-        if strict:
-            missing, unexpected = [k for k in mine if k not in state_dict], [k for k in state_dict if k not in mine]
-            if missing or unexpected:
-                return (f"the state is not this head's: missing {missing or 'nothing'}, not this head's {unexpected or 'nothing'} "
-                        "(strict=False loads the keys both have)")
-        return None
+        return keys_problem(set(mine), set(state_dict)) if strict else None
 
     def stats(self) -> dict[str, float]:
         """Counters worth logging (repairs, skipped steps...): none by default."""

@@ -14,9 +14,9 @@ import warnings
 import weakref
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from ..heads.base import OutputHead
+from ..heads.base import OutputHead, keys_problem
 from ..heads.samplers import slots_num_samples
 from ..heads.state_dtype import STATE_DTYPES, kept_in_dtype
 from ..heads.targets import IGNORE_INDEX, target_slots
@@ -92,6 +92,19 @@ def all_finite(t: Tensor) -> bool:
     return all(bool(torch.isfinite(blk).all()) for _, blk in row_blocks(t.reshape(t.shape[0], -1) if t.dim() else t[None]))
 
 
+def persistent_keys(module: nn.Module, prefix: str = "") -> set[str]:
+    """The keys torch's ``load_state_dict`` expects of ``module``: its persistent parameters and
+    buffers, its extra state where its class keeps one, and its children's."""
+    keys = {prefix + n for n, t in {**module._parameters, **module._buffers}.items()
+            if t is not None and n not in module._non_persistent_buffers_set}
+    if type(module).set_extra_state is not nn.Module.set_extra_state:
+        keys.add(prefix + "_extra_state")
+    for name, child in module._modules.items():
+        if child is not None:
+            keys |= persistent_keys(child, prefix + name + ".")
+    return keys
+
+
 class SphericalHeadBase(OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
@@ -134,6 +147,7 @@ class SphericalHeadBase(OutputHead):
         self.clip_norm = clip_norm
         self._version = 0  # bumped by every change of state: guards stale backward calls
         self._uninitialised = False  # moved off the meta device: no state until reset_weight()
+        self._strict_load = False  # in a strict load_state_dict of the head itself: its keys checked
         # the state's dtype and device, followed by every move (_apply)
         # (the device as its tensors name it: "cuda" is cuda:<current>, or "cuda" != H.device)
         self._factory = {"dtype": dtype, "device": torch.empty(0, device=device).device}
@@ -281,14 +295,41 @@ class SphericalHeadBase(OutputHead):
                 except ValueError as e:
                     raise ValueError(f"the state's {e}") from None
         self._refuse_tensors(state_dict, prefix)
+        problem = self._keys_problem(state_dict) if prefix == "" else None
+        if problem is not None:
+            raise RuntimeError(f"{type(self).__name__}: {problem}; nothing was loaded")
         self._version += 1
         self._uninitialised = False
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    #: keys a state holds or not by how it was saved (the factored head's: a shard's rows)
+    OPTIONAL_KEYS: tuple[str, ...] = ()
+
     def state_problem(self, state_dict, strict: bool = True) -> str | None:
-        """None: the head checks its state as it loads it (``_load_from_state_dict``: a sharded V
-        takes a shard of a whole one, and a V kept in files comes from them)."""
+        """None: the head checks its state as it loads it, its keys after its own refusals of the
+        state (``_load_from_state_dict``, ``_keys_problem``): a sharded V takes a shard of a whole
+        one, or its rows from files."""
         return None
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's ``load_state_dict``; with ``strict``, a key missing or not the head's refused in one
+        line before anything loads (``_keys_problem``), where torch loads the rest first."""
+        self._strict_load = strict
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        finally:
+            self._strict_load = False
+
+    def _keys_problem(self, state_dict) -> str | None:
+        """In a strict ``load_state_dict`` of the head itself, a key missing or not the head's once the
+        head's load pre-hooks have run (a patched model's, which take its tensors-only keys), as torch
+        would find them after loading the rest; else None."""
+        if not self._strict_load:
+            return None
+        local = dict(state_dict)
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(local, "", {}, True, [], [], [])
+        return keys_problem(persistent_keys(self), set(local), self.OPTIONAL_KEYS)
 
     def _refuse_tensors(self, state_dict: dict, prefix: str) -> None:
         """Refuse, before any buffer is written, a state tensor torch would not load (another

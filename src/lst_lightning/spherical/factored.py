@@ -56,6 +56,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     step_modes = STEP_MODES
     parallel_modes = tuple(p for p in PARALLEL_MODES if p != "none")  # the modes of more than one process
+    OPTIONAL_KEYS = (V_ROWS,)  # a shard's rows, where a saver of tensors only records them so
 
     # the step's host driver (driver.py, around exact_step.py's device step), named as its methods
     _forward_step = driver.forward_step
