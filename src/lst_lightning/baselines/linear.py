@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_hidden, check_reduction
+from ..heads.targets import check_hidden, check_reduction, class_range
 
 
 class LinearClassHead(OutputHead):
@@ -67,9 +67,7 @@ class LinearClassHead(OutputHead):
         return out
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
-        end = self.num_classes if end is None else end
-        if not 0 <= start < end <= self.num_classes:
-            raise ValueError(f"need 0 <= start < end <= {self.num_classes}, got start={start}, end={end}")
+        end = class_range(self.num_classes, start, end)
         b = None if self.bias is None else self.bias[start:end]
         return F.linear(self._query(hidden), self._keys(self.weight[start:end]), b)
 

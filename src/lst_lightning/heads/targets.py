@@ -99,6 +99,15 @@ def check_class_ids(target_idx: Tensor, m: int, num_classes: int, what: str = "t
     return flat
 
 
+def class_range(num_classes: int, start: int, end: int | None) -> int:
+    """``scores``' slice of classes, ``start:end`` (None: to D), as an end: a non-empty range inside
+    ``[0, D)``, never a Python slice's wrap-around or clipping."""
+    end = num_classes if end is None else end
+    if not 0 <= start < end <= num_classes:
+        raise ValueError(f"need 0 <= start < end <= {num_classes}, got start={start}, end={end}")
+    return end
+
+
 def check_k(k: int, what: str = "topk") -> int:
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"{what}: k must be an int >= 1, got {k!r}")
