@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_hidden, check_reduction, class_range
+from ..heads.targets import check_reduction, check_targets, class_range
 
 
 class LinearClassHead(OutputHead):
@@ -82,8 +82,7 @@ class LinearClassHead(OutputHead):
 
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """Exact log p(target | h); (m,) for (m,) targets, (m, K) for (m, K) with 0 on padding."""
-        check_hidden(hidden, self.hidden_dim)
-        idx = target_idx.reshape(hidden.shape[0], -1)
+        idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's
         lp = self.class_logits(hidden, idx).float() - self.log_normaliser(hidden)[:, None]
         lp = torch.where(idx >= 0, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
         return lp.reshape(target_idx.shape)
