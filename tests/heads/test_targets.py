@@ -55,6 +55,21 @@ def test_log_prob_refuses_the_targets_forward_refuses(name):
     torch.testing.assert_close(lp[:, 0], head.log_prob(h, t))
 
 
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_evaluation_refuses_hidden_states_of_the_wrong_shape_or_dtype(name):
+    """``scores``, ``topk`` and ``target_rank`` name the bad hidden states (torch's matmul or index
+    errors did), and leave a non-finite one to the scores (no host read chunk by chunk)."""
+    head = HEADS[name]()
+    head.eval()
+    h = torch.randn(m, d)
+    for bad, exc, match in ((h[:, :-1], ValueError, rf"hidden must have shape \(m, {d}\), got \({m}, {d - 1}\)"),
+                            (h[0], ValueError, "hidden must have shape"), (h.long(), TypeError, "floating-point")):
+        for call in (lambda x: head.scores(x), lambda x: head.topk(x, 2), lambda x: head.target_rank(x, torch.arange(m))):
+            with pytest.raises(exc, match=match):
+                call(bad)
+    assert torch.isnan(head.scores(torch.full((m, d), float("nan")))).any()
+
+
 def test_non_finite_loss_is_detected():
     head = SoftmaxHead(num_classes=D, hidden_dim=d)
     with torch.no_grad():

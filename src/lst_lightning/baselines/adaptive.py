@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_reduction, check_targets, class_range, reduce_rows
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, reduce_rows
 
 
 def resolve_cutoffs(cutoffs: Sequence[int | float], num_classes: int) -> list[int]:
@@ -89,6 +89,7 @@ class AdaptiveSoftmaxHead(OutputHead):
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         """Exact log p(class | h) for classes ``start:end``, computing only the clusters it touches."""
+        check_hidden(hidden, self.hidden_dim, finite=False)
         end = class_range(self.num_classes, start, end)
         head_lp = F.log_softmax(self.asm.head(hidden).float(), dim=1)
         edges = [0, *self.cutoffs, self.num_classes]

@@ -25,7 +25,7 @@ import lst_kernels as lk
 from ..heads.base import OutputHead
 from ..heads.samplers import check_class_counts
 from .row_sparse import row_gather
-from ..heads.targets import check_reduction, check_targets, class_range, reduce_rows
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, reduce_rows
 
 BINNINGS = ("equal_size", "equal_mass", "sqrt_mass")
 
@@ -173,6 +173,7 @@ class HierarchicalSoftmaxHead(OutputHead):
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         """Exact log p(class | h) for classes ``start:end``: (m, end - start)."""
+        check_hidden(hidden, self.hidden_dim, finite=False)
         end = class_range(self.num_classes, start, end)
         c0, c1 = int(self.cluster_of[start]), int(self.cluster_of[end - 1])
         lo, hi = int(self.bounds[c0]), int(self.bounds[c1 + 1])  # whole clusters, for their normalisers

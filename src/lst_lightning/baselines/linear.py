@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_reduction, check_targets, class_range
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range
 
 
 class LinearClassHead(OutputHead):
@@ -67,6 +67,7 @@ class LinearClassHead(OutputHead):
         return out
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
+        check_hidden(hidden, self.hidden_dim, finite=False)
         end = class_range(self.num_classes, start, end)
         b = None if self.bias is None else self.bias[start:end]
         return F.linear(self._query(hidden), self._keys(self.weight[start:end]), b)
