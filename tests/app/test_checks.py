@@ -30,6 +30,9 @@ def test_every_experiment_passes(experiment):
     ("trainer.log_every_n_steps=0", "trainer.log_every_n_steps"),
     ("trainer.gradient_clip_val=-1.0", "trainer.gradient_clip_val"),
     ("cpu_threads=0", "cpu_threads=0"),
+    ("seed=abc", r"^seed='abc': must be a whole number in \[0, 4294967295\]$"),  # not data.seed, which ${seed} fills
+    ("seed=-1", r"^seed=-1: must be"),
+    ("seed=4294967296", r"^seed=4294967296: must be"),
     ("clock=gpu", "clock=.gpu.: must be wall or cpu"),
     ("+loss.a=1", "loss.kwargs.a"),
     ("optimizer.lr=abc", "optimizer.lr='abc': must be a number > 0"),
@@ -53,7 +56,8 @@ def test_bad_values_are_refused_with_their_key(override, match):
                                       "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
                                       "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",
                                       "trainer.gradient_clip_val=null", "optimizer.lr=1", "scheduler.min_factor=0",
-                                      "metrics.topk=[1]", "metrics.timing_every=0", "clock=cpu"])
+                                      "metrics.topk=[1]", "metrics.timing_every=0", "clock=cpu", "seed=0",
+                                      "seed=4294967295"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 

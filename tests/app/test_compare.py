@@ -58,7 +58,13 @@ def test_compare_bad_input(tmp_path):
     fake_run(tmp_path, "r1", 0.1, 5, [0.5], 0.5)
     with pytest.raises(ValueError, match="in none of the runs"):
         compare([tmp_path], tmp_path / "out", metric="test/top3_error")
+    with pytest.raises(ValueError, match=r"--best must be at least 1, not 0"):
+        compare([tmp_path], tmp_path / "out", best=0)
+    with pytest.raises(ValueError, match=r"--curve 'val/top3_error': logged by none of the runs; available: "
+                                         r"\['train/loss', 'val/top5_error'\]"):
+        compare([tmp_path], tmp_path / "out", curve_keys=["train/loss", "val/top3_error"])
     assert not (tmp_path / "out").exists()  # nothing written on bad input
+    assert "curves_steps.png" in compare([tmp_path], tmp_path / "out", curve_keys=["val/top5_error"])["files"]
 
 
 def strip(sweep: Path, dest: Path, *names: str) -> Path:

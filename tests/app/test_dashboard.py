@@ -67,7 +67,10 @@ def test_bad_input(tmp_path, capsys):
                           ([str(tmp_path), "--dry-run"], "holds no W&B offline run"),
                           (["--dry-run", "--group", "g"], "give a sweep directory or --project"),
                           (["--dry-run", "--project", "p"], "give a sweep directory or --group"),
-                          (["--report", "--dry-run", "--project", "p", "--group", "g"], "--group is the workspace's")]:
+                          (["--report", "--dry-run", "--project", "p", "--group", "g"], "--group is the workspace's"),
+                          (["--dry-run", "--project", "p", "--group", "g", "--topk", "1,x"],
+                           "--topk must be whole numbers >= 1 separated by commas (e.g. 1,5,50), not '1,x'"),
+                          (["--dry-run", "--project", "p", "--group", "g", "--topk", "0,5"], "not '0,5'")]:
         with pytest.raises(SystemExit):
             main(argv)
         assert message in capsys.readouterr().err

@@ -192,3 +192,25 @@ def test_a_cast_to_half_precision_keeps_the_moments_dtype(dtype):
     assert head.input_moment.dtype == torch.float64
     head.float().half()
     assert head.weight.dtype == torch.float16 and head.input_moment.dtype == torch.float32
+
+
+@pytest.mark.parametrize("sampler", ["log_uniform", "rff"])  # draws shared by the rows; drawn per row
+def test_under_cpu_autocast_the_rows_step_as_without_p_times_p(sampler):
+    """``torch.autocast`` (bf16, as lst-train's ``bf16-mixed``): the logits are bf16 products of a
+    float32 W, and their backward takes W in the logits' dtype, as autograd's does for the plain head
+    (it raised on the mixed dtypes): dL/dh the plain head's, and the rows' gradient G P, to bf16."""
+    with_p, plain = heads(sampler)
+    with_p.float(), plain.float()
+    t = make_targets(3)
+    h = torch.randn(m, d, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.manual_seed(4)
+        loss_p = with_p(h, t)
+        torch.manual_seed(4)
+        loss = plain(h, t)
+    dh_p, G_p = table_grads(with_p, loss_p, h)
+    dh, G = table_grads(plain, loss, h)
+    assert G_p.dtype == torch.float32 and dh_p.dtype == torch.float32
+    torch.testing.assert_close(dh_p, dh, rtol=2e-2, atol=2e-2 * dh.abs().max().item())  # bf16 products, summed apart
+    P = p_of(with_p.input_moment.double(), with_p.input_moment_weight.double(), DAMPING)
+    torch.testing.assert_close(G_p.double(), G.double() @ P, rtol=2e-2, atol=2e-2 * G.abs().max().item())

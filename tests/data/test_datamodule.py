@@ -52,3 +52,16 @@ def test_context_longer_than_any_document_is_an_error(tmp_path):
                         min_doc_tokens=1, val_fraction=0.2, test_fraction=0.2)
     dm.setup()
     assert len(dm.splits["train"]) > 0
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("batch_size", 0, "batch_size must be >= 1, got 0"),
+    ("eval_batch_size", 0, "eval_batch_size must be >= 1 or null, got 0"),  # it was taken as null
+    ("max_eval_examples", 0, "max_eval_examples must be >= 1 or null, got 0"),
+    ("num_workers", -1, "num_workers must be >= 0, got -1"),
+])
+def test_bad_batch_settings_are_refused_when_built(key, value, message):
+    """At construction (lst-train's build: one line, before the run starts), not at the first batch."""
+    for cls, kw in ((SyntheticDataModule, {"num_classes": 100, "input_vocab_size": None}), (TextDataModule, {})):
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            cls(**kw, **{key: value})

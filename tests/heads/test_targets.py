@@ -1,5 +1,6 @@
 """Input checks shared by the baseline heads (heads/targets.py): a clear error and no
-change of state for every kind of bad input; non-finite losses detected."""
+change of state for every kind of bad input, in training and in ``log_prob``; non-finite
+losses detected."""
 import pytest
 import torch
 
@@ -37,6 +38,36 @@ def test_bad_input_is_rejected_without_side_effects(name, bad):
     assert all(p.grad is None for p in head.parameters())
     if name.startswith("sampled"):
         assert head._touched is None and head._synced_version is None
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_log_prob_refuses_the_targets_forward_refuses(name):
+    """``log_prob`` (perplexity) checks its targets as the training loss does: an id outside [0, D)
+    other than -1 or -100 (-2 was taken as padding, D raised torch's IndexError), a wrong shape."""
+    head = HEADS[name]()
+    head.eval()
+    h, t = torch.randn(m, d), torch.arange(m)
+    for bad, match in ((t + D, "outside"), (t - 2, "target index -2 is outside"), (t[:-1], "shape")):
+        with pytest.raises(ValueError, match=match):
+            head.log_prob(h, bad)
+    lp = head.log_prob(h, torch.stack([t, torch.full_like(t, -100), torch.full_like(t, -1)], 1))
+    assert (lp[:, 1:] == 0).all()
+    torch.testing.assert_close(lp[:, 0], head.log_prob(h, t))
+
+
+@pytest.mark.parametrize("name", sorted(HEADS))
+def test_evaluation_refuses_hidden_states_of_the_wrong_shape_or_dtype(name):
+    """``scores``, ``topk`` and ``target_rank`` name the bad hidden states (torch's matmul or index
+    errors did), and leave a non-finite one to the scores (no host read chunk by chunk)."""
+    head = HEADS[name]()
+    head.eval()
+    h = torch.randn(m, d)
+    for bad, exc, match in ((h[:, :-1], ValueError, rf"hidden must have shape \(m, {d}\), got \({m}, {d - 1}\)"),
+                            (h[0], ValueError, "hidden must have shape"), (h.long(), TypeError, "floating-point")):
+        for call in (lambda x: head.scores(x), lambda x: head.topk(x, 2), lambda x: head.target_rank(x, torch.arange(m))):
+            with pytest.raises(exc, match=match):
+                call(bad)
+    assert torch.isnan(head.scores(torch.full((m, d), float("nan")))).any()
 
 
 def test_non_finite_loss_is_detected():

@@ -75,6 +75,19 @@ def test_bad_input_is_refused_and_state_untouched(cls):
 
 
 
+def test_scores_takes_a_range_of_classes_never_a_python_slice():
+    """``scores(H, start, end)`` refuses what a Python slice would wrap or clip (an empty range, a
+    negative start, an end past D), as the baselines do; a range inside [0, D) is the outputs' own."""
+    f, n = make_pair("zloss")
+    H = torch.randn(3, d, dtype=torch.float64)
+    for head in (f, n):
+        for start, end in ((5, 2), (4, 4), (-3, None), (0, D + 9)):
+            with pytest.raises(ValueError, match=rf"^need 0 <= start < end <= {D}, got start={start}, end="):
+                head.scores(H, start, end)
+        assert head.scores(H, D - 3).shape == (3, 3)
+        torch.testing.assert_close(head.scores(H, 5, 9), head.scores(H)[:, 5:9], rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
 def test_non_finite_steps_are_skipped_counted_and_warned_sparingly(cls):
     head = checked_at_once(cls, num_classes=20, hidden_dim=4, loss="spherical_softmax", bias=False)

@@ -51,6 +51,9 @@ TRAINER_NUMBERS = {
 }
 
 
+#: ``seed``: the largest numpy (and so ``seed_everything``) takes
+MAX_SEED = 2 ** 32 - 1
+
 #: ``clock``: the clocks a time budget counts on (app/callbacks/time_budget.py's ``CLOCKS``)
 CLOCK_NAMES = ("wall", "cpu")
 
@@ -234,6 +237,9 @@ def check_config(cfg: DictConfig) -> None:
     check_ckpt_path(cfg.get("ckpt_path"))
     for key in cfg.get("loss") or {}:
         check_loss_key(str(key))
+    seed = cfg.get("seed")
+    if not _whole(seed, 0) or seed > MAX_SEED:  # the data's seed too: ${seed}; numpy's bound (seed_everything)
+        raise ValueError(f"seed={seed!r}: must be a whole number in [0, {MAX_SEED}]")
     threads = cfg.get("cpu_threads")
     if threads is not None and not _whole(threads, 1):
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")

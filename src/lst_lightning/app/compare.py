@@ -396,19 +396,24 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
             x: str = DEFAULT_X, y: str = DEFAULT_Y, curve_keys: list[str] | None = None,
             best: int = DEFAULT_BEST) -> dict:
     """Writes the report; returns ``{"runs": n, "files": {name: path}}``."""
+    if best < 1:
+        raise ValueError(f"--best must be at least 1, not {best}")
     runs = load_runs(paths)
     if all(r.metric(metric) is None for r in runs):
         have = sorted({f"{s}/{k}" for r in runs for s in ("val", "test") for k in r.results.get(s, {})})
         raise ValueError(f"--metric {metric!r} is in none of the runs; available: {have}")
+    if curve_keys is None:
+        split, _, m = metric.partition("/")
+        curve_keys = ["train/loss"] + ([f"val/{m}"] if m and split in ("test", "val", "best_val") else [])
+    else:  # asked for by name: a column no run logged is a typo, not an empty panel
+        missing = [k for k in curve_keys if not any(r.curves.get(k) for r in runs)]
+        if missing:
+            have = sorted({k for r in runs for k, pts in r.curves.items() if pts})
+            raise ValueError(f"--curve {', '.join(map(repr, missing))}: logged by none of the runs; available: {have}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cols, rows = table(runs, metric)
     write_tables(cols, rows, out)
-    if curve_keys is None:
-        split, _, m = metric.partition("/")
-        curve_keys = ["train/loss"] + ([f"val/{m}"] if m and split in ("test", "val", "best_val") else [])
-    if best < 1:
-        raise ValueError(f"--best must be at least 1, not {best}")
     images = [p for p in (heatmap(runs, metric, x, y, out),
                           curves(runs, curve_keys, "steps", out, metric, best),
                           curves(runs, curve_keys, "time", out, metric, best),

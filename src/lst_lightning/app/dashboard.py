@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def build(args):
     """(the W&B object, its JSON definition, its outline, panel keys no run logged)."""
-    topk = tuple(int(k) for k in args.topk.split(","))
+    topk = parse_topk(args.topk)
     entity, project, group, runs = args.entity, args.project, args.group, []
     if args.sweep is not None:
         if not args.sweep.is_dir():
@@ -169,6 +169,17 @@ def build(args):
         built = workspace(entity or "", project, group, args.metric, topk, args.name)
         definition, text, named = workspace_definition(built), outline(built, group), workspace_keys(built)
     return built, definition, text, missing_keys(named, keys_of(runs)) if runs else []
+
+
+def parse_topk(text: str) -> tuple[int, ...]:
+    """``--topk``'s value, ``1,5,50``: each k a whole number >= 1 (a top-0 error is no metric)."""
+    try:
+        topk = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        topk = ()
+    if not topk or min(topk) < 1:
+        raise ValueError(f"--topk must be whole numbers >= 1 separated by commas (e.g. 1,5,50), not {text!r}")
+    return topk
 
 
 def keys_of(runs) -> dict[str, set[str]]:

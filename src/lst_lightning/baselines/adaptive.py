@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_hidden, check_reduction, check_targets, reduce_rows
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, reduce_rows
 
 
 def resolve_cutoffs(cutoffs: Sequence[int | float], num_classes: int) -> list[int]:
@@ -84,14 +84,13 @@ class AdaptiveSoftmaxHead(OutputHead):
         return reduce_rows(per_row + 0.0 * hidden.sum(), self.reduction)  # keeps a graph when all padding
 
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
-        check_hidden(hidden, self.hidden_dim)
-        return self._target_log_prob(hidden, target_idx.reshape(hidden.shape[0], -1)).reshape(target_idx.shape)
+        idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's
+        return self._target_log_prob(hidden, idx).reshape(target_idx.shape)
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         """Exact log p(class | h) for classes ``start:end``, computing only the clusters it touches."""
-        end = self.num_classes if end is None else end
-        if not 0 <= start < end <= self.num_classes:
-            raise ValueError(f"need 0 <= start < end <= {self.num_classes}, got start={start}, end={end}")
+        check_hidden(hidden, self.hidden_dim, finite=False)
+        end = class_range(self.num_classes, start, end)
         head_lp = F.log_softmax(self.asm.head(hidden).float(), dim=1)
         edges = [0, *self.cutoffs, self.num_classes]
         parts = []

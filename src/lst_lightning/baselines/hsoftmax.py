@@ -25,7 +25,7 @@ import lst_kernels as lk
 from ..heads.base import OutputHead
 from ..heads.samplers import check_class_counts
 from .row_sparse import row_gather
-from ..heads.targets import check_hidden, check_reduction, check_targets, reduce_rows
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, reduce_rows
 
 BINNINGS = ("equal_size", "equal_mass", "sqrt_mass")
 
@@ -166,17 +166,15 @@ class HierarchicalSoftmaxHead(OutputHead):
 
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """Exact log p(target | h); same shape as target_idx, 0 on padding slots."""
-        check_hidden(hidden, self.hidden_dim)
-        idx = target_idx.reshape(hidden.shape[0], -1)
+        idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's
         lp = self._slot_log_prob(hidden, idx)
         lp = torch.where(idx >= 0, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
         return lp.reshape(target_idx.shape)
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         """Exact log p(class | h) for classes ``start:end``: (m, end - start)."""
-        end = self.num_classes if end is None else end
-        if not 0 <= start < end <= self.num_classes:
-            raise ValueError(f"need 0 <= start < end <= {self.num_classes}, got start={start}, end={end}")
+        check_hidden(hidden, self.hidden_dim, finite=False)
+        end = class_range(self.num_classes, start, end)
         c0, c1 = int(self.cluster_of[start]), int(self.cluster_of[end - 1])
         lo, hi = int(self.bounds[c0]), int(self.bounds[c1 + 1])  # whole clusters, for their normalisers
         b = None if self.bias is None else self.bias[lo:hi]

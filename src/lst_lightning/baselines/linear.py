@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_hidden, check_reduction
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range
 
 
 class LinearClassHead(OutputHead):
@@ -67,9 +67,8 @@ class LinearClassHead(OutputHead):
         return out
 
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
-        end = self.num_classes if end is None else end
-        if not 0 <= start < end <= self.num_classes:
-            raise ValueError(f"need 0 <= start < end <= {self.num_classes}, got start={start}, end={end}")
+        check_hidden(hidden, self.hidden_dim, finite=False)
+        end = class_range(self.num_classes, start, end)
         b = None if self.bias is None else self.bias[start:end]
         return F.linear(self._query(hidden), self._keys(self.weight[start:end]), b)
 
@@ -84,8 +83,7 @@ class LinearClassHead(OutputHead):
 
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """Exact log p(target | h); (m,) for (m,) targets, (m, K) for (m, K) with 0 on padding."""
-        check_hidden(hidden, self.hidden_dim)
-        idx = target_idx.reshape(hidden.shape[0], -1)
+        idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's
         lp = self.class_logits(hidden, idx).float() - self.log_normaliser(hidden)[:, None]
         lp = torch.where(idx >= 0, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
         return lp.reshape(target_idx.shape)

@@ -32,6 +32,7 @@ class PreconditionedLogits(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         w, XP = ctx.saved_tensors
         d = w.shape[-1]
+        w = w.to(g.dtype)  # under autocast the logits were a product in g's dtype: so are their gradients
         Xw = XP[:, :d].to(g.dtype)
         Xb = XP[:, d].to(g.dtype) if ctx.bias else None
         if ctx.shared:

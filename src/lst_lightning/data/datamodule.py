@@ -58,7 +58,13 @@ class _WindowDataModule(pl.LightningDataModule):
                  max_eval_examples: int | None, sequences: bool = False, sequence_length: int = 32):
         super().__init__()
         if sequences and sequence_length < 1:
-            raise ValueError(f"data.sequence_length must be >= 1, got {sequence_length}")
+            raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
+        for name, value, optional in (("batch_size", batch_size, False), ("eval_batch_size", eval_batch_size, True),
+                                      ("max_eval_examples", max_eval_examples, True)):
+            if not (optional and value is None) and value < 1:  # refused here, not at the first batch
+                raise ValueError(f"{name} must be >= 1{' or null' if optional else ''}, got {value}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         self.sequences, self.sequence_length = sequences, sequence_length
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size

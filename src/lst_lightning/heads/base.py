@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .flag_board import FlagBoard
 from .ranking import count_at_or_above, target_scores_of_chunks, topk_of_chunks
-from .targets import check_class_ids, check_k
+from .targets import check_class_ids, check_hidden, check_k
 
 
 def keys_problem(expected: set[str], given: set[str], optional: tuple[str, ...] = ()) -> str | None:
@@ -180,6 +180,7 @@ class OutputHead(nn.Module):
         Scores are made in chunks of classes: (m, D) is never held at once. Every target
         must be a class id (ValueError for padding or out-of-range ids).
         """
+        check_hidden(hidden, self.hidden_dim, finite=False)  # before target_score, which heads override
         target_idx = check_class_ids(target_idx, hidden.shape[0], self.num_classes)
         target = self.target_score(hidden, target_idx)
         return 1 + count_at_or_above(self.score_chunks(hidden, chunk_size), target_idx, target)

@@ -27,14 +27,16 @@ def check_reduction(reduction: str) -> str:
     return reduction
 
 
-def check_hidden(hidden: Tensor, hidden_dim: int) -> None:
+def check_hidden(hidden: Tensor, hidden_dim: int, finite: bool = True) -> None:
+    """A 2-D floating ``hidden`` of ``hidden_dim`` columns; with ``finite`` (training, log_prob) no
+    nan or inf (a host read: ``scores``, called chunk by chunk, leaves it out)."""
     if not isinstance(hidden, Tensor):
         raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     if hidden.dim() != 2 or hidden.shape[1] != hidden_dim:
         raise ValueError(f"hidden must have shape (m, {hidden_dim}), got {tuple(hidden.shape)}")
     if not hidden.is_floating_point():
         raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
-    if not torch.compiler.is_compiling() and not torch.isfinite(hidden).all():
+    if finite and not torch.compiler.is_compiling() and not torch.isfinite(hidden).all():
         raise ValueError("hidden contains non-finite values (nan or inf)")
 
 
@@ -97,6 +99,15 @@ def check_class_ids(target_idx: Tensor, m: int, num_classes: int, what: str = "t
         raise ValueError(f"{what}: target index {int(flat[bad][0])} is not a class id in [0, {num_classes}); "
                          "a rank is undefined for padding: drop padded rows (-1, ignore_index) first")
     return flat
+
+
+def class_range(num_classes: int, start: int, end: int | None) -> int:
+    """``scores``' slice of classes, ``start:end`` (None: to D), as an end: a non-empty range inside
+    ``[0, D)``, never a Python slice's wrap-around or clipping."""
+    end = num_classes if end is None else end
+    if not 0 <= start < end <= num_classes:
+        raise ValueError(f"need 0 <= start < end <= {num_classes}, got start={start}, end={end}")
+    return end
 
 
 def check_k(k: int, what: str = "topk") -> int:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..distributed.collectives import ProcessGroup, bit_hash
 from ..heads.flag_board import FlagBoard
+from ..heads.targets import class_range
 from . import driver, exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
@@ -482,7 +483,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         O[:, start:end] = (H U^T) V[start:end]^T + H omega: O(m (end - start) d).
         A sharded head scores only its own classes (start:end within row_lo:row_hi)."""
         Hx, _, _ = self._prepare_everywhere(hidden, None, None)
-        end = self.num_classes if end is None else end
+        end = class_range(self.num_classes, start, end)
         if self.sharded and not self.row_lo <= start <= end <= self.row_hi:
             raise ValueError(f"this shard holds classes {self.row_lo}:{self.row_hi}, not {start}:{end}")
         rows = self.V[start - self.row_lo:end - self.row_lo]

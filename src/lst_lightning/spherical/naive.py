@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..heads.targets import class_range
 from .base import SphericalHeadBase
 from .precision import own_precision
 from .state import INPUT_MOMENTS, STEP_COUNTERS
@@ -105,7 +106,7 @@ class NaiveSphericalHead(SphericalHeadBase):
     @torch.no_grad()
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         Hx, _, _ = self.prepare(hidden)
-        return self.loss_fn.score(Hx @ self.W[start:end].T)
+        return self.loss_fn.score(Hx @ self.W[start:class_range(self.num_classes, start, end)].T)
 
     @own_precision
     @torch.no_grad()
