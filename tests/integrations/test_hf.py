@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lst_lightning.integrations import factor_lm_head, factored_head, untie_lm_head
+from lst_lightning.integrations import export_dense_head, factor_lm_head, factored_head, untie_lm_head
 from lst_lightning.integrations.hf import dense_outputs, shifted
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
@@ -37,6 +37,26 @@ def test_loss_is_the_heads_loss_on_the_shifted_hidden_states(family):
     ref = model.lm_head.loss_fn(q, s, O[real].gather(1, idx), torch.ones_like(idx, dtype=O.dtype),
                                 num_classes=VOCAB).mean()
     assert torch.allclose(loss.double(), ref, rtol=1e-5)
+
+
+def test_evaluating_the_sampled_loss_gives_the_exported_models_cross_entropy(family):
+    """Without grad (``Trainer.evaluate()``), ``loss="sampled"`` (the default) is scored by the
+    cross-entropy of softmax(o), its probability, over all D classes: the exported model's own
+    loss (the mean over real tokens, or the sum over ``num_items_in_batch``), not the head's
+    spherical terms alone; every label -100 gives 0; the state is unchanged."""
+    model = factor_lm_head(tiny(family)).eval()
+    ids, mask, labels = batch()
+    before = state(model)
+    with torch.no_grad():
+        got = [model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+               for kw in ({}, {"logits_to_keep": 1}, {"num_items_in_batch": 7})]
+        padding = model(input_ids=ids, attention_mask=mask, labels=torch.full_like(labels, -100)).loss
+    assert same_state(before, state(model)) and float(padding) == 0
+    dense = export_dense_head(model)
+    with torch.no_grad():
+        want = [dense(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+                for kw in ({}, {}, {"num_items_in_batch": 7})]
+    assert all(torch.allclose(g, w, rtol=1e-5) for g, w in zip(got, want)), (got, want)
 
 
 @pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse", "sampled"])

@@ -11,7 +11,9 @@ in eval mode) they are the outputs ``o = W h``, made in chunks of the vocabulary
 the last ``logits_to_keep`` positions only (what ``generate()`` asks). The body runs
 untouched (``model.base_model``). ``num_items_in_batch`` (the Trainer's exact gradient
 accumulation) makes the loss the sum over tokens divided by it; the head's own step
-scales with that loss (docs/integrations.md). transformers is imported in the functions
+scales with that loss (docs/integrations.md). Evaluated without grad, ``loss="sampled"`` is
+scored by the cross-entropy of softmax(o), its probability, over all D classes (the
+exported model's loss), not by its spherical terms alone. transformers is imported in the functions
 only: the package works without the ``hf`` extra.
 """
 from __future__ import annotations
@@ -20,8 +22,10 @@ import functools
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..heads.targets import target_slots
 from ..spherical import FactoredSphericalHead
 from ..spherical.factored import V_ROWS
 from .processes import (check_not_fsdp1, ddp_ignores_head, every_rank_classes, gather_for_checkpoint, join_processes,
@@ -212,6 +216,39 @@ def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int =
     return out.reshape(*hidden.shape[:-1], head.num_classes)
 
 
+def scored_by_outputs(head: FactoredSphericalHead) -> bool:
+    """Whether a forward with labels is scored by the cross-entropy of softmax(o) over all D
+    classes rather than by the head's loss: evaluation without grad (``Trainer.evaluate()``,
+    ``torch.no_grad()``) of a loss whose outputs are logits (``loss="sampled"``, whose
+    probability is softmax(o)). The head's own loss there would be its spherical terms alone
+    (no draw), not a log-likelihood; the losses with a probability of their own (spherical,
+    Taylor softmax) already give their -log p."""
+    return head.loss_fn.outputs_are_logits and not torch.is_grad_enabled()
+
+
+@torch.no_grad()
+def outputs_nll(head: FactoredSphericalHead, H: Tensor, y: Tensor, outputs: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """The sum over the rows of H (m, d) with a real target ``y`` (m,) of -log softmax(o)[y],
+    o = W h over all D classes (``dense_outputs``, or ``outputs`` (m, D) when made already),
+    and the count of those rows: the exported model's cross-entropy, in the head's dtype. The
+    targets are checked as the head checks them (padding: -1 or the head's ignore_index)."""
+    idx, _, valid = target_slots(y, None, H.shape[0], head.num_classes, head.dtype, ignore_index=head.ignore_index)
+    o = dense_outputs(head, H) if outputs is None else outputs
+    return F.cross_entropy(o, idx[:, 0].to(o.device), ignore_index=-1, reduction="sum"), valid.sum()
+
+
+def outputs_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
+                 num_items_in_batch: int | Tensor | None = None, outputs: Tensor | None = None) -> Tensor:
+    """``outputs_nll`` on the shifted labels, as transformers' own loss: the mean over real
+    tokens, or with ``num_items_in_batch`` the sum divided by it. ``outputs``: o of every
+    position of ``hidden`` (b, T, D), when made already."""
+    H, y = shifted(hidden, labels.to(hidden.device))
+    nll, real = outputs_nll(head, H, y, None if outputs is None else outputs[:, :-1].reshape(-1, head.num_classes))
+    count = real.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return nll / torch.as_tensor(count, dtype=nll.dtype, device=nll.device)
+
+
 def last_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
     """transformers' ``logits_to_keep``: every position for 0, the last n for an int n, the
     given positions for a tensor of indices."""
@@ -230,12 +267,18 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = out[0]
-    loss = None if labels is None else head_loss(self.lm_head, hidden, labels, num_items_in_batch,
-                                                 getattr(self, PATCH).items_over_world)
-    logits = None
+    hidden, head = out[0], self.lm_head
+    outputs = None
     if labels is None or not self.training:
-        logits = dense_outputs(self.lm_head, last_positions(hidden, logits_to_keep)).to(hidden.dtype)
+        outputs = dense_outputs(head, last_positions(hidden, logits_to_keep))
+    if labels is None:
+        loss = None
+    elif scored_by_outputs(head):  # evaluation of loss="sampled": the cross-entropy of softmax(o)
+        every = isinstance(logits_to_keep, int) and logits_to_keep == 0  # the outputs made above are all of them
+        loss = outputs_loss(head, hidden, labels, num_items_in_batch, outputs if every else None)
+    else:
+        loss = head_loss(head, hidden, labels, num_items_in_batch, getattr(self, PATCH).items_over_world)
+    logits = None if outputs is None else outputs.to(hidden.dtype)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
                                   hidden_states=getattr(out, "hidden_states", None),
                                   attentions=getattr(out, "attentions", None))
