@@ -1,9 +1,14 @@
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+from forked_ranks import fork_ranks
 from torch import nn
 
 from lst_lightning.integrations import export_dense_head, factor_lm_head, factored_head, untie_lm_head
 from lst_lightning.integrations.hf import dense_outputs, shifted
+from lst_lightning.integrations.processes import join_processes
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
 from round_trips import COPIES
@@ -369,3 +374,34 @@ def test_a_patched_trained_model_pickles_and_deep_copies_with_its_forward_and_he
         a.loss.backward()
         b.loss.backward()
         assert torch.equal(factored_head(twin).weight(), factored_head(model).weight())
+
+
+
+def _sharded_rank(rank, port, out):
+    """A rank of two with the head sharded, scoring its own rows (a number of its own): the
+    patched model's logits and evaluation loss, then the exported model's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = factor_lm_head(tiny("llama"), parallel="sharded").eval()
+    join_processes(model.lm_head)
+    ids, mask, labels = batch(m=1 + rank, seed=3 + rank)  # each rank its own rows, 1 and 2 sequences
+    got = {"held": model.lm_head.V.shape[0]}
+    for name in ("patched", "exported"):
+        with torch.no_grad():
+            got[name] = (model(input_ids=ids, attention_mask=mask).logits,
+                         model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        if name == "patched":
+            export_dense_head(model)  # every rank: the whole W
+    torch.save(got, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_sharded_heads_logits_and_evaluation_loss_are_each_ranks_own_rows(tmp_path):
+    """On two processes, each scoring rows of its own (2 and 1 sequences), a sharded head's
+    logits and evaluation loss are those of the exported model on that rank's rows: every
+    rank's rows are scored on every rank's classes (not rank r's rows on rank r's classes)."""
+    for r, got in enumerate(fork_ranks(_sharded_rank, tmp_path)):
+        (logits, loss), (want_logits, want_loss) = got["patched"], got["exported"]
+        assert got["held"] == VOCAB // 2 and logits.shape == want_logits.shape == (1 + r, 10, VOCAB)
+        assert torch.allclose(logits, want_logits, atol=1e-5) and torch.allclose(loss, want_loss, rtol=1e-5)

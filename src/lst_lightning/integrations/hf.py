@@ -201,9 +201,15 @@ def head_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
 @torch.no_grad()
 def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int = 65536) -> Tensor:
     """The outputs o = W h (what the exported dense lm_head gives) for hidden (..., d),
-    made in chunks of the vocabulary: (..., D) in the head's dtype."""
+    made in chunks of the vocabulary: (..., D) in the head's dtype. A head sharded over several
+    processes: every rank calls it, each with its own rows (any number); every rank's rows are
+    gathered, each rank scores them on its classes, and each takes its own rows' outputs for
+    all D classes back."""
     H = hidden.reshape(-1, hidden.shape[-1])
     held = head.V.shape[0]  # a sharded head: its own classes row_lo:row_hi, then every rank's
+    mine = None
+    if held != head.num_classes:
+        (H,), mine = head.processes.pg.gather_rows([H], [0.0])  # every rank's rows, then this rank's slice
     out = torch.empty(H.shape[0], held, dtype=head.dtype, device=head.device)
     with torch.autocast(head.device.type, enabled=False):  # in the head's dtype, whatever the caller's autocast
         Hx = head.augment(H)
@@ -211,8 +217,8 @@ def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int =
         for a in range(0, held, chunk_size):
             rows = head.V[a:a + chunk_size]
             torch.addmm(Hw[:, None], HU, rows.T, out=out[:, a:a + rows.shape[0]])
-    if held != head.num_classes:
-        out = every_rank_classes(head, out)
+    if mine is not None:
+        out = every_rank_classes(head, out)[mine]
     return out.reshape(*hidden.shape[:-1], head.num_classes)
 
 
