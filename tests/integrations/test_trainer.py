@@ -50,6 +50,21 @@ def test_trainer_steps_the_head_once_per_optimizer_step_following_the_schedule(t
     assert not head.attached and head.lr == 0.5
 
 
+def test_with_an_optimizer_of_its_own_the_head_follows_its_schedule_not_args_learning_rate(tmp_path):
+    """``Trainer(optimizers=(opt, None))`` with opt's lr 1e-3 and ``args.learning_rate`` at its
+    default (5e-5): the head's lr is its own scaled by the schedule's fraction of opt's lr
+    (0.5, then down the linear decay), not by lr / args.learning_rate (20 times its own)."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4,
+                             lr_scheduler_type="linear", report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, seed=0)
+    lrs = HeadLrs(model.lm_head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(opt, None),
+            callbacks=[head_follows_trainer(), lrs]).train()
+    assert args.learning_rate == 5e-5 and lrs.seen == pytest.approx([0.5, 0.375, 0.25, 0.125])
+
+
 def run(out, resume=None, max_steps=6):
     model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,

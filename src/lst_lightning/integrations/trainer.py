@@ -6,7 +6,8 @@ that, at the start of training, attaches the head to the Trainer's optimizer (on
 step for all the micro-batches of ``gradient_accumulation_steps``, taken at the
 optimizer's step, with fp16's loss scale divided out; spherical/pending.py), and before
 each step sets ``head.lr = base_lr * current_lr / initial_lr``, the Trainer's schedule
-scaled to the head's own lr (as the app does, app/schedule.py).
+scaled to the head's own lr (as the app does, app/schedule.py); ``initial_lr`` is the
+schedule's own start, the optimizer's lr where the Trainer is given an optimizer.
 
 Several processes (DDP under ``torchrun`` / ``accelerate launch``; processes.py): at the
 start of training the head joins the process group (its ``parallel`` mode; ``"none"`` is
@@ -42,6 +43,14 @@ def scheduled_lr(base_lr: float, current_lr: float, initial_lr: float) -> float:
     return max(base_lr * current_lr / initial_lr, MIN_LR)
 
 
+def initial_lr(lr_scheduler, learning_rate: float) -> float:
+    """The lr the Trainer's schedule starts from: its first group's initial lr (``base_lrs``),
+    which is the optimizer's own where the Trainer is given one (``optimizers=(opt, None)``,
+    whatever ``args.learning_rate``); ``learning_rate`` for a scheduler that keeps none."""
+    base = getattr(getattr(lr_scheduler, "scheduler", lr_scheduler), "base_lrs", None)  # accelerate wraps it
+    return float(base[0]) if base else learning_rate
+
+
 def head_follows_trainer():
     """A ``transformers.TrainerCallback``: ``Trainer(..., callbacks=[head_follows_trainer()])``
     for a model patched by ``factor_lm_head``."""
@@ -73,8 +82,9 @@ def head_follows_trainer():
                          "compiled" if self.head.compiles else "eager", self.head.sync_every)
 
         def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
-            if lr_scheduler is not None and args.learning_rate > 0:
-                self.head.lr = scheduled_lr(self.base_lr, lr_scheduler.get_last_lr()[0], args.learning_rate)
+            initial = None if lr_scheduler is None else initial_lr(lr_scheduler, args.learning_rate)
+            if initial is not None and initial > 0:
+                self.head.lr = scheduled_lr(self.base_lr, lr_scheduler.get_last_lr()[0], initial)
 
         def on_step_end(self, args, state, control, **kwargs):
             self._before_save(control)
