@@ -65,6 +65,20 @@ def test_with_an_optimizer_of_its_own_the_head_follows_its_schedule_not_args_lea
     assert args.learning_rate == 5e-5 and lrs.seen == pytest.approx([0.5, 0.375, 0.25, 0.125])
 
 
+def test_label_smoothing_is_refused_when_the_trainer_is_built(tmp_path):
+    """The Trainer's label smoother pops the labels and computes the loss from logits, which the
+    head does not make in training: refused in one line when the Trainer is built (it failed at
+    the first backward: "element 0 of tensors does not require grad")."""
+    model = factor_lm_head(tiny("llama"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, max_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1 cannot train the factored head") as e:
+        Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()])
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def run(out, resume=None, max_steps=6):
     model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,

@@ -51,6 +51,17 @@ def initial_lr(lr_scheduler, learning_rate: float) -> float:
     return float(base[0]) if base else learning_rate
 
 
+def check_trainer_args(args) -> None:
+    """One ValueError, when the Trainer is built, for settings under which the Trainer computes
+    the loss itself from the logits (label smoothing): the factored head makes no logits in
+    training and trains through its own loss."""
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} cannot train the factored head: the "
+                         "Trainer then takes the labels from the model's inputs and computes the loss from logits, "
+                         "which the head does not make in training (it trains through its own loss); set "
+                         "label_smoothing_factor=0")
+
+
 def head_follows_trainer():
     """A ``transformers.TrainerCallback``: ``Trainer(..., callbacks=[head_follows_trainer()])``
     for a model patched by ``factor_lm_head``."""
@@ -66,6 +77,7 @@ def head_follows_trainer():
             from accelerate.state import AcceleratorState  # built by the Trainer before this event
 
             check_strategy(AcceleratorState().distributed_type)  # FSDP, DeepSpeed: one line, before any step
+            check_trainer_args(args)
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             core = getattr(model, "module", model)
