@@ -6,6 +6,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from lst_lightning.integrations import factor_lm_head, head_follows_trainer, scheduled_lr
 
+from round_trips import COPIES
+
 from .conftest import batch, tiny
 
 
@@ -77,6 +79,23 @@ def test_label_smoothing_is_refused_when_the_trainer_is_built(tmp_path):
         Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()])
     assert "\n" not in str(e.value)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_model_trained_under_bf16_pickles_with_its_patched_forward(tmp_path):
+    """accelerate wraps the forward in autocast under ``bf16=True``, a local function that cannot
+    be pickled: after training the patched model has its own forward back, and ``torch.save`` /
+    ``torch.load`` (and ``copy.deepcopy``) give a model whose loss is the model's."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, bf16=True,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()]).train()
+    ids, mask, labels = batch()
+    model.eval()
+    for twin in (make(model) for make in COPIES):
+        assert twin.forward.args[0] is twin
+        with torch.no_grad():
+            assert torch.equal(twin(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               model(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
 
 def run(out, resume=None, max_steps=6):

@@ -62,6 +62,21 @@ def check_trainer_args(args) -> None:
                          "label_smoothing_factor=0")
 
 
+def drop_autocast_wrapper(model) -> None:
+    """Give a patched model its own forward back from accelerate's mixed-precision wrapper.
+    accelerate (the Trainer's ``bf16``/``fp16``) wraps ``model.forward`` in an autocast of a local
+    function, which cannot be pickled, and keeps the forward it wrapped as ``_original_forward``:
+    an ordinary model's forward is a bound method, which pickling takes back to the class's, but
+    the patched forward is the model's own attribute, so ``torch.save(model)`` failed after
+    training. The model is then as an ordinary one is once saved and loaded."""
+    from .hf import _forward
+
+    original = vars(model).get("_original_forward")
+    if getattr(original, "func", None) is _forward and "forward" in vars(model):
+        model.forward = original
+        del model._original_forward
+
+
 def head_follows_trainer():
     """A ``transformers.TrainerCallback``: ``Trainer(..., callbacks=[head_follows_trainer()])``
     for a model patched by ``factor_lm_head``."""
@@ -113,7 +128,7 @@ def head_follows_trainer():
         def on_save(self, args, state, control, **kwargs):
             self.patch.whole_v = None
 
-        def on_train_end(self, args, state, control, **kwargs):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
             if self.head is not None:
                 try:  # the flags of the last steps read: a bad batch among them raises from train()
                     self.head.sync(repair=False)  # (a report: the state must not depend on where a run stopped)
@@ -123,5 +138,7 @@ def head_follows_trainer():
                 # for trainer.save_model() / save_pretrained() after training, on rank 0 only:
                 # the whole V while the head is unchanged (hf.py checks its version)
                 self.patch.whole_v = gather_for_checkpoint(self.head)
+                if model is not None:  # torch.save(model) after training
+                    drop_autocast_wrapper(getattr(model, "module", model))
 
     return HeadFollowsTrainer()
