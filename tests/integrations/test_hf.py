@@ -280,6 +280,20 @@ def test_patching_twice_and_head_arguments_it_owns_are_refused():
         factored_head(tiny("gpt2"))
 
 
+def test_resizing_the_embeddings_of_a_patched_model_is_refused_and_changes_nothing():
+    """transformers' resize_token_embeddings resized the input embedding and then failed on the
+    head ("'function' object has no attribute 'size'"): refused in one line, nothing changed;
+    after export it resizes, and the model takes the head again."""
+    model = factor_lm_head(tiny("llama"))
+    before = state(model)
+    with pytest.raises(ValueError, match="export_dense_head.model. first, resize, then factor_lm_head") as e:
+        model.resize_token_embeddings(VOCAB + 8)
+    assert "\n" not in str(e.value) and same_state(before, state(model)) and model.config.vocab_size == VOCAB
+    export_dense_head(model).resize_token_embeddings(VOCAB + 8)
+    factor_lm_head(model)
+    assert model.lm_head.num_classes == model.get_input_embeddings().num_embeddings == VOCAB + 8
+
+
 def test_shifted_pairs_each_position_with_the_next_label():
     hidden = torch.arange(2 * 4, dtype=torch.float32).reshape(2, 4, 1)
     labels = torch.tensor([[5, 6, 7, 8], [1, 2, -100, -100]])

@@ -48,6 +48,7 @@ def export_dense_head(model: nn.Module) -> nn.Module:
         del model.factored_head
         prefix = "factored_head"
     del model.forward  # the instance attribute factor_lm_head set: the class's forward again
+    vars(model).pop("resize_token_embeddings", None)  # factor_lm_head's refusal: the class's own again
     ddp_forgets_head(model, prefix)
     delattr(model, PATCH)
     return model

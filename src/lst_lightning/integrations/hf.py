@@ -117,7 +117,15 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     ddp_ignores_head(model, "lm_head", head)  # several processes: the head keeps its replicas itself
     # an instance attribute (export deletes it); a partial, which pickles by reference, not a bound method
     model.forward = functools.partial(_forward, model)
+    model.resize_token_embeddings = functools.partial(_resize_refused, model)  # the same way
     return model
+
+
+def _resize_refused(model: nn.Module, *args, **kwargs):
+    """A patched model's ``resize_token_embeddings``: refused before anything changes
+    (transformers' would resize the input embedding, then fail on the factored head)."""
+    raise ValueError(f"{type(model).__name__} has the factored head, which resize_token_embeddings() cannot resize: "
+                     "export_dense_head(model) first, resize, then factor_lm_head(model) again")
 
 
 #: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
