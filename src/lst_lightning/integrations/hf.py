@@ -76,6 +76,13 @@ def untie_lm_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def body_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter: its body's (the head holds none). A
+    patched model cast since the patch (``.to(dtype)``, ``.half()``) gets an exported lm_head in
+    its new dtype (export.py)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def head_from_linear(linear: nn.Linear, head_kwargs: dict, caller: str,
                      reduction: str = "mean") -> FactoredSphericalHead:
     """A ``FactoredSphericalHead`` whose initial W is ``linear``'s weight (its bias as the bias
@@ -108,7 +115,8 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     #: items_over_world: the Trainer's num_items_in_batch counts the world's tokens (its
     #: average_tokens_across_devices; head_follows_trainer sets it); whole_v: a sharded V
     #: gathered for the next checkpoint (processes.py)
-    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, items_over_world=True, whole_v=None)
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, body_dtype=body_dtype(model), items_over_world=True,
+                                  whole_v=None)
     # Savers of HF models (save_pretrained, the Trainer's checkpoints: safetensors) take tensors only.
     head.register_state_dict_post_hook(functools.partial(_tensors_only, patch))
     head.register_load_state_dict_pre_hook(_without_extra_state)

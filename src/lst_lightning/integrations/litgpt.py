@@ -23,7 +23,7 @@ import types
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
-from .hf import PATCH, dense_outputs, head_from_linear, outputs_nll, scored_by_outputs
+from .hf import PATCH, body_dtype, dense_outputs, head_from_linear, outputs_nll, scored_by_outputs
 from .processes import check_not_fsdp1, ddp_ignores_head, join_processes, whole_v_into
 
 
@@ -61,7 +61,7 @@ def factor_gpt_head(model: nn.Module, **head_kwargs) -> nn.Module:
     linear = check_gpt_patchable(model)
     head = head_from_linear(linear, head_kwargs, "factor_gpt_head", reduction="mean_real")
     #: whole_v: a sharded V gathered for the next checkpoint (gather_head_for_checkpoint)
-    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, whole_v=None)
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, body_dtype=body_dtype(model), whole_v=None)
     head.register_state_dict_post_hook(functools.partial(whole_v_into, patch))
     setattr(model, PATCH, patch)
     model.factored_head = head
