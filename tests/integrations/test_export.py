@@ -89,6 +89,26 @@ def test_greedy_with_the_processor_ranks_by_p_not_by_o():
     assert int(out[0, -1]) == int(head.scores(H).argmax())
 
 
+@pytest.mark.parametrize("cast,dtype", [(lambda m: m.to(torch.bfloat16), torch.bfloat16),
+                                         (lambda m: m.half(), torch.float16), (lambda m: m.double(), torch.float64)])
+def test_a_model_cast_after_the_patch_exports_an_lm_head_in_its_new_dtype(cast, dtype):
+    """The exported lm_head is the original's dtype, or the model's where the model was cast
+    since the patch: it took the float32 of the original lm_head, and the exported model's
+    forward failed on the body's bf16 hidden states ("expected m1 and m2 to have the same dtype")."""
+    model = cast(trained("llama"))
+    W = model.lm_head.weight()
+    export_dense_head(model)
+    assert model.lm_head.weight.dtype == dtype and torch.equal(model.lm_head.weight, W.to(dtype))
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        assert model(input_ids=ids, attention_mask=mask).logits.dtype == dtype
+    model = trained("llama")
+    model.model.to(torch.bfloat16)  # the body alone, after the patch: the lm_head takes its hidden states' dtype
+    assert export_dense_head(model).lm_head.weight.dtype == torch.bfloat16
+    model = trained("llama")  # left as it was: the original lm_head's dtype
+    assert export_dense_head(model).lm_head.weight.dtype == torch.float32
+
+
 def test_an_exported_model_saves_and_loads_as_an_ordinary_one(tmp_path):
     model = export_dense_head(trained("qwen2"))
     model.save_pretrained(tmp_path)

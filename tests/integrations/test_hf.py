@@ -1,9 +1,14 @@
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
+from forked_ranks import fork_ranks
 from torch import nn
 
-from lst_lightning.integrations import factor_lm_head, factored_head, untie_lm_head
+from lst_lightning.integrations import export_dense_head, factor_lm_head, factored_head, untie_lm_head
 from lst_lightning.integrations.hf import dense_outputs, shifted
+from lst_lightning.integrations.processes import join_processes
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
 from round_trips import COPIES
@@ -37,6 +42,26 @@ def test_loss_is_the_heads_loss_on_the_shifted_hidden_states(family):
     ref = model.lm_head.loss_fn(q, s, O[real].gather(1, idx), torch.ones_like(idx, dtype=O.dtype),
                                 num_classes=VOCAB).mean()
     assert torch.allclose(loss.double(), ref, rtol=1e-5)
+
+
+def test_evaluating_the_sampled_loss_gives_the_exported_models_cross_entropy(family):
+    """Without grad (``Trainer.evaluate()``), ``loss="sampled"`` (the default) is scored by the
+    cross-entropy of softmax(o), its probability, over all D classes: the exported model's own
+    loss (the mean over real tokens, or the sum over ``num_items_in_batch``), not the head's
+    spherical terms alone; every label -100 gives 0; the state is unchanged."""
+    model = factor_lm_head(tiny(family)).eval()
+    ids, mask, labels = batch()
+    before = state(model)
+    with torch.no_grad():
+        got = [model(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+               for kw in ({}, {"logits_to_keep": 1}, {"num_items_in_batch": 7})]
+        padding = model(input_ids=ids, attention_mask=mask, labels=torch.full_like(labels, -100)).loss
+    assert same_state(before, state(model)) and float(padding) == 0
+    dense = export_dense_head(model)
+    with torch.no_grad():
+        want = [dense(input_ids=ids, attention_mask=mask, labels=labels, **kw).loss
+                for kw in ({}, {}, {"num_items_in_batch": 7})]
+    assert all(torch.allclose(g, w, rtol=1e-5) for g, w in zip(got, want)), (got, want)
 
 
 @pytest.mark.parametrize("loss", ["zloss", "spherical_softmax", "taylor_softmax", "mse", "sampled"])
@@ -255,6 +280,20 @@ def test_patching_twice_and_head_arguments_it_owns_are_refused():
         factored_head(tiny("gpt2"))
 
 
+def test_resizing_the_embeddings_of_a_patched_model_is_refused_and_changes_nothing():
+    """transformers' resize_token_embeddings resized the input embedding and then failed on the
+    head ("'function' object has no attribute 'size'"): refused in one line, nothing changed;
+    after export it resizes, and the model takes the head again."""
+    model = factor_lm_head(tiny("llama"))
+    before = state(model)
+    with pytest.raises(ValueError, match="export_dense_head.model. first, resize, then factor_lm_head") as e:
+        model.resize_token_embeddings(VOCAB + 8)
+    assert "\n" not in str(e.value) and same_state(before, state(model)) and model.config.vocab_size == VOCAB
+    export_dense_head(model).resize_token_embeddings(VOCAB + 8)
+    factor_lm_head(model)
+    assert model.lm_head.num_classes == model.get_input_embeddings().num_embeddings == VOCAB + 8
+
+
 def test_shifted_pairs_each_position_with_the_next_label():
     hidden = torch.arange(2 * 4, dtype=torch.float32).reshape(2, 4, 1)
     labels = torch.tensor([[5, 6, 7, 8], [1, 2, -100, -100]])
@@ -349,3 +388,34 @@ def test_a_patched_trained_model_pickles_and_deep_copies_with_its_forward_and_he
         a.loss.backward()
         b.loss.backward()
         assert torch.equal(factored_head(twin).weight(), factored_head(model).weight())
+
+
+
+def _sharded_rank(rank, port, out):
+    """A rank of two with the head sharded, scoring its own rows (a number of its own): the
+    patched model's logits and evaluation loss, then the exported model's."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = factor_lm_head(tiny("llama"), parallel="sharded").eval()
+    join_processes(model.lm_head)
+    ids, mask, labels = batch(m=1 + rank, seed=3 + rank)  # each rank its own rows, 1 and 2 sequences
+    got = {"held": model.lm_head.V.shape[0]}
+    for name in ("patched", "exported"):
+        with torch.no_grad():
+            got[name] = (model(input_ids=ids, attention_mask=mask).logits,
+                         model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        if name == "patched":
+            export_dense_head(model)  # every rank: the whole W
+    torch.save(got, out / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_sharded_heads_logits_and_evaluation_loss_are_each_ranks_own_rows(tmp_path):
+    """On two processes, each scoring rows of its own (2 and 1 sequences), a sharded head's
+    logits and evaluation loss are those of the exported model on that rank's rows: every
+    rank's rows are scored on every rank's classes (not rank r's rows on rank r's classes)."""
+    for r, got in enumerate(fork_ranks(_sharded_rank, tmp_path)):
+        (logits, loss), (want_logits, want_loss) = got["patched"], got["exported"]
+        assert got["held"] == VOCAB // 2 and logits.shape == want_logits.shape == (1 + r, 10, VOCAB)
+        assert torch.allclose(logits, want_logits, atol=1e-5) and torch.allclose(loss, want_loss, rtol=1e-5)

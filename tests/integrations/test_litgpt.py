@@ -9,7 +9,7 @@ from litgpt.utils import chunked_cross_entropy
 from torch import nn
 
 from lst_lightning.app.callbacks.head_steps import HeadSteps
-from lst_lightning.integrations import export_dense_head, factor_gpt_head, factored_head
+from lst_lightning.integrations import export_dense_head, factor_gpt_head, factored_head, sampling_logits
 from lst_lightning.spherical import NaiveSphericalHead
 from round_trips import COPIES
 
@@ -82,16 +82,18 @@ def test_a_training_step_matches_the_explicit_w_reference(loss):
     assert not torch.allclose(naive.weight(), W)
 
 
-def test_the_loss_is_the_dense_heads_on_the_same_outputs_as_litgpt_computes_it():
+@pytest.mark.parametrize("loss", ["spherical_softmax", "sampled"])
+def test_the_loss_is_the_dense_heads_on_the_same_outputs_as_litgpt_computes_it(loss):
     """The Z-loss on o is litgpt's chunked_cross_entropy's convention: the mean over the
-    real targets; for the losses with a probability, its -log p on the exported logits."""
-    model = factor_gpt_head(tiny_gpt(), loss="spherical_softmax")
+    real targets; for the losses with a probability, its -log p on the exported logits in
+    evaluation (``sampled``: softmax(o)'s, over all D classes, not its spherical terms alone)."""
+    model = factor_gpt_head(tiny_gpt(), loss=loss)
     ids, targets = rows()
     model.eval()
     with torch.no_grad():
         loss = model(ids, targets=targets)
         o = model(ids)
-        nll = chunked_cross_entropy(torch.log(o.double() ** 2 + factored_head(model).loss_fn.eps), targets)
+        nll = chunked_cross_entropy(sampling_logits(factored_head(model).loss_fn, o).double(), targets)
     assert torch.allclose(loss.double(), nll, rtol=1e-5)
 
 

@@ -6,6 +6,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from lst_lightning.integrations import factor_lm_head, head_follows_trainer, scheduled_lr
 
+from round_trips import COPIES
+
 from .conftest import batch, tiny
 
 
@@ -48,6 +50,52 @@ def test_trainer_steps_the_head_once_per_optimizer_step_following_the_schedule(t
     assert len(counts) == 12 and all(c is not None and int(c) > 0 for c in counts)
     assert lrs.seen[0] == pytest.approx(0.5) and lrs.seen == sorted(lrs.seen, reverse=True) and lrs.seen[-1] < 0.2
     assert not head.attached and head.lr == 0.5
+
+
+def test_with_an_optimizer_of_its_own_the_head_follows_its_schedule_not_args_learning_rate(tmp_path):
+    """``Trainer(optimizers=(opt, None))`` with opt's lr 1e-3 and ``args.learning_rate`` at its
+    default (5e-5): the head's lr is its own scaled by the schedule's fraction of opt's lr
+    (0.5, then down the linear decay), not by lr / args.learning_rate (20 times its own)."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=4,
+                             lr_scheduler_type="linear", report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True, seed=0)
+    lrs = HeadLrs(model.lm_head)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(opt, None),
+            callbacks=[head_follows_trainer(), lrs]).train()
+    assert args.learning_rate == 5e-5 and lrs.seen == pytest.approx([0.5, 0.375, 0.25, 0.125])
+
+
+def test_label_smoothing_is_refused_when_the_trainer_is_built(tmp_path):
+    """The Trainer's label smoother pops the labels and computes the loss from logits, which the
+    head does not make in training: refused in one line when the Trainer is built (it failed at
+    the first backward: "element 0 of tensors does not require grad")."""
+    model = factor_lm_head(tiny("llama"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=0.1, max_steps=1, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    with pytest.raises(ValueError, match="label_smoothing_factor=0.1 cannot train the factored head") as e:
+        Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()])
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_model_trained_under_bf16_pickles_with_its_patched_forward(tmp_path):
+    """accelerate wraps the forward in autocast under ``bf16=True``, a local function that cannot
+    be pickled: after training the patched model has its own forward back, and ``torch.save`` /
+    ``torch.load`` (and ``copy.deepcopy``) give a model whose loss is the model's."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, bf16=True,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()]).train()
+    ids, mask, labels = batch()
+    model.eval()
+    for twin in (make(model) for make in COPIES):
+        assert twin.forward.args[0] is twin
+        with torch.no_grad():
+            assert torch.equal(twin(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               model(input_ids=ids, attention_mask=mask, labels=labels).loss)
 
 
 def run(out, resume=None, max_steps=6):

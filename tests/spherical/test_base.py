@@ -194,6 +194,14 @@ def test_bad_init_std_is_refused(bad):
         FactoredSphericalHead(100, 8, init_std=bad)
 
 
+@pytest.mark.parametrize("bad,says", [(torch.bfloat16, "got torch.bfloat16"), ("float32", "got 'float32'")])
+def test_a_dtype_other_than_float32_or_float64_is_refused_naming_what_was_given(bad, says):
+    """A string, as transformers' ``from_pretrained(dtype="float32")`` takes, is not a torch.dtype:
+    the line says which was given (it read "float32 or float64, got float32")."""
+    with pytest.raises(TypeError, match=f"torch.float32 or torch.float64, {says}$"):
+        FactoredSphericalHead(100, 8, dtype=bad)
+
+
 @pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
 def test_a_state_holding_per_class_step_sizes_is_refused_in_one_line_untouched(cls):
     """A state with ``row_acc`` (per-class step sizes, which the heads do not take) is refused

@@ -63,6 +63,16 @@ def test_bad_target_is_skipped_then_reported():
     assert int(head.steps) == 3
 
 
+def test_the_report_of_a_bad_target_names_the_heads_padding_id():
+    """A head whose padding is ``ignore_index=-100`` (Hugging Face's labels) is told so."""
+    head = deferred(sync_every=3, ignore_index=-100)
+    H, idx = batch(5, d, D, 3)
+    idx[2, 1] = D
+    step(head, H, idx)
+    with pytest.raises(ValueError, match=r"outside \[0, 60\) \(class ids, or -1 or ignore_index \(-100\) for padding\)"):
+        head.sync()
+
+
 def test_non_finite_step_is_skipped_counted_and_warned():
     head = deferred(sync_every=2)
     H, idx = batch(5, d, D, 1)

@@ -3,6 +3,8 @@ step W <- c W - lr dO^T H P equals the naive head's step with dW P, in float64, 
 steps (loss, dL/dH and the implicit W after each), for every loss, sampled classes shared and
 per row, every route to H U_new^-1 and to Q, a fold, device flags and exact accumulation;
 the moments are the head's state: resumed exactly, untouched by a skipped step."""
+import warnings
+
 import pytest
 import torch
 
@@ -134,18 +136,35 @@ def test_a_skipped_step_leaves_the_moments_untouched(cls):
     assert torch.equal(head.weight(), before[2]) and int(head.skipped_nonfinite) == 1
 
 
-def test_white_inputs_give_the_identity_and_zero_inputs_a_finite_p():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # float32: damping * tau kept a normal number
+def test_white_inputs_give_the_identity_and_zero_inputs_a_finite_p(dtype):
     pre = Preconditioner(beta=0.0, damping=0.1)
-    Hx = torch.eye(4, dtype=torch.float64) * 2.0  # H^T H / m = I
-    mom = pre.update_moments(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx)
-    assert torch.allclose(mom.P, torch.eye(4, dtype=torch.float64)) and bool(mom.ok)
-    mom = pre.update_moments(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx * 0)
-    assert bool(mom.ok) and torch.isfinite(mom.P).all()
+    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype)  # noqa: E731
+    Hx = torch.eye(4, dtype=dtype) * 2.0  # H^T H / m = I
+    mom = pre.update_moments(zeros(4, 4), zeros(()), Hx)
+    assert torch.allclose(mom.P, torch.eye(4, dtype=dtype)) and bool(mom.ok)
+    mom = pre.update_moments(zeros(4, 4), zeros(()), Hx * 0)
+    assert bool(mom.ok) and torch.allclose(mom.P, torch.eye(4, dtype=dtype) * pre.max_eig)
     # a first batch without a row with a target: the moments stay as they were, P finite
     pre = Preconditioner(beta=0.9)
     none = torch.zeros(4, dtype=torch.bool)
-    mom = pre.update_moments(torch.zeros(4, 4, dtype=torch.float64), torch.zeros((), dtype=torch.float64), Hx, none)
+    mom = pre.update_moments(zeros(4, 4), zeros(()), Hx, none)
     assert bool(mom.ok) and torch.isfinite(mom.P).all() and float(mom.weight) == 0 and not mom.moment.any()
+
+
+def test_a_first_batch_of_padding_alone_is_a_step_in_float32_not_a_skip():
+    """Every target -100 in the first batch (a Hugging Face batch of prompt tokens only): the
+    step is taken (nothing to learn from), not skipped as non-finite, and the next one learns."""
+    head = FactoredSphericalHead(D, d, loss="zloss", preconditioner=PRE, dtype=torch.float32)
+    H, idx = hard_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "skipped" warning
+        head(H.float().requires_grad_(), torch.full_like(idx, -100)).backward()
+        head.sync()
+    assert int(head.steps) == 1 and int(head.skipped_nonfinite) == 0 and float(head.input_moment_weight) == 0
+    head(H.float().requires_grad_(), idx).backward()
+    head.sync()
+    assert int(head.steps) == 2 and float(head.input_moment_weight) > 0
 
 
 @pytest.mark.parametrize("value,match", [

@@ -82,7 +82,9 @@ class Preconditioner:
         S = moment * keep + gram * ((1.0 - keep) / n.clamp(min=1))
         t = weight * keep + (1.0 - keep)
         mean = S / t.clamp_min(torch.finfo(gram.dtype).tiny)  # t = 0: no row with a target yet, S = 0
-        tau = mean.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny)  # H = 0 throughout: P = I (1 + damping) / damping
+        # H = 0 throughout (or no row with a target yet): P = I (1 + damping) / damping; the floor keeps
+        # damping * tau a normal number (a subnormal one fails the factorisation in float32)
+        tau = mean.diagonal().mean().clamp_min(torch.finfo(gram.dtype).tiny / min(self.damping, 1.0))
         eye = torch.eye(w, dtype=gram.dtype, device=gram.device)
         C, info = torch.linalg.cholesky_ex(mean + (self.damping * tau) * eye)
         Cinv = torch.linalg.solve_triangular(C, eye, upper=False)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..losses import SphericalLoss
-from .hf import PATCH, factored_head
+from .hf import PATCH, body_dtype, factored_head
 from .processes import ddp_forgets_head, every_rank_classes
 
 
@@ -31,14 +31,18 @@ from .processes import ddp_forgets_head, every_rank_classes
 def export_dense_head(model: nn.Module) -> nn.Module:
     """Replace the factored head of a model patched by ``factor_lm_head`` or ``factor_gpt_head``
     with an ordinary ``nn.Linear`` lm_head holding W (and the bias column), in the dtype of
-    the original lm_head, and restore the class's forward. Returns the model, changed in place.
+    the original lm_head (the model's, where the model was cast since the patch), and restore
+    the class's forward. Returns the model, changed in place.
     A head sharded over several processes: every rank calls it and gets the whole W."""
     head = factored_head(model)
     W = head.weight()
     if W.shape[0] != head.num_classes:  # a sharded head on several processes: every rank's rows
         W = every_rank_classes(head, W.T).T
-    linear = nn.Linear(head.hidden_dim, head.num_classes, bias=head.bias, device=W.device,
-                       dtype=getattr(model, PATCH).linear_dtype)
+    patch, now = getattr(model, PATCH), body_dtype(model)
+    # the original lm_head's dtype, or the model's own where it was cast since the patch (the
+    # lm_head would have been cast with it: its forward takes the body's hidden states)
+    dtype = patch.linear_dtype if now == getattr(patch, "body_dtype", now) else now
+    linear = nn.Linear(head.hidden_dim, head.num_classes, bias=head.bias, device=W.device, dtype=dtype)
     linear.weight.copy_(W[:, : head.hidden_dim])
     if head.bias:
         linear.bias.copy_(W[:, head.hidden_dim])
@@ -48,6 +52,7 @@ def export_dense_head(model: nn.Module) -> nn.Module:
         del model.factored_head
         prefix = "factored_head"
     del model.forward  # the instance attribute factor_lm_head set: the class's forward again
+    vars(model).pop("resize_token_embeddings", None)  # factor_lm_head's refusal: the class's own again
     ddp_forgets_head(model, prefix)
     delattr(model, PATCH)
     return model

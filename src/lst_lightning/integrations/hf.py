@@ -11,7 +11,9 @@ in eval mode) they are the outputs ``o = W h``, made in chunks of the vocabulary
 the last ``logits_to_keep`` positions only (what ``generate()`` asks). The body runs
 untouched (``model.base_model``). ``num_items_in_batch`` (the Trainer's exact gradient
 accumulation) makes the loss the sum over tokens divided by it; the head's own step
-scales with that loss (docs/integrations.md). transformers is imported in the functions
+scales with that loss (docs/integrations.md). Evaluated without grad, ``loss="sampled"`` is
+scored by the cross-entropy of softmax(o), its probability, over all D classes (the
+exported model's loss), not by its spherical terms alone. transformers is imported in the functions
 only: the package works without the ``hf`` extra.
 """
 from __future__ import annotations
@@ -20,8 +22,10 @@ import functools
 import types
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..heads.targets import target_slots
 from ..spherical import FactoredSphericalHead
 from ..spherical.factored import V_ROWS
 from .processes import (check_not_fsdp1, ddp_ignores_head, every_rank_classes, gather_for_checkpoint, join_processes,
@@ -72,6 +76,13 @@ def untie_lm_head(model: nn.Module) -> nn.Module:
     return model
 
 
+def body_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter: its body's (the head holds none). A
+    patched model cast since the patch (``.to(dtype)``, ``.half()``) gets an exported lm_head in
+    its new dtype (export.py)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
 def head_from_linear(linear: nn.Linear, head_kwargs: dict, caller: str,
                      reduction: str = "mean") -> FactoredSphericalHead:
     """A ``FactoredSphericalHead`` whose initial W is ``linear``'s weight (its bias as the bias
@@ -104,7 +115,8 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     #: items_over_world: the Trainer's num_items_in_batch counts the world's tokens (its
     #: average_tokens_across_devices; head_follows_trainer sets it); whole_v: a sharded V
     #: gathered for the next checkpoint (processes.py)
-    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, items_over_world=True, whole_v=None)
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, body_dtype=body_dtype(model), items_over_world=True,
+                                  whole_v=None)
     # Savers of HF models (save_pretrained, the Trainer's checkpoints: safetensors) take tensors only.
     head.register_state_dict_post_hook(functools.partial(_tensors_only, patch))
     head.register_load_state_dict_pre_hook(_without_extra_state)
@@ -113,7 +125,15 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     ddp_ignores_head(model, "lm_head", head)  # several processes: the head keeps its replicas itself
     # an instance attribute (export deletes it); a partial, which pickles by reference, not a bound method
     model.forward = functools.partial(_forward, model)
+    model.resize_token_embeddings = functools.partial(_resize_refused, model)  # the same way
     return model
+
+
+def _resize_refused(model: nn.Module, *args, **kwargs):
+    """A patched model's ``resize_token_embeddings``: refused before anything changes
+    (transformers' would resize the input embedding, then fail on the factored head)."""
+    raise ValueError(f"{type(model).__name__} has the factored head, which resize_token_embeddings() cannot resize: "
+                     "export_dense_head(model) first, resize, then factor_lm_head(model) again")
 
 
 #: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
@@ -197,9 +217,15 @@ def head_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
 @torch.no_grad()
 def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int = 65536) -> Tensor:
     """The outputs o = W h (what the exported dense lm_head gives) for hidden (..., d),
-    made in chunks of the vocabulary: (..., D) in the head's dtype."""
+    made in chunks of the vocabulary: (..., D) in the head's dtype. A head sharded over several
+    processes: every rank calls it, each with its own rows (any number); every rank's rows are
+    gathered, each rank scores them on its classes, and each takes its own rows' outputs for
+    all D classes back."""
     H = hidden.reshape(-1, hidden.shape[-1])
     held = head.V.shape[0]  # a sharded head: its own classes row_lo:row_hi, then every rank's
+    mine = None
+    if held != head.num_classes:
+        (H,), mine = head.processes.pg.gather_rows([H], [0.0])  # every rank's rows, then this rank's slice
     out = torch.empty(H.shape[0], held, dtype=head.dtype, device=head.device)
     with torch.autocast(head.device.type, enabled=False):  # in the head's dtype, whatever the caller's autocast
         Hx = head.augment(H)
@@ -207,9 +233,42 @@ def dense_outputs(head: FactoredSphericalHead, hidden: Tensor, chunk_size: int =
         for a in range(0, held, chunk_size):
             rows = head.V[a:a + chunk_size]
             torch.addmm(Hw[:, None], HU, rows.T, out=out[:, a:a + rows.shape[0]])
-    if held != head.num_classes:
-        out = every_rank_classes(head, out)
+    if mine is not None:
+        out = every_rank_classes(head, out)[mine]
     return out.reshape(*hidden.shape[:-1], head.num_classes)
+
+
+def scored_by_outputs(head: FactoredSphericalHead) -> bool:
+    """Whether a forward with labels is scored by the cross-entropy of softmax(o) over all D
+    classes rather than by the head's loss: evaluation without grad (``Trainer.evaluate()``,
+    ``torch.no_grad()``) of a loss whose outputs are logits (``loss="sampled"``, whose
+    probability is softmax(o)). The head's own loss there would be its spherical terms alone
+    (no draw), not a log-likelihood; the losses with a probability of their own (spherical,
+    Taylor softmax) already give their -log p."""
+    return head.loss_fn.outputs_are_logits and not torch.is_grad_enabled()
+
+
+@torch.no_grad()
+def outputs_nll(head: FactoredSphericalHead, H: Tensor, y: Tensor, outputs: Tensor | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """The sum over the rows of H (m, d) with a real target ``y`` (m,) of -log softmax(o)[y],
+    o = W h over all D classes (``dense_outputs``, or ``outputs`` (m, D) when made already),
+    and the count of those rows: the exported model's cross-entropy, in the head's dtype. The
+    targets are checked as the head checks them (padding: -1 or the head's ignore_index)."""
+    idx, _, valid = target_slots(y, None, H.shape[0], head.num_classes, head.dtype, ignore_index=head.ignore_index)
+    o = dense_outputs(head, H) if outputs is None else outputs
+    return F.cross_entropy(o, idx[:, 0].to(o.device), ignore_index=-1, reduction="sum"), valid.sum()
+
+
+def outputs_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
+                 num_items_in_batch: int | Tensor | None = None, outputs: Tensor | None = None) -> Tensor:
+    """``outputs_nll`` on the shifted labels, as transformers' own loss: the mean over real
+    tokens, or with ``num_items_in_batch`` the sum divided by it. ``outputs``: o of every
+    position of ``hidden`` (b, T, D), when made already."""
+    H, y = shifted(hidden, labels.to(hidden.device))
+    nll, real = outputs_nll(head, H, y, None if outputs is None else outputs[:, :-1].reshape(-1, head.num_classes))
+    count = real.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return nll / torch.as_tensor(count, dtype=nll.dtype, device=nll.device)
 
 
 def last_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
@@ -230,12 +289,18 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
         check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = out[0]
-    loss = None if labels is None else head_loss(self.lm_head, hidden, labels, num_items_in_batch,
-                                                 getattr(self, PATCH).items_over_world)
-    logits = None
+    hidden, head = out[0], self.lm_head
+    outputs = None
     if labels is None or not self.training:
-        logits = dense_outputs(self.lm_head, last_positions(hidden, logits_to_keep)).to(hidden.dtype)
+        outputs = dense_outputs(head, last_positions(hidden, logits_to_keep))
+    if labels is None:
+        loss = None
+    elif scored_by_outputs(head):  # evaluation of loss="sampled": the cross-entropy of softmax(o)
+        every = isinstance(logits_to_keep, int) and logits_to_keep == 0  # the outputs made above are all of them
+        loss = outputs_loss(head, hidden, labels, num_items_in_batch, outputs if every else None)
+    else:
+        loss = head_loss(head, hidden, labels, num_items_in_batch, getattr(self, PATCH).items_over_world)
+    logits = None if outputs is None else outputs.to(hidden.dtype)
     return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=getattr(out, "past_key_values", None),
                                   hidden_states=getattr(out, "hidden_states", None),
                                   attentions=getattr(out, "attentions", None))

@@ -6,7 +6,8 @@ initial W is ``lm_head.weight`` (its bias as the bias column: ``lm_head_bias`` c
 forward, untouched, ends at the body's last norm) and gives the model a forward with one
 more argument: ``model(idx, targets=targets)`` returns the head's loss, litgpt's
 convention (``targets`` already aligned with ``idx``, as litgpt's loops slice them;
-``-100`` ignored; the mean over real tokens, as ``litgpt.utils.chunked_cross_entropy``).
+``-100`` ignored; the mean over real tokens, as ``litgpt.utils.chunked_cross_entropy``;
+evaluated without grad, ``loss="sampled"`` is that cross-entropy of softmax(o) itself).
 Without targets it returns the outputs o = W h as litgpt's logits (made in chunks of the
 vocabulary from the factors; a list of chunks along the sequence with
 ``lm_head_chunk_size``), so ``litgpt.generate`` works on the patched model. The head has
@@ -22,7 +23,7 @@ import types
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
-from .hf import PATCH, dense_outputs, head_from_linear
+from .hf import PATCH, body_dtype, dense_outputs, head_from_linear, outputs_nll, scored_by_outputs
 from .processes import check_not_fsdp1, ddp_ignores_head, join_processes, whole_v_into
 
 
@@ -60,7 +61,7 @@ def factor_gpt_head(model: nn.Module, **head_kwargs) -> nn.Module:
     linear = check_gpt_patchable(model)
     head = head_from_linear(linear, head_kwargs, "factor_gpt_head", reduction="mean_real")
     #: whole_v: a sharded V gathered for the next checkpoint (gather_head_for_checkpoint)
-    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, whole_v=None)
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, body_dtype=body_dtype(model), whole_v=None)
     head.register_state_dict_post_hook(functools.partial(whole_v_into, patch))
     setattr(model, PATCH, patch)
     model.factored_head = head
@@ -73,15 +74,20 @@ def factor_gpt_head(model: nn.Module, **head_kwargs) -> nn.Module:
 
 def gpt_loss(head: FactoredSphericalHead, hidden: Tensor, targets: Tensor) -> Tensor:
     """The head's loss with litgpt's alignment (hidden[:, t] predicts targets[:, t]), the mean
-    over real (non -100) targets; on several processes over the world's, the same on every rank
+    over real (non -100) targets (without grad, ``loss="sampled"``'s cross-entropy of softmax(o),
+    ``scored_by_outputs``); on several processes over the world's, the same on every rank
     (each rank's dL/dH for its rows scaled by the world size, which DDP's and FSDP's averages of
     the body's gradients undo)."""
     if targets.shape != hidden.shape[:-1]:
         raise ValueError(f"targets must have the shape of idx {tuple(hidden.shape[:-1])} (litgpt's loops pass "
                          f"them already shifted), got {tuple(targets.shape)}")
+    H, y = hidden.reshape(-1, hidden.shape[-1]), targets.to(hidden.device).reshape(-1)
+    if scored_by_outputs(head):  # evaluation of loss="sampled": the cross-entropy of softmax(o), as litgpt's
+        nll, real = outputs_nll(head, H, y)
+        return nll / real.clamp(min=1)
     if head.in_training_step:
         join_processes(head)  # several processes (Fabric's DDP or FSDP2): the world's rows, one global step
-    return head(hidden.reshape(-1, hidden.shape[-1]), targets.to(hidden.device).reshape(-1))
+    return head(H, y)
 
 
 def _forward(self, idx: Tensor, input_pos: Tensor | None = None, input_pos_maxp1: int | None = None,

@@ -6,7 +6,8 @@ that, at the start of training, attaches the head to the Trainer's optimizer (on
 step for all the micro-batches of ``gradient_accumulation_steps``, taken at the
 optimizer's step, with fp16's loss scale divided out; spherical/pending.py), and before
 each step sets ``head.lr = base_lr * current_lr / initial_lr``, the Trainer's schedule
-scaled to the head's own lr (as the app does, app/schedule.py).
+scaled to the head's own lr (as the app does, app/schedule.py); ``initial_lr`` is the
+schedule's own start, the optimizer's lr where the Trainer is given an optimizer.
 
 Several processes (DDP under ``torchrun`` / ``accelerate launch``; processes.py): at the
 start of training the head joins the process group (its ``parallel`` mode; ``"none"`` is
@@ -42,6 +43,40 @@ def scheduled_lr(base_lr: float, current_lr: float, initial_lr: float) -> float:
     return max(base_lr * current_lr / initial_lr, MIN_LR)
 
 
+def initial_lr(lr_scheduler, learning_rate: float) -> float:
+    """The lr the Trainer's schedule starts from: its first group's initial lr (``base_lrs``),
+    which is the optimizer's own where the Trainer is given one (``optimizers=(opt, None)``,
+    whatever ``args.learning_rate``); ``learning_rate`` for a scheduler that keeps none."""
+    base = getattr(getattr(lr_scheduler, "scheduler", lr_scheduler), "base_lrs", None)  # accelerate wraps it
+    return float(base[0]) if base else learning_rate
+
+
+def check_trainer_args(args) -> None:
+    """One ValueError, when the Trainer is built, for settings under which the Trainer computes
+    the loss itself from the logits (label smoothing): the factored head makes no logits in
+    training and trains through its own loss."""
+    if getattr(args, "label_smoothing_factor", 0):
+        raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} cannot train the factored head: the "
+                         "Trainer then takes the labels from the model's inputs and computes the loss from logits, "
+                         "which the head does not make in training (it trains through its own loss); set "
+                         "label_smoothing_factor=0")
+
+
+def drop_autocast_wrapper(model) -> None:
+    """Give a patched model its own forward back from accelerate's mixed-precision wrapper.
+    accelerate (the Trainer's ``bf16``/``fp16``) wraps ``model.forward`` in an autocast of a local
+    function, which cannot be pickled, and keeps the forward it wrapped as ``_original_forward``:
+    an ordinary model's forward is a bound method, which pickling takes back to the class's, but
+    the patched forward is the model's own attribute, so ``torch.save(model)`` failed after
+    training. The model is then as an ordinary one is once saved and loaded."""
+    from .hf import _forward
+
+    original = vars(model).get("_original_forward")
+    if getattr(original, "func", None) is _forward and "forward" in vars(model):
+        model.forward = original
+        del model._original_forward
+
+
 def head_follows_trainer():
     """A ``transformers.TrainerCallback``: ``Trainer(..., callbacks=[head_follows_trainer()])``
     for a model patched by ``factor_lm_head``."""
@@ -57,6 +92,7 @@ def head_follows_trainer():
             from accelerate.state import AcceleratorState  # built by the Trainer before this event
 
             check_strategy(AcceleratorState().distributed_type)  # FSDP, DeepSpeed: one line, before any step
+            check_trainer_args(args)
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             core = getattr(model, "module", model)
@@ -73,8 +109,9 @@ def head_follows_trainer():
                          "compiled" if self.head.compiles else "eager", self.head.sync_every)
 
         def on_step_begin(self, args, state, control, lr_scheduler=None, **kwargs):
-            if lr_scheduler is not None and args.learning_rate > 0:
-                self.head.lr = scheduled_lr(self.base_lr, lr_scheduler.get_last_lr()[0], args.learning_rate)
+            initial = None if lr_scheduler is None else initial_lr(lr_scheduler, args.learning_rate)
+            if initial is not None and initial > 0:
+                self.head.lr = scheduled_lr(self.base_lr, lr_scheduler.get_last_lr()[0], initial)
 
         def on_step_end(self, args, state, control, **kwargs):
             self._before_save(control)
@@ -91,7 +128,7 @@ def head_follows_trainer():
         def on_save(self, args, state, control, **kwargs):
             self.patch.whole_v = None
 
-        def on_train_end(self, args, state, control, **kwargs):
+        def on_train_end(self, args, state, control, model=None, **kwargs):
             if self.head is not None:
                 try:  # the flags of the last steps read: a bad batch among them raises from train()
                     self.head.sync(repair=False)  # (a report: the state must not depend on where a run stopped)
@@ -101,5 +138,7 @@ def head_follows_trainer():
                 # for trainer.save_model() / save_pretrained() after training, on rank 0 only:
                 # the whole V while the head is unchanged (hf.py checks its version)
                 self.patch.whole_v = gather_for_checkpoint(self.head)
+                if model is not None:  # torch.save(model) after training
+                    drop_autocast_wrapper(getattr(model, "module", model))
 
     return HeadFollowsTrainer()

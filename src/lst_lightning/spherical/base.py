@@ -134,7 +134,7 @@ class SphericalHeadBase(OutputHead):
         #: full float32 by default, whatever the loop's torch.set_float32_matmul_precision)
         self.tf32 = tf32
         if dtype not in STATE_DTYPES:
-            raise TypeError(f"the head keeps its state in float32 or float64, got {dtype}")
+            raise TypeError(f"the head keeps its state in torch.float32 or torch.float64, got {dtype!r}")
         self.num_classes, self.hidden_dim = num_classes, hidden_dim
         self.bias = bool(bias)
         #: columns of the implicit W: the hidden size, plus one constant column for the bias.

@@ -195,7 +195,8 @@ class DeviceFlags:
         head._bad_input.zero_()
         fault, self.fault = self.fault, None
         where = "" if fault is None else f" in rank {fault[0]}'s rows"
-        what = (f"had target ids outside [0, {head.num_classes}){where} (class ids, or -1 for padding)"
+        padding = "-1" if head.ignore_index == -1 else f"-1 or ignore_index ({head.ignore_index})"
+        what = (f"had target ids outside [0, {head.num_classes}){where} (class ids, or {padding} for padding)"
                 if fault is None or fault[1] is None else f"was void on every rank: rank {fault[0]}'s input {fault[1]}")
         raise ValueError(f"{type(head).__name__}: the batch of step {step} {what}; that step was skipped and left "
                          f"the head's state untouched (device flags are read every sync_every={head.sync_every} "
