@@ -154,15 +154,18 @@ def test_last_is_the_newest_checkpoint_of_the_run(tmp_path):
     assert resolve_ckpt_path("auto", tmp_path) is None and resolve_ckpt_path(None, tmp_path) is None
     ckpts.mkdir()
     for name, t in [("step4.ckpt", 1), ("last.ckpt", 2), ("step8.ckpt", 2)]:  # last and step8: the same time
-        (ckpts / name).write_bytes(b"x")
+        torch.save({}, ckpts / name)
         os.utime(ckpts / name, ns=(10**9 * t, 10**9 * t))
     assert resolve_ckpt_path("last", tmp_path) == resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt")
     hpc = tmp_path / "hpc_ckpt_1.ckpt"  # Lightning's SLURM requeue checkpoint, when newer
-    hpc.write_bytes(b"x")
+    torch.save({}, hpc)
     assert run_checkpoints(tmp_path)[-1] == hpc and resolve_ckpt_path("last", tmp_path) == str(hpc)
     assert resolve_ckpt_path(str(ckpts / "step4.ckpt"), tmp_path) == str(ckpts / "step4.ckpt")
     with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
         resolve_ckpt_path(str(ckpts / "step5.ckpt"), tmp_path)
+    hpc.write_bytes(hpc.read_bytes()[:-1])  # the newest cut short: refused in one line, naming it
+    with pytest.raises(ValueError, match=f"ckpt_path=last: {hpc} is not a checkpoint torch.load can read"):
+        resolve_ckpt_path("last", tmp_path)
 
 
 def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
