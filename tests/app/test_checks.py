@@ -2,6 +2,7 @@
 value is refused with its key named, each good one passes (the defaults and every
 trainer config among them)."""
 import pytest
+import torch
 
 from lst_lightning.app.checks import check_config, check_overrides
 
@@ -62,11 +63,22 @@ def test_good_values_pass(override):
     check_config(cfg_of(override))
 
 
-def test_missing_checkpoint(tmp_path):
+def test_missing_or_unreadable_checkpoint(tmp_path):
+    """A missing file, and one torch.load cannot read (cut short, another kind of file: it failed in
+    the workers, "pop from empty list"), each in one line before anything starts."""
     with pytest.raises(FileNotFoundError, match="ckpt_path="):
         check_config(cfg_of(f"ckpt_path={tmp_path}/last.ckpt"))
-    (tmp_path / "last.ckpt").write_bytes(b"x")
-    check_config(cfg_of(f"ckpt_path={tmp_path}/last.ckpt"))
+    torch.save({"global_step": 3}, tmp_path / "whole.ckpt")
+    whole = (tmp_path / "whole.ckpt").read_bytes()
+    for name, data in (("cut.ckpt", whole[:len(whole) // 2]), ("last.ckpt", b"x"), ("config.yaml", b"seed: 0\n")):
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=f"ckpt_path={tmp_path}/{name}: the file is not a checkpoint "
+                                             "torch.load can read") as err:
+            check_config(cfg_of(f"ckpt_path={tmp_path}/{name}"))
+        assert "\n" not in str(err.value)
+    check_config(cfg_of(f"ckpt_path={tmp_path}/whole.ckpt"))
+    torch.save({"global_step": 3}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    check_config(cfg_of(f"ckpt_path={tmp_path}/legacy.ckpt"))
 
 
 @pytest.mark.parametrize("arg,match", [("loss.a=-1", "write loss.kwargs.a=-1"), ("+loss.eps=0.1", "loss.kwargs.eps"),

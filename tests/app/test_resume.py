@@ -154,15 +154,18 @@ def test_last_is_the_newest_checkpoint_of_the_run(tmp_path):
     assert resolve_ckpt_path("auto", tmp_path) is None and resolve_ckpt_path(None, tmp_path) is None
     ckpts.mkdir()
     for name, t in [("step4.ckpt", 1), ("last.ckpt", 2), ("step8.ckpt", 2)]:  # last and step8: the same time
-        (ckpts / name).write_bytes(b"x")
+        torch.save({}, ckpts / name)
         os.utime(ckpts / name, ns=(10**9 * t, 10**9 * t))
     assert resolve_ckpt_path("last", tmp_path) == resolve_ckpt_path("auto", tmp_path) == str(ckpts / "last.ckpt")
     hpc = tmp_path / "hpc_ckpt_1.ckpt"  # Lightning's SLURM requeue checkpoint, when newer
-    hpc.write_bytes(b"x")
+    torch.save({}, hpc)
     assert run_checkpoints(tmp_path)[-1] == hpc and resolve_ckpt_path("last", tmp_path) == str(hpc)
     assert resolve_ckpt_path(str(ckpts / "step4.ckpt"), tmp_path) == str(ckpts / "step4.ckpt")
     with pytest.raises(FileNotFoundError, match="no such checkpoint file"):
         resolve_ckpt_path(str(ckpts / "step5.ckpt"), tmp_path)
+    hpc.write_bytes(hpc.read_bytes()[:-1])  # the newest cut short: refused in one line, naming it
+    with pytest.raises(ValueError, match=f"ckpt_path=last: {hpc} is not a checkpoint torch.load can read"):
+        resolve_ckpt_path("last", tmp_path)
 
 
 def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
@@ -199,6 +202,27 @@ def test_accumulation_resumes_mid_epoch_exactly(tmp_path):
     a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True) for d in ("full", "resumed"))
     equal(a["state_dict"], b["state_dict"], "state_dict")
     equal(a["optimizer_states"], b["optimizer_states"], "optimizer_states")
+
+
+def test_a_moved_run_directory_resumes_from_its_head_shards(tmp_path):
+    """head_checkpoint=per_rank: a checkpoint names its head shards' directory as it was written. The
+    run directory moved whole (its head_shards with it) resumes from its checkpoint of step 3 of 6,
+    reading the shards beside that checkpoint, to the run's end (it failed: "no shard files")."""
+    over = [*FAST, "head.parallel=sharded", "head_checkpoint=per_rank", "head_shards_keep=10", "test=false",
+            "trainer.limit_train_batches=6", "callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.keep=10",
+            "callbacks.checkpoint.max_overhead=null", "callbacks.checkpoint.every_minutes=null"]
+    full = run(cfg_of(*over), tmp_path / "full")
+    moved = tmp_path / "moved"
+    (tmp_path / "full").rename(moved)
+    step3 = moved / "checkpoints" / "step3.ckpt"
+    assert not Path(torch.load(step3, weights_only=True)["state_dict"]["head._extra_state"]["v_files"]).exists()
+    resumed = run(cfg_of(*over, f"ckpt_path={step3}"), tmp_path / "resumed")
+    assert resumed["val"] == full["val"] and resumed["train_steps"] == full["train_steps"] == 6
+    a, b = (torch.load(d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for d in (moved, tmp_path / "resumed"))
+    assert torch.equal(load_rows(b["head._extra_state"]["v_files"]),
+                       load_rows(moved / "checkpoints" / "head_shards" / "step6"))
+    equal({k: v for k, v in a.items() if k != "head._extra_state"},
+          {k: v for k, v in b.items() if k != "head._extra_state"}, "state_dict")
 
 
 # Two ranks (Lightning starts the second), the factored head sharded, its V in one file per rank.

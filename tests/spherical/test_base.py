@@ -8,7 +8,7 @@ import torch
 
 from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead
 
-from round_trips import COPIES
+from round_trips import COPIES, spawned
 
 from head_pairs import D, assert_load_refused, assert_untouched, batch, d, deferred, make_pair, rel, state, state_of, step
 
@@ -308,6 +308,24 @@ def test_a_trained_head_pickles_and_deep_copies_as_its_checkpoint(cls, attached)
         for b in batches:
             step(h, *b)
     assert torch.equal(copies[0].weight(), head.weight()) and torch.equal(copies[1].weight(), head.weight())
+
+
+def test_a_head_with_negatives_goes_to_a_spawned_process():
+    """Both heads with their sampled classes (the default loss), handed to a spawned process as
+    ``trainer=ddp_cpu``'s workers get the model: their generators travel as bytes (a
+    ``torch.Generator`` pickled whole hands the process a freed tensor, and the process failed with
+    "unable to resize file"), and the copies draw and train on as the heads do."""
+    heads = torch.nn.ModuleList([cls(D, d, generator=torch.Generator().manual_seed(0))
+                                 for cls in (FactoredSphericalHead, NaiveSphericalHead)])
+    for head in heads:
+        assert head.negatives is not None
+        step(head, *batch(6, d, D, 3, dtype=torch.float32))
+    copies = spawned(heads)
+    batches = [batch(6, d, D, 3, dtype=torch.float32) for _ in range(3)]
+    for head, twin in zip(heads, copies):
+        for b in batches:
+            assert torch.equal(step(twin, *b), step(head, *b))
+        assert torch.equal(twin.weight(), head.weight())
 
 
 def test_a_refused_tensors_only_state_leaves_u_inverse_as_it_was():

@@ -19,6 +19,7 @@ from ..heads.base import OutputHead
 from ..heads.flag_board import FlagBoard
 from ..spherical.driving import SYNC_EVERY
 from .callbacks.head_steps import HeadSteps
+from .callbacks.sharded_head_checkpoint import shards_beside
 from .callbacks.sparse_gradients import SparseGradients
 from .callbacks.time_budget import budget_timer, training_clock
 from .fsdp_body import shard_body, whole
@@ -182,6 +183,10 @@ class LanguageModel(pl.LightningModule):
     def current_lr_factor(self) -> float:
         opt = self.optimizers(use_pl_optimizer=False)
         return opt.param_groups[0]["lr"] / self.optim_cfg["lr"]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # before the state loads: a per-rank checkpoint's head shards where its run directory now is
+        shards_beside(checkpoint, self.trainer.ckpt_path if self._trainer is not None else None)
 
     def on_fit_start(self):
         install(self.body, self.head, self.compiled)  # here: in each process (ddp_spawn's workers too)

@@ -10,6 +10,7 @@
 Needs no torch: the answer is known before the heavy imports."""
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 NEWEST = ("last", "auto")
@@ -30,7 +31,7 @@ def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
     if str(ckpt_path) in NEWEST:
         found = run_checkpoints(run_dir)
         if found:
-            return str(found[-1])
+            return readable(ckpt_path, found[-1])
         if ckpt_path == "auto":
             return None
         raise FileNotFoundError(f"ckpt_path=last: no checkpoint to resume in {Path(run_dir) / 'checkpoints'}; "
@@ -40,4 +41,22 @@ def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file; give a run's "
                                 "checkpoints/last.ckpt, ckpt_path=last (hydra.run.dir=<the run's directory>), "
                                 "or ckpt_path=null to start afresh")
-    return str(ckpt_path)
+    return readable(ckpt_path, ckpt_path)
+
+
+#: the first bytes of torch.save's format before its zip files (``_use_new_zipfile_serialization=False``)
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
+
+
+def readable(ckpt_path, path: str | Path) -> str:
+    """``path`` where it is a checkpoint as torch.save writes it (a zip file whose directory is whole, or
+    the legacy format); else one line, before any process starts or loads it (a file cut short by a
+    full disk or a copy, another kind of file)."""
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            if f.read(len(LEGACY_MAGIC)) != LEGACY_MAGIC:
+                named = "the file" if str(path) == str(ckpt_path) else path
+                raise ValueError(f"ckpt_path={ckpt_path}: {named} is not a checkpoint torch.load can read (cut "
+                                 "short, or another kind of file); give another of the run's checkpoints "
+                                 "(checkpoints/step<N>.ckpt), or ckpt_path=null to start afresh")
+    return str(path)

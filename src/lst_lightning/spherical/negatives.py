@@ -103,6 +103,18 @@ class Negatives:
         return {**{f.name: f.default for f in dataclasses.fields(cls) if f.name != "class_counts"}, **settings}
 
 
+def _state_bytes(generator: torch.Generator) -> bytes:
+    """A generator's state as plain bytes (no tensor to share with another process)."""
+    return generator.get_state().numpy().tobytes()
+
+
+def _generator_of(device: torch.device, state: bytes) -> torch.Generator:
+    """A generator of ``device`` at the state ``_state_bytes`` gave."""
+    generator = torch.Generator(device=device)
+    generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return generator
+
+
 class NegativeSampling:
     """``head.negatives``: the proposal, the head's generator and the draw (by its ``mode``)."""
 
@@ -136,6 +148,25 @@ class NegativeSampling:
         else:
             generator.manual_seed(int(torch.randint(2 ** 62, (), generator=self.generator)))
         self.device_generator = generator
+
+    # -- copies: a pickled head, a spawned process, copy.deepcopy -----------------------------
+    def __getstate__(self) -> dict:
+        """The generators as their states' bytes. Pickled whole, a ``torch.Generator`` gives its state
+        as a tensor made for the pickling, which ``torch.multiprocessing`` shares by a file
+        descriptor that is closed, the tensor freed, before a spawned process reads it (that process
+        fails with "unable to resize file"): so the head could not go to ``ddp_spawn``'s workers."""
+        out = dict(self.__dict__)
+        out["generator"] = _state_bytes(self.generator)
+        if self.device_generator is not None:
+            out["device_generator"] = (self.device_generator.device, _state_bytes(self.device_generator))
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state["generator"] = _generator_of(torch.device("cpu"), state["generator"])
+        if state["device_generator"] is not None:
+            state["device_generator"] = _generator_of(*state["device_generator"])
+        self.__dict__.update(state)
 
     # -- resume: the generators' states in the head's extra state ---------------------------
     def state(self) -> dict:

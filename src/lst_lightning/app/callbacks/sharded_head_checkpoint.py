@@ -38,6 +38,28 @@ from ...spherical.shard_files import prune, save_shard, shard_path
 MODES = ("whole", "per_rank")
 
 
+def shards_beside(checkpoint: dict, path) -> None:
+    """A per-rank checkpoint's head shards where the run directory now is. The checkpoint names its
+    shards' directory as it was written (``<checkpoint dir>/head_shards/step<N>``); where that is
+    gone (the run directory moved or copied whole, with its ``head_shards``), the directory of that
+    step in the ``head_shards`` beside the checkpoint file ``path`` is named instead (or beside its
+    ``checkpoints/``: Lightning's SLURM checkpoint in the run directory). Called before the state
+    loads (``LanguageModel.on_load_checkpoint``); the checkpoint dict is changed in place."""
+    if path is None:
+        return
+    here, states = Path(path).parent, checkpoint.get("state_dict", {})
+    for key, extra in states.items():
+        if not (key.endswith("_extra_state") and isinstance(extra, dict) and extra.get("v_files")):
+            continue
+        saved = Path(extra["v_files"])
+        if saved.is_dir():
+            continue
+        for moved in (here / "head_shards" / saved.name, here / "checkpoints" / "head_shards" / saved.name):
+            if moved.is_dir():
+                states[key] = {**extra, "v_files": str(moved.resolve())}
+                break
+
+
 class ShardedHeadCheckpoint(pl.Callback):
     """``wait_s``: how long rank 0's writer waits for the other ranks' files of a save (the
     default process group's timeout, which the barrier it replaces had)."""
