@@ -17,7 +17,7 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j]; padding slots give 0."""
     ct = torch.promote_types(V.dtype, X.dtype)
     safe, valid = idx.clamp(min=0), idx >= 0
-    rows = V.index_select(0, safe.reshape(-1)).view(*idx.shape, -1).to(ct)  # (m, K, d): V[safe]
+    rows = V.index_select(0, safe.reshape(-1)).view(*idx.shape, V.shape[1]).to(ct)  # (m, K, d): V[safe]
     A = torch.einsum("mkd,md->mk", rows, X.to(ct))
     if x0 is not None:
         A = A + x0.to(ct)[:, None]
@@ -29,7 +29,7 @@ def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     ct = torch.promote_types(V.dtype, G.dtype)
     safe, valid = idx.clamp(min=0), idx >= 0
     w = torch.where(valid, G.to(ct), torch.zeros((), dtype=ct, device=G.device))
-    return torch.einsum("mk,mkd->md", w, V.index_select(0, safe.reshape(-1)).view(*idx.shape, -1).to(ct))
+    return torch.einsum("mk,mkd->md", w, V.index_select(0, safe.reshape(-1)).view(*idx.shape, V.shape[1]).to(ct))
 
 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:

@@ -136,7 +136,7 @@ def gram_rows(idx: Tensor, G: Tensor, X: Tensor, order: SortedIds | None = None)
     Xk = X.to(N.dtype) if K == 1 else X.to(N.dtype).repeat_interleave(K, dim=0)  # each slot's row of X
     N.index_add_(0, col.reshape(-1), g.reshape(-1, 1) * Xk)
     out = g.reshape(-1, 1) * N.index_select(0, col.reshape(-1))
-    return out if K == 1 else out.view(m, K, -1).sum(1)
+    return out if K == 1 else out.view(m, K, X.shape[1]).sum(1)
 
 
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
