@@ -171,6 +171,23 @@ def test_an_empty_batch_gives_empty_or_zero_outputs(impl, m, K):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_an_id_outside_the_classes_is_skipped_as_padding(impl):
+    """Ids are not range-checked (a host read): an id at D or beyond, or below -1, is padding on either
+    path, as the kernels skip it (the torch scatter wrote the other rows, then raised)."""
+    device = KERNEL_DEVICES[0]
+    V, idx, G, X = make_case(4, 2, 5, 8, device)
+    idx[0, 0], idx[1, 1], idx[2, 0] = 5, 7, -3
+    padded = torch.where((idx >= 0) & (idx < 5), idx, -1)
+    op = {name: functools.partial(getattr(lst_kernels, name), impl=impl) for name in OPS}
+    assert torch.equal(op["gather_dot"](V, idx, X), op["gather_dot"](V, padded, X))
+    assert torch.equal(op["gather_sum"](V, idx, G), op["gather_sum"](V, padded, G))
+    W, W_padded = V.clone(), V.clone()
+    op["scatter_add_rows_"](W, idx, G, X, 0.5)
+    op["scatter_add_rows_"](W_padded, padded, G, X, 0.5)
+    assert torch.equal(W, W_padded)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bad_input_raises_and_leaves_v_untouched(impl):
     device = KERNEL_DEVICES[0]
     V, idx, G, X = make_case(4, 2, 5, 8, device)
