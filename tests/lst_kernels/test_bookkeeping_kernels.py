@@ -36,3 +36,18 @@ def test_triton_q_update(shape, dtypes, device):
         Q_new = q_update(s["Q"], s["H"], dH, M, lr, c)
         assert torch.equal(Q_new, Q_new.T)
         close(Q_new, ref.q_update(s["Q"], s["H"], dH, M, lr, c), rtol=2e-5)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_triton_q_update_keeps_float64_q_unrounded(device):
+    """c^2 Q in float64 for a float64 Q (c a host float or a device scalar): Q's values are never
+    rounded to float32; only the products H^T P are float32."""
+    m, d = 3, 37
+    A = torch.randn(d, d, dtype=torch.float64, device=device)
+    Q = A + A.T + 1e-12  # exactly symmetric
+    zero = torch.zeros(m, d, dtype=torch.float64, device=device)
+    M = torch.zeros(m, m, dtype=torch.float64, device=device)
+    c = 1.0 - 1e-9  # not a float32
+    for cc in (c, torch.tensor(c, dtype=torch.float64, device=device)):
+        want = ref.q_update(Q, zero, zero, M, 0.1, cc)
+        assert ((q_update(Q, zero, zero, M, 0.1, cc) - want).abs() / want.abs()).max() < 1e-14  # float32's: 1e-8

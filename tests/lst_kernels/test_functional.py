@@ -153,6 +153,41 @@ IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("m,K", [(0, 3), (3, 0)])
+def test_an_empty_batch_gives_empty_or_zero_outputs(impl, m, K):
+    """No rows (m = 0) or no slots (K = 0): every sparse op on either path, outputs of the shapes of a
+    non-empty batch (zeros where they are sums over no slots), V unchanged."""
+    device = KERNEL_DEVICES[0]
+    V, X = torch.randn(5, 4, device=device), torch.randn(m, 4, device=device)
+    idx, G = torch.zeros(m, K, dtype=torch.int64, device=device), torch.randn(m, K, device=device)
+    op = {name: functools.partial(getattr(lst_kernels, name), impl=impl) for name in OPS}
+    assert op["gather_dot"](V, idx, X).shape == (m, K)
+    for out in (op["gather_sum"](V, idx, G), op["gram_rows"](idx, G, X)):
+        assert torch.equal(out, torch.zeros(m, 4, device=device))
+    assert torch.equal(op["sparse_gram"](idx, G), torch.zeros(m, m, device=device))
+    W = V.clone()
+    op["scatter_add_rows_"](W, idx, G, X, 0.5)
+    assert torch.equal(W, V)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_an_id_outside_the_classes_is_skipped_as_padding(impl):
+    """Ids are not range-checked (a host read): an id at D or beyond, or below -1, is padding on either
+    path, as the kernels skip it (the torch scatter wrote the other rows, then raised)."""
+    device = KERNEL_DEVICES[0]
+    V, idx, G, X = make_case(4, 2, 5, 8, device)
+    idx[0, 0], idx[1, 1], idx[2, 0] = 5, 7, -3
+    padded = torch.where((idx >= 0) & (idx < 5), idx, -1)
+    op = {name: functools.partial(getattr(lst_kernels, name), impl=impl) for name in OPS}
+    assert torch.equal(op["gather_dot"](V, idx, X), op["gather_dot"](V, padded, X))
+    assert torch.equal(op["gather_sum"](V, idx, G), op["gather_sum"](V, padded, G))
+    W, W_padded = V.clone(), V.clone()
+    op["scatter_add_rows_"](W, idx, G, X, 0.5)
+    op["scatter_add_rows_"](W_padded, padded, G, X, 0.5)
+    assert torch.equal(W, W_padded)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_bad_input_raises_and_leaves_v_untouched(impl):
     device = KERNEL_DEVICES[0]
     V, idx, G, X = make_case(4, 2, 5, 8, device)

@@ -46,3 +46,14 @@ def test_triton_scatter_alpha_on_device(device):
     scatter_add_rows_(a, idx, G, X, torch.tensor(-0.25, device=device))
     scatter_add_rows_(b, idx, G, X, -0.25)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+def test_triton_scatter_keeps_float64_rows_unrounded(device):
+    """A float64 V's targeted rows keep their float64 values: only the added sum is float32."""
+    V, idx, G, X = make_case(4, 2, 5, 37, device, (torch.float64, torch.float64, torch.int64))
+    V = V + 1e-12  # values float32 cannot hold
+    W = scatter_add_rows_(V.clone(), idx, G, X, 0.0)  # adds exact zeros
+    assert torch.equal(W, V)
+    W = scatter_add_rows_(V.clone(), idx, G, X, 0.3)
+    assert (W - ref.scatter_add_rows_(V.clone(), idx, G, X, 0.3)).abs().max() < 1e-5  # the sums' float32 accuracy

@@ -10,6 +10,9 @@ replaces H Q H^T and H Z^T; the rank-1 terms and Yd Yd^T join in the epilogue.
 
 Q: with P = (lr^2 / 2) M H - c lr dH (one cuBLAS addmm, M symmetric),
 Q_new = c^2 Q + H^T P + P^T H, computed tile by tile over m.
+
+Products accumulate in float32; a float64 Q keeps c^2 Q in float64 (its values are never
+rounded to float32).
 """
 from __future__ import annotations
 
@@ -90,11 +93,13 @@ def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Ten
 
 @triton.jit
 def _q_update_kernel(Q, H, P, OUT, m, d, C,
-                     C_PTR: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                     C_PTR: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, FP64: tl.constexpr):
     pi = tl.program_id(0)
     pj = tl.program_id(1)
     if pi <= pj:
-        if C_PTR:
+        if FP64:  # c by pointer, in float64 (a host float would reach the kernel as float32)
+            c = tl.load(C).to(tl.float64)
+        elif C_PTR:
             c = tl.load(C).to(tl.float32)
         else:
             c = C
@@ -114,9 +119,12 @@ def _q_update_kernel(Q, H, P, OUT, m, d, C,
             p_j = tl.load(P + rs[:, None] * d + rj[None, :], mask=lj, other=0.0).to(tl.float32)
             acc += tl.dot(tl.trans(hi), p_j, input_precision="ieee")
             acc += tl.dot(tl.trans(p_i), hj, input_precision="ieee")
-        q = tl.load(Q + ri[:, None] * d + rj[None, :], mask=mi[:, None] & mj[None, :], other=0.0).to(tl.float32)
-        acc += (c * c) * q
-        _store_symmetric(OUT, d, acc.to(OUT.dtype.element_ty), ri, rj, pi, pj)
+        q = tl.load(Q + ri[:, None] * d + rj[None, :], mask=mi[:, None] & mj[None, :], other=0.0)
+        if FP64:  # c^2 Q in float64: Q's values are never rounded, only the products are float32
+            out = (c * c) * q + acc.to(tl.float64)
+        else:
+            out = acc + (c * c) * q.to(tl.float32)
+        _store_symmetric(OUT, d, out.to(OUT.dtype.element_ty), ri, rj, pi, pj)
 
 
 def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c: float | Tensor) -> Tensor:
@@ -135,9 +143,12 @@ def q_update(Q: Tensor, H: Tensor, dH: Tensor, M: Tensor, lr: float | Tensor, c:
     out = torch.empty(d, d, dtype=Q.dtype, device=Q.device)
     if d == 0:
         return out
+    fp64 = Q.dtype == torch.float64
+    if fp64 and not isinstance(c, Tensor):
+        c = torch.full((1,), c, dtype=torch.float64, device=Q.device)
     c_arg, c_ptr = scalar_arg(c)
     block = 32
     grid = (triton.cdiv(d, block), triton.cdiv(d, block))
     _q_update_kernel[grid](Q.contiguous(), Hf, P.contiguous(), out, m, d, c_arg,
-                           C_PTR=c_ptr, BLOCK=block, BLOCK_K=32)
+                           C_PTR=c_ptr, BLOCK=block, BLOCK_K=32, FP64=fp64)
     return out

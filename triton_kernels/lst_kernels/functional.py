@@ -11,8 +11,9 @@ once (the factored head's step: ``StepPlan.kernels``). ``SortedIds.of(idx)`` is 
 step's ids that ``gram_rows``, the scatter inside it and the write's ``scatter_add_rows_`` can
 share (``order=``): one device sort instead of three, the same bits.
 
-Index values are not range-checked here (that needs a host sync): padding is -1, and the
-Triton kernels skip any index outside [0, D).
+Index values are not range-checked here (that needs a host sync): padding is -1, and every
+implementation skips any index outside [0, D) as padding (the gathers give 0 for it, the scatter
+writes nothing for it).
 
 Shapes: ``V`` (D, d); ``idx`` (m, K) int64 or int32, -1 for padding; ``G`` (m, K);
 ``X``, ``H`` (m, d); ``Q`` (d, d); ``M`` (m, m).

@@ -1,7 +1,7 @@
 """Plain-torch references for the sparse operations of the factored head.
 
 Shapes: ``V`` (D, d); ``idx`` (m, K) int64 with -1 for padding; ``G`` (m, K);
-``X`` (m, d). Each Triton kernel in this package has the same signature and is
+``X`` (m, d). An id outside [0, D) is skipped like padding, as the kernels skip it. Each Triton kernel in this package has the same signature and is
 tested against the function here, and off CUDA the plain-torch implementation
 (``ops.TORCH``) runs three of the sparse ones as they are (the scatter, the same sums in
 static shapes: ``torch_ops.py``). Arithmetic is done in the promoted dtype of
@@ -16,8 +16,9 @@ from torch import Tensor
 def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> Tensor:
     """A[j, k] = X[j] . V[idx[j, k]] + x0[j]; padding slots give 0."""
     ct = torch.promote_types(V.dtype, X.dtype)
-    safe, valid = idx.clamp(min=0), idx >= 0
-    rows = V.index_select(0, safe.reshape(-1)).view(*idx.shape, -1).to(ct)  # (m, K, d): V[safe]
+    valid = (idx >= 0) & (idx < V.shape[0])  # padding, and any id outside [0, D) as the kernels: skipped
+    safe = torch.where(valid, idx, 0)
+    rows = V.index_select(0, safe.reshape(-1)).view(*idx.shape, V.shape[1]).to(ct)  # (m, K, d): V[safe]
     A = torch.einsum("mkd,md->mk", rows, X.to(ct))
     if x0 is not None:
         A = A + x0.to(ct)[:, None]
@@ -27,9 +28,10 @@ def gather_dot(V: Tensor, idx: Tensor, X: Tensor, x0: Tensor | None = None) -> T
 def gather_sum(V: Tensor, idx: Tensor, G: Tensor) -> Tensor:
     """Y[j] = sum_k G[j, k] V[idx[j, k]] (padding ignored): Yd V."""
     ct = torch.promote_types(V.dtype, G.dtype)
-    safe, valid = idx.clamp(min=0), idx >= 0
+    valid = (idx >= 0) & (idx < V.shape[0])  # padding, and any id outside [0, D) as the kernels: skipped
+    safe = torch.where(valid, idx, 0)
     w = torch.where(valid, G.to(ct), torch.zeros((), dtype=ct, device=G.device))
-    return torch.einsum("mk,mkd->md", w, V.index_select(0, safe.reshape(-1)).view(*idx.shape, -1).to(ct))
+    return torch.einsum("mk,mkd->md", w, V.index_select(0, safe.reshape(-1)).view(*idx.shape, V.shape[1]).to(ct))
 
 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor) -> Tensor:
@@ -41,7 +43,7 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     m, K = idx.shape
     ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
     flat = idx.reshape(-1)
-    keep = flat >= 0
+    keep = (flat >= 0) & (flat < V.shape[0])  # padding, and any id outside [0, D): skipped
     rows = flat[keep]
     contrib = (G.to(ct).reshape(-1, 1) * X.to(ct).repeat_interleave(K, dim=0))[keep]  # (n, d)
     uniq, inv = torch.unique(rows, sorted=True, return_inverse=True)

@@ -2,10 +2,12 @@
 
 No float atomics: the flat indices are sorted stably (so equal rows keep batch
 order), the program at the start of each run of equal indices sums the run in
-that fixed order and writes its row of V once. Same inputs, same bits.
+that fixed order and writes its row of V once. Same inputs, same bits. The run is summed in
+float32; a float64 V adds that sum to its rows in float64 (its values are never rounded).
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -16,7 +18,7 @@ from .torch_ops import SortedIds
 
 @triton.jit
 def _scatter_add_rows_kernel(V, KEYS, PERM, G, X, ALPHA, n, K, d, D, stride_vr, stride_vc,
-                             ALPHA_PTR: tl.constexpr, BLOCK_D: tl.constexpr):
+                             ALPHA_PTR: tl.constexpr, BLOCK_D: tl.constexpr, FP64: tl.constexpr):
     p = tl.program_id(0)
     row = tl.load(KEYS + p)
     prev = tl.load(KEYS + p - 1, mask=p > 0, other=-2)
@@ -39,8 +41,12 @@ def _scatter_add_rows_kernel(V, KEYS, PERM, G, X, ALPHA, n, K, d, D, stride_vr, 
             q += 1
             key = tl.load(KEYS + q, mask=q < n, other=-2)
         ptr = V + row.to(tl.int64) * stride_vr + cols * stride_vc
-        old = tl.load(ptr, mask=cmask).to(tl.float32)
-        tl.store(ptr, (old + alpha * acc).to(V.dtype.element_ty), mask=cmask)
+        if FP64:  # V keeps its float64 values: only the sum of the run is float32
+            old = tl.load(ptr, mask=cmask)
+            tl.store(ptr, old + (alpha * acc).to(tl.float64), mask=cmask)
+        else:
+            old = tl.load(ptr, mask=cmask).to(tl.float32)
+            tl.store(ptr, (old + alpha * acc).to(V.dtype.element_ty), mask=cmask)
 
 
 def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float | Tensor,
@@ -57,5 +63,5 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     grid = (m * K, triton.cdiv(d, BLOCK_D))
     _scatter_add_rows_kernel[grid](V, keys, perm, G.contiguous(), X.contiguous(), alpha_arg,
                                    m * K, K, d, D, V.stride(0), V.stride(1),
-                                   ALPHA_PTR=alpha_ptr, BLOCK_D=BLOCK_D)
+                                   ALPHA_PTR=alpha_ptr, BLOCK_D=BLOCK_D, FP64=V.dtype == torch.float64)
     return V

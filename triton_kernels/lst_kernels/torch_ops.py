@@ -43,8 +43,8 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     """V[idx[j, k]] += alpha G[j, k] X[j] in place: the reference's sums in shapes fixed by idx (no
     ``torch.unique``, no boolean mask: no host read, ``torch.compile`` takes it whole). The m K slots
     sorted stably (``order``, or sorted here), each run of equal ids summed in batch order into one
-    row of an (m K, d) buffer, then one ``index_add_`` into V, the buffer's unused rows adding exact
-    zeros to row 0. The reference's bits."""
+    row of an (m K, d) buffer, then one ``index_add_`` into V, the buffer's unused rows (and the runs of
+    padding or of ids outside [0, D)) adding exact zeros to row 0. The reference's bits."""
     m, K = idx.shape
     ct = torch.promote_types(torch.promote_types(G.dtype, X.dtype), V.dtype)
     keys, perm = SortedIds.sort(idx) if order is None else order
@@ -52,9 +52,10 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     first[1:] = keys[1:] != keys[:-1]
     run = torch.cumsum(first, 0) - 1  # each sorted slot's run of equal ids
     contrib = G.to(ct).reshape(-1, 1) * (X.to(ct) if K == 1 else X.to(ct).repeat_interleave(K, dim=0))
-    contrib = torch.where((keys >= 0)[:, None], contrib.index_select(0, perm), 0.0)  # padding adds nothing
+    keep = (keys >= 0) & (keys < V.shape[0])  # padding, and any id outside [0, D) as the kernel: adds nothing
+    contrib = torch.where(keep[:, None], contrib.index_select(0, perm), 0.0)
     summed = torch.zeros(m * K, X.shape[1], dtype=ct, device=V.device).index_add_(0, run, contrib)
-    rows = torch.zeros_like(keys).scatter_(0, run, keys.clamp(min=0))  # each run's row of V
+    rows = torch.zeros_like(keys).scatter_(0, run, torch.where(keep, keys, 0))  # each run's row of V
     return V.index_add_(0, rows, (alpha * summed).to(V.dtype))
 
 
@@ -136,7 +137,7 @@ def gram_rows(idx: Tensor, G: Tensor, X: Tensor, order: SortedIds | None = None)
     Xk = X.to(N.dtype) if K == 1 else X.to(N.dtype).repeat_interleave(K, dim=0)  # each slot's row of X
     N.index_add_(0, col.reshape(-1), g.reshape(-1, 1) * Xk)
     out = g.reshape(-1, 1) * N.index_select(0, col.reshape(-1))
-    return out if K == 1 else out.view(m, K, -1).sum(1)
+    return out if K == 1 else out.view(m, K, X.shape[1]).sum(1)
 
 
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
