@@ -69,6 +69,14 @@ def test_an_unknown_impl_or_tensors_on_two_devices_are_refused():
         lst_kernels.gather_sum(V, idx, G, impl="cuda")
     with pytest.raises(ValueError, match="tensors must be on one device"):
         lst_kernels.gather_sum(V, idx, G.to("meta"))
+    # a sort of the ids made on another device (a GPU kernel would read its pointers as its own)
+    order = lst_kernels.SortedIds(*(t.to("meta") for t in lst_kernels.SortedIds.of(idx)))
+    before = V.clone()
+    with pytest.raises(ValueError, match="tensors must be on one device"):
+        lst_kernels.scatter_add_rows_(V, idx, G, X, 0.5, order=order)
+    with pytest.raises(ValueError, match="tensors must be on one device"):
+        lst_kernels.gram_rows(idx, G, X, order=order)
+    assert torch.equal(V, before)
 
 
 @pytest.mark.parametrize("shape", SHAPES + [TILED_SHAPE])

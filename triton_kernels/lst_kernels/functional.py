@@ -75,7 +75,7 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     scalar("alpha", alpha)
     if order is not None:
         _order(order, m * K)
-    return _ops(impl, V, idx, G, X, alpha).scatter_add_rows_(V, idx, G, X, alpha, order)
+    return _ops(impl, V, idx, G, X, alpha, *(order or ())).scatter_add_rows_(V, idx, G, X, alpha, order)
 
 
 def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto") -> Tensor:
@@ -109,7 +109,7 @@ def gram_rows(idx: Tensor, G: Tensor, X: Tensor, *, order: SortedIds | None = No
     tensor("X", X, (m, None))
     if order is not None:
         _order(order, m * K)
-    return _ops(impl, X, idx, G).gram_rows(idx, G, X, order)
+    return _ops(impl, X, idx, G, *(order or ())).gram_rows(idx, G, X, order)
 
 
 def m_matrix(Hq: Tensor, H: Tensor, Z: Tensor, gq: Tensor, gs: Tensor, ybar: Tensor,
