@@ -49,6 +49,25 @@ def test_compare_reads_curves_best_values_and_times(tmp_path):
     assert float(rows[1]["best_val/top5_error"]) == 0.65
 
 
+def test_best_val_of_a_metric_where_higher_is_better_is_its_maximum(tmp_path):
+    fake_run(tmp_path / "sweep", "r1", 0.1, 5, [0.6, 0.4, 0.5], 0.45)
+    fake_run(tmp_path / "sweep", "r2", 1.0, 5, [0.7, 0.65], 0.62)
+    for name, mrr in (("r1", [0.2, 0.5, 0.4]), ("r2", [0.3, 0.45])):
+        path = tmp_path / "sweep" / name / "csv" / "metrics.csv"
+        rows = list(csv.DictReader(path.open()))
+        values = iter(mrr)
+        for row in rows:
+            row["val/mrr"] = next(values) if row["val/top5_error"] else ""
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*rows[0]])
+            w.writeheader()
+            w.writerows(rows)
+    runs = {r.name: r for r in load_runs([tmp_path / "sweep"])}
+    assert runs["r1"].metric("best_val/mrr") == 0.5  # the highest over the curve, not the lowest
+    assert runs["r2"].metric("best_val/mrr") == 0.45
+    assert runs["r1"].metric("best_val/top5_error") == 0.4  # errors: still the least
+    assert [r.name for r in ranked(list(runs.values()), "best_val/mrr")] == ["r1", "r2"]
+
 
 def test_compare_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no results.json"):

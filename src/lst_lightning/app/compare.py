@@ -57,9 +57,9 @@ class Run:
         """``test/top5_error``, ``val/mrr``, ``best_val/top5_error``, ``step_time_ms`` or a
         config key such as ``loss.kwargs.a``."""
         split, _, m = key.partition("/")
-        if m and split == "best_val":
+        if m and split == "best_val":  # the best: the least error or loss, the highest MRR
             pts = self.curves.get(f"val/{m}", [])
-            return min(v for _, v, _ in pts) if pts else None
+            return (min if lower_is_better(m) else max)(v for _, v, _ in pts) if pts else None
         if m and isinstance(self.results.get(split), dict):
             v = self.results[split].get(m)
         elif key in self.results and not isinstance(self.results[key], dict):
