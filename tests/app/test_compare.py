@@ -68,6 +68,17 @@ def test_best_val_of_a_metric_where_higher_is_better_is_its_maximum(tmp_path):
     assert runs["r1"].metric("best_val/top5_error") == 0.4  # errors: still the least
     assert [r.name for r in ranked(list(runs.values()), "best_val/mrr")] == ["r1", "r2"]
 
+def test_runs_without_the_test_split_keep_their_best_validation_columns(tmp_path):
+    """The synthetic sweeps run with test=false: the table still holds each run's best validation errors."""
+    for name, val in (("r1", [0.6, 0.4, 0.5]), ("r2", [0.7, 0.65])):
+        res = fake_run(tmp_path / "sweep", name, 0.1, 5, val, 0.5) / "results.json"
+        res.write_text(json.dumps({k: v for k, v in json.loads(res.read_text()).items() if k != "test"}))
+    compare([tmp_path / "sweep"], tmp_path / "out", metric="val/top5_error")
+    rows = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))
+    assert [(r["run"], r["best_val/top5_error"]) for r in rows] == [("r1", "0.4"), ("r2", "0.65")]
+    assert not any(k.startswith("test/") for k in rows[0])
+
+
 
 def test_compare_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no results.json"):

@@ -145,12 +145,12 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
     """Columns present in at least one run; rows best first by ``metric`` (missing last)."""
-    tests = list(dict.fromkeys(k for r in runs for k in r.results.get("test", {})))
-    topk = [k for k in tests if k.startswith("top") and k.endswith("_error")]
+    tests, vals = (list(dict.fromkeys(k for r in runs for k in r.results.get(split, {}))) for split in ("test", "val"))
+    topk, val_topk = ([k for k in keys if k.startswith("top") and k.endswith("_error")] for keys in (tests, vals))
     swept = [k for k in (DEFAULT_X, DEFAULT_Y) if any(r.metric(k) is not None for r in runs)]
     cols = (["run", "head", "loss", *swept, "steps"]
             + [f"test/{k}" for k in topk + [k for k in SUMMARY_KEYS if k in tests]]
-            + [f"best_val/{k}" for k in topk]
+            + [f"best_val/{k}" for k in val_topk]  # a run without the test split (test=false) has them too
             + ["step_time_ms", "wall_s", "dir"])
     if metric not in cols:
         cols.insert(len(swept) + 4, metric)
