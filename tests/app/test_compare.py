@@ -93,6 +93,10 @@ def test_compare_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"--curve 'val/top3_error': logged by none of the runs; available: "
                                          r"\['train/loss', 'val/top5_error'\]"):
         compare([tmp_path], tmp_path / "out", curve_keys=["train/loss", "val/top3_error"])
+    with pytest.raises(ValueError, match=r"--x 'loss.kwargs.aa': no run has a number under that key"):
+        compare([tmp_path], tmp_path / "out", x="loss.kwargs.aa")  # a typo: it left the heatmap out, silently
+    with pytest.raises(ValueError, match=r"--y 'loss.name': no run has a number"):
+        compare([tmp_path], tmp_path / "out", x="loss.kwargs.a", y="loss.name")
     assert not (tmp_path / "out").exists()  # nothing written on bad input
     assert "curves_steps.png" in compare([tmp_path], tmp_path / "out", curve_keys=["val/top5_error"])["files"]
 

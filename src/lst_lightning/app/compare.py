@@ -402,6 +402,10 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
     if all(r.metric(metric) is None for r in runs):
         have = sorted({f"{s}/{k}" for r in runs for s in ("val", "test") for k in r.results.get(s, {})})
         raise ValueError(f"--metric {metric!r} is in none of the runs; available: {have}")
+    for flag, key, default in (("--x", x, DEFAULT_X), ("--y", y, DEFAULT_Y)):
+        if key != default and all(r.metric(key) is None for r in runs):  # asked for by name: a typo, or not a number
+            raise ValueError(f"{flag} {key!r}: no run has a number under that key (a config key such as head.lr, "
+                             "loss.kwargs.b, or a key of results.json)")
     if curve_keys is None:
         split, _, m = metric.partition("/")
         curve_keys = ["train/loss"] + ([f"val/{m}"] if m and split in ("test", "val", "best_val") else [])
