@@ -20,6 +20,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -195,17 +196,19 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
 def save_rows(args: argparse.Namespace, out: Path, name: str, rows: list[dict], columns: list[str],
               argv: list[str] | None) -> None:
     """A run's rows: ``<name>.csv`` in ``out``; with ``--update-results`` appended instead to the
-    committed tidy ``benchmarks/results/<name>.csv`` by ``scripts/results_pages.py add``, which
-    records the commit, date, torch version and the command (the script and ``argv``)."""
+    tidy ``<name>.csv`` of the results folder (``out``: the committed ``benchmarks/results/``, or
+    ``$LST_RESULTS_DIR``) by ``scripts/results_pages.py``'s ``add``, which records the commit, date,
+    torch version and the command (the script and ``argv``). Nothing but that CSV is written there."""
     if not args.update_results:
         wrote(write_csv(out / f"{name}.csv", rows, columns))
         return
-    raw = write_csv(out / f"{name}_run.csv", rows, columns)
+    import results_pages  # noqa: PLC0415  (beside this file)
+
     script = Path(sys.argv[0]).name if argv is None else f"{name}.py"
     command = f"python3 scripts/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "results_pages.py"), "add", name, str(raw),
-                    "--command", command], check=True)
-    raw.unlink()
+    with tempfile.TemporaryDirectory(prefix=f"{name}_") as tmp:
+        n = results_pages.add_rows(name, write_csv(Path(tmp) / f"{name}.csv", rows, columns), command, data=out)
+    print(f"added {n} rows to {out / f'{name}.csv'}; now run scripts/results_pages.py", flush=True)
 
 
 def provenance() -> dict:

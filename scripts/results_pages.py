@@ -1012,10 +1012,11 @@ def commit_of_checkout() -> str:
 
 
 def add_rows(benchmark: str, raw: Path, command: str, *, machine: str | None = None, torch_version: str | None = None,
-             commit: str | None = None, date: str | None = None) -> int:
-    """Append the rows of a benchmark script's CSV to ``benchmarks/results/<benchmark>.csv``; returns how many.
-    Columns the tidy CSV lacks are dropped; the meta columns come from the raw rows where they have them."""
-    target = DATA / f"{benchmark}.csv"
+             commit: str | None = None, date: str | None = None, data: Path | None = None) -> int:
+    """Append the rows of a benchmark script's CSV to ``<data>/<benchmark>.csv`` (``benchmarks/results/``);
+    returns how many. Columns the tidy CSV lacks are dropped; the meta columns come from the raw rows where
+    they have them."""
+    target = (DATA if data is None else data) / f"{benchmark}.csv"
     with target.open(newline="") as fh:
         columns = next(csv.reader(fh))
     if machine is None or torch_version is None:

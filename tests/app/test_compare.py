@@ -49,6 +49,36 @@ def test_compare_reads_curves_best_values_and_times(tmp_path):
     assert float(rows[1]["best_val/top5_error"]) == 0.65
 
 
+def test_best_val_of_a_metric_where_higher_is_better_is_its_maximum(tmp_path):
+    fake_run(tmp_path / "sweep", "r1", 0.1, 5, [0.6, 0.4, 0.5], 0.45)
+    fake_run(tmp_path / "sweep", "r2", 1.0, 5, [0.7, 0.65], 0.62)
+    for name, mrr in (("r1", [0.2, 0.5, 0.4]), ("r2", [0.3, 0.45])):
+        path = tmp_path / "sweep" / name / "csv" / "metrics.csv"
+        rows = list(csv.DictReader(path.open()))
+        values = iter(mrr)
+        for row in rows:
+            row["val/mrr"] = next(values) if row["val/top5_error"] else ""
+        with path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*rows[0]])
+            w.writeheader()
+            w.writerows(rows)
+    runs = {r.name: r for r in load_runs([tmp_path / "sweep"])}
+    assert runs["r1"].metric("best_val/mrr") == 0.5  # the highest over the curve, not the lowest
+    assert runs["r2"].metric("best_val/mrr") == 0.45
+    assert runs["r1"].metric("best_val/top5_error") == 0.4  # errors: still the least
+    assert [r.name for r in ranked(list(runs.values()), "best_val/mrr")] == ["r1", "r2"]
+
+def test_runs_without_the_test_split_keep_their_best_validation_columns(tmp_path):
+    """The synthetic sweeps run with test=false: the table still holds each run's best validation errors."""
+    for name, val in (("r1", [0.6, 0.4, 0.5]), ("r2", [0.7, 0.65])):
+        res = fake_run(tmp_path / "sweep", name, 0.1, 5, val, 0.5) / "results.json"
+        res.write_text(json.dumps({k: v for k, v in json.loads(res.read_text()).items() if k != "test"}))
+    compare([tmp_path / "sweep"], tmp_path / "out", metric="val/top5_error")
+    rows = list(csv.DictReader((tmp_path / "out" / "runs.csv").open()))
+    assert [(r["run"], r["best_val/top5_error"]) for r in rows] == [("r1", "0.4"), ("r2", "0.65")]
+    assert not any(k.startswith("test/") for k in rows[0])
+
+
 
 def test_compare_bad_input(tmp_path):
     with pytest.raises(ValueError, match="no results.json"):
@@ -63,6 +93,10 @@ def test_compare_bad_input(tmp_path):
     with pytest.raises(ValueError, match=r"--curve 'val/top3_error': logged by none of the runs; available: "
                                          r"\['train/loss', 'val/top5_error'\]"):
         compare([tmp_path], tmp_path / "out", curve_keys=["train/loss", "val/top3_error"])
+    with pytest.raises(ValueError, match=r"--x 'loss.kwargs.aa': no run has a number under that key"):
+        compare([tmp_path], tmp_path / "out", x="loss.kwargs.aa")  # a typo: it left the heatmap out, silently
+    with pytest.raises(ValueError, match=r"--y 'loss.name': no run has a number"):
+        compare([tmp_path], tmp_path / "out", x="loss.kwargs.a", y="loss.name")
     assert not (tmp_path / "out").exists()  # nothing written on bad input
     assert "curves_steps.png" in compare([tmp_path], tmp_path / "out", curve_keys=["val/top5_error"])["files"]
 

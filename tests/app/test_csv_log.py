@@ -77,3 +77,19 @@ def test_a_trainer_that_relaunches_its_command_keeps_the_rows(tmp_path, trainer)
 
 def test_workers_started_per_trainer_call_keep_the_rows(tmp_path):
     run_keeps_its_rows(tmp_path, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", launch=partial(in_fresh_process, run_of))
+
+
+def test_a_fresh_run_in_an_earlier_runs_directory_begins_its_log_anew(tmp_path):
+    """A sweep run again into its directory (a fixed hydra.sweep.dir), without ckpt_path: each job's
+    metrics.csv holds the new run's rows only (lst-compare's curves and best values read it);
+    a resumed run still continues it."""
+    run_of([*TINY, "head=softmax"], tmp_path)
+    first = rows(tmp_path / "csv" / "metrics.csv")
+    run_of([*TINY, "head=softmax", "trainer.limit_train_batches=4"], tmp_path)
+    got = rows(tmp_path / "csv" / "metrics.csv")
+    assert max(int(r["step"]) for r in first) > 4
+    assert max(int(r["step"]) for r in got) <= 4, got  # none of the first run's 8 steps
+    assert sum(bool(r.get("test/top5_error")) for r in got) == 1
+    run_of([*TINY, "head=softmax", "ckpt_path=last"], tmp_path)  # resumed from step 4 to 8: appended
+    resumed = rows(tmp_path / "csv" / "metrics.csv")
+    assert resumed[:len(got)] == got and max(int(r["step"]) for r in resumed) > 4

@@ -79,8 +79,20 @@ def test_bad_input(tmp_path, capsys):
         (tmp_path / job / "config.yaml").write_text(f"logger:\n  wandb:\n    project: p\n    group: {group}\n")
     with pytest.raises(SystemExit):
         main([str(tmp_path), "--dry-run"])
-    assert "several W&B places" in capsys.readouterr().err
+    assert "several W&B places: give --group (they have ['g1', 'g2'])" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_runs_of_several_groups_take_the_group_given(tmp_path, capsys):
+    """The refusal of a directory whose runs go to several groups says to give --group: given, it stands
+    (it was refused all the same)."""
+    for job, group in (("0", "g1"), ("1", "g2")):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "config.yaml").write_text(f"logger:\n  wandb:\n    project: p\n    group: {group}\n")
+    main([str(tmp_path), "--dry-run", "--group", "g2"])
+    assert "runs of group 'g2'" in capsys.readouterr().out
+    d = json.loads((tmp_path / "wandb_workspace.json").read_text())
+    assert (d["project"], d["name"]) == ("p", "lst-lightning g2")
 
 
 def test_without_wandb_workspaces_it_says_how_to_install(monkeypatch, capsys):

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib
 
 import benchlib
 import pytest
 import torch
+from output_sandbox import COMMITTED, tree_hashes
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -59,3 +61,21 @@ def test_zipf_targets_follow_the_synthetic_tasks_law():
     assert y.shape == (4000, 2) and y.dtype == torch.long and 0 <= y.min() and y.max() < 1000
     # P(r) ~ log((r + 2) / (r + 1)): class 0 takes log 2 / log 1001 of the draws, about 10 %.
     assert (y == 0).float().mean().item() == pytest.approx(0.1003, abs=0.015)
+
+
+@pytest.mark.parametrize("script, argv, rows", [("tf32_drift", ["--smoke", "--loss", "zloss"], 4),
+                                                ("launch_cost", ["--smoke"], 3)])
+def test_update_results_adds_the_rows_to_the_results_folder_only(sandbox, script, argv, rows):
+    """``save_rows`` under --update-results: the rows appended to the results folder's tidy CSV (here
+    $LST_RESULTS_DIR's) with the command, nothing else written there (no raw file left), and the committed
+    folder untouched (results_pages.py's ``add`` wrote into it whatever the results folder; tf32_drift.py's
+    rows, which no page shows, were refused by it after the run, in a traceback)."""
+    def main(args):
+        importlib.import_module(script).main(args)  # tf32_drift's returns its rows
+    committed = tree_hashes(COMMITTED)
+    before = list(csv.DictReader((sandbox.results / f"{script}.csv").open()))
+    assert sandbox.run_update(main, argv) == {f"{script}.csv"}
+    after = list(csv.DictReader((sandbox.results / f"{script}.csv").open()))
+    assert after[:len(before)] == before and len(after) == len(before) + rows
+    assert after[-1]["command"] == f"python3 scripts/{script}.py {' '.join(argv)} --update-results"
+    assert tree_hashes(COMMITTED) == committed

@@ -57,9 +57,9 @@ class Run:
         """``test/top5_error``, ``val/mrr``, ``best_val/top5_error``, ``step_time_ms`` or a
         config key such as ``loss.kwargs.a``."""
         split, _, m = key.partition("/")
-        if m and split == "best_val":
+        if m and split == "best_val":  # the best: the least error or loss, the highest MRR
             pts = self.curves.get(f"val/{m}", [])
-            return min(v for _, v, _ in pts) if pts else None
+            return (min if lower_is_better(m) else max)(v for _, v, _ in pts) if pts else None
         if m and isinstance(self.results.get(split), dict):
             v = self.results[split].get(m)
         elif key in self.results and not isinstance(self.results[key], dict):
@@ -145,12 +145,12 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
     """Columns present in at least one run; rows best first by ``metric`` (missing last)."""
-    tests = list(dict.fromkeys(k for r in runs for k in r.results.get("test", {})))
-    topk = [k for k in tests if k.startswith("top") and k.endswith("_error")]
+    tests, vals = (list(dict.fromkeys(k for r in runs for k in r.results.get(split, {}))) for split in ("test", "val"))
+    topk, val_topk = ([k for k in keys if k.startswith("top") and k.endswith("_error")] for keys in (tests, vals))
     swept = [k for k in (DEFAULT_X, DEFAULT_Y) if any(r.metric(k) is not None for r in runs)]
     cols = (["run", "head", "loss", *swept, "steps"]
             + [f"test/{k}" for k in topk + [k for k in SUMMARY_KEYS if k in tests]]
-            + [f"best_val/{k}" for k in topk]
+            + [f"best_val/{k}" for k in val_topk]  # a run without the test split (test=false) has them too
             + ["step_time_ms", "wall_s", "dir"])
     if metric not in cols:
         cols.insert(len(swept) + 4, metric)
@@ -402,6 +402,10 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
     if all(r.metric(metric) is None for r in runs):
         have = sorted({f"{s}/{k}" for r in runs for s in ("val", "test") for k in r.results.get(s, {})})
         raise ValueError(f"--metric {metric!r} is in none of the runs; available: {have}")
+    for flag, key, default in (("--x", x, DEFAULT_X), ("--y", y, DEFAULT_Y)):
+        if key != default and all(r.metric(key) is None for r in runs):  # asked for by name: a typo, or not a number
+            raise ValueError(f"{flag} {key!r}: no run has a number under that key (a config key such as head.lr, "
+                             "loss.kwargs.b, or a key of results.json)")
     if curve_keys is None:
         split, _, m = metric.partition("/")
         curve_keys = ["train/loss"] + ([f"val/{m}"] if m and split in ("test", "val", "best_val") else [])

@@ -5,10 +5,13 @@ deletes ``metrics.csv`` when the file exists ("Previous log files in this direct
 be deleted"). Under ``trainer=ddp_cpu`` (spawned workers) every trainer call (fit,
 validate, test) starts fresh workers, each with a new writer: the test's writer deleted
 the train and validation curves. This writer appends to the file it finds, and reads its
-header first so that a new column rewrites the file with every earlier row kept."""
+header first so that a new column rewrites the file with every earlier row kept. A fresh start
+(no checkpoint to resume) in a directory that holds an earlier run's log begins the file anew
+(``start_afresh``, called by the launching process before training): its rows are another run's."""
 from __future__ import annotations
 
 import csv
+import os
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
@@ -34,3 +37,12 @@ class AppendingCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
         return self._experiment
+
+    def start_afresh(self) -> bool:
+        """An earlier run's ``metrics.csv`` removed before a fresh run logs (True when there was one)."""
+        path = os.path.join(self.log_dir, ExperimentWriter.NAME_METRICS_FILE)
+        self._experiment = None  # a writer made before read the old header
+        if not self._fs.isfile(path):
+            return False
+        self._fs.rm(path)
+        return True

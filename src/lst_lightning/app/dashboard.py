@@ -80,10 +80,11 @@ def outline(w, group: str) -> str:
     return "\n".join(lines)
 
 
-def sweep_target(sweep: Path) -> tuple[str | None, str | None, str | None, list]:
+def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | None, str | None, str | None, list]:
     """(entity, project, group, W&B runs) of a sweep directory: from its W&B offline runs,
     else from the config.yaml lst-train wrote in each run (``logger.wandb``; the group
-    defaults to the run name, and in a multirun to the sweep's: app/sweep_group.py)."""
+    defaults to the run name, and in a multirun to the sweep's: app/sweep_group.py). Each of
+    ``given`` (--entity, --project, --group) that is set stands; one its runs differ in must be given."""
     runs = read_runs(sweep)
     if runs:
         targets = {(r.config.get("logger.wandb.entity"), r.project, r.group) for r in runs}
@@ -98,10 +99,14 @@ def sweep_target(sweep: Path) -> tuple[str | None, str | None, str | None, list]
                 targets.add((wb.get("entity"), wb.get("project"), wb.get("group") or cfg.get("name")))
     if not targets:
         raise ValueError(f"{sweep} holds no W&B offline run and no lst-train config.yaml")
-    if len(targets) > 1:
-        raise ValueError(f"the runs under {sweep} go to several W&B places (entity, project, group): "
-                         f"{sorted(targets, key=str)}; give --entity, --project and --group")
-    return (*targets.pop(), runs)
+    chosen, differ = [], []
+    for flag, value, found in zip(("--entity", "--project", "--group"), given, zip(*targets)):
+        chosen.append(value or (found[0] if len(set(found)) == 1 else None))
+        if not chosen[-1] and len(set(found)) > 1:
+            differ.append(f"{flag} (they have {sorted(set(found), key=str)})")
+    if differ:
+        raise ValueError(f"the runs under {sweep} go to several W&B places: give {', '.join(differ)}")
+    return (*chosen, runs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,8 +153,7 @@ def build(args):
     if args.sweep is not None:
         if not args.sweep.is_dir():
             raise FileNotFoundError(f"no such sweep directory: {args.sweep}")
-        s_entity, s_project, s_group, runs = sweep_target(args.sweep)
-        entity, project, group = entity or s_entity, project or s_project, group or s_group
+        entity, project, group, runs = sweep_target(args.sweep, (entity, project, group))
     if not project:
         raise ValueError("give a sweep directory or --project (and --group)")
     if not args.dry_run and not entity:

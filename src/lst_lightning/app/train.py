@@ -337,6 +337,13 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
         if getattr(dm, "vocab", None) is not None:
             dm.save_vocab(run_dir / "vocab.json")
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # last, auto: the run's newest (resume.py)
+    if writer and ckpt_path is None:  # a fresh start: an earlier run's CSV log in this directory is not this run's
+        from .csv_log import AppendingCSVLogger  # noqa: PLC0415
+
+        for logger in trainer.loggers:
+            if isinstance(logger, AppendingCSVLogger) and logger.start_afresh():
+                log.warning("a fresh start in %s: the earlier run's %s/metrics.csv replaced (ckpt_path=last "
+                            "resumes a run and continues its log)", run_dir, Path(logger.log_dir).name)
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
