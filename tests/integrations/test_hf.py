@@ -215,6 +215,19 @@ def test_a_model_without_a_body_of_its_own_is_refused():
     assert same_state(before, state(body)) and "forward" not in vars(body)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_sequences_of_one_token_are_refused_naming_the_causal_shift(train):
+    """A batch of one-token sequences leaves the shift no position to predict: one line that says
+    so (it said "H has no rows: the minibatch is empty"), training or evaluating, nothing changed."""
+    ids, mask, labels = batch()
+    model = factor_lm_head(tiny("llama"))
+    model.train(train)
+    before = state(model)
+    with pytest.raises(ValueError, match="sequences have 1 token") as err, torch.set_grad_enabled(train):
+        model(input_ids=ids[:, :1], attention_mask=mask[:, :1], labels=labels[:, :1])
+    assert "\n" not in str(err.value) and same_state(before, state(model))
+
+
 def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
     ids, mask, labels = batch()
     labels[0, 4] = VOCAB

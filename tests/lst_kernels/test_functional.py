@@ -63,6 +63,29 @@ def test_a_bad_order_is_refused_and_changes_nothing():
     assert torch.equal(V, before)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_a_complex_alpha_a_leaf_that_requires_grad_and_a_word_for_a_bool_are_refused(impl):
+    """Each in one line before anything runs, the same on both implementations (the torch path
+    dropped a complex alpha's imaginary part, Triton failed in its launcher; the Triton scatter wrote
+    into a leaf that requires grad, which torch's ``index_add_`` refuses; ``with_softmax="yes"`` was
+    taken as true)."""
+    if impl == "triton" and not ops._TRITON_IMPORTABLE:
+        pytest.skip("the Triton path needs triton (a Linux x86-64 dependency)")
+    V, idx, G, X = make_case(6, 2, 9, 5, "cpu")
+    before = V.clone()
+    with pytest.raises(TypeError, match="alpha must be a real number") as err:
+        lst_kernels.scatter_add_rows_(V, idx, G, X, torch.tensor(0.5 + 1j), impl=impl)
+    leaf = V.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="V is a leaf that requires grad") as err2:
+        lst_kernels.scatter_add_rows_(leaf, idx, G, X, 0.5, impl=impl)
+    with pytest.raises(RuntimeError, match="V is a leaf that requires grad"):
+        lst_kernels.fold_rows_(leaf, torch.eye(5), True, impl=impl)
+    with pytest.raises(TypeError, match="with_softmax must be a bool"):
+        lst_kernels.logsumexp_rows(X, with_softmax="yes", impl=impl)
+    assert "\n" not in str(err.value) + str(err2.value)
+    assert torch.equal(V, before) and torch.equal(leaf.detach(), before)
+
+
 def test_an_unknown_impl_or_tensors_on_two_devices_are_refused():
     V, idx, G, X = make_case(6, 2, 9, 5, "cpu")
     with pytest.raises(ValueError, match="impl must be one of"):

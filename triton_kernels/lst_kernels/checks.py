@@ -27,11 +27,22 @@ def tensor(name: str, t: object, shape: tuple, index: bool = False) -> Tensor:
 
 
 def scalar(name: str, x: object) -> None:
+    """A real number: an int or float, or a one-element real tensor."""
     if isinstance(x, Tensor):
         if x.numel() != 1:
             raise ValueError(f"{name} must be a number or a one-element tensor, got shape {tuple(x.shape)}")
+        if x.is_complex() or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be a real number, got a {x.dtype} tensor")
     elif isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{name} must be a number or a one-element tensor, got {type(x).__name__}")
+
+
+def written(name: str, t: Tensor) -> None:
+    """``t`` may be written in place: not a leaf that requires grad (torch refuses such a write
+    itself on one implementation, a kernel would not)."""
+    if t.requires_grad and t.is_leaf:
+        raise RuntimeError(f"{name} is a leaf that requires grad: an in-place op would write it behind "
+                           "autograd's back (pass it detached, or inside torch.no_grad())")
 
 
 def positive_int(name: str, x: object) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .checks import positive_int, scalar, tensor
+from .checks import positive_int, scalar, tensor, written
 from .ops import Ops, ops_for
 from .torch_ops import SortedIds
 
@@ -73,6 +73,7 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     tensor("G", G, (m, K))
     tensor("X", X, (m, d))
     scalar("alpha", alpha)
+    written("V", V)
     if order is not None:
         _order(order, m * K)
     return _ops(impl, V, idx, G, X, alpha, *(order or ())).scatter_add_rows_(V, idx, G, X, alpha, order)
@@ -90,6 +91,7 @@ def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto")
         flag = torch.tensor(flag, device=V.device)
     elif not isinstance(flag, Tensor) or flag.numel() != 1 or flag.is_floating_point():
         raise TypeError(f"flag must be a bool or a one-element bool or integer tensor, got {flag!r}")
+    written("V", V)
     return _ops(impl, V, M, flag).fold_rows_(V, M, flag)
 
 
@@ -185,4 +187,6 @@ def logsumexp_rows(Z: Tensor, *, with_softmax: bool = False, impl: str = "auto")
         raise TypeError(f"Z must be a torch.Tensor, got {type(Z).__name__}")
     if not Z.is_floating_point() or Z.dim() != 2 or Z.shape[1] < 1:
         raise ValueError(f"Z must be a floating (m, n) tensor with n >= 1, got {Z.dtype} {tuple(Z.shape)}")
+    if not isinstance(with_softmax, bool):
+        raise TypeError(f"with_softmax must be a bool, got {with_softmax!r}")
     return _ops(impl, Z).logsumexp_rows(Z, with_softmax)

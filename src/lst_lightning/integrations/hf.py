@@ -192,8 +192,13 @@ def gather_head_for_checkpoint(model: nn.Module) -> None:
     getattr(model, PATCH).whole_v = gather_for_checkpoint(factored_head(model))
 
 
-def shifted(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """transformers' causal shift: hidden[:, t] predicts labels[:, t + 1]; rows (m, d), targets (m,)."""
+def shifted(hidden: Tensor, labels: Tensor, head: FactoredSphericalHead | None = None) -> tuple[Tensor, Tensor]:
+    """transformers' causal shift: hidden[:, t] predicts labels[:, t + 1]; rows (m, d), targets (m,).
+    Sequences of one token leave no row: refused in one line saying so, for ``head`` on one process
+    (several processes leave it to the head, which voids the step on every rank)."""
+    if hidden.shape[1] < 2 and head is not None and head.processes.alone:
+        raise ValueError(f"the batch's sequences have {hidden.shape[1]} token(s): the causal shift (position t "
+                         "predicts the label at t + 1) leaves no position to predict; give sequences of 2 or more")
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
 
 
@@ -203,7 +208,7 @@ def head_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
     ``num_items_in_batch`` their sum divided by it (the Trainer's exact accumulation).
     Training on several processes, the head's loss is over the world's tokens and each rank
     returns its share (processes.py; ``items_over_world``: the count is the world's)."""
-    H, y = shifted(hidden, labels.to(hidden.device))
+    H, y = shifted(hidden, labels.to(hidden.device), head)
     world = join_processes(head) if head.in_training_step else 1
     head.reduction = "mean_real" if num_items_in_batch is None else "sum"
     loss = head(H, y)
@@ -265,7 +270,7 @@ def outputs_loss(head: FactoredSphericalHead, hidden: Tensor, labels: Tensor,
     """``outputs_nll`` on the shifted labels, as transformers' own loss: the mean over real
     tokens, or with ``num_items_in_batch`` the sum divided by it. ``outputs``: o of every
     position of ``hidden`` (b, T, D), when made already."""
-    H, y = shifted(hidden, labels.to(hidden.device))
+    H, y = shifted(hidden, labels.to(hidden.device), head)
     nll, real = outputs_nll(head, H, y, None if outputs is None else outputs[:, :-1].reshape(-1, head.num_classes))
     count = real.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return nll / torch.as_tensor(count, dtype=nll.dtype, device=nll.device)
