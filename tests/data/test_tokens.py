@@ -76,6 +76,31 @@ def test_a_second_run_reads_the_cache_and_a_changed_file_does_not(tmp_path, cach
     assert tokenise(CorpusSource(_args(path)), "words").path != first.path and len(built) == 2
 
 
+@pytest.mark.parametrize("damage", ["truncate train.ids.npy", "garble train.ids.npy", "truncate types.txt",
+                                    "remove counts.npy", "truncate meta.json"])
+def test_a_damaged_cache_is_tokenised_again_not_read(tmp_path, cache, caplog, damage):
+    path = _corpus(tmp_path)
+    whole = tokenise(CorpusSource(_args(path)), "words")
+    want = whole.encode("train", whole.vocabulary(None)).tokens.tolist()
+    how, name = damage.split()
+    f = whole.path / name
+    if how == "truncate":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif how == "garble":  # the header kept, ids past the types
+        data = bytearray(f.read_bytes())
+        data[-8:] = b"\xff\xff\xff\x7f" * 2
+        f.write_bytes(bytes(data))
+    else:
+        f.unlink()
+    with caplog.at_level(logging.WARNING, logger="lst_lightning.data.tokens"):
+        again = tokenise(CorpusSource(_args(path)), "words")
+    assert again.built and again.path == whole.path
+    assert again.encode("train", again.vocabulary(None)).tokens.tolist() == want
+    [line] = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert str(whole.path) in line and "\n" not in line
+    assert [p.name for p in cache.iterdir()] == [whole.path.name]
+
+
 def test_the_summary_line(tmp_path, cache, caplog):
     path = str(_corpus(tmp_path))
     for built in (True, False):

@@ -61,7 +61,27 @@ class Tokenised:
 
     @classmethod
     def open(cls, path: Path, built: bool = False) -> Tokenised:
-        return cls(path, json.loads((path / "meta.json").read_text()), built)
+        """The corpus cached in ``path``, checked against its ``meta.json`` (:meth:`check`)."""
+        tokenised = cls(path, json.loads((path / "meta.json").read_text()), built)
+        tokenised.check()
+        return tokenised
+
+    def check(self) -> None:
+        """Raise ValueError (or the OSError of a missing file) where a file of the cache
+        does not hold what ``meta.json`` says: a truncated or damaged cache, never read as
+        if it were whole. Reads the ids once (min and max), not the text."""
+        m, n = self.meta, int(self.meta["types"])
+        for s in SPLITS:
+            ids, offsets = self.ids(s), self.offsets(s)
+            if ids.shape != (m["tokens"][s],) or offsets.shape != (m["documents"][s] + 1,) \
+                    or int(offsets[0]) != 0 or int(offsets[-1]) != len(ids):
+                raise ValueError(f"{s}.ids.npy or {s}.offsets.npy does not match meta.json")
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= n):
+                raise ValueError(f"{s}.ids.npy holds ids outside [0, {n})")
+        if np.load(self.path / "counts.npy", mmap_mode="r").shape != (n,):
+            raise ValueError("counts.npy does not match meta.json")
+        if (self.path / "types.txt").read_bytes().count(b"\n") != n - 1:
+            raise ValueError(f"types.txt does not hold the {n} types of meta.json")
 
     def ids(self, split: str) -> np.ndarray:
         """The split's tokens as type ranks (int32, memory-mapped)."""
@@ -141,7 +161,15 @@ def tokenise(source, tokenizer: str, max_tokens: int | None = None) -> Tokenised
     tokenize("", tokenizer)  # an unknown tokenizer, before the long part
     path = token_cache() / cache_key(source, tokenizer, max_tokens)
     if (path / "meta.json").is_file():
-        return Tokenised.open(path)
+        try:
+            return Tokenised.open(path)
+        except (OSError, ValueError, EOFError, KeyError, TypeError) as e:  # damaged: tokenise again
+            log.warning("data: the token cache %s is damaged (%s: %s); tokenising again", path, type(e).__name__,
+                        " ".join(str(e).split()))
+            damaged = path.with_name(f".damaged-{path.name}-{os.getpid()}")
+            with contextlib.suppress(OSError):  # another process may have moved it first
+                os.replace(path, damaged)
+            shutil.rmtree(damaged, ignore_errors=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
     try:
