@@ -65,3 +65,10 @@ def test_bad_batch_settings_are_refused_when_built(key, value, message):
     for cls, kw in ((SyntheticDataModule, {"num_classes": 100, "input_vocab_size": None}), (TextDataModule, {})):
         with pytest.raises(ValueError, match=f"^{message}$"):
             cls(**kw, **{key: value})
+
+
+@pytest.mark.parametrize("key", ["context_size", "train_size", "eval_size", "input_vocab_size"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_bad_synthetic_sizes_are_refused_in_one_line(key, value):
+    with pytest.raises(ValueError, match=rf"^data\.{key} must be >= 1.*got {value}$"):
+        SyntheticDataModule(100, **{key: value})

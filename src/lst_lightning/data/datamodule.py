@@ -212,6 +212,11 @@ class SyntheticDataModule(_WindowDataModule):
                  num_workers: int = 0, seed: int = 0, sequences: bool = False, sequence_length: int = 32):
         super().__init__(batch_size, eval_batch_size, seed, num_workers, max_eval_examples, sequences,
                          sequence_length)
+        for name, value in (("context_size", context_size), ("train_size", train_size), ("eval_size", eval_size),
+                            ("input_vocab_size", 1 if input_vocab_size is None else input_vocab_size)):
+            if value < 1:  # a negative input_vocab_size made negative input ids
+                raise ValueError(f"data.{name} must be >= 1{' (or null)' if name == 'input_vocab_size' else ''}, "
+                                 f"got {value}")
         self.num_classes = num_classes
         self.context_size = sequence_length if sequences else context_size
         self.args = dict(num_classes=num_classes, context_size=self.context_size, p_rule=p_rule,
