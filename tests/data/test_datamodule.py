@@ -72,3 +72,10 @@ def test_bad_batch_settings_are_refused_when_built(key, value, message):
 def test_bad_synthetic_sizes_are_refused_in_one_line(key, value):
     with pytest.raises(ValueError, match=rf"^data\.{key} must be >= 1.*got {value}$"):
         SyntheticDataModule(100, **{key: value})
+
+
+@pytest.mark.parametrize("source", ["embedded", "python_code"])
+@pytest.mark.parametrize("fractions", [(-0.1, 0.05), (0.05, -0.1), (0.6, 0.4), (1.5, 0.0)])
+def test_bad_split_fractions_are_refused_when_built(source, fractions):
+    with pytest.raises(ValueError, match=r"^data\.val_fraction=.* must each be >= 0, with a sum below 1 [^\n]*$"):
+        TextDataModule(source, val_fraction=fractions[0], test_fraction=fractions[1])

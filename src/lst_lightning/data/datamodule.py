@@ -190,6 +190,9 @@ class TextDataModule(_WindowDataModule):
 def make_source(source: str, corpus_args: dict, max_tokens: int | None):
     """The documents of ``data.source`` (sources.py)."""
     fractions = corpus_args["val_fraction"], corpus_args["test_fraction"]
+    if min(fractions) < 0 or sum(fractions) >= 1:  # refused now, not after a whole tokenisation
+        raise ValueError(f"data.val_fraction={fractions[0]} and data.test_fraction={fractions[1]} must each be >= 0, "
+                         "with a sum below 1 (the rest is the training split)")
     if source == "python_code":
         return PythonCode(corpus_args["path"], *fractions)
     if source == "linux_source":
