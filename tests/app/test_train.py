@@ -358,3 +358,35 @@ def test_an_ordinary_heads_own_lr(tmp_path):
         run(cfg_of(*FAST, "head=sampled", "+head.lr=0.1"), tmp_path / "bad")
     with pytest.raises(ValueError, match=r"optimizer.head_lr=0.1 .*write head.lr=0.1"):
         run(cfg_of(*FAST, "head=factored", "optimizer.head_lr=0.1"), tmp_path / "bad")
+
+
+@pytest.mark.parametrize("limit", [2, 0.5, 1.0])
+def test_the_unigram_baseline_scores_the_examples_the_models_test_saw(limit):
+    """``unigram_test`` is over the examples Lightning's test loop ran (``limit_test_batches``),
+    not the whole split; over every rank's shard, each example once."""
+    from lst_lightning.app.metrics import unigram_ranks
+    from lst_lightning.app.train import unigram_metrics
+    from lst_lightning.data.datamodule import SyntheticDataModule
+
+    dm = SyntheticDataModule(50, train_size=64, eval_size=100, input_vocab_size=50, eval_batch_size=16)
+    dm.setup("test")
+
+    class Seen(pl.LightningModule):
+        targets = []
+
+        def test_step(self, batch, batch_idx):
+            self.targets.append(batch[1].reshape(-1))
+
+    seen = Seen()
+    trainer = pl.Trainer(limit_test_batches=limit, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu")
+    trainer.test(seen, datamodule=dm, verbose=False)
+    target = torch.cat(seen.targets)
+    rank = unigram_ranks(dm.class_counts, target[target >= 0]).double()
+    got = unigram_metrics(dm, [1, 5], trainer.limit_test_batches, trainer.world_size)
+    assert got["mrr"] == pytest.approx(float((1 / rank).mean()), rel=1e-6)
+    assert got["top5_error"] == pytest.approx(float((rank > 5).double().mean()), rel=1e-6)
+    # two ranks, no limit: the whole split, each example once
+    whole = torch.cat([t for _, t in dm.eval_dataloader("test")])
+    rank = unigram_ranks(dm.class_counts, whole).double()
+    assert unigram_metrics(dm, [1], 1.0, 2)["mrr"] == pytest.approx(float((1 / rank).mean()), rel=1e-6)

@@ -50,3 +50,18 @@ def test_a_state_that_cannot_load_whole_is_refused_in_one_line_with_nothing_load
     assert all(torch.equal(v, good[k]) for k, v in head.state_dict().items())
     head.load_state_dict(saved)
     assert torch.equal(head.state_dict()[first], saved[first])
+
+
+def test_a_class_scoring_exactly_as_the_target_counts_against_it():
+    """Ties count against the target even where a head's gathered target score rounds
+    differently from its chunks of scores (linear heads gather with an einsum)."""
+    from lst_lightning.heads import SoftmaxHead
+
+    torch.manual_seed(0)
+    head = SoftmaxHead(50, 16).eval()
+    h, t = torch.randn(64, 16), torch.randint(0, 50, (64,))
+    with torch.no_grad():
+        head.weight.copy_(head.weight[:5].repeat(10, 1))  # every class tied with nine others
+    full = torch.cat([s for _, s in head.score_chunks(h, chunk_size=10)], 1)  # five chunks alike
+    expected = (full >= full.gather(1, t[:, None])).sum(1)  # the target itself included
+    assert torch.equal(head.target_rank(h, t, chunk_size=10), expected)

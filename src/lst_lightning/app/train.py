@@ -296,18 +296,25 @@ def time_bounded(trainer_kwargs: dict, clock: str = "wall") -> list:
     return [TrainingClock(budget, clock)]
 
 
-def unigram_metrics(dm, topk) -> dict[str, float]:
-    """The unigram baseline on the test split (same examples as the model's test)."""
+def unigram_metrics(dm, topk, limit_batches: int | float = 1.0, world_size: int = 1) -> dict[str, float]:
+    """The unigram baseline on the examples the model's test saw: every rank's shard of the
+    test split, each cut to the trainer's ``limit_test_batches`` (an int: batches per rank; a
+    float: that fraction of them, rounded down, as Lightning does)."""
+    from itertools import islice  # noqa: PLC0415
+
     import torch  # noqa: PLC0415
 
     from .metrics import Perplexity, RankMetrics, unigram_ranks  # noqa: PLC0415
 
     ranks, ppl = RankMetrics(topk), Perplexity()
     logp = torch.log(dm.class_counts.double() / dm.class_counts.sum())
-    for _, target in dm.eval_dataloader("test"):  # all of it, on whichever rank asks
-        target = target[target >= 0]  # sequences: the padding past a document's end
-        ranks.update(unigram_ranks(dm.class_counts, target))
-        ppl.update(logp[target])
+    for rank in range(world_size):  # all ranks' shards, on whichever rank asks
+        loader = dm.eval_dataloader("test", rank, world_size)
+        n = min(len(loader), limit_batches) if isinstance(limit_batches, int) else int(len(loader) * limit_batches)
+        for _, target in islice(loader, n):
+            target = target[target >= 0]  # a shard's padding; sequences: past a document's end
+            ranks.update(unigram_ranks(dm.class_counts, target))
+            ppl.update(logp[target])
     out = {k: float(v) for k, v in ranks.compute().items()}
     out["perplexity"] = float(ppl.compute())
     return out
@@ -360,7 +367,8 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     if cfg.get("test", True):
         test = trainer.test(module, datamodule=dm, verbose=False)[0]
         results["test"] = {k[5:]: float(v) for k, v in test.items() if k.startswith("test/")}
-        results["unigram_test"] = unigram_metrics(dm, list(cfg.metrics.topk))
+        results["unigram_test"] = unigram_metrics(dm, list(cfg.metrics.topk), trainer.limit_test_batches,
+                                                  trainer.world_size)
     timing = next((c for c in trainer.callbacks if isinstance(c, HeadTiming)), None)  # callbacks.head_timing
     t = timing.totals if timing is not None else {"steps": 0}
     if t["steps"]:

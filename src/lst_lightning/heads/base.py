@@ -175,12 +175,13 @@ class OutputHead(nn.Module):
     def target_rank(self, hidden: Tensor, target_idx: Tensor, chunk_size: int = 65536) -> Tensor:
         """1-based rank of each row's target among all classes, (m,).
 
-        Ties count against the target (a constant scorer ranks it last, not first), and
-        the target's own column is left out, so the rounding of its score cannot move it.
-        Scores are made in chunks of classes: (m, D) is never held at once. Every target
-        must be a class id (ValueError for padding or out-of-range ids).
+        Ties count against the target (a constant scorer ranks it last, not first). The
+        target's score is read from the same chunks of scores as every other class (not
+        ``target_score``'s gather, whose rounding differs): a class scoring exactly as the
+        target counts against it. Scores are made in chunks of classes: (m, D) is never held
+        at once. Every target must be a class id (ValueError for padding or out-of-range ids).
         """
-        check_hidden(hidden, self.hidden_dim, finite=False)  # before target_score, which heads override
+        check_hidden(hidden, self.hidden_dim, finite=False)
         target_idx = check_class_ids(target_idx, hidden.shape[0], self.num_classes)
-        target = self.target_score(hidden, target_idx)
+        target = target_scores_of_chunks(self.score_chunks(hidden, chunk_size), target_idx)
         return 1 + count_at_or_above(self.score_chunks(hidden, chunk_size), target_idx, target)
