@@ -61,9 +61,11 @@ class Tokenised:
 
     @classmethod
     def open(cls, path: Path, built: bool = False) -> Tokenised:
-        """The corpus cached in ``path``, checked against its ``meta.json`` (:meth:`check`)."""
+        """The corpus cached in ``path``; one found there (not ``built`` by this call: its files just
+        written) checked against its ``meta.json`` first (:meth:`check`)."""
         tokenised = cls(path, json.loads((path / "meta.json").read_text()), built)
-        tokenised.check()
+        if not built:
+            tokenised.check()
         return tokenised
 
     def check(self) -> None:
