@@ -6,7 +6,7 @@ import torch
 
 from lst_lightning.baselines import HierarchicalSoftmaxHead, SampledSoftmaxHead, SoftmaxHead
 
-from baseline_cases import HEADS, D, d, m
+from baseline_cases import HEADS, D, d, m, make_targets
 
 BAD = [
     (lambda h, t: (h[:, :-1], t, None), ValueError, "shape"),
@@ -91,3 +91,27 @@ def test_bad_constructor_arguments():
         SampledSoftmaxHead(num_classes=D, hidden_dim=d, sampler="unigram")
     with pytest.raises(ValueError, match="num_samples"):
         SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=0)
+
+
+@pytest.mark.parametrize("name", sorted(HEADS) + ["sampled_preconditioned"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_hidden_states_of_another_dtype_are_taken_in_the_heads_dtype(name, dtype):
+    """A float32 head on a bf16 or float64 body, no autocast, computes as on the hidden states cast to
+    float32 (as the factored head does): the training loss and dL/dH (in the hidden states' dtype),
+    the evaluation loss, ``log_prob``, ``scores`` and the ranks (torch's matmuls refused the mixed
+    dtypes, or ran in bf16)."""
+    make = HEADS.get(name, lambda: SampledSoftmaxHead(num_classes=D, hidden_dim=d, num_samples=4, preconditioner={}))
+    h, t = torch.randn(m, d).to(dtype), make_targets()
+    outs = []
+    for x in (h, h.float()):
+        torch.manual_seed(0)
+        head = make()
+        x = x.clone().requires_grad_(True)
+        loss = head(x, t)
+        loss.backward()
+        head.eval()
+        outs.append((loss, x.grad.to(dtype), head(x.detach(), t), head.log_prob(x.detach(), t),
+                     head.scores(x.detach()), head.target_rank(x.detach(), t[:, 0].clamp(min=0))))
+        assert x.grad.dtype == x.dtype and loss.dtype == torch.float32
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

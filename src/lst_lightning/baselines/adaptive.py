@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, reduce_rows
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, in_head_dtype, reduce_rows
 
 
 def resolve_cutoffs(cutoffs: Sequence[int | float], num_classes: int) -> list[int]:
@@ -78,15 +78,18 @@ class AdaptiveSoftmaxHead(OutputHead):
         return ("nn.AdaptiveLogSoftmaxWithLoss picks each tail cluster's rows by their targets (nonzero: a size "
                 "only the data knows); a static form would score every tail for every row")
 
+    @in_head_dtype
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         per_row = -(val * self._target_log_prob(hidden, idx)).sum(1)
         return reduce_rows(per_row + 0.0 * hidden.sum(), self.reduction)  # keeps a graph when all padding
 
+    @in_head_dtype
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's
         return self._target_log_prob(hidden, idx).reshape(target_idx.shape)
 
+    @in_head_dtype
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         """Exact log p(class | h) for classes ``start:end``, computing only the clusters it touches."""
         check_hidden(hidden, self.hidden_dim, finite=False)
@@ -105,6 +108,7 @@ class AdaptiveSoftmaxHead(OutputHead):
                 parts.append(head_lp[:, self.cutoffs[0] + i - 1, None] + tail_lp[:, a - lo:b - lo])
         return torch.cat(parts, 1)
 
+    @in_head_dtype
     @torch.no_grad()
     def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         return self._target_log_prob(hidden, target_idx.reshape(-1, 1))[:, 0]

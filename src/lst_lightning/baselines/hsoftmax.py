@@ -25,7 +25,7 @@ import lst_kernels as lk
 from ..heads.base import OutputHead
 from ..heads.samplers import check_class_counts
 from .row_sparse import row_gather
-from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, reduce_rows
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, in_head_dtype, reduce_rows
 
 BINNINGS = ("equal_size", "equal_mass", "sqrt_mass")
 
@@ -159,11 +159,13 @@ class HierarchicalSoftmaxHead(OutputHead):
                     f"{self.max_cluster} rows a target, dense gradients)")
         return None
 
+    @in_head_dtype
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         lp = self._grouped_log_prob(hidden, idx) if self.sparse and self.training else self._slot_log_prob(hidden, idx)
         return reduce_rows(-(val * lp).sum(1), self.reduction)
 
+    @in_head_dtype
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """Exact log p(target | h); same shape as target_idx, 0 on padding slots."""
         idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's
@@ -171,6 +173,7 @@ class HierarchicalSoftmaxHead(OutputHead):
         lp = torch.where(idx >= 0, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
         return lp.reshape(target_idx.shape)
 
+    @in_head_dtype
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         """Exact log p(class | h) for classes ``start:end``: (m, end - start)."""
         check_hidden(hidden, self.hidden_dim, finite=False)
@@ -187,6 +190,7 @@ class HierarchicalSoftmaxHead(OutputHead):
         lp = self.cluster_log_prob(hidden)[:, c0:c1 + 1].gather(1, seg) + logits - lse.gather(1, seg)
         return lp[:, start - lo:end - lo]
 
+    @in_head_dtype
     @torch.no_grad()
     def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         return self._slot_log_prob(hidden, target_idx.reshape(-1, 1))[:, 0]

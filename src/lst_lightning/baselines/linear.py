@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.base import OutputHead
-from ..heads.targets import check_hidden, check_reduction, check_targets, class_range
+from ..heads.targets import check_hidden, check_reduction, check_targets, class_range, in_head_dtype
 
 
 class LinearClassHead(OutputHead):
@@ -66,12 +66,14 @@ class LinearClassHead(OutputHead):
             out = out + self._rows(self.bias, idx)
         return out
 
+    @in_head_dtype
     def scores(self, hidden: Tensor, start: int = 0, end: int | None = None) -> Tensor:
         check_hidden(hidden, self.hidden_dim, finite=False)
         end = class_range(self.num_classes, start, end)
         b = None if self.bias is None else self.bias[start:end]
         return F.linear(self._query(hidden), self._keys(self.weight[start:end]), b)
 
+    @in_head_dtype
     @torch.no_grad()
     def target_score(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         return self.class_logits(hidden, target_idx.reshape(-1, 1))[:, 0]
@@ -81,6 +83,7 @@ class LinearClassHead(OutputHead):
         parts = [torch.logsumexp(sc.float(), dim=1) for _, sc in self.score_chunks(hidden, chunk_size)]
         return torch.logsumexp(torch.stack(parts, 1), dim=1)
 
+    @in_head_dtype
     def log_prob(self, hidden: Tensor, target_idx: Tensor) -> Tensor:
         """Exact log p(target | h); (m,) for (m,) targets, (m, K) for (m, K) with 0 on padding."""
         idx, _, _ = check_targets(hidden, target_idx, None, self.num_classes, self.hidden_dim)  # as forward's

@@ -26,7 +26,7 @@ from ..distributed.collectives import ProcessGroup
 from ..heads.preconditioner import Moments, Preconditioner
 from ..heads.samplers import sampled_softmax_num_samples
 from ..heads.state_dtype import STATE_DTYPES, kept_in_dtype
-from ..heads.targets import check_targets, first_occurrence, reduce_rows
+from ..heads.targets import check_targets, first_occurrence, in_head_dtype, reduce_rows
 
 #: the preconditioner's running moments, buffers of the head
 MOMENTS = ("input_moment", "input_moment_weight")
@@ -229,6 +229,7 @@ class SampledSoftmaxHead(LinearClassHead):
                     "(static rows: optimizer.head_rows=row_adam or row_sgd)")
         return None
 
+    @in_head_dtype
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, valid = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         if not self.training:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .linear import LinearClassHead
-from ..heads.targets import check_targets, reduce_rows
+from ..heads.targets import check_targets, in_head_dtype, reduce_rows
 
 IMPLS = ("torch", "liger", "cce")
 _OPTIONAL = {"liger": ("liger_kernel.transformers.functional", "liger-kernel"),
@@ -108,6 +108,7 @@ class SoftmaxHead(LinearClassHead):
             return f"impl={self.impl!r} runs its own fused Triton kernels as they are"
         return None
 
+    @in_head_dtype
     def forward(self, hidden: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         idx, val, _ = check_targets(hidden, target_idx, target_val, self.num_classes, self.hidden_dim)
         x = self._query(hidden)

@@ -13,6 +13,8 @@ a loop that compiles a head reads its loss for non-finite values every few steps
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -25,6 +27,20 @@ def check_reduction(reduction: str) -> str:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     return reduction
+
+
+def in_head_dtype(method):
+    """A head method run on ``hidden`` in the head's dtype (its parameters') where autocast does not
+    choose the products' dtype: a float32 head on a bf16 or float64 body computes in float32, as the
+    factored head does (``own_math``), and ``hidden``'s gradient returns in its own dtype (torch's
+    matmuls refused the mixed dtypes, or ran them in the hidden states' dtype)."""
+    @functools.wraps(method)
+    def wrapped(self, hidden, *args, **kwargs):
+        if (isinstance(hidden, Tensor) and hidden.is_floating_point()
+                and not torch.is_autocast_enabled(hidden.device.type)):
+            hidden = hidden.to(next(self.parameters()).dtype)
+        return method(self, hidden, *args, **kwargs)
+    return wrapped
 
 
 def check_hidden(hidden: Tensor, hidden_dim: int, finite: bool = True) -> None:
