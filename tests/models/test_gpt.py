@@ -53,3 +53,22 @@ def test_bad_settings():
         GPT(vocab_size=10, context_size=4, embed_dim=10, num_heads=4)
     with pytest.raises(ValueError, match="context_size"):
         _body()(torch.zeros(1, 13, dtype=torch.long))
+
+
+@pytest.mark.parametrize("setting, value, match", [
+    ("embed_dim", 0, "embed_dim must be a positive int, got 0"),
+    ("num_heads", 0, "num_heads must be a positive int"),
+    ("mlp_ratio", 0, "mlp_ratio must be a positive int"),
+    ("hidden_dim", -1, "hidden_dim must be a positive int"),
+    ("num_layers", -1, r"num_layers must be an int >= 0"),
+    ("dropout", 1.0, r"dropout must be a probability in \[0, 1\)"),
+    ("embed_dim", 16.0, "embed_dim must be a positive int, got 16.0"),
+])
+def test_a_setting_that_builds_no_working_body_is_refused_in_one_line(setting, value, match):
+    """A zero width built a body whose output does not depend on its tokens (``embed_dim=0``,
+    ``mlp_ratio=0``), and lst-train trained it; a zero head count divided by zero."""
+    kw = dict(vocab_size=50, context_size=12, embed_dim=16, num_layers=2, num_heads=4, hidden_dim=8)
+    with pytest.raises(ValueError, match=match) as e:
+        GPT(**{**kw, setting: value})
+    assert "\n" not in str(e.value)
+    GPT(**{**kw, "num_layers": 0})  # no block: embeddings, the norm and the projection, a valid body

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from . import arguments
+
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
 
@@ -17,6 +19,10 @@ class NgramMLP(nn.Module):
                  hidden_sizes: Sequence[int] = (256,), hidden_dim: int = 128, activation: str = "relu",
                  dropout: float = 0.0, final_activation: bool = True, sparse_embedding: bool = False):
         super().__init__()
+        if not isinstance(hidden_sizes, (list, tuple)):
+            raise ValueError(f"hidden_sizes must be a list of positive ints, got {hidden_sizes!r}")
+        arguments.sizes(embed_dim=embed_dim, hidden_sizes=hidden_sizes, hidden_dim=hidden_dim)
+        arguments.dropout(dropout)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, not {activation!r}")
         self.context_size, self.hidden_dim = context_size, hidden_dim
