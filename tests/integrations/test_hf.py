@@ -228,6 +228,24 @@ def test_sequences_of_one_token_are_refused_naming_the_causal_shift(train):
     assert "\n" not in str(err.value) and same_state(before, state(model))
 
 
+def test_a_training_forward_without_labels_is_refused_and_logits_come_without_grad_or_in_eval():
+    """The head's logits carry no gradient: a loss computed from them (the Trainer's
+    compute_loss_func) failed at its backward ("element 0 of tensors does not require grad").
+    A training forward without labels is refused in one line before the body runs; logits under
+    no_grad or in eval mode are the outputs as before."""
+    ids, mask, _ = batch()
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    before = state(model)
+    with pytest.raises(ValueError, match="needs labels.*compute_loss_func") as err:
+        model(input_ids=ids, attention_mask=mask)
+    assert "\n" not in str(err.value) and same_state(before, state(model))
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    model.eval()
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, logits)
+    assert logits.shape == (3, 10, VOCAB) and same_state(before, state(model))
+
+
 def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
     ids, mask, labels = batch()
     labels[0, 4] = VOCAB

@@ -227,6 +227,23 @@ def test_bad_targets_get_one_line_and_no_step():
     assert all(torch.equal(before[k], after[k]) for k in before if "skipped_nonfinite" not in k)
 
 
+def test_a_training_forward_without_targets_is_refused_naming_them():
+    """litgpt's ``chunked_cross_entropy(model(idx), targets)`` left in a loop: the logits carry no
+    gradient (the head trains through its own loss), which failed at the backward ("element 0 of
+    tensors does not require grad"). Refused in one line, nothing changed; logits without grad
+    (no_grad, eval mode) as before."""
+    ids, targets = rows()
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+    before = state(model)
+    with pytest.raises(ValueError, match=r"needs targets.*model\(idx, targets=targets\)") as err:
+        chunked_cross_entropy(model(ids), targets).backward()
+    after = state(model)
+    assert "\n" not in str(err.value) and all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        logits = model(ids)
+    assert torch.equal(model.eval()(ids), logits) and logits.shape == (3, T, PADDED)
+
+
 def test_the_compiled_model_steps_as_the_eager_one():
     """torch.compile(model), as litgpt's pretrain does: the same losses and head, step for step."""
     compiled, eager = factor_gpt_head(tiny_gpt(), lr=0.5), factor_gpt_head(tiny_gpt(), lr=0.5)
