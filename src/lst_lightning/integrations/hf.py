@@ -206,6 +206,16 @@ def check_training_has_labels(model: nn.Module, labels: Tensor | None, name: str
                          f"cannot train it; {instead}, or call it under torch.no_grad() or in eval mode for the logits")
 
 
+def check_labels_shape(labels: Tensor | None, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> None:
+    """One ValueError, before the body runs, for labels whose shape is not the input's (b, T):
+    the model shifts them itself, and labels of another shape with as many elements after the
+    shift (ids (2, 4), labels (3, 3)) would pair positions with the wrong labels."""
+    given = input_ids.shape if input_ids is not None else None if inputs_embeds is None else inputs_embeds.shape[:-1]
+    if labels is not None and given is not None and labels.shape != given:
+        raise ValueError(f"labels must have the shape of the input {tuple(given)}, unshifted (the model shifts "
+                         f"them: position t predicts labels[:, t + 1]), got {tuple(labels.shape)}")
+
+
 def shifted(hidden: Tensor, labels: Tensor, head: FactoredSphericalHead | None = None) -> tuple[Tensor, Tensor]:
     """transformers' causal shift: hidden[:, t] predicts labels[:, t + 1]; rows (m, d), targets (m,).
     Sequences of one token leave no row: refused in one line saying so, for ``head`` on one process
@@ -305,6 +315,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     check_training_has_labels(self, labels, "labels", "pass labels= (the model shifts them) and use out.loss")
+    check_labels_shape(labels, input_ids, inputs_embeds)
     if labels is not None and self.lm_head.in_training_step:
         check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
