@@ -37,6 +37,10 @@ def check_gpt_patchable(model: nn.Module) -> nn.Linear:
         raise ValueError(f"{name} already has the factored head (export_dense_head() undoes it)")
     head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
+    if not isinstance(head, nn.Linear) and isinstance(getattr(head, "linear", None), nn.Linear):
+        raise ValueError(f"{name}'s lm_head wraps its linear layer in {type(head).__name__} (litgpt's LoRA or "
+                         "adapter v2 model), which the factored head cannot replace: patch an ordinary GPT (LoRA: "
+                         "merge its weights first, litgpt merge_lora) or litgpt.adapter's GPT, whose lm_head is linear")
     if not isinstance(head, nn.Linear) or not isinstance(wte, nn.Embedding) or config is None:
         raise ValueError(f"{name} is not a litgpt GPT (an lm_head nn.Linear, transformer.wte and a config): "
                          f"found lm_head {type(head).__name__}")
