@@ -228,6 +228,44 @@ def test_sequences_of_one_token_are_refused_naming_the_causal_shift(train):
     assert "\n" not in str(err.value) and same_state(before, state(model))
 
 
+def test_a_training_forward_without_labels_is_refused_and_logits_come_without_grad_or_in_eval():
+    """The head's logits carry no gradient: a loss computed from them (the Trainer's
+    compute_loss_func) failed at its backward ("element 0 of tensors does not require grad").
+    A training forward without labels is refused in one line before the body runs; logits under
+    no_grad or in eval mode are the outputs as before."""
+    ids, mask, _ = batch()
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    before = state(model)
+    with pytest.raises(ValueError, match="needs labels.*compute_loss_func") as err:
+        model(input_ids=ids, attention_mask=mask)
+    assert "\n" not in str(err.value) and same_state(before, state(model))
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    model.eval()
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, logits)
+    assert logits.shape == (3, 10, VOCAB) and same_state(before, state(model))
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_labels_of_another_shape_than_the_input_are_refused_before_the_body_runs(train):
+    """Labels shifted already (b, T - 1) said "target_idx must have shape (27,) ..."; labels
+    (3, 3) for ids (2, 4) have as many elements after the shift and trained on misaligned
+    pairs without a word. Both are refused in one line naming the input's shape, nothing
+    changed, ids or inputs_embeds alike."""
+    ids, mask, labels = batch()
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, sync_every=1)
+    model.train(train)
+    embeds = model.get_input_embeddings()(ids[:2, :4]).detach()
+    before = state(model)
+    for given, bad in ((dict(input_ids=ids, attention_mask=mask), labels[:, 1:]),
+                       (dict(input_ids=ids[:2, :4]), labels[:, :3]), (dict(inputs_embeds=embeds), labels[:, :3])):
+        shape = tuple(given.get("input_ids", embeds[..., 0]).shape)
+        with pytest.raises(ValueError, match=rf"labels must have the shape of the input \({shape[0]}, {shape[1]}\)") as err:
+            model(**given, labels=bad).loss.backward()
+        assert "\n" not in str(err.value) and same_state(before, state(model))
+    assert int(model.lm_head.steps) == 0
+
+
 def test_a_label_outside_the_vocabulary_is_refused_and_nothing_changes():
     ids, mask, labels = batch()
     labels[0, 4] = VOCAB

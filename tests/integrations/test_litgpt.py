@@ -1,5 +1,7 @@
 """litgpt's GPT with the factored head (factor_gpt_head): tiny random-init models of the
 real class, trained by Fabric and Lightning loops, exported back to an ordinary GPT."""
+import importlib
+
 import lightning as L
 import pytest
 import torch
@@ -16,12 +18,14 @@ from round_trips import COPIES
 VOCAB, PADDED, HIDDEN, T = 40, 48, 16, 12
 
 
+TINY = dict(name="tiny", block_size=32, vocab_size=VOCAB, padded_vocab_size=PADDED, n_layer=1, n_head=2, n_embd=HIDDEN,
+            rotary_percentage=1.0, parallel_residual=False, bias=False, norm_class_name="RMSNorm",
+            mlp_class_name="LLaMAMLP", intermediate_size=32)
+
+
 def tiny_gpt(bias: bool = False, **over) -> GPT:
     torch.manual_seed(0)
-    config = Config(**{**dict(name="tiny", block_size=32, vocab_size=VOCAB, padded_vocab_size=PADDED, n_layer=1,
-                              n_head=2, n_embd=HIDDEN, rotary_percentage=1.0, parallel_residual=False, bias=False,
-                              norm_class_name="RMSNorm", mlp_class_name="LLaMAMLP", intermediate_size=32,
-                              lm_head_bias=bias), **over})
+    config = Config(**{**TINY, "lm_head_bias": bias, **over})
     model = GPT(config)
     if bias:
         nn.init.normal_(model.lm_head.bias, std=0.1)
@@ -205,6 +209,38 @@ def test_tied_softcapped_and_patched_models_are_refused_unchanged():
         factor_gpt_head(tiny_gpt(), bias=True)
 
 
+@pytest.mark.parametrize("variant", ["lora", "adapter_v2"])
+def test_loras_and_adapter_v2s_wrapped_lm_head_is_refused_naming_it(variant):
+    """litgpt.lora's and litgpt.adapter_v2's GPT wrap lm_head's linear layer: refused in one line
+    that names the wrapper and the way (it said "GPT is not a litgpt GPT"), nothing changed."""
+    module = importlib.import_module(f"litgpt.{variant}")
+    torch.manual_seed(0)
+    extra = dict(lora_r=4, lora_query=True) if variant == "lora" else dict(adapter_prompt_length=4)
+    model = module.GPT(module.Config(**TINY, **extra))
+    before = state(model)
+    with pytest.raises(ValueError, match=rf"lm_head wraps its linear layer in {type(model.lm_head).__name__}") as err:
+        factor_gpt_head(model)
+    after = state(model)
+    assert "\n" not in str(err.value) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_adapters_gpt_with_its_linear_lm_head_trains_and_exports():
+    """litgpt.adapter's GPT keeps a linear lm_head: patched, its logits are the model's, it trains
+    the head, and export gives its lm_head back."""
+    from litgpt.adapter import GPT as AdapterGPT, Config as AdapterConfig  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = AdapterGPT(AdapterConfig(**TINY, adapter_prompt_length=4, adapter_start_layer=0))
+    ids, targets = rows()
+    with torch.no_grad():
+        before = model(ids)
+        factor_gpt_head(model, loss="zloss", lr=0.5)
+        assert torch.allclose(model(ids), before, atol=1e-5)
+    model(ids, targets=targets).backward()
+    assert int(factored_head(model).steps) == 1
+    assert isinstance(export_dense_head(model).lm_head, nn.Linear)
+
+
 def test_bad_targets_get_one_line_and_no_step():
     ids, targets = rows()
     bad_id = targets.masked_fill(targets == 3, PADDED)
@@ -225,6 +261,23 @@ def test_bad_targets_get_one_line_and_no_step():
         factored_head(model).sync()
     after = state(model)
     assert all(torch.equal(before[k], after[k]) for k in before if "skipped_nonfinite" not in k)
+
+
+def test_a_training_forward_without_targets_is_refused_naming_them():
+    """litgpt's ``chunked_cross_entropy(model(idx), targets)`` left in a loop: the logits carry no
+    gradient (the head trains through its own loss), which failed at the backward ("element 0 of
+    tensors does not require grad"). Refused in one line, nothing changed; logits without grad
+    (no_grad, eval mode) as before."""
+    ids, targets = rows()
+    model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5)
+    before = state(model)
+    with pytest.raises(ValueError, match=r"needs targets.*model\(idx, targets=targets\)") as err:
+        chunked_cross_entropy(model(ids), targets).backward()
+    after = state(model)
+    assert "\n" not in str(err.value) and all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        logits = model(ids)
+    assert torch.equal(model.eval()(ids), logits) and logits.shape == (3, T, PADDED)
 
 
 def test_the_compiled_model_steps_as_the_eager_one():

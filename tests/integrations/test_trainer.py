@@ -81,6 +81,28 @@ def test_label_smoothing_is_refused_when_the_trainer_is_built(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_compute_loss_func_is_refused_at_the_first_training_forward(tmp_path):
+    """``Trainer(compute_loss_func=...)`` pops the labels and computes the loss from the logits,
+    which carry no gradient (the head trains through its own loss): refused in one line at the
+    first training forward, before any step (the callback cannot see the Trainer's argument). It
+    failed at the first backward ("element 0 of tensors does not require grad")."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    called = []
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, report_to=[],
+                             use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()],
+                      compute_loss_func=lambda outputs, labels, num_items_in_batch=None: called.append(1))
+    with pytest.raises(ValueError, match="needs labels.*compute_loss_func") as e:
+        trainer.train()
+    assert "\n" not in str(e.value) and not called and trainer.state.global_step == 0
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert model.lm_head.attached and model.lm_head.pending_rows == 0  # the Trainer has no exception hook
+    Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()]).train()
+    assert int(model.lm_head.steps) == 2 and not model.lm_head.attached  # a Trainer without it trains as usual
+
+
 def test_a_model_trained_under_bf16_pickles_with_its_patched_forward(tmp_path):
     """accelerate wraps the forward in autocast under ``bf16=True``, a local function that cannot
     be pickled: after training the patched model has its own forward back, and ``torch.save`` /

@@ -6,9 +6,10 @@ layer of a ``*ForCausalLM`` by a ``FactoredSphericalHead`` (at its defaults: lst
 pretrained ``lm_head.weight`` (its bias as the bias column), and gives the model a
 forward that returns the head's loss on the model's own shifted labels (position t
 predicts labels[t + 1]; ``-100`` is padding, as in transformers). In training the D
-logits per token are never made; when they are asked for (labels absent, or the model
-in eval mode) they are the outputs ``o = W h``, made in chunks of the vocabulary, for
-the last ``logits_to_keep`` positions only (what ``generate()`` asks). The body runs
+logits per token are never made; when they are asked for (labels absent without grad, as
+in ``generate()``, or the model in eval mode) they are the outputs ``o = W h``, made in chunks
+of the vocabulary, for the last ``logits_to_keep`` positions only (what ``generate()`` asks);
+they carry no gradient, so a training forward without labels is refused. The body runs
 untouched (``model.base_model``). ``num_items_in_batch`` (the Trainer's exact gradient
 accumulation) makes the loss the sum over tokens divided by it; the head's own step
 scales with that loss (docs/integrations.md). Evaluated without grad, ``loss="sampled"`` is
@@ -192,6 +193,29 @@ def gather_head_for_checkpoint(model: nn.Module) -> None:
     getattr(model, PATCH).whole_v = gather_for_checkpoint(factored_head(model))
 
 
+def check_training_has_labels(model: nn.Module, labels: Tensor | None, name: str, instead: str) -> None:
+    """One ValueError, before the body runs, for a training forward (``model.train()``, grad
+    enabled) without ``name`` (labels, targets): the head trains through its own loss, so its
+    logits carry no gradient and a loss computed from them (the Trainer's ``compute_loss_func``)
+    could not train it (the first backward would fail: "element 0 of tensors does not require
+    grad"). ``instead``: the call that gives the loss. Changes nothing."""
+    if labels is None and model.training and torch.is_grad_enabled():
+        raise ValueError(f"a training forward (model.train(), grad enabled) of {type(model).__name__} with the factored "
+                         f"head needs {name}: the head trains through its own loss, so its logits carry no gradient "
+                         f"and a loss computed from them (the HF Trainer's compute_loss_func, a loss of your own) "
+                         f"cannot train it; {instead}, or call it under torch.no_grad() or in eval mode for the logits")
+
+
+def check_labels_shape(labels: Tensor | None, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> None:
+    """One ValueError, before the body runs, for labels whose shape is not the input's (b, T):
+    the model shifts them itself, and labels of another shape with as many elements after the
+    shift (ids (2, 4), labels (3, 3)) would pair positions with the wrong labels."""
+    given = input_ids.shape if input_ids is not None else None if inputs_embeds is None else inputs_embeds.shape[:-1]
+    if labels is not None and given is not None and labels.shape != given:
+        raise ValueError(f"labels must have the shape of the input {tuple(given)}, unshifted (the model shifts "
+                         f"them: position t predicts labels[:, t + 1]), got {tuple(labels.shape)}")
+
+
 def shifted(hidden: Tensor, labels: Tensor, head: FactoredSphericalHead | None = None) -> tuple[Tensor, Tensor]:
     """transformers' causal shift: hidden[:, t] predicts labels[:, t + 1]; rows (m, d), targets (m,).
     Sequences of one token leave no row: refused in one line saying so, for ``head`` on one process
@@ -287,9 +311,11 @@ def last_positions(hidden: Tensor, logits_to_keep: int | Tensor) -> Tensor:
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
              labels=None, use_cache=None, logits_to_keep=0, num_items_in_batch=None, **kwargs):
     """The patched forward: the body, then the factored head's loss (labels given) and the
-    outputs o as logits only where asked (no labels, or eval mode)."""
+    outputs o as logits only where asked (no labels without grad, or eval mode)."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    check_training_has_labels(self, labels, "labels", "pass labels= (the model shifts them) and use out.loss")
+    check_labels_shape(labels, input_ids, inputs_embeds)
     if labels is not None and self.lm_head.in_training_step:
         check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -8,9 +8,10 @@ more argument: ``model(idx, targets=targets)`` returns the head's loss, litgpt's
 convention (``targets`` already aligned with ``idx``, as litgpt's loops slice them;
 ``-100`` ignored; the mean over real tokens, as ``litgpt.utils.chunked_cross_entropy``;
 evaluated without grad, ``loss="sampled"`` is that cross-entropy of softmax(o) itself).
-Without targets it returns the outputs o = W h as litgpt's logits (made in chunks of the
-vocabulary from the factors; a list of chunks along the sequence with
-``lm_head_chunk_size``), so ``litgpt.generate`` works on the patched model. The head has
+Without targets (without grad, or in eval mode) it returns the outputs o = W h as litgpt's
+logits (made in chunks of the vocabulary from the factors; a list of chunks along the sequence
+with ``lm_head_chunk_size``), so ``litgpt.generate`` works on the patched model; they carry no
+gradient, so a training forward without targets is refused. The head has
 D = ``config.padded_vocab_size`` classes, the shape of litgpt's lm_head.
 ``export_dense_head(model)`` gives back an ordinary ``GPT`` (docs/integrations.md).
 litgpt is not imported here: the patch reads the model's attributes only.
@@ -23,7 +24,8 @@ import types
 from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
-from .hf import PATCH, body_dtype, dense_outputs, head_from_linear, outputs_nll, scored_by_outputs
+from .hf import (PATCH, body_dtype, check_training_has_labels, dense_outputs, head_from_linear, outputs_nll,
+                 scored_by_outputs)
 from .processes import check_not_fsdp1, ddp_ignores_head, join_processes, whole_v_into
 
 
@@ -35,6 +37,10 @@ def check_gpt_patchable(model: nn.Module) -> nn.Linear:
         raise ValueError(f"{name} already has the factored head (export_dense_head() undoes it)")
     head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
+    if not isinstance(head, nn.Linear) and isinstance(getattr(head, "linear", None), nn.Linear):
+        raise ValueError(f"{name}'s lm_head wraps its linear layer in {type(head).__name__} (litgpt's LoRA or "
+                         "adapter v2 model), which the factored head cannot replace: patch an ordinary GPT (LoRA: "
+                         "merge its weights first, litgpt merge_lora) or litgpt.adapter's GPT, whose lm_head is linear")
     if not isinstance(head, nn.Linear) or not isinstance(wte, nn.Embedding) or config is None:
         raise ValueError(f"{name} is not a litgpt GPT (an lm_head nn.Linear, transformer.wte and a config): "
                          f"found lm_head {type(head).__name__}")
@@ -94,6 +100,8 @@ def _forward(self, idx: Tensor, input_pos: Tensor | None = None, input_pos_maxp1
              lm_head_chunk_size: int = 0, targets: Tensor | None = None):
     """The patched forward: litgpt's own (lm_head is an identity: the hidden states), then the
     factored head's loss with ``targets``, or the outputs o as logits without."""
+    check_training_has_labels(self, targets, "targets", "use model(idx, targets=targets) as the loss in place of "
+                              "chunked_cross_entropy(model(idx), targets)")
     if targets is not None and self.factored_head.in_training_step:
         check_not_fsdp1(self)  # Fabric's FSDPStrategy: one line on every rank, before any step
     hidden = type(self).forward(self, idx, input_pos, input_pos_maxp1)
