@@ -46,3 +46,27 @@ def test_slugs_are_githubs():
     assert slug("The losses (`lst_lightning.losses`)") == "the-losses-lst_lightninglosses"
     assert slug("Refused, with one line saying why (and nothing changed)") == \
         "refused-with-one-line-saying-why-and-nothing-changed"
+
+
+#: a repository path named in prose (tests/..., scripts/..., ...), with an optional ``::name``
+#: inside it; a path that runs into a placeholder or a glob ({..}, <..>, *) is a pattern, not a file
+REPO_PATH = re.compile(r"(?<![\w/.])((?:tests|scripts|src|conf|benchmarks|triton_kernels)/[\w./-]+)(::\w+)?(.?)")
+#: named by the docs as they stand at a git tag, not in the tree (docs/choosing_a_head.md)
+NOT_IN_TREE = {"scripts/shared_proposals.py"}
+HAND_WRITTEN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("page", HAND_WRITTEN, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_named_exists(page):
+    """A file the README or a hand-written page names as evidence (``tests/app/test_ddp.py``,
+    ``tests/helpers/toy_heads.py::ToyReplicatedHead``) is in the tree, with that name inside."""
+    bad = []
+    for m in REPO_PATH.finditer(page.read_text()):
+        path, name, after = m.group(1).rstrip(".-"), (m.group(2) or "")[2:], m.group(3)
+        if after in ("{", "<", "*") or path in NOT_IN_TREE:
+            continue
+        if not (ROOT / path).exists():
+            bad.append(path)
+        elif name and not re.search(rf"^\s*(?:async def|def|class) {name}\b", (ROOT / path).read_text(), re.M):
+            bad.append(f"{path}::{name}")
+    assert not bad, f"{page.relative_to(ROOT)}: {bad}"
