@@ -70,3 +70,48 @@ def test_every_repository_path_named_exists(page):
         elif name and not re.search(rf"^\s*(?:async def|def|class) {name}\b", (ROOT / path).read_text(), re.M):
             bad.append(f"{path}::{name}")
     assert not bad, f"{page.relative_to(ROOT)}: {bad}"
+
+
+def lst_train_lines(page: Path) -> list[str]:
+    """The ``lst-train`` command lines of a page's bash blocks (continuation lines joined)."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            if "lst-train" in line:
+                lines.append(line.split(" # ")[0].split("lst-train", 1)[1])
+    return lines
+
+
+def runnable_overrides(line: str) -> list[str]:
+    """A command line's overrides as one job composes them: the first value of a swept list, and
+    without placeholders (``<overrides>``, ``$SLURM_JOB_ID``, ``data.num_classes=D``), Hydra's own
+    keys and flags (``-m``, ``--cfg job``) or a search space (``tag(log, ...)``)."""
+    import shlex  # noqa: PLC0415
+
+    out = []
+    for token in shlex.split(line):
+        key, _, value = token.partition("=")
+        if (token.startswith("-") or token == "job" or not value or key.startswith("hydra.")
+                or re.search(r"[<$(]", token) or re.fullmatch(r"[A-Z]", value)):
+            continue
+        out.append(f"{key}={value.split(',')[0]}")
+    return out
+
+
+COMMANDS = [(page, line) for page in HAND_WRITTEN for line in lst_train_lines(page)]
+
+
+@pytest.mark.parametrize("page,line", COMMANDS, ids=[f"{p.name}:{i}" for i, (p, _) in enumerate(COMMANDS)])
+def test_every_lst_train_command_of_the_docs_composes_and_passes_the_checks_before_a_run(page, line):
+    """What lst-train does with a documented command before anything heavy runs: its checks of
+    the overrides, Hydra's composition (a key the configs lack is refused there) and the
+    configuration's checks. A file the command names need not exist here."""
+    from app_configs import cfg_of  # noqa: PLC0415
+
+    from lst_lightning.app.checks import check_config, check_overrides  # noqa: PLC0415
+
+    overrides = runnable_overrides(line)
+    check_overrides(overrides)
+    cfg = cfg_of(*overrides)
+    if cfg.data.get("source") != "files":  # data.path=my.txt: a placeholder of the page
+        check_config(cfg)
