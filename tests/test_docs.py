@@ -115,3 +115,28 @@ def test_every_lst_train_command_of_the_docs_composes_and_passes_the_checks_befo
     cfg = cfg_of(*overrides)
     if cfg.data.get("source") != "files":  # data.path=my.txt: a placeholder of the page
         check_config(cfg)
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+
+
+#: the names the API snippets leave to the reader, at tiny sizes
+SNIPPET_NAMES = """
+import torch
+D, d, m = 40, 4, 6
+H = torch.randn(m, d, requires_grad=True)
+target_idx = torch.randint(0, D, (m, 2)); target_idx[0, 1] = -1; target_idx[1, 1] = -100
+W = 0.1 * torch.randn(D, d + 1)
+base_lr, schedule = 1.0, 0.5
+"""
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/factored_head.md"])
+def test_the_head_api_snippet_runs_as_written(page):
+    """README's "The API" and factored_head.md's opening snippet, given tiny D, d, H, W and
+    targets with both paddings: every line runs and the body gets its dL/dH."""
+    names: dict = {}
+    exec(SNIPPET_NAMES, names)  # noqa: S102
+    exec(python_blocks(ROOT / page)[0], names)  # noqa: S102
+    assert names["H"].grad is not None and names["H"].grad.shape == (6, 4) and names["H"].grad.any()
