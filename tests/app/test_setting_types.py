@@ -1,6 +1,8 @@
 """app/setting_types.py: a data setting of the wrong type is refused in one line naming its key."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -25,3 +27,17 @@ def test_values_of_the_right_type_pass():
     section = OmegaConf.create({"_target_": "x", "vocab_size": None, "val_fraction": 1, "path": ["a.txt"],
                                 "pad_start": False, "tokenizer": "words"})
     check_setting_types(section, TextDataModule, "data")
+
+
+def test_the_data_settings_the_docs_name_are_keys_of_the_text_corpora():
+    """docs/app.md's ``data.source=hub data.name=... data.subset=...`` and corpora.md's
+    ``data.min_doc_tokens`` compose without a ``+``, at the data module's defaults."""
+    from app_configs import cfg_of  # noqa: PLC0415
+
+    cfg = cfg_of("data.source=hub", "data.name=wikitext", "data.subset=wikitext-103-raw-v1",
+                 "data.text_column=text", "data.min_doc_tokens=5")
+    assert (cfg.data.name, cfg.data.subset, cfg.data.min_doc_tokens) == ("wikitext", "wikitext-103-raw-v1", 5)
+    check_setting_types(cfg.data, TextDataModule, "data")
+    defaults, code = cfg_of().data, inspect.signature(TextDataModule).parameters
+    for key in ("name", "subset", "text_column", "min_doc_tokens"):
+        assert defaults[key] == code[key].default, key

@@ -360,3 +360,14 @@ def test_a_state_whose_settings_would_fail_after_its_tensors_loaded_is_refused_u
     assert "\n" not in str(err.value)
     assert_untouched(head, before)
     assert head._version == version and head.lr == lr
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+def test_a_head_left_on_the_meta_device_says_so_in_one_line(cls):
+    """A head built on the meta device and called before ``to_empty`` (it holds no values)."""
+    head = cls(num_classes=20, hidden_dim=4, device="meta")
+    for call in (lambda: head(torch.randn(3, 4), torch.zeros(3, dtype=torch.long)),
+                 lambda: head.topk(torch.randn(3, 4), 2)):
+        with pytest.raises(RuntimeError, match=r"on the meta device.*to_empty") as err:
+            call()
+        assert "\n" not in str(err.value)

@@ -60,3 +60,22 @@ def test_a_state_holding_another_heads_shard_of_v_is_refused_and_nothing_changes
         else:
             raise AssertionError("a shard of V loaded into a head holding all of it")
         assert torch.equal(head.V, V)
+
+
+def test_a_head_built_under_the_meta_device_context_is_the_head_as_constructed_after_reset():
+    """docs/factored_head.md, "Built on the meta device": ``with torch.device("meta")`` with the
+    default loss (its sampler's tables on the host), then ``to_empty`` and ``reset_weight()``."""
+    with torch.device("meta"):
+        head = FactoredSphericalHead(num_classes=D, hidden_dim=d, generator=torch.Generator().manual_seed(3))
+    assert head.V.device.type == "meta" and head.negatives is not None
+    head.to_empty(device="cpu")
+    try:
+        head(*batch(4, d, D, 1)[:2])
+    except RuntimeError as e:
+        assert "reset_weight" in str(e) and "\n" not in str(e)
+    else:
+        raise AssertionError("a head of uninitialised memory trained")
+    head.reset_weight()
+    built = FactoredSphericalHead(num_classes=D, hidden_dim=d, generator=torch.Generator().manual_seed(3))
+    for (n, a), b in zip(head.named_buffers(), built.buffers()):
+        assert torch.equal(a, b), n

@@ -122,7 +122,8 @@ class NegativeSampling:
         self.settings = settings
         kw = {"class_counts": settings.class_counts, "power": settings.power,
               "smoothing": settings.smoothing} if settings.sampler == "unigram" else {}
-        self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)  # tables on the host
+        with torch.device("cpu"):  # tables on the host, also under a ``with torch.device("meta")`` build
+            self.sampler = STATIC_SAMPLERS[settings.sampler](num_classes=num_classes, **kw)
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(settings.seed if settings.seed is not None else seed)
         #: the generator of the device the draws run on since ``draw_on`` (None: on the host)
