@@ -51,8 +51,8 @@ def test_slugs_are_githubs():
 #: a repository path named in prose (tests/..., scripts/..., ...), with an optional ``::name``
 #: inside it; a path that runs into a placeholder or a glob ({..}, <..>, *) is a pattern, not a file
 REPO_PATH = re.compile(r"(?<![\w/.])((?:tests|scripts|src|conf|benchmarks|triton_kernels)/[\w./-]+)(::\w+)?(.?)")
-#: named by the docs as they stand at a git tag, not in the tree (docs/choosing_a_head.md)
-NOT_IN_TREE = {"scripts/shared_proposals.py"}
+#: named by the docs though not in the tree (none)
+NOT_IN_TREE: set[str] = set()
 HAND_WRITTEN = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
