@@ -355,11 +355,15 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    if not val and trainer.limit_val_batches != 0:  # none ran at the end of training (e.g. max_steps mid-epoch)
+    val_step = trainer.callback_metrics.get("val_step")
+    val_step = int(val_step) if val and val_step is not None else None
+    if val_step != steps and trainer.limit_val_batches != 0:
+        # the last validation before the end of training (val_check_interval, max_steps mid-epoch), or none
         out = trainer.validate(module, datamodule=dm, verbose=False)  # [] when no batch is run
         val = {k[4:]: float(v) for k, v in (out[0] if out else {}).items() if k.startswith("val/")}
+        val_step = steps if val else None  # under ddp_spawn the workers' global_step is 0 here
     results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": loss_name(cfg),
-                     "num_classes": dm.num_classes, "val": val,
+                     "num_classes": dm.num_classes, "val": val, "val_step": val_step,
                      "train_steps": steps}
     if isinstance(getattr(module.head, "step", None), str):  # the factored head's step as it ran (head.step=auto)
         results["head_step"] = module.head.step
