@@ -51,6 +51,12 @@ def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
     return readable(ckpt_path, ckpt_path)
 
 
+def resumes_its_own_run(ckpt_path, run_dir: str | Path) -> bool:
+    """Whether ``ckpt_path`` resumes a checkpoint of ``run_dir`` itself (the run that directory holds)."""
+    found = resolve_ckpt_path(ckpt_path, run_dir)
+    return found is not None and Path(found).resolve() in {p.resolve() for p in run_checkpoints(run_dir)}
+
+
 def refuse_mixing(ckpt_path, run_dir: str | Path) -> None:
     """One line when ``run_dir`` holds checkpoints and ``ckpt_path`` (null, or a file) is not one of them."""
     run_dir = Path(run_dir)
