@@ -268,6 +268,10 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if cfg.head.get("step") == AUTO:
         choose_step(module.head, trainer)
     check_built(cfg, module, trainer)
+    if (ckpt := resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)) is not None:
+        from .checkpoint_fit import check_fits  # noqa: PLC0415
+
+        check_fits(cfg, module, ckpt)  # another model's checkpoint: one line, before the run writes anything
     module.compiled = compile_choice(setting, body, module.head, device, trainer.world_size,
                                      trainer.accumulate_grad_batches)
     if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or device.type == "cuda"):
