@@ -2,6 +2,7 @@
 validation and test rows in csv/metrics.csv (trainer=ddp_cpu starts new workers, and
 so a new writer, for every trainer call)."""
 import csv
+import shutil
 from functools import partial
 
 import pytest
@@ -80,11 +81,13 @@ def test_workers_started_per_trainer_call_keep_the_rows(tmp_path):
 
 
 def test_a_fresh_run_in_an_earlier_runs_directory_begins_its_log_anew(tmp_path):
-    """A sweep run again into its directory (a fixed hydra.sweep.dir), without ckpt_path: each job's
-    metrics.csv holds the new run's rows only (lst-compare's curves and best values read it);
-    a resumed run still continues it."""
+    """A sweep run again into its directory (a fixed hydra.sweep.dir), without ckpt_path, its
+    checkpoints deleted (a fresh start among them is refused: resume.py): each job's metrics.csv
+    holds the new run's rows only (lst-compare's curves and best values read it); a resumed run
+    still continues it."""
     run_of([*TINY, "head=softmax"], tmp_path)
     first = rows(tmp_path / "csv" / "metrics.csv")
+    shutil.rmtree(tmp_path / "checkpoints")
     run_of([*TINY, "head=softmax", "trainer.limit_train_batches=4"], tmp_path)
     got = rows(tmp_path / "csv" / "metrics.csv")
     assert max(int(r["step"]) for r in first) > 4

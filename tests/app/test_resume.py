@@ -168,6 +168,32 @@ def test_last_is_the_newest_checkpoint_of_the_run(tmp_path):
         resolve_ckpt_path("last", tmp_path)
 
 
+def files(run_dir):
+    return {p: p.read_bytes() for p in Path(run_dir).rglob("*") if p.is_file()}
+
+
+def test_a_fresh_start_among_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """ckpt_path=null (or another directory's checkpoint) in a run directory that holds checkpoints: one
+    line naming them and ckpt_path=last, every file left as it was; its own checkpoint resumes."""
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    for name in ("step20.ckpt", "last.ckpt"):
+        torch.save({"global_step": 20}, ckpts / name)
+    (tmp_path / "results.json").write_text('{"train_steps": 20}')
+    before = files(tmp_path)
+    with pytest.raises(ValueError, match=rf"^a fresh start in {tmp_path}, which holds an earlier run's checkpoints "
+                                         r"\(checkpoints/.*\.ckpt, checkpoints/.*\.ckpt\): ckpt_path=last resumes"):
+        run(cfg_of(*FAST), tmp_path)
+    assert files(tmp_path) == before
+    other = tmp_path.parent / f"{tmp_path.name}-other.ckpt"
+    torch.save({}, other)
+    with pytest.raises(ValueError, match=r"\(another directory's checkpoint\) in .*: ckpt_path=last resumes"):
+        resolve_ckpt_path(str(other), tmp_path)
+    assert resolve_ckpt_path(str(ckpts / "step20.ckpt"), tmp_path) == str(ckpts / "step20.ckpt")
+    assert resolve_ckpt_path("auto", tmp_path) in (str(ckpts / "last.ckpt"), str(ckpts / "step20.ckpt"))
+    assert resolve_ckpt_path(str(other), tmp_path / "empty") == str(other)  # no checkpoints there: a resume elsewhere
+
+
 def test_two_ranks_resume_mid_epoch_exactly(tmp_path):
     """Two gloo ranks (ddp_fork), dropout and the replicated factored head: resumed from the
     checkpoint of step 3 of 6, they end as the run never stopped; the checkpoint holds each

@@ -1,5 +1,6 @@
 """The training app: config composition, a fast run of every head and loss, exact
 resume, bad input at start-up, and the console script."""
+import csv
 import json
 import os
 import subprocess
@@ -110,9 +111,25 @@ def test_tiny_run_with_toy_heads(tmp_path, head, loss):
         assert 0 < r["mrr"] <= 1 and "simlex_rho" in r
         assert ("perplexity" in r) == (head == TOY_SOFTMAX)
     assert res["tokens_per_s"] > 0 and 0 < res["head_share"] < 1
-    assert res["train_steps"] == 20
+    assert res["train_steps"] == res["val_step"] == 20  # validated at the end of the epoch: not again
     assert (tmp_path / "checkpoints" / "last.ckpt").is_file() and (tmp_path / "vocab.json").is_file()
     assert (tmp_path / "csv" / "metrics.csv").read_text().count("train/loss") == 1
+    assert len(val_rows(tmp_path)) == 1
+
+
+def val_rows(run_dir):
+    with (Path(run_dir) / "csv" / "metrics.csv").open(newline="") as f:
+        return [r for r in csv.DictReader(f) if r.get("val/mrr")]
+
+
+def test_val_is_the_final_models_when_the_last_validation_came_earlier(tmp_path):
+    """trainer.val_check_interval=8 over 20 steps validates at steps 8 and 16: results.json's val is
+    of the final weights (a validation after training), labelled with its step."""
+    res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "trainer.val_check_interval=8"), tmp_path)
+    assert res["train_steps"] == res["val_step"] == 20
+    rows = val_rows(tmp_path)
+    assert len(rows) == 3 and res["val"]["mrr"] == pytest.approx(float(rows[-1]["val/mrr"]), rel=1e-6)
+    assert res["val"]["mrr"] != pytest.approx(float(rows[-2]["val/mrr"]), rel=1e-6)  # not step 16's
 
 
 @pytest.mark.parametrize("head,loss", head_loss_cases())
@@ -192,7 +209,7 @@ def test_no_validation_batches(tmp_path):
     """trainer.limit_val_batches=0: no validation, an empty val in the results, and the test split still runs."""
     res = run(cfg_of(*FAST, f"head._target_={TOY_SOFTMAX}", "trainer.limit_val_batches=0",
                      "trainer.max_steps=7"), tmp_path)  # max_steps mid-epoch: the case that validated at the end
-    assert res["val"] == {} and res["train_steps"] == 7 and 0 < res["test"]["mrr"] <= 1
+    assert res["val"] == {} and res["val_step"] is None and res["train_steps"] == 7 and 0 < res["test"]["mrr"] <= 1
 
 
 class _StopAfterFirstEpoch(pl.Callback):

@@ -1,7 +1,10 @@
 """The loggers and callbacks from config (wiring.py): the _target_ entries of the logger and
 callbacks groups, made in order by one loop; the keys users type still switch them."""
+import shutil
+
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lst_lightning.app.callbacks import (FailTogether, HeadTiming, PeriodicCheckpoint, ProgressBar, ProgressLog,
                                          ResumeState, ShardedHeadCheckpoint)
@@ -22,6 +25,25 @@ def test_logger_keys_switch_the_loggers(tmp_path):
     assert made("logger", tmp_path, no_csv) == []
     loggers = made("logger", tmp_path, offline)
     assert [type(x) for x in loggers] == [AppendingCSVLogger, pl.loggers.WandbLogger]
+
+
+def test_a_resumed_run_continues_its_directorys_wandb_run(tmp_path):
+    """ckpt_path=last/auto (or one of the directory's own checkpoints): the directory's newest W&B run id,
+    whose offline parts `wandb sync` uploads as one run; a fresh start, or a resume into another
+    directory, a new W&B run."""
+    for name in ("offline-run-20260101_090000-older1", "offline-run-20260102_090000-abc123"):
+        (tmp_path / "wandb" / name).mkdir(parents=True)
+        (tmp_path / "wandb" / name / f"run-{name[-6:]}.wandb").write_bytes(b"")
+    (tmp_path / "checkpoints").mkdir()
+    torch.save({}, tmp_path / "checkpoints" / "last.ckpt")
+    last, auto, own, elsewhere, fresh = cfgs_of(*[["logger=offline", o] for o in (
+        "ckpt_path=last", "ckpt_path=auto", f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}",
+        f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}", "ckpt_path=null")])
+    assert [made("logger", tmp_path, c)[-1].version for c in (last, auto, own)] == ["abc123"] * 3
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "wandb", other / "wandb")  # an earlier run that saved no checkpoint
+    assert made("logger", other, elsewhere)[-1].version is None
+    assert made("logger", other, fresh)[-1].version is None
 
 
 @pytest.mark.parametrize("name", ["default", "minimal"])

@@ -274,6 +274,8 @@ class LanguageModel(pl.LightningModule):
 
     def on_validation_epoch_end(self):
         self._eval_epoch_end(self.val_ranks, self.val_ppl, self.val_loss, "val")
+        # the step these val/* are from, for results.json (spawned workers hand callback_metrics back); no logger's
+        self.log("val_step", float(self.trainer.global_step), logger=False, sync_dist=True)
         if self.trainer.state.fn == "fit":  # each validation point's own time: curves against time (W&B too)
             self.log("train/elapsed_s", time.perf_counter() - self._fit_start, sync_dist=True)
             clock = training_clock(self.trainer)

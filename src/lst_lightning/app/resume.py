@@ -7,6 +7,10 @@
   runs every time (with a fixed ``hydra.run.dir``, docs/app.md "Checkpoints and resuming");
 - null: a fresh start.
 
+A run directory holds one run's checkpoints: a fresh start, or a resume from another directory's
+checkpoint, in a directory that holds checkpoints is refused (its saves would mix with the earlier
+run's, and ``ckpt_path=last`` after an interruption would resume the earlier run).
+
 Needs no torch: the answer is known before the heavy imports."""
 from __future__ import annotations
 
@@ -25,8 +29,10 @@ def run_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
     """The checkpoint file to resume from, or None for a fresh start; raises (one line) when
-    ``ckpt_path=last`` finds nothing, or a file does not exist."""
+    ``ckpt_path=last`` finds nothing, a file does not exist, or the run directory holds an
+    earlier run's checkpoints that this run would not continue."""
     if not ckpt_path:
+        refuse_mixing(ckpt_path, run_dir)
         return None
     if str(ckpt_path) in NEWEST:
         found = run_checkpoints(run_dir)
@@ -41,7 +47,27 @@ def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
         raise FileNotFoundError(f"ckpt_path={ckpt_path}: no such checkpoint file; give a run's "
                                 "checkpoints/last.ckpt, ckpt_path=last (hydra.run.dir=<the run's directory>), "
                                 "or ckpt_path=null to start afresh")
+    refuse_mixing(ckpt_path, run_dir)
     return readable(ckpt_path, ckpt_path)
+
+
+def resumes_its_own_run(ckpt_path, run_dir: str | Path) -> bool:
+    """Whether ``ckpt_path`` resumes a checkpoint of ``run_dir`` itself (the run that directory holds)."""
+    found = resolve_ckpt_path(ckpt_path, run_dir)
+    return found is not None and Path(found).resolve() in {p.resolve() for p in run_checkpoints(run_dir)}
+
+
+def refuse_mixing(ckpt_path, run_dir: str | Path) -> None:
+    """One line when ``run_dir`` holds checkpoints and ``ckpt_path`` (null, or a file) is not one of them."""
+    run_dir = Path(run_dir)
+    found = run_checkpoints(run_dir)
+    if not found or (ckpt_path and Path(ckpt_path).resolve() in {p.resolve() for p in found}):
+        return
+    what = "a fresh start" if not ckpt_path else f"ckpt_path={ckpt_path} (another directory's checkpoint)"
+    names = ", ".join(str(p.relative_to(run_dir)) for p in reversed(found))
+    raise ValueError(f"{what} in {run_dir}, which holds an earlier run's checkpoints ({names}): ckpt_path=last "
+                     "resumes that run; to start another, give an empty hydra.run.dir (hydra.sweep.dir in a "
+                     "multirun) or delete those files")
 
 
 #: the first bytes of torch.save's format before its zip files (``_use_new_zipfile_serialization=False``)

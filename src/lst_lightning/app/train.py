@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,7 @@ from .errors import exit_on_bad_input
 from .preemption import exit_on_preemption
 from .quiet import one_handler_for_lightning, quiet_libraries, show_our_lines
 from .resume import resolve_ckpt_path
+from .run_lock import holding
 from .schemas import not_null_defaults
 from .setting_types import check_setting_types
 from .step_choice import AUTO, choose_step
@@ -268,6 +270,10 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if cfg.head.get("step") == AUTO:
         choose_step(module.head, trainer)
     check_built(cfg, module, trainer)
+    if (ckpt := resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)) is not None:
+        from .checkpoint_fit import check_fits  # noqa: PLC0415
+
+        check_fits(cfg, module, ckpt)  # another model's checkpoint: one line, before the run writes anything
     module.compiled = compile_choice(setting, body, module.head, device, trainer.world_size,
                                      trainer.accumulate_grad_batches)
     if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or device.type == "cuda"):
@@ -327,7 +333,8 @@ def run(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()) ->
     trainer call starts the workers; under an external launcher (torchrun, SLURM with
     ``strategy=ddp``) it runs on every rank and only global rank 0 writes files."""
     start = time.perf_counter()
-    return fit_and_test(cfg, run_dir, build(cfg, run_dir, extra_callbacks), start)
+    with holding(run_dir):  # one run at a time in a directory
+        return fit_and_test(cfg, run_dir, build(cfg, run_dir, extra_callbacks), start)
 
 
 def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: float) -> dict:
@@ -355,11 +362,15 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    if not val and trainer.limit_val_batches != 0:  # none ran at the end of training (e.g. max_steps mid-epoch)
+    val_step = trainer.callback_metrics.get("val_step")
+    val_step = int(val_step) if val and val_step is not None else None
+    if val_step != steps and trainer.limit_val_batches != 0:
+        # the last validation before the end of training (val_check_interval, max_steps mid-epoch), or none
         out = trainer.validate(module, datamodule=dm, verbose=False)  # [] when no batch is run
         val = {k[4:]: float(v) for k, v in (out[0] if out else {}).items() if k.startswith("val/")}
+        val_step = steps if val else None  # under ddp_spawn the workers' global_step is 0 here
     results: dict = {"name": run_name(cfg), "head": type(module.head).__name__, "loss": loss_name(cfg),
-                     "num_classes": dm.num_classes, "val": val,
+                     "num_classes": dm.num_classes, "val": val, "val_step": val_step,
                      "train_steps": steps}
     if isinstance(getattr(module.head, "step", None), str):  # the factored head's step as it ran (head.step=auto)
         results["head_step"] = module.head.step
@@ -444,25 +455,27 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
     hc = HydraConfig.get()
     start = time.perf_counter()
-    with exit_on_bad_input("lst-train"):  # bad input: one line, exit code 2
-        check_config(cfg)  # in a second, before the heavy imports of build()
-        resolve_ckpt_path(cfg.get("ckpt_path"), hc.runtime.output_dir)  # ckpt_path=last with nothing there
-        swept = swept_overrides(hc)
-        if swept:  # one W&B run per job: the run name says which point of the sweep it is
-            with open_dict(cfg):
-                cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
-        group_the_sweep(cfg, hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None)  # one W&B group per sweep
-        built = build(cfg, hc.runtime.output_dir)
-    try:
-        with exit_on_preemption(hc.runtime.output_dir):  # SIGTERM: last.ckpt saved, exit code 143
-            results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
-    except FloatingPointError as e:
-        if not cfg.get("objective"):
-            raise
-        # a diverged trial is a bad point of the search, not the end of it
-        log.warning("trial diverged, objective = inf: %s", e)
-        return float("inf")
-    return objective(cfg, results)
+    with ExitStack() as held:
+        with exit_on_bad_input("lst-train"):  # bad input: one line, exit code 2
+            check_config(cfg)  # in a second, before the heavy imports of build()
+            held.enter_context(holding(hc.runtime.output_dir))  # one run at a time in a directory, until the job ends
+            resolve_ckpt_path(cfg.get("ckpt_path"), hc.runtime.output_dir)  # ckpt_path=last with nothing there
+            swept = swept_overrides(hc)
+            if swept:  # one W&B run per job: the run name says which point of the sweep it is
+                with open_dict(cfg):
+                    cfg.name = f"{run_name(cfg)}[{','.join(swept)}]"
+            group_the_sweep(cfg, hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None)  # one W&B group per sweep
+            built = build(cfg, hc.runtime.output_dir)
+        try:
+            with exit_on_preemption(hc.runtime.output_dir):  # SIGTERM: last.ckpt saved, exit code 143
+                results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
+        except FloatingPointError as e:
+            if not cfg.get("objective"):
+                raise
+            # a diverged trial is a bad point of the search, not the end of it
+            log.warning("trial diverged, objective = inf: %s", e)
+            return float("inf")
+        return objective(cfg, results)
 
 
 def objective(cfg: DictConfig, results: dict) -> float | None:

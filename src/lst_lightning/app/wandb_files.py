@@ -69,6 +69,16 @@ def _inspect(path: Path, *flags: str) -> str:
     return proc.stdout
 
 
+def newest_run_id(run_dir: str | Path) -> str | None:
+    """The id of the newest W&B run of an lst-train run directory (``<run_dir>/wandb/[offline-]run-<date>_<time>-<id>/
+    run-<id>.wandb``, by its start time, then by when it was last written), or None where it holds none."""
+    files = [p for p in (Path(run_dir) / "wandb").glob("*run-*/run-*.wandb") if p.is_file()]
+    if not files:
+        return None
+    newest = max(files, key=lambda p: (p.parent.name.rsplit("-", 2)[-2], p.stat().st_mtime_ns))
+    return newest.stem.removeprefix("run-")
+
+
 def read_run(path: str | Path) -> WandbRun:
     """One ``run-*.wandb`` file (or the W&B run directory holding it)."""
     path = Path(path)

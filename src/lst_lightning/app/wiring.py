@@ -77,13 +77,18 @@ def csv_logger(run: Run, name: str = "csv"):
 def wandb_logger(run: Run, *, mode: str, project: str, entity: str | None, group: str | None, tags: list | tuple):
     """W&B, its run named after the run, grouped by ``group`` (default: the run name; a
     multirun's jobs get their sweep's, app/sweep_group.py), tagged with the head's class
-    and the loss; the whole config as the run's flat config."""
+    and the loss; the whole config as the run's flat config. A run resumed from its own
+    directory's checkpoint continues that directory's W&B run (its id); any other run is a new one."""
     import lightning.pytorch as pl  # noqa: PLC0415
 
+    from .resume import resumes_its_own_run  # noqa: PLC0415
+    from .wandb_files import newest_run_id  # noqa: PLC0415
+
     tags = sorted({type(run.head).__name__, *([run.loss] if run.loss else []), *tags})
+    run_id = newest_run_id(run.run_dir) if resumes_its_own_run(run.cfg.get("ckpt_path"), run.run_dir) else None
     return pl.loggers.WandbLogger(
         save_dir=str(run.run_dir), project=project, entity=entity, name=run.name, group=group or run.name,
-        tags=tags, mode=mode, config=flatten(OmegaConf.to_container(run.cfg, resolve=True)))
+        tags=tags, mode=mode, config=flatten(OmegaConf.to_container(run.cfg, resolve=True)), id=run_id)
 
 
 # -- callbacks ----------------------------------------------------------------------------

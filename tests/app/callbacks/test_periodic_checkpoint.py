@@ -37,6 +37,20 @@ def test_steps_validations_and_the_end_are_saved_and_the_newest_kept(tmp_path):
     assert (tmp_path / "b" / "checkpoints" / "last.ckpt").stat().st_nlink == 1  # no step file: written itself
 
 
+def test_a_moved_run_directory_still_keeps_only_the_newest(tmp_path):
+    """A run directory moved, then resumed there: its step file from before the move is pruned by keep=1
+    as in place; a resume into another directory leaves the first directory's files as they are."""
+    run(cfg_of(*TEN_STEPS), tmp_path / "a")
+    assert saved(tmp_path / "a") == {"step10.ckpt": 10, "last.ckpt": 10}
+    (tmp_path / "a").rename(tmp_path / "moved")
+    run(cfg_of(*TEN_STEPS, "trainer.max_epochs=2", "ckpt_path=last"), tmp_path / "moved")
+    assert saved(tmp_path / "moved") == {"step20.ckpt": 20, "last.ckpt": 20}
+    ckpt = tmp_path / "moved" / "checkpoints" / "step20.ckpt"
+    run(cfg_of(*TEN_STEPS, "trainer.max_epochs=3", f"ckpt_path={ckpt}"), tmp_path / "other")
+    assert saved(tmp_path / "other") == {"step30.ckpt": 30, "last.ckpt": 30}
+    assert saved(tmp_path / "moved") == {"step20.ckpt": 20, "last.ckpt": 20}
+
+
 def test_saves_wait_until_training_pays_for_them(tmp_path, monkeypatch):
     """On a clock where a step takes 0.5 s and a save holds training up for 1 s, a step
     trigger at every step with max_overhead 0.5 saves only once 2 s of training followed the

@@ -32,6 +32,7 @@ later leaves last.ckpt whole.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -90,6 +91,28 @@ class PeriodicCheckpoint(ModelCheckpoint):
         # Lightning's key holds the triggers: a resumed run with other ones would not get its
         # state back (the saves it keeps), and would leave the old ones undeleted
         return type(self).__name__
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The saves the checkpoint names, in the directory that holds them: a run directory moved (or
+        copied) after the save is still the same run, whose older step files ``keep`` prunes; a checkpoint resumed into another
+        directory names files that are not there, and none is tracked (Lightning's own rule for another
+        ``dirpath`` keeps only ``best_model_path``, and never prunes a moved directory's step files)."""
+        saved = state_dict.get("dirpath", self.dirpath)
+        if saved != self.dirpath:
+            state_dict = {**state_dict, **self._found_here(state_dict), "dirpath": self.dirpath}
+        super().load_state_dict(state_dict)
+
+    def _found_here(self, state_dict: dict) -> dict:
+        def here(path) -> str:
+            moved = os.path.join(self.dirpath, os.path.basename(path)) if path else ""
+            return moved if moved and os.path.isfile(moved) else ""
+
+        best_k = {here(p): v for p, v in (state_dict.get("best_k_models") or {}).items() if here(p)}
+        best, kth = here(state_dict.get("best_model_path")), here(state_dict.get("kth_best_model_path"))
+        return {"best_k_models": best_k, "best_model_path": best, "kth_best_model_path": kth,
+                "last_model_path": here(state_dict.get("last_model_path")),
+                "best_model_score": state_dict.get("best_model_score") if best else None,
+                "kth_value": state_dict.get("kth_value") if kth else self.kth_value}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         with warnings.catch_warnings():  # a resumed run writes into its own checkpoints: no news

@@ -1,0 +1,37 @@
+"""A resume whose settings change the model is refused in one line, before the run writes
+anything (checkpoint_fit.py): the run directory's config.yaml and vocab.json stay the
+checkpoint's run's."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from lst_lightning.app.checkpoint_fit import mismatches
+from lst_lightning.app.train import run
+
+from app_configs import FAST, cfg_of
+
+
+def files(run_dir):
+    return {p: p.read_bytes() for p in Path(run_dir).rglob("*") if p.is_file() and p.name != "train.log"}
+
+
+def test_a_resume_with_another_model_is_refused_and_writes_nothing(tmp_path):
+    run(cfg_of(*FAST, "test=false"), tmp_path)
+    before = files(tmp_path)
+    with pytest.raises(ValueError, match=r"^ckpt_path=last: .*last\.ckpt does not fit the model of these settings: "
+                                         r"body\.\S+ is \(16, \d+\) there, \(32, \d+\) here.*the settings that differ "
+                                         r"from the run that saved it: model\.hidden_dim=16 \(here 32\)"):
+        run(cfg_of(*FAST, "test=false", "ckpt_path=last", "model.hidden_dim=32"), tmp_path)
+    with pytest.raises(ValueError, match=r"head\.W missing there; head\.V not in this model.*head\._target_="):
+        run(cfg_of(*FAST, "test=false", "ckpt_path=last", "head=naive"), tmp_path)
+    assert files(tmp_path) == before
+
+
+def test_mismatches_name_keys_and_shapes_and_skip_a_sharded_heads_shapes():
+    here = {"body.w": torch.zeros(2, 3), "head.V": torch.zeros(4, 3), "head.n": torch.zeros(())}
+    saved = {"body.w": torch.zeros(2, 3), "head.V": torch.zeros(0, 3), "head.x": torch.zeros(1)}
+    assert mismatches(saved, here) == ["head.n missing there", "head.x not in this model",
+                                       "head.V is (0, 3) there, (4, 3) here"]
+    assert mismatches(saved, here, skip="head.") == ["head.n missing there", "head.x not in this model"]
+    assert mismatches(here, here) == []
