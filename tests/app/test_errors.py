@@ -50,6 +50,9 @@ SLOW = pytest.mark.slow
     pytest.param(["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in", marks=SLOW),
     (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),
     pytest.param(["data=text_files", "data.path=empty.txt"], "is empty", marks=SLOW),
+    (["head=nosuch"], "head=nosuch: head has no option nosuch; the choices are adaptive, "),  # Hydra's: composition.py
+    pytest.param(["data.batch_sise=3"], "did you mean data.batch_size? (+data.batch_sise=3 adds it", marks=SLOW),
+    pytest.param(["-m", "head=factored,nosuch"], "head=nosuch: head has no option nosuch", marks=SLOW),
 ])
 def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, match):
     out, rest, modules, code = lst_train(*args, cwd=files)
@@ -58,9 +61,13 @@ def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, 
     assert "lst_lightning.app.train" in modules  # the listing works: the app itself is in it
 
 
-def test_full_error_shows_the_traceback(tmp_path):
-    _, rest, _, code = lst_train("trainer.max_steps=-5", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
-    assert code != 0 and any("Traceback" in ln for ln in rest) and "trainer.max_steps=-5" in rest[-1]
+@pytest.mark.parametrize("arg,last", [
+    ("trainer.max_steps=-5", "trainer.max_steps=-5"),
+    pytest.param("head=nosuch", "provider=schema, path=structured://", marks=SLOW),  # Hydra's own message
+])
+def test_full_error_shows_the_traceback(tmp_path, arg, last):
+    _, rest, _, code = lst_train(arg, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert code != 0 and any("Traceback" in ln for ln in rest) and last in rest[-1]
 
 
 def test_help_says_what_the_app_is_and_where_the_docs_are(tmp_path):

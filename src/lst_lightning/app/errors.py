@@ -28,6 +28,10 @@ def bad_input_message(exc: BaseException) -> str | None:
     from hydra.errors import InstantiationException  # noqa: PLC0415
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException  # noqa: PLC0415
 
+    from .composition import composition_message  # noqa: PLC0415
+
+    if (text := composition_message(exc)) is not None:  # a command line that does not compose
+        return text
     if isinstance(exc, InstantiationException):
         # "Error in call to target 'x.Y':\nValueError('...')\nfull_key: head": the cause, and the key.
         cause = exc.__cause__

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import check_config, check_overrides
 from .compiling import choose as compile_choice
 from .compiling import run_refusal
+from .composition import composed, raising
 from .optimizers import embedding_for
 from .configs import config_dir
 from .errors import exit_on_bad_input
@@ -442,6 +443,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
     from .sweep_group import group_the_sweep  # noqa: PLC0415
 
+    composed()  # from here Hydra reports what is raised, as it does for any app
     hc = HydraConfig.get()
     start = time.perf_counter()
     with exit_on_bad_input("lst-train"):  # bad input: one line, exit code 2
@@ -482,7 +484,8 @@ def objective(cfg: DictConfig, results: dict) -> float | None:
 def main() -> None:
     with exit_on_bad_input("lst-train"):
         check_overrides(sys.argv[1:])  # before Hydra, whose hint for loss.a=1 is +loss.a=1
-    _hydra_main()
+    with exit_on_bad_input("lst-train"), raising():  # head=nosuch, data.batch_sise=3: one line too
+        _hydra_main()
 
 
 if __name__ == "__main__":
