@@ -84,7 +84,9 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
     """(entity, project, group, W&B runs) of a sweep directory: from its W&B offline runs,
     else from the config.yaml lst-train wrote in each run (``logger.wandb``; the group
     defaults to the run name, and in a multirun to the sweep's: app/sweep_group.py). Each of
-    ``given`` (--entity, --project, --group) that is set stands; one its runs differ in must be given."""
+    ``given`` (--entity, --project, --group) that is set stands, and must be one of the runs' (a
+    group no run of the sweep logged to would show an empty workspace); one its runs differ in
+    must be given."""
     runs = read_runs(sweep)
     if runs:
         targets = {(r.config.get("logger.wandb.entity"), r.project, r.group) for r in runs}
@@ -101,6 +103,8 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
         raise ValueError(f"{sweep} holds no W&B offline run and no lst-train config.yaml")
     chosen, differ = [], []
     for flag, value, found in zip(("--entity", "--project", "--group"), given, zip(*targets)):
+        if value and value not in found and None not in found:  # None: a run that leaves it to W&B's default
+            raise ValueError(f"no run under {sweep} goes to {flag} {value}: they have {sorted(set(found))}")
         chosen.append(value or (found[0] if len(set(found)) == 1 else None))
         if not chosen[-1] and len(set(found)) > 1:
             differ.append(f"{flag} (they have {sorted(set(found), key=str)})")
