@@ -108,6 +108,15 @@ def test_a_group_or_project_no_run_goes_to_is_refused(tmp_path, capsys, flag, va
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_a_config_that_does_not_parse_is_named(tmp_path, capsys):
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "config.yaml").write_text("logger: [\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dry-run"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lst-dashboard: error: {tmp_path / '0' / 'config.yaml'} does not parse")
+
+
 def test_without_wandb_workspaces_it_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
     monkeypatch.setitem(sys.modules, "wandb_workspaces.workspaces", None)

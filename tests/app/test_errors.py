@@ -86,3 +86,20 @@ def test_offline_hub_dataset_is_one_line(tmp_path):
                                         "LST_CACHE_DIR": str(tmp_path / "cache")})
     assert_one_line(rest, code, "data.name='wikitext' (data.source=hub) is not cached")
     assert "Traceback" not in out
+
+
+def test_the_other_scripts_errors_are_one_line_too(capsys):
+    """lst-compare and lst-dashboard (argparse): an unknown flag, a missing argument and the script's own
+    refusal, each one line without argparse's usage lines."""
+    from lst_lightning.app import compare, dashboard  # noqa: PLC0415
+
+    for main, prog, argv, match in [(compare.main, "lst-compare", ["--nosuch", "x"], "unrecognized arguments: --nosuch"),
+                                    (compare.main, "lst-compare", [], "the following arguments are required: dirs"),
+                                    (compare.main, "lst-compare", ["/nonexistent"], "no such run or sweep directory"),
+                                    (dashboard.main, "lst-dashboard", ["/nonexistent", "--dry-run"],
+                                     "no such sweep directory: /nonexistent")]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err.splitlines()
+        assert info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+        assert match in err[0]

@@ -12,12 +12,12 @@ would create.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-import yaml
 
+from .errors import OneLineParser
+from .run_files import read_config
 from .wandb_files import read_runs
 from .wandb_panels import (
     DEFAULT_METRIC,
@@ -95,7 +95,7 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
         for path in sweep.rglob("config.yaml"):
             if ".hydra" in path.relative_to(sweep).parts:
                 continue  # Hydra's copy, composed before lst-train named the run and its sweep's group
-            cfg = yaml.safe_load(path.read_text()) or {}
+            cfg = read_config(path)
             wb = (cfg.get("logger") or {}).get("wandb") or {}
             if wb:
                 targets.add((wb.get("entity"), wb.get("project"), wb.get("group") or cfg.get("name")))
@@ -114,7 +114,7 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="lst-dashboard", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="lst-dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", nargs="?", type=Path, help="a sweep (multirun) directory: entity, project and group "
                     "come from its runs, and the dry-run JSON goes beside it")
     ap.add_argument("--entity", help="W&B entity (default: the sweep's, else your default entity)")

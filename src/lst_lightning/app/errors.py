@@ -8,10 +8,12 @@ an argument a constructor refuses, Lightning's MisconfigurationException); error
 raised later, while training, keep their traceback."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 # OSError's subclasses for files and the network; not OSError itself (a full disk is no bad input).
 BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ConnectionError)
@@ -61,3 +63,12 @@ def exit_on_bad_input(prog: str) -> Iterator[None]:
             raise
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser for ``lst-compare`` and ``lst-dashboard``: an error (argparse's own, an
+    unknown flag; the script's, through ``error``) is ``<prog>: error: <message>`` in one line,
+    exit code 2, without argparse's usage lines (``--help`` shows them)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
