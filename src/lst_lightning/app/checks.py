@@ -4,6 +4,7 @@ trainer's numbers, the checkpoint to resume from, local data files, and the keys
 the loss group. Each error names the setting and says what to do."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from omegaconf import DictConfig, OmegaConf
@@ -59,7 +60,8 @@ CLOCK_NAMES = ("wall", "cpu")
 
 
 def _number(v, lo: float = 0.0, hi: float = float("inf"), open_lo: bool = False) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number in the range (inf and nan are no setting: an lr of inf trains to nan)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             and (v > lo if open_lo else v >= lo) and v <= hi)
 
 
@@ -70,6 +72,8 @@ GROUP_NUMBERS = {
         "lr": (lambda v: _number(v, open_lo=True), "a number > 0"),
         "momentum": (lambda v: _number(v, 0.0, 1.0), "a number in [0, 1]"),
         "weight_decay": (lambda v: _number(v), "a number >= 0"),
+        "embedding_lr": (lambda v: v is None or _number(v, open_lo=True), "a number > 0, or null for optimizer.lr"),
+        "head_lr": (lambda v: v is None or _number(v, open_lo=True), "a number > 0, or null for optimizer.lr"),
     },
     "scheduler": {
         "warmup_steps": (lambda v: _whole(v, 0), "a whole number >= 0"),
@@ -79,6 +83,7 @@ GROUP_NUMBERS = {
         "topk": (lambda v: isinstance(v, list) and len(v) > 0 and all(_whole(k, 1) for k in v),
                  "a list of whole numbers >= 1, such as [1,10]"),
         "simlex": (lambda v: isinstance(v, bool), "true or false"),
+        "perplexity": (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false"),
         "score_chunk_size": (lambda v: _whole(v, 1), "a whole number >= 1"),
         "timing_every": (lambda v: _whole(v, 0), "a whole number >= 0 (0: off)"),
     },
@@ -226,6 +231,18 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
+def check_objective(objective, test: bool) -> None:
+    """``objective`` names ``<split>/<metric>`` of results.json: a split the run writes (val;
+    test unless test=false), before training rather than when the run's results are in."""
+    if not objective:
+        return
+    split, _, metric = str(objective).partition("/")
+    splits = ("val", "test") if test else ("val",)
+    if split not in splits or not metric:
+        raise ValueError(f"objective={objective!r}: must be <split>/<metric> of results.json with the split "
+                         f"{' or '.join(splits)}{'' if test else ' (test=false)'}, such as val/top5_error")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
     for key in GONE:
@@ -245,4 +262,5 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
+    check_objective(cfg.get("objective"), cfg.get("test", True))
     check_data(cfg.data)

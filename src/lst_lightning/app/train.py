@@ -229,12 +229,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     head = make_head(cfg, dm.num_classes, body.hidden_dim, dm.class_counts)
 
     m = cfg.metrics
-    if m.perplexity == "auto":
-        perplexity = head.has_log_prob
-    elif isinstance(m.perplexity, bool):
-        perplexity = m.perplexity
-    else:
-        raise ValueError(f"metrics.perplexity must be auto, true or false, not {m.perplexity!r}")
+    perplexity = head.has_log_prob if m.perplexity == "auto" else m.perplexity  # auto, true or false: check_config
     simlex = None
     if m.simlex and getattr(dm, "vocab", None) is not None:
         simlex = {"pairs": read_simlex(), "index": dm.vocab.index, "skip": [dm.vocab.unk_id]}
