@@ -58,6 +58,30 @@ def check_device(trainer_cfg: DictConfig) -> None:
         raise ValueError("trainer.accelerator=mps but MPS is not available here")
 
 
+#: the Trainer's arguments that ``build`` gives from other settings
+BUILT_TRAINER_ARGS = {"logger": "the logger group", "callbacks": "the callbacks group",
+                      "enable_checkpointing": "callbacks.checkpoint.enabled", "default_root_dir": "hydra.run.dir",
+                      "enable_progress_bar": "callbacks.rich_progress", "plugins": "callbacks.checkpoint.asynchronous"}
+
+
+def check_trainer_keys(trainer_cfg: DictConfig) -> None:
+    """Each key of the trainer group is an argument of Lightning's ``Trainer`` that ``build`` does
+    not give itself (``+trainer.max_step=5``: one line naming the nearest, not the Trainer's
+    TypeError after the data is read)."""
+    import difflib  # noqa: PLC0415
+
+    import lightning.pytorch as pl  # noqa: PLC0415
+
+    takes = [p for p in inspect.signature(pl.Trainer.__init__).parameters if p != "self"]
+    for key in trainer_cfg:
+        if key in BUILT_TRAINER_ARGS:
+            raise ValueError(f"trainer.{key} is lst-train's to give the Trainer: set {BUILT_TRAINER_ARGS[key]}")
+        if key not in takes:
+            near = difflib.get_close_matches(str(key), takes, n=1)
+            raise ValueError(f"trainer.{key}: Lightning's Trainer takes no {key}"
+                             + (f"; did you mean trainer.{near[0]}?" if near else ""))
+
+
 def head_class(cfg: DictConfig) -> type:
     try:
         return get_class(cfg.head._target_)
@@ -211,6 +235,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     run_dir = Path(run_dir)
     resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # ckpt_path=last with nothing to resume fails here
     tcfg = cfg.trainer
+    check_trainer_keys(tcfg)
     check_device(tcfg)
     head_class(cfg)  # a bad _target_ fails here, before the data is read
     if pl.utilities.rank_zero_only.rank == 0 and (note := unused_loss(cfg, task_overrides())):
