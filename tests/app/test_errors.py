@@ -70,6 +70,20 @@ def test_full_error_shows_the_traceback(tmp_path, arg, last):
     assert code != 0 and any("Traceback" in ln for ln in rest) and last in rest[-1]
 
 
+def test_a_run_directory_that_is_a_file_is_one_line():
+    """hydra.run.dir=<a file>: Hydra's mkdir fails before the app runs (a FileExistsError traceback)."""
+    from lst_lightning.app.errors import bad_input_message  # noqa: PLC0415
+
+    assert bad_input_message(FileExistsError(17, "File exists", "/x/run")) == "[Errno 17] File exists: '/x/run'"
+
+
+@SLOW
+def test_a_run_directory_that_is_a_file_through_the_console_script(tmp_path):
+    (tmp_path / "run").write_text("")  # lst_train's hydra.run.dir
+    _, rest, _, code = lst_train("trainer.max_steps=1", cwd=tmp_path)
+    assert_one_line(rest, code, f"File exists: '{tmp_path}/run'")
+
+
 def test_help_says_what_the_app_is_and_where_the_docs_are(tmp_path):
     out, rest, modules, code = lst_train("--help", cwd=tmp_path)
     assert code == 0, rest

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 # OSError's subclasses for files and the network; not OSError itself (a full disk is no bad input).
-BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ConnectionError)
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, ConnectionError)
 
 
 def _lightning_misconfiguration(exc: BaseException) -> bool:
