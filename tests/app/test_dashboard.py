@@ -117,6 +117,17 @@ def test_a_config_that_does_not_parse_is_named(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"lst-dashboard: error: {tmp_path / '0' / 'config.yaml'} does not parse")
 
 
+def test_an_out_that_is_a_folder_or_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "config.yaml").write_text("logger:\n  wandb:\n    project: p\n    group: g\n")
+    (tmp_path / "afile").write_text("")
+    for out, match in ((tmp_path / "0", "Is a directory"), (tmp_path / "afile" / "w.json", "Not a directory")):
+        with pytest.raises(SystemExit):
+            main([str(tmp_path), "--dry-run", "-o", str(out)])
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and match in err[0] and str(out) in err[0], err  # a traceback
+
+
 def test_without_wandb_workspaces_it_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
     monkeypatch.setitem(sys.modules, "wandb_workspaces.workspaces", None)

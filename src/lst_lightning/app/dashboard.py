@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"dry run: would create {text}\ndefinition: {out}")
         else:
             built.save()  # W&B prints the address
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ImportError) as e:  # -o a folder
         ap.error(str(e))
     except wandb.errors.UsageError as e:  # not logged in
         ap.error(f"W&B: {e} (or set WANDB_API_KEY; --dry-run works offline)")
