@@ -65,6 +65,17 @@ def test_bad_values_are_refused_with_their_key(override, match):
         check_config(cfg_of(*override.split()))
 
 
+def test_an_interpolation_that_does_not_resolve_is_named_by_its_key():
+    """``name=${nosuch}``: lst-train's line named no key (the key was read without one)."""
+    from omegaconf.errors import InterpolationKeyError  # noqa: PLC0415
+
+    from lst_lightning.app.errors import bad_input_message  # noqa: PLC0415
+
+    with pytest.raises(InterpolationKeyError) as info:
+        check_config(cfg_of("name=${nosuch}"))
+    assert bad_input_message(info.value) == "name: Interpolation key 'nosuch' not found"
+
+
 @pytest.mark.parametrize("override", ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_epochs=null",
                                       "trainer.limit_train_batches=0.25", "trainer.limit_val_batches=0",
                                       "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",

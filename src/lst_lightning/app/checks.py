@@ -245,6 +245,7 @@ def check_objective(objective, test: bool) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
+    OmegaConf.to_container(cfg, resolve=True)  # an interpolation that does not resolve, named by its key
     for key in GONE:
         if OmegaConf.select(cfg, key, default=GONE) is not GONE:  # an old experiment's config
             check_gone(key, OmegaConf.select(cfg, key))

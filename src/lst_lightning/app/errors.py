@@ -45,6 +45,8 @@ def bad_input_message(exc: BaseException) -> str | None:
         text = f"{exc.full_key} is not set: give it on the command line ({exc.full_key}=...)"
     elif isinstance(exc, OmegaConfBaseException):
         text = str(exc).splitlines()[0]  # without OmegaConf's full_key/object_type lines
+        if exc.full_key and str(exc.full_key) not in text:  # name=${nosuch}: the key, then what is wrong with it
+            text = f"{exc.full_key}: {text}"
     elif isinstance(exc, BAD_INPUT) or _lightning_misconfiguration(exc):
         text = str(exc)
     else:
