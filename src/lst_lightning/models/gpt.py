@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .sizes import check_sizes
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float):
@@ -49,6 +51,8 @@ class GPT(nn.Module):
                  num_heads: int = 4, mlp_ratio: int = 4, hidden_dim: int = 128, dropout: float = 0.0,
                  sparse_embedding: bool = False):
         super().__init__()
+        check_sizes(dropout, embed_dim=embed_dim, num_layers=num_layers, num_heads=num_heads, mlp_ratio=mlp_ratio,
+                    hidden_dim=hidden_dim)
         if embed_dim % num_heads:
             raise ValueError(f"model.embed_dim={embed_dim} must be a multiple of model.num_heads={num_heads}")
         if context_size < 1:

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from .sizes import check_sizes
+
 _ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
 
 
@@ -17,6 +19,7 @@ class NgramMLP(nn.Module):
                  hidden_sizes: Sequence[int] = (256,), hidden_dim: int = 128, activation: str = "relu",
                  dropout: float = 0.0, final_activation: bool = True, sparse_embedding: bool = False):
         super().__init__()
+        check_sizes(dropout, embed_dim=embed_dim, hidden_sizes=hidden_sizes, hidden_dim=hidden_dim)
         if activation not in _ACTIVATIONS:
             raise ValueError(f"model.activation must be one of {sorted(_ACTIVATIONS)}, not {activation!r}")
         self.context_size, self.hidden_dim = context_size, hidden_dim
