@@ -59,6 +59,12 @@ def test_every_experiment_passes(experiment):
     ("objective=top5_error", r"^objective='top5_error': must be <split>/<metric> of results.json with the split "
                              r"val or test, such as val/top5_error$"),  # it trained, then failed with a traceback
     ("objective=test/top5_error test=false", r"with the split val \(test=false\)"),
+    # Lightning's TypeError traceback (abc), or its line after the data was read (0)
+    ("trainer=ddp_cpu trainer.devices=abc", r"^trainer.devices='abc': must be a number of devices"),
+    ("trainer.devices=0", r"^trainer.devices=0: must be"),
+    ("trainer.devices=-2", "trainer.devices=-2"),
+    ("trainer.devices=[]", r"trainer.devices=\[\]"),
+    ("+trainer.num_nodes=0", r"^trainer.num_nodes=0: must be a whole number >= 1$"),
 ])
 def test_bad_values_are_refused_with_their_key(override, match):
     with pytest.raises(ValueError, match=match):
@@ -82,7 +88,9 @@ def test_an_interpolation_that_does_not_resolve_is_named_by_its_key():
                                       "trainer.gradient_clip_val=null", "optimizer.lr=1", "scheduler.min_factor=0",
                                       "metrics.topk=[1]", "metrics.timing_every=0", "clock=cpu", "seed=0",
                                       "seed=4294967295", "optimizer.head_lr=null", "optimizer.embedding_lr=0.1",
-                                      "metrics.perplexity=true", "objective=val/mrr", "objective=test/top5_error"])
+                                      "metrics.perplexity=true", "objective=val/mrr", "objective=test/top5_error",
+                                      "trainer.devices=2", "trainer.devices=-1", "trainer.devices=auto",
+                                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices='-1'"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 

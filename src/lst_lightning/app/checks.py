@@ -27,6 +27,16 @@ def _duration(v) -> bool:
     return len(parts) == 4 and all(p.isdigit() for p in parts) and any(int(p) for p in parts)
 
 
+def _devices(v) -> bool:
+    """Lightning's forms of ``devices``: a count (>= 1, or -1 for all), auto, or device indices
+    (a list, or a string such as "0,1")."""
+    if v in ("auto", -1, "-1") or _whole(v, 1):
+        return True
+    if isinstance(v, list):
+        return len(v) > 0 and all(_whole(i, 0) for i in v)
+    return isinstance(v, str) and all(p.strip().isdigit() for p in v.rstrip(",").split(","))
+
+
 # trainer.<key>: (accepts the value?, what it must be). Lightning checks these too, after its import.
 TRAINER_NUMBERS = {
     "max_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for no limit"),
@@ -45,6 +55,8 @@ TRAINER_NUMBERS = {
     "check_val_every_n_epoch": (lambda v: v is None or _whole(v, 1), "a whole number >= 1, or null"),
     "max_time": (lambda v: v is None or _duration(v), "a training time DD:HH:MM:SS (validation excluded), or null"),
     "accumulate_grad_batches": (lambda v: _whole(v, 1), "a whole number >= 1"),
+    "devices": (_devices, "a number of devices (>= 1, or -1 for all), auto, or device indices such as [0,1]"),
+    "num_nodes": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "log_every_n_steps": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "num_sanity_val_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for all"),
     "gradient_clip_val": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0),
