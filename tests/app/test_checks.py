@@ -47,10 +47,39 @@ def test_every_experiment_passes(experiment):
     ("metrics.simlex=maybe", "metrics.simlex"),
     ("metrics.score_chunk_size=0", "metrics.score_chunk_size"),
     ("metrics.timing_every=-1", "metrics.timing_every"),
+    # not finite: an lr of inf trained to nan and stopped with a traceback
+    ("optimizer.lr=inf", r"^optimizer.lr=inf: must be a number > 0$"),
+    ("optimizer.lr=nan", "optimizer.lr=nan: must be a number > 0"),
+    ("optimizer.weight_decay=inf", "optimizer.weight_decay=inf"),
+    ("scheduler.min_factor=nan", "scheduler.min_factor=nan"),
+    ("optimizer.embedding_lr=-1", r"^optimizer.embedding_lr=-1: must be a number > 0, or null for optimizer.lr$"),
+    ("optimizer.head_lr=inf", "optimizer.head_lr=inf"),
+    # before the data is read, not after
+    ("metrics.perplexity=maybe", r"^metrics.perplexity='maybe': must be auto, true or false$"),
+    ("objective=top5_error", r"^objective='top5_error': must be <split>/<metric> of results.json with the split "
+                             r"val or test, such as val/top5_error$"),  # it trained, then failed with a traceback
+    ("objective=test/top5_error test=false", r"with the split val \(test=false\)"),
+    # Lightning's TypeError traceback (abc), or its line after the data was read (0)
+    ("trainer=ddp_cpu trainer.devices=abc", r"^trainer.devices='abc': must be a number of devices"),
+    ("trainer.devices=0", r"^trainer.devices=0: must be"),
+    ("trainer.devices=-2", "trainer.devices=-2"),
+    ("trainer.devices=[]", r"trainer.devices=\[\]"),
+    ("+trainer.num_nodes=0", r"^trainer.num_nodes=0: must be a whole number >= 1$"),
 ])
 def test_bad_values_are_refused_with_their_key(override, match):
     with pytest.raises(ValueError, match=match):
-        check_config(cfg_of(override))
+        check_config(cfg_of(*override.split()))
+
+
+def test_an_interpolation_that_does_not_resolve_is_named_by_its_key():
+    """``name=${nosuch}``: lst-train's line named no key (the key was read without one)."""
+    from omegaconf.errors import InterpolationKeyError  # noqa: PLC0415
+
+    from lst_lightning.app.errors import bad_input_message  # noqa: PLC0415
+
+    with pytest.raises(InterpolationKeyError) as info:
+        check_config(cfg_of("name=${nosuch}"))
+    assert bad_input_message(info.value) == "name: Interpolation key 'nosuch' not found"
 
 
 @pytest.mark.parametrize("override", ["trainer.max_steps=-1", "trainer.max_steps=0", "trainer.max_epochs=null",
@@ -58,7 +87,10 @@ def test_bad_values_are_refused_with_their_key(override, match):
                                       "trainer.val_check_interval=0.5", "trainer.val_check_interval=00:00:00:30",
                                       "trainer.gradient_clip_val=null", "optimizer.lr=1", "scheduler.min_factor=0",
                                       "metrics.topk=[1]", "metrics.timing_every=0", "clock=cpu", "seed=0",
-                                      "seed=4294967295"])
+                                      "seed=4294967295", "optimizer.head_lr=null", "optimizer.embedding_lr=0.1",
+                                      "metrics.perplexity=true", "objective=val/mrr", "objective=test/top5_error",
+                                      "trainer.devices=2", "trainer.devices=-1", "trainer.devices=auto",
+                                      "trainer.devices=[0,1]", "trainer.devices='0,1'", "trainer.devices='-1'"])
 def test_good_values_pass(override):
     check_config(cfg_of(override))
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lst_lightning.app.compare import compare, facet_groups, highlighted, is_grid, load_runs, natural_key, ranked
+from lst_lightning.app.compare import (
+    compare, facet_groups, highlighted, is_grid, load_runs, main, natural_key, ranked)
 
 
 def fake_run(root: Path, name: str, a: float, b: float, val_top5: list[float], test_top5: float) -> Path:
@@ -99,6 +100,24 @@ def test_compare_bad_input(tmp_path):
         compare([tmp_path], tmp_path / "out", x="loss.kwargs.a", y="loss.name")
     assert not (tmp_path / "out").exists()  # nothing written on bad input
     assert "curves_steps.png" in compare([tmp_path], tmp_path / "out", curve_keys=["val/top5_error"])["files"]
+
+
+def test_an_out_that_is_a_file_is_refused_before_anything_is_read(tmp_path):
+    (tmp_path / "afile").write_text("")
+    for out in (tmp_path / "afile", tmp_path / "afile" / "report"):
+        with pytest.raises(ValueError, match=rf"^--out {out}: {tmp_path / 'afile'} is a file, not a directory$"):
+            compare([tmp_path / "missing"], out)  # before the missing run directory
+
+
+def test_a_run_file_that_does_not_parse_is_named(tmp_path, capsys):
+    """A results.json cut short: one line naming it (its parser's message named no file)."""
+    fake_run(tmp_path, "r1", 0.1, 5, [0.5], 0.5)
+    (tmp_path / "r1" / "results.json").write_text('{"name": ')
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lst-compare: error: {tmp_path / 'r1' / 'results.json'} does not parse")
+    assert not (tmp_path / "out").exists()
 
 
 def strip(sweep: Path, dest: Path, *names: str) -> Path:

@@ -95,6 +95,39 @@ def test_runs_of_several_groups_take_the_group_given(tmp_path, capsys):
     assert (d["project"], d["name"]) == ("p", "lst-lightning g2")
 
 
+@pytest.mark.parametrize("flag,value,have", [("--group", "g3", "['g1', 'g2']"), ("--project", "q", "['p']")])
+def test_a_group_or_project_no_run_goes_to_is_refused(tmp_path, capsys, flag, value, have):
+    """A --group (--project) that matches no run of the sweep: one line naming those its runs have,
+    nothing written (it wrote a workspace of no run)."""
+    for job, group in (("0", "g1"), ("1", "g2")):
+        (tmp_path / job).mkdir()
+        (tmp_path / job / "config.yaml").write_text(f"logger:\n  wandb:\n    project: p\n    group: {group}\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dry-run", "--group", "g1", flag, value])
+    assert f"no run under {tmp_path} goes to {flag} {value}: they have {have}" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_config_that_does_not_parse_is_named(tmp_path, capsys):
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "config.yaml").write_text("logger: [\n")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), "--dry-run"])
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"lst-dashboard: error: {tmp_path / '0' / 'config.yaml'} does not parse")
+
+
+def test_an_out_that_is_a_folder_or_under_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "config.yaml").write_text("logger:\n  wandb:\n    project: p\n    group: g\n")
+    (tmp_path / "afile").write_text("")
+    for out, match in ((tmp_path / "0", "Is a directory"), (tmp_path / "afile" / "w.json", "Not a directory")):
+        with pytest.raises(SystemExit):
+            main([str(tmp_path), "--dry-run", "-o", str(out)])
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and match in err[0] and str(out) in err[0], err  # a traceback
+
+
 def test_without_wandb_workspaces_it_says_how_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb_workspaces", None)
     monkeypatch.setitem(sys.modules, "wandb_workspaces.workspaces", None)

@@ -50,6 +50,9 @@ SLOW = pytest.mark.slow
     pytest.param(["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in", marks=SLOW),
     (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),
     pytest.param(["data=text_files", "data.path=empty.txt"], "is empty", marks=SLOW),
+    (["head=nosuch"], "head=nosuch: head has no option nosuch; the choices are adaptive, "),  # Hydra's: composition.py
+    pytest.param(["data.batch_sise=3"], "did you mean data.batch_size? (+data.batch_sise=3 adds it", marks=SLOW),
+    pytest.param(["-m", "head=factored,nosuch"], "head=nosuch: head has no option nosuch", marks=SLOW),
 ])
 def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, match):
     out, rest, modules, code = lst_train(*args, cwd=files)
@@ -58,9 +61,27 @@ def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, 
     assert "lst_lightning.app.train" in modules  # the listing works: the app itself is in it
 
 
-def test_full_error_shows_the_traceback(tmp_path):
-    _, rest, _, code = lst_train("trainer.max_steps=-5", cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
-    assert code != 0 and any("Traceback" in ln for ln in rest) and "trainer.max_steps=-5" in rest[-1]
+@pytest.mark.parametrize("arg,last", [
+    ("trainer.max_steps=-5", "trainer.max_steps=-5"),
+    pytest.param("head=nosuch", "provider=schema, path=structured://", marks=SLOW),  # Hydra's own message
+])
+def test_full_error_shows_the_traceback(tmp_path, arg, last):
+    _, rest, _, code = lst_train(arg, cwd=tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert code != 0 and any("Traceback" in ln for ln in rest) and last in rest[-1]
+
+
+def test_a_run_directory_that_is_a_file_is_one_line():
+    """hydra.run.dir=<a file>: Hydra's mkdir fails before the app runs (a FileExistsError traceback)."""
+    from lst_lightning.app.errors import bad_input_message  # noqa: PLC0415
+
+    assert bad_input_message(FileExistsError(17, "File exists", "/x/run")) == "[Errno 17] File exists: '/x/run'"
+
+
+@SLOW
+def test_a_run_directory_that_is_a_file_through_the_console_script(tmp_path):
+    (tmp_path / "run").write_text("")  # lst_train's hydra.run.dir
+    _, rest, _, code = lst_train("trainer.max_steps=1", cwd=tmp_path)
+    assert_one_line(rest, code, f"File exists: '{tmp_path}/run'")
 
 
 def test_help_says_what_the_app_is_and_where_the_docs_are(tmp_path):
@@ -79,3 +100,20 @@ def test_offline_hub_dataset_is_one_line(tmp_path):
                                         "LST_CACHE_DIR": str(tmp_path / "cache")})
     assert_one_line(rest, code, "data.name='wikitext' (data.source=hub) is not cached")
     assert "Traceback" not in out
+
+
+def test_the_other_scripts_errors_are_one_line_too(capsys):
+    """lst-compare and lst-dashboard (argparse): an unknown flag, a missing argument and the script's own
+    refusal, each one line without argparse's usage lines."""
+    from lst_lightning.app import compare, dashboard  # noqa: PLC0415
+
+    for main, prog, argv, match in [(compare.main, "lst-compare", ["--nosuch", "x"], "unrecognized arguments: --nosuch"),
+                                    (compare.main, "lst-compare", [], "the following arguments are required: dirs"),
+                                    (compare.main, "lst-compare", ["/nonexistent"], "no such run or sweep directory"),
+                                    (dashboard.main, "lst-dashboard", ["/nonexistent", "--dry-run"],
+                                     "no such sweep directory: /nonexistent")]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        err = capsys.readouterr().err.splitlines()
+        assert info.value.code == 2 and len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+        assert match in err[0]

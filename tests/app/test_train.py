@@ -272,6 +272,10 @@ def test_resume_is_bit_identical(tmp_path, head, embedding):
         (["optimizer.name=lbfgs"], ValueError, "optimizer.name"),
         (["optimizer.embedding=dense"], ValueError, "model.sparse_embedding=false"),
         (["optimizer.embedding=lazy_adam"], ValueError, "optimizer.embedding must be"),
+        # the Trainer's TypeError, with a traceback, after the data was read
+        (["+trainer.max_step=5"], ValueError, r"^trainer.max_step: Lightning's Trainer takes no max_step; "
+                                              r"did you mean trainer.max_steps\?$"),
+        (["+trainer.logger=false"], ValueError, r"^trainer.logger is lst-train's to give the Trainer: set the logger"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path, overrides, error, match):

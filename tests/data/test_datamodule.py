@@ -79,3 +79,10 @@ def test_bad_synthetic_sizes_are_refused_in_one_line(key, value):
 def test_bad_split_fractions_are_refused_when_built(source, fractions):
     with pytest.raises(ValueError, match=r"^data\.val_fraction=.* must each be >= 0, with a sum below 1 [^\n]*$"):
         TextDataModule(source, val_fraction=fractions[0], test_fraction=fractions[1])
+
+
+@pytest.mark.parametrize("min_count", [0, -1])
+def test_a_min_count_below_one_is_refused_when_built(min_count):
+    """Every word occurs at least once: a min_count below 1 is no setting (it would keep what 1 keeps)."""
+    with pytest.raises(ValueError, match=rf"^data\.min_count must be >= 1 \(1: every word\), got {min_count}$"):
+        TextDataModule("embedded", min_count=min_count)

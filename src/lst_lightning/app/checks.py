@@ -4,6 +4,7 @@ trainer's numbers, the checkpoint to resume from, local data files, and the keys
 the loss group. Each error names the setting and says what to do."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from omegaconf import DictConfig, OmegaConf
@@ -26,6 +27,16 @@ def _duration(v) -> bool:
     return len(parts) == 4 and all(p.isdigit() for p in parts) and any(int(p) for p in parts)
 
 
+def _devices(v) -> bool:
+    """Lightning's forms of ``devices``: a count (>= 1, or -1 for all), auto, or device indices
+    (a list, or a string such as "0,1")."""
+    if v in ("auto", -1, "-1") or _whole(v, 1):
+        return True
+    if isinstance(v, list):
+        return len(v) > 0 and all(_whole(i, 0) for i in v)
+    return isinstance(v, str) and all(p.strip().isdigit() for p in v.rstrip(",").split(","))
+
+
 # trainer.<key>: (accepts the value?, what it must be). Lightning checks these too, after its import.
 TRAINER_NUMBERS = {
     "max_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for no limit"),
@@ -44,6 +55,8 @@ TRAINER_NUMBERS = {
     "check_val_every_n_epoch": (lambda v: v is None or _whole(v, 1), "a whole number >= 1, or null"),
     "max_time": (lambda v: v is None or _duration(v), "a training time DD:HH:MM:SS (validation excluded), or null"),
     "accumulate_grad_batches": (lambda v: _whole(v, 1), "a whole number >= 1"),
+    "devices": (_devices, "a number of devices (>= 1, or -1 for all), auto, or device indices such as [0,1]"),
+    "num_nodes": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "log_every_n_steps": (lambda v: _whole(v, 1), "a whole number >= 1"),
     "num_sanity_val_steps": (lambda v: _whole(v, -1), "a whole number >= 0, or -1 for all"),
     "gradient_clip_val": (lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0),
@@ -59,7 +72,8 @@ CLOCK_NAMES = ("wall", "cpu")
 
 
 def _number(v, lo: float = 0.0, hi: float = float("inf"), open_lo: bool = False) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite number in the range (inf and nan are no setting: an lr of inf trains to nan)."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
             and (v > lo if open_lo else v >= lo) and v <= hi)
 
 
@@ -70,6 +84,8 @@ GROUP_NUMBERS = {
         "lr": (lambda v: _number(v, open_lo=True), "a number > 0"),
         "momentum": (lambda v: _number(v, 0.0, 1.0), "a number in [0, 1]"),
         "weight_decay": (lambda v: _number(v), "a number >= 0"),
+        "embedding_lr": (lambda v: v is None or _number(v, open_lo=True), "a number > 0, or null for optimizer.lr"),
+        "head_lr": (lambda v: v is None or _number(v, open_lo=True), "a number > 0, or null for optimizer.lr"),
     },
     "scheduler": {
         "warmup_steps": (lambda v: _whole(v, 0), "a whole number >= 0"),
@@ -79,6 +95,7 @@ GROUP_NUMBERS = {
         "topk": (lambda v: isinstance(v, list) and len(v) > 0 and all(_whole(k, 1) for k in v),
                  "a list of whole numbers >= 1, such as [1,10]"),
         "simlex": (lambda v: isinstance(v, bool), "true or false"),
+        "perplexity": (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false"),
         "score_chunk_size": (lambda v: _whole(v, 1), "a whole number >= 1"),
         "timing_every": (lambda v: _whole(v, 0), "a whole number >= 0 (0: off)"),
     },
@@ -226,8 +243,21 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
+def check_objective(objective, test: bool) -> None:
+    """``objective`` names ``<split>/<metric>`` of results.json: a split the run writes (val;
+    test unless test=false), before training rather than when the run's results are in."""
+    if not objective:
+        return
+    split, _, metric = str(objective).partition("/")
+    splits = ("val", "test") if test else ("val",)
+    if split not in splits or not metric:
+        raise ValueError(f"objective={objective!r}: must be <split>/<metric> of results.json with the split "
+                         f"{' or '.join(splits)}{'' if test else ' (test=false)'}, such as val/top5_error")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
+    OmegaConf.to_container(cfg, resolve=True)  # an interpolation that does not resolve, named by its key
     for key in GONE:
         if OmegaConf.select(cfg, key, default=GONE) is not GONE:  # an old experiment's config
             check_gone(key, OmegaConf.select(cfg, key))
@@ -245,4 +275,5 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
+    check_objective(cfg.get("objective"), cfg.get("test", True))
     check_data(cfg.data)

@@ -20,18 +20,16 @@ Writes, into ``--out``:
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import csv
 import html
-import json
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from .errors import OneLineParser
+from .run_files import read_config, read_results
 from .run_keys import is_number, results_of
 from .wandb_files import find_run_files, read_run
 
@@ -125,12 +123,12 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         for res in found:
             d = res.parent
             cfg_path = d / "config.yaml"
-            config = yaml.safe_load(cfg_path.read_text()) if cfg_path.is_file() else {}
+            config = read_config(cfg_path) if cfg_path.is_file() else {}
             curves = read_curves(d / "csv" / "metrics.csv")
             logged = [] if curves else find_run_files(d / "wandb")
             if logged:  # no CSV log (logger.csv=false): W&B's history
                 curves = curves_of(read_run(logged[-1]).history, STEP_KEY)
-            runs.append(Run(d, json.loads(res.read_text()), config or {}, curves))
+            runs.append(Run(d, read_results(res), config, curves))
         done = {r.path.resolve() for r in runs}
         for f in find_run_files(p):
             wb = read_run(f)
@@ -398,6 +396,10 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
     """Writes the report; returns ``{"runs": n, "files": {name: path}}``."""
     if best < 1:
         raise ValueError(f"--best must be at least 1, not {best}")
+    out = Path(out)
+    there = next(p for p in (out, *out.parents) if p.exists())  # the report's directory, or where it goes
+    if not there.is_dir():
+        raise ValueError(f"--out {out}: {there} is a file, not a directory")
     runs = load_runs(paths)
     if all(r.metric(metric) is None for r in runs):
         have = sorted({f"{s}/{k}" for r in runs for s in ("val", "test") for k in r.results.get(s, {})})
@@ -414,7 +416,6 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
         if missing:
             have = sorted({k for r in runs for k, pts in r.curves.items() if pts})
             raise ValueError(f"--curve {', '.join(map(repr, missing))}: logged by none of the runs; available: {have}")
-    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cols, rows = table(runs, metric)
     write_tables(cols, rows, out)
@@ -428,7 +429,7 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="lst-compare", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="lst-compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("dirs", nargs="+", help="run directories or sweep directories (searched recursively)")
     ap.add_argument("-o", "--out", default="compare_report", help="output directory (default: %(default)s)")
     ap.add_argument("--metric", default=DEFAULT_METRIC,

@@ -12,12 +12,12 @@ would create.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-import yaml
 
+from .errors import OneLineParser
+from .run_files import read_config
 from .wandb_files import read_runs
 from .wandb_panels import (
     DEFAULT_METRIC,
@@ -84,7 +84,9 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
     """(entity, project, group, W&B runs) of a sweep directory: from its W&B offline runs,
     else from the config.yaml lst-train wrote in each run (``logger.wandb``; the group
     defaults to the run name, and in a multirun to the sweep's: app/sweep_group.py). Each of
-    ``given`` (--entity, --project, --group) that is set stands; one its runs differ in must be given."""
+    ``given`` (--entity, --project, --group) that is set stands, and must be one of the runs' (a
+    group no run of the sweep logged to would show an empty workspace); one its runs differ in
+    must be given."""
     runs = read_runs(sweep)
     if runs:
         targets = {(r.config.get("logger.wandb.entity"), r.project, r.group) for r in runs}
@@ -93,7 +95,7 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
         for path in sweep.rglob("config.yaml"):
             if ".hydra" in path.relative_to(sweep).parts:
                 continue  # Hydra's copy, composed before lst-train named the run and its sweep's group
-            cfg = yaml.safe_load(path.read_text()) or {}
+            cfg = read_config(path)
             wb = (cfg.get("logger") or {}).get("wandb") or {}
             if wb:
                 targets.add((wb.get("entity"), wb.get("project"), wb.get("group") or cfg.get("name")))
@@ -101,6 +103,8 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
         raise ValueError(f"{sweep} holds no W&B offline run and no lst-train config.yaml")
     chosen, differ = [], []
     for flag, value, found in zip(("--entity", "--project", "--group"), given, zip(*targets)):
+        if value and value not in found and None not in found:  # None: a run that leaves it to W&B's default
+            raise ValueError(f"no run under {sweep} goes to {flag} {value}: they have {sorted(set(found))}")
         chosen.append(value or (found[0] if len(set(found)) == 1 else None))
         if not chosen[-1] and len(set(found)) > 1:
             differ.append(f"{flag} (they have {sorted(set(found), key=str)})")
@@ -110,7 +114,7 @@ def sweep_target(sweep: Path, given: tuple = (None, None, None)) -> tuple[str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="lst-dashboard", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="lst-dashboard", description=__doc__.split("\n\n")[0])
     ap.add_argument("sweep", nargs="?", type=Path, help="a sweep (multirun) directory: entity, project and group "
                     "come from its runs, and the dry-run JSON goes beside it")
     ap.add_argument("--entity", help="W&B entity (default: the sweep's, else your default entity)")
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"dry run: would create {text}\ndefinition: {out}")
         else:
             built.save()  # W&B prints the address
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError, ImportError) as e:  # -o a folder
         ap.error(str(e))
     except wandb.errors.UsageError as e:  # not logged in
         ap.error(f"W&B: {e} (or set WANDB_API_KEY; --dry-run works offline)")

@@ -8,13 +8,15 @@ an argument a constructor refuses, Lightning's MisconfigurationException); error
 raised later, while training, keep their traceback."""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 # OSError's subclasses for files and the network; not OSError itself (a full disk is no bad input).
-BAD_INPUT = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ConnectionError)
+BAD_INPUT = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, ConnectionError)
 
 
 def _lightning_misconfiguration(exc: BaseException) -> bool:
@@ -28,6 +30,10 @@ def bad_input_message(exc: BaseException) -> str | None:
     from hydra.errors import InstantiationException  # noqa: PLC0415
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException  # noqa: PLC0415
 
+    from .composition import composition_message  # noqa: PLC0415
+
+    if (text := composition_message(exc)) is not None:  # a command line that does not compose
+        return text
     if isinstance(exc, InstantiationException):
         # "Error in call to target 'x.Y':\nValueError('...')\nfull_key: head": the cause, and the key.
         cause = exc.__cause__
@@ -39,6 +45,8 @@ def bad_input_message(exc: BaseException) -> str | None:
         text = f"{exc.full_key} is not set: give it on the command line ({exc.full_key}=...)"
     elif isinstance(exc, OmegaConfBaseException):
         text = str(exc).splitlines()[0]  # without OmegaConf's full_key/object_type lines
+        if exc.full_key and str(exc.full_key) not in text:  # name=${nosuch}: the key, then what is wrong with it
+            text = f"{exc.full_key}: {text}"
     elif isinstance(exc, BAD_INPUT) or _lightning_misconfiguration(exc):
         text = str(exc)
     else:
@@ -57,3 +65,12 @@ def exit_on_bad_input(prog: str) -> Iterator[None]:
             raise
         print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's parser for ``lst-compare`` and ``lst-dashboard``: an error (argparse's own, an
+    unknown flag; the script's, through ``error``) is ``<prog>: error: <message>`` in one line,
+    exit code 2, without argparse's usage lines (``--help`` shows them)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")

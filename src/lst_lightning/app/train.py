@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from .checks import check_config, check_overrides
 from .compiling import choose as compile_choice
 from .compiling import run_refusal
+from .composition import composed, raising
 from .optimizers import embedding_for
 from .configs import config_dir
 from .errors import exit_on_bad_input
@@ -57,6 +58,30 @@ def check_device(trainer_cfg: DictConfig) -> None:
             raise ValueError(f"trainer.devices={devices} but only {n} CUDA device(s) are visible")
     elif acc == "mps" and not torch.backends.mps.is_available():
         raise ValueError("trainer.accelerator=mps but MPS is not available here")
+
+
+#: the Trainer's arguments that ``build`` gives from other settings
+BUILT_TRAINER_ARGS = {"logger": "the logger group", "callbacks": "the callbacks group",
+                      "enable_checkpointing": "callbacks.checkpoint.enabled", "default_root_dir": "hydra.run.dir",
+                      "enable_progress_bar": "callbacks.rich_progress", "plugins": "callbacks.checkpoint.asynchronous"}
+
+
+def check_trainer_keys(trainer_cfg: DictConfig) -> None:
+    """Each key of the trainer group is an argument of Lightning's ``Trainer`` that ``build`` does
+    not give itself (``+trainer.max_step=5``: one line naming the nearest, not the Trainer's
+    TypeError after the data is read)."""
+    import difflib  # noqa: PLC0415
+
+    import lightning.pytorch as pl  # noqa: PLC0415
+
+    takes = [p for p in inspect.signature(pl.Trainer.__init__).parameters if p != "self"]
+    for key in trainer_cfg:
+        if key in BUILT_TRAINER_ARGS:
+            raise ValueError(f"trainer.{key} is lst-train's to give the Trainer: set {BUILT_TRAINER_ARGS[key]}")
+        if key not in takes:
+            near = difflib.get_close_matches(str(key), takes, n=1)
+            raise ValueError(f"trainer.{key}: Lightning's Trainer takes no {key}"
+                             + (f"; did you mean trainer.{near[0]}?" if near else ""))
 
 
 def head_class(cfg: DictConfig) -> type:
@@ -212,6 +237,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     run_dir = Path(run_dir)
     resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # ckpt_path=last with nothing to resume fails here
     tcfg = cfg.trainer
+    check_trainer_keys(tcfg)
     check_device(tcfg)
     head_class(cfg)  # a bad _target_ fails here, before the data is read
     if pl.utilities.rank_zero_only.rank == 0 and (note := unused_loss(cfg, task_overrides())):
@@ -230,12 +256,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     head = make_head(cfg, dm.num_classes, body.hidden_dim, dm.class_counts)
 
     m = cfg.metrics
-    if m.perplexity == "auto":
-        perplexity = head.has_log_prob
-    elif isinstance(m.perplexity, bool):
-        perplexity = m.perplexity
-    else:
-        raise ValueError(f"metrics.perplexity must be auto, true or false, not {m.perplexity!r}")
+    perplexity = head.has_log_prob if m.perplexity == "auto" else m.perplexity  # auto, true or false: check_config
     simlex = None
     if m.simlex and getattr(dm, "vocab", None) is not None:
         simlex = {"pairs": read_simlex(), "index": dm.vocab.index, "skip": [dm.vocab.unk_id]}
@@ -453,6 +474,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
 
     from .sweep_group import group_the_sweep  # noqa: PLC0415
 
+    composed()  # from here Hydra reports what is raised, as it does for any app
     hc = HydraConfig.get()
     start = time.perf_counter()
     with ExitStack() as held:
@@ -495,7 +517,8 @@ def objective(cfg: DictConfig, results: dict) -> float | None:
 def main() -> None:
     with exit_on_bad_input("lst-train"):
         check_overrides(sys.argv[1:])  # before Hydra, whose hint for loss.a=1 is +loss.a=1
-    _hydra_main()
+    with exit_on_bad_input("lst-train"), raising():  # head=nosuch, data.batch_sise=3: one line too
+        _hydra_main()
 
 
 if __name__ == "__main__":

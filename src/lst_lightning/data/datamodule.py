@@ -130,6 +130,8 @@ class TextDataModule(_WindowDataModule):
             raise ValueError(f"data.context_size must be >= 1, got {context_size}")
         if vocab_size is not None and vocab_size < 2:
             raise ValueError(f"data.vocab_size must be >= 2 (or null), got {vocab_size}")
+        if min_count < 1:  # every word of the corpus occurs once: below 1 would keep what 1 keeps
+            raise ValueError(f"data.min_count must be >= 1 (1: every word), got {min_count}")
         tokenize("", tokenizer)  # rejects an unknown tokenizer now
         self.tokenizer, self.vocab_size, self.min_count = tokenizer, vocab_size, min_count
         self.max_tokens = max_tokens
