@@ -221,3 +221,34 @@ def test_a_grid_is_drawn_as_cells_and_a_search_as_points(tmp_path, monkeypatch):
     assert "heatmap.png" in compare([tmp_path / "search"], tmp_path / "out_search")["files"]
     assert "heatmap.png" in compare([tmp_path / "grid"], tmp_path / "out_grid")["files"]
     assert drawn == ["search_map", "grid_map"]
+
+
+def resumed_wandb_run(run_dir: Path) -> None:
+    """Two offline parts of one W&B run, as a resume from a checkpoint at step 5 writes them: the
+    first logged steps 0 to 7 (6 and 7 lost with the interruption), the second 5 to 9."""
+    import time
+
+    import wandb
+    for part, steps in enumerate((range(0, 8), range(5, 10))):
+        run = wandb.init(mode="offline", dir=run_dir, id="abc123", resume="allow", project="p", name="resumed",
+                         settings=wandb.Settings(silent=True))
+        for s in steps:
+            run.log({"trainer/global_step": s, "val/mrr": s / 10 + part})
+        run.finish()
+        time.sleep(1.1)  # the parts' directories are named by the second they started
+
+
+def test_a_resumed_runs_wandb_parts_are_one_run_with_one_history(tmp_path):
+    """A run resumed from its checkpoints logs a W&B part a resume, under one run id: without a
+    CSV log its curves are every part's (the last part alone was read), and without a results.json
+    it is one run (one a part); the steps the resume took again are the later part's."""
+    run_dir = tmp_path / "sweep" / "r1"
+    resumed_wandb_run(run_dir)
+    want = [(float(s), s / 10 + (s >= 5), None) for s in range(10)]
+    (only_wandb,) = load_runs([tmp_path / "sweep"])
+    assert only_wandb.path.resolve() == run_dir.resolve() and only_wandb.curves["val/mrr"] == want
+    (d := tmp_path / "with_results" / "r1").mkdir(parents=True)
+    (d / "results.json").write_text(json.dumps({"name": "r1", "test": {"mrr": 0.3}}))
+    shutil.copytree(run_dir / "wandb", d / "wandb")
+    (with_results,) = load_runs([tmp_path / "with_results"])
+    assert with_results.curves["val/mrr"] == want

@@ -31,7 +31,7 @@ from pathlib import Path
 from .errors import OneLineParser
 from .run_files import read_config, read_results
 from .run_keys import is_number, results_of
-from .wandb_files import find_run_files, read_run
+from .wandb_files import by_run_dir, find_run_files, read_parts
 
 DEFAULT_METRIC = "test/top5_error"
 DEFAULT_X, DEFAULT_Y = "loss.kwargs.a", "loss.kwargs.b"
@@ -114,7 +114,8 @@ def curves_of(rows, step_key: str) -> dict[str, list[tuple[float, float, float |
 def load_runs(paths: list[str | Path]) -> list[Run]:
     """The runs under ``paths``: each ``results.json`` (with the CSV log's curves, or W&B's
     history where there is no CSV log), then each W&B offline run without a results.json,
-    read with W&B's own reader (app/wandb_files.py)."""
+    read with W&B's own reader (app/wandb_files.py); a run resumed from its checkpoints, whose
+    W&B parts (one a resume) share its directory, is one run."""
     runs = []
     for p in map(Path, paths):
         if not p.exists():
@@ -126,13 +127,13 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
             config = read_config(cfg_path) if cfg_path.is_file() else {}
             curves = read_curves(d / "csv" / "metrics.csv")
             logged = [] if curves else find_run_files(d / "wandb")
-            if logged:  # no CSV log (logger.csv=false): W&B's history
-                curves = curves_of(read_run(logged[-1]).history, STEP_KEY)
+            if logged:  # no CSV log (logger.csv=false): W&B's history, of every part a resume began
+                curves = curves_of(read_parts(logged, STEP_KEY).history, STEP_KEY)
             runs.append(Run(d, read_results(res), config, curves))
         done = {r.path.resolve() for r in runs}
-        for f in find_run_files(p):
-            wb = read_run(f)
-            if wb.run_dir.resolve() not in done:
+        for run_dir, files in by_run_dir(find_run_files(p)).items():
+            if run_dir not in done:  # a run's parts (one a resume) as one run
+                wb = read_parts(files, STEP_KEY)
                 results = {"name": wb.name, **results_of(wb.summary, wb.config)}
                 runs.append(Run(wb.run_dir, results, wb.config, curves_of(wb.history, STEP_KEY)))
     if not runs:

@@ -9,6 +9,7 @@ CLI itself every file costs a Python start and a W&B import (about 3 s here agai
 used instead."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -36,8 +37,7 @@ class WandbRun:
     def run_dir(self) -> Path:
         """The lst-train run directory that holds this W&B run (``<run dir>/wandb/<run>/``),
         or the W&B run's own directory when it lies elsewhere."""
-        d = self.file.parent
-        return d.parent.parent if d.parent.name == "wandb" else d
+        return run_dir_of(self.file)
 
     def keys(self) -> dict[str, set[str]]:
         """What the run logged: ``{"config": ..., "summary": ..., "history": ...}``."""
@@ -67,6 +67,35 @@ def _inspect(path: Path, *flags: str) -> str:
         raise ValueError(f"W&B could not read {path} (`wandb leet inspect {' '.join(flags)}`, wandb >= 0.31): "
                          f"{(proc.stderr or proc.stdout).strip()[-400:]}")
     return proc.stdout
+
+
+def run_dir_of(file: Path) -> Path:
+    """``WandbRun.run_dir`` of a run file."""
+    d = Path(file).parent
+    return d.parent.parent if d.parent.name == "wandb" else d
+
+
+def by_run_dir(files: list[Path]) -> dict[Path, list[Path]]:
+    """``files`` (``find_run_files``'s, in the order their runs started) by the run directory
+    holding them: an lst-train run resumed from its checkpoints writes one part a resume."""
+    groups: dict[Path, list[Path]] = {}
+    for f in files:
+        groups.setdefault(run_dir_of(f).resolve(), []).append(f)
+    return groups
+
+
+def read_parts(files: list[Path], step_key: str) -> WandbRun:
+    """One run logged in parts (``files``, in the order they were written: each resume of an
+    lst-train run continues its W&B run in a new offline part): the last part's name, config
+    and summary, and the history of all of them, each part's rows up to the step (``step_key``)
+    the next part logged first: the steps a resume took again are the later part's."""
+    parts = [read_run(f) for f in files]
+    history = []
+    for part, later in zip(parts, [*parts[1:], None]):
+        start = None if later is None else min(
+            (r[step_key] for r in later.history if r.get(step_key) is not None), default=None)
+        history += [r for r in part.history if start is None or r.get(step_key) is None or r[step_key] < start]
+    return dataclasses.replace(parts[-1], history=history)
 
 
 def newest_run_id(run_dir: str | Path) -> str | None:
