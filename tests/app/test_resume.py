@@ -1,4 +1,4 @@
-"""Runs that survive: a run killed (SIGKILL) or preempted (SIGTERM) mid-epoch and resumed
+"""Runs that survive: a run killed (SIGKILL), preempted (SIGTERM) or stopped by Ctrl-C mid-epoch, resumed
 with the same command and ckpt_path=last ends exactly as the run that was never stopped;
 ckpt_path=last/auto find the run directory's newest checkpoint (resume.py)."""
 import json
@@ -144,6 +144,23 @@ def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == STOP_AT + 1  # the step it was in finished
     run(cfg_of(*RUN, "ckpt_path=last"), tmp_path)  # in this process, to save one start-up
+    same(outcome(tmp_path), uninterrupted)
+
+
+def test_a_first_ctrl_c_saves_after_the_batch_and_resumes_exactly(tmp_path, uninterrupted):
+    """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) during step 7: the step
+    finishes, last.ckpt holds it, the run exits with 130 saying how to resume; resumed with
+    ckpt_path=last it ends as the run never stopped. (Lightning's own Ctrl-C stopped wherever the
+    step was and saved nothing: exit code 1, no checkpoint.)"""
+    proc = lst_train(tmp_path, "callbacks.checkpoint.every_n_steps=0", "callbacks.checkpoint.after_validation=false",
+                     stall_at=STOP_AT)
+    stalled(proc, tmp_path)
+    os.killpg(proc.pid, signal.SIGINT)
+    out = finished(proc, code=130)
+    assert "stopped by Ctrl-C" in out
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STOP_AT + 1  # the step it was in finished
+    run(cfg_of(*RUN, "ckpt_path=last"), tmp_path)
     same(outcome(tmp_path), uninterrupted)
 
 
