@@ -411,3 +411,15 @@ def test_the_unigram_baseline_scores_the_examples_the_models_test_saw(limit):
     whole = torch.cat([t for _, t in dm.eval_dataloader("test")])
     rank = unigram_ranks(dm.class_counts, whole).double()
     assert unigram_metrics(dm, [1], 1.0, 2)["mrr"] == pytest.approx(float((1 / rank).mean()), rel=1e-6)
+
+
+def test_the_summary_puts_the_runs_own_figures_under_no_split(capsys):
+    """step_time_ms, tokens_per_s, head_share and wall_s are the run's: printed below the table,
+    not in its first split's column (they stood under "val")."""
+    from lst_lightning.app.train import print_summary
+
+    print_summary({"name": "r", "num_classes": 10, "train_steps": 5, "run_dir": ".",
+                   "val": {"mrr": 0.5}, "test": {"mrr": 0.4}, "step_time_ms": 2.5, "wall_s": 9.0})
+    out = capsys.readouterr().out.splitlines()
+    assert not any("step_time_ms" in line and "│" in line for line in out)
+    assert "step_time_ms 2.5, wall_s 9" in out

@@ -436,11 +436,11 @@ def print_summary(results: dict) -> None:
     keys = list(dict.fromkeys(k for c in cols for k in results[c]))
     for k in keys:
         table.add_row(k, *(f"{results[c][k]:.4g}" if k in results[c] else "" for c in cols))
-    for k in ("step_time_ms", "tokens_per_s", "head_share", "wall_s"):
-        if k in results:
-            table.add_row(k, f"{results[k]:.4g}", *[""] * (len(cols) - 1))
     console = Console()
     console.print(table)
+    run_wide = [f"{k} {results[k]:.4g}" for k in ("step_time_ms", "tokens_per_s", "head_share", "wall_s") if k in results]
+    if run_wide:  # the run's, not a split's: below the table, not in its first split's column
+        console.print(", ".join(run_wide))
     run_dir = Path(results["run_dir"]).resolve()
     console.print(f"Run directory: {run_dir}\nResults: {run_dir / 'results.json'}", soft_wrap=True)
 
