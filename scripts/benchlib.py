@@ -145,13 +145,15 @@ def zipf_targets(shape: int | tuple[int, ...], num_classes: int, generator: torc
 
 def write_csv(path: Path, rows: list[dict], columns: Iterable[str] | None = None, *, append: bool = False,
               machine: str | None = None) -> Path:
-    """Rows as CSV, a ``machine`` column first (this machine unless the rows name one);
-    ``append`` adds to an existing file (its header is kept); keys not in ``columns`` are left out."""
-    name = machine or machine_name()
-    rows = [{"machine": name, **r} for r in rows]
+    """Rows as CSV, where they were measured first: the ``machine`` (this machine unless the rows
+    name one), the ``torch`` version, the checkout's ``commit`` and the ``date`` (``provenance``; the
+    rows' own where they have them); ``append`` adds to an existing file (its header is kept); keys
+    not in ``columns`` are left out."""
+    where = {**provenance(), "machine": machine or machine_name()}
+    rows = [{**where, **r} for r in rows]
     fresh = not (append and path.exists())
     if fresh:
-        columns = list(dict.fromkeys(["machine", *(columns or rows[0])]))
+        columns = list(dict.fromkeys([*where, *(columns or rows[0])]))
     else:
         with path.open(newline="") as fh:
             columns = next(csv.reader(fh))
@@ -213,8 +215,12 @@ def save_rows(args: argparse.Namespace, out: Path, name: str, rows: list[dict], 
 
 def provenance() -> dict:
     """Where a row was measured: the machine, torch, this checkout's commit and today's date."""
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit.stdout.strip() or "unknown",
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:  # no git on this machine
+        commit = ""
+    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit or "unknown",
             "date": datetime.date.today().isoformat()}
 
 

@@ -37,9 +37,18 @@ def test_csv_names_the_machine_and_appends_under_one_header(tmp_path):
     benchlib.write_csv(path, [{"a": 3, "b": 4, "extra": 5}], append=True)
     benchlib.write_csv(path.with_name("u.csv"), [{"machine": "elsewhere", "a": 1}])
     rows = list(csv.DictReader(path.open()))
-    assert rows == [{"machine": benchlib.machine_name(), "a": "1", "b": "2"},
-                    {"machine": benchlib.machine_name(), "a": "3", "b": "4"}]
+    where = benchlib.provenance()
+    assert rows == [{**where, "a": "1", "b": "2"}, {**where, "a": "3", "b": "4"}]
     assert next(csv.DictReader(path.with_name("u.csv").open()))["machine"] == "elsewhere"
+
+
+def test_every_csv_names_the_machine_torch_commit_and_date_of_its_rows(tmp_path):
+    """A run's CSV says where it was measured, as the tidy CSVs it is added to do; the rows' own values kept."""
+    path = benchlib.write_csv(tmp_path / "t.csv", [{"a": 1}, {"a": 2, "torch": "9.9"}], ["a"])
+    header, *rows = csv.reader(path.open())
+    assert header[:4] == ["machine", "torch", "commit", "date"] and header[4:] == ["a"]
+    assert rows[0][1:4] == [torch.__version__, benchlib.provenance()["commit"], benchlib.provenance()["date"]]
+    assert rows[0][2] != "unknown" and rows[1][1] == "9.9"
 
 
 def test_markdown_table():
