@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         rt.add_row(r["what"], f"{r['ratio']:.2f}" + ("" if r.get("at_most") else "x"), tgt + ok)
     console.print(rt)
     stem = out / f"head_cpu_{kind}_{machine}"
-    common = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    common = {"run": kind, "threads": torch.get_num_threads()}  # run: the results page's full and quick rows
     wrote(write_csv(stem.with_suffix(".csv"), [{**common, **r} for r in rows], machine=machine),
           plot(rows, stem.with_suffix(".png"), machine))
 
