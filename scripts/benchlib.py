@@ -39,6 +39,27 @@ RESULTS_ENV = "LST_RESULTS_DIR"
 Step = Callable[[], None]
 
 
+# --- arguments --------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a count or size of at least 1 (a bad one is argparse's one-line error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def existing_path(text: str) -> Path:
+    """An argparse ``type``: a file or folder that is there (else argparse's one-line error, exit 2)."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
+    return path
+
+
 # --- where results go -------------------------------------------------------------------
 
 def results_dir() -> Path:
@@ -145,15 +166,15 @@ def zipf_targets(shape: int | tuple[int, ...], num_classes: int, generator: torc
 
 def write_csv(path: Path, rows: list[dict], columns: Iterable[str] | None = None, *, append: bool = False,
               machine: str | None = None) -> Path:
-    """Rows as CSV, where they were measured first: the ``machine`` (this machine unless the rows
-    name one), the ``torch`` version, the checkout's ``commit`` and the ``date`` (``provenance``; the
-    rows' own where they have them); ``append`` adds to an existing file (its header is kept); keys
-    not in ``columns`` are left out."""
+    """Rows as CSV, a ``machine`` column first (this machine unless the rows name one) and where
+    ``columns`` do not place them, the ``torch`` version, the checkout's ``commit`` and the ``date``
+    last (``provenance``; the rows' own where they have them); ``append`` adds to an existing file
+    (its header is kept); keys not in ``columns`` are left out."""
     where = {**provenance(), "machine": machine or machine_name()}
     rows = [{**where, **r} for r in rows]
     fresh = not (append and path.exists())
     if fresh:
-        columns = list(dict.fromkeys([*where, *(columns or rows[0])]))
+        columns = list(dict.fromkeys(["machine", *(columns or rows[0]), *where]))
     else:
         with path.open(newline="") as fh:
             columns = next(csv.reader(fh))

@@ -46,9 +46,9 @@ def test_every_csv_names_the_machine_torch_commit_and_date_of_its_rows(tmp_path)
     """A run's CSV says where it was measured, as the tidy CSVs it is added to do; the rows' own values kept."""
     path = benchlib.write_csv(tmp_path / "t.csv", [{"a": 1}, {"a": 2, "torch": "9.9"}], ["a"])
     header, *rows = csv.reader(path.open())
-    assert header[:4] == ["machine", "torch", "commit", "date"] and header[4:] == ["a"]
-    assert rows[0][1:4] == [torch.__version__, benchlib.provenance()["commit"], benchlib.provenance()["date"]]
-    assert rows[0][2] != "unknown" and rows[1][1] == "9.9"
+    assert header == ["machine", "a", "torch", "commit", "date"]
+    assert rows[0][2:] == [torch.__version__, benchlib.provenance()["commit"], benchlib.provenance()["date"]]
+    assert rows[0][3] != "unknown" and rows[1][2] == "9.9"
 
 
 def test_markdown_table():
@@ -88,3 +88,38 @@ def test_update_results_adds_the_rows_to_the_results_folder_only(sandbox, script
     assert after[:len(before)] == before and len(after) == len(before) + rows
     assert after[-1]["command"] == f"python3 scripts/{script}.py {' '.join(argv)} --update-results"
     assert tree_hashes(COMMITTED) == committed
+
+
+def test_positive_int_and_existing_path_refuse_in_argparses_one_line(tmp_path):
+    assert benchlib.positive_int("3") == 3 and benchlib.existing_path(str(tmp_path)) == tmp_path
+    for bad in ("0", "-5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="positive integer"):
+            benchlib.positive_int(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="no such file"):
+        benchlib.existing_path(str(tmp_path / "absent.csv"))
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("bench_heads", ["--replot", "absent.csv"]),
+    ("bench_whole_step", ["--smoke", "--merge", "absent.csv"]),
+    ("bench_whole_step", ["--smoke", "--threads", "-1"]),
+    ("bench_head_cpu", ["--smoke", "--reps", "0"]),
+    ("bench_checkpoints", ["--smoke", "--repeats", "0"]),
+    ("bench_checkpoints", ["--long", "20", "--short", "20"]),
+    ("bench_routes", ["--smoke", "--D", "-5"]),
+    ("bench_routes", ["--smoke", "--threads", "0"]),
+    ("bench_samplers", ["--sizes", "-5"]),
+    ("bench_samplers", ["--reps", "0"]),
+    ("bench_sharded", ["--world", "0"]),
+    ("bench_sharded", ["--D", "-5"]),
+    ("bench_sparse_exchange", ["--D", "-5"]),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_bad_sizes_and_missing_files_are_one_line_exit_2_and_write_nothing(sandbox, capsys, script, argv):
+    """A size that cannot run or a file that is not there: argparse's one-line error, before any
+    folder or file is made (these ran, crashed in a traceback, or started jobs that failed)."""
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(script).main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "error: " in err[-1] and "Traceback" not in "\n".join(err)
+    assert not (sandbox.cwd / "outputs").exists()
