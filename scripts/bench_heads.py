@@ -689,7 +689,7 @@ def size_order(Ds: list[int], ds: list[int]) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is there")
     p.add_argument("--sweep-d", action="store_true",

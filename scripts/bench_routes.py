@@ -446,7 +446,7 @@ SMOKE = {"D": [300, 3000], "d": 8, "rows": 16, "seq_len": 4, "embed_dim": 4, "in
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
     p.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="the factored head's parallel mode")
     p.add_argument("--D", type=positive_int, nargs="+", default=[10_000, 1_000_000], help="classes (the vocabulary)")

@@ -34,7 +34,7 @@ def direct_draw(kernel, state, h, num_samples):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=["rff", "quadratic"], default="rff")
     ap.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 4000, 16000, 64000, 256000])
     ap.add_argument("--hidden-dim", type=positive_int, default=32)

@@ -73,7 +73,7 @@ def measure(world: int, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--D", type=positive_int, default=10_000_000)
     p.add_argument("--d", type=positive_int, default=128)
     p.add_argument("--m", type=positive_int, default=256, help="rows per rank")

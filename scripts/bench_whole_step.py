@@ -506,7 +506,7 @@ def compile_setting(text: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
     p.add_argument("--D", type=parse_ints, help=f"vocabulary sizes (default: {SIZES['cpu']})")
     p.add_argument("--bodies", default=",".join(DEFAULT_BODIES), help="comma-separated: " + ",".join(BODIES))

@@ -1049,7 +1049,7 @@ def add_rows(benchmark: str, raw: Path, command: str, *, machine: str | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="action")
     add = sub.add_parser("add", help="append a run's rows to a benchmark's tidy CSV")
     add.add_argument("benchmark", choices=sorted(PAGES_BY_NAME))

@@ -123,3 +123,19 @@ def test_bad_sizes_and_missing_files_are_one_line_exit_2_and_write_nothing(sandb
     err = capsys.readouterr().err.strip().splitlines()
     assert "error: " in err[-1] and "Traceback" not in "\n".join(err)
     assert not (sandbox.cwd / "outputs").exists()
+
+
+HELPED = ["bench_heads", "bench_kernels", "bench_routes", "bench_samplers", "bench_sharded", "bench_sparse_exchange",
+          "bench_step_cpu", "bench_whole_step", "count_step", "crossover", "gpu_session", "launch_cost", "logit_spread",
+          "profile_step", "quality_table", "results_pages", "time_to_quality", "trace_step"]
+
+
+@pytest.mark.parametrize("script", HELPED)
+def test_help_describes_the_script_in_its_docstrings_whole_first_paragraph(script, capsys):
+    """``--help`` says what the script does in whole sentences (it ended in mid-sentence at the docstring's first line)."""
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    first = "".join(module.__doc__.split("\n\n")[0].split())  # argparse rewraps it, at hyphens too
+    assert first in "".join(capsys.readouterr().out.split())
