@@ -170,7 +170,7 @@ def write_csv(path: Path, rows: list[dict], columns: Iterable[str] | None = None
     ``columns`` do not place them, the ``torch`` version, the checkout's ``commit`` and the ``date``
     last (``provenance``; the rows' own where they have them); ``append`` adds to an existing file
     (its header is kept); keys not in ``columns`` are left out."""
-    where = {**provenance(), "machine": machine or machine_name()}
+    where = {"machine": machine or machine_name(), **measured_with()}
     rows = [{**where, **r} for r in rows]
     fresh = not (append and path.exists())
     if fresh:
@@ -236,13 +236,18 @@ def save_rows(args: argparse.Namespace, out: Path, name: str, rows: list[dict], 
 
 def provenance() -> dict:
     """Where a row was measured: the machine, torch, this checkout's commit and today's date."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip()
+    return {"machine": machine_name(), **measured_with()}
+
+
+def measured_with() -> dict:
+    """The torch version, this checkout's commit and today's date (``provenance`` without the machine)."""
+    try:  # Popen, not run: tests stand in for subprocess.run to fake the lst-train runs a script makes
+        with subprocess.Popen(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) as git:
+            commit = git.communicate()[0].strip()
     except OSError:  # no git on this machine
         commit = ""
-    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit or "unknown",
-            "date": datetime.date.today().isoformat()}
+    return {"torch": torch.__version__, "commit": commit or "unknown", "date": datetime.date.today().isoformat()}
 
 
 def wrote(*paths: Path) -> None:
