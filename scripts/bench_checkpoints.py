@@ -42,7 +42,8 @@ import time
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure, write_csv, wrote
+from benchlib import (add_output_args, machine_name, markdown_table, output_dir, positive_int, pyplot, save_figure,
+                      write_csv, wrote)
 
 import torch
 
@@ -98,17 +99,17 @@ def recompute_cost(D: int, hidden_dim: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--D", type=int, nargs="+", default=[10_000, 1_000_000, 10_000_000])
+    ap.add_argument("--D", type=positive_int, nargs="+", default=[10_000, 1_000_000, 10_000_000])
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    ap.add_argument("--short", type=int, default=20)
-    ap.add_argument("--long", type=int, default=1020)
-    ap.add_argument("--max-input-vocab", type=int, default=1_000_000,
+    ap.add_argument("--short", type=positive_int, default=20)
+    ap.add_argument("--long", type=positive_int, default=1020)
+    ap.add_argument("--max-input-vocab", type=positive_int, default=1_000_000,
                     help="the input vocabulary is min(D, this): at 10^7 a D-row input embedding and its two "
                          "SparseAdam moments would not fit a 24 GB machine beside V")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=positive_int, default=1,
                     help="rounds of every setting, interleaved (none, default, ..., none, default, ...); each "
                          "setting's figure is the median of its rounds, so a change of load falls on all alike")
-    ap.add_argument("--hidden-dim", type=int, default=None)
+    ap.add_argument("--hidden-dim", type=positive_int, default=None)
     ap.add_argument("--series", default=None,
                     help="a label for this measurement's rows (column 'series'); with --update-results they are "
                          "appended to this machine's committed CSV, which keeps every earlier series")
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     add_output_args(ap)
     args = ap.parse_args(argv)
+    if args.long <= args.short:
+        ap.error(f"--long ({args.long}) must exceed --short ({args.short}): a step's time is the difference of "
+                 "their wall times over the difference of their steps")
     if args.smoke:
         args.D, args.short, args.long, args.settings, args.hidden_dim = (
             SMOKE["D"], SMOKE["short"], SMOKE["long"], SMOKE["settings"], SMOKE["hidden_dim"])

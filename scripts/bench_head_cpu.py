@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import (add_output_args, interleaved_medians, machine_name, output_dir, pyplot, save_figure,
+from benchlib import (positive_int, add_output_args, interleaved_medians, machine_name, output_dir, pyplot, save_figure,
                       wrote, write_csv, zipf_targets)
 
 import torch
@@ -185,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     size = p.add_mutually_exclusive_group()
     size.add_argument("--full", action="store_true", help="the paper's and the issue's sizes (minutes, ~8 GB)")
     size.add_argument("--smoke", action="store_true", help="every comparison at tiny sizes in seconds (tests)")
-    p.add_argument("--reps", type=int, default=10, help="factored steps per round (3 or 5 rounds; median)")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--reps", type=positive_int, default=10, help="factored steps per round (3 or 5 rounds; median)")
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine")
     add_output_args(p)
     args = p.parse_args(argv)
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         rt.add_row(r["what"], f"{r['ratio']:.2f}" + ("" if r.get("at_most") else "x"), tgt + ok)
     console.print(rt)
     stem = out / f"head_cpu_{kind}_{machine}"
-    common = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+    common = {"run": kind, "threads": torch.get_num_threads()}  # run: the results page's full and quick rows
     wrote(write_csv(stem.with_suffix(".csv"), [{**common, **r} for r in rows], machine=machine),
           plot(rows, stem.with_suffix(".png"), machine))
 

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # benchlib first: in a bare checkout (the GPU machine) it puts the package on the path.
-from benchlib import (add_output_args, cuda_clock, interleaved_times, machine_name, markdown_table, output_dir,
-                      perf_clock, pyplot, quantile, save_figure, write_csv, wrote, zipf_targets)
+from benchlib import (add_output_args, cuda_clock, existing_path, interleaved_times, machine_name, markdown_table,
+                      output_dir, perf_clock, positive_int, pyplot, quantile, save_figure, write_csv, wrote, zipf_targets)
 
 import torch
 import torch.nn.functional as F
@@ -689,7 +689,7 @@ def size_order(Ds: list[int], ds: list[int]) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is there")
     p.add_argument("--sweep-d", action="store_true",
@@ -709,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
                         "the spherical heads keep float32 state")
     p.add_argument("--max-gb", type=float, default=None,
                    help="memory a head may use (default: 92%% of free GPU memory; on CPU half of MemAvailable)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU runs)")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: 1 on CPU runs)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--budget-s", type=float, default=None, help="timed seconds per head and size")
     p.add_argument("--min-steps", type=int, default=None)
@@ -721,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="on CPU, time heads alone rather than alongside the factored head")
     p.add_argument("--no-paper-cpu", dest="paper_cpu", action="store_false",
                    help="on a GPU, skip timing the naive head on the CPU at the paper's size")
-    p.add_argument("--replot", type=Path, default=None, metavar="CSV",
+    p.add_argument("--replot", type=existing_path, default=None, metavar="CSV",
                    help="measure nothing: remake the markdown and plot of a CSV of an earlier run (written "
                         "with a copy of the CSV into the output folder)")
     add_output_args(p)

@@ -135,7 +135,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU in the Triton interpreter (tests only)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--iters", type=int, default=100)

@@ -57,7 +57,7 @@ import time
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import (add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure,
+from benchlib import (positive_int, add_output_args, machine_name, markdown_table, output_dir, pyplot, save_figure,
                       write_csv, wrote)
 
 import lightning.pytorch as pl
@@ -446,19 +446,20 @@ SMOKE = {"D": [300, 3000], "d": 8, "rows": 16, "seq_len": 4, "embed_dim": 4, "in
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--routes", nargs="+", choices=ROUTES, default=list(ROUTES))
     p.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="the factored head's parallel mode")
-    p.add_argument("--D", type=int, nargs="+", default=[10_000, 1_000_000], help="classes (the vocabulary)")
-    p.add_argument("--d", type=int, default=128, help="the head's hidden size (the body's output)")
-    p.add_argument("--rows", type=int, default=256, help="the head's rows per rank per step")
-    p.add_argument("--seq-len", type=int, default=32, help="HF and litgpt: tokens per sequence")
-    p.add_argument("--embed-dim", type=int, default=64, help="lst-train: the n-gram body's input embedding width")
-    p.add_argument("--input-vocab", type=int, default=100_000, help="lst-train: the body's input vocabulary")
+    p.add_argument("--D", type=positive_int, nargs="+", default=[10_000, 1_000_000], help="classes (the vocabulary)")
+    p.add_argument("--d", type=positive_int, default=128, help="the head's hidden size (the body's output)")
+    p.add_argument("--rows", type=positive_int, default=256, help="the head's rows per rank per step")
+    p.add_argument("--seq-len", type=positive_int, default=32, help="HF and litgpt: tokens per sequence")
+    p.add_argument("--embed-dim", type=positive_int, default=64,
+                   help="lst-train: the n-gram body's input embedding width")
+    p.add_argument("--input-vocab", type=positive_int, default=100_000, help="lst-train: the body's input vocabulary")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="steps before the timed ones (at least 1)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=positive_int, default=3, help="steps before the timed ones (at least 1)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     p.add_argument("--netns", choices=["auto", "on", "off"], default="auto",
                    help="each job in a network namespace of its own (auto: where unshare allows it)")
     p.add_argument("--job-timeout", type=float, default=1800, help="seconds per job")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import (add_output_args, interleaved_medians, machine_name, output_dir, pyplot, save_figure,
+from benchlib import (positive_int, add_output_args, interleaved_medians, machine_name, output_dir, pyplot, save_figure,
                       write_csv, wrote)
 
 import torch
@@ -34,16 +34,16 @@ def direct_draw(kernel, state, h, num_samples):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernel", choices=["rff", "quadratic"], default="rff")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 4000, 16000, 64000, 256000])
-    ap.add_argument("--hidden-dim", type=int, default=32)
-    ap.add_argument("--d-rff", type=int, default=128)
-    ap.add_argument("--rows", type=int, default=16, help="hidden rows m per call")
-    ap.add_argument("--samples", type=int, default=64, help="draws S per row")
-    ap.add_argument("--leaf-size", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sizes", type=positive_int, nargs="+", default=[1000, 4000, 16000, 64000, 256000])
+    ap.add_argument("--hidden-dim", type=positive_int, default=32)
+    ap.add_argument("--d-rff", type=positive_int, default=128)
+    ap.add_argument("--rows", type=positive_int, default=16, help="hidden rows m per call")
+    ap.add_argument("--samples", type=positive_int, default=64, help="draws S per row")
+    ap.add_argument("--leaf-size", type=positive_int, default=16)
+    ap.add_argument("--reps", type=positive_int, default=5)
+    ap.add_argument("--threads", type=positive_int, default=1)
     add_output_args(ap)
     args = ap.parse_args(argv)
     out = output_dir(args, "bench_samplers")

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import add_output_args, machine_name, output_dir, write_csv, wrote, zipf_targets
+from benchlib import positive_int, add_output_args, machine_name, output_dir, write_csv, wrote, zipf_targets
 
 import torch
 import torch.distributed as dist
@@ -73,14 +73,14 @@ def measure(world: int, args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--D", type=int, default=10_000_000)
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--m", type=int, default=256, help="rows per rank")
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--D", type=positive_int, default=10_000_000)
+    p.add_argument("--d", type=positive_int, default=128)
+    p.add_argument("--m", type=positive_int, default=256, help="rows per rank")
+    p.add_argument("--world", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--single", action="store_true", help="also time one process on the global batch")
     add_output_args(p)
     args = p.parse_args(argv)

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import add_output_args, machine_name, output_dir, write_csv, wrote, zipf_targets
+from benchlib import positive_int, add_output_args, machine_name, output_dir, write_csv, wrote, zipf_targets
 
 import torch
 import torch.distributed as dist
@@ -69,18 +69,18 @@ def measure(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--D", type=int, nargs="+", default=[10_000, 1_000_000], help="rows of the sparse table")
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--m", type=int, default=256, help="examples per rank")
-    p.add_argument("--context", type=int, default=4, help="ids per example")
-    p.add_argument("--ids", type=int, default=10_000, help="the ids are drawn from the first IDS rows")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--D", type=positive_int, nargs="+", default=[10_000, 1_000_000], help="rows of the sparse table")
+    p.add_argument("--d", type=positive_int, default=128)
+    p.add_argument("--m", type=positive_int, default=256, help="examples per rank")
+    p.add_argument("--context", type=positive_int, default=4, help="ids per example")
+    p.add_argument("--ids", type=positive_int, default=10_000, help="the ids are drawn from the first IDS rows")
     p.add_argument("--gradient", nargs="+", choices=["coo", "static"], default=["coo", "static"],
                    help="torch's sparse COO gradient, or static rows (row_adam's)")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     add_output_args(p)
     args = p.parse_args(argv)
     if args.world < 2:

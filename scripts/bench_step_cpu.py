@@ -157,7 +157,7 @@ def counted(step, batch) -> tuple[int, Counter]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--D", type=int, default=100_000)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--m", type=int, default=128)

@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 # benchlib first: in a bare checkout it puts the package on the path.
-from benchlib import (add_output_args, clock_for, interleaved_times, machine_name, markdown_table, output_dir,
-                      pyplot, quantile, save_figure, write_csv, wrote)
+from benchlib import (add_output_args, clock_for, existing_path, interleaved_times, machine_name, markdown_table,
+                      output_dir, positive_int, pyplot, quantile, save_figure, write_csv, wrote)
 
 import torch
 import yaml
@@ -506,7 +506,7 @@ def compile_setting(text: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="every code path at tiny sizes in seconds (tests)")
     p.add_argument("--D", type=parse_ints, help=f"vocabulary sizes (default: {SIZES['cpu']})")
     p.add_argument("--bodies", default=",".join(DEFAULT_BODIES), help="comma-separated: " + ",".join(BODIES))
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the body's input embedding: row-sparse gradients (SparseAdam) or dense (Adam)")
     p.add_argument("--max-gb", type=float, default=None, help="memory a pair of models may use (default: half "
                    "of MemAvailable; this machine is shared)")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads")
     p.add_argument("--tokens", type=int, default=TOKENS,
                    help=f"target tokens a step (default {TOKENS}; a multiple of {SEQUENCE_LENGTH}: gpt's sequences)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--max-step-s", type=float, default=20.0, help="skip a head whose step would take longer")
     p.add_argument("--deadline-s", type=float, default=None, help="stop starting new heads after this long")
-    p.add_argument("--merge", type=Path, default=None, metavar="CSV",
+    p.add_argument("--merge", type=existing_path, default=None, metavar="CSV",
                    help="keep the rows of an earlier run's CSV that this run does not measure (same body, "
                         "head, variant and D), e.g. to add the slow heads at large D with a longer --max-step-s")
     add_output_args(p)

@@ -39,6 +39,27 @@ RESULTS_ENV = "LST_RESULTS_DIR"
 Step = Callable[[], None]
 
 
+# --- arguments --------------------------------------------------------------------------
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: a count or size of at least 1 (a bad one is argparse's one-line error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def existing_path(text: str) -> Path:
+    """An argparse ``type``: a file or folder that is there (else argparse's one-line error, exit 2)."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
+    return path
+
+
 # --- where results go -------------------------------------------------------------------
 
 def results_dir() -> Path:
@@ -145,13 +166,15 @@ def zipf_targets(shape: int | tuple[int, ...], num_classes: int, generator: torc
 
 def write_csv(path: Path, rows: list[dict], columns: Iterable[str] | None = None, *, append: bool = False,
               machine: str | None = None) -> Path:
-    """Rows as CSV, a ``machine`` column first (this machine unless the rows name one);
-    ``append`` adds to an existing file (its header is kept); keys not in ``columns`` are left out."""
-    name = machine or machine_name()
-    rows = [{"machine": name, **r} for r in rows]
+    """Rows as CSV, a ``machine`` column first (this machine unless the rows name one) and where
+    ``columns`` do not place them, the ``torch`` version, the checkout's ``commit`` and the ``date``
+    last (``provenance``; the rows' own where they have them); ``append`` adds to an existing file
+    (its header is kept); keys not in ``columns`` are left out."""
+    where = {"machine": machine or machine_name(), **measured_with()}
+    rows = [{**where, **r} for r in rows]
     fresh = not (append and path.exists())
     if fresh:
-        columns = list(dict.fromkeys(["machine", *(columns or rows[0])]))
+        columns = list(dict.fromkeys(["machine", *(columns or rows[0]), *where]))
     else:
         with path.open(newline="") as fh:
             columns = next(csv.reader(fh))
@@ -213,9 +236,18 @@ def save_rows(args: argparse.Namespace, out: Path, name: str, rows: list[dict], 
 
 def provenance() -> dict:
     """Where a row was measured: the machine, torch, this checkout's commit and today's date."""
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return {"machine": machine_name(), "torch": torch.__version__, "commit": commit.stdout.strip() or "unknown",
-            "date": datetime.date.today().isoformat()}
+    return {"machine": machine_name(), **measured_with()}
+
+
+def measured_with() -> dict:
+    """The torch version, this checkout's commit and today's date (``provenance`` without the machine)."""
+    try:  # Popen, not run: tests stand in for subprocess.run to fake the lst-train runs a script makes
+        with subprocess.Popen(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) as git:
+            commit = git.communicate()[0].strip()
+    except OSError:  # no git on this machine
+        commit = ""
+    return {"torch": torch.__version__, "commit": commit or "unknown", "date": datetime.date.today().isoformat()}
 
 
 def wrote(*paths: Path) -> None:

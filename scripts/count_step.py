@@ -149,7 +149,7 @@ def table(c: StepCounter, D: int, d: int, m: int, loss: str, sync_every: int, in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--D", type=int, default=TARGET["D"])
     p.add_argument("--d", type=int, default=TARGET["d"])
     p.add_argument("--m", type=int, default=TARGET["m"])

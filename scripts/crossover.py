@@ -116,7 +116,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--d", type=parse_ints, default=None, help=f"widths (default {WIDTHS})")
     p.add_argument("--m", type=parse_ints, default=None, help="rows a step (default 1024)")
     p.add_argument("--S", type=int, default=sampled_softmax_num_samples(1_000_000),

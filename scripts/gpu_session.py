@@ -347,7 +347,7 @@ def plan(parts: list[str], out: Path, smoke: bool) -> list[Step]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("parts", nargs="*", metavar="PART", help=f"some of {', '.join(PARTS)} (default: all, in that order)")
     p.add_argument("--out", type=Path, help="the folder every file goes into")
     p.add_argument("--smoke", action="store_true", help="the same steps at tiny sizes (CPU, tests)")

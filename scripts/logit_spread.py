@@ -112,7 +112,7 @@ def provenance_of_run() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path)
     p.add_argument("--rows", type=int, default=256, help="validation rows")
     p.add_argument("--S", type=int, default=512, help="sampled classes")

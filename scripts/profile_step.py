@@ -80,7 +80,7 @@ def profile_path(name: str, D: int, d: int, m: int, device: torch.device, steps:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--D", type=int, default=TARGET["D"])
     p.add_argument("--d", type=int, default=TARGET["d"])

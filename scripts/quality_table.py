@@ -229,7 +229,7 @@ def write_results(rows: list[dict], metric: str, machine: str, folder: Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     ap.add_argument("--modes", nargs="+", default=["epochs", "budget"], choices=["epochs", "budget"])

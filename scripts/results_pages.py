@@ -1015,7 +1015,8 @@ def add_rows(benchmark: str, raw: Path, command: str, *, machine: str | None = N
              commit: str | None = None, date: str | None = None, data: Path | None = None) -> int:
     """Append the rows of a benchmark script's CSV to ``<data>/<benchmark>.csv`` (``benchmarks/results/``);
     returns how many. Columns the tidy CSV lacks are dropped; the meta columns come from the raw rows where
-    they have them."""
+    they have them. A raw CSV without one of the tidy CSV's other columns, or with text in a numeric column,
+    is refused (``ValueError``) and nothing is written."""
     target = (DATA if data is None else data) / f"{benchmark}.csv"
     with target.open(newline="") as fh:
         columns = next(csv.reader(fh))
@@ -1029,18 +1030,26 @@ def add_rows(benchmark: str, raw: Path, command: str, *, machine: str | None = N
     meta = {"machine": machine, "torch": torch_version, "commit": commit or commit_of_checkout(),
             "date": date or datetime.date.today().isoformat(), "command": command}
     with raw.open(newline="") as fh:
-        rows = [{**meta, **{k: v for k, v in r.items() if v != "" or k not in meta}} for r in csv.DictReader(fh)]
+        reader = csv.DictReader(fh)
+        rows = [{**meta, **{k: v for k, v in r.items() if v != "" or k not in meta}} for r in reader]
+        missing = [c for c in columns if c not in META and c not in (reader.fieldnames or ())]
+    if missing:
+        raise ValueError(f"{raw} has no column {', '.join(missing)} of {target.name}: not the run of {benchmark}'s "
+                         f"script, or made by another version of it")
     for r in rows:
         for c in columns:
             if c not in TEXT and r.get(c) not in (None, ""):
-                float(r[c])  # a numeric column holds numbers only
+                try:
+                    float(r[c])  # a numeric column holds numbers only
+                except ValueError:
+                    raise ValueError(f"{raw}: column {c} holds {r[c]!r}, not a number") from None
     with target.open("a", newline="") as fh:
         csv.DictWriter(fh, columns, extrasaction="ignore", lineterminator="\n").writerows(rows)
     return len(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="action")
     add = sub.add_parser("add", help="append a run's rows to a benchmark's tidy CSV")
     add.add_argument("benchmark", choices=sorted(PAGES_BY_NAME))
@@ -1051,7 +1060,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="list the files that differ and exit 1 if any")
     args = p.parse_args(argv)
     if args.action == "add":
-        n = add_rows(args.benchmark, args.raw, args.command, machine=args.machine, torch_version=args.torch)
+        try:
+            n = add_rows(args.benchmark, args.raw, args.command, machine=args.machine, torch_version=args.torch)
+        except (OSError, ValueError) as e:  # a missing or unreadable file, or rows that do not fit
+            p.error(str(e))
         print(f"added {n} rows to benchmarks/results/{args.benchmark}.csv; now run scripts/results_pages.py")
         return 0
     if args.check:

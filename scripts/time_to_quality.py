@@ -249,7 +249,7 @@ def same_steps(case: str, heads: list[str], seed: int, steps: int, points: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["equal_time", "same_steps"], default="equal_time")
     p.add_argument("--cases", default="python_code,linux_source", help=f"comma-separated, of {sorted(CASES)}")
     p.add_argument("--heads", default=None, help=f"comma-separated, of {sorted(HEADS)} or a variant 'name;key=value;...' (equal_time: two; default: "

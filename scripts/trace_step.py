@@ -306,7 +306,7 @@ def summary(device: dict, branches: list[Branch], part: str = "") -> str:
 
 def main(argv=None) -> None:
     # the defaults are default_step_path's: an option left out is not passed
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], argument_default=argparse.SUPPRESS)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
     p.add_argument("--num-classes", type=int)
     p.add_argument("--hidden-dim", type=int)
     p.add_argument("-m", type=int, help="rows in the batch")

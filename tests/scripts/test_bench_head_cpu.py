@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 
 import bench_head_cpu as hc
+import benchlib
 import pytest
 
 
@@ -17,7 +18,10 @@ def test_default_run_writes_its_run_directory_only(sandbox):
                 if not hc.missing(impl)]  # (F.linear_cross_entropy: torch 2.13 on)
     assert [(r["group"], r["impl"], r["D"]) for r in rows] == expected
     assert all(r["machine"] == machine and float(r["ms"]) > 0 for r in rows)
-    assert set(rows[0]) >= {"torch", "threads"}
+    assert set(rows[0]) >= {"torch", "threads"} and {r["run"] for r in rows} == {"smoke"}
+    # every column of the committed tidy CSV that results_pages.py's ``add`` appends these rows to
+    with (benchlib.ROOT / "benchmarks" / "results" / "head_step_cpu.csv").open() as fh:
+        assert set(next(csv.reader(fh))) - {"command"} <= set(rows[0])
 
 
 def test_update_results_writes_the_results_folder(sandbox):

@@ -19,7 +19,7 @@ def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
     (path,) = folder.glob("whole_step_smoke_*.csv")
     with path.open() as fh:
         reader = csv.DictReader(fh)
-        assert reader.fieldnames == bw.COLUMNS
+        assert reader.fieldnames == [*bw.COLUMNS, "commit", "date"]
         rows = list(reader)
     assert {(r["body"], r["head"]) for r in rows} == {(b, h) for b in bw.DEFAULT_BODIES
                                                       for h in ("factored", "softmax", "hsoftmax", "naive")}

@@ -74,6 +74,25 @@ def test_add_appends_a_runs_rows_with_their_provenance(tmp_path, monkeypatch):
         rp.add_rows("sharded", bad, "x", machine="box", torch_version="2.13.0", commit="a", date="2030-01-02")
 
 
+def test_add_refuses_a_raw_csv_without_a_column_of_the_tidy_one_in_one_line(tmp_path, monkeypatch, capsys):
+    """A run's CSV that lacks a column of the tidy CSV (bench_head_cpu.py's ``run``) or is not there:
+    one line, exit 2, the tidy CSV as it was."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "head_step_cpu.csv").write_text((rp.DATA / "head_step_cpu.csv").read_text())
+    monkeypatch.setattr(rp, "DATA", data)
+    before = (data / "head_step_cpu.csv").read_bytes()
+    raw = tmp_path / "head_cpu_quick_x.csv"
+    raw.write_text("machine,torch,threads,group,impl,D,d,m,ms\nbox,2.13.0,1,scaling,factored,1000,8,4,1.5\n")
+    for path, why in ((raw, "has no column run of head_step_cpu.csv"), (tmp_path / "absent.csv", "No such file")):
+        with pytest.raises(SystemExit) as e:
+            rp.main(["add", "head_step_cpu", str(path), "--command", "x"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert "error: " in err and str(path) in err and why in err
+        assert (data / "head_step_cpu.csv").read_bytes() == before
+
+
 @pytest.mark.parametrize("page", [p for p in rp.PAGE_LIST if "threads" in rp.load(p.name)[0]],
                          ids=lambda p: p.name)
 def test_each_pages_command_runs_with_its_rows_threads_and_leaves_the_data_alone(page, made):
