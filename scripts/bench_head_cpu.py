@@ -186,12 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     size.add_argument("--full", action="store_true", help="the paper's and the issue's sizes (minutes, ~8 GB)")
     size.add_argument("--smoke", action="store_true", help="every comparison at tiny sizes in seconds (tests)")
     p.add_argument("--reps", type=positive_int, default=10, help="factored steps per round (3 or 5 rounds; median)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's choice); 1 is steadier on a shared machine")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads (default 1, as every benchmark script: steadier on a shared machine)")
     add_output_args(p)
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     kind = "full" if args.full else "smoke" if args.smoke else "quick"
     out = output_dir(args, "bench_head_cpu")
     console = Console()

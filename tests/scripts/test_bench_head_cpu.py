@@ -6,10 +6,16 @@ import csv
 import bench_head_cpu as hc
 import benchlib
 import pytest
+import torch
 
 
 def test_default_run_writes_its_run_directory_only(sandbox):
-    run_dir = sandbox.run_default(hc.main, ["--smoke", "--reps", "2"], "bench_head_cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the default is one thread whatever torch would take
+    try:
+        run_dir = sandbox.run_default(hc.main, ["--smoke", "--reps", "2"], "bench_head_cpu")
+    finally:
+        torch.set_num_threads(threads)
     machine = hc.machine_name()
     csv_path = run_dir / f"head_cpu_smoke_{machine}.csv"
     assert csv_path.with_suffix(".png").stat().st_size > 0
@@ -19,6 +25,7 @@ def test_default_run_writes_its_run_directory_only(sandbox):
     assert [(r["group"], r["impl"], r["D"]) for r in rows] == expected
     assert all(r["machine"] == machine and float(r["ms"]) > 0 for r in rows)
     assert set(rows[0]) >= {"torch", "threads"} and {r["run"] for r in rows} == {"smoke"}
+    assert {r["threads"] for r in rows} == {"1"}  # one torch thread by default, as every script (docs/benchmarks.md)
     # every column of the committed tidy CSV that results_pages.py's ``add`` appends these rows to
     with (benchlib.ROOT / "benchmarks" / "results" / "head_step_cpu.csv").open() as fh:
         assert set(next(csv.reader(fh))) - {"command"} <= set(rows[0])
