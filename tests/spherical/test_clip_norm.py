@@ -91,3 +91,23 @@ def test_a_bad_bound_is_refused_in_one_line_and_changes_nothing(cls, bad):
     with pytest.raises(ValueError, match="clip_norm"):
         h.clip_norm = bad
     assert h.clip_norm == 0.5 and h.plan is plan
+
+
+@pytest.mark.parametrize("kind", [{}, SAMPLED], ids=["zloss", "sampled"])
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_void_step_with_a_bound_leaves_the_head_untouched_under_masked_writes(monkeypatch, kind, bad):
+    """A non-finite H makes the gradient's norm, hence the bound's factor of lr, non-finite; the
+    masked write (a compiled step's, a GPU's) adds nothing to V's rows for it: the head untouched,
+    the step skipped, dL/dH zeros."""
+    from lst_lightning.spherical import exact_step
+    monkeypatch.setattr(exact_step, "READ_CPU_FLAGS", False)  # the flags masked, not read where made
+    f = FactoredSphericalHead(D, d, lr=0.7, clip_norm=1.0, dtype=torch.float64, sync_every=4,
+                              generator=torch.Generator().manual_seed(0), **kind)
+    H, idx = batch(5, 0)
+    H[1, 2] = float(bad)
+    before = {k: v.clone() for k, v in f.state_dict().items() if isinstance(v, torch.Tensor)}
+    _, dH = f.train_step(H, idx)
+    assert torch.equal(dH, torch.zeros_like(dH)) and int(f.skipped_nonfinite) == 1
+    for k, v in f.state_dict().items():
+        if isinstance(v, torch.Tensor) and k != "skipped_nonfinite":
+            assert torch.equal(v, before[k]), k

@@ -231,3 +231,31 @@ def test_step_modes_are_checked():
         head(*batch(5, d, D, 3)[:1], batch(5, d, D, 3)[1])
     assert state(head) == before and int(head.steps) == 0
     assert NaiveSphericalHead.step_modes == ("autograd",)
+
+
+def test_a_bad_batch_saved_before_the_read_that_reports_it_is_reported_after_the_resume():
+    """Under device flags a bad batch's step is void and reported at the next read; a state saved
+    between the two (``bad_input`` in the extra state, a device scalar: no host read) makes the
+    resumed head raise at that read as the saved one does. A bad ``bad_input`` is refused in one line."""
+    torch.manual_seed(0)
+    head = deferred(sync_every=8)
+    H, idx = batch(3, d, D, 2)
+    bad = idx.clone()
+    bad[1, 0] = D + 2
+    for targets in (idx, bad, idx):
+        head(H.clone().requires_grad_(), targets).backward()
+    saved = copy.deepcopy(head.state_dict())
+    resumed = deferred(sync_every=8)
+    resumed.load_state_dict(saved)
+    for h in (head, resumed):
+        with pytest.raises(ValueError, match=f"the batch of step 2 had target ids outside \\[0, {D}\\)"):
+            h.sync()
+        h.sync()  # reported once
+    assert int(resumed.skipped_nonfinite) == int(head.skipped_nonfinite) == 1
+    c = deferred(sync_every=8)
+    before = state_of(c)
+    for wrong in (torch.tensor(-1), torch.tensor(0.5), [2]):
+        with pytest.raises(ValueError, match="bad_input") as err:
+            c.load_state_dict({**saved, "_extra_state": {**saved["_extra_state"], "bad_input": wrong}})
+        assert "\n" not in str(err.value)
+        assert_untouched(c, before)

@@ -487,7 +487,7 @@ def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> tuple[Te
     GA, HUinv, omega, Q, wbar = (
         torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
         torch.where(ok, Q, state.Q), torch.where(ok, new.wbar, state.wbar))
-    alpha = -new.lr
+    alpha = -torch.where(ok, new.lr, 0.0)  # a void step's lr may be nan (clip_norm's factor of a nan norm)
     plan.scatter_rows(state.V, fwd.idx, GA, HUinv, alpha, order=new.order)  # sharded: this rank's rows of V
     state.omega.copy_(omega)
     state.Q.copy_(Q)

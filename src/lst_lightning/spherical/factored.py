@@ -211,7 +211,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         checks = self.step_checks
         # the steps at the flags' last read: a resumed run's next read runs the repairs that fell due
         # since that read, as the saved run's would
-        out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh, "flags_read_at": list(checks.synced)}
+        out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh, "flags_read_at": list(checks.synced),
+               # a bad batch's step not yet read: the resumed run's next read raises for it (no host read)
+               "bad_input": self._bad_input.detach().clone()}
         if self.plan.neumann == "adaptive":  # a resumed run goes on
             out["neumann_factors"] = checks.factors  # with the factors its last read chose
             if checks.rho_max is not None:  # and the largest rho bound of the steps since that read
@@ -233,6 +235,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self.step_checks.factors = int(state["neumann_factors"])
         if "rho_max" in state:
             self.step_checks.rho_max = state["rho_max"].to(self.device, self.cond_bound.dtype).reshape(()).clone()
+        bad = state.get("bad_input")
+        self._bad_input.copy_(bad.reshape(()) if bad is not None else torch.zeros((), dtype=torch.long))
 
     # -- the implicit W -----------------------------------------------------------------
     @torch.no_grad()
@@ -425,6 +429,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         if rho is not None and not (isinstance(rho, Tensor) and rho.numel() == 1 and math.isfinite(float(rho))
                                     and float(rho) >= 0):
             raise ValueError(f"the state's rho_max must be one finite value >= 0, got {rho!r}")
+        bad = (extra or {}).get("bad_input")
+        if bad is not None and not (isinstance(bad, Tensor) and bad.numel() == 1 and not bad.is_floating_point()
+                                    and not bad.is_complex() and int(bad) >= 0):
+            raise ValueError(f"the state's bad_input must be one step number (an int >= 0), got {bad!r}")
         files = (extra or {}).get("v_files")
         if V is not None and (files is not None or (self.sharded and V.shape[0] == self.num_classes != self.V.shape[0])):
             self._ensure_distributed()
