@@ -373,7 +373,7 @@ def test_an_ordinary_heads_own_lr(tmp_path):
     assert module.head.weight in module.head.sparse_parameters()  # head.sparse=true by default
     assert cfg_of("head=softmax").optimizer.head_lr == 0.128  # a baseline's config sets its tuned lr
     assert cfg_of("head=factored").optimizer.head_lr is None
-    with pytest.raises(ValueError, match="optimizer.head_lr must be"):
+    with pytest.raises(ValueError, match="optimizer.head_lr=-1: must be a number > 0"):
         run(cfg_of(*FAST, "head=sampled", "optimizer.head_lr=-1"), tmp_path / "bad")
     with pytest.raises(ValueError, match=r"head.lr=0.1: .*write optimizer.head_lr=0.1"):
         run(cfg_of(*FAST, "head=sampled", "+head.lr=0.1"), tmp_path / "bad")

@@ -453,7 +453,7 @@ class SphericalHeadBase(OutputHead):
         if self._uninitialised:
             raise RuntimeError(f"{type(self).__name__} was built on the meta device and moved with to_empty(): "
                                "its state is uninitialised memory; call head.reset_weight() or load a state dict first")
-        if self.device.type == "meta":
+        if self._factory["device"].type == "meta":
             raise RuntimeError(f"{type(self).__name__} is on the meta device, which holds no values: move it with "
                                "head.to_empty(device=...), then call head.reset_weight() or load a state dict")
         if not isinstance(H, Tensor) or H.dim() != 2:
