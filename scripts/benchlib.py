@@ -18,7 +18,6 @@ import datetime
 import importlib.util
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -241,13 +240,9 @@ def provenance() -> dict:
 
 def measured_with() -> dict:
     """The torch version, this checkout's commit and today's date (``provenance`` without the machine)."""
-    try:  # Popen, not run: tests stand in for subprocess.run to fake the lst-train runs a script makes
-        with subprocess.Popen(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True) as git:
-            commit = git.communicate()[0].strip()
-    except OSError:  # no git on this machine
-        commit = ""
-    return {"torch": torch.__version__, "commit": commit or "unknown", "date": datetime.date.today().isoformat()}
+    from results_pages import commit_of_checkout  # noqa: PLC0415  (beside this file)
+
+    return {"torch": torch.__version__, "commit": commit_of_checkout(), "date": datetime.date.today().isoformat()}
 
 
 def wrote(*paths: Path) -> None:

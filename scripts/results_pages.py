@@ -1007,8 +1007,14 @@ def write_all() -> list[Path]:
 # --- adding a run's rows ---------------------------------------------------------------------
 
 def commit_of_checkout() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
+    """This checkout's commit (7 digits), or "unknown" without git."""
+    try:  # Popen, not run: tests stand in for subprocess.run to fake the lst-train runs a script makes
+        with subprocess.Popen(["git", "rev-parse", "--short=7", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) as git:
+            commit = git.communicate()[0].strip()
+    except OSError:  # no git on this machine
+        commit = ""
+    return commit or "unknown"
 
 
 def add_rows(benchmark: str, raw: Path, command: str, *, machine: str | None = None, torch_version: str | None = None,

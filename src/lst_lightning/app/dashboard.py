@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
 from .errors import OneLineParser
 from .run_files import read_config
 from .wandb_files import read_runs

@@ -54,14 +54,19 @@ def resolve_ckpt_path(ckpt_path, run_dir: str | Path) -> str | None:
 def resumes_its_own_run(ckpt_path, run_dir: str | Path) -> bool:
     """Whether ``ckpt_path`` resumes a checkpoint of ``run_dir`` itself (the run that directory holds)."""
     found = resolve_ckpt_path(ckpt_path, run_dir)
-    return found is not None and Path(found).resolve() in {p.resolve() for p in run_checkpoints(run_dir)}
+    return found is not None and one_of(found, run_checkpoints(run_dir))
+
+
+def one_of(path, checkpoints: list[Path]) -> bool:
+    """Whether ``path`` is one of ``checkpoints`` (``run_checkpoints``'), however either is written."""
+    return Path(path).resolve() in {p.resolve() for p in checkpoints}
 
 
 def refuse_mixing(ckpt_path, run_dir: str | Path) -> None:
     """One line when ``run_dir`` holds checkpoints and ``ckpt_path`` (null, or a file) is not one of them."""
     run_dir = Path(run_dir)
     found = run_checkpoints(run_dir)
-    if not found or (ckpt_path and Path(ckpt_path).resolve() in {p.resolve() for p in found}):
+    if not found or (ckpt_path and one_of(ckpt_path, found)):
         return
     what = "a fresh start" if not ckpt_path else f"ckpt_path={ckpt_path} (another directory's checkpoint)"
     names = ", ".join(str(p.relative_to(run_dir)) for p in reversed(found))

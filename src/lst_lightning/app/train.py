@@ -235,7 +235,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if pl.utilities.rank_zero_only.rank == 0:
         show_our_lines()  # head.step=auto's choice shown where nothing configured logging
     run_dir = Path(run_dir)
-    resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # ckpt_path=last with nothing to resume fails here
+    ckpt = resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)  # ckpt_path=last with nothing to resume fails here
     tcfg = cfg.trainer
     check_trainer_keys(tcfg)
     check_device(tcfg)
@@ -291,7 +291,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if cfg.head.get("step") == AUTO:
         choose_step(module.head, trainer)
     check_built(cfg, module, trainer)
-    if (ckpt := resolve_ckpt_path(cfg.get("ckpt_path"), run_dir)) is not None:
+    if ckpt is not None:
         from .checkpoint_fit import check_fits  # noqa: PLC0415
 
         check_fits(cfg, module, ckpt)  # another model's checkpoint: one line, before the run writes anything
@@ -489,7 +489,7 @@ def _hydra_main(cfg: DictConfig) -> float | None:
             group_the_sweep(cfg, hc.sweep.dir if hc.mode == RunMode.MULTIRUN else None)  # one W&B group per sweep
             built = build(cfg, hc.runtime.output_dir)
         try:
-            with exit_on_preemption(hc.runtime.output_dir):  # SIGTERM: last.ckpt saved, exit code 143
+            with exit_on_preemption(hc.runtime.output_dir):  # SIGTERM, a first Ctrl-C: last.ckpt saved, exit 143, 130
                 results = fit_and_test(cfg, hc.runtime.output_dir, built, start)
         except FloatingPointError as e:
             if not cfg.get("objective"):
