@@ -57,6 +57,9 @@ def assert_rows(tmp_path):
     assert len(train) >= 2, got  # a curve, not a point
     assert any(r.get("val/top5_error") for r in got), got
     assert any(r.get("test/top5_error") for r in got), got
+    # after training, at its last step: workers started per trainer call log there too (not at step 0)
+    last = max(int(r["step"]) for r in train)
+    assert all(int(r["step"]) >= last for r in got if r.get("test/top5_error") or r.get("val/top5_error")), got
 
 
 # ddp_cpu's spawned workers re-import torch for each trainer call (minutes on a loaded

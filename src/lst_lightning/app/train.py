@@ -382,6 +382,8 @@ def fit_and_test(cfg: DictConfig, run_dir: str | Path, built: tuple, start: floa
     trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
     # under ddp_spawn global_step stays 0 here (the workers trained)
     steps = trainer.global_step or int(trainer.callback_metrics.get("train/steps", 0))
+    if not trainer.global_step and steps:  # the loggers' step of the validation and test that follow
+        trainer.fit_loop.epoch_loop._batches_that_stepped = steps
     val = {k[4:]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
     val_step = trainer.callback_metrics.get("val_step")
     val_step = int(val_step) if val and val_step is not None else None
