@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 
 import bench_whole_step as bw
+import results_pages as rp
 import pytest
 import torch
 
@@ -33,6 +34,9 @@ def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
                                                        abs=1e-3)
     assert sorted(p.suffix for p in folder.iterdir()) == [".csv", ".md", ".png"]
     assert "| check | value | status |" in path.with_suffix(".md").read_text()
+    # every column is recordable: results_pages.py add drops the columns its tidy CSV lacks
+    with (rp.DATA / "whole_step.csv").open() as fh:
+        assert set(bw.COLUMNS) <= set(next(csv.reader(fh)))
 
 
 @pytest.mark.parametrize("body", bw.DEFAULT_BODIES)
