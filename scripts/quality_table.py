@@ -125,12 +125,17 @@ def run_one(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
         if mode == "budget" and args.budget_clock == "wall" else []
     res = run(cfg, out_dir / f"{task}-{head}-{mode}", extra_callbacks=[curve, *wall])
     test = res.get("test", res["val"])
-    row = {"task": task, "head": head, "mode": mode, "num_classes": res["num_classes"],
+    row = {"task": task, "head": head, "mode": mode, **budget_of(mode, args), "num_classes": res["num_classes"],
            "train_steps": res["train_steps"], "step_time_ms": res.get("step_time_ms"),
            "head_share": res.get("head_share"), "wall_s": res["wall_s"]}
     row.update({k: test[k] for k in sorted(test) if "error" in k or k in ("mrr", "perplexity", "simlex_rho")})
     row["curve"] = curve.points
     return row
+
+
+def budget_of(mode: str, args) -> dict:
+    """A row's budget (``budget_s``) and its clock in budget mode; nothing in epochs mode."""
+    return {"budget_s": args.budget_s, "clock": args.budget_clock} if mode == "budget" else {}
 
 
 def run_apart(task: str, head: str, mode: str, args, out_dir: Path) -> dict:
@@ -215,7 +220,7 @@ def write_results(rows: list[dict], metric: str, machine: str, folder: Path,
     stem = folder / f"{name}_{machine}"
     metric_cols = sorted({k for r in rows for k in r if "error" in k and k != "error"},
                          key=lambda k: (len(k), k))
-    cols = ["task", "mode", "head", "num_classes", "train_steps", *metric_cols, "mrr", "perplexity",
+    cols = ["task", "mode", "budget_s", "clock", "head", "num_classes", "train_steps", *metric_cols, "mrr", "perplexity",
             "simlex_rho", "step_time_ms", "head_share", "wall_s"]
     if any("error" in r for r in rows):
         cols.append("error")
@@ -276,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(run_apart(task, head, mode, args, out_dir))
                     except Exception as exc:  # one head failing must not lose the others' results
                         print(f"!! {task}/{head}/{mode} failed: {type(exc).__name__}: {exc}")
-                        rows.append({"task": task, "head": head, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
-                                     "curve": []})
+                        rows.append({"task": task, "head": head, "mode": mode, **budget_of(mode, args),
+                                     "error": f"{type(exc).__name__}: {exc}", "curve": []})
                     # after every run, so that a run cut short still leaves its table
                     md, stem = write_results(rows, args.metric, machine, folder, args.stem)
         print(md)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import quality_table as qt
+import results_pages as rp
 
 
 def tiny(head: str = "adaptive") -> list[str]:
@@ -100,10 +101,12 @@ def test_task_overrides_reject_bad_specs(bad):
 
 def test_write_results_writes_every_row_and_the_failures(tmp_path):
     rows = [
-        {"task": "wiki", "head": "softmax", "mode": "budget", "num_classes": 10, "train_steps": 5,
+        {"task": "wiki", "head": "softmax", "mode": "budget", "budget_s": 60.0, "clock": "train", "num_classes": 10,
+         "train_steps": 5,
          "top10_error": 0.5, "top1_error": 0.9, "mrr": 0.2, "perplexity": 40.0, "wall_s": 1.0,
          "curve": [{"train_s": 0.5, "step": 2, "top10_error": 0.7}, {"train_s": 1.0, "step": 5, "top10_error": 0.5}]},
-        {"task": "wiki", "head": "hsoftmax", "mode": "budget", "error": "RuntimeError: boom", "curve": []},
+        {"task": "wiki", "head": "hsoftmax", "mode": "budget", "budget_s": 60.0, "clock": "train",
+         "error": "RuntimeError: boom", "curve": []},
     ]
     md, stem = qt.write_results(rows, "top10_error", "test-machine", tmp_path)
     with open(stem.with_suffix(".csv")) as f:
@@ -114,7 +117,7 @@ def test_write_results_writes_every_row_and_the_failures(tmp_path):
     # top-1 before top-10 in the columns, and the failed row's empty cells in the markdown
     header = md.splitlines()[2]
     assert header.index("top1_error") < header.index("top10_error")
-    assert "| wiki | budget | hsoftmax |" in md
+    assert "| wiki | budget | 60 | train | hsoftmax |" in md
     assert stem.with_suffix(".png").stat().st_size > 0
 
 
@@ -187,6 +190,9 @@ def test_budget_on_the_train_clock_with_timed_validation(sandbox, tmp_path):
              "data.max_eval_examples=64", "--out", str(out)])
     (row,) = read(out / f"quality_large_D_{qt.machine_name()}.csv")
     assert row["mode"] == "budget" and not row.get("error") and int(row["train_steps"]) > 0
+    assert (float(row["budget_s"]), row["clock"]) == (2.0, "train")  # recordable: quality.csv's columns
+    tidy = csv.DictReader((rp.DATA / "quality.csv").open()).fieldnames
+    assert {c for c in tidy if c not in rp.META} <= set(row), set(tidy) - set(row)
     curve = json.loads((out / f"quality_large_D_{qt.machine_name()}_curves.json").read_text())[0]
     times = [p["train_s"] for p in curve["curve"]]
     assert len(times) >= 2 and times == sorted(times) and times[-1] >= 2.0
