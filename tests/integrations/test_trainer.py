@@ -52,6 +52,22 @@ def test_trainer_steps_the_head_once_per_optimizer_step_following_the_schedule(t
     assert not head.attached and head.lr == 0.5
 
 
+def test_the_trainer_without_head_follows_trainer_is_refused_before_anything_changes(tmp_path):
+    """Without the callback the head would step at every micro-batch's backward (12 head steps for
+    6 optimizer steps here) at its own lr, whatever the Trainer's schedule: refused in one line at
+    the first training forward, the model as it was."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_steps=6, learning_rate=1e-2, lr_scheduler_type="linear", report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True, seed=0)
+    with pytest.raises(ValueError, match=r"without head_follows_trainer\(\).*callbacks=\[head_follows_trainer") as e:
+        Trainer(model=model, args=args, train_dataset=Rows()).train()
+    assert "\n" not in str(e.value)
+    assert int(model.lm_head.steps) == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_with_an_optimizer_of_its_own_the_head_follows_its_schedule_not_args_learning_rate(tmp_path):
     """``Trainer(optimizers=(opt, None))`` with opt's lr 1e-3 and ``args.learning_rate`` at its
     default (5e-5): the head's lr is its own scaled by the schedule's fraction of opt's lr

@@ -20,6 +20,7 @@ only: the package works without the ``hf`` extra.
 from __future__ import annotations
 
 import functools
+import sys
 import types
 
 import torch
@@ -206,6 +207,24 @@ def check_training_has_labels(model: nn.Module, labels: Tensor | None, name: str
                          f"cannot train it; {instead}, or call it under torch.no_grad() or in eval mode for the logits")
 
 
+def check_trainer_steps_the_head(model: nn.Module, head: FactoredSphericalHead) -> None:
+    """One ValueError, before the body runs, for a training forward that transformers' ``Trainer``
+    (or a subclass: found on the call stack) makes while the head is attached to no optimizer:
+    without ``head_follows_trainer()`` the head would step in every micro-batch's backward at its
+    own lr, not once per optimizer step on the Trainer's schedule. Changes nothing."""
+    if head.attached:
+        return
+    frame, depth = sys._getframe(1), 0
+    while frame is not None and depth < 64:
+        mro = type(frame.f_locals.get("self")).__mro__
+        if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in mro):
+            raise ValueError(f"{type(model).__name__}'s factored lm_head is trained by transformers' Trainer without "
+                             f"head_follows_trainer(): it would step at every micro-batch at its own lr, not once per "
+                             f"optimizer step on the Trainer's schedule; pass Trainer(..., callbacks="
+                             f"[head_follows_trainer()]) (from lst_lightning.integrations)")
+        frame, depth = frame.f_back, depth + 1
+
+
 def check_labels_shape(labels: Tensor | None, input_ids: Tensor | None, inputs_embeds: Tensor | None) -> None:
     """One ValueError, before the body runs, for labels whose shape is not the input's (b, T):
     the model shifts them itself, and labels of another shape with as many elements after the
@@ -318,6 +337,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     check_labels_shape(labels, input_ids, inputs_embeds)
     if labels is not None and self.lm_head.in_training_step:
         check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
+        check_trainer_steps_the_head(self, self.lm_head)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden, head = out[0], self.lm_head
