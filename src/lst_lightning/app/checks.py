@@ -162,15 +162,21 @@ def check_gone(key: str, value: str = "...") -> None:
 
 def heads_of(args: list[str]) -> list[DictConfig]:
     """The head configs ``args`` choose (each of ``head=a,b``; an ``experiment=``'s), composed
-    without the other overrides; none when they do not compose (Hydra then says why)."""
+    without the other overrides; none when they do not compose (Hydra then says why). Inside
+    the app (a sweep's jobs: sweep_checks.py) they compose on its Hydra, its search path."""
+    from contextlib import ExitStack  # noqa: PLC0415
+
     from hydra import compose, initialize_config_dir  # noqa: PLC0415
+    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415
     from hydra.errors import HydraException  # noqa: PLC0415
 
     choice = {k.lstrip("+"): v for k, _, v in (a.partition("=") for a in args) if k.lstrip("+") in ("head", "experiment")}
     heads = choice.get("head", "").split(",") if "head" in choice else [None]
     base = [f"experiment={choice['experiment']}"] if "experiment" in choice else []
     try:
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        with ExitStack() as stack:
+            if not GlobalHydra.instance().is_initialized():
+                stack.enter_context(initialize_config_dir(config_dir=config_dir(), version_base="1.3"))
             return [compose("config", overrides=base + ([f"head={h}"] if h else [])).head for h in heads]
     except HydraException:
         return []

@@ -37,6 +37,7 @@ from .run_lock import holding
 from .schemas import not_null_defaults
 from .setting_types import check_setting_types
 from .step_choice import AUTO, choose_step
+from .sweep_checks import refusals
 from .wiring import Run, instantiate_group
 
 if TYPE_CHECKING:
@@ -517,8 +518,8 @@ def objective(cfg: DictConfig, results: dict) -> float | None:
 def main() -> None:
     with exit_on_bad_input("lst-train"):
         check_overrides(sys.argv[1:])  # before Hydra, whose hint for loss.a=1 is +loss.a=1
-    with exit_on_bad_input("lst-train"), raising():  # head=nosuch, data.batch_sise=3: one line too
-        _hydra_main()
+    with exit_on_bad_input("lst-train"), raising(), refusals():  # head=nosuch, data.batch_sise=3: one line too
+        _hydra_main()  # a sweep's every job checked before the first starts: sweep_checks.py
 
 
 if __name__ == "__main__":
