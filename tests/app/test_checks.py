@@ -1,10 +1,12 @@
 """The configuration checks that run before torch and Lightning are imported: each bad
 value is refused with its key named, each good one passes (the defaults and every
 trainer config among them)."""
+import json
+
 import pytest
 import torch
 
-from lst_lightning.app.checks import check_config, check_overrides
+from lst_lightning.app.checks import check_config, check_objective, check_overrides
 
 from app_configs import cfg_of, group
 
@@ -59,6 +61,18 @@ def test_every_experiment_passes(experiment):
     ("objective=top5_error", r"^objective='top5_error': must be <split>/<metric> of results.json with the split "
                              r"val or test, such as val/top5_error$"),  # it trained, then failed with a traceback
     ("objective=test/top5_error test=false", r"with the split val \(test=false\)"),
+    # a metric the run does not write: refused before the data is read, not when the results are in
+    ("objective=val/mrrr", r"^objective='val/mrrr': this run writes no val/mrrr; did you mean val/mrr\? the choices "
+                           r"\(with these metrics settings\) are val/loss, val/top1_error, .*val/mrr, val/perplexity, "
+                           r"val/simlex_rho, val/simlex_pairs$"),
+    ("objective=val/top3_error metrics.topk=[1,5]", r"the choices .* are val/loss, val/top1_error, val/top5_error, val/mrr,"),
+    ("objective=test/perplexity metrics.perplexity=false", r"this run writes no test/perplexity; .* test/mrr, test/simlex"),
+    # the optimiser's and the schedule's names: refused before the data is read, not after
+    ("optimizer.name=adamm", r"^optimizer.name must be one of \['adam', 'adamw', 'sgd'\], not 'adamm'$"),
+    ("optimizer.embedding=row_adamm", r"^optimizer.embedding must be one of \['row_adam', "),
+    ("optimizer.head_rows=row_adamm", r"^optimizer.head_rows must be one of \['row_adam', "),
+    ("scheduler.name=cosin", r"^scheduler.name must be constant, linear or cosine, not 'cosin'$"),
+    ("scheduler.over=budgett", r"^scheduler.over must be one of \('budget', 'steps'\), not 'budgett'$"),
     # Lightning's TypeError traceback (abc), or its line after the data was read (0)
     ("trainer=ddp_cpu trainer.devices=abc", r"^trainer.devices='abc': must be a number of devices"),
     ("trainer.devices=0", r"^trainer.devices=0: must be"),
@@ -151,3 +165,20 @@ def test_an_old_lr_key_names_the_new_one(args, match):
     """head.lr is only a self-updating head's own SGD lr; an ordinary head's is optimizer.head_lr."""
     with pytest.raises(ValueError, match=match):
         check_overrides(args)
+
+
+def test_every_metric_a_run_writes_is_an_objective(wandb_sweep):
+    """The split metrics of a run's results.json (a job of the sweep wandb_sweep makes: experiment=tiny) are
+    objectives ``check_config`` accepts: its list is the run's own names (run_keys.split_metrics)."""
+    results = json.loads((wandb_sweep / "0" / "results.json").read_text())
+    metrics = cfg_of("experiment=tiny").metrics
+    for split in ("val", "test"):
+        assert results[split]
+        for metric in results[split]:
+            check_objective(f"{split}/{metric}", True, metrics)
+
+
+@pytest.mark.parametrize("override", ["optimizer.embedding=auto", "optimizer.embedding=row_adam optimizer.name=sgd",
+                                      "optimizer.head_rows=sparse_sgd", "scheduler.name=constant scheduler.over=steps"])
+def test_the_optimisers_and_schedules_names_pass(override):
+    check_config(cfg_of(*override.split()))

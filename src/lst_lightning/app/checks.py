@@ -1,7 +1,8 @@
-"""The checks of ``lst-train``'s configuration that need neither torch nor Lightning, so
-that a typo is answered in a second rather than after the ~20 s of their imports: the
-trainer's numbers, the checkpoint to resume from, local data files, and the keys of
-the loss group. Each error names the setting and says what to do."""
+"""The checks of ``lst-train``'s configuration that need neither Lightning nor the data, so
+that a typo is answered in seconds rather than after their ~20 s of imports and reading: the
+trainer's numbers, the checkpoint to resume from, local data files, the keys of the loss
+group, the optimiser's and the schedule's names (their own checks: torch), the objective.
+Each error names the setting and says what to do."""
 from __future__ import annotations
 
 import math
@@ -249,9 +250,14 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
-def check_objective(objective, test: bool) -> None:
+def check_objective(objective, test: bool, metrics: DictConfig | None = None) -> None:
     """``objective`` names ``<split>/<metric>`` of results.json: a split the run writes (val;
-    test unless test=false), before training rather than when the run's results are in."""
+    test unless test=false) and, with the ``metrics`` group, a metric it writes there
+    (run_keys.split_metrics), before training rather than when the run's results are in."""
+    import difflib  # noqa: PLC0415
+
+    from .run_keys import split_metrics  # noqa: PLC0415
+
     if not objective:
         return
     split, _, metric = str(objective).partition("/")
@@ -259,6 +265,29 @@ def check_objective(objective, test: bool) -> None:
     if split not in splits or not metric:
         raise ValueError(f"objective={objective!r}: must be <split>/<metric> of results.json with the split "
                          f"{' or '.join(splits)}{'' if test else ' (test=false)'}, such as val/top5_error")
+    if metrics is None:
+        return
+    names = split_metrics(metrics.topk, metrics.get("perplexity") is not False, bool(metrics.get("simlex")))
+    if metric not in names:
+        near = difflib.get_close_matches(metric, names, n=1)
+        hint = f"did you mean {split}/{near[0]}? " if near else ""
+        raise ValueError(f"objective={objective!r}: this run writes no {split}/{metric}; {hint}the choices (with "
+                         f"these metrics settings) are {', '.join(f'{split}/{m}' for m in names)}")
+
+
+def check_names(cfg: DictConfig) -> None:
+    """The optimiser's names (``optimizer.name``, ``.embedding``, ``.head_rows``) and the lr
+    schedule's (``scheduler.name``, ``.over``), by the checks that LanguageModel makes of them,
+    before the data is read rather than after."""
+    from .optimizers import check_optimizer_config, embedding_for  # noqa: PLC0415  (torch)
+    from .schedule import lr_factor  # noqa: PLC0415
+
+    if cfg.get("optimizer") is not None:
+        optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+        # embedding=auto as lst-train may choose it (a run that does not compile, on the CPU)
+        check_optimizer_config({**optimizer, "embedding": embedding_for(optimizer.get("embedding", "dense"), False)})
+    if cfg.get("scheduler") is not None:
+        lr_factor(0, total_steps=1, **OmegaConf.to_container(cfg.scheduler, resolve=True))  # as LanguageModel does
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -281,5 +310,6 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
-    check_objective(cfg.get("objective"), cfg.get("test", True))
+    check_names(cfg)
+    check_objective(cfg.get("objective"), cfg.get("test", True), cfg.get("metrics"))
     check_data(cfg.data)
