@@ -16,6 +16,11 @@ def test_every_trainer_config_passes(trainer):
     check_config(cfg_of(f"trainer={trainer}"))
 
 
+@pytest.mark.parametrize("head", group("head"))
+def test_every_head_config_passes(head):
+    check_config(cfg_of(f"head={head}"))
+
+
 @pytest.mark.parametrize("experiment", group("experiment"))
 def test_every_experiment_passes(experiment):
     check_config(cfg_of(f"experiment={experiment}"))
@@ -67,6 +72,11 @@ def test_every_experiment_passes(experiment):
                            r"val/simlex_rho, val/simlex_pairs$"),
     ("objective=val/top3_error metrics.topk=[1,5]", r"the choices .* are val/loss, val/top1_error, val/top5_error, val/mrr,"),
     ("objective=test/perplexity metrics.perplexity=false", r"this run writes no test/perplexity; .* test/mrr, test/simlex"),
+    # the head's own settings (spherical/settings.py's Setting): before the data is read, not when the head is built
+    ("head.lr=-1", r"^head.lr=-1: lr must be finite and positive, got -1$"),
+    ("head.clip_norm=-1", r"^head.clip_norm=-1: clip_norm must be finite and positive, or None or 0 for none"),
+    ("head.reduction=meann", r"^head.reduction='meann': reduction must be one of \('mean', 'mean_real', 'sum'\)"),
+    ("head=naive head.weight_decay=nan", r"^head.weight_decay=nan: weight_decay must be finite and >= 0"),
     # the optimiser's and the schedule's names: refused before the data is read, not after
     ("optimizer.name=adamm", r"^optimizer.name must be one of \['adam', 'adamw', 'sgd'\], not 'adamm'$"),
     ("optimizer.embedding=row_adamm", r"^optimizer.embedding must be one of \['row_adam', "),

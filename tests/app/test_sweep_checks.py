@@ -32,6 +32,12 @@ def test_a_later_jobs_bad_value_is_refused_naming_the_job():
         check_sweep("experiment=tiny", "trainer.max_steps=5,-5")
 
 
+def test_a_later_jobs_bad_head_setting_is_refused():
+    """``head.lr=1,-1``: the head's own check of its lr (checks.check_head_settings), before job #0 trains."""
+    with pytest.raises(ValueError, match=r"^job #1 of 2 \(experiment=tiny head.lr=-1\): head.lr=-1: lr must be finite"):
+        check_sweep("experiment=tiny", "head.lr=1,-1")
+
+
 def test_a_good_sweep_passes():
     check_sweep("experiment=tiny", "loss=zloss", "loss.kwargs.a=0.1,1")
 

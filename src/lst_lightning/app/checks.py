@@ -1,7 +1,8 @@
 """The checks of ``lst-train``'s configuration that need neither Lightning nor the data, so
 that a typo is answered in seconds rather than after their ~20 s of imports and reading: the
 trainer's numbers, the checkpoint to resume from, local data files, the keys of the loss
-group, the optimiser's and the schedule's names (their own checks: torch), the objective.
+group, the head's own settings, the optimiser's and the schedule's names (their own checks:
+torch), the objective.
 Each error names the setting and says what to do."""
 from __future__ import annotations
 
@@ -290,6 +291,27 @@ def check_names(cfg: DictConfig) -> None:
         lr_factor(0, total_steps=1, **OmegaConf.to_container(cfg.scheduler, resolve=True))  # as LanguageModel does
 
 
+def check_head_settings(head: DictConfig | None) -> None:
+    """The head's settings that its class checks one by one (spherical/settings.py's ``Setting``:
+    ``head.lr``, ``head.weight_decay``, ``head.clip_norm``...), by those checks, before the data is
+    read rather than when the head is built; null is the code's default (``make_head``)."""
+    from hydra.utils import get_class  # noqa: PLC0415
+
+    from ..spherical.settings import Setting  # noqa: PLC0415  (torch)
+
+    try:
+        cls = get_class(str(head.get("_target_"))) if head is not None else None
+    except Exception:  # hydra wraps import errors: build names the class that does not import
+        return
+    for key, value in (OmegaConf.to_container(head, resolve=True) if cls is not None else {}).items():
+        setting = getattr(cls, str(key), None)
+        if value is not None and isinstance(setting, Setting):
+            try:
+                setting.check(value)
+            except ValueError as e:
+                raise ValueError(f"head.{key}={value!r}: {e}") from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
     OmegaConf.to_container(cfg, resolve=True)  # an interpolation that does not resolve, named by its key
@@ -310,6 +332,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
+    check_head_settings(cfg.get("head"))
     check_names(cfg)
     check_objective(cfg.get("objective"), cfg.get("test", True), cfg.get("metrics"))
     check_data(cfg.data)
