@@ -82,6 +82,7 @@ def test_every_experiment_passes(experiment):
     ("optimizer.embedding=row_adamm", r"^optimizer.embedding must be one of \['row_adam', "),
     ("optimizer.head_rows=row_adamm", r"^optimizer.head_rows must be one of \['row_adam', "),
     ("scheduler.name=cosin", r"^scheduler.name must be constant, linear or cosine, not 'cosin'$"),
+    ("compile=autoo", r"^compile must be auto, true, false or a torch.compile mode \(default, "),
     ("scheduler.over=budgett", r"^scheduler.over must be one of \('budget', 'steps'\), not 'budgett'$"),
     # Lightning's TypeError traceback (abc), or its line after the data was read (0)
     ("trainer=ddp_cpu trainer.devices=abc", r"^trainer.devices='abc': must be a number of devices"),
@@ -189,6 +190,7 @@ def test_every_metric_a_run_writes_is_an_objective(wandb_sweep):
 
 
 @pytest.mark.parametrize("override", ["optimizer.embedding=auto", "optimizer.embedding=row_adam optimizer.name=sgd",
-                                      "optimizer.head_rows=sparse_sgd", "scheduler.name=constant scheduler.over=steps"])
+                                      "optimizer.head_rows=sparse_sgd", "scheduler.name=constant scheduler.over=steps",
+                                      "compile=max-autotune", "compile=false"])
 def test_the_optimisers_and_schedules_names_pass(override):
     check_config(cfg_of(*override.split()))

@@ -277,11 +277,14 @@ def check_objective(objective, test: bool, metrics: DictConfig | None = None) ->
 
 
 def check_names(cfg: DictConfig) -> None:
-    """The optimiser's names (``optimizer.name``, ``.embedding``, ``.head_rows``) and the lr
-    schedule's (``scheduler.name``, ``.over``), by the checks that LanguageModel makes of them,
-    before the data is read rather than after."""
-    from .optimizers import check_optimizer_config, embedding_for  # noqa: PLC0415  (torch)
+    """The optimiser's names (``optimizer.name``, ``.embedding``, ``.head_rows``), the lr
+    schedule's (``scheduler.name``, ``.over``) and ``compile``, by the checks that LanguageModel
+    and the compiling make of them, before the data is read rather than after."""
+    from .compiling import check_setting as check_compile  # noqa: PLC0415  (torch)
+    from .optimizers import check_optimizer_config, embedding_for  # noqa: PLC0415
     from .schedule import lr_factor  # noqa: PLC0415
+
+    check_compile(cfg.get("compile", "auto"))
 
     if cfg.get("optimizer") is not None:
         optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
