@@ -272,6 +272,9 @@ def test_resume_is_bit_identical(tmp_path, head, embedding):
         (["optimizer.name=lbfgs"], ValueError, "optimizer.name"),
         (["optimizer.embedding=dense"], ValueError, "model.sparse_embedding=false"),
         (["optimizer.embedding=lazy_adam"], ValueError, "optimizer.embedding must be"),
+        # a metric this head does not write (no probabilities: no perplexity): it trained, then failed
+        (["objective=val/perplexity"], ValueError, r"^objective='val/perplexity': this run writes no val/perplexity; "
+                                                   r"the choices are val/loss, val/top1_error"),
         # the Trainer's TypeError, with a traceback, after the data was read
         (["+trainer.max_step=5"], ValueError, r"^trainer.max_step: Lightning's Trainer takes no max_step; "
                                               r"did you mean trainer.max_steps\?$"),

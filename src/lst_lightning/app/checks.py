@@ -251,10 +251,11 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
-def check_objective(objective, test: bool, metrics: DictConfig | None = None) -> None:
+def check_objective(objective, test: bool, metrics: DictConfig | None = None, written: list[str] | None = None) -> None:
     """``objective`` names ``<split>/<metric>`` of results.json: a split the run writes (val;
-    test unless test=false) and, with the ``metrics`` group, a metric it writes there
-    (run_keys.split_metrics), before training rather than when the run's results are in."""
+    test unless test=false) and a metric it writes there: one of ``written``, or with the
+    ``metrics`` group one it can write (run_keys.split_metrics); before training rather than
+    when the run's results are in."""
     import difflib  # noqa: PLC0415
 
     from .run_keys import split_metrics  # noqa: PLC0415
@@ -266,14 +267,13 @@ def check_objective(objective, test: bool, metrics: DictConfig | None = None) ->
     if split not in splits or not metric:
         raise ValueError(f"objective={objective!r}: must be <split>/<metric> of results.json with the split "
                          f"{' or '.join(splits)}{'' if test else ' (test=false)'}, such as val/top5_error")
-    if metrics is None:
-        return
-    names = split_metrics(metrics.topk, metrics.get("perplexity") is not False, bool(metrics.get("simlex")))
-    if metric not in names:
-        near = difflib.get_close_matches(metric, names, n=1)
+    if written is None and metrics is not None:
+        written = split_metrics(metrics.topk, metrics.get("perplexity") is not False, bool(metrics.get("simlex")))
+    if written is not None and metric not in written:
+        near = difflib.get_close_matches(metric, written, n=1)
         hint = f"did you mean {split}/{near[0]}? " if near else ""
-        raise ValueError(f"objective={objective!r}: this run writes no {split}/{metric}; {hint}the choices (with "
-                         f"these metrics settings) are {', '.join(f'{split}/{m}' for m in names)}")
+        raise ValueError(f"objective={objective!r}: this run writes no {split}/{metric}; {hint}the choices are "
+                         f"{', '.join(f'{split}/{m}' for m in written)}")
 
 
 def check_names(cfg: DictConfig) -> None:

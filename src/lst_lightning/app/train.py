@@ -23,7 +23,7 @@ import hydra
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from .checks import check_config, check_overrides
+from .checks import check_config, check_objective, check_overrides
 from .compiling import choose as compile_choice
 from .compiling import run_refusal
 from .composition import composed, raising
@@ -231,6 +231,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     from .checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel  # noqa: PLC0415
+    from .run_keys import split_metrics  # noqa: PLC0415
 
     one_handler_for_lightning()
     if pl.utilities.rank_zero_only.rank == 0:
@@ -261,6 +262,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     simlex = None
     if m.simlex and getattr(dm, "vocab", None) is not None:
         simlex = {"pairs": read_simlex(), "index": dm.vocab.index, "skip": [dm.vocab.unk_id]}
+    # the objective among the metrics this head, body and data write (no val/perplexity without probabilities)
+    check_objective(cfg.get("objective"), cfg.get("test", True), written=split_metrics(
+        m.topk, bool(perplexity), simlex is not None and hasattr(body, "input_embedding")))
     run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
     run.loggers = instantiate_group(cfg.logger, run)
     callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
