@@ -77,6 +77,13 @@ def test_every_experiment_passes(experiment):
     ("head.clip_norm=-1", r"^head.clip_norm=-1: clip_norm must be finite and positive, or None or 0 for none"),
     ("head.reduction=meann", r"^head.reduction='meann': reduction must be one of \('mean', 'mean_real', 'sum'\)"),
     ("head=naive head.weight_decay=nan", r"^head.weight_decay=nan: weight_decay must be finite and >= 0"),
+    # and its step's driving (spherical/driving.py's Driving): before the data is read, not when the head is built
+    ("head.step=fusedd", r"^head: step must be one of \('autograd', 'fused', 'cuda_graph'\), not 'fusedd'$"),
+    ("head.sync_every=0", r"^head: sync_every must be an int >= 1, got 0$"),
+    ("head.compile_step=maybe", r"^head: compile must be one of \('auto', True, False\), got 'maybe'$"),
+    ("head.batch_sizes=[0]", r"^head: batch_sizes must be 'pow2' or a non-empty sequence of positive ints"),
+    ("head.parallel=nope", r"^head: parallel must be one of \('none', 'replicated', 'sharded'\), got 'nope'$"),
+    ("head.step=cuda_graph head.sync_every=1", r"^head: step='cuda_graph' replays a step that reads nothing on the host"),
     # the optimiser's and the schedule's names: refused before the data is read, not after
     ("optimizer.name=adamm", r"^optimizer.name must be one of \['adam', 'adamw', 'sgd'\], not 'adamm'$"),
     ("optimizer.embedding=row_adamm", r"^optimizer.embedding must be one of \['row_adam', "),
@@ -191,6 +198,7 @@ def test_every_metric_a_run_writes_is_an_objective(wandb_sweep):
 
 @pytest.mark.parametrize("override", ["optimizer.embedding=auto", "optimizer.embedding=row_adam optimizer.name=sgd",
                                       "optimizer.head_rows=sparse_sgd", "scheduler.name=constant scheduler.over=steps",
-                                      "compile=max-autotune", "compile=false"])
+                                      "compile=max-autotune", "compile=false", "head.step=cuda_graph",
+                                      "head.step=fused head.sync_every=1 head.compile_step=false"])
 def test_the_optimisers_and_schedules_names_pass(override):
     check_config(cfg_of(*override.split()))

@@ -296,23 +296,39 @@ def check_names(cfg: DictConfig) -> None:
 
 def check_head_settings(head: DictConfig | None) -> None:
     """The head's settings that its class checks one by one (spherical/settings.py's ``Setting``:
-    ``head.lr``, ``head.weight_decay``, ``head.clip_norm``...), by those checks, before the data is
-    read rather than when the head is built; null is the code's default (``make_head``)."""
+    ``head.lr``, ``head.weight_decay``, ``head.clip_norm``...) and those of its step's driving,
+    together (``Driving``: ``head.step``, ``head.sync_every``...), by those checks, before the data
+    is read rather than when the head is built; null is the code's default (``make_head``), and
+    ``head.step=auto`` lst-train's choice (step_choice.py)."""
+    import dataclasses  # noqa: PLC0415
+
     from hydra.utils import get_class  # noqa: PLC0415
 
-    from ..spherical.settings import Setting  # noqa: PLC0415  (torch)
+    from ..spherical.driving import Driving  # noqa: PLC0415  (torch)
+    from ..spherical.settings import Driven, Setting  # noqa: PLC0415
+    from .step_choice import AUTO  # noqa: PLC0415
 
     try:
         cls = get_class(str(head.get("_target_"))) if head is not None else None
     except Exception:  # hydra wraps import errors: build names the class that does not import
         return
-    for key, value in (OmegaConf.to_container(head, resolve=True) if cls is not None else {}).items():
-        setting = getattr(cls, str(key), None)
+    values = {str(k): v for k, v in (OmegaConf.to_container(head, resolve=True) if cls is not None else {}).items()}
+    for key, value in values.items():
+        setting = getattr(cls, key, None)
         if value is not None and isinstance(setting, Setting):
             try:
                 setting.check(value)
             except ValueError as e:
                 raise ValueError(f"head.{key}={value!r}: {e}") from None
+    fields = {f.name for f in dataclasses.fields(Driving)}
+    driven = {k: getattr(cls, k).field for k in values if isinstance(getattr(cls, k, None), Driven)}
+    driving = {driven.get(k, k): v for k, v in values.items() if driven.get(k, k) in fields
+               and v is not None and not (k == "step" and v == AUTO)}
+    if driven:  # a head whose step is driven by its settings (the factored head)
+        try:
+            Driving(**driving)
+        except ValueError as e:
+            raise ValueError(f"head: {e}") from None
 
 
 def check_config(cfg: DictConfig) -> None:
