@@ -1,10 +1,12 @@
 """The configuration checks that run before torch and Lightning are imported: each bad
 value is refused with its key named, each good one passes (the defaults and every
 trainer config among them)."""
+import json
+
 import pytest
 import torch
 
-from lst_lightning.app.checks import check_config, check_overrides
+from lst_lightning.app.checks import check_config, check_objective, check_overrides
 
 from app_configs import cfg_of, group
 
@@ -12,6 +14,11 @@ from app_configs import cfg_of, group
 @pytest.mark.parametrize("trainer", group("trainer"))
 def test_every_trainer_config_passes(trainer):
     check_config(cfg_of(f"trainer={trainer}"))
+
+
+@pytest.mark.parametrize("head", group("head"))
+def test_every_head_config_passes(head):
+    check_config(cfg_of(f"head={head}"))
 
 
 @pytest.mark.parametrize("experiment", group("experiment"))
@@ -59,6 +66,31 @@ def test_every_experiment_passes(experiment):
     ("objective=top5_error", r"^objective='top5_error': must be <split>/<metric> of results.json with the split "
                              r"val or test, such as val/top5_error$"),  # it trained, then failed with a traceback
     ("objective=test/top5_error test=false", r"with the split val \(test=false\)"),
+    # a metric the run does not write: refused before the data is read, not when the results are in
+    ("objective=val/mrrr", r"^objective='val/mrrr': this run writes no val/mrrr; did you mean val/mrr\? the choices "
+                           r"are val/loss, val/top1_error, .*val/mrr, val/perplexity, "
+                           r"val/simlex_rho, val/simlex_pairs$"),
+    ("objective=val/top3_error metrics.topk=[1,5]", r"the choices are val/loss, val/top1_error, val/top5_error, val/mrr,"),
+    ("objective=test/perplexity metrics.perplexity=false", r"this run writes no test/perplexity; .* test/mrr, test/simlex"),
+    # the head's own settings (spherical/settings.py's Setting): before the data is read, not when the head is built
+    ("head.lr=-1", r"^head.lr=-1: lr must be finite and positive, got -1$"),
+    ("head.clip_norm=-1", r"^head.clip_norm=-1: clip_norm must be finite and positive, or None or 0 for none"),
+    ("head.reduction=meann", r"^head.reduction='meann': reduction must be one of \('mean', 'mean_real', 'sum'\)"),
+    ("head=naive head.weight_decay=nan", r"^head.weight_decay=nan: weight_decay must be finite and >= 0"),
+    # and its step's driving (spherical/driving.py's Driving): before the data is read, not when the head is built
+    ("head.step=fusedd", r"^head: step must be one of \('autograd', 'fused', 'cuda_graph'\), not 'fusedd'$"),
+    ("head.sync_every=0", r"^head: sync_every must be an int >= 1, got 0$"),
+    ("head.compile_step=maybe", r"^head: compile must be one of \('auto', True, False\), got 'maybe'$"),
+    ("head.batch_sizes=[0]", r"^head: batch_sizes must be 'pow2' or a non-empty sequence of positive ints"),
+    ("head.parallel=nope", r"^head: parallel must be one of \('none', 'replicated', 'sharded'\), got 'nope'$"),
+    ("head.step=cuda_graph head.sync_every=1", r"^head: step='cuda_graph' replays a step that reads nothing on the host"),
+    # the optimiser's and the schedule's names: refused before the data is read, not after
+    ("optimizer.name=adamm", r"^optimizer.name must be one of \['adam', 'adamw', 'sgd'\], not 'adamm'$"),
+    ("optimizer.embedding=row_adamm", r"^optimizer.embedding must be one of \['row_adam', "),
+    ("optimizer.head_rows=row_adamm", r"^optimizer.head_rows must be one of \['row_adam', "),
+    ("scheduler.name=cosin", r"^scheduler.name must be constant, linear or cosine, not 'cosin'$"),
+    ("compile=autoo", r"^compile must be auto, true, false or a torch.compile mode \(default, "),
+    ("scheduler.over=budgett", r"^scheduler.over must be one of \('budget', 'steps'\), not 'budgett'$"),
     # Lightning's TypeError traceback (abc), or its line after the data was read (0)
     ("trainer=ddp_cpu trainer.devices=abc", r"^trainer.devices='abc': must be a number of devices"),
     ("trainer.devices=0", r"^trainer.devices=0: must be"),
@@ -151,3 +183,22 @@ def test_an_old_lr_key_names_the_new_one(args, match):
     """head.lr is only a self-updating head's own SGD lr; an ordinary head's is optimizer.head_lr."""
     with pytest.raises(ValueError, match=match):
         check_overrides(args)
+
+
+def test_every_metric_a_run_writes_is_an_objective(wandb_sweep):
+    """The split metrics of a run's results.json (a job of the sweep wandb_sweep makes: experiment=tiny) are
+    objectives ``check_config`` accepts: its list is the run's own names (run_keys.split_metrics)."""
+    results = json.loads((wandb_sweep / "0" / "results.json").read_text())
+    metrics = cfg_of("experiment=tiny").metrics
+    for split in ("val", "test"):
+        assert results[split]
+        for metric in results[split]:
+            check_objective(f"{split}/{metric}", True, metrics)
+
+
+@pytest.mark.parametrize("override", ["optimizer.embedding=auto", "optimizer.embedding=row_adam optimizer.name=sgd",
+                                      "optimizer.head_rows=sparse_sgd", "scheduler.name=constant scheduler.over=steps",
+                                      "compile=max-autotune", "compile=false", "head.step=cuda_graph",
+                                      "head.step=fused head.sync_every=1 head.compile_step=false"])
+def test_the_optimisers_and_schedules_names_pass(override):
+    check_config(cfg_of(*override.split()))

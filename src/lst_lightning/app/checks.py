@@ -1,7 +1,9 @@
-"""The checks of ``lst-train``'s configuration that need neither torch nor Lightning, so
-that a typo is answered in a second rather than after the ~20 s of their imports: the
-trainer's numbers, the checkpoint to resume from, local data files, and the keys of
-the loss group. Each error names the setting and says what to do."""
+"""The checks of ``lst-train``'s configuration that need neither Lightning nor the data, so
+that a typo is answered in seconds rather than after their ~20 s of imports and reading: the
+trainer's numbers, the checkpoint to resume from, local data files, the keys of the loss
+group, the head's own settings, the optimiser's and the schedule's names (their own checks:
+torch), the objective.
+Each error names the setting and says what to do."""
 from __future__ import annotations
 
 import math
@@ -162,15 +164,21 @@ def check_gone(key: str, value: str = "...") -> None:
 
 def heads_of(args: list[str]) -> list[DictConfig]:
     """The head configs ``args`` choose (each of ``head=a,b``; an ``experiment=``'s), composed
-    without the other overrides; none when they do not compose (Hydra then says why)."""
+    without the other overrides; none when they do not compose (Hydra then says why). Inside
+    the app (a sweep's jobs: sweep_checks.py) they compose on its Hydra, its search path."""
+    from contextlib import ExitStack  # noqa: PLC0415
+
     from hydra import compose, initialize_config_dir  # noqa: PLC0415
+    from hydra.core.global_hydra import GlobalHydra  # noqa: PLC0415
     from hydra.errors import HydraException  # noqa: PLC0415
 
     choice = {k.lstrip("+"): v for k, _, v in (a.partition("=") for a in args) if k.lstrip("+") in ("head", "experiment")}
     heads = choice.get("head", "").split(",") if "head" in choice else [None]
     base = [f"experiment={choice['experiment']}"] if "experiment" in choice else []
     try:
-        with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        with ExitStack() as stack:
+            if not GlobalHydra.instance().is_initialized():
+                stack.enter_context(initialize_config_dir(config_dir=config_dir(), version_base="1.3"))
             return [compose("config", overrides=base + ([f"head={h}"] if h else [])).head for h in heads]
     except HydraException:
         return []
@@ -243,9 +251,15 @@ def check_data(data: DictConfig) -> None:
         text_files(OmegaConf.to_container(data.path) if OmegaConf.is_config(data.path) else data.path)
 
 
-def check_objective(objective, test: bool) -> None:
+def check_objective(objective, test: bool, metrics: DictConfig | None = None, written: list[str] | None = None) -> None:
     """``objective`` names ``<split>/<metric>`` of results.json: a split the run writes (val;
-    test unless test=false), before training rather than when the run's results are in."""
+    test unless test=false) and a metric it writes there: one of ``written``, or with the
+    ``metrics`` group one it can write (run_keys.split_metrics); before training rather than
+    when the run's results are in."""
+    import difflib  # noqa: PLC0415
+
+    from .run_keys import split_metrics  # noqa: PLC0415
+
     if not objective:
         return
     split, _, metric = str(objective).partition("/")
@@ -253,6 +267,68 @@ def check_objective(objective, test: bool) -> None:
     if split not in splits or not metric:
         raise ValueError(f"objective={objective!r}: must be <split>/<metric> of results.json with the split "
                          f"{' or '.join(splits)}{'' if test else ' (test=false)'}, such as val/top5_error")
+    if written is None and metrics is not None:
+        written = split_metrics(metrics.topk, metrics.get("perplexity") is not False, bool(metrics.get("simlex")))
+    if written is not None and metric not in written:
+        near = difflib.get_close_matches(metric, written, n=1)
+        hint = f"did you mean {split}/{near[0]}? " if near else ""
+        raise ValueError(f"objective={objective!r}: this run writes no {split}/{metric}; {hint}the choices are "
+                         f"{', '.join(f'{split}/{m}' for m in written)}")
+
+
+def check_names(cfg: DictConfig) -> None:
+    """The optimiser's names (``optimizer.name``, ``.embedding``, ``.head_rows``), the lr
+    schedule's (``scheduler.name``, ``.over``) and ``compile``, by the checks that LanguageModel
+    and the compiling make of them, before the data is read rather than after."""
+    from .compiling import check_setting as check_compile  # noqa: PLC0415  (torch)
+    from .optimizers import check_optimizer_config, embedding_for  # noqa: PLC0415
+    from .schedule import lr_factor  # noqa: PLC0415
+
+    check_compile(cfg.get("compile", "auto"))
+
+    if cfg.get("optimizer") is not None:
+        optimizer = OmegaConf.to_container(cfg.optimizer, resolve=True)
+        # embedding=auto as lst-train may choose it (a run that does not compile, on the CPU)
+        check_optimizer_config({**optimizer, "embedding": embedding_for(optimizer.get("embedding", "dense"), False)})
+    if cfg.get("scheduler") is not None:
+        lr_factor(0, total_steps=1, **OmegaConf.to_container(cfg.scheduler, resolve=True))  # as LanguageModel does
+
+
+def check_head_settings(head: DictConfig | None) -> None:
+    """The head's settings that its class checks one by one (spherical/settings.py's ``Setting``:
+    ``head.lr``, ``head.weight_decay``, ``head.clip_norm``...) and those of its step's driving,
+    together (``Driving``: ``head.step``, ``head.sync_every``...), by those checks, before the data
+    is read rather than when the head is built; null is the code's default (``make_head``), and
+    ``head.step=auto`` lst-train's choice (step_choice.py)."""
+    import dataclasses  # noqa: PLC0415
+
+    from hydra.utils import get_class  # noqa: PLC0415
+
+    from ..spherical.driving import Driving  # noqa: PLC0415  (torch)
+    from ..spherical.settings import Driven, Setting  # noqa: PLC0415
+    from .step_choice import AUTO  # noqa: PLC0415
+
+    try:
+        cls = get_class(str(head.get("_target_"))) if head is not None else None
+    except Exception:  # hydra wraps import errors: build names the class that does not import
+        return
+    values = {str(k): v for k, v in (OmegaConf.to_container(head, resolve=True) if cls is not None else {}).items()}
+    for key, value in values.items():
+        setting = getattr(cls, key, None)
+        if value is not None and isinstance(setting, Setting):
+            try:
+                setting.check(value)
+            except ValueError as e:
+                raise ValueError(f"head.{key}={value!r}: {e}") from None
+    fields = {f.name for f in dataclasses.fields(Driving)}
+    driven = {k: getattr(cls, k).field for k in values if isinstance(getattr(cls, k, None), Driven)}
+    driving = {driven.get(k, k): v for k, v in values.items() if driven.get(k, k) in fields
+               and v is not None and not (k == "step" and v == AUTO)}
+    if driven:  # a head whose step is driven by its settings (the factored head)
+        try:
+            Driving(**driving)
+        except ValueError as e:
+            raise ValueError(f"head: {e}") from None
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -275,5 +351,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
-    check_objective(cfg.get("objective"), cfg.get("test", True))
+    check_head_settings(cfg.get("head"))
+    check_names(cfg)
+    check_objective(cfg.get("objective"), cfg.get("test", True), cfg.get("metrics"))
     check_data(cfg.data)

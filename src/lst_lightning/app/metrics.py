@@ -10,6 +10,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
+from .run_keys import MRR, topk_error
+
 TOPK = (1, 5, 10, 20, 50, 100)
 
 
@@ -34,8 +36,8 @@ class RankMetrics(Metric):
         self.n += rank.numel()
 
     def compute(self) -> dict[str, Tensor]:
-        out = {f"top{k}_error": 1.0 - self.hits[i] / self.n for i, k in enumerate(self.topk)}
-        out["mrr"] = self.rr / self.n
+        out = {topk_error(k): 1.0 - self.hits[i] / self.n for i, k in enumerate(self.topk)}
+        out[MRR] = self.rr / self.n
         return {k: v.float() for k, v in out.items()}
 
 

@@ -28,6 +28,7 @@ from .compiling import Compiled, install
 from .loss_checks import LossChecks
 from .optimizers import (check_optimizer_config, clip_gradients, has_gradient, make_optimizer, sparse_embedding_params,
                          static_rows_for)
+from .run_keys import LOSS, PERPLEXITY, SIMLEX
 from .schedule import lr_factor
 
 
@@ -254,20 +255,21 @@ class LanguageModel(pl.LightningModule):
     def _eval_epoch_end(self, ranks: RankMetrics, ppl: Perplexity, mean_loss: WeightedMean, prefix: str):
         # compute() sums the states over ranks; sync_dist then only averages equal values
         # (and keeps Lightning from warning about unsynced epoch metrics).
-        self.log(f"{prefix}/loss", mean_loss.compute(), sync_dist=True)
+        self.log(f"{prefix}/{LOSS}", mean_loss.compute(), sync_dist=True)
         mean_loss.reset()
         self.log_dict({f"{prefix}/{k}": v for k, v in ranks.compute().items()}, sync_dist=True)
         ranks.reset()
         if self.perplexity:
-            self.log(f"{prefix}/perplexity", ppl.compute(), sync_dist=True)
+            self.log(f"{prefix}/{PERPLEXITY}", ppl.compute(), sync_dist=True)
             ppl.reset()
         if self.simlex is not None and hasattr(self.body, "input_embedding"):
             rho, n = simlex_spearman(whole(self.body.input_embedding.weight.detach()), self.simlex["index"],
                                      self.simlex["pairs"], set(self.simlex.get("skip", ())))
             if n >= 3:
                 # the embeddings are equal on every rank: syncing only averages equal values
-                self.log(f"{prefix}/simlex_rho", rho, sync_dist=True)
-                self.log(f"{prefix}/simlex_pairs", float(n), sync_dist=True)
+                rho_name, pairs_name = SIMLEX
+                self.log(f"{prefix}/{rho_name}", rho, sync_dist=True)
+                self.log(f"{prefix}/{pairs_name}", float(n), sync_dist=True)
 
     def validation_step(self, batch, batch_idx):
         self._eval_step(batch, self.val_ranks, self.val_ppl, self.val_loss, "val")

@@ -20,6 +20,21 @@ import re
 # the sections of results.json whose metrics are named <section>/<metric>
 SPLITS = ("val", "test", "unigram_test")
 
+# The metrics of a split (val, test) as LanguageModel logs them: the mean loss, RankMetrics' top-k
+# errors and MRR, the perplexity (a head with probabilities), SimLex-999 (text data).
+LOSS, MRR, PERPLEXITY, SIMLEX = "loss", "mrr", "perplexity", ("simlex_rho", "simlex_pairs")
+
+
+def topk_error(k: int) -> str:
+    """The share of targets ranked below the k-th: ``top5_error``."""
+    return f"top{k}_error"
+
+
+def split_metrics(topk, perplexity: bool = True, simlex: bool = True) -> list[str]:
+    """The metrics a split of results.json (val, test) can hold, with ``metrics.topk``; the
+    perplexity unless ``metrics.perplexity`` is false, SimLex-999 unless ``metrics.simlex`` is."""
+    return [LOSS, *map(topk_error, topk), MRR, *([PERPLEXITY] if perplexity else []), *(SIMLEX if simlex else ())]
+
 FACTS = {
     "head": "the head's class (FactoredSphericalHead, SoftmaxHead, ...)",
     "loss": "the spherical loss (zloss, ...); null for heads outside the spherical family",

@@ -23,7 +23,7 @@ import hydra
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from .checks import check_config, check_overrides
+from .checks import check_config, check_objective, check_overrides
 from .compiling import choose as compile_choice
 from .compiling import run_refusal
 from .composition import composed, raising
@@ -37,6 +37,7 @@ from .run_lock import holding
 from .schemas import not_null_defaults
 from .setting_types import check_setting_types
 from .step_choice import AUTO, choose_step
+from .sweep_checks import refusals
 from .wiring import Run, instantiate_group
 
 if TYPE_CHECKING:
@@ -230,6 +231,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     from .checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO  # noqa: PLC0415
     from .metrics import read_simlex  # noqa: PLC0415
     from .module import LanguageModel  # noqa: PLC0415
+    from .run_keys import split_metrics  # noqa: PLC0415
 
     one_handler_for_lightning()
     if pl.utilities.rank_zero_only.rank == 0:
@@ -260,6 +262,9 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     simlex = None
     if m.simlex and getattr(dm, "vocab", None) is not None:
         simlex = {"pairs": read_simlex(), "index": dm.vocab.index, "skip": [dm.vocab.unk_id]}
+    # the objective among the metrics this head, body and data write (no val/perplexity without probabilities)
+    check_objective(cfg.get("objective"), cfg.get("test", True), written=split_metrics(
+        m.topk, bool(perplexity), simlex is not None and hasattr(body, "input_embedding")))
     run = Run(cfg, run_dir, run_name(cfg), loss_name(cfg), head, body, dm)
     run.loggers = instantiate_group(cfg.logger, run)
     callbacks = instantiate_group(cfg.callbacks, run) + list(extra_callbacks)
@@ -519,8 +524,8 @@ def objective(cfg: DictConfig, results: dict) -> float | None:
 def main() -> None:
     with exit_on_bad_input("lst-train"):
         check_overrides(sys.argv[1:])  # before Hydra, whose hint for loss.a=1 is +loss.a=1
-    with exit_on_bad_input("lst-train"), raising():  # head=nosuch, data.batch_sise=3: one line too
-        _hydra_main()
+    with exit_on_bad_input("lst-train"), raising(), refusals():  # head=nosuch, data.batch_sise=3: one line too
+        _hydra_main()  # a sweep's every job checked before the first starts: sweep_checks.py
 
 
 if __name__ == "__main__":
