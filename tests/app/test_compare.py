@@ -50,6 +50,19 @@ def test_compare_reads_curves_best_values_and_times(tmp_path):
     assert float(rows[1]["best_val/top5_error"]) == 0.65
 
 
+def test_a_sweeps_jobs_without_results_are_named(tmp_path, capsys):
+    """A job that failed or was refused (Hydra's ``.hydra`` and no results) is not a run of the
+    report, and lst-compare says so rather than reporting the others as the whole sweep."""
+    fake_run(tmp_path / "sweep", "0", 0.1, 5, [0.6, 0.4], 0.45)
+    (fake_run(tmp_path / "sweep", "1", 1.0, 5, [0.7], 0.62) / ".hydra").mkdir()
+    (tmp_path / "sweep" / "2" / ".hydra").mkdir(parents=True)  # refused before it trained
+    main([str(tmp_path / "sweep"), "-o", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert out.startswith("2 runs")
+    (line,) = err.strip().splitlines()
+    assert "no results in 1 job directories" in line and line.endswith(str(tmp_path / "sweep" / "2"))
+
+
 def test_best_val_of_a_metric_where_higher_is_better_is_its_maximum(tmp_path):
     fake_run(tmp_path / "sweep", "r1", 0.1, 5, [0.6, 0.4, 0.5], 0.45)
     fake_run(tmp_path / "sweep", "r2", 1.0, 5, [0.7, 0.65], 0.62)

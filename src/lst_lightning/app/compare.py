@@ -25,6 +25,7 @@ import csv
 import html
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,13 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         raise ValueError(f"no results.json and no W&B offline run under {[str(p) for p in paths]}: "
                          "are these lst-train run directories?")
     return runs
+
+
+def without_results(paths: list[str | Path], runs: list[Run]) -> list[Path]:
+    """The Hydra job directories (a ``.hydra`` folder) under ``paths`` that are none of ``runs``:
+    jobs that failed, were refused, or are still running."""
+    done = {r.path.resolve() for r in runs}
+    return [h.parent for p in map(Path, paths) for h in sorted(p.rglob(".hydra")) if h.parent.resolve() not in done]
 
 
 def table(runs: list[Run], metric: str) -> tuple[list[str], list[list]]:
@@ -394,7 +402,8 @@ def write_html(cols, rows, images: list[Path], title: str, out: Path) -> Path:
 def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METRIC,
             x: str = DEFAULT_X, y: str = DEFAULT_Y, curve_keys: list[str] | None = None,
             best: int = DEFAULT_BEST) -> dict:
-    """Writes the report; returns ``{"runs": n, "files": {name: path}}``."""
+    """Writes the report; returns ``{"runs": n, "files": {name: path}, "without_results": [job
+    directories with no results]}``."""
     if best < 1:
         raise ValueError(f"--best must be at least 1, not {best}")
     out = Path(out)
@@ -426,7 +435,7 @@ def compare(paths: list[str | Path], out: str | Path, metric: str = DEFAULT_METR
                           facets(runs, curve_keys[-1], x, y, out) if len(runs) > best else None) if p]
     report = write_html(cols, rows, images, f"lst-compare: {len(runs)} runs, sorted by {metric}", out)
     files = {p.name: p for p in [out / "runs.csv", out / "runs.md", *images, report]}
-    return {"runs": len(runs), "files": files}
+    return {"runs": len(runs), "files": files, "without_results": without_results(paths, runs)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -446,6 +455,9 @@ def main(argv: list[str] | None = None) -> None:
         res = compare(args.dirs, args.out, args.metric, args.x, args.y, args.curves, args.best)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
+    if res["without_results"]:
+        print(f"lst-compare: no results in {len(res['without_results'])} job directories (failed, refused or still "
+              f"running), not in the report: {', '.join(map(str, res['without_results']))}", file=sys.stderr)
     print(f"{res['runs']} runs -> {Path(args.out) / 'report.html'}")
     print((Path(args.out) / "runs.md").read_text())
 
