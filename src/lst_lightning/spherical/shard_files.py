@@ -14,6 +14,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+#: how a sharded V goes into checkpoints: whole (gathered on rank 0) or per_rank (these files)
+CHECKPOINT_MODES = ("whole", "per_rank")
+
 
 def shard_path(directory: str | Path, rank: int) -> Path:
     """Where rank ``rank`` writes its rows in a save's directory."""

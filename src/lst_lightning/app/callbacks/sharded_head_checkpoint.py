@@ -33,9 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ...heads.base import OutputHead
 from ..checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_torch_save, snapshot_too_large
-from ...spherical.shard_files import prune, save_shard, shard_path
-
-MODES = ("whole", "per_rank")
+from ...spherical.shard_files import CHECKPOINT_MODES, prune, save_shard, shard_path
 
 
 def shards_beside(checkpoint: dict, path) -> None:
@@ -65,7 +63,7 @@ class ShardedHeadCheckpoint(pl.Callback):
     default process group's timeout, which the barrier it replaces had)."""
 
     def __init__(self, mode: str = "whole", keep: int = 2, wait_s: float = 1800.0):
-        if mode not in MODES:
+        if mode not in CHECKPOINT_MODES:
             raise ValueError(f"head_checkpoint must be 'whole' or 'per_rank', not {mode!r}")
         if not (isinstance(keep, int) and keep >= 1):
             raise ValueError(f"head_shards_keep must be an int >= 1, got {keep!r}")
