@@ -56,6 +56,7 @@ def test_merge_needs_a_folder_to_merge_with(sandbox):
     assert not (sandbox.cwd / "outputs").exists()
 
 
+@pytest.mark.slow  # the benchmark's bookkeeping, not the heads': a quick table run, about 13 s
 def test_update_results_merge_replaces_only_the_rows_rerun(sandbox):
     """This machine's table in the (sandboxed) results folder, one row the run leaves alone and
     one it redoes (marked): --merge keeps the first and replaces the second."""
@@ -198,6 +199,7 @@ def test_budget_on_the_train_clock_with_timed_validation(sandbox, tmp_path):
     assert len(times) >= 2 and times == sorted(times) and times[-1] >= 2.0
 
 
+@pytest.mark.slow  # a spawned process that imports the app, about 13 s
 def test_each_run_has_a_process_of_its_own(sandbox, monkeypatch, tmp_path):
     """run_apart runs run_one in a fresh process (each run starts with the memory free): what
     this process changes, here its ``run`` made to fail, does not reach it."""
