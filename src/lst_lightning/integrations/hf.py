@@ -207,12 +207,14 @@ def check_training_has_labels(model: nn.Module, labels: Tensor | None, name: str
                          f"cannot train it; {instead}, or call it under torch.no_grad() or in eval mode for the logits")
 
 
-def check_trainer_steps_the_head(model: nn.Module, head: FactoredSphericalHead) -> None:
+def check_trainer_steps_the_head(model: nn.Module, head: FactoredSphericalHead, num_items_in_batch) -> None:
     """One ValueError, before the body runs, for a training forward that transformers' ``Trainer``
     (or a subclass: found on the call stack) makes while the head is attached to no optimizer:
     without ``head_follows_trainer()`` the head would step in every micro-batch's backward at its
-    own lr, not once per optimizer step on the Trainer's schedule. Changes nothing."""
-    if head.attached:
+    own lr, not once per optimizer step on the Trainer's schedule. The Trainer gives the patched
+    forward ``num_items_in_batch`` (it takes loss kwargs): a forward without it is not the
+    Trainer's, and a loop of one's own walks no stack. Changes nothing."""
+    if num_items_in_batch is None or head.attached:
         return
     frame, depth = sys._getframe(1), 0
     while frame is not None and depth < 64:
@@ -337,7 +339,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, past_
     check_labels_shape(labels, input_ids, inputs_embeds)
     if labels is not None and self.lm_head.in_training_step:
         check_not_fsdp1(self)  # your own FSDP1 loop (the Trainer's FSDP is refused when it is built)
-        check_trainer_steps_the_head(self, self.lm_head)
+        check_trainer_steps_the_head(self, self.lm_head, num_items_in_batch)
     out = self.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden, head = out[0], self.lm_head
