@@ -124,8 +124,13 @@ UPDATE_FLAG = "--update-results"
 
 def page_command(row: Row) -> str:
     """The command that reproduces ``row``: its recorded command without ``--update-results``
+    and without the run's output folder (``--out``: the script then makes a fresh one, benchlib's),
     and, where the row records its torch threads, with ``--threads`` at that count."""
-    words = [w for w in str(row["command"]).split() if w != UPDATE_FLAG]
+    words, recorded = [], str(row["command"]).split()
+    for i, w in enumerate(recorded):
+        if w == UPDATE_FLAG or w.startswith("--out=") or w == "--out" or (i and recorded[i - 1] == "--out"):
+            continue
+        words.append(w)
     if "threads" in row and not any(w == "--threads" or w.startswith("--threads=") for w in words):
         words += ["--threads", str(row["threads"])]
     return " ".join(words)

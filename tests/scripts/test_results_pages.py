@@ -121,3 +121,12 @@ def test_a_pair_of_two_variants_is_summed_up_against_the_rivals_variant():
     # as shipped, a head is the rival of its variants
     assert list(rp.ttq_pairs([row("default;x=1", "default", 0, 0.5), row("default", "default;x=1", 0, 0.4)])) == [
         ("python_code", 100_000, 90.0, "box", "default;x=1", "default")]
+
+
+def test_a_pages_command_leaves_out_the_runs_output_folder():
+    """A row's recorded ``--out`` (a folder of the machine that ran it, or a placeholder) is not
+    part of the command a page gives: run again, the script makes a fresh folder of its own."""
+    row = {"command": "python3 scripts/compiled_step.py --batch-sizes --out DIR --m 1000 --update-results"}
+    assert rp.page_command(row) == "python3 scripts/compiled_step.py --batch-sizes --m 1000"
+    assert rp.page_command({"command": "python3 s.py --out=/tmp/x --m 8"}) == "python3 s.py --m 8"
+    assert "--out" not in "".join(p.read_text() for p in rp.PAGES.glob("*.md"))
