@@ -240,29 +240,40 @@ def targets(row: dict) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, each size not given at the target's (``--smoke``: tiny ones)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--D", type=int, default=TARGET["D"])
-    p.add_argument("--d", type=int, default=TARGET["d"])
-    p.add_argument("--m", type=int, default=TARGET["m"])
+    p.add_argument("--D", type=int, default=None, help=f"classes (default {TARGET['D']}; --smoke: {SMOKE['D']})")
+    p.add_argument("--d", type=int, default=None, help=f"hidden size (default {TARGET['d']}; --smoke: {SMOKE['d']})")
+    p.add_argument("--m", type=int, default=None,
+                   help=f"rows a batch (default {TARGET['m']}; --smoke: {SMOKE['m']}, with --batch-sizes "
+                        f"{3 * SMOKE['m'] // 4}, padded to {SMOKE['m']})")
     p.add_argument("--loss", nargs="+", default=["zloss", "sampled"], choices=["zloss", "sampled"])
     p.add_argument("--inverse", default="products", choices=["products", "auto"])
-    p.add_argument("--steps", type=int, default=5, help="timed steps of each, in alternation")
+    p.add_argument("--steps", type=int, default=None, help="timed steps of each, in alternation (default 5; --smoke: 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, one timed step (the test suite)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, one timed step (the test suite); sizes given still count")
     p.add_argument("--batch-sizes", action="store_true",
                    help="batches of changing sizes: m padded against exactly m, and 30 random sizes' graphs")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
                    help="torch.compile's backend (aot_eager: the same graphs without Inductor's code: no kernel counts)")
     add_output_args(p)
     args = p.parse_args(argv)
+    sizes = dict(SMOKE, steps=1) if args.smoke else dict(TARGET, steps=5)
+    if args.smoke and args.batch_sizes:  # padded: 24 rows to 32
+        sizes["m"] = 3 * SMOKE["m"] // 4
+    for k in ("D", "d", "m", "steps"):
+        if getattr(args, k) is None:
+            setattr(args, k, sizes[k])
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
     if args.backend != "inductor":
         compile_ = torch.compile
         torch.compile = lambda fn, **kw: compile_(fn, backend=args.backend, **kw)
-    if args.smoke:
-        args.D, args.d, args.m, args.steps = SMOKE["D"], SMOKE["d"], SMOKE["m"], 1
-        if args.batch_sizes:  # padded: 24 rows to 32
-            args.m = 3 * SMOKE["m"] // 4
     device = torch.device(args.device)
     torch._inductor.config.fx_graph_cache = False  # each compile timed in full, not read from an earlier run's cache
     if device.type == "cpu":

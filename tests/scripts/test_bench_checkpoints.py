@@ -14,6 +14,19 @@ import pytest
 MACHINE = "AMD-EPYC-2cores"
 
 
+
+def test_a_smoke_run_keeps_the_sizes_it_is_given(tmp_path, monkeypatch):
+    """``--smoke`` makes tiny defaults: a size given on the command line still counts."""
+    seen = []
+
+    def train(run_dir, D, steps, setting, args):
+        seen.append((args.D, args.short, args.long, args.hidden_dim))
+        raise SystemExit(0)
+    monkeypatch.setattr(bc, "train", train)
+    with pytest.raises(SystemExit):
+        bc.main(["--smoke", "--D", "500", "--out", str(tmp_path)])
+    assert seen == [([500], bc.SMOKE["short"], bc.SMOKE["long"], bc.SMOKE["hidden_dim"])]
+
 @pytest.mark.slow  # four lst-train processes: about two minutes on the 2-core machine
 def test_smoke_writes_a_row_per_setting(sandbox):
     run_dir = sandbox.run_default(bc.main, ["--smoke"], "bench_checkpoints")

@@ -204,3 +204,14 @@ def test_the_batch_sizes_part_smoke(tmp_path):
     assert (row["m"], row["padded_to"], row["sizes"], row["graphs"]) == ("24", "32", "30", "2")
     assert float(row["padded_over_static"]) > 0 and row["captures"] == ""  # no CUDA graph on a CPU
     assert "compiled_batch_sizes  ok" in summary(tmp_path)
+
+
+
+def test_a_smoke_run_keeps_the_sizes_it_is_given():
+    """``--smoke`` makes tiny defaults, not tiny sizes whatever was asked: compiled_step.py keeps
+    a size given on the command line."""
+    import compiled_step
+    args = compiled_step.parse_args(["--smoke", "--batch-sizes", "--m", "20"])
+    assert (args.D, args.d, args.m, args.steps) == (compiled_step.SMOKE["D"], compiled_step.SMOKE["d"], 20, 1)
+    assert compiled_step.parse_args(["--smoke", "--batch-sizes"]).m == 3 * compiled_step.SMOKE["m"] // 4
+    assert compiled_step.parse_args([]).m == compiled_step.TARGET["m"]
