@@ -96,6 +96,22 @@ def test_python_code_prefix_counts(cache):
         assert tok.ids(s).dtype == np.int32 and len(tok.ids(s)) == tok.offsets(s)[-1] == tok.meta["tokens"][s] > 0
 
 
+
+def test_python_code_is_cached_once_for_every_checkout_of_the_same_pins(tmp_path, monkeypatch):
+    """The cache's key is the files the lock picked, not the lock's place: a second checkout (a
+    clone, a worktree) reads the first one's tokens; another set of pins is another corpus."""
+    first, second, other = tmp_path / "a" / "uv.lock", tmp_path / "b" / "uv.lock", tmp_path / "c" / "uv.lock"
+    _installed(tmp_path / "site", "2.0", {"shadowed/a.py": "x = 2\n"})
+    _installed(tmp_path / "site2", "1.0", {"other/b.py": "y = 1\n"})
+    (tmp_path / "site2" / "shadowed-1.0.dist-info").rename(tmp_path / "site2" / "other-1.0.dist-info")
+    (tmp_path / "site2" / "other-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: other\n")
+    for lock, name in ((first, "shadowed"), (second, "shadowed"), (other, "other")):
+        lock.parent.mkdir()
+        lock.write_text(f'version = 1\n[[package]]\nname = "{name}"\nversion = "1.0"\n')
+    monkeypatch.setattr("sys.path", [str(tmp_path / "site"), str(tmp_path / "site2")])
+    keys = [PythonCode(str(lock), 0.05, 0.05).key() for lock in (first, second, other)]
+    assert keys[0] == keys[1] != keys[2]
+
 @pytest.mark.slow
 def test_python_code_full_counts(cache):
     """data=python_code as configured (2 x 10^7 tokens, D = 10^5) and whole (about 6 x 10^7

@@ -153,8 +153,10 @@ class PythonCode:
         return self._files
 
     def key(self) -> dict:
-        return {"lock": str(self.lock), "fractions": self.fractions,
-                "files": [[name, *_stat(path)[1:]] for name, path in self.files()]}
+        """What the tokens depend on: each file's name, size and time, and the splits; not where
+        the lock lies (the files it picked are here), so every checkout of the same pins shares
+        one cache."""
+        return {"fractions": self.fractions, "files": [[name, *_stat(path)[1:]] for name, path in self.files()]}
 
     def size(self) -> int:
         return sum(path.stat().st_size for _, path in self.files())
