@@ -470,3 +470,33 @@ def test_a_sharded_heads_logits_and_evaluation_loss_are_each_ranks_own_rows(tmp_
         (logits, loss), (want_logits, want_loss) = got["patched"], got["exported"]
         assert got["held"] == VOCAB // 2 and logits.shape == want_logits.shape == (1 + r, 10, VOCAB)
         assert torch.allclose(logits, want_logits, atol=1e-5) and torch.allclose(loss, want_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "cohere", "granite"])
+def test_a_model_whose_logits_are_not_lm_heads_outputs_is_refused_and_unchanged(family):
+    """Gemma 2's cap tanh(o / cap), Cohere's o * logit_scale, Granite's o / logits_scaling: the
+    factored head trains and returns o itself, so such a model is refused, unchanged, with the
+    setting named; with it set to its plain value the model is patched."""
+    import transformers
+    small = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    key, value, plain, cls, config = {
+        "gemma2": ("final_logit_softcapping", 30.0, None, transformers.Gemma2ForCausalLM,
+                   transformers.Gemma2Config(head_dim=8, **small)),
+        "cohere": ("logit_scale", 0.0625, 1.0, transformers.CohereForCausalLM,
+                   transformers.CohereConfig(**small)),
+        "granite": ("logits_scaling", 8.0, 1.0, transformers.GraniteForCausalLM,
+                    transformers.GraniteConfig(**small))}[family]
+    setattr(config, key, value)
+    model = cls(config)
+    before = state(model)
+    with pytest.raises(ValueError, match=rf"logits are not lm_head's outputs \((model|model\.config)\.{key}={value}\)"):
+        factor_lm_head(model)
+    assert isinstance(model.lm_head, nn.Linear) and "forward" not in vars(model) and same_state(before, state(model))
+    setattr(model.config, key, plain)
+    if hasattr(model, key):
+        setattr(model, key, plain)
+    factor_lm_head(model)
+    ids, mask, labels = batch()
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=ids, attention_mask=mask, labels=labels).loss)

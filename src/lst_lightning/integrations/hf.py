@@ -59,7 +59,33 @@ def check_patchable(model: nn.Module) -> nn.Linear:
         raise ValueError(f"{name} ties lm_head to the input embedding (tie_word_embeddings=True): the factored head "
                          "owns W and updates it itself in backward, so the input embedding would no longer be tied; "
                          "untie it first with lst_lightning.integrations.untie_lm_head(model) (lm_head gets a copy)")
+    check_logits_are_lm_heads(model, name, (config, text))
     return head
+
+
+#: the settings with which a transformers model turns lm_head's outputs o into other logits
+#: (Gemma's cap tanh(o / cap); Cohere's o * logit_scale; Granite's o / logits_scaling; o times
+#: output_multiplier), and the value that leaves o as it is
+LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                    "output_multiplier": 1.0}
+
+
+def check_logits_are_lm_heads(model: nn.Module, name: str, configs) -> None:
+    """One ValueError where the model's logits are not lm_head's outputs o: the factored head's
+    loss, its logits and the exported lm_head are all o, so patching would train without the
+    model's transform and the exported model would apply it to logits trained without it."""
+    for key, plain in LOGIT_TRANSFORMS.items():
+        for where, owner in (("model", model), ("model.config", configs[0]), ("its text config", configs[1])):
+            value = getattr(owner, key, None) if owner is not None else None
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value == plain:
+                continue
+            fix = ("set it to None to train the model without the cap" if plain is None else
+                   "fold it into lm_head first (its weight, and its bias, times the factor the logits take) and set it "
+                   "to 1.0")
+            raise ValueError(f"{name}'s logits are not lm_head's outputs ({where}.{key}={value}): the factored head "
+                             "trains and returns lm_head's outputs o, so the model would train without that transform "
+                             f"and its exported lm_head would be read through it; {fix} (in model.config, and on the "
+                             "model where it keeps its own copy)")
 
 
 @torch.no_grad()
