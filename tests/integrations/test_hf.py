@@ -500,3 +500,22 @@ def test_a_model_whose_logits_are_not_lm_heads_outputs_is_refused_and_unchanged(
     ids, mask, labels = batch()
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+
+
+def test_a_model_with_anything_between_its_body_and_lm_head_is_refused_and_unchanged():
+    """A transform no setting names (here a factor in the model's own forward, as Falcon-H1's
+    lm_head_multiplier or a norm in the CausalLM class would be): the model's logits are not
+    lm_head of its body's output, which is what the factored head takes; refused, unchanged."""
+    from transformers import LlamaForCausalLM
+
+    class Scaled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 0.5
+            return out
+    model = Scaled(tiny("llama").config).float()
+    model.train()
+    before = state(model)
+    with pytest.raises(ValueError, match=r"logits are not lm_head applied to its body's output"):
+        factor_lm_head(model)
+    assert model.training and isinstance(model.lm_head, nn.Linear) and same_state(before, state(model))

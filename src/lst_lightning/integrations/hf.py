@@ -60,6 +60,7 @@ def check_patchable(model: nn.Module) -> nn.Linear:
                          "owns W and updates it itself in backward, so the input embedding would no longer be tied; "
                          "untie it first with lst_lightning.integrations.untie_lm_head(model) (lm_head gets a copy)")
     check_logits_are_lm_heads(model, name, (config, text))
+    check_lm_head_takes_the_body(model, name, head)
     return head
 
 
@@ -67,7 +68,7 @@ def check_patchable(model: nn.Module) -> nn.Linear:
 #: (Gemma's cap tanh(o / cap); Cohere's o * logit_scale; Granite's o / logits_scaling; o times
 #: output_multiplier), and the value that leaves o as it is
 LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
-                    "output_multiplier": 1.0}
+                    "output_multiplier": 1.0, "lm_head_multiplier": 1.0}
 
 
 def check_logits_are_lm_heads(model: nn.Module, name: str, configs) -> None:
@@ -86,6 +87,30 @@ def check_logits_are_lm_heads(model: nn.Module, name: str, configs) -> None:
                              "trains and returns lm_head's outputs o, so the model would train without that transform "
                              f"and its exported lm_head would be read through it; {fix} (in model.config, and on the "
                              "model where it keeps its own copy)")
+
+
+@torch.no_grad()
+def check_lm_head_takes_the_body(model: nn.Module, name: str, head: nn.Linear) -> None:
+    """One ValueError where the model's own logits are not ``lm_head`` applied to its body's
+    output (``model.base_model(...)[0]``, what the patched forward hands the factored head): a
+    norm, a projection or a factor between them that no setting above names. Checked on one
+    sequence of two tokens in eval mode (the model's mode put back); a model whose parameters
+    are on the meta device (not loaded yet) is not run."""
+    if any(p.is_meta for p in model.parameters()):
+        return
+    ids = torch.tensor([[0, 1]], device=model.get_input_embeddings().weight.device)
+    training = model.training
+    model.eval()
+    try:
+        logits = model(input_ids=ids, use_cache=False).logits
+        own = head(model.base_model(input_ids=ids, use_cache=False)[0].to(head.weight.device))
+    finally:
+        model.train(training)
+    logits, own = logits.float(), own.float().to(logits.device)
+    if logits.shape != own.shape or not torch.allclose(logits, own, rtol=1e-3, atol=1e-3 * float(own.abs().max())):
+        raise ValueError(f"{name}'s logits are not lm_head applied to its body's output (model.base_model(...)[0]), "
+                         "which is what the factored head takes: the patched model would train and export another "
+                         "output layer than its own (a norm, a projection or a factor between the body and lm_head)")
 
 
 @torch.no_grad()
