@@ -98,7 +98,8 @@ def check_lm_head_takes_the_body(model: nn.Module, name: str, head: nn.Linear) -
     are on the meta device (not loaded yet) is not run."""
     if any(p.is_meta for p in model.parameters()):
         return
-    ids = torch.tensor([[0, 1]], device=model.get_input_embeddings().weight.device)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    ids = torch.tensor([[0, 1]], device=getattr(embed, "weight", head.weight).device)
     training = model.training
     model.eval()
     try:
