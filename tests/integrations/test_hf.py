@@ -519,3 +519,15 @@ def test_a_model_with_anything_between_its_body_and_lm_head_is_refused_and_uncha
     with pytest.raises(ValueError, match=r"logits are not lm_head applied to its body's output"):
         factor_lm_head(model)
     assert model.training and isinstance(model.lm_head, nn.Linear) and same_state(before, state(model))
+
+
+def test_a_model_that_keeps_its_last_positions_logits_only_is_accepted():
+    """The check compares the positions the model returns logits for (a forward whose default
+    keeps the last one only is not a transform)."""
+    from transformers import LlamaForCausalLM
+
+    class LastOnly(LlamaForCausalLM):
+        def forward(self, *args, logits_to_keep=1, **kwargs):
+            return super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+    model = factor_lm_head(LastOnly(tiny("llama").config).float())
+    assert isinstance(model.lm_head, FactoredSphericalHead)

@@ -103,11 +103,12 @@ def check_lm_head_takes_the_body(model: nn.Module, name: str, head: nn.Linear) -
     training = model.training
     model.eval()
     try:
-        logits = model(input_ids=ids, use_cache=False).logits
+        out = model(input_ids=ids, use_cache=False)
         own = head(model.base_model(input_ids=ids, use_cache=False)[0].to(head.weight.device))
     finally:
         model.train(training)
-    logits, own = logits.float(), own.float().to(logits.device)
+    logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+    own = own.float().to(logits.device)[:, -logits.shape[1]:]  # a model that keeps its last positions' logits only
     if logits.shape != own.shape or not torch.allclose(logits, own, rtol=1e-3, atol=1e-3 * float(own.abs().max())):
         raise ValueError(f"{name}'s logits are not lm_head applied to its body's output (model.base_model(...)[0]), "
                          "which is what the factored head takes: the patched model would train and export another "
