@@ -294,17 +294,6 @@ def check_names(cfg: DictConfig) -> None:
         lr_factor(0, total_steps=1, **OmegaConf.to_container(cfg.scheduler, resolve=True))  # as LanguageModel does
 
 
-def check_head_checkpoint(mode, keep) -> None:
-    """``head_checkpoint`` and ``head_shards_keep``, as the sharded head's checkpoint callback
-    checks them (callbacks/sharded_head_checkpoint.py), before the data is read."""
-    from ..spherical.shard_files import CHECKPOINT_MODES  # noqa: PLC0415  (torch)
-
-    if mode not in CHECKPOINT_MODES:
-        raise ValueError(f"head_checkpoint={mode!r}: must be {' or '.join(CHECKPOINT_MODES)}")
-    if not _whole(keep, 1):
-        raise ValueError(f"head_shards_keep={keep!r}: must be a whole number >= 1")
-
-
 def check_head_settings(head: DictConfig | None) -> None:
     """The head's settings that its class checks one by one (spherical/settings.py's ``Setting``:
     ``head.lr``, ``head.weight_decay``, ``head.clip_norm``...) and those of its step's driving,
@@ -344,6 +333,8 @@ def check_head_settings(head: DictConfig | None) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
+    from ..spherical.shard_files import check_checkpoint_settings  # noqa: PLC0415  (torch)
+
     OmegaConf.to_container(cfg, resolve=True)  # an interpolation that does not resolve, named by its key
     for key in GONE:
         if OmegaConf.select(cfg, key, default=GONE) is not GONE:  # an old experiment's config
@@ -362,7 +353,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
-    check_head_checkpoint(cfg.get("head_checkpoint", "whole"), cfg.get("head_shards_keep", 2))
+    check_checkpoint_settings(cfg.get("head_checkpoint", "whole"), cfg.get("head_shards_keep", 2))
     check_head_settings(cfg.get("head"))
     check_names(cfg)
     check_objective(cfg.get("objective"), cfg.get("test", True), cfg.get("metrics"))

@@ -18,6 +18,15 @@ from torch import Tensor
 CHECKPOINT_MODES = ("whole", "per_rank")
 
 
+def check_checkpoint_settings(mode, keep) -> None:
+    """``head_checkpoint`` (a mode of ``CHECKPOINT_MODES``) and ``head_shards_keep`` (the saves
+    whose shards are kept, a whole number >= 1): one ValueError naming the setting."""
+    if mode not in CHECKPOINT_MODES:
+        raise ValueError(f"head_checkpoint={mode!r}: must be {' or '.join(CHECKPOINT_MODES)}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"head_shards_keep={keep!r}: must be a whole number >= 1")
+
+
 def shard_path(directory: str | Path, rank: int) -> Path:
     """Where rank ``rank`` writes its rows in a save's directory."""
     return Path(directory) / f"rank{rank:05d}.pt"

@@ -33,7 +33,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ...heads.base import OutputHead
 from ..checkpoint_io import AsyncAtomicCheckpointIO, AtomicCheckpointIO, atomic_torch_save, snapshot_too_large
-from ...spherical.shard_files import CHECKPOINT_MODES, prune, save_shard, shard_path
+from ...spherical.shard_files import check_checkpoint_settings, prune, save_shard, shard_path
 
 
 def shards_beside(checkpoint: dict, path) -> None:
@@ -63,10 +63,7 @@ class ShardedHeadCheckpoint(pl.Callback):
     default process group's timeout, which the barrier it replaces had)."""
 
     def __init__(self, mode: str = "whole", keep: int = 2, wait_s: float = 1800.0):
-        if mode not in CHECKPOINT_MODES:
-            raise ValueError(f"head_checkpoint must be 'whole' or 'per_rank', not {mode!r}")
-        if not (isinstance(keep, int) and keep >= 1):
-            raise ValueError(f"head_shards_keep must be an int >= 1, got {keep!r}")
+        check_checkpoint_settings(mode, keep)
         if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or wait_s < 0:
             raise ValueError(f"callbacks.sharded_head_checkpoint.wait_s must be a number >= 0, got {wait_s!r}")
         self.mode, self.keep, self.wait_s = mode, keep, wait_s
