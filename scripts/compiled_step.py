@@ -243,14 +243,14 @@ def targets(row: dict) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, each size not given at the target's (``--smoke``: tiny ones)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--D", type=int, default=None, help=f"classes (default {TARGET['D']}; --smoke: {SMOKE['D']})")
-    p.add_argument("--d", type=int, default=None, help=f"hidden size (default {TARGET['d']}; --smoke: {SMOKE['d']})")
-    p.add_argument("--m", type=int, default=None,
-                   help=f"rows a batch (default {TARGET['m']}; --smoke: {SMOKE['m']}, with --batch-sizes "
-                        f"{3 * SMOKE['m'] // 4}, padded to {SMOKE['m']})")
+    p.add_argument("--D", type=int, default=TARGET["D"], help=f"classes (--smoke: {SMOKE['D']})")
+    p.add_argument("--d", type=int, default=TARGET["d"], help=f"hidden size (--smoke: {SMOKE['d']})")
+    p.add_argument("--m", type=int, default=TARGET["m"],
+                   help=f"rows a batch (--smoke: {SMOKE['m']}, with --batch-sizes {3 * SMOKE['m'] // 4}, padded to "
+                        f"{SMOKE['m']})")
     p.add_argument("--loss", nargs="+", default=["zloss", "sampled"], choices=["zloss", "sampled"])
     p.add_argument("--inverse", default="products", choices=["products", "auto"])
-    p.add_argument("--steps", type=int, default=None, help="timed steps of each, in alternation (default 5; --smoke: 1)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each, in alternation (--smoke: 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true",
                    help="tiny sizes, one timed step (the test suite); sizes given still count")
@@ -259,14 +259,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager"],
                    help="torch.compile's backend (aot_eager: the same graphs without Inductor's code: no kernel counts)")
     add_output_args(p)
-    args = p.parse_args(argv)
-    sizes = dict(SMOKE, steps=1) if args.smoke else dict(TARGET, steps=5)
-    if args.smoke and args.batch_sizes:  # padded: 24 rows to 32
-        sizes["m"] = 3 * SMOKE["m"] // 4
-    for k in ("D", "d", "m", "steps"):
-        if getattr(args, k) is None:
-            setattr(args, k, sizes[k])
-    return args
+    known = p.parse_known_args(argv)[0]
+    if known.smoke:  # tiny defaults; with --batch-sizes 24 rows, padded to 32
+        p.set_defaults(**{**SMOKE, "steps": 1, **({"m": 3 * SMOKE["m"] // 4} if known.batch_sizes else {})})
+    return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
