@@ -3,7 +3,14 @@
 ``tests/spherical/data/step_reference.pt`` holds each mode's state after ``STEPS`` steps as the
 code made it when the file was written; tests/spherical/test_step_reference.py holds the step to
 it. ``python tests/helpers/step_reference.py`` writes the file again (only when the step is
-meant to change its numbers).
+meant to change its numbers); ``--out FILE`` writes the runs to FILE instead, and ``--twins NAME...``
+adds each named eager mode compiled (``compiled_twin``).
+
+Every run is made with the same CPU kernels whatever the machine (``KERNELS``: ATen's and MKL's
+AVX2 code, one thread): main runs itself again under them where they are not set. An AVX-512
+machine's vectorised sums round otherwise, and over a hundred steps (the folds, the repairs' power
+iterations) that parts the runs by up to 1e-7, past the file's 1e-12. A machine without AVX2
+cannot make them: main exits with ``NO_AVX2``.
 
 A mode is the head's settings and how a loop drives it: ``backward`` (``head(H, idx).backward()``),
 ``train_step`` (``head.train_step``) or ``accumulate`` (attached to an optimizer, two micro-batches
@@ -12,6 +19,8 @@ H scaled so that the repairs (folds, singular-value fixes, refreshes) run within
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -23,6 +32,9 @@ from lst_lightning.spherical import FactoredSphericalHead
 STEPS = 100
 D, d, K = 80, 8, 3
 PATH = Path(__file__).resolve().parents[1] / "spherical" / "data" / "step_reference.pt"
+#: the CPU kernels the runs are made with (ATen's dispatch, MKL's, the threads), on every machine
+KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "OMP_NUM_THREADS": "1"}
+NO_AVX2 = 3  # main's exit status on a machine without AVX2
 #: the repairs often enough that a hundred steps meet each of them
 REPAIRS = dict(check_every=25, uinv_refresh_every=20, q_refresh_every=50)
 SAMPLED = dict(loss="sampled", negatives=dict(num=8, seed=3), preconditioner={})  # lst-train's default head
@@ -177,14 +189,29 @@ def run_mode(name: str, spec: dict | None = None) -> dict[str, torch.Tensor]:
 
 
 def main(argv=None) -> None:
-    names = (argv if argv is not None else sys.argv[1:]) or list(MODES)
-    ref = torch.load(PATH) if PATH.exists() else {}
-    for name in names:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(os.environ.get(k) != v for k, v in KERNELS.items()):  # the kernels pinned: this process again
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], {**os.environ, **KERNELS})
+    parser = argparse.ArgumentParser(description="a hundred float64 steps of each mode, under KERNELS")
+    parser.add_argument("names", nargs="*", help="modes (default: all, the file's)")
+    parser.add_argument("--out", type=Path, help="write the runs here (default: the pinned file, updated)")
+    parser.add_argument("--twins", nargs="*", default=[], help="eager modes to run compiled too ('twin:NAME')")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if torch.backends.cpu.get_cpu_capability() != "AVX2":
+        print(f"the runs are pinned to ATen's AVX2 kernels; this machine gives {torch.backends.cpu.get_cpu_capability()}")
+        sys.exit(NO_AVX2)
+    out = args.out or PATH
+    ref = torch.load(PATH) if args.out is None and PATH.exists() else {}
+    for name in args.names or list(MODES):
         ref[name] = run_mode(name)
         stats = ref[name]["stats"].tolist()
         print(name, f"steps {stats[0]:.0f}, skipped {stats[1]:.0f}, folds {stats[5]:.0f}, sv fixes {stats[3]:.0f}")
-    PATH.parent.mkdir(exist_ok=True)
-    torch.save(ref, PATH)
+    for name in args.twins:
+        ref[f"twin:{name}"] = run_mode(name, compiled_twin(MODES[name]))
+    out.parent.mkdir(exist_ok=True)
+    torch.save(ref, out)
 
 
 if __name__ == "__main__":
