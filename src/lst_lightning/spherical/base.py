@@ -586,8 +586,9 @@ class SphericalHeadBase(OutputHead):
     def _warn_loss_factor(self, factor: float) -> None:
         self._warn_once("weight", f"{type(self).__name__}: the loss reached the head multiplied by {factor:g} and "
                                   "the head stepped with that factor. If this is gradient accumulation or a loss "
-                                  "scaler, attach the head to the optimizer (head.attach(optimizer, scaler); "
-                                  "Lightning: the HeadSteps callback) for one exact step")
+                                  "scaler, attach the head to the optimizer for one exact step: head.attach(optimizer, scaler); "
+                                  "in Lightning, Trainer(callbacks=[HeadSteps()]) with "
+                                  "`from lst_lightning.app.callbacks import HeadSteps`")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

@@ -135,7 +135,11 @@ def test_accumulation_without_the_callback_warns_once():
     with pytest.warns(UserWarning, match="multiplied by 0.5.*HeadSteps") as caught:
         trainer.fit(Plain(head), data())
         head.sync()  # device flags: said at the next read of the flags (every 64 steps; here, by hand)
-    assert sum("multiplied by" in str(w.message) for w in caught) == 1
+    (message,) = [str(w.message) for w in caught if "multiplied by" in str(w.message)]
+    fix = message.split("`")[1]  # the callback's import, as the warning gives it
+    namespace = {}
+    exec(fix, namespace)
+    assert namespace["HeadSteps"] is HeadSteps
     assert int(head.steps) == 6  # half steps, as warned
 
 
