@@ -58,7 +58,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory):
-    """Every mode's run, and the compiled twins of the eager modes this session selected, made by
+    """Every mode's run, and the compiled twins of the eager modes pytest selected, made by
     step_reference.py in a process of its own under its pinned kernels."""
     twins = sorted({item.callspec.params["name"] for item in request.session.items
                     if item.originalname == "test_every_eager_mode_compiled_ends_where_its_reference_did"})
