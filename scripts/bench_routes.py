@@ -481,6 +481,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.worker:
         w = argparse.Namespace(**json.loads(a.worker.read_text()))
         (hf_worker if w.worker == "hf_ddp" else litgpt_worker)(w)
+        import torch.distributed as dist  # noqa: PLC0415
+        if dist.is_initialized():  # the group closed before the interpreter exits (left to exit, gloo aborted it)
+            dist.destroy_process_group()
         return
     netns = a.netns == "on" or (a.netns == "auto" and netns_works())
     if a.netns == "on" and not netns_works():

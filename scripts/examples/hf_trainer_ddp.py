@@ -85,3 +85,5 @@ def main(argv=None, callbacks=()) -> dict:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # closed before the interpreter exits, which would abort gloo's group
+        torch.distributed.destroy_process_group()
