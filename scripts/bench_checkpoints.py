@@ -97,6 +97,16 @@ def recompute_cost(D: int, hidden_dim: int) -> dict:
     return {"recompute_s": seconds, "recomputable_bytes": small, "V_mb": head.V.numel() * head.V.element_size() / 2**20}
 
 
+def measured(step_ms: float) -> float | None:
+    """A step's time from the difference of two runs' wall times, or None where that difference is
+    not positive: the long run was no slower than the short one, so the runs' noise (a start's
+    imports, another job on the machine) outweighed their extra steps; a longer --long measures."""
+    if step_ms > 0:
+        return step_ms
+    print(f"a step's time of {step_ms:.1f} ms is below the runs' noise: not written (raise --long)", flush=True)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--D", type=positive_int, nargs="+", default=[10_000, 1_000_000, 10_000_000])
@@ -139,13 +149,13 @@ def main(argv: list[str] | None = None) -> None:
                     runs[setting].append((1e3 * (b["wall_s"] - a["wall_s"]) / (b["steps"] - a["steps"]), a, b))
                     print({"D": D, "setting": setting, "round": rnd, "step_ms": round(runs[setting][-1][0], 3)},
                           flush=True)
-            base = statistics.median(ms for ms, _, _ in runs["none"]) if "none" in runs else None
+            base = measured(statistics.median(ms for ms, _, _ in runs["none"])) if "none" in runs else None
             for setting, done in runs.items():
-                step_ms = statistics.median(ms for ms, _, _ in done)
+                step_ms = measured(statistics.median(ms for ms, _, _ in done))
                 _, a, b = done[-1]
                 rows.append({**({"series": args.series} if args.series else {}),
-                             "D": D, "setting": setting, "step_ms": round(step_ms, 3),
-                             "ratio_to_none": round(step_ms / base, 3) if base else None,
+                             "D": D, "setting": setting, "step_ms": None if step_ms is None else round(step_ms, 3),
+                             "ratio_to_none": round(step_ms / base, 3) if base and step_ms is not None else None,
                              "rounds_ms": " ".join(f"{ms:.2f}" for ms, _, _ in done),
                              "short_wall_s": round(a["wall_s"], 2), "long_wall_s": round(b["wall_s"], 2),
                              "ckpt_mb": round(b["ckpt_mb"], 1), "step_files_left": b["step_files"],
@@ -175,8 +185,9 @@ def main(argv: list[str] | None = None) -> None:
                                        + markdown_table(table, cols, right=cols[-7:]) + "\n")
     fig, ax = pyplot().subplots(figsize=(6, 3.5))
     for setting in args.settings:
-        pts = [(r["D"], r["step_ms"]) for r in rows if r["setting"] == setting]
-        ax.plot(*zip(*pts), marker="o", label=setting)
+        pts = [(r["D"], r["step_ms"]) for r in rows if r["setting"] == setting and r["step_ms"] is not None]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=setting)
     ax.set_xscale("log")
     ax.set_xlabel("D")
     ax.set_ylabel("ms per training step")

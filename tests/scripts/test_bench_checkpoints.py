@@ -33,7 +33,10 @@ def test_smoke_writes_a_row_per_setting(sandbox):
     stem = run_dir / f"checkpoints_{bc.machine_name()}"
     rows = list(csv.DictReader(stem.with_suffix(".csv").open()))
     assert [(r["D"], r["setting"]) for r in rows] == [("300", "none"), ("300", "steps1000_async")]
-    assert float(rows[0]["ratio_to_none"]) == 1.0 and float(rows[1]["ratio_to_none"]) > 0
+    # a step's time is the two runs' difference: at smoke sizes the noise may outweigh it, and then
+    # nothing is written (``measured``), never a time of 0 or below
+    assert all(r["ratio_to_none"] == "" or float(r["ratio_to_none"]) > 0 for r in rows)
+    assert all(r["step_ms"] == "" or float(r["step_ms"]) > 0 for r in rows)
     assert all(float(r["ckpt_mb"]) > 0 and float(r["recompute_s"]) > 0 for r in rows)
     assert int(rows[0]["recomputable_bytes"]) == 4 * (9 * 9 + 9 + 9 * 9)  # Q, wbar, U^-1 at d + 1 = 9, float32
     assert stem.with_suffix(".md").read_text().count("| 300 |") == 2 and stem.with_suffix(".png").stat().st_size > 0
@@ -91,3 +94,8 @@ def test_a_series_is_appended_to_the_committed_csv(sandbox, monkeypatch):
     table = path.with_suffix(".md").read_text()  # every series of the CSV, this one among them
     series = {r["series"] for r in csv.DictReader(after.splitlines())}
     assert len(series) > 1 and all(f"| {s} |" in table for s in series), table[:400]
+
+
+def test_a_step_time_below_the_runs_noise_is_not_written():
+    """The long run no slower than the short one: no step time (None, an empty cell), not a negative one."""
+    assert bc.measured(-345.4) is None and bc.measured(0.0) is None and bc.measured(2.5) == 2.5

@@ -29,7 +29,8 @@ def test_default_run_writes_its_run_directory_only(sandbox):
     stem = run_dir / f"quality_table_{qt.machine_name()}"
     (row,) = read(stem.with_suffix(".csv"))  # no committed rows merged in
     assert (row["task"], row["mode"], row["head"], row["train_steps"]) == ("wiki", "epochs", "adaptive", "3")
-    assert "| wiki | epochs | adaptive |" in stem.with_suffix(".md").read_text()
+    (line,) = [r for r in stem.with_suffix(".md").read_text().splitlines() if r.startswith("| wiki | epochs |")]
+    assert "| adaptive |" in line  # the table's row (its budget's columns empty in epochs mode)
     assert stem.with_suffix(".png").stat().st_size > 0
     assert (stem.parent / (stem.name + "_curves.json")).exists()
 
