@@ -21,6 +21,11 @@ training too, as a report (``sync(repair=False)``: the repairs due wait for the 
 that a run's state never depends on where it stopped or was saved): a bad label since the last
 read raises there, naming its step, which left the head untouched.
 
+A PEFT model (``peft.get_peft_model`` on a patched model) saves its adapter alone, so its
+checkpoints would leave out the head's state: each checkpoint of one gets the head's state in a
+file of its own beside the adapter (``HEAD_FILE``), which a resumed run loads before its first
+step from the folder the Trainer loaded the adapter from (``AdapterFolders``).
+
 The head is attached with ``accumulate=gradient_accumulation_steps``: when ``train()``
 raises inside an accumulation window (a bad label in a micro-batch), the head stays
 attached to that Trainer's optimizer (the Trainer has no exception hook), and a later
@@ -30,9 +35,13 @@ fix in one line (``head.detach()``, or ``train()`` again, which re-attaches).
 from __future__ import annotations
 
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
+#: a PEFT model's checkpoint: the head's state (its tensors, as a patched model's state dict
+#: holds them under ``lm_head.``), beside the adapter
+HEAD_FILE = "factored_head.safetensors"
 #: the smallest head lr the schedule sets: a scheduler at 0 (warm-up start, end of a
 #: linear decay) would give 0, which the head refuses; this step is then a no-op in effect.
 MIN_LR = 1e-30
@@ -77,6 +86,63 @@ def drop_autocast_wrapper(model) -> None:
         del model._original_forward
 
 
+def saves_adapter_only(model) -> bool:
+    """Whether the Trainer's checkpoints of ``model`` leave out the head: a PEFT model's
+    ``save_pretrained`` writes its adapter alone."""
+    return hasattr(model, "peft_config")
+
+
+def head_file(args, state) -> str:
+    """Where the checkpoint of step ``state.global_step`` in ``args.output_dir`` holds the head's state."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}", HEAD_FILE)
+
+
+class AdapterFolders:
+    """The folders a PEFT model's ``load_adapter`` reads while the Trainer starts (its resume
+    loads the adapter so, from the checkpoint it resumes): ``watch`` shadows the model's method
+    with one that notes each folder, ``done`` takes the shadow away and gives the last folder."""
+
+    def __init__(self):
+        self.seen: list[str] = []
+        self.model = None
+
+    def watch(self, model) -> None:
+        self.model = model
+        load_adapter = model.load_adapter
+
+        def noting(model_id, *args, **kwargs):
+            self.seen.append(str(model_id))
+            return load_adapter(model_id, *args, **kwargs)
+        model.load_adapter = noting
+
+    def done(self) -> str | None:
+        if self.model is not None and "load_adapter" in vars(self.model):
+            del self.model.load_adapter  # the class's method again (the model pickles as before)
+        self.model = None
+        return self.seen[-1] if self.seen else None
+
+
+def save_head_file(head, path: str) -> None:
+    """The head's state as a patched model's state dict holds it (tensors only), in ``path``."""
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, path)
+
+
+def load_head_file(head, path: str, step: int) -> None:
+    """The head's state from a PEFT model's checkpoint of step ``step`` (``save_head_file``);
+    one ValueError, the head unchanged, where the file is missing."""
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise ValueError(f"resuming a PEFT model at step {step}: its checkpoint holds the adapter alone, and the factored "
+                         f"head's state, which head_follows_trainer saves beside it, is not at {path} (a checkpoint saved "
+                         "without head_follows_trainer cannot resume the head)")
+    head.load_state_dict(load_file(path, device=str(head.device)))
+
+
 def head_follows_trainer():
     """A ``transformers.TrainerCallback``: ``Trainer(..., callbacks=[head_follows_trainer()])``
     for a model patched by ``factor_lm_head``."""
@@ -88,16 +154,25 @@ def head_follows_trainer():
     class HeadFollowsTrainer(TrainerCallback):
         head = base_lr = patch = None
 
-        def on_init_end(self, args, state, control, **kwargs):
+        def __init__(self):
+            self.adapters = AdapterFolders()
+
+        def on_init_end(self, args, state, control, model=None, **kwargs):
             from accelerate.state import AcceleratorState  # built by the Trainer before this event
 
             check_strategy(AcceleratorState().distributed_type)  # FSDP, DeepSpeed: one line, before any step
             check_trainer_args(args)
+            if saves_adapter_only(model):  # where a resume loads the adapter from, its head's state is too
+                self.adapters.watch(model)
 
         def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
             core = getattr(model, "module", model)
             self.head, self.patch = factored_head(core), getattr(core, PATCH)
             check_processes(self.head, args.world_size)  # one line on every rank, before any step
+            folder = self.adapters.done()
+            if saves_adapter_only(core) and state.global_step > 0:  # resumed: the adapter's checkpoint lacks the head
+                path = head_file(args, state) if folder is None else os.path.join(folder, HEAD_FILE)
+                load_head_file(self.head, path, state.global_step)
             join_processes(self.head)
             self.patch.items_over_world = bool(args.average_tokens_across_devices)
             self.base_lr = self.head.lr
@@ -125,7 +200,9 @@ def head_follows_trainer():
             if control.should_save:
                 self.patch.whole_v = gather_for_checkpoint(self.head)
 
-        def on_save(self, args, state, control, **kwargs):
+        def on_save(self, args, state, control, model=None, **kwargs):
+            if saves_adapter_only(getattr(model, "module", model)) and state.is_world_process_zero:
+                save_head_file(self.head, head_file(args, state))  # (a sharded head: V gathered whole)
             self.patch.whole_v = None
 
         def on_train_end(self, args, state, control, model=None, **kwargs):
