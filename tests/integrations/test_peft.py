@@ -4,6 +4,8 @@ gives the logits the adapted model gave; under the HF Trainer, whose checkpoints
 the adapter alone, head_follows_trainer saves the head beside it and a resumed run continues bit for
 bit. peft is not in uv.lock (it would change the python_code
 corpus, made of the lock's packages): ``uv run --with peft pytest tests/integrations/test_peft.py``."""
+import pickle
+
 import pytest
 import torch
 
@@ -76,6 +78,16 @@ def test_a_peft_models_trainer_checkpoint_holds_the_head_and_resumes_exactly(tmp
         resumed = run(out, resume=resume)  # from another run's folder, and the latest in output_dir
         assert whole.keys() == resumed.keys()
         assert all(torch.equal(whole[k], resumed[k]) for k in whole)  # bit for bit, the head's state and the adapter's
+
+
+def test_a_peft_model_given_to_a_trainer_that_never_trains_still_pickles(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = adapted()
+    Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True),
+            callbacks=[head_follows_trainer()])
+    again = pickle.loads(pickle.dumps(model))
+    assert torch.equal(factored_head(again).V, factored_head(model).V)
 
 
 def test_resuming_a_peft_checkpoint_without_the_heads_file_is_refused(tmp_path):

@@ -102,7 +102,9 @@ def head_file(args, state) -> str:
 class AdapterFolders:
     """The folders a PEFT model's ``load_adapter`` reads while the Trainer starts (its resume
     loads the adapter so, from the checkpoint it resumes): ``watch`` shadows the model's method
-    with one that notes each folder, ``done`` takes the shadow away and gives the last folder."""
+    with this object, which notes each folder and calls the method; ``done`` takes the shadow
+    away and gives the last folder. (An object, not a closure: a model still watched, a Trainer
+    made and never trained, pickles.)"""
 
     def __init__(self):
         self.seen: list[str] = []
@@ -110,16 +112,15 @@ class AdapterFolders:
 
     def watch(self, model) -> None:
         self.model = model
-        load_adapter = model.load_adapter
+        model.load_adapter = self
 
-        def noting(model_id, *args, **kwargs):
-            self.seen.append(str(model_id))
-            return load_adapter(model_id, *args, **kwargs)
-        model.load_adapter = noting
+    def __call__(self, model_id, *args, **kwargs):
+        self.seen.append(str(model_id))
+        return type(self.model).load_adapter(self.model, model_id, *args, **kwargs)
 
     def done(self) -> str | None:
-        if self.model is not None and "load_adapter" in vars(self.model):
-            del self.model.load_adapter  # the class's method again (the model pickles as before)
+        if self.model is not None and vars(self.model).get("load_adapter") is self:
+            del self.model.load_adapter  # the class's method again
         self.model = None
         return self.seen[-1] if self.seen else None
 
