@@ -95,3 +95,12 @@ def test_resuming_a_peft_checkpoint_without_the_heads_file_is_refused(tmp_path):
     (tmp_path / "a" / "checkpoint-3" / HEAD_FILE).unlink()
     with pytest.raises(ValueError, match="holds the adapter alone.*not at"):
         run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-3"))
+
+
+def test_lm_head_in_modules_to_save_is_refused_in_one_line():
+    """PEFT's modules_to_save would copy the head (its D x d state twice) and train the copy."""
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                       modules_to_save=["lm_head"]))
+    with pytest.raises(ValueError, match="modules_to_save.*leave it out"):
+        factored_head(model)

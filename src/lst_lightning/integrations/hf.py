@@ -232,6 +232,10 @@ def factored_head(model: nn.Module) -> FactoredSphericalHead:
     """The factored head of a model patched by ``factor_lm_head`` (``model.lm_head``) or
     ``factor_gpt_head`` (``model.factored_head``); ValueError otherwise."""
     head = getattr(model, "factored_head", getattr(model, "lm_head", None))
+    if isinstance(getattr(head, "original_module", None), FactoredSphericalHead):  # PEFT's ModulesToSaveWrapper
+        raise ValueError("lm_head is in the PEFT config's modules_to_save, which copies the factored head (its state "
+                         "twice): leave it out; the head trains by its own step, and head_follows_trainer saves it "
+                         "with each checkpoint")
     if getattr(model, PATCH, None) is None or not isinstance(head, FactoredSphericalHead):
         raise ValueError(f"{type(model).__name__} has no factored head: call factor_lm_head(model) "
                          "(transformers) or factor_gpt_head(model) (litgpt) first")
