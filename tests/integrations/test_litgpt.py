@@ -210,18 +210,51 @@ def test_tied_softcapped_and_patched_models_are_refused_unchanged():
 
 
 @pytest.mark.parametrize("variant", ["lora", "adapter_v2"])
-def test_loras_and_adapter_v2s_wrapped_lm_head_is_refused_naming_it(variant):
-    """litgpt.lora's and litgpt.adapter_v2's GPT wrap lm_head's linear layer: refused in one line
-    that names the wrapper and the way (it said "GPT is not a litgpt GPT"), nothing changed."""
+def test_a_wrapped_lm_head_with_weights_of_its_own_is_refused_naming_it(variant):
+    """litgpt.lora's GPT with LoRA on lm_head and litgpt.adapter_v2's GPT wrap lm_head's linear
+    layer with weights of their own: refused in one line that names the wrapper and the way,
+    nothing changed."""
     module = importlib.import_module(f"litgpt.{variant}")
     torch.manual_seed(0)
-    extra = dict(lora_r=4, lora_query=True) if variant == "lora" else dict(adapter_prompt_length=4)
+    extra = dict(lora_r=4, lora_query=True, lora_head=True) if variant == "lora" else dict(adapter_prompt_length=4)
     model = module.GPT(module.Config(**TINY, **extra))
     before = state(model)
     with pytest.raises(ValueError, match=rf"lm_head wraps its linear layer in {type(model.lm_head).__name__}") as err:
         factor_gpt_head(model)
     after = state(model)
     assert "\n" not in str(err.value) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_lora_gpt_trains_its_lora_weights_and_the_head_and_exports_its_lora_linear_back():
+    """litgpt.lora's GPT without LoRA on lm_head (a LoRALinear of rank 0): patched, its logits are
+    the model's; your optimizer trains the LoRA weights (the rest frozen), the head takes its own
+    step; export puts the LoRALinear back around a layer holding W."""
+    from litgpt.lora import GPT as LoraGPT, Config as LoraConfig, LoRALinear, mark_only_lora_as_trainable  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = LoraGPT(LoraConfig(**TINY, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
+    mark_only_lora_as_trainable(model)
+    ids, targets = rows()
+    with torch.no_grad():
+        before = model(ids)
+        factor_gpt_head(model, loss="zloss", lr=0.5)
+        assert torch.allclose(model(ids), before, atol=1e-5)
+    assert not isinstance(model.lm_head, LoRALinear)  # the wrapper kept aside, emptied of its D x d layer
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert lora and all("lora_" in n for n in lora)
+    start = {n: p.detach().clone() for n, p in lora.items()}
+    opt = torch.optim.AdamW(lora.values(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        model(ids, targets=targets).backward()
+        opt.step()
+    assert int(factored_head(model).steps) == 2 and all(not torch.equal(p, start[n]) for n, p in lora.items())
+    W = factored_head(model).weight()
+    with torch.no_grad():
+        patched = model(ids)
+        export_dense_head(model)
+        assert isinstance(model.lm_head, LoRALinear) and torch.equal(model.lm_head.linear.weight, W)
+        assert torch.allclose(model(ids), patched, atol=1e-5)
 
 
 def test_adapters_gpt_with_its_linear_lm_head_trains_and_exports():

@@ -46,6 +46,9 @@ def export_dense_head(model: nn.Module) -> nn.Module:
     linear.weight.copy_(W[:, : head.hidden_dim])
     if head.bias:
         linear.bias.copy_(W[:, head.hidden_dim])
+    wrapper = getattr(patch, "wrapper", None)  # litgpt.lora's LoRALinear without LoRA: the layer in it again
+    if wrapper is not None:
+        wrapper.linear, linear = linear, wrapper
     model.lm_head = linear
     prefix = "lm_head"
     if getattr(model, "factored_head", None) is head:  # litgpt's GPT (factor_gpt_head)

@@ -38,9 +38,14 @@ def check_gpt_patchable(model: nn.Module) -> nn.Linear:
     head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
     wte = getattr(getattr(model, "transformer", None), "wte", None)
     if not isinstance(head, nn.Linear) and isinstance(getattr(head, "linear", None), nn.Linear):
-        raise ValueError(f"{name}'s lm_head wraps its linear layer in {type(head).__name__} (litgpt's LoRA or "
-                         "adapter v2 model), which the factored head cannot replace: patch an ordinary GPT (LoRA: "
-                         "merge its weights first, litgpt merge_lora) or litgpt.adapter's GPT, whose lm_head is linear")
+        if getattr(head, "r", None) == 0:  # litgpt.lora's LoRALinear without LoRA (lora_head=False): its linear
+            head = head.linear
+        else:
+            raise ValueError(f"{name}'s lm_head wraps its linear layer in {type(head).__name__} with weights of its "
+                             "own (litgpt.lora's lora_head=True, or litgpt.adapter_v2's model), which the factored head "
+                             "cannot replace: set lora_head=False (the factored head trains all of W itself), merge "
+                             "the LoRA weights first (litgpt merge_lora), or patch litgpt.adapter's GPT, whose lm_head "
+                             "is linear")
     if not isinstance(head, nn.Linear) or not isinstance(wte, nn.Embedding) or config is None:
         raise ValueError(f"{name} is not a litgpt GPT (an lm_head nn.Linear, transformer.wte and a config): "
                          f"found lm_head {type(head).__name__}")
@@ -66,8 +71,13 @@ def factor_gpt_head(model: nn.Module, **head_kwargs) -> nn.Module:
     changed in place; an unsupported model raises one ValueError and is left unchanged."""
     linear = check_gpt_patchable(model)
     head = head_from_linear(linear, head_kwargs, "factor_gpt_head", reduction="mean_real")
-    #: whole_v: a sharded V gathered for the next checkpoint (gather_head_for_checkpoint)
-    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, body_dtype=body_dtype(model), whole_v=None)
+    #: whole_v: a sharded V gathered for the next checkpoint (gather_head_for_checkpoint); wrapper:
+    #: litgpt.lora's LoRALinear without LoRA, emptied (its linear's D x d gone), which export fills again
+    wrapper = model.lm_head if model.lm_head is not linear else None
+    patch = types.SimpleNamespace(linear_dtype=linear.weight.dtype, body_dtype=body_dtype(model), whole_v=None,
+                                  wrapper=wrapper)
+    if wrapper is not None:
+        wrapper.linear = nn.Identity()
     head.register_state_dict_post_hook(functools.partial(whole_v_into, patch))
     setattr(model, PATCH, patch)
     model.factored_head = head
