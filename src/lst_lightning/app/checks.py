@@ -333,8 +333,6 @@ def check_head_settings(head: DictConfig | None) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Everything about ``cfg`` that can be checked before torch and Lightning are imported."""
-    from ..spherical.shard_files import check_checkpoint_settings  # noqa: PLC0415  (torch)
-
     OmegaConf.to_container(cfg, resolve=True)  # an interpolation that does not resolve, named by its key
     for key in GONE:
         if OmegaConf.select(cfg, key, default=GONE) is not GONE:  # an old experiment's config
@@ -353,6 +351,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ValueError(f"cpu_threads={threads!r}: must be a whole number >= 1, or null for torch's choice")
     if cfg.get("clock", "wall") not in CLOCK_NAMES:
         raise ValueError(f"clock={cfg.get('clock')!r}: must be {' or '.join(CLOCK_NAMES)}")
+    from ..spherical.shard_files import check_checkpoint_settings  # noqa: PLC0415  (torch: after the checks above)
+
     check_checkpoint_settings(cfg.get("head_checkpoint", "whole"), cfg.get("head_shards_keep", 2))
     check_head_settings(cfg.get("head"))
     check_names(cfg)
