@@ -102,12 +102,12 @@ def head_file(args, state) -> str:
 class AdapterFolders:
     """The folders a PEFT model's ``load_adapter`` reads while the Trainer starts (its resume
     loads the adapter so, from the checkpoint it resumes): ``watch`` shadows the model's method
-    with this object, which notes each folder and calls the method; ``done`` takes the shadow
+    with this object, which notes the folder and calls the method; ``done`` takes the shadow
     away and gives the last folder. (An object, not a closure: a model still watched, a Trainer
     made and never trained, pickles.)"""
 
     def __init__(self):
-        self.seen: list[str] = []
+        self.last: str | None = None
         self.model = None
 
     def watch(self, model) -> None:
@@ -115,14 +115,14 @@ class AdapterFolders:
         model.load_adapter = self
 
     def __call__(self, model_id, *args, **kwargs):
-        self.seen.append(str(model_id))
+        self.last = str(model_id)
         return type(self.model).load_adapter(self.model, model_id, *args, **kwargs)
 
     def done(self) -> str | None:
         if self.model is not None and vars(self.model).get("load_adapter") is self:
             del self.model.load_adapter  # the class's method again
         self.model = None
-        return self.seen[-1] if self.seen else None
+        return self.last
 
 
 def save_head_file(head, path: str) -> None:
