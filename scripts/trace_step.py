@@ -41,6 +41,8 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
+import gc
 import os
 import sys
 from pathlib import Path
@@ -51,6 +53,16 @@ HOST_CALLS = {"bool", "float", "int", "cpu_flag"}
 HOST_METHODS = {"item", "tolist"}
 #: the tensor methods that read a value on the host, as a ``TorchFunctionMode`` sees them
 HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist"}
+
+
+@functools.cache
+def qualname(code) -> str:
+    """A code object's qualified name (``Class.method``, ``f.<locals>.g``): ``co_qualname`` from
+    Python 3.11; on 3.10 that of the function that holds it."""
+    if hasattr(code, "co_qualname"):
+        return code.co_qualname
+    held = [f for f in gc.get_referrers(code) if getattr(f, "__code__", None) is code]
+    return held[0].__qualname__ if held else code.co_name
 
 
 def trace_step(head, H, idx, device: dict | None = None) -> dict[str, set[str]]:
@@ -82,9 +94,9 @@ def trace_step(head, H, idx, device: dict | None = None) -> dict[str, set[str]]:
         if event == "call":
             path = relative(frame.f_code.co_filename)
             if path is not None:
-                seen.setdefault(path, set()).add(frame.f_code.co_qualname)
+                seen.setdefault(path, set()).add(qualname(frame.f_code))
                 if device is not None and below_run(frame):
-                    codes[path, frame.f_code.co_qualname, frame.f_code.co_firstlineno] = frame.f_code
+                    codes[path, qualname(frame.f_code), frame.f_code.co_firstlineno] = frame.f_code
 
     class HostReads(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
