@@ -127,6 +127,28 @@ def test_an_overflowing_step_is_skipped_not_raised(cls, scale):
     assert_untouched(head, before)
 
 
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+def test_a_data_parallel_copy_refuses_to_train_and_still_scores(cls):
+    """nn.DataParallel on several GPUs runs a copy of the module on each (torch's
+    ``_replicate_for_data_parallel``, which it calls for every GPU: the copies share the buffers
+    on the first GPU, hold copies on the others). The head steps itself, so each copy's step
+    would be lost or would take one GPU's rows only: a training forward of a copy is refused in
+    one line, before anything changes; evaluation through a copy still answers."""
+    head = cls(num_classes=20, hidden_dim=4, loss="zloss", bias=False)
+    copy_ = head._replicate_for_data_parallel()
+    before, version = state_of(head), head._version
+    H, idx = torch.randn(3, 4, requires_grad=True), torch.tensor([1, 2, 3])
+    with pytest.raises(RuntimeError, match=r"nn.DataParallel .* one process per GPU") as e:
+        copy_(H, idx)
+    assert "\n" not in str(e.value) and head._version == version
+    assert_untouched(head, before)
+    copy_.eval()
+    assert torch.equal(copy_(H, idx), head.eval()(H, idx))
+    head.train()
+    head(H, idx).backward()  # the head itself trains as ever
+    assert int(head.steps) == 1
+
+
 def test_two_forwards_before_backward_is_an_error_before_any_change():
     f, _ = make_pair("zloss")
     H, idx = batch(3, 8, 60, 1)

@@ -495,6 +495,12 @@ class SphericalHeadBase(OutputHead):
         compiled itself where it pays (``compile_step``)."""
         with own_math(self._factory["device"].type, self.tf32):  # the head's math in its dtype and precision
             step = self.training and torch.is_grad_enabled()
+            if step and getattr(self, "_is_replica", False):  # torch marks nn.DataParallel's copies so
+                raise RuntimeError(
+                    f"{type(self).__name__}: nn.DataParallel (the HF Trainer's choice when one process sees several "
+                    "GPUs) trains a copy of the head on each GPU, and the head steps itself, so every copy's step "
+                    "would be lost: run one process per GPU (torchrun --nproc_per_node <GPUs>, with the head's "
+                    "parallel=\"replicated\" or \"sharded\"), or one GPU (CUDA_VISIBLE_DEVICES=0)")
             if self.processes.alone:
                 Hx, idx, T = self.prepare(H, target_idx, target_val, step=step)
             else:
