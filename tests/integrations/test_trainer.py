@@ -97,6 +97,22 @@ def test_label_smoothing_is_refused_when_the_trainer_is_built(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_several_gpus_in_one_process_are_refused_when_the_trainer_is_built(tmp_path, monkeypatch):
+    """One process that sees several GPUs: the Trainer wraps the model in nn.DataParallel, whose
+    copies of the head would each lose their step (the head refuses to train as a copy:
+    tests/spherical/test_base.py). Refused in one line when the Trainer is built, naming torchrun.
+    (The Trainer's GPU count is set to 2 here: this machine may have none.)"""
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    model = factor_lm_head(tiny("llama"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    with pytest.raises(ValueError, match=r"sees 2 GPUs in one process .*torchrun --nproc_per_node 2") as e:
+        Trainer(model=model, args=args, train_dataset=Rows(), callbacks=[head_follows_trainer()])
+    assert "\n" not in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_compute_loss_func_is_refused_at_the_first_training_forward(tmp_path):
     """``Trainer(compute_loss_func=...)`` pops the labels and computes the loss from the logits,
     which carry no gradient (the head trains through its own loss): refused in one line at the

@@ -63,7 +63,13 @@ def initial_lr(lr_scheduler, learning_rate: float) -> float:
 def check_trainer_args(args) -> None:
     """One ValueError, when the Trainer is built, for settings under which the Trainer computes
     the loss itself from the logits (label smoothing): the factored head makes no logits in
-    training and trains through its own loss."""
+    training and trains through its own loss; and for several GPUs in one process, which the
+    Trainer trains through ``nn.DataParallel``, whose copies of the head lose their steps."""
+    if getattr(args, "n_gpu", 1) > 1:
+        raise ValueError(f"the Trainer sees {args.n_gpu} GPUs in one process and would train through nn.DataParallel, "
+                         "whose copies of the factored head would each lose their step: launch one process per GPU "
+                         f"(torchrun --nproc_per_node {args.n_gpu} train.py, or accelerate launch, with factor_lm_head"
+                         "(..., parallel=\"replicated\") or \"sharded\"), or train on one GPU (CUDA_VISIBLE_DEVICES=0)")
     if getattr(args, "label_smoothing_factor", 0):
         raise ValueError(f"label_smoothing_factor={args.label_smoothing_factor} cannot train the factored head: the "
                          "Trainer then takes the labels from the model's inputs and computes the loss from logits, "
