@@ -9,7 +9,7 @@ from lst_lightning.app.callbacks import HeadSteps
 from lst_lightning.app.train import run
 
 from app_configs import FAST, cfg_of
-from head_pairs import deferred, make_pair, rel
+from head_pairs import deferred, make_pair, rel, state_of
 
 IN, D, d = 6, 40, 8
 
@@ -42,9 +42,9 @@ def data(n=6, m=4, K=2):
 
 
 def fit(module, **trainer_kw):
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[HeadSteps()],
-                         **trainer_kw)
+    trainer = pl.Trainer(**{**dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                                   enable_progress_bar=False, enable_model_summary=False, callbacks=[HeadSteps()]),
+                            **trainer_kw})
     trainer.fit(module, data())
     return trainer
 
@@ -100,6 +100,41 @@ def test_16_mixed_grad_scaler_step_is_unscaled():
     assert scaler.get_scale() == 2.0 ** 16 and int(head.steps) == 6  # it scaled and skipped nothing
     assert rel(head.weight(), ref.weight()) < 1e-12  # not a 65536x step
     assert rel(module.body.weight, reference.body.weight) < 1e-12
+
+
+@pytest.mark.parametrize("which", [0, 1])  # factored, naive
+def test_weight_averaging_of_a_factored_heads_buffers_is_refused_and_without_them_the_head_is_as_trained(which):
+    """Lightning's EMAWeightAveraging averages every buffer by default and writes the average into
+    the module at the end of training: a factored head's averaged factors are no factored head
+    (without HeadSteps, here: U U^-1 off I, Q off W^T W, the step counter averaged). Refused in
+    one line before any step; the naive head's W is the weight itself and averages. With
+    use_buffers=False the body is averaged and the head ends bit for bit as without the callback."""
+    ema = pytest.importorskip("lightning.pytorch.callbacks").EMAWeightAveraging
+
+    def fresh():
+        torch.manual_seed(0)  # make_pair draws W from torch's generator
+        return make_pair("zloss", D=D, d=d, lr=0.5)[which]
+
+    alone = fresh()
+    fit(Plain(alone), max_epochs=2)
+    head = fresh()
+    before = state_of(head)
+    if which == 0:
+        broken = fresh()  # why: the averaged factors, written into the head by the callback alone
+        fit(Plain(broken), max_epochs=2, callbacks=[ema(decay=0.5)])
+        W, eye = broken.weight(), torch.eye(d, dtype=torch.float64)
+        assert (broken.U @ broken.Uinv - eye).abs().max() > 1e-4 and (broken.Q - W.T @ W).abs().max() > 1e-2
+        assert int(broken.steps) != 12
+        with pytest.raises(ValueError, match=r"EMAWeightAveraging averages every buffer.*use_buffers=False\)") as e:
+            fit(Plain(head), max_epochs=2, callbacks=[HeadSteps(), ema(decay=0.5)])
+        assert "\n" not in str(e.value) and int(head.steps) == 0
+        assert all(torch.equal(v, before[k]) for k, v in state_of(head).items())
+    else:
+        fit(Plain(head), max_epochs=2, callbacks=[HeadSteps(), ema(decay=0.5)])  # W averaged, as a weight is
+        assert not torch.equal(head.weight(), alone.weight())
+    head = fresh()
+    fit(Plain(head), max_epochs=2, callbacks=[HeadSteps(), ema(decay=0.5, use_buffers=False)])
+    assert int(head.steps) == 12 and all(torch.equal(v, state_of(alone)[k]) for k, v in state_of(head).items())
 
 
 def test_heads_that_cannot_wait_are_refused_before_any_step():

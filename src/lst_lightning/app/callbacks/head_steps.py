@@ -2,19 +2,40 @@
 (``accumulate_grad_batches``) and the unscaled step, skipped with the optimizer's,
 under a ``GradScaler`` (``precision="16-mixed"``); their device flags are read at the end of
 training. Works with any LightningModule that holds spherical
-heads; the app's ``LanguageModel`` adds it itself."""
+heads; the app's ``LanguageModel`` adds it itself. Lightning's weight averaging of buffers
+(``WeightAveraging``, ``EMAWeightAveraging``: ``use_buffers=True``, their default) over a factored
+head is refused before any step (``check_weight_averaging``)."""
 from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
 
-from ...spherical import SphericalHeadBase
+from ...spherical import FactoredSphericalHead, SphericalHeadBase
+
+#: Lightning's callbacks that average a module's buffers where ``use_buffers`` (Lightning 2.6)
+WEIGHT_AVERAGING = getattr(pl.callbacks, "WeightAveraging", ())
 
 
 def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     """The precision plugin's loss scaler (``16-mixed``), if any."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if isinstance(scaler, torch.amp.GradScaler) else None
+
+
+def check_weight_averaging(callbacks, heads) -> None:
+    """One ValueError for a callback that averages a factored head's buffers: the average of its
+    factors is no factored head (W = V U, U^-1 and Q = W^T W no longer hold, and the counters are
+    averaged too), and such a callback writes it into the head at validation and at the end of
+    training. With ``use_buffers=False`` the body's parameters are averaged and the head's buffers
+    follow the trained head."""
+    if not any(isinstance(h, FactoredSphericalHead) for h in heads):
+        return
+    for cb in callbacks:
+        if isinstance(cb, WEIGHT_AVERAGING) and getattr(cb, "_use_buffers", True):
+            raise ValueError(f"{type(cb).__name__} averages every buffer, and a factored head's state (V, U, U^-1, Q) "
+                             "does not average: the mean of its factors breaks W = V U and Q = W^T W. Pass "
+                             f"{type(cb).__name__}(use_buffers=False): the body is averaged and the head keeps its "
+                             "trained state")
 
 
 class HeadSteps(pl.Callback):
@@ -32,6 +53,9 @@ class HeadSteps(pl.Callback):
     @staticmethod
     def _all_heads(pl_module: pl.LightningModule) -> list[SphericalHeadBase]:
         return [m for m in pl_module.modules() if isinstance(m, SphericalHeadBase)]
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        check_weight_averaging(trainer.callbacks, self._all_heads(pl_module))  # before the sanity check
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         heads = self._all_heads(pl_module)
