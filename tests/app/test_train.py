@@ -295,6 +295,19 @@ def test_a_graph_step_off_the_gpu_fails_before_training(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results.json").exists()
 
 
+def test_a_callback_averaging_the_factored_heads_buffers_fails_before_training(tmp_path, monkeypatch):
+    """``+callbacks.ema._target_=...EMAWeightAveraging`` (use_buffers: true, Lightning's default):
+    refused when the run is built, in one line naming use_buffers=False (HeadSteps refuses it in a
+    plain Lightning script: tests/app/callbacks/test_head_steps.py)."""
+    pytest.importorskip("lightning.pytorch.callbacks").EMAWeightAveraging
+    ema = "+callbacks.ema._target_=lightning.pytorch.callbacks.EMAWeightAveraging"
+    monkeypatch.setattr(pl.Trainer, "fit", lambda *a, **k: pytest.fail("refused only inside fit: a traceback"))
+    with pytest.raises(ValueError, match=r"^EMAWeightAveraging averages every buffer.*use_buffers=False\)") as err:
+        run(cfg_of(*FAST, "head=factored", ema), tmp_path)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "results.json").exists()
+
+
 def test_console_script_from_another_directory(tmp_path):
     exe = Path(sys.executable).parent / "lst-train"
     out = subprocess.run([str(exe), "--cfg", "job", "head=naive", "loss=mse"], cwd=tmp_path,

@@ -202,13 +202,16 @@ def check_strategy(trainer) -> None:
 def check_built(cfg: DictConfig, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
     any process is started: the strategy, the head with accumulation, a graph step on its
-    device, the head and the processes, a sharded head and spawn."""
+    device, the head and the processes, a sharded head and spawn, a callback that averages the
+    head's buffers (``+callbacks.<name>._target_``)."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
+    from .callbacks.head_steps import check_weight_averaging  # noqa: PLC0415
     from .module import check_distributed  # noqa: PLC0415
 
     head = module.head
     check_strategy(trainer)
+    check_weight_averaging(trainer.callbacks, [head])
     check_accumulation(cfg, head)
     check_graph_step(head, trainer)
     check_distributed(head, trainer.world_size)
