@@ -147,16 +147,21 @@ def test_a_void_step_leaves_a_state_that_saves_and_loads(monkeypatch, bad, maske
     assert state(resumed) == state(head) == state(twin)
 
 
+#: reads every 4 steps, a check at step 9, the products route with the adaptive Neumann rule
+ADAPTIVE = dict(sync_every=4, stabiliser={"inverse": "products", "check_every": 9, "neumann": "adaptive"})
+
+
+def run(head, batches):
+    for H, idx in batches:
+        step(head, H, idx)
+
+
 def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():
     """Saved after step 9, the flags last read at step 8 (``sync_every=4``): the resumed run's next
     read (step 12) runs the check that fell due at step 9 (``check_every=9``) and chooses the
     products route's Neumann factors from the rho bound of steps 9 to 12, as the saved run's read
     does; the state keeps the last read's step and that bound (``flags_read_at``, ``rho_max``)."""
-    def run(head, batches):
-        for H, idx in batches:
-            step(head, H, idx)
-
-    kw = dict(sync_every=4, stabiliser={"inverse": "products", "check_every": 9, "neumann": "adaptive"})
+    kw = ADAPTIVE
     torch.manual_seed(0)
     batches = [batch(5, d, D, 2) for _ in range(20)]
     a = deferred(**kw)
@@ -177,6 +182,30 @@ def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():
             c.load_state_dict({**saved, "_extra_state": {**saved["_extra_state"], key: bad}})
         assert "\n" not in str(err.value)
         assert_untouched(c, before)
+
+
+@pytest.mark.parametrize("saved_at", [0, 9])
+def test_a_head_that_ran_before_it_loads_a_state_goes_on_as_a_new_head_loading_it(saved_at):
+    """A load in the same process (Lightning's tuners restore the model, the HF Trainer loads the
+    best model): the host's side of the flags is the state's, not what the head ran before.
+    Otherwise the next read is skipped where the steps run since the load reach the count of the
+    last read before it (saved at step 9), and the adaptive rule starts from the old rho bound (a
+    state saved before any step holds none)."""
+    kw = ADAPTIVE
+    torch.manual_seed(0)
+    batches = [batch(5, d, D, 2) for _ in range(30)]
+    a = deferred(**kw)
+    run(a, batches[:saved_at])
+    saved = copy.deepcopy(a.state_dict())
+    new, ran = deferred(**kw), deferred(**kw)
+    ran.lr = 5 * ran.lr  # larger rho bounds than the loaded run's (the state sets its own lr)
+    run(ran, batches[17:30])  # 13 steps: the flags read at 12, the rho bound of step 13 kept
+    for head in (new, ran):
+        head.load_state_dict(saved)
+        run(head, batches[saved_at:saved_at + 16])
+    assert int(new.checks) == int(ran.checks) >= 1
+    sn, sr = state_of(new), state_of(ran)
+    assert all(torch.equal(sn[k], sr[k]) for k in sn)
 
 
 def test_repairs_fall_due_at_the_reads():

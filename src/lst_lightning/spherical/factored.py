@@ -229,6 +229,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         # first (taken or skipped), so that a resumed run reads them, and repairs, where the run never
         # stopped would
         steps, skipped = int(self.steps), int(self.skipped_nonfinite)
+        # the host's side of the flags as a new head loading this state holds it, whatever this head
+        # ran before (a load in the same process: Lightning's tuner, the Trainer's best model)
+        self.step_checks = DeviceFlags()
         self.step_checks.synced = tuple(int(v) for v in state.get("flags_read_at", (steps, skipped)))
         self.step_checks.calls = steps + skipped
         if "neumann_factors" in state:
