@@ -101,3 +101,20 @@ def test_graph_step_with_adaptive_factors_is_the_eager_step_bit_for_bit(loss):
         assert graphed.step_checks.factors == eager.step_checks.factors
     assert len(step.graphs) >= 2 and min(step.graphs) < 6  # captured again for fewer factors
     assert state(graphed) == state(eager) and int(graphed.steps) == int(eager.steps) == 100
+
+
+def test_a_state_loaded_on_the_cpu_then_moved_steps_on_the_gpu_with_its_flags_there():
+    """A checkpoint loaded on the CPU, the head then moved (``model.cuda()``): the flags' rho bound
+    (the adaptive rule's, in the state) moves too, so the step reads no CPU tensor."""
+    a = deferred(num_classes=60, hidden_dim=8, sync_every=4)
+    for _ in range(3):
+        H, idx = batch(5, 8, 60, 2)
+        a(H.requires_grad_(), idx).backward()
+    b = deferred(num_classes=60, hidden_dim=8, sync_every=4)
+    b.load_state_dict(a.state_dict())
+    b.cuda()
+    assert b.step_checks.rho_max.is_cuda
+    for _ in range(5):
+        H, idx = batch(5, 8, 60, 2)
+        b(H.cuda().requires_grad_(), idx.cuda()).backward()
+    assert int(b.steps) == 8 and b.step_checks.rho_max.is_cuda

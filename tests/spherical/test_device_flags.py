@@ -208,6 +208,22 @@ def test_a_head_that_ran_before_it_loads_a_state_goes_on_as_a_new_head_loading_i
     assert all(torch.equal(sn[k], sr[k]) for k in sn)
 
 
+def test_the_flags_rho_bound_follows_the_heads_moves():
+    """The adaptive rule's rho bound since the last read (a device scalar of the flags, not a buffer;
+    in the state) moves with the head: loaded on the CPU, then moved (here to the meta device; on a
+    GPU: tests/spherical/test_cuda.py); out of the meta device (``to_empty``) it starts at 0."""
+    a = deferred(**ADAPTIVE)
+    run(a, [batch(5, d, D, 2) for _ in range(3)])
+    b = deferred(**ADAPTIVE)
+    b.load_state_dict(a.state_dict())
+    assert b.step_checks.rho_max.device.type == "cpu" and b.step_checks.rho_max > 0
+    b.to("meta")
+    assert b.step_checks.rho_max.is_meta
+    b.to_empty(device="cpu")
+    assert b.step_checks.rho_max.device.type == "cpu" and b.step_checks.rho_max == 0
+    assert b.step_checks.rho_max.dtype == b.cond_bound.dtype
+
+
 def test_repairs_fall_due_at_the_reads():
     """Periodic repairs still run when their step falls between two reads."""
     head = deferred(sync_every=3, stabiliser={"check_every": 5, "q_refresh_every": 7})

@@ -134,6 +134,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
+        checks = self.step_checks
+        if checks.rho_max is not None:  # the flags' device scalar follows the buffers (a state loaded, then moved)
+            like = self.cond_bound  # (out of the meta device, to_empty(): no bound yet)
+            checks.rho_max = torch.zeros_like(like) if checks.rho_max.is_meta else checks.rho_max.to(like)
         self._replan()  # the device may have changed
         return out
 
