@@ -184,14 +184,16 @@ def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():
         assert_untouched(c, before)
 
 
+@pytest.mark.parametrize("loss", ["zloss", "sampled"])  # sampled: its draws and P, lst-train's head
 @pytest.mark.parametrize("saved_at", [0, 9])
-def test_a_head_that_ran_before_it_loads_a_state_goes_on_as_a_new_head_loading_it(saved_at):
+def test_a_head_that_ran_before_it_loads_a_state_goes_on_as_a_new_head_loading_it(saved_at, loss):
     """A load in the same process (Lightning's tuners restore the model, the HF Trainer loads the
     best model): the host's side of the flags is the state's, not what the head ran before.
     Otherwise the next read is skipped where the steps run since the load reach the count of the
     last read before it (saved at step 9), and the adaptive rule starts from the old rho bound (a
     state saved before any step holds none)."""
-    kw = ADAPTIVE
+    kw = ADAPTIVE if loss == "zloss" else {**ADAPTIVE, "loss": loss, "loss_kwargs": {}, "negatives": {},
+                                           "preconditioner": {}}
     torch.manual_seed(0)
     batches = [batch(5, d, D, 2) for _ in range(30)]
     a = deferred(**kw)
