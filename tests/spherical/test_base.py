@@ -149,6 +149,52 @@ def test_a_data_parallel_copy_refuses_to_train_and_still_scores(cls):
     assert int(head.steps) == 1
 
 
+def _trained(cls, dtype=torch.float64, **kw):
+    """A head of ``cls`` (lst-train's default loss: its draws and P) after 5 steps, made the same way each call."""
+    head = cls(num_classes=40, hidden_dim=4, dtype=dtype, generator=torch.Generator().manual_seed(3), **kw)
+    g = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        H = torch.randn(3, 4, generator=g, dtype=torch.float64, requires_grad=True)
+        head(H, torch.randint(-1, 40, (3, 2), generator=g)).backward()
+    return head
+
+
+@pytest.mark.parametrize("cls", [FactoredSphericalHead, NaiveSphericalHead])
+@pytest.mark.parametrize("state_dtype", [torch.float64, torch.float32])
+def test_a_head_built_on_the_meta_device_takes_its_state_by_assign(cls, state_dtype):
+    """``load_state_dict(assign=True)`` on a head built on the meta device (a model too large to build
+    twice), directly and as part of a model: the head takes the state's device and dtype (torch's
+    ``assign``: a float32 head given a float64 state is float64) and steps bit for bit as a head that
+    copied the state in. It said it was on the meta device, and asked for the state dict it had."""
+    state = _trained(cls, state_dtype).state_dict()
+    copied = cls(num_classes=40, hidden_dim=4, dtype=state_dtype)
+    copied.load_state_dict(state)
+    model = torch.nn.Sequential(cls(num_classes=40, hidden_dim=4, device="meta"))  # float32
+    model.load_state_dict({f"0.{k}": v for k, v in state.items()}, assign=True)
+    assigned = model[0]
+    assert assigned.device.type == "cpu" and assigned.dtype == state_dtype
+    assert all(b.device.type == "cpu" for b in assigned.buffers())
+    g = torch.Generator().manual_seed(6)
+    batches = [(torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randint(-1, 40, (3, 2), generator=g))
+               for _ in range(20)]
+    for head in (copied, assigned):
+        for H, idx in batches:
+            head(H.requires_grad_(), idx).backward()
+    assert int(assigned.steps) == 25
+    assert all(torch.equal(v, state_of(copied)[k]) for k, v in state_of(assigned).items())
+
+
+def test_a_half_precision_state_given_by_assign_is_refused_and_nothing_changes():
+    state = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in _trained(FactoredSphericalHead).state_dict().items()}
+    head = FactoredSphericalHead(num_classes=40, hidden_dim=4, dtype=torch.float64)
+    before = state_of(head)
+    with pytest.raises(ValueError, match="bfloat16, which assign=True would make this head's") as e:
+        head.load_state_dict(state, assign=True)
+    assert "\n" not in str(e.value) and head.dtype == torch.float64
+    assert_untouched(head, before)
+
+
 def test_two_forwards_before_backward_is_an_error_before_any_change():
     f, _ = make_pair("zloss")
     H, idx = batch(3, 8, 60, 1)

@@ -300,7 +300,27 @@ class SphericalHeadBase(OutputHead):
             raise RuntimeError(f"{type(self).__name__}: {problem}; nothing was loaded")
         self._version += 1
         self._uninitialised = False
+        if (args[0] if args else kwargs.get("local_metadata", {})).get("assign_to_params_buffers"):
+            self._take_the_states_device(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _take_the_states_device(self, state_dict, prefix: str) -> None:
+        """``load_state_dict(assign=True)`` (a model built on the meta device, then given its state):
+        the buffers become the state's tensors, so the head takes their device and dtype, and its
+        buffers that no state holds (non-persistent) are made anew there, as ``_apply`` would move them."""
+        ref = next((state_dict[prefix + n] for n in self._buffers if n not in self._non_persistent_buffers_set
+                    and isinstance(state_dict.get(prefix + n), Tensor) and state_dict[prefix + n].is_floating_point()),
+                   None)
+        if ref is None or (ref.device, ref.dtype) == (self.device, self.dtype):
+            return
+        if ref.dtype not in STATE_DTYPES:
+            raise ValueError(f"the state's tensors are {ref.dtype}, which assign=True would make this head's: it keeps "
+                             "its state in float32 or float64 (load without assign to cast them)")
+        for n in self._non_persistent_buffers_set:
+            b = self._buffers[n]
+            self._buffers[n] = torch.zeros_like(b, device=ref.device, dtype=ref.dtype if b.dtype == self.dtype else b.dtype)
+        self._factory["device"], self._factory["dtype"] = ref.device, ref.dtype
+        self._graphs = {}  # a captured CUDA graph holds the old tensors
 
     #: keys a state holds or not by how it was saved (the factored head's: a shard's rows)
     OPTIONAL_KEYS: tuple[str, ...] = ()

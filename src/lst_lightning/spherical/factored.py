@@ -454,6 +454,8 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
                                  f"{self.num_classes}: it was saved by a head of another size")
             self._check_shard(V, rows)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.plan.device != self.device.type:  # assign=True took the state's device
+            self._replan()
         if prefix + "Uinv" in state_dict and extra is None:
             self._uinv_fresh = False  # loaded one tensor at a time, without the flag: refreshed when needed
 
