@@ -180,6 +180,32 @@ def test_tied_embeddings_are_refused_and_the_model_is_unchanged():
     assert isinstance(model.lm_head, nn.Linear) and "forward" not in vars(model) and same_state(before, state(model))
 
 
+def test_a_model_built_on_the_meta_device_is_patched_and_takes_a_patched_models_state_by_assign():
+    """A model too large to build twice: built on the meta device, patched (the head waits there for
+    its state), then given a trained patched model's state by ``load_state_dict(assign=True)``. The
+    head takes it on the state's device and steps as the trained one. (A meta model's tensors all
+    have data_ptr 0: it was refused as tied; a tied one still is.)"""
+    trained = factor_lm_head(tiny("llama"))
+    ids = torch.randint(0, 20, (2, 8), generator=torch.Generator().manual_seed(0))
+    trained(input_ids=ids, labels=ids).loss.backward()
+    with torch.device("meta"):
+        model, tied = tiny("llama"), tiny("llama", tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="ties lm_head to the input embedding"):
+        factor_lm_head(tied)
+    factor_lm_head(model)
+    assert model.lm_head.device.type == "meta"
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in trained.state_dict().items()}
+    model.load_state_dict(state, assign=True)  # (assign: the head holds these very tensors)
+    head, ref = model.lm_head, trained.lm_head
+    assert {b.device.type for b in head.buffers()} == {"cpu"} and head.dtype == ref.dtype
+    H = torch.randn(5, head.hidden_dim, generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, 20, (5,), generator=torch.Generator().manual_seed(2))
+    for h in (head, ref):
+        h(H.clone().requires_grad_(), idx).backward()
+    a, b = head.state_dict(), ref.state_dict()
+    assert int(head.steps) == int(ref.steps) == 2 and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
 def test_an_untied_copy_of_a_tied_model_is_accepted_and_keeps_its_logits(family):
     model = tiny(family, tie_word_embeddings=True)

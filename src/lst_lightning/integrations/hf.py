@@ -51,8 +51,9 @@ def check_patchable(model: nn.Module) -> nn.Linear:
         raise ValueError(f"{name} has no body apart from itself (model.base_model): only *ForCausalLM models "
                          "whose body is their base_model (model.model, model.transformer) are supported")
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    shares = embed is not None and getattr(embed, "weight", None) is not None \
-        and embed.weight.data_ptr() == head.weight.data_ptr()
+    weight = getattr(embed, "weight", None)  # tied: one tensor (on the meta device every data_ptr is 0)
+    shares = weight is not None and (weight is head.weight or (not weight.is_meta
+                                                               and weight.data_ptr() == head.weight.data_ptr()))
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if shares or getattr(text, "tie_word_embeddings", False):
@@ -142,7 +143,8 @@ def head_from_linear(linear: nn.Linear, head_kwargs: dict, caller: str,
                      reduction: str = "mean") -> FactoredSphericalHead:
     """A ``FactoredSphericalHead`` whose initial W is ``linear``'s weight (its bias as the bias
     column), in float32 (float64 for a float64 layer) unless ``head_kwargs`` gives a dtype; the
-    arguments the patch sets itself are refused. Changes nothing outside the new head."""
+    arguments the patch sets itself are refused. Changes nothing outside the new head. A layer on
+    the meta device gives a head there, which refuses every call until it is given a state."""
     for key in ("num_classes", "hidden_dim", "bias", "reduction", "ignore_index"):
         if key in head_kwargs:
             raise ValueError(f"{caller} sets {key} itself (from lm_head and the model's conventions)")
@@ -153,7 +155,8 @@ def head_from_linear(linear: nn.Linear, head_kwargs: dict, caller: str,
         W = torch.cat([W, linear.bias.detach()[:, None]], dim=1)
     head = FactoredSphericalHead(linear.out_features, linear.in_features, bias=linear.bias is not None,
                                  reduction=reduction, dtype=dtype, device=W.device, **kwargs)
-    head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
+    if not W.is_meta:  # a model on the meta device: the head waits for its state (load_state_dict, assign=True)
+        head.reset_weight(W.to(dtype))  # validates W (finite) before the model changes
     return head
 
 
