@@ -193,6 +193,28 @@ def test_export_gives_an_ordinary_gpt_that_generates_the_heads_ranking(tmp_path)
     assert torch.equal(generate(plain, prompt, max_returned_tokens=10, top_k=1), greedy)
 
 
+def test_a_gpt_built_on_the_meta_device_is_patched_and_takes_a_patched_models_state_by_assign():
+    """A GPT built on the meta device (as Fabric's ``init_module(empty_init=True)`` builds one for
+    FSDP): patched, its head waiting there, then given a trained patched model's state by
+    ``load_state_dict(assign=True)``; a meta GPT whose lm_head is wte is still refused as tied."""
+    trained = factor_gpt_head(tiny_gpt())
+    ids, targets = rows()
+    trained(ids, targets=targets).backward()
+    with torch.device("meta"):
+        model, tied = tiny_gpt(), tiny_gpt()
+    tied.lm_head.weight = tied.transformer.wte.weight
+    with pytest.raises(ValueError, match="ties lm_head to transformer.wte"):
+        factor_gpt_head(tied)
+    factor_gpt_head(model)
+    assert factored_head(model).device.type == "meta"
+    state = {k: v.clone() for k, v in trained.state_dict().items() if torch.is_tensor(v)}
+    model.load_state_dict(state, strict=False, assign=True)  # the body's meta buffers: the body's to make
+    head, ref = factored_head(model), factored_head(trained)
+    assert {b.device.type for b in head.buffers()} == {"cpu"}
+    a, b = head.state_dict(), ref.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+
+
 def test_tied_softcapped_and_patched_models_are_refused_unchanged():
     tied = tiny_gpt()
     tied.lm_head.weight = tied.transformer.wte.weight

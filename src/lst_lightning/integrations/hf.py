@@ -51,9 +51,8 @@ def check_patchable(model: nn.Module) -> nn.Linear:
         raise ValueError(f"{name} has no body apart from itself (model.base_model): only *ForCausalLM models "
                          "whose body is their base_model (model.model, model.transformer) are supported")
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    weight = getattr(embed, "weight", None)  # tied: one tensor (on the meta device every data_ptr is 0)
-    shares = weight is not None and (weight is head.weight or (not weight.is_meta
-                                                               and weight.data_ptr() == head.weight.data_ptr()))
+    weight = getattr(embed, "weight", None)
+    shares = weight is not None and tied(weight, head.weight)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if shares or getattr(text, "tie_word_embeddings", False):
@@ -88,6 +87,12 @@ def check_logits_are_lm_heads(model: nn.Module, name: str, configs) -> None:
                              "trains and returns lm_head's outputs o, so the model would train without that transform "
                              f"and its exported lm_head would be read through it; {fix} (in model.config, and on the "
                              "model where it keeps its own copy)")
+
+
+def tied(a: Tensor, b: Tensor) -> bool:
+    """Whether two weights are one (tied): the same tensor, or the same memory; on the meta device,
+    where every tensor's data_ptr is 0, the same tensor only."""
+    return a is b or (not a.is_meta and a.data_ptr() == b.data_ptr())
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..spherical import FactoredSphericalHead
 from .hf import (PATCH, body_dtype, check_training_has_labels, dense_outputs, head_from_linear, outputs_nll,
-                 scored_by_outputs)
+                 scored_by_outputs, tied)
 from .processes import check_not_fsdp1, ddp_ignores_head, join_processes, whole_v_into
 
 
@@ -49,7 +49,7 @@ def check_gpt_patchable(model: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear) or not isinstance(wte, nn.Embedding) or config is None:
         raise ValueError(f"{name} is not a litgpt GPT (an lm_head nn.Linear, transformer.wte and a config): "
                          f"found lm_head {type(head).__name__}")
-    if head.weight.data_ptr() == wte.weight.data_ptr():
+    if tied(head.weight, wte.weight):
         raise ValueError(f"{name} ties lm_head to transformer.wte: the factored head owns W and updates it itself "
                          "in backward, so the input embedding would no longer be tied; give lm_head its own copy "
                          "first: model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())")
