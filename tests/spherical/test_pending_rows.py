@@ -1,6 +1,7 @@
 """When the spherical heads step: at the optimizer's step once attached (exact gradient
 accumulation, the loss scale divided out, no step when the GradScaler skips), once per
 forward, and never in eval mode."""
+import copy
 import warnings
 
 import pytest
@@ -65,6 +66,26 @@ def test_accumulated_micro_batches_equal_one_step_on_their_union(loss, bias, rou
         opt.step()  # nothing kept: no step
         assert int(head.steps) == 1
     assert rel(pairs[0][0].weight(), pairs[1][0].weight()) < 1e-10  # factored == naive
+
+
+def test_a_state_loaded_between_two_optimizer_steps_drops_the_kept_rows_with_a_warning():
+    """The rows kept for the next optimizer step were made against the state before the load: a
+    load drops them, warning how many (as a copy does), and the step after is the loaded state's."""
+    (H1, i1), (H2, i2), _ = micro_batches()
+    for head, ref in twins("zloss", lr=0.2):
+        saved = copy.deepcopy(head.state_dict())
+        opt = dummy_optimizer()
+        head.attach(opt)
+        head(H1.clone().requires_grad_(), i1).backward()
+        assert head.pending_rows == H1.shape[0]
+        with pytest.warns(UserWarning, match=f"drops the {H1.shape[0]} rows kept"):
+            head.load_state_dict(saved)
+        assert head.pending_rows == 0
+        head(H2.clone().requires_grad_(), i2).backward()
+        opt.step()
+        ref.load_state_dict(saved)
+        ref(H2.clone().requires_grad_(), i2).backward()
+        assert int(head.steps) == 1 and torch.equal(head.weight(), ref.weight())
 
 
 def test_attached_forwards_may_precede_their_backwards():

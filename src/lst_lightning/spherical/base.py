@@ -302,6 +302,10 @@ class SphericalHeadBase(OutputHead):
         self._uninitialised = False
         if (args[0] if args else kwargs.get("local_metadata", {})).get("assign_to_params_buffers"):
             self._take_the_states_device(state_dict, prefix)
+        if self.pending.rows:  # attached: rows of the state before, for a step that would land on the new one
+            warnings.warn(f"{type(self).__name__}: loading a state drops the {self.pending.rows} rows kept for the "
+                          "attached optimizer's next step (load at optimizer-step boundaries)", UserWarning, stacklevel=2)
+            self.pending.discard()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _take_the_states_device(self, state_dict, prefix: str) -> None:
