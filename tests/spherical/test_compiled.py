@@ -365,3 +365,24 @@ def test_on_cuda_the_compiled_step_updates_v_in_place_without_a_copy_of_it():
     torch.cuda.synchronize()
     assert h.V.data_ptr() == ptr
     assert torch.cuda.max_memory_allocated() - before < v_bytes / 8
+
+
+def test_a_model_compiled_with_fullgraph_says_why_the_head_stays_out_of_its_graph():
+    """``torch.compile(model, fullgraph=True)`` cannot take the head (its forward is
+    ``torch.compiler.disable``d: it runs outside a compiled model's graphs and compiles its own
+    step). Dynamo's error says why and what to do, where it said "Remove the disable call";
+    without fullgraph the compiled model trains the head."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = torch.nn.Linear(6, 8), FactoredSphericalHead(num_classes=40, hidden_dim=8)
+
+        def forward(self, x, y):
+            return self.head(self.body(x), y)
+
+    model = Model()
+    x, y = torch.randn(4, 6), torch.randint(0, 40, (4,))
+    with pytest.raises(Exception, match="compile the model without fullgraph=True, or its body alone"):
+        torch.compile(model, fullgraph=True, backend="eager")(x, y)
+    torch.compile(model, backend="eager")(x, y).backward()
+    assert int(model.head.steps) == 1

@@ -105,6 +105,11 @@ def persistent_keys(module: nn.Module, prefix: str = "") -> set[str]:
     return keys
 
 
+#: what torch.compile(model, fullgraph=True) says where it meets the head (Dynamo's "Skip inlining")
+COMPILED_MODEL = ("a compiled model runs the factored head outside its graphs, and the head compiles its own step: "
+                  "compile the model without fullgraph=True, or its body alone (body.compile(fullgraph=True))")
+
+
 class SphericalHeadBase(OutputHead):
     """A self-updating head with a spherical loss; subclasses hold W explicitly or factored."""
 
@@ -511,7 +516,8 @@ class SphericalHeadBase(OutputHead):
             Hx = torch.cat([Hx, Hx.new_ones(Hx.shape[0], 1)], dim=1)
         return Hx
 
-    @torch.compiler.disable  # a compiled model calls the head as it is: the step compiles itself (driver.py)
+    # a compiled model calls the head as it is: the step compiles itself (driver.py)
+    @torch.compiler.disable(reason=COMPILED_MODEL)
     def forward(self, H: Tensor, target_idx: Tensor, target_val: Tensor | None = None) -> Tensor:
         """The minibatch loss. In training mode with grad enabled, ``loss.backward()``
         gives H its gradient and applies the exact SGD step to the head. A compiled model
