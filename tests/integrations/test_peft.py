@@ -93,8 +93,31 @@ def test_a_peft_model_given_to_a_trainer_that_never_trains_still_pickles(tmp_pat
 def test_resuming_a_peft_checkpoint_without_the_heads_file_is_refused(tmp_path):
     run(tmp_path / "a")
     (tmp_path / "a" / "checkpoint-3" / HEAD_FILE).unlink()
-    with pytest.raises(ValueError, match="holds the adapter alone.*not at"):
+    with pytest.raises(ValueError, match="resuming a PEFT model at step 3: the checkpoint holds the PEFT adapter "
+                                         "alone.*not at"):
         run(tmp_path / "b", resume=str(tmp_path / "a" / "checkpoint-3"))
+
+
+def test_the_best_model_loaded_at_the_end_has_the_best_checkpoints_head(tmp_path):
+    """``load_best_model_at_end``: the Trainer loads the best checkpoint's adapter alone (a PEFT
+    model's); head_follows_trainer loads that checkpoint's head with it. It was left at the last
+    step's head, beside the best step's adapter. (The best is the highest eval loss here: an
+    earlier checkpoint than the last.)"""
+    from safetensors.torch import load_file
+    from transformers import Trainer, TrainingArguments
+
+    model = adapted()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6, report_to=[],
+                             use_cpu=True, disable_tqdm=True, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                             save_steps=2, load_best_model_at_end=True, metric_for_best_model="loss",
+                             greater_is_better=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Rows(), eval_dataset=Rows(4),
+                      callbacks=[head_follows_trainer()])
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best is not None and not best.endswith("checkpoint-6")
+    saved, head = load_file(f"{best}/{HEAD_FILE}"), factored_head(model).state_dict()
+    assert saved.keys() <= head.keys() and all(torch.equal(saved[k], head[k]) for k in saved)
 
 
 def test_lm_head_in_modules_to_save_is_refused_in_one_line():

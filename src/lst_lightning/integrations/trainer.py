@@ -138,15 +138,16 @@ def save_head_file(head, path: str) -> None:
     save_file({k: v.detach().contiguous() for k, v in head.state_dict().items()}, path)
 
 
-def load_head_file(head, path: str, step: int) -> None:
-    """The head's state from a PEFT model's checkpoint of step ``step`` (``save_head_file``);
-    one ValueError, the head unchanged, where the file is missing."""
+def load_head_file(head, path: str, doing: str) -> None:
+    """The head's state from a PEFT model's checkpoint (``save_head_file``), where the Trainer
+    loads the adapter (``doing``: a resume, the best model at the end); one ValueError, the head
+    unchanged, where the file is missing."""
     from safetensors.torch import load_file
 
     if not os.path.isfile(path):
-        raise ValueError(f"resuming a PEFT model at step {step}: its checkpoint holds the adapter alone, and the factored "
-                         f"head's state, which head_follows_trainer saves beside it, is not at {path} (a checkpoint saved "
-                         "without head_follows_trainer cannot resume the head)")
+        raise ValueError(f"{doing}: the checkpoint holds the PEFT adapter alone, and the factored head's state, which "
+                         f"head_follows_trainer saves beside it, is not at {path} (a checkpoint saved without "
+                         "head_follows_trainer cannot give the head)")
     head.load_state_dict(load_file(path, device=str(head.device)))
 
 
@@ -179,7 +180,7 @@ def head_follows_trainer():
             folder = self.adapters.done()
             if saves_adapter_only(core) and state.global_step > 0:  # resumed: the adapter's checkpoint lacks the head
                 path = head_file(args, state) if folder is None else os.path.join(folder, HEAD_FILE)
-                load_head_file(self.head, path, state.global_step)
+                load_head_file(self.head, path, f"resuming a PEFT model at step {state.global_step}")
             join_processes(self.head)
             self.patch.items_over_world = bool(args.average_tokens_across_devices)
             self.base_lr = self.head.lr
@@ -219,6 +220,10 @@ def head_follows_trainer():
                 finally:
                     self.head.detach()
                     self.head.lr = self.base_lr
+                best = state.best_model_checkpoint if args.load_best_model_at_end else None
+                if best is not None and saves_adapter_only(getattr(model, "module", model)):
+                    # the Trainer loaded the best checkpoint's adapter alone: its head too, on every rank
+                    load_head_file(self.head, os.path.join(best, HEAD_FILE), f"loading the best model ({best})")
                 # for trainer.save_model() / save_pretrained() after training, on rank 0 only:
                 # the whole V while the head is unchanged (hf.py checks its version)
                 self.patch.whole_v = gather_for_checkpoint(self.head)
