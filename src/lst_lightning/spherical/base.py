@@ -525,7 +525,9 @@ class SphericalHeadBase(OutputHead):
         compiled itself where it pays (``compile_step``)."""
         with own_math(self._factory["device"].type, self.tf32):  # the head's math in its dtype and precision
             step = self.training and torch.is_grad_enabled()
-            if step and getattr(self, "_is_replica", False):  # torch marks nn.DataParallel's copies so
+            # torch marks nn.DataParallel's copies with _is_replica, read from the instance's dict (a
+            # module's missing attribute would raise and be caught at every training forward)
+            if step and vars(self).get("_is_replica", False):
                 raise RuntimeError(
                     f"{type(self).__name__}: nn.DataParallel (the HF Trainer's choice when one process sees several "
                     "GPUs) trains a copy of the head on each GPU, and the head steps itself, so every copy's step "
