@@ -174,6 +174,7 @@ def test_a_head_built_on_the_meta_device_takes_its_state_by_assign(cls, state_dt
     assigned = model[0]
     assert assigned.device.type == "cpu" and assigned.dtype == state_dtype
     assert all(b.device.type == "cpu" for b in assigned.buffers())
+    assert assigned.plan.device == "cpu"  # the step's plan (its kernel ops) made for the state's device
     g = torch.Generator().manual_seed(6)
     batches = [(torch.randn(3, 4, generator=g, dtype=torch.float64), torch.randint(-1, 40, (3, 2), generator=g))
                for _ in range(20)]

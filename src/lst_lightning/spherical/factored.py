@@ -132,6 +132,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         """The step's plan (plan.py) made again: at a change of a setting, the device or the process group."""
         self.plan: StepPlan = plan_for(self)
 
+    def _take_the_states_device(self, state_dict, prefix: str) -> None:
+        super()._take_the_states_device(state_dict, prefix)
+        self._replan()  # the device may have changed (load_state_dict's assign), as in ``_apply``
+
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
         checks = self.step_checks
@@ -454,8 +458,6 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
                                  f"{self.num_classes}: it was saved by a head of another size")
             self._check_shard(V, rows)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if self.plan.device != self.device.type:  # assign=True took the state's device
-            self._replan()
         if prefix + "Uinv" in state_dict and extra is None:
             self._uinv_fresh = False  # loaded one tensor at a time, without the flag: refreshed when needed
 
