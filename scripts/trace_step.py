@@ -19,7 +19,7 @@ a value; inside a test it is part of that one test), a ``while``'s test as an ``
 loops and ``try`` are not counted. Each
 is read by ``ast`` from its function's source and classed by its test:
 - on tensors' values: the test converts a tensor on the host (``bool``, ``float``, ``int``,
-  ``cpu_flag``, ``.item()``, ``.tolist()``, or a name bound from one in that function), or the
+  ``.item()``, ``.tolist()``, or a name bound from one in that function), or the
   trace saw a tensor read on the host (``Tensor.__bool__``, ``__float__``, ``__int__``,
   ``__index__``, ``item``, ``tolist``, caught by a ``TorchFunctionMode``) while the test ran (an
   ``if tensor:`` included);
@@ -28,13 +28,10 @@ is read by ``ast`` from its function's source and classed by its test:
   static attributes (``fwd.neg.shared``), its note says which of these the test reads.
 Every branch is listed with its file:line, the step's own (``src/``) apart from the kernel ops
 (``triton_kernels/``: the implementation the plan chose, ``plan.kernels``, unchecked).
-``--masked``: the device flags masked by ``torch.where`` (``exact_step.READ_CPU_FLAGS`` False),
-as a GPU or a compiled step runs the write, rather than read where they are made as the eager
-CPU step does (``plan.reads_flags``).
-tests/spherical/test_step_path.py holds the counts: the step's own, 13 branches in 18 functions
-with the Z-loss and 18 in 33 with loss=sampled (10 in 17 and 15 in 32 masked), on the plan
-but for ``take_read``'s two ``cpu_flag`` reads (none masked); the kernel ops' 3 in 7 and 4 in 8
-(5 in 9 and 6 in 10 masked, the CPU's fold reading its flag, ``_fold_rows_gated``).
+tests/spherical/test_step_path.py holds the counts: the step's own, 10 branches in 17 functions
+with the Z-loss and 15 in 32 with loss=sampled, every one on the plan (the write masked by the
+device flags on every device); the kernel ops' 5 in 9 and 6 in 10, the CPU's gated fold reading
+its flag among them (``fold_rows_``: on CUDA a Triton kernel reads it on the device).
 """
 from __future__ import annotations
 
@@ -48,8 +45,8 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-#: the calls that convert a tensor to a Python value on the host (``cpu_flag``: exact_step.py's)
-HOST_CALLS = {"bool", "float", "int", "cpu_flag"}
+#: the calls that convert a tensor to a Python value on the host
+HOST_CALLS = {"bool", "float", "int"}
 HOST_METHODS = {"item", "tolist"}
 #: the tensor methods that read a value on the host, as a ``TorchFunctionMode`` sees them
 HOST_READS = {"__bool__", "__float__", "__int__", "__index__", "item", "tolist"}
@@ -119,23 +116,17 @@ def trace_step(head, H, idx, device: dict | None = None) -> dict[str, set[str]]:
 
 
 def default_step_path(num_classes: int = 1000, hidden_dim: int = 16, m: int = 8, k: int = 1, loss: str = "zloss",
-                      masked: bool = False, device: dict | None = None):
+                      device: dict | None = None):
     """The trace of the factored head's second training step (the first one warms up), with
     ``loss`` ("zloss": the spherical step; "sampled": lst-train's default, its negatives and
-    preconditioner on); ``masked``: device flags masked by ``torch.where`` on the CPU too;
-    ``device``: as ``trace_step`` fills it."""
+    preconditioner on); ``device``: as ``trace_step`` fills it."""
     import torch
 
-    from lst_lightning.spherical import FactoredSphericalHead, exact_step
+    from lst_lightning.spherical import FactoredSphericalHead
     g = torch.Generator().manual_seed(0)
-    read = exact_step.READ_CPU_FLAGS
-    exact_step.READ_CPU_FLAGS = read and not masked  # the plan takes it when the head makes it
-    try:
-        head = FactoredSphericalHead(num_classes=num_classes, hidden_dim=hidden_dim, loss=loss, bias=True,
-                                     generator=g, negatives={} if loss == "sampled" else None,
-                                     preconditioner={} if loss == "sampled" else None)
-    finally:
-        exact_step.READ_CPU_FLAGS = read
+    head = FactoredSphericalHead(num_classes=num_classes, hidden_dim=hidden_dim, loss=loss, bias=True,
+                                 generator=g, negatives={} if loss == "sampled" else None,
+                                 preconditioner={} if loss == "sampled" else None)
     H = torch.randn(m, hidden_dim, generator=g, requires_grad=True)
     idx = torch.randint(0, num_classes, (m, k), generator=g)
     head(H, idx).backward()
@@ -324,8 +315,6 @@ def main(argv=None) -> None:
     p.add_argument("-m", type=int, help="rows in the batch")
     p.add_argument("-k", type=int, help="targets per row")
     p.add_argument("--loss", choices=["zloss", "sampled"], help="the Z-loss (default) or loss=sampled")
-    p.add_argument("--masked", action="store_true",
-                   help="device flags masked by torch.where, as on a GPU, rather than read where made on the CPU")
     device: dict = {}
     seen = default_step_path(**vars(p.parse_args(argv)), device=device)
     print(f"{len(seen)} files, {sum(len(v) for v in seen.values())} functions")

@@ -12,7 +12,7 @@ the batch moves to the device, where reading it costs no synchronisation.
 
 On the CPU nothing waits, so a test counts what the same code would wait for on a GPU. So a
 CPU kernel's own branch on a CPU value is not counted (``cpu_kernel``): the gated fold's
-(``lst_kernels.torch_ops._fold_rows_gated``), whose CUDA kernel reads its flag on the device
+(``lst_kernels.torch_ops.fold_rows_``), whose CUDA kernel reads its flag on the device
 (``fold_rows_kernel.py``; the gpu-marked tests run it under ``set_sync_debug_mode("error")``).
 """
 from __future__ import annotations
@@ -35,8 +35,7 @@ DATA_SHAPED = ("aten::nonzero", "aten::_unique2", "aten::unique_dim", "aten::uni
 
 
 #: (file, function) of the CPU kernels that branch on a CPU value where their CUDA kernels read it on the device
-CPU_KERNELS = {(str(ROOT / "triton_kernels" / "lst_kernels" / "torch_ops.py"), "_fold_rows_gated"),
-               (str(ROOT / "src" / "lst_lightning" / "spherical" / "exact_step.py"), "cpu_flag")}
+CPU_KERNELS = {(str(ROOT / "triton_kernels" / "lst_kernels" / "torch_ops.py"), "fold_rows_")}
 
 
 def cpu_kernel(t: torch.Tensor, frame) -> bool:

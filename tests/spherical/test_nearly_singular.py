@@ -172,30 +172,3 @@ def test_on_cuda_a_compiled_fold_never_waits_for_the_gpu(step_mode):
         n(H.clone().requires_grad_(), idx).backward()
     assert rel(f.weight().cpu(), n.weight()) < 1e-9
     assert int(f.folds) == 5 and int(f.skipped_nonfinite) == 0
-
-
-@pytest.mark.parametrize("loss", ["zloss", "sampled"])
-def test_the_cpus_flags_read_at_once_write_the_masked_writes_bits(monkeypatch, loss):
-    """Eager on the CPU a device flag is read where it is made (``exact_step.cpu_flag``: nothing
-    waits) and U's part and the fold taken unmasked (``take_read``): the same bits as the write masked
-    by ``torch.where`` (``take_masked``),
-    which a GPU and a compiled step take, through folds, a non-finite batch and a bad one."""
-    runs = []
-    for read in (False, True):
-        monkeypatch.setattr(exact_step, "READ_CPU_FLAGS", read)
-        torch.manual_seed(0)  # the pair's W
-        f, n = make_pair(loss, D=D, d=d, sync_every=64)
-        hard_steps(f, n, 4, steps=8)
-        g = torch.Generator().manual_seed(1)
-        H, idx = torch.randn(4, d, generator=g, dtype=torch.float64), targets(g, 4)
-        dH = [f.train_step(H * torch.inf, idx)[1], f.train_step(H, idx)[1]]  # a non-finite step, then one taken
-        idx[2, 0] = D  # a class out of range: the step is void, the flags raise at the read
-        dH.append(f.train_step(H, idx)[1])
-        with pytest.raises(ValueError, match="outside"):
-            f.sync()
-        runs.append((f, dH))
-    (a, dA), (b, dB) = runs
-    assert int(a.folds) >= 1 and int(a.skipped_nonfinite) == 2
-    for name, t in a.state_dict().items():
-        assert not isinstance(t, torch.Tensor) or torch.equal(t, b.state_dict()[name]), name
-    assert all(torch.equal(x, y) for x, y in zip(dA, dB))

@@ -8,9 +8,9 @@ them (``plan.kernels``: on the CPU torch_ops.py's and the references); not the h
 Processes, pending rows and the repairs are not entered when they have nothing to do.
 
 The step's device part (below driver.py's ``run``: ``forward`` and ``update``, ``device_step``'s
-halves) branches on its plan, never on tensors' values where its device flags are masked (as on a
-GPU or compiled); eager on the CPU it reads them where they are made (``take_read``'s two
-``cpu_flag``), and the CPU's fold of the kernel ops reads its flag (``_fold_rows_gated``)."""
+halves) branches on its plan, never on tensors' values: its write is masked by its device flags
+on every device, eager or compiled; only the CPU's fold of the kernel ops reads its flag
+(``fold_rows_``: on CUDA a Triton kernel reads it on the device)."""
 import importlib.util
 from pathlib import Path
 
@@ -19,10 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 MAX_FILES, MAX_FUNCTIONS = 8, 40
 #: the device part's (functions, branches), the step's own (src/) and the kernel ops'
-#: (triton_kernels/), as scripts/trace_step.py counts them, by (loss, masked): the eager CPU step
-#: reads its device flags where they are made, ``masked`` masks them by ``torch.where`` as a GPU does
-DEVICE_PART = {("zloss", False): ((18, 13), (7, 3)), ("zloss", True): ((17, 10), (9, 5)),
-               ("sampled", False): ((33, 18), (8, 4)), ("sampled", True): ((32, 15), (10, 6))}
+#: (triton_kernels/), as scripts/trace_step.py counts them, by loss
+DEVICE_PART = {"zloss": ((17, 10), (8, 5)), "sampled": ((32, 15), (9, 6))}
 EXACT_STEP = "src/lst_lightning/spherical/exact_step.py"
 _traces: dict = {}
 
@@ -34,13 +32,13 @@ def trace_script():
     return module
 
 
-def traced(loss: str = "zloss", masked: bool = False):
-    """(the step's path, its device part, the device part's branches), traced once a loss and flags."""
-    if (loss, masked) not in _traces:
+def traced(loss: str = "zloss"):
+    """(the step's path, its device part, the device part's branches), traced once a loss."""
+    if loss not in _traces:
         script, device = trace_script(), {}
-        path = script.default_step_path(loss=loss, masked=masked, device=device)
-        _traces[loss, masked] = path, device, script.device_branches(device)
-    return _traces[loss, masked]
+        path = script.default_step_path(loss=loss, device=device)
+        _traces[loss] = path, device, script.device_branches(device)
+    return _traces[loss]
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +75,9 @@ def test_the_default_losss_step_enters_at_most_12_files_and_58_functions():
 
 
 @pytest.mark.parametrize("loss", ["zloss", "sampled"])
-@pytest.mark.parametrize("masked", [False, True], ids=["read", "masked"])
-def test_the_device_part_enters_at_most_its_functions_and_branches(loss, masked):
-    _, device, branches = traced(loss, masked)
-    for part, (functions, most) in zip(("src/", "triton_kernels/"), DEVICE_PART[loss, masked]):
+def test_the_device_part_enters_at_most_its_functions_and_branches(loss):
+    _, device, branches = traced(loss)
+    for part, (functions, most) in zip(("src/", "triton_kernels/"), DEVICE_PART[loss]):
         mine = [b for b in branches if b.file.startswith(part)]
         assert sum(1 for key in device["codes"] if key[0].startswith(part)) <= functions, sorted(device["codes"])
         assert len(mine) <= most, "\n".join(map(str, mine))
@@ -88,16 +85,12 @@ def test_the_device_part_enters_at_most_its_functions_and_branches(loss, masked)
 
 
 @pytest.mark.parametrize("loss", ["zloss", "sampled"])
-def test_the_device_part_branches_on_tensors_values_only_where_the_cpu_reads_its_flags(loss):
-    """Masked (a GPU's, a compiled step's), the step itself branches on its plan alone; the kernel
-    ops' fold on the CPU reads its flag (on CUDA a Triton kernel, compiled an opaque op). Eager on
-    the CPU the step reads its two flags where they are made (``take_read``) and enters the kernel
-    ops' fold only where it folds (not in the traced step)."""
-    values = {masked: [(b.file, b.function, b.test) for b in traced(loss, masked)[2] if b.on == "values"]
-              for masked in (False, True)}
-    assert values[True] == [("triton_kernels/lst_kernels/torch_ops.py", "_fold_rows_gated", "not bool(flag)")]
-    assert values[False] == [(EXACT_STEP, "take_read", "not cpu_flag(ok)"),
-                             (EXACT_STEP, "take_read", "cpu_flag(new.fold)")]
+def test_the_device_part_branches_on_tensors_values_only_in_the_cpus_fold(loss):
+    """The step itself branches on its plan alone, its write masked by its device flags eager as
+    compiled; the kernel ops' fold on the CPU reads its flag (on CUDA a Triton kernel, compiled an
+    opaque op)."""
+    values = [(b.file, b.function, b.test) for b in traced(loss)[2] if b.on == "values"]
+    assert values == [("triton_kernels/lst_kernels/torch_ops.py", "fold_rows_", "not bool(flag)")]
 
 
 def test_a_branch_on_a_tensor_read_on_the_host_is_classed_by_its_test_or_by_the_trace(tmp_path):

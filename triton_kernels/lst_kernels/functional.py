@@ -83,7 +83,7 @@ def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool, *, impl: str = "auto")
     """V <- V M in place where ``flag`` (a bool or a one-element tensor) is true, else nothing;
     returns V. The flag is read on the device: a step under device flags folds a nearly
     singular update into V with no host read (the Triton kernel on CUDA; the CPU's
-    implementation reads its CPU flag, where nothing waits: ``torch_ops._fold_rows_gated``).
+    implementation reads its CPU flag, where nothing waits: ``torch_ops.fold_rows_``).
     O(D d^2) where the flag is set; one load a program where it is not."""
     d = tensor("V", V, (None, None)).shape[1]
     tensor("M", M, (d, d))

@@ -59,40 +59,35 @@ def scatter_add_rows_(V: Tensor, idx: Tensor, G: Tensor, X: Tensor, alpha: float
     return V.index_add_(0, rows, (alpha * summed).to(V.dtype))
 
 
-def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool) -> Tensor:
-    """V <- V M in place where ``flag`` (a one-element tensor, or a bool) is true; returns V.
-    Compiled, one opaque op of the graph (``_fold_rows_op``); eager the same function without the
-    custom op's dispatch (``_fold_rows_gated``)."""
-    if torch.compiler.is_compiling():
-        _fold_rows_op(V, M, flag)
-    else:
-        _fold_rows_gated(V, M, flag)
-    return V
-
-
 #: bytes of V's rows a block of an in-place pass over V on the CPU (the rows the write finds in
 #: cache): the gated fold's here, and the head's folds and fixes (lst_lightning.spherical.blocks)
 CACHE_BYTES = 2 << 20
 
 
-def _fold_rows_gated(V: Tensor, M: Tensor, flag: Tensor) -> None:
-    """``fold_rows_``'s plain-torch implementation. It reads the flag: on the CPU a load of a CPU
-    value, where nothing waits (on CUDA without Triton, a synchronisation). The fold runs over
-    cache-sized blocks of rows and never holds a D x d temporary."""
+def fold_rows_(V: Tensor, M: Tensor, flag: Tensor | bool) -> Tensor:
+    """V <- V M in place where ``flag`` (a one-element tensor, or a bool) is true; returns V.
+    Compiled, one opaque op of the graph (``_fold_rows_op``, which runs this function eager).
+    Eager it reads the flag: on the CPU a load of a CPU value, where nothing waits (on CUDA without
+    Triton, a synchronisation). The fold runs over cache-sized blocks of rows and never holds a
+    D x d temporary."""
+    if torch.compiler.is_compiling():
+        _fold_rows_op(V, M, flag)
+        return V
     if not bool(flag):
-        return
+        return V
     M = M.to(V.dtype)
     rows = max(1, CACHE_BYTES // max(1, V.shape[1] * V.element_size()))
     for a in range(0, V.shape[0], rows):
         blk = V[a:a + rows]
         blk.copy_(blk @ M)
+    return V
 
 
 @torch.library.custom_op("lst_kernels::fold_rows_", mutates_args=("V",))
 def _fold_rows_op(V: Tensor, M: Tensor, flag: Tensor) -> None:
-    """``_fold_rows_gated`` as a ``torch.library`` custom op: one opaque call that mutates V in a compiled
+    """``fold_rows_`` as a ``torch.library`` custom op: one opaque call that mutates V in a compiled
     step (no graph break, no copy of V)."""
-    _fold_rows_gated(V, M, flag)
+    fold_rows_(V, M, flag)
 
 
 @_fold_rows_op.register_fake

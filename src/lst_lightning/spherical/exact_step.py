@@ -141,18 +141,6 @@ class TargetsOnly:
 
 TARGETS_ONLY = TargetsOnly()
 
-#: eager on the CPU, a device flag is read where it is made (``cpu_flag``; the plan's
-#: ``reads_flags``); False: masked by ``torch.where`` as on a GPU (tests compare the two)
-READ_CPU_FLAGS = True
-
-
-def cpu_flag(flag: Tensor) -> bool:
-    """``flag`` (a device bool) read as a Python bool, where the plan says reading it costs nothing
-    (``reads_flags``: the eager step on the CPU, where nothing waits; a GPU or a compiled graph masks
-    the write by ``torch.where`` instead). The same bits either way."""
-    return bool(flag)
-
-
 # -- the loss on m-sized tensors --------------------------------------------------------------
 def y_sq(idx: Tensor, T: Tensor) -> Tensor:
     """||y||^2 per row, with repeated classes in a row summed first (the squared error)."""
@@ -510,8 +498,7 @@ def write_with_parts(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) 
 def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
     """dL/dH and the update under device flags: every check a flag that masks the write (a bad
     batch changes nothing), the step counted on the device (taken where ok, else skipped); it
-    reads nothing on the host but where the plan ``reads_flags`` (its ``take``). ``grad``: the
-    upstream gradient (None: 1)."""
+    reads nothing on the host. ``grad``: the upstream gradient (None: 1)."""
     dOW, gq, gs, GA, ybar, Z, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
@@ -523,11 +510,11 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     state.rho_max[...] = torch.where(ok, torch.maximum(state.rho_max, new.rho), state.rho_max)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return plan.take(plan, state, fwd, new, ok, dOW), Flags(ok, new.fold, fwd.route.keeps_uinv)
+    return take_masked(plan, state, fwd, new, ok, dOW), Flags(ok, new.fold, fwd.route.keeps_uinv)
 
 
 def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
-    """``update``'s write masked by its device flags (a GPU's, a compiled step's): U, U^-1 (the
+    """``update``'s write masked by its device flags, on every device, eager or compiled: U, U^-1 (the
     solve's stale one kept) and cond(U)'s bound first, each kept where the step is not ok: a fold
     (a device bool) takes V <- V U B in one gated pass over V's rows (one load a block where it is
     not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then the plan's ``write``. (dL/dH, zeros
@@ -543,29 +530,6 @@ def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: T
     state.folds.add_(fold)
     plan.write(plan, state, fwd, new, ok)
     return torch.where(ok, dH, 0.0)
-
-
-def take_read(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
-    """``update``'s write eager on the CPU (``plan.reads_flags``): ``ok`` and the fold read where they
-    are made (``cpu_flag``: nothing waits on a CPU), and U's part taken whole or not at all, the
-    write masked by the read ``ok``: the masked write's bits. Traced whole (a plan of an eager head
-    compiled, as tests do) it is ``take_masked``. (dL/dH, zeros where the step is not taken.)"""
-    if torch.compiler.is_compiling():
-        return take_masked(plan, state, fwd, new, ok, dH)
-    if not cpu_flag(ok):
-        return torch.zeros_like(dH)
-    if cpu_flag(new.fold):  # V <- V U B, U = U^-1 = I (new_state made U^-1 I)
-        plan.kernels.fold_rows_(state.V, new.U, True)
-        state.U.copy_(torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device))
-        state.cond_bound.fill_(1.0)
-        state.cond_estimate.fill_(1.0)
-        state.folds.add_(1)
-    else:
-        state.U.copy_(new.U)
-        state.cond_bound.copy_(state.cond_bound * new.cond_step)
-    state.Uinv.copy_(new.Uinv)  # (the solve's: U^-1 as it was)
-    plan.write(plan, state, fwd, new, ok)
-    return dH
 
 
 @torch.no_grad()

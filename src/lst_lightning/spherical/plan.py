@@ -34,9 +34,6 @@ class StepPlan:
     deferred: bool = True
     #: the device part compiled whole (driver.py)
     compiled: bool = False
-    #: device flags read where they are made (exact_step.py's ``cpu_flag``): eager on the CPU, where
-    #: nothing waits (``READ_CPU_FLAGS``); else masked by ``torch.where``
-    reads_flags: bool = False
     #: "none" (one process: the step never calls ``head.processes``), "replicated", "sharded"
     processes: str = "none"
     #: the sampled classes (negatives.py): None (off), "shared" (one dense block) or "per_row" (slots of
@@ -82,9 +79,6 @@ class StepPlan:
     screen: object = field(init=False, compare=False, repr=False)
     #: d reduce / d per of the ``reduction`` (``exact_step.ROW_WEIGHTS``: sum, mean_real or mean's)
     row_weights: object = field(init=False, compare=False, repr=False)
-    #: how ``update`` takes U's part and the write: ``take_read`` where the plan ``reads_flags``,
-    #: else ``take_masked`` (masked by ``torch.where``)
-    take: object = field(init=False, compare=False, repr=False)
     #: the U^-1 route of a step of at most ``woodbury_rows`` rows (Woodbury) and of more (``inverse``)
     few_rows: exact_step.Route = field(init=False, compare=False, repr=False)
     many_rows: exact_step.Route = field(init=False, compare=False, repr=False)
@@ -104,7 +98,7 @@ class StepPlan:
     #: on the CPU (``add_rows_``), which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
     #: deterministic scatter (negatives.py's ``add_in_order_``): a shared block's repeated columns
     index_add_in_order: object = field(init=False, compare=False, repr=False)
-    #: the step's write (after U's part, ``take``): ``exact_step.write_with_parts`` where the plan has a part
+    #: the step's write (after U's part, ``exact_step.take_masked``): ``exact_step.write_with_parts`` where the plan has a part
     #: that writes its own (a shared block, P), else ``exact_step.write``
     write: object = field(init=False, compare=False, repr=False)
 
@@ -114,7 +108,6 @@ class StepPlan:
         parts = self.negatives == "shared" or self.preconditioner is not None
         chosen = dict(screen=exact_step.screen if alone else exact_step.screen_exchanged,
                       row_weights=exact_step.ROW_WEIGHTS[self.reduction],
-                      take=exact_step.take_read if self.reads_flags else exact_step.take_masked,
                       few_rows=routes["woodbury"], many_rows=routes[self.inverse],
                       slots=exact_step.TARGETS_ONLY if self.sampling is None else self.sampling.mode,
                       rows_of=operator.getitem if whole else sh.rows_of,
@@ -160,8 +153,7 @@ def plan_for(head) -> StepPlan:
     settings = head.repairs.settings
     inverse, woodbury_rows = inverse_rows(settings.inverse, head.device, head.width)
     compiled = compiles_on(driving, head.device)
-    reads = head.device.type == "cpu" and not compiled and exact_step.READ_CPU_FLAGS
-    return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled, reads_flags=reads,
+    return StepPlan(step=driving.step, deferred=driving.sync_every > 1, compiled=compiled,
                     processes="none" if head.processes.alone else head.processes.parallel, negatives=kind,
                     preconditioner=head.preconditioner, inverse=inverse, woodbury_rows=woodbury_rows,
                     m_matrix_rows=m_matrix_rows(head.width), neumann=settings.neumann,
