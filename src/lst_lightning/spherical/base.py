@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import warnings
 import weakref
 
 import torch
@@ -20,6 +19,7 @@ from ..heads.base import OutputHead, keys_problem
 from ..heads.samplers import slots_num_samples
 from ..heads.state_dtype import STATE_DTYPES, kept_in_dtype
 from ..heads.targets import IGNORE_INDEX, target_slots
+from ..heads.user_warning import warn
 from ..losses import SphericalLoss, make_loss
 from . import driver, exact_step
 from .blocks import BLOCK, row_blocks
@@ -215,9 +215,8 @@ class SphericalHeadBase(OutputHead):
         out = super().__getstate__()
         pending = out["pending"] = copy.copy(self.pending)
         if pending.rows:
-            warnings.warn(f"{type(self).__name__}: the copy does not hold the {pending.rows} rows kept for the "
-                          "attached optimizer's next step (copy or save at optimizer-step boundaries)",
-                          UserWarning, stacklevel=2)
+            warn(f"{type(self).__name__}: the copy does not hold the {pending.rows} rows kept for the attached "
+                 "optimizer's next step (copy or save at optimizer-step boundaries)")
         pending.optimizer = pending.hook = pending.scaler = pending.accumulate = None
         pending.discard()
         out["_open"] = None
@@ -232,9 +231,8 @@ class SphericalHeadBase(OutputHead):
         was_meta = self.device.type == "meta"
         probe = fn(torch.zeros((), dtype=self.dtype, device=self.device))
         if probe.dtype not in STATE_DTYPES:
-            warnings.warn(f"{type(self).__name__} keeps its state in {self.dtype}, not {probe.dtype}: it takes "
-                          "H in any float dtype and returns dL/dH in H's dtype (docs/factored_head.md, "
-                          "'Precision, padding and dtype')", UserWarning, stacklevel=3)
+            warn(f"{type(self).__name__} keeps its state in {self.dtype}, not {probe.dtype}: it takes H in any "
+                 "float dtype and returns dL/dH in H's dtype (docs/factored_head.md, 'Precision, padding and dtype')")
             fn = kept_in_dtype(fn, probe.device)
         out = super()._apply(fn, recurse)
         self._factory["dtype"], self._factory["device"] = probe.dtype if probe.dtype in STATE_DTYPES \
@@ -308,8 +306,8 @@ class SphericalHeadBase(OutputHead):
         if (args[0] if args else kwargs.get("local_metadata", {})).get("assign_to_params_buffers"):
             self._take_the_states_device(state_dict, prefix)
         if self.pending.rows:  # attached: rows of the state before, for a step that would land on the new one
-            warnings.warn(f"{type(self).__name__}: loading a state drops the {self.pending.rows} rows kept for the "
-                          "attached optimizer's next step (load at optimizer-step boundaries)", UserWarning, stacklevel=2)
+            warn(f"{type(self).__name__}: loading a state drops the {self.pending.rows} rows kept for the "
+                 "attached optimizer's next step (load at optimizer-step boundaries)")
             self.pending.discard()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -631,7 +629,7 @@ class SphericalHeadBase(OutputHead):
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            warnings.warn(message, UserWarning, stacklevel=4)
+            warn(message)
 
     # -- the loss on m-sized tensors ----------------------------------------------------
     def y_sq(self, idx: Tensor, T: Tensor) -> Tensor | None:
@@ -654,5 +652,5 @@ class SphericalHeadBase(OutputHead):
         n = int(self.skipped_nonfinite)
         self.step_checks.synced = (self.step_checks.synced[0], n)
         if n & (n - 1) == 0:
-            warnings.warn(f"{type(self).__name__}: non-finite {what}; the step was skipped and the head's "
-                          f"state left untouched ({n} skipped so far)", RuntimeWarning, stacklevel=3)
+            warn(f"{type(self).__name__}: non-finite {what}; the step was skipped and the head's state left "
+                 f"untouched ({n} skipped so far)", RuntimeWarning)

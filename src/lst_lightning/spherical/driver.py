@@ -20,11 +20,11 @@ import dataclasses
 import functools
 import inspect
 import operator
-import warnings
 
 import torch
 from torch import Tensor
 
+from ..heads.user_warning import warn
 from .batch_shapes import batch_size, pad_batch, pad_draws, pad_rows, real_rows
 from .exact_step import Batch, Route, SavedForward, device_step, forward, records_step, step_route, update
 from .inverse_update import MAX_FACTORS, adaptive_factors
@@ -168,9 +168,8 @@ class DeviceFlags:
         n_prev, skipped_prev = self.synced
         warned = max(skipped_prev, self.warned_skipped)
         if any(k & (k - 1) == 0 for k in range(warned + 1, skipped + 1)):
-            warnings.warn(f"{type(head).__name__}: {skipped - warned} step(s) with non-finite or invalid "
-                          f"values since the last check were skipped, the head's state left untouched "
-                          f"({skipped} skipped so far)", RuntimeWarning, stacklevel=3)
+            warn(f"{type(head).__name__}: {skipped - warned} step(s) with non-finite or invalid values since the "
+                 f"last check were skipped, the head's state left untouched ({skipped} skipped so far)", RuntimeWarning)
         self.warned_skipped = skipped
         if not peek:
             self.synced = (steps, skipped)

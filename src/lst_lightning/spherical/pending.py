@@ -16,12 +16,12 @@ gone the next training forward drops the rows with a warning and detaches the he
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
 from torch import Tensor
 
+from ..heads.user_warning import warn
 from .precision import own_math
 from .settings import positive_int
 
@@ -88,9 +88,9 @@ class PendingRows:
         name = type(head).__name__
         if self.optimizer() is None:
             if self.records:
-                warnings.warn(f"{name}: the optimizer it was attached to is gone before its step: the {self.rows} "
-                              "rows kept for that step were dropped, and the head steps in each backward again "
-                              "(attach it to the new optimizer to accumulate)", UserWarning, stacklevel=4)
+                warn(f"{name}: the optimizer it was attached to is gone before its step: the {self.rows} rows kept "
+                     "for that step were dropped, and the head steps in each backward again (attach it to the new "
+                     "optimizer to accumulate)")
             self.detach()
             return
         if self.accumulate is not None and len(self.records) >= self.accumulate and not self._scaler_skipped():
