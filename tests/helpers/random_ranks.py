@@ -1,7 +1,7 @@
 """Two gloo processes training the factored head in settings drawn at random, each case against
 one process on the global batch (test_random_ranks.py): the loss, the bias, the reduction, weight
 decay, P, a bound on the gradient's norm, the U^-1 route and the repairs, the flags' reads,
-shared sampled classes, replicated or sharded, the fused step or exact accumulation over two
+sampled classes (shared; per row where the flags are read at once), replicated or sharded, the fused step or exact accumulation over two
 micro-batches, and every rank's rows changing number at every step (1 to ``MOST``)."""
 import os
 import random
@@ -28,6 +28,8 @@ def case(seed: int) -> tuple[dict, str, str, list]:
               sync_every=r.choice([1, 3, 64]))
     if loss == "sampled":  # every rank draws the same negatives from the head's seed
         kw["negatives"] = {"num": r.randint(2, 7), "seed": 7, "shared": True}
+        if kw["sync_every"] == 1 and r.random() < 0.5:  # per row: the ranks' exact rows (padded under device flags)
+            kw["negatives"]["shared"] = False
     parallel, driver = r.choice(["replicated", "sharded"]), r.choice(["autograd", "fused", "accumulated"])
     return kw, parallel, driver, [[r.randint(1, MOST) for _ in range(WORLD)] for _ in range(STEPS)]
 

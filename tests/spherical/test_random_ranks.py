@@ -32,6 +32,8 @@ def test_two_ranks_equal_one_process_in_settings_drawn_at_random(ranks, seed):
         assert torch.equal(got[0], got[1])
 
 
-def test_the_cases_cover_every_driver_and_both_parallels():
+def test_the_cases_cover_every_driver_both_parallels_and_both_kinds_of_negatives():
     drawn = {(case(s)[1], case(s)[2]) for s in range(CASES)}
     assert drawn == {(p, d) for p in ("replicated", "sharded") for d in ("autograd", "fused", "accumulated")}
+    kinds = {case(s)[0].get("negatives", {}).get("shared") for s in range(CASES)}
+    assert kinds == {None, True, False}
