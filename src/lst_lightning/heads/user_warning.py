@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-#: the folders whose frames a warning skips: this package's and torch's
-INSIDE = (str(Path(__file__).resolve().parents[1]), str(Path(torch.__file__).resolve().parent))
+#: the folders whose frames a warning skips: this package's and torch's, as their code objects name
+#: them (the paths they were imported from, links unresolved)
+INSIDE = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
