@@ -6,7 +6,6 @@ batches of one shape or a resumed head. On every route: the fused step, the auto
 in one line where the step cannot be compiled."""
 import dataclasses
 import io
-import random
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from lst_lightning.spherical import FactoredSphericalHead, NaiveSphericalHead, d
 from lst_lightning.spherical import exact_step, negatives
 
 from head_pairs import rel
-from random_cases import batch, settings, stabiliser
+from random_cases import run_case
 
 D, d, m, K = 300, 8, 12, 3
 DEFAULT = dict(loss="sampled", negatives=dict(num=8, seed=3), preconditioner={})  # lst-train's default head
@@ -206,33 +205,13 @@ RANDOM_CASES, RANDOM_STEPS = 8, 6
 
 @pytest.mark.parametrize("seed", range(RANDOM_CASES))
 def test_in_settings_drawn_at_random_the_compiled_step_equals_the_naive_head(aot_eager, seed):
-    """``compile_step=True`` in every setting drawn together (test_random_settings.py's draws: the
-    loss, the bias, the reduction, weight decay, the sampled classes, P, the U^-1 route and the
-    repairs, the flags' reads), the fused or the autograd step, a new batch size every step: each
-    device part compiles whole (``fullgraph``: a break raises), and each step's loss, dL/dH and W
-    equal the float64 naive head's to 1e-9 (about 1e-15)."""
-    r = random.Random(30_000 + seed)
-    torch.manual_seed(seed)
-    args = settings(r, False)
-    f = FactoredSphericalHead(stabiliser=stabiliser(r), sync_every=r.choice([1, 3, 64]), compile_step=True, **args)
-    n = NaiveSphericalHead(**args)
-    W0 = torch.randn(args["num_classes"], args["hidden_dim"] + args["bias"], dtype=torch.float64) * 0.3
-    f.reset_weight(W0)
-    n.reset_weight(W0)
-    fused = r.random() < 0.5
-    for _ in range(RANDOM_STEPS):
-        H, idx, T = batch(r, args["num_classes"], args["hidden_dim"], False, r.random() < 0.3)
-        Hn = H.clone().requires_grad_()
-        Ln = n(Hn, idx, T)
-        Ln.backward()
-        if fused:
-            Lf, dH = f.train_step(H.clone(), idx, T)
-        else:
-            Hf = H.clone().requires_grad_()
-            Lf = f(Hf, idx, T)
-            Lf.backward()
-            dH = Hf.grad
-        assert max(rel(Lf, Ln), rel(dH, Hn.grad), rel(f.weight(), n.weight())) < 1e-9, (args, fused)
+    """``compile_step=True`` in test_random_settings.py's ordinary cases (every setting drawn
+    together: the loss, the bias, the reduction, weight decay, the sampled classes, P, the bound on
+    the gradient's norm, the U^-1 route and the repairs, the flags' reads, the fused or the
+    autograd step, a new batch size every step): each device part compiles whole (``fullgraph``: a
+    break raises), and each step's loss, dL/dH and W equal the float64 naive head's to 1e-9
+    (``run_case``)."""
+    f = run_case(seed, "ordinary", steps=RANDOM_STEPS, compile_step=True)
     assert f.compiles and graphs() >= 1 and int(f.steps) == RANDOM_STEPS
 
 
