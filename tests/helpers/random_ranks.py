@@ -1,8 +1,9 @@
 """Two gloo processes training the factored head in settings drawn at random, each case against
 one process on the global batch (test_random_ranks.py): the loss, the bias, the reduction, weight
 decay, P, a bound on the gradient's norm, the U^-1 route and the repairs, the flags' reads,
-sampled classes (shared; per row where the flags are read at once), replicated or sharded, the fused step or exact accumulation over two
-micro-batches, and every rank's rows changing number at every step (1 to ``MOST``)."""
+sampled classes (shared; per row where the flags are read at once), replicated or sharded, the
+autograd step, the fused step or exact accumulation over two micro-batches, and every rank's rows
+changing number at every step (1 to ``MOST``)."""
 import os
 import random
 
@@ -11,25 +12,21 @@ import torch.distributed as dist
 
 from lst_lightning.spherical import FactoredSphericalHead
 
+from random_cases import settings, stabiliser
+
 WORLD, STEPS, K, MOST = 2, 8, 2, 5
 
 
 def case(seed: int) -> tuple[dict, str, str, list]:
     """(the head's settings, its parallel, the driver: "autograd", "fused" or "accumulated", each
-    step's rows per rank)."""
+    step's rows per rank): random_cases.py's draws of the settings and the repairs, with a bound
+    on the gradient's norm, the flags' reads, and negatives per row only where the flags are read
+    at once (the ranks' exact rows; under device flags each rank's rows are padded, and so drawn)."""
     r = random.Random(seed)
-    loss = r.choice(["zloss", "mse", "spherical_softmax", "taylor_softmax", "sampled", "sampled"])
-    kw = dict(num_classes=r.choice([30, 60]), hidden_dim=r.choice([3, 5, 8]), loss=loss, bias=r.random() < 0.5,
-              reduction=r.choice(["mean", "mean_real", "sum"]), weight_decay=r.choice([0.0, 0.05]),
-              lr=r.choice([0.05, 0.3, 1.0]), dtype=torch.float64,
-              preconditioner=r.choice([None, {"beta": 0.9, "damping": 0.1}]), clip_norm=r.choice([None, None, 0.05]),
-              stabiliser={"inverse": r.choice(["woodbury", "solve", "products", "auto"]),
-                          "check_every": r.choice([100, 3]), "uinv_refresh_every": r.choice([100, 3])},
+    kw = dict(settings(r, False), stabiliser=stabiliser(r), clip_norm=r.choice([None, None, 0.05]),
               sync_every=r.choice([1, 3, 64]))
-    if loss == "sampled":  # every rank draws the same negatives from the head's seed
-        kw["negatives"] = {"num": r.randint(2, 7), "seed": 7, "shared": True}
-        if kw["sync_every"] == 1 and r.random() < 0.5:  # per row: the ranks' exact rows (padded under device flags)
-            kw["negatives"]["shared"] = False
+    if kw["negatives"] is not None and kw["sync_every"] > 1:
+        kw["negatives"]["shared"] = True
     parallel, driver = r.choice(["replicated", "sharded"]), r.choice(["autograd", "fused", "accumulated"])
     return kw, parallel, driver, [[r.randint(1, MOST) for _ in range(WORLD)] for _ in range(STEPS)]
 

@@ -35,5 +35,5 @@ def test_two_ranks_equal_one_process_in_settings_drawn_at_random(ranks, seed):
 def test_the_cases_cover_every_driver_both_parallels_and_both_kinds_of_negatives():
     drawn = {(case(s)[1], case(s)[2]) for s in range(CASES)}
     assert drawn == {(p, d) for p in ("replicated", "sharded") for d in ("autograd", "fused", "accumulated")}
-    kinds = {case(s)[0].get("negatives", {}).get("shared") for s in range(CASES)}
+    kinds = {(case(s)[0]["negatives"] or {}).get("shared") for s in range(CASES)}
     assert kinds == {None, True, False}
