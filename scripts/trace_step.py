@@ -7,8 +7,8 @@ the right preconditioner),
 takes one warm-up step, then traces one more ``head(H, idx).backward()`` with
 ``sys.setprofile`` and prints every file of ``src/`` and ``triton_kernels/`` it enters,
 with the functions (lambdas and comprehensions count: each is a call a reader follows).
-tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 40 functions,
-and the default loss=sampled's step to 12 files and 58 functions.
+tests/spherical/test_step_path.py holds the Z-loss step to at most 8 files and 39 functions,
+and the default loss=sampled's step to 12 files and 57 functions.
 
 It counts the branches of the step's device part too: the functions entered below driver.py's ``run``
 (what ``run_device_part`` and ``forward_step`` run, compiled whole where the plan says:
@@ -28,8 +28,8 @@ is read by ``ast`` from its function's source and classed by its test:
   static attributes (``fwd.neg.shared``), its note says which of these the test reads.
 Every branch is listed with its file:line, the step's own (``src/``) apart from the kernel ops
 (``triton_kernels/``: the implementation the plan chose, ``plan.kernels``, unchecked).
-tests/spherical/test_step_path.py holds the counts: the step's own, 10 branches in 17 functions
-with the Z-loss and 15 in 32 with loss=sampled, every one on the plan (the write masked by the
+tests/spherical/test_step_path.py holds the counts: the step's own, 10 branches in 16 functions
+with the Z-loss and 15 in 31 with loss=sampled, every one on the plan (the write masked by the
 device flags on every device); the kernel ops' 5 in 9 and 6 in 10, the CPU's gated fold reading
 its flag among them (``fold_rows_``: on CUDA a Triton kernel reads it on the device).
 """

@@ -467,10 +467,22 @@ def new_state(plan, state, fwd: SavedForward, lr, gq, gs, GA, ybar, Z, dOW) -> N
 
 
 def write(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) -> tuple[Tensor, Tensor]:
-    """Write the step's new rows of V (the targets'), omega, Q and wbar into ``state`` (the head's
-    buffers; U's part first: the plan's ``take``), each kept where the device flag ``ok`` is false:
-    the whole write of a plan without parts of its own (``write_with_parts``). (H U_new^-1 masked
-    by ``ok``, -lr: what a shared block's scatter takes.)"""
+    """Write the step's new state into ``state`` (the head's buffers), each part kept where the
+    device flag ``ok`` is false, on every device, eager or compiled: U, U^-1 (the solve's stale one
+    kept) and cond(U)'s bound first, where a fold (a device bool) takes V <- V U B in one gated pass
+    over V's rows (one load a block where it is not set: ``fold_rows_``) and leaves U = U^-1 = I, the
+    bound 1; then the targets' rows of V, omega, Q and wbar. The whole write of a plan without parts
+    of its own (``write_with_parts``). (H U_new^-1 masked by ``ok``, -lr: what a shared block's
+    scatter takes.)"""
+    fold = new.fold & ok
+    plan.kernels.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
+    eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
+    state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
+    state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where it folds; the solve: stale, marked so)
+    grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
+    state.cond_bound[...] = torch.where(ok, grown, state.cond_bound)  # (through a view: ``update``)
+    state.cond_estimate[...] = torch.where(fold, 1.0, state.cond_estimate)
+    state.folds.add_(fold)
     Q = 0.5 * (new.Q + new.Q.T)
     GA, HUinv, omega, Q, wbar = (
         torch.where(ok, new.GA, 0.0), torch.where(ok, new.HUinv, 0.0), torch.where(ok, new.omega, state.omega),
@@ -496,9 +508,10 @@ def write_with_parts(plan, state, fwd: SavedForward, new: NewState, ok: Tensor) 
 # -- the device step: the whole step under device flags, a function of the plan and tensors -------
 @torch.no_grad()
 def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> tuple[Tensor, Flags]:
-    """dL/dH and the update under device flags: every check a flag that masks the write (a bad
-    batch changes nothing), the step counted on the device (taken where ok, else skipped); it
-    reads nothing on the host. ``grad``: the upstream gradient (None: 1)."""
+    """dL/dH and the update under device flags: every check a flag that masks the write (the plan's
+    ``write``: a bad batch changes nothing), the step counted on the device (taken where ok, else
+    skipped); it reads nothing on the host. ``grad``: the upstream gradient (None: 1). (dL/dH, zeros
+    where the step is not taken, and the flags.)"""
     dOW, gq, gs, GA, ybar, Z, fwd = hidden_grad(plan, state, fwd, grad)
     ok = fwd.input_ok & torch.isfinite(fwd.Hx.sum() + gq.sum() + gs.sum() + GA.sum())
     new = new_state(plan, state, fwd, lr, gq, gs, GA, ybar, Z, dOW)
@@ -510,26 +523,8 @@ def update(plan, state, fwd: SavedForward, grad: Tensor | None, lr: Tensor) -> t
     state.rho_max[...] = torch.where(ok, torch.maximum(state.rho_max, new.rho), state.rho_max)
     state.steps.add_(ok)
     state.skipped_nonfinite.add_(~ok)
-    return take_masked(plan, state, fwd, new, ok, dOW), Flags(ok, new.fold, fwd.route.keeps_uinv)
-
-
-def take_masked(plan, state, fwd: SavedForward, new: NewState, ok: Tensor, dH: Tensor) -> Tensor:
-    """``update``'s write masked by its device flags, on every device, eager or compiled: U, U^-1 (the
-    solve's stale one kept) and cond(U)'s bound first, each kept where the step is not ok: a fold
-    (a device bool) takes V <- V U B in one gated pass over V's rows (one load a block where it is
-    not set: ``fold_rows_``) and leaves U = U^-1 = I, the bound 1; then the plan's ``write``. (dL/dH, zeros
-    where the step is not taken.)"""
-    fold = new.fold & ok
-    plan.kernels.fold_rows_(state.V, new.U, fold)  # (sharded: the rows this rank holds)
-    eye = torch.eye(plan.width, dtype=state.U.dtype, device=state.U.device)
-    state.U.copy_(torch.where(fold, eye, torch.where(ok, new.U, state.U)))
-    state.Uinv.copy_(torch.where(ok, new.Uinv, state.Uinv))  # (I where it folds; the solve: stale, marked so)
-    grown = torch.where(fold, 1.0, state.cond_bound * new.cond_step)
-    state.cond_bound[...] = torch.where(ok, grown, state.cond_bound)  # (through a view: ``update``)
-    state.cond_estimate[...] = torch.where(fold, 1.0, state.cond_estimate)
-    state.folds.add_(fold)
     plan.write(plan, state, fwd, new, ok)
-    return torch.where(ok, dH, 0.0)
+    return torch.where(ok, dOW, 0.0), Flags(ok, new.fold, fwd.route.keeps_uinv)
 
 
 @torch.no_grad()

@@ -98,8 +98,8 @@ class StepPlan:
     #: on the CPU (``add_rows_``), which adds in that order; on CUDA, whose ``index_add_`` adds by float atomics, the
     #: deterministic scatter (negatives.py's ``add_in_order_``): a shared block's repeated columns
     index_add_in_order: object = field(init=False, compare=False, repr=False)
-    #: the step's write (after U's part, ``exact_step.take_masked``): ``exact_step.write_with_parts`` where the plan has a part
-    #: that writes its own (a shared block, P), else ``exact_step.write``
+    #: the step's write, masked by its flags: ``exact_step.write_with_parts`` where the plan has a part that writes
+    #: its own (a shared block, P), else ``exact_step.write``
     write: object = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
