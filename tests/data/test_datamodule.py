@@ -1,10 +1,15 @@
 """The data modules (datamodule.py): the embedded corpus split by article, the synthetic
 splits, and clear errors for missing, empty or too short text."""
+import random
+
+import hydra
 import pytest
 import torch
 
 from lst_lightning.data import SyntheticDataModule, TextDataModule
 from lst_lightning.data.vocab import UNK
+
+from app_configs import cfg_of
 
 
 def test_synthetic_datamodule_splits_differ():
@@ -33,6 +38,17 @@ def _write(tmp_path, text, name="c.txt"):
     p = tmp_path / name
     p.write_text(text)
     return str(p)
+
+
+def test_text_files_take_every_type_of_their_training_split_by_default(tmp_path):
+    """``data=text_files`` as lst-train composes it: D is the files' own, every type of the
+    training split (and ``<unk>``), so a corpus of fewer types than the wiki's 10^4 trains as it is."""
+    rng = random.Random(0)
+    words = sorted({"".join(rng.choices("abcdefgh", k=6)) for _ in range(300)})
+    path = _write(tmp_path, "\n\n".join(" ".join(rng.choices(words, k=40)) for _ in range(200)))
+    dm = hydra.utils.instantiate(cfg_of("data=text_files", f"data.path={path}").data)
+    dm.setup()
+    assert dm.num_classes == len(dm.vocab.words) == len(words) + 1, (dm.num_classes, len(words))
 
 
 def test_missing_and_empty_files_are_errors(tmp_path):
