@@ -324,6 +324,30 @@ def test_a_window_kept_with_no_optimizer_step_raises_with_the_fix():
     assert not f.attached
 
 
+def test_a_loop_that_skips_a_step_drops_the_kept_rows_with_the_bodys_gradients():
+    """A loop that skips an optimizer step on purpose (a non-finite loss, a spike) calls
+    ``discard_pending_step()`` where it zeroes the gradients: the next window's step is the head's
+    step on that window alone, bit for bit a head's that never saw the skipped one; without it, the
+    next window's forward raises with that fix in its one line."""
+    (f, ref), _ = twins("zloss")
+    (H1, i1), (H2, i2), (H3, i3) = micro_batches()
+    opt, ref_opt = dummy_optimizer(), dummy_optimizer()
+    f.attach(opt, accumulate=2)
+    ref.attach(ref_opt, accumulate=2)
+    f(H1, i1).backward()
+    f(H2, i2).backward()
+    with pytest.raises(RuntimeError, match=r"head\.discard_pending_step\(\) where it zeroes the gradients"):
+        f(H3, i3)
+    opt.zero_grad()
+    f.discard_pending_step()  # the window skipped: the head's rows dropped with the body's gradients
+    assert f.pending_rows == 0 and int(f.steps) == 0 and f.attached
+    for head, optimizer in ((f, opt), (ref, ref_opt)):
+        head(H3, i3).backward()
+        head(H2, i2).backward()
+        optimizer.step()
+    assert int(f.steps) == int(ref.steps) == 1 and torch.equal(f.weight(), ref.weight())
+
+
 def test_a_head_whose_optimizer_is_gone_drops_its_rows_and_steps_again():
     f, _ = make_pair("zloss")
     opt = dummy_optimizer()

@@ -607,7 +607,8 @@ class SphericalHeadBase(OutputHead):
         self.pending.detach()
 
     def discard_pending_step(self) -> None:
-        """Drop the rows kept for the next optimizer step."""
+        """Drop the rows kept for the next optimizer step: what a loop that skips an optimizer step on
+        purpose calls where it zeroes the body's gradients (the head then skips that step too)."""
         self.pending.discard()
 
     def current_loss_scale(self) -> float:

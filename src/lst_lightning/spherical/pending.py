@@ -97,7 +97,8 @@ class PendingRows:
             raise RuntimeError(
                 f"{name}: {len(self.records)} micro-batches ({self.rows} rows) kept for an optimizer step that has "
                 f"not come (accumulate={self.accumulate}): a training loop raised inside its accumulation window? "
-                "call head.detach() to drop them and step in each backward (or head.attach(optimizer) again)")
+                "call head.detach() to drop them and step in each backward (or head.attach(optimizer) again); a loop "
+                "that skips an optimizer step on purpose calls head.discard_pending_step() where it zeroes the gradients")
         if self.rows + rows > self.max_rows:
             raise ValueError(
                 f"{name}: {self.rows} rows kept for the next optimizer step plus {rows} would exceed "
