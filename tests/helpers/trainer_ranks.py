@@ -113,7 +113,8 @@ def train(out, parallel="replicated", batch_size=2, accumulate=1, steps=3, save_
     if head.sharded and trainer.args.process_index == 0:
         from safetensors.torch import load_file
 
-        result["saved_v"] = load_file(str(out_dir / "model.safetensors"))["lm_head.V"]
+        saved = load_file(str(out_dir / "model.safetensors"))
+        result["saved_v"], result["saved_weight"] = saved["lm_head.V"], saved["lm_head.weight"]
     result["eval_loss"] = trainer.evaluate(Texts(12))["eval_loss"]  # the world's rows, the local loss each
     model.eval()  # the logits o = W h of all D classes (a sharded head: every rank's classes gathered)
     first = Texts()[0]

@@ -2,11 +2,13 @@ import copy
 import math
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lst_lightning.integrations import SphericalSampling, export_dense_head, factor_lm_head, sampling_logits
+from lst_lightning.integrations.hf import dense_lm_head
 from lst_lightning.losses import make_loss
 
 from .conftest import VOCAB, batch, tiny
@@ -47,8 +49,31 @@ def test_export_with_a_bias_column_makes_lm_head_bias():
     model.lm_head = nn.Linear(16, VOCAB, bias=True)
     factor_lm_head(model, lr=0.5)
     W = model.lm_head.weight()
+    saved = dense_lm_head(model, model.state_dict())  # what save_pretrained writes beside the factors
     export_dense_head(model)
     assert torch.equal(model.lm_head.weight, W[:, :16]) and torch.equal(model.lm_head.bias, W[:, 16])
+    assert torch.equal(saved["lm_head.weight"], W[:, :16]) and torch.equal(saved["lm_head.bias"], W[:, 16])
+
+
+def test_a_patched_models_own_save_pretrained_loads_as_an_ordinary_model(family, tmp_path):
+    """A patched model's own ``save_pretrained`` (the Trainer's checkpoints and ``save_model()``
+    too) writes the dense lm_head beside the head's factors: ``from_pretrained`` of the model's
+    class loads the trained W, bit for bit ``export_dense_head``'s, and a patched model loads the
+    same file strictly, the dense tensors left out, to the same state."""
+    model = trained(family)
+    model.save_pretrained(tmp_path)
+    files = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    ordinary = type(model).from_pretrained(tmp_path).eval()
+    again = factor_lm_head(tiny(family), loss="zloss", lr=0.5)
+    again.load_state_dict(files)  # strict: lm_head.weight is not refused as a key of the head's
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+    ids, mask, _ = batch()
+    with torch.no_grad():
+        patched = model(input_ids=ids, attention_mask=mask).logits
+        loaded = ordinary(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(ordinary.lm_head.weight, export_dense_head(model).lm_head.weight)
+    assert torch.allclose(loaded, patched, atol=1e-5)
+    assert "save_pretrained" not in vars(model)  # exported: the class's own save again
 
 
 def test_greedy_generate_after_export_follows_the_heads_ranking(family):

@@ -10,6 +10,7 @@ from forked_ranks import fork_ranks
 from host_reads import by_file
 from trainer_ranks import LONG_STEPS, WORLD, long_worker, tiny_llama, train, worker
 
+from lst_lightning.spherical.blocks import weight_of
 from lst_lightning.spherical.state import POWER_STARTS
 
 MODES = ["replicated", "sharded"]
@@ -69,6 +70,10 @@ def test_two_processes_with_batch_b_train_like_one_with_2b(ranks, one_process, p
         assert ranks[0][f"{parallel}_batch"]["rows"] == (0, 48) and ranks[1][f"{parallel}_batch"]["rows"] == (48, 96)
         # trainer.save_model() after train() (rank 0 writes it) holds all of V, not rank 0's shard
         assert torch.equal(got["saved_v"], got["state"]["lm_head.V"]) and got["saved_v"].shape[0] == 96
+        # and beside it the dense lm_head of all D classes, which from_pretrained loads
+        state = got["state"]
+        W = weight_of(state["lm_head.V"], state["lm_head.U"], state["lm_head.omega"])
+        assert torch.equal(got["saved_weight"], W)
 
 
 @pytest.mark.parametrize("parallel", MODES)

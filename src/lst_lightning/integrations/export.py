@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from ..losses import SphericalLoss
-from .hf import PATCH, body_dtype, factored_head
+from .hf import PATCH, factored_head, lm_head_dtype
 from .processes import ddp_forgets_head, every_rank_classes
 
 
@@ -38,11 +38,8 @@ def export_dense_head(model: nn.Module) -> nn.Module:
     W = head.weight()
     if W.shape[0] != head.num_classes:  # a sharded head on several processes: every rank's rows
         W = every_rank_classes(head, W.T).T
-    patch, now = getattr(model, PATCH), body_dtype(model)
-    # the original lm_head's dtype, or the model's own where it was cast since the patch (the
-    # lm_head would have been cast with it: its forward takes the body's hidden states)
-    dtype = patch.linear_dtype if now == getattr(patch, "body_dtype", now) else now
-    linear = nn.Linear(head.hidden_dim, head.num_classes, bias=head.bias, device=W.device, dtype=dtype)
+    patch = getattr(model, PATCH)
+    linear = nn.Linear(head.hidden_dim, head.num_classes, bias=head.bias, device=W.device, dtype=lm_head_dtype(model))
     linear.weight.copy_(W[:, : head.hidden_dim])
     if head.bias:
         linear.bias.copy_(W[:, head.hidden_dim])
@@ -56,6 +53,7 @@ def export_dense_head(model: nn.Module) -> nn.Module:
         prefix = "factored_head"
     del model.forward  # the instance attribute factor_lm_head set: the class's forward again
     vars(model).pop("resize_token_embeddings", None)  # factor_lm_head's refusal: the class's own again
+    vars(model).pop("save_pretrained", None)  # and its save: the class's own
     ddp_forgets_head(model, prefix)
     delattr(model, PATCH)
     return model

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..heads.targets import target_slots
 from ..spherical import FactoredSphericalHead
+from ..spherical.blocks import weight_of
 from ..spherical.factored import V_ROWS
 from .processes import (check_not_fsdp1, ddp_ignores_head, every_rank_classes, gather_for_checkpoint, join_processes,
                         whole_v_into, world_share)
@@ -189,6 +190,7 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     # an instance attribute (export deletes it); a partial, which pickles by reference, not a bound method
     model.forward = functools.partial(_forward, model)
     model.resize_token_embeddings = functools.partial(_resize_refused, model)  # the same way
+    model.save_pretrained = functools.partial(_save_pretrained, model)  # the same way
     return model
 
 
@@ -197,6 +199,40 @@ def _resize_refused(model: nn.Module, *args, **kwargs):
     (transformers' would resize the input embedding, then fail on the factored head)."""
     raise ValueError(f"{type(model).__name__} has the factored head, which resize_token_embeddings() cannot resize: "
                      "export_dense_head(model) first, resize, then factor_lm_head(model) again")
+
+
+def lm_head_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the patched model's ordinary lm_head: the original lm_head's, or the model's
+    own where it was cast since the patch (the lm_head would have been cast with it: its forward
+    takes the body's hidden states)."""
+    patch, now = getattr(model, PATCH), body_dtype(model)
+    return patch.linear_dtype if now == getattr(patch, "body_dtype", now) else now
+
+
+def dense_lm_head(model: nn.Module, state_dict: dict, prefix: str = "lm_head.") -> dict[str, Tensor]:
+    """The ordinary lm_head's tensors, ``weight`` (and ``bias``: the bias column) of W = V U + 1 omega^T,
+    from the head's factors in the patched model's ``state_dict`` (V whole: none for a shard of V), in
+    ``lm_head_dtype``: what ``export_dense_head`` writes, bit for bit."""
+    head, V = model.lm_head, state_dict[prefix + "V"]
+    if V.shape[0] != head.num_classes:  # a sharded head's own rows (its V not gathered for this save)
+        return {}
+    W = weight_of(V, state_dict[prefix + "U"].to(V.device), state_dict[prefix + "omega"].to(V.device))
+    W = W.to(lm_head_dtype(model))
+    out = {prefix + "weight": W[:, : head.hidden_dim].contiguous()}
+    if head.bias:
+        out[prefix + "bias"] = W[:, head.hidden_dim].contiguous()
+    return out
+
+
+def _save_pretrained(model: nn.Module, save_directory, *args, state_dict: dict | None = None, **kwargs):
+    """A patched model's ``save_pretrained`` (the Trainer's checkpoints and ``save_model()`` too):
+    the head's factors, from which a patched model resumes bit for bit, and beside them the dense
+    ``lm_head.weight`` (and ``lm_head.bias``, ``dense_lm_head``), so that ``from_pretrained`` of the
+    model's own class loads the trained W (it lists the factors' keys as unexpected); a patched
+    model loading the checkpoint leaves the dense tensors out."""
+    state = dict(model.state_dict() if state_dict is None else state_dict)
+    state.update(dense_lm_head(model, state))
+    return type(model).save_pretrained(model, save_directory, *args, state_dict=state, **kwargs)
 
 
 #: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
@@ -226,7 +262,11 @@ def _without_extra_state(head, state_dict, prefix, *args) -> None:
     """Loads what ``_tensors_only`` saved: the head keeps its settings (lr, weight decay, loss)
     and takes whether U^-1 is fresh from the tensor; with neither (nothing known) U^-1 is
     taken as stale, refreshed exactly from U when next needed (O(d^3)); the sampled classes'
-    generators take their saved states. (The rows of a shard of V the head reads itself.)"""
+    generators take their saved states; the dense lm_head saved beside the factors is left out. (The
+    rows of a shard of V the head reads itself.)"""
+    if prefix + "V" in state_dict:  # the dense lm_head saved beside the factors (_save_pretrained): not the head's
+        state_dict.pop(prefix + "weight", None)
+        state_dict.pop(prefix + "bias", None)
     fresh = state_dict.pop(prefix + UINV_FRESH, None)
     rngs = {part: state_dict.pop(prefix + key) for part, key in NEGATIVES_RNG.items() if prefix + key in state_dict}
     if prefix + "_extra_state" not in state_dict:

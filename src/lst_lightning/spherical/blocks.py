@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
 from torch import Tensor
 
 from lst_kernels.torch_ops import CACHE_BYTES
@@ -26,3 +27,13 @@ def in_place_blocks(X: Tensor) -> Iterator[tuple[int, Tensor]]:
     a block on the CPU, BLOCK rows on a GPU (one launch a block)."""
     rows = BLOCK if X.is_cuda else max(1, CACHE_BYTES // max(1, X.shape[1] * X.element_size()))
     return row_blocks(X, rows)
+
+
+@torch.no_grad()
+def weight_of(V: Tensor, U: Tensor, omega: Tensor) -> Tensor:
+    """The implicit W = V U + 1 omega^T, formed in blocks of V's rows (``head.weight()``, and a
+    patched HF model's saved dense ``lm_head``: the same bits from the same factors)."""
+    W = torch.empty_like(V)
+    for a, blk in row_blocks(V):
+        torch.addmm(omega, blk, U, out=W[a:a + blk.shape[0]])
+    return W

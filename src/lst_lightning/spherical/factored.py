@@ -25,7 +25,7 @@ from ..heads.targets import class_range
 from . import driver, exact_step
 from .base import SphericalHeadBase, _AppliedLoss, without_placeholder_extra_state
 from .batch_shapes import padded_rows, padded_slots
-from .blocks import row_blocks
+from .blocks import row_blocks, weight_of
 from .driver import DeviceFlags
 from .driving import BATCH_SIZES, PARALLEL_MODES, STEP_MODES, SYNC_EVERY, Driving
 from .graph_step import CudaGraphStep
@@ -254,10 +254,7 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
     def weight(self) -> Tensor:
         """The implicit W: its rows row_lo:row_hi when sharded."""
         self._ensure_distributed()
-        W = torch.empty_like(self.V)
-        for a, blk in row_blocks(self.V):
-            torch.addmm(self.omega, blk, self.U, out=W[a:a + blk.shape[0]])
-        return W
+        return weight_of(self.V, self.U, self.omega)
 
     @torch.no_grad()
     def reset_weight(self, W: Tensor | None = None) -> None:
