@@ -76,6 +76,15 @@ def test_a_patched_models_own_save_pretrained_loads_as_an_ordinary_model(family,
     assert "save_pretrained" not in vars(model)  # exported: the class's own save again
 
 
+def test_a_patched_model_cast_after_the_patch_saves_its_dense_lm_head_in_its_new_dtype(tmp_path):
+    """The dense lm_head beside the factors takes the dtype ``export_dense_head`` gives (the model's,
+    cast since the patch), rounded block by block from the head's float32 W: the same bits."""
+    model = trained("llama").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")["lm_head.weight"]
+    assert saved.dtype == torch.bfloat16 and torch.equal(saved, export_dense_head(model).lm_head.weight)
+
+
 def test_greedy_generate_after_export_follows_the_heads_ranking(family):
     model = trained(family)
     head = model.lm_head

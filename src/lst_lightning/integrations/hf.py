@@ -216,8 +216,8 @@ def dense_lm_head(model: nn.Module, state_dict: dict, prefix: str = "lm_head.") 
     head, V = model.lm_head, state_dict[prefix + "V"]
     if V.shape[0] != head.num_classes:  # a sharded head's own rows (its V not gathered for this save)
         return {}
-    W = weight_of(V, state_dict[prefix + "U"].to(V.device), state_dict[prefix + "omega"].to(V.device))
-    W = W.to(lm_head_dtype(model))
+    W = weight_of(V, state_dict[prefix + "U"].to(V.device), state_dict[prefix + "omega"].to(V.device),
+                  lm_head_dtype(model))
     out = {prefix + "weight": W[:, : head.hidden_dim].contiguous()}
     if head.bias:
         out[prefix + "bias"] = W[:, head.hidden_dim].contiguous()

@@ -30,10 +30,15 @@ def in_place_blocks(X: Tensor) -> Iterator[tuple[int, Tensor]]:
 
 
 @torch.no_grad()
-def weight_of(V: Tensor, U: Tensor, omega: Tensor) -> Tensor:
+def weight_of(V: Tensor, U: Tensor, omega: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The implicit W = V U + 1 omega^T, formed in blocks of V's rows (``head.weight()``, and a
-    patched HF model's saved dense ``lm_head``: the same bits from the same factors)."""
-    W = torch.empty_like(V)
+    patched HF model's saved dense ``lm_head``: the same bits from the same factors); ``dtype``: W
+    stored in it, each block rounded once made (no D x d temporary in V's dtype)."""
+    W = torch.empty(V.shape, dtype=V.dtype if dtype is None else dtype, device=V.device)
     for a, blk in row_blocks(V):
-        torch.addmm(omega, blk, U, out=W[a:a + blk.shape[0]])
+        rows = W[a:a + blk.shape[0]]
+        if W.dtype == V.dtype:
+            torch.addmm(omega, blk, U, out=rows)
+        else:
+            rows.copy_(torch.addmm(omega, blk, U))
     return W
