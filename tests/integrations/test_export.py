@@ -74,6 +74,8 @@ def test_a_patched_models_own_save_pretrained_loads_as_an_ordinary_model(family,
     assert torch.equal(ordinary.lm_head.weight, export_dense_head(model).lm_head.weight)
     assert torch.allclose(loaded, patched, atol=1e-5)
     assert "save_pretrained" not in vars(model)  # exported: the class's own save again
+    body = {k: v for k, v in model.state_dict().items() if not k.startswith("lm_head.")}
+    assert dense_lm_head(factor_lm_head(tiny(family)), body) == {}  # a state without the head's: nothing to add
 
 
 def test_a_patched_model_cast_after_the_patch_saves_its_dense_lm_head_in_its_new_dtype(tmp_path):

@@ -211,10 +211,10 @@ def lm_head_dtype(model: nn.Module) -> torch.dtype:
 
 def dense_lm_head(model: nn.Module, state_dict: dict, prefix: str = "lm_head.") -> dict[str, Tensor]:
     """The ordinary lm_head's tensors, ``weight`` (and ``bias``: the bias column) of W = V U + 1 omega^T,
-    from the head's factors in the patched model's ``state_dict`` (V whole: none for a shard of V), in
-    ``lm_head_dtype``: what ``export_dense_head`` writes, bit for bit."""
-    head, V = model.lm_head, state_dict[prefix + "V"]
-    if V.shape[0] != head.num_classes:  # a sharded head's own rows (its V not gathered for this save)
+    from the head's factors in the patched model's ``state_dict`` (none without them, or with a shard of
+    V), in ``lm_head_dtype``: what ``export_dense_head`` writes, bit for bit."""
+    head, V = model.lm_head, state_dict.get(prefix + "V")
+    if V is None or V.shape[0] != head.num_classes:  # no head in the state, or a shard of V not gathered for it
         return {}
     W = weight_of(V, state_dict[prefix + "U"].to(V.device), state_dict[prefix + "omega"].to(V.device),
                   lm_head_dtype(model))
