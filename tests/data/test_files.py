@@ -17,6 +17,19 @@ def test_a_file_a_directory_a_list_and_splits(tmp_path):
                                                                          "test": [c]}
 
 
+def test_a_glob_takes_the_files_it_matches_in_order(tmp_path):
+    """Files that are not .txt (a folder of Markdown) by a glob, ``**`` recursive, in a list or a split."""
+    (tmp_path / "docs" / "sub").mkdir(parents=True)
+    for name in ("docs/b.md", "docs/a.md", "docs/sub/c.md", "docs/skip.txt"):
+        (tmp_path / name).write_text("some words\n")
+    a, b, c = (str(tmp_path / n) for n in ("docs/a.md", "docs/b.md", "docs/sub/c.md"))
+    assert text_files(str(tmp_path / "docs" / "*.md")) == {"train": [a, b]}
+    assert text_files(str(tmp_path / "docs" / "**" / "*.md")) == {"train": [a, b, c]}
+    assert text_files({"train": str(tmp_path / "docs" / "*.md"), "test": c}) == {"train": [a, b], "test": [c]}
+    with pytest.raises(FileNotFoundError, match=r"data.path: the pattern .*\*.rst matches no file"):
+        text_files(str(tmp_path / "docs" / "*.rst"))
+
+
 def test_bad_paths_name_data_path(tmp_path):
     (tmp_path / "blank.txt").write_text(" \n\n\t\n")
     (tmp_path / "empty").mkdir()

@@ -2,9 +2,11 @@
 (no ``datasets``), so that ``lst-train`` answers a wrong path before its heavy imports."""
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
-HOW = "give a text file, a directory of .txt files, a list of them, or {train: .., validation: .., test: ..}"
+HOW = ("give a text file, a directory of .txt files, a glob ('docs/**/*.md'), a list of them, or "
+       "{train: .., validation: .., test: ..}")
 
 
 def _has_text(path: Path, chunk: int = 1 << 20) -> bool:
@@ -24,11 +26,27 @@ def _check(f: Path) -> str:
     return str(f)
 
 
+def _expand(p: Path) -> list[Path]:
+    """A directory's ``*.txt`` (recursively), a glob's matches (``**`` recursive), or the path itself;
+    sorted."""
+    if p.is_dir():
+        txt = sorted(p.rglob("*.txt"))
+        if not txt:
+            raise FileNotFoundError(f"data.path: the directory {p} holds no .txt files; {HOW}")
+        return txt
+    if not p.exists() and any(c in str(p) for c in "*?["):
+        matches = sorted(Path(m) for m in glob.glob(str(p), recursive=True) if Path(m).is_file())
+        if not matches:
+            raise FileNotFoundError(f"data.path: the pattern {p} matches no file; {HOW}")
+        return matches
+    return [p]
+
+
 def text_files(path) -> dict[str, list[str]]:
     """``data.path`` -> ``{split: [files]}``: ``{"train": [...]}`` for a file, a directory
-    (its ``*.txt``, recursively) or a list; the given splits for a mapping. Raises
-    FileNotFoundError for a missing path or a directory without .txt files, ValueError for
-    an empty file, each naming ``data.path``."""
+    (its ``*.txt``, recursively), a glob or a list of them; the given splits for a mapping (each
+    a file, a directory, a glob or a list). Raises FileNotFoundError for a missing path, a directory
+    without .txt files or a glob matching none, ValueError for an empty file, each naming ``data.path``."""
     if path is None or path == "":
         raise ValueError(f"data.path is not set: {HOW} (data=text_files data.path=my.txt)")
     if isinstance(path, dict):
@@ -36,14 +54,6 @@ def text_files(path) -> dict[str, list[str]]:
         for split, ps in given.items():
             if not ps:
                 raise FileNotFoundError(f"data.path.{split} names no files; {HOW}")
-        return {split: [_check(Path(p)) for p in ps] for split, ps in given.items()}
-    found: list[Path] = []
-    for p in map(Path, [path] if isinstance(path, (str, Path)) else list(path)):
-        if p.is_dir():
-            txt = sorted(p.rglob("*.txt"))
-            if not txt:
-                raise FileNotFoundError(f"data.path: the directory {p} holds no .txt files; {HOW}")
-            found += txt
-        else:
-            found.append(p)
-    return {"train": [_check(p) for p in found]}
+        return {split: [_check(f) for p in ps for f in _expand(Path(p))] for split, ps in given.items()}
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    return {"train": [_check(f) for p in paths for f in _expand(Path(p))]}
