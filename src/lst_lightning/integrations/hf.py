@@ -20,6 +20,7 @@ only: the package works without the ``hf`` extra.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import types
 
@@ -224,15 +225,18 @@ def dense_lm_head(model: nn.Module, state_dict: dict, prefix: str = "lm_head.") 
     return out
 
 
-def _save_pretrained(model: nn.Module, save_directory, *args, state_dict: dict | None = None, **kwargs):
+def _save_pretrained(model: nn.Module, *args, **kwargs):
     """A patched model's ``save_pretrained`` (the Trainer's checkpoints and ``save_model()`` too):
     the head's factors, from which a patched model resumes bit for bit, and beside them the dense
     ``lm_head.weight`` (and ``lm_head.bias``, ``dense_lm_head``), so that ``from_pretrained`` of the
     model's own class loads the trained W (it lists the factors' keys as unexpected); a patched
     model loading the checkpoint leaves the dense tensors out."""
-    state = dict(model.state_dict() if state_dict is None else state_dict)
+    call = inspect.signature(type(model).save_pretrained).bind(model, *args, **kwargs)  # state_dict however given
+    given = call.arguments.get("state_dict")
+    state = dict(model.state_dict() if given is None else given)
     state.update(dense_lm_head(model, state))
-    return type(model).save_pretrained(model, save_directory, *args, state_dict=state, **kwargs)
+    call.arguments["state_dict"] = state
+    return type(model).save_pretrained(*call.args, **call.kwargs)
 
 
 #: the key (after the head's prefix) of whether U^-1 is fresh, saved as a tensor
