@@ -217,8 +217,7 @@ def dense_lm_head(model: nn.Module, state_dict: dict, prefix: str = "lm_head.") 
     head, V = model.lm_head, state_dict.get(prefix + "V")
     if V is None or V.shape[0] != head.num_classes:  # no head in the state, or a shard of V not gathered for it
         return {}
-    W = weight_of(V, state_dict[prefix + "U"].to(V.device), state_dict[prefix + "omega"].to(V.device),
-                  lm_head_dtype(model))
+    W = weight_of(V, state_dict[prefix + "U"], state_dict[prefix + "omega"], lm_head_dtype(model))
     out = {prefix + "weight": W[:, : head.hidden_dim].contiguous()}
     if head.bias:
         out[prefix + "bias"] = W[:, head.hidden_dim].contiguous()

@@ -32,13 +32,14 @@ def in_place_blocks(X: Tensor) -> Iterator[tuple[int, Tensor]]:
 @torch.no_grad()
 def weight_of(V: Tensor, U: Tensor, omega: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """The implicit W = V U + 1 omega^T, formed in blocks of V's rows (``head.weight()``, and a
-    patched HF model's saved dense ``lm_head``: the same bits from the same factors); ``dtype``: W
-    stored in it, each block rounded once made (no D x d temporary in V's dtype)."""
+    patched HF model's saved dense ``lm_head``: the same bits from the same factors) on U's device,
+    stored on V's (a V gathered on the host: W there, each block made on the head's device);
+    ``dtype``: W stored in it, each block rounded once made (no D x d temporary in V's dtype)."""
     W = torch.empty(V.shape, dtype=V.dtype if dtype is None else dtype, device=V.device)
     for a, blk in row_blocks(V):
         rows = W[a:a + blk.shape[0]]
-        if W.dtype == V.dtype:
+        if W.dtype == V.dtype and V.device == U.device:
             torch.addmm(omega, blk, U, out=rows)
         else:
-            rows.copy_(torch.addmm(omega, blk, U))
+            rows.copy_(torch.addmm(omega, blk.to(U.device), U))
     return W
