@@ -201,6 +201,7 @@ def test_grad_scaler_scale_is_divided_out_of_the_head_step(attach):
     assert int(head.steps) == len(batches)
     assert rel(head.weight(), head0.weight()) < 1e-12  # a power-of-two scale: exact up to rounding
     assert rel(body.weight, body0.weight) < 1e-12
+    assert head.current_loss_scale() == scaler.get_scale()  # the scale the head divides out, however told
 
 
 def test_head_skips_its_step_when_the_scaler_skips():
