@@ -42,6 +42,11 @@ def _expand(p: Path) -> list[Path]:
     return [p]
 
 
+def _files(paths) -> list[str]:
+    """The checked files that ``paths`` name (``_expand``, then ``_check``), in their order."""
+    return [_check(f) for p in paths for f in _expand(Path(p))]
+
+
 def text_files(path) -> dict[str, list[str]]:
     """``data.path`` -> ``{split: [files]}``: ``{"train": [...]}`` for a file, a directory
     (its ``*.txt``, recursively), a glob or a list of them; the given splits for a mapping (each
@@ -54,6 +59,5 @@ def text_files(path) -> dict[str, list[str]]:
         for split, ps in given.items():
             if not ps:
                 raise FileNotFoundError(f"data.path.{split} names no files; {HOW}")
-        return {split: [_check(f) for p in ps for f in _expand(Path(p))] for split, ps in given.items()}
-    paths = [path] if isinstance(path, (str, Path)) else list(path)
-    return {"train": [_check(f) for p in paths for f in _expand(Path(p))]}
+        return {split: _files(ps) for split, ps in given.items()}
+    return {"train": _files([path] if isinstance(path, (str, Path)) else list(path))}

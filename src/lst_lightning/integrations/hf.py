@@ -214,7 +214,7 @@ def dense_lm_head(model: nn.Module, state_dict: dict, prefix: str = "lm_head.") 
     """The ordinary lm_head's tensors, ``weight`` (and ``bias``: the bias column) of W = V U + 1 omega^T,
     from the head's factors in the patched model's ``state_dict`` (none without them, or with a shard of
     V), in ``lm_head_dtype``: what ``export_dense_head`` writes, bit for bit."""
-    head, V = model.lm_head, state_dict.get(prefix + "V")
+    head, V = factored_head(model), state_dict.get(prefix + "V")
     if V is None or V.shape[0] != head.num_classes:  # no head in the state, or a shard of V not gathered for it
         return {}
     W = weight_of(V, state_dict[prefix + "U"], state_dict[prefix + "omega"], lm_head_dtype(model))
