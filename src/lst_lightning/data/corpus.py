@@ -41,7 +41,9 @@ def _wiki_articles(path: str, min_tokens: int):
 
 def _split_by_tokens(ds: datasets.Dataset, fractions: tuple[float, float], seed: int) -> datasets.DatasetDict:
     """Split documents (shuffled with ``seed``) so validation and test each get about
-    the given fraction of the words, whole documents only."""
+    the given fraction of the words, whole documents only. A document that would take a part
+    past twice its share stays in training (one long table among paragraphs must not make
+    validation a fifth of the corpus); a part that no document fits takes the smallest one."""
     import datasets  # noqa: PLC0415
 
     sizes = [len(t.split()) for t in ds["text"]]
@@ -53,12 +55,17 @@ def _split_by_tokens(ds: datasets.Dataset, fractions: tuple[float, float], seed:
     train = []
     for i in order:
         for name, frac in zip(("validation", "test"), fractions):
-            if taken[name] < frac * total:
+            if taken[name] < frac * total and taken[name] + sizes[i] <= 2 * frac * total:
                 parts[name].append(i)
                 taken[name] += sizes[i]
                 break
         else:
             train.append(i)
+    for name, frac in zip(("validation", "test"), fractions):
+        if frac > 0 and not parts[name] and train:
+            smallest = min(train, key=sizes.__getitem__)
+            train.remove(smallest)
+            parts[name].append(smallest)
     return datasets.DatasetDict(
         train=ds.select(sorted(train)),
         validation=ds.select(sorted(parts["validation"])),
