@@ -1,4 +1,6 @@
 """The split of a corpus without split files: whole documents, each part about its share of the words."""
+import json
+
 import pytest
 
 from lst_lightning.data.corpus import load_corpus
@@ -36,3 +38,32 @@ def test_documents_all_longer_than_a_share_give_each_part_the_smallest(tmp_path)
     dd = _split(tmp_path, paragraphs, seed=0)
     sizes = {s: sorted(len(t.split()) for t in dd[s]["text"]) for s in dd}
     assert sizes == {"validation": [100], "test": [200], "train": [300, 400]}
+
+
+def _jsonl(path, n: int, column: str = "text"):
+    path.write_text("\n".join(json.dumps({column: " ".join(f"w{i}_{j}" for j in range(20)), "id": i})
+                              for i in range(n)))
+    return str(path)
+
+
+def test_a_local_jsonl_file_is_split_as_the_files_are(tmp_path):
+    """``data=hub data.name=json data.path=corpus.jsonl``: one file is one train split; validation
+    and test are carved from it by document, about 5 % of the words each, every document once."""
+    dd = load_corpus("hub", name="json", path=_jsonl(tmp_path / "corpus.jsonl", 400), seed=0)
+    assert {s: len(dd[s]) for s in dd} == {"train": 360, "validation": 20, "test": 20}
+    assert dd["train"].column_names == ["text"]
+    assert len({t for s in dd for t in dd[s]["text"]}) == 400
+
+
+def test_a_split_the_dataset_gives_is_kept_and_the_missing_one_carved(tmp_path):
+    given = {"train": _jsonl(tmp_path / "train.jsonl", 200), "test": _jsonl(tmp_path / "test.jsonl", 7)}
+    dd = load_corpus("hub", name="json", path=given, seed=0)
+    assert {s: len(dd[s]) for s in dd} == {"train": 190, "validation": 10, "test": 7}
+
+
+def test_a_text_column_the_dataset_lacks_names_the_columns(tmp_path):
+    path = _jsonl(tmp_path / "corpus.jsonl", 10, column="content")
+    with pytest.raises(ValueError, match=r"^data\.text_column='text' is not a column of 'json': name one of "
+                                         r"\['content', 'id'\]$"):
+        load_corpus("hub", name="json", path=path)
+    assert load_corpus("hub", name="json", path=path, text_column="content")["train"].column_names == ["text"]

@@ -1,5 +1,6 @@
 """The data modules (datamodule.py): the embedded corpus split by article, the synthetic
 splits, and clear errors for missing, empty or too short text."""
+import json
 import random
 
 import hydra
@@ -49,6 +50,19 @@ def test_text_files_take_every_type_of_their_training_split_by_default(tmp_path)
     dm = hydra.utils.instantiate(cfg_of("data=text_files", f"data.path={path}").data)
     dm.setup()
     assert dm.num_classes == len(dm.vocab.words) == len(words) + 1, (dm.num_classes, len(words))
+
+
+def test_data_hub_trains_a_local_jsonl_file_with_its_own_types(tmp_path):
+    """``data=hub data.name=json data.path=<file>`` as lst-train composes it: the file is read by
+    ``datasets``' json builder, validation and test are carved from it, and D is its own."""
+    rng = random.Random(0)
+    words = sorted({"".join(rng.choices("abcdefgh", k=6)) for _ in range(300)})
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps({"text": " ".join(rng.choices(words, k=40))}) for _ in range(200)))
+    dm = hydra.utils.instantiate(cfg_of("data=hub", "data.name=json", f"data.path={path}").data)
+    dm.setup()
+    assert dm.num_classes == len(words) + 1
+    assert all(len(dm.splits[s]) > 0 for s in ("train", "validation", "test"))
 
 
 def test_missing_and_empty_files_are_errors(tmp_path):

@@ -109,27 +109,38 @@ def load_corpus(
     if source == "files":
         return _load_files(path, sample_by, val_fraction, test_fraction, seed, cache)
     if source == "hub":
-        if not name:
-            raise ValueError("data.name must name a hub dataset when data.source=hub")
-        try:
-            dd = datasets.load_dataset(name, subset, cache_dir=cache)
-        except ConnectionError as e:  # offline, or the hub unreachable, and nothing cached
-            raise ConnectionError(
-                f"data.name={name!r} (data.source=hub) is not cached and the Hugging Face hub cannot be reached "
-                f"({e}): run once with the network to cache it in {cache}, or train offline on data=wiki "
-                "(embedded) or data=text_files data.path=..."
-            ) from e
-        if text_column != "text":
-            dd = dd.rename_column(text_column, "text")
-        if "validation" not in dd and "train" in dd:
-            # lm1b has no validation split: carve one from train by document.
-            rest = _split_by_tokens(dd["train"], (val_fraction, 0.0), seed)
-            dd = datasets.DatasetDict(train=rest["train"], validation=rest["validation"], test=dd["test"])
-        missing = [s for s in SPLITS if s not in dd]
-        if missing:
-            raise ValueError(f"hub dataset {name!r} lacks the splits {missing}")
-        return datasets.DatasetDict({s: dd[s].select_columns(["text"]) for s in SPLITS})
+        return _load_hub(name, subset, path, text_column, (val_fraction, test_fraction), seed, cache)
     raise ValueError(f"data.source must be 'embedded', 'files' or 'hub', not {source!r}")
+
+
+def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datasets.DatasetDict:
+    """``load_dataset(name, subset)``: a hub name, a local folder of data files, or a builder with
+    ``path`` as its ``data_files`` (``name=json path=corpus.jsonl``); a held-out split the
+    dataset lacks is carved from train by document (lm1b has no validation, one file no test)."""
+    import datasets  # noqa: PLC0415
+
+    if not name:
+        raise ValueError("data.name must name a hub dataset when data.source=hub")
+    try:
+        dd = datasets.load_dataset(name, subset, data_files=path or None, cache_dir=cache)
+    except ConnectionError as e:  # offline, or the hub unreachable, and nothing cached
+        raise ConnectionError(
+            f"data.name={name!r} (data.source=hub) is not cached and the Hugging Face hub cannot be reached "
+            f"({e}): run once with the network to cache it in {cache}, or train offline on data=wiki "
+            "(embedded) or data=text_files data.path=..."
+        ) from e
+    if "train" not in dd:
+        raise ValueError(f"hub dataset {name!r} has no train split (its splits: {sorted(dd)})")
+    columns = dd["train"].column_names
+    if text_column not in columns:
+        raise ValueError(f"data.text_column={text_column!r} is not a column of {name!r}: name one of {columns}")
+    if text_column != "text":
+        dd = dd.select_columns([text_column]).rename_column(text_column, "text")
+    held_out = [frac if split not in dd else 0.0 for split, frac in zip(SPLITS[1:], fractions)]
+    if any(held_out):
+        carved = _split_by_tokens(dd["train"], tuple(held_out), seed)
+        dd = datasets.DatasetDict({s: dd[s] if s in dd and s != "train" else carved[s] for s in SPLITS})
+    return datasets.DatasetDict({s: dd[s].select_columns(["text"]) for s in SPLITS})
 
 
 def _load_files(path, sample_by, val_fraction, test_fraction, seed, cache) -> datasets.DatasetDict:
