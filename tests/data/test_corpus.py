@@ -67,3 +67,10 @@ def test_a_text_column_the_dataset_lacks_names_the_columns(tmp_path):
                                          r"\['content', 'id'\]$"):
         load_corpus("hub", name="json", path=path)
     assert load_corpus("hub", name="json", path=path, text_column="content")["train"].column_names == ["text"]
+
+
+def test_a_text_column_of_numbers_is_refused_naming_the_text_columns(tmp_path):
+    path = _jsonl(tmp_path / "corpus.jsonl", 10)
+    with pytest.raises(ValueError, match=r"^data\.text_column='id' of 'json' holds int64 values, not text: name one "
+                                         r"of \['text'\]$"):
+        load_corpus("hub", name="json", path=path, text_column="id")

@@ -65,6 +65,19 @@ def test_data_hub_trains_a_local_jsonl_file_with_its_own_types(tmp_path):
     assert all(len(dm.splits[s]) > 0 for s in ("train", "validation", "test"))
 
 
+def test_rows_without_text_are_empty_documents(tmp_path):
+    """A JSONL whose rows hold null or empty text (a scrape's failures): those rows add no tokens,
+    the others train as they would alone."""
+    rows = [{"text": None if i % 7 == 0 else "" if i % 5 == 0 else f"w{i % 11} w{i % 3} w{i % 13} w{i % 4}"}
+            for i in range(120)]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    dm = TextDataModule("hub", name="json", path=str(path), vocab_size=None, min_doc_tokens=1, context_size=2,
+                        pad_start=True)
+    dm.setup()
+    assert sum(len(dm.splits[s]) for s in dm.splits) == 4 * sum(1 for r in rows if r["text"])
+
+
 def test_missing_and_empty_files_are_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         TextDataModule("files", path=str(tmp_path / "nope.txt")).setup()

@@ -46,7 +46,7 @@ def _split_by_tokens(ds: datasets.Dataset, fractions: tuple[float, float], seed:
     validation a fifth of the corpus); a part that no document fits takes the smallest one."""
     import datasets  # noqa: PLC0415
 
-    sizes = [len(t.split()) for t in ds["text"]]
+    sizes = [len(t.split()) if t else 0 for t in ds["text"]]  # a row without text (null): an empty document
     order = list(range(len(ds)))
     random.Random(seed).shuffle(order)
     total = sum(sizes)
@@ -131,9 +131,13 @@ def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datase
         ) from e
     if "train" not in dd:
         raise ValueError(f"hub dataset {name!r} has no train split (its splits: {sorted(dd)})")
-    columns = dd["train"].column_names
+    columns = dd["train"].features
     if text_column not in columns:
-        raise ValueError(f"data.text_column={text_column!r} is not a column of {name!r}: name one of {columns}")
+        raise ValueError(f"data.text_column={text_column!r} is not a column of {name!r}: name one of {list(columns)}")
+    kind = getattr(columns[text_column], "dtype", type(columns[text_column]).__name__)
+    if kind not in ("string", "large_string"):
+        raise ValueError(f"data.text_column={text_column!r} of {name!r} holds {kind} values, not text: name one of "
+                         f"{[c for c, f in columns.items() if getattr(f, 'dtype', None) in ('string', 'large_string')]}")
     if text_column != "text":
         dd = dd.select_columns([text_column]).rename_column(text_column, "text")
     held_out = [frac if split not in dd else 0.0 for split, frac in zip(SPLITS[1:], fractions)]

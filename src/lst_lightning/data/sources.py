@@ -84,7 +84,7 @@ class CorpusSource:
         for split in SPLITS:
             for batch in self._load()[split].iter(batch_size=1000):
                 for text in batch["text"]:
-                    yield split, text, 1
+                    yield split, text or "", 1  # a row without text (null): an empty document
 
 
 def _pinned(lock: Path) -> tuple[set[str], set[str]]:
