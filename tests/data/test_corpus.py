@@ -74,3 +74,18 @@ def test_a_text_column_of_numbers_is_refused_naming_the_text_columns(tmp_path):
     with pytest.raises(ValueError, match=r"^data\.text_column='id' of 'json' holds int64 values, not text: name one "
                                          r"of \['text'\]$"):
         load_corpus("hub", name="json", path=path, text_column="id")
+
+
+@pytest.mark.parametrize("documents", [1, 2])
+def test_too_few_documents_to_split_name_the_fixes(tmp_path, documents):
+    """A file of one paragraph (one sentence a line, no blank line) cannot give three splits of
+    whole documents: one line naming ``data.sample_by=line`` and split files, not an empty split."""
+    with pytest.raises(ValueError, match=rf"^{documents} document\(s\) cannot be split .*data\.sample_by=line .*\}}\)$"):
+        _split(tmp_path, [" ".join(f"w{i}_{j}" for j in range(50)) for i in range(documents)], seed=0)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    (tmp_path / "a.txt").write_text("the cat sat on the mat\n\n" * 10)
+    (tmp_path / "b.txt").write_bytes("caf\xe9 na\xefve\n\n".encode("latin-1") * 10)
+    with pytest.raises(ValueError, match=r"^data\.path: .*b\.txt is not UTF-8 text \(.*\): convert it, e\.g\. iconv"):
+        load_corpus("files", path=str(tmp_path))

@@ -14,7 +14,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .files import text_files
+from .files import not_utf8, text_files
 
 if TYPE_CHECKING:
     import datasets
@@ -66,6 +66,10 @@ def _split_by_tokens(ds: datasets.Dataset, fractions: tuple[float, float], seed:
             smallest = min(train, key=sizes.__getitem__)
             train.remove(smallest)
             parts[name].append(smallest)
+    if not train or any(frac > 0 and not parts[name] for name, frac in zip(("validation", "test"), fractions)):
+        raise ValueError(f"{len(ds)} document(s) cannot be split into train, validation and test by whole documents: "
+                         "give more (data.sample_by=line makes each line of a text file one) or the splits "
+                         "themselves (data.path={train: .., validation: .., test: ..})")
     return datasets.DatasetDict(
         train=ds.select(sorted(train)),
         validation=ds.select(sorted(parts["validation"])),
@@ -151,7 +155,13 @@ def _load_files(path, sample_by, val_fraction, test_fraction, seed, cache) -> da
     import datasets  # noqa: PLC0415
 
     files = text_files(path)
-    dd = datasets.load_dataset("text", data_files=files, sample_by=sample_by, cache_dir=cache)
+    try:
+        dd = datasets.load_dataset("text", data_files=files, sample_by=sample_by, cache_dir=cache)
+    except datasets.exceptions.DatasetGenerationError as e:
+        if isinstance(e.__cause__, UnicodeDecodeError):
+            raise ValueError(f"data.path: {not_utf8(files)} is not UTF-8 text ({e.__cause__}): convert it, e.g. "
+                             "iconv -f latin1 -t utf-8") from e
+        raise
     dd = dd.filter(lambda r: bool(r["text"].strip()))
     if set(SPLITS) <= set(dd):
         return dd

@@ -61,3 +61,19 @@ def text_files(path) -> dict[str, list[str]]:
                 raise FileNotFoundError(f"data.path.{split} names no files; {HOW}")
         return {split: _files(ps) for split, ps in given.items()}
     return {"train": _files([path] if isinstance(path, (str, Path)) else list(path))}
+
+
+def not_utf8(files: dict[str, list[str]], chunk: int = 1 << 20) -> str | None:
+    """The first of ``files`` (``text_files``' splits) that is not UTF-8 text, or None."""
+    import codecs  # noqa: PLC0415
+
+    for f in (f for fs in files.values() for f in fs):
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            with open(f, "rb") as fh:
+                while block := fh.read(chunk):
+                    decoder.decode(block)
+                decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            return f
+    return None
