@@ -89,3 +89,26 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "b.txt").write_bytes("caf\xe9 na\xefve\n\n".encode("latin-1") * 10)
     with pytest.raises(ValueError, match=r"^data\.path: .*b\.txt is not UTF-8 text \(.*\): convert it, e\.g\. iconv"):
         load_corpus("files", path=str(tmp_path))
+
+
+def test_a_split_given_is_kept_and_only_the_missing_one_carved(tmp_path):
+    """``data.path={train: .., validation: ..}``: the validation file is validation, whole, and test
+    is carved from train (the given validation was dropped and both carved from train)."""
+    (tmp_path / "train.txt").write_text("\n\n".join(" ".join(f"t{i}_{j}" for j in range(20)) for i in range(100)))
+    (tmp_path / "val.txt").write_text("\n\n".join(" ".join(f"v{i}_{j}" for j in range(20)) for i in range(7)))
+    dd = load_corpus("files", path={"train": str(tmp_path / "train.txt"), "validation": str(tmp_path / "val.txt")})
+    assert {s: len(dd[s]) for s in dd} == {"train": 95, "validation": 7, "test": 5}
+    assert all(t.startswith("v") for t in dd["validation"]["text"])
+    assert all(t.startswith("t") for s in ("train", "test") for t in dd[s]["text"])
+
+
+def test_the_split_rule_is_in_the_token_caches_key(tmp_path, monkeypatch):
+    """A corpus tokenised under another rule of the split is not read back under this one."""
+    from lst_lightning.data import sources
+    from lst_lightning.data.tokens import cache_key
+
+    (tmp_path / "c.txt").write_text("some words here\n\nand more words there\n")
+    source = sources.CorpusSource({"source": "files", "path": str(tmp_path / "c.txt")})
+    key = cache_key(source, "words", None)
+    monkeypatch.setattr(sources, "SPLIT_RULE", sources.SPLIT_RULE + 1)
+    assert cache_key(source, "words", None) != key

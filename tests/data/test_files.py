@@ -44,6 +44,9 @@ def test_bad_paths_name_data_path(tmp_path):
         text_files({"train": str(tmp_path / "ok.txt"), "validation": []})
     with pytest.raises(ValueError, match="data.path is not set"):
         text_files(None)
+    for splits in ({"validation": str(tmp_path / "ok.txt")}, {"train": str(tmp_path / "ok.txt"), "dev": str(tmp_path / "ok.txt")}):
+        with pytest.raises(ValueError, match=r"^data\.path's splits are train \(needed\), validation and test, got "):
+            text_files(splits)
 
 
 def test_text_after_a_megabyte_of_blanks_counts(tmp_path):

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 
 EMBEDDED_WIKI = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 SPLITS = ("train", "validation", "test")
+#: the rule of ``_split_by_tokens`` and ``_carve_missing``, in the token cache's key (sources.py): a
+#: change makes new keys, so no corpus is read with a split made by another rule
+SPLIT_RULE = 2
 
 
 def cache_dir() -> Path:
@@ -120,7 +123,8 @@ def load_corpus(
 def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datasets.DatasetDict:
     """``load_dataset(name, subset)``: a hub name, a local folder of data files, or a builder with
     ``path`` as its ``data_files`` (``name=json path=corpus.jsonl``); a held-out split the
-    dataset lacks is carved from train by document (lm1b has no validation, one file no test)."""
+    dataset lacks is carved from train by document (``_carve_missing``: lm1b has no validation, one
+    file no test)."""
     import datasets  # noqa: PLC0415
 
     if not name:
@@ -144,11 +148,21 @@ def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datase
                          f"{[c for c, f in columns.items() if getattr(f, 'dtype', None) in ('string', 'large_string')]}")
     if text_column != "text":
         dd = dd.select_columns([text_column]).rename_column(text_column, "text")
-    held_out = [frac if split not in dd else 0.0 for split, frac in zip(SPLITS[1:], fractions)]
-    if any(held_out):
-        carved = _split_by_tokens(dd["train"], tuple(held_out), seed)
-        dd = datasets.DatasetDict({s: dd[s] if s in dd and s != "train" else carved[s] for s in SPLITS})
+    dd = _carve_missing(dd, fractions, seed)
     return datasets.DatasetDict({s: dd[s].select_columns(["text"]) for s in SPLITS})
+
+
+def _carve_missing(dd: datasets.DatasetDict, fractions: tuple[float, float], seed: int) -> datasets.DatasetDict:
+    """``dd`` with the held-out splits it lacks carved from its train split by document; the splits
+    it has kept as they are."""
+    import datasets  # noqa: PLC0415
+
+    missing = [s for s in SPLITS[1:] if s not in dd]
+    if not missing:
+        return dd
+    carved = _split_by_tokens(dd["train"], tuple(f if s in missing else 0.0 for s, f in zip(SPLITS[1:], fractions)),
+                              seed)
+    return datasets.DatasetDict({s: carved[s] if s == "train" or s in missing else dd[s] for s in SPLITS})
 
 
 def _load_files(path, sample_by, val_fraction, test_fraction, seed, cache) -> datasets.DatasetDict:
@@ -163,6 +177,4 @@ def _load_files(path, sample_by, val_fraction, test_fraction, seed, cache) -> da
                              "iconv -f latin1 -t utf-8") from e
         raise
     dd = dd.filter(lambda r: bool(r["text"].strip()))
-    if set(SPLITS) <= set(dd):
-        return dd
-    return _split_by_tokens(dd["train"], (val_fraction, test_fraction), seed)
+    return _carve_missing(dd, (val_fraction, test_fraction), seed)

@@ -50,11 +50,15 @@ def _files(paths) -> list[str]:
 def text_files(path) -> dict[str, list[str]]:
     """``data.path`` -> ``{split: [files]}``: ``{"train": [...]}`` for a file, a directory
     (its ``*.txt``, recursively), a glob or a list of them; the given splits for a mapping (each
-    a file, a directory, a glob or a list). Raises FileNotFoundError for a missing path, a directory
-    without .txt files or a glob matching none, ValueError for an empty file, each naming ``data.path``."""
+    a file, a directory, a glob or a list; train among them). Raises FileNotFoundError for a missing path, a
+    directory without .txt files or a glob matching none, ValueError for an empty file or a split other than
+    train, validation and test, each naming ``data.path``."""
     if path is None or path == "":
         raise ValueError(f"data.path is not set: {HOW} (data=text_files data.path=my.txt)")
     if isinstance(path, dict):
+        if "train" not in path or not set(path) <= {"train", "validation", "test"}:
+            raise ValueError(f"data.path's splits are train (needed), validation and test, got {sorted(path)}; "
+                             "a held-out split not given is carved from train")
         given = {split: [p] if isinstance(p, (str, Path)) else list(p) for split, p in path.items()}
         for split, ps in given.items():
             if not ps:

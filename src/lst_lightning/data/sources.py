@@ -23,7 +23,7 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .corpus import SPLITS, load_corpus
+from .corpus import SPLIT_RULE, SPLITS, load_corpus
 from .files import text_files
 
 LINUX_TARBALL = "/usr/src/linux-source-6.1.tar.xz"
@@ -74,7 +74,7 @@ class CorpusSource:
             what = {split: [_stat(f) for f in fs] for split, fs in text_files(self.args["path"]).items()}
         else:  # the hub: what datasets cached, by its fingerprints
             what = {split: ds._fingerprint for split, ds in self._load().items()}
-        return {"args": {k: v for k, v in self.args.items() if k != "path"}, "what": what}
+        return {"args": {k: v for k, v in self.args.items() if k != "path"}, "what": what, "split": SPLIT_RULE}
 
     def size(self) -> int:
         return sum(len(ds) for ds in self._load().values())
