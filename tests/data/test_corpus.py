@@ -112,3 +112,9 @@ def test_the_split_rule_is_in_the_token_caches_key(tmp_path, monkeypatch):
     key = cache_key(source, "words", None)
     monkeypatch.setattr(sources, "SPLIT_RULE", sources.SPLIT_RULE + 1)
     assert cache_key(source, "words", None) != key
+
+
+def test_data_files_that_do_not_exist_name_data_path(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"^data\.path='.*nope\.jsonl' \(the data files of data\.name='json'\): "):
+        load_corpus("hub", name="json", path=missing)

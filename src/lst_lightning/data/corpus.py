@@ -137,6 +137,10 @@ def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datase
             f"({e}): run once with the network to cache it in {cache}, or train offline on data=wiki "
             "(embedded) or data=text_files data.path=..."
         ) from e
+    except FileNotFoundError as e:
+        if not path:
+            raise
+        raise FileNotFoundError(f"data.path={path!r} (the data files of data.name={name!r}): {e}") from e
     if "train" not in dd:
         raise ValueError(f"hub dataset {name!r} has no train split (its splits: {sorted(dd)})")
     columns = dd["train"].features
