@@ -152,3 +152,50 @@ def test_code_tokens():
     text = 'def f(x_1, y=0x1F):\n    return x_1 * 1.5e-3 + y  # naïve 10UL'
     assert tokenize(text, "code") == ["def", "f", "(", "x_1", ",", "y", "=", "0x1F", ")", ":", "return", "x_1",
                                       "*", "1.5e-3", "+", "y", "#", "naïve", "10UL"]
+
+
+def _bpe(folder, vocab_size=60):
+    """A byte-level BPE tokenizer.json trained on WORDS, as a model's checkpoint folder holds one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([" ".join(WORDS)] * 20,
+                            tokenizers.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["[UNK]", "</s>"]))
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok
+
+
+def test_a_tokenizer_json_gives_its_pieces_and_d_its_pieces_seen(tmp_path, cache):
+    """``data.tokenizer=<a model's folder>``: its tokenizer.json's pieces, no special tokens added;
+    D is the pieces of the training split, as with the other tokenizers."""
+    tok = _bpe(tmp_path / "model")
+    text = "alpha beta gammadelta"
+    assert tokenize(text, str(tmp_path / "model")) == tok.encode(text, add_special_tokens=False).tokens
+    assert tokenize(text, str(tmp_path / "model" / "tokenizer.json")) == tokenize(text, str(tmp_path / "model"))
+    path = _corpus(tmp_path)
+    dm = TextDataModule("files", path=str(path), tokenizer=str(tmp_path / "model"), vocab_size=None,
+                        min_doc_tokens=1, val_fraction=0.2, test_fraction=0.2)
+    dm.setup()
+    corpus = load_corpus(**_args(path))
+    pieces = {p for t in corpus["train"]["text"] for p in tok.encode(t, add_special_tokens=False).tokens}
+    assert dm.num_classes == len(pieces) + 1 and "</s>" not in dm.vocab.index
+
+
+def test_a_tokenizer_json_is_in_the_cache_key_by_its_content(tmp_path, cache):
+    _bpe(tmp_path / "a")
+    source = CorpusSource(_args(_corpus(tmp_path)))
+    key = tokens_module.cache_key(source, str(tmp_path / "a"), None)
+    assert key.startswith("files-hf-")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "tokenizer.json").write_bytes((tmp_path / "a" / "tokenizer.json").read_bytes())
+    assert tokens_module.cache_key(source, str(tmp_path / "b" / "tokenizer.json"), None) == key  # moved: the same
+    _bpe(tmp_path / "a", vocab_size=40)
+    assert tokens_module.cache_key(source, str(tmp_path / "a"), None) != key  # another tokenizer
+
+
+def test_a_file_that_is_no_tokenizer_is_refused_in_one_line(tmp_path, cache):
+    (tmp_path / "tokenizer.json").write_text('{"not": "a tokenizer"}')
+    with pytest.raises(ValueError, match=r"^data\.tokenizer='.*': .*tokenizer\.json is not a Hugging Face "
+                                         r"tokenizer\.json \([^\n]*\)$"):
+        TextDataModule("files", path=str(_corpus(tmp_path)), tokenizer=str(tmp_path))

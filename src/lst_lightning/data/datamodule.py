@@ -156,7 +156,7 @@ class TextDataModule(_WindowDataModule):
             hint = []
             if self.tokenised.meta.get("capped"):
                 hint.append(f"raise data.max_tokens={self.max_tokens} (or null: the whole corpus)")
-            if self.tokenizer != "whitespace":
+            if self.tokenizer in ("words", "code"):  # a tokenizer.json has the types it has
                 hint.append("tokenise with data.tokenizer=whitespace (case and punctuation kept: more types)")
             self.vocab = self.tokenised.vocabulary(self.vocab_size, self.min_count, self.extra,
                                                    "".join(f"; or {h}" for h in hint))

@@ -37,7 +37,7 @@ import torch
 
 from .corpus import SPLITS, cache_dir
 from .flat import FlatDocuments
-from .vocab import Vocabulary, tokenize
+from .vocab import Vocabulary, tokenize, tokenizer_file, tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +150,15 @@ def kept(vocab: Vocabulary, extra: tuple[str, ...] = ()) -> int:
 
 
 def cache_key(source, tokenizer: str, max_tokens: int | None) -> str:
-    what = {"format": FORMAT, "source": source.name, "key": source.key(), "tokenizer": tokenizer,
+    """The cache directory's name: the corpus, the tokenizer (a tokenizer.json by its content,
+    wherever it lies: ``hf``) and a digest of what the tokens depend on."""
+    file = tokenizer_file(tokenizer)
+    name = tokenizer if file is None else "hf"
+    what = {"format": FORMAT, "source": source.name, "key": source.key(),
+            "tokenizer": tokenizer if file is None else hashlib.sha256(file.read_bytes()).hexdigest(),
             "max_tokens": max_tokens}
     digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"{source.name}-{tokenizer}-{digest}"
+    return f"{source.name}-{name}-{digest}"
 
 
 def tokenise(source, tokenizer: str, max_tokens: int | None = None) -> Tokenised:
@@ -209,6 +214,7 @@ def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
     log.info("data: tokenising %s with the %s tokenizer%s, once: later runs read %s", source.name, tokenizer,
              f", up to {max_tokens:,} tokens" if max_tokens else "", out.parent)
     size = source.size()
+    pieces = tokenizer_of(tokenizer)
     index: dict[str, int] = {}
     setdefault = index.setdefault
     buffers = {s: array.array("i") for s in SPLITS}
@@ -218,7 +224,7 @@ def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
     with _progress() as bar, contextlib.closing(source.documents()) as documents:
         task = bar.add_task(f"tokenising {source.name}", total=max_tokens or size, tokens=0)
         for i, (split, text, done) in enumerate(documents):
-            ids = [setdefault(t, len(index)) for t in tokenize(text, tokenizer)]
+            ids = [setdefault(t, len(index)) for t in pieces(text)]
             tokens += len(ids)
             if ids:
                 buffers[split].extend(ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,16 +21,44 @@ TOKENIZERS = ("words", "whitespace", "code")
 
 
 def tokenize(text: str, kind: str = "words") -> list[str]:
-    """``words``: lowercase alphabetic words (matches SimLex); ``whitespace``: split only
-    (for pre-tokenised corpora such as wikitext and lm1b); ``code``: identifiers, numbers
-    and single punctuation marks, case kept (the source-code corpora)."""
+    """``text``'s tokens by the tokenizer ``kind`` (``tokenizer_of``)."""
+    return tokenizer_of(kind)(text)
+
+
+def tokenizer_of(kind: str) -> Callable[[str], list[str]]:
+    """The tokenizer ``data.tokenizer`` names, text -> tokens: ``words``, lowercase alphabetic words
+    (matches SimLex); ``whitespace``, split only (for pre-tokenised corpora such as wikitext and
+    lm1b); ``code``, identifiers, numbers and single punctuation marks, case kept (the source-code
+    corpora); or a Hugging Face ``tokenizer.json`` (or a folder holding one, as a model's checkpoint
+    does), read now: its pieces, no special tokens added."""
     if kind == "words":
-        return _WORD.findall(text.lower())
+        return lambda text: _WORD.findall(text.lower())
     if kind == "whitespace":
-        return text.split()
+        return str.split
     if kind == "code":
-        return _CODE.findall(text)
-    raise ValueError(f"data.tokenizer must be one of {', '.join(TOKENIZERS)}, not {kind!r}")
+        return _CODE.findall
+    path = tokenizer_file(kind)
+    try:
+        from tokenizers import Tokenizer  # noqa: PLC0415  (with transformers: the hf extra)
+    except ImportError as e:
+        raise ImportError(f"data.tokenizer={kind!r} needs the tokenizers package (pip install tokenizers, or "
+                          "lst-lightning[hf])") from e
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust parser's own error, one line
+        raise ValueError(f"data.tokenizer={kind!r}: {path} is not a Hugging Face tokenizer.json ({e})") from e
+    return lambda text: tok.encode(text, add_special_tokens=False).tokens
+
+
+def tokenizer_file(kind: str) -> Path | None:
+    """The ``tokenizer.json`` that ``data.tokenizer`` names (None for the built-in tokenizers)."""
+    if kind in TOKENIZERS:
+        return None
+    path = Path(kind) / "tokenizer.json" if Path(kind).is_dir() else Path(kind)
+    if not path.is_file():
+        raise ValueError(f"data.tokenizer must be one of {', '.join(TOKENIZERS)} or a Hugging Face tokenizer.json "
+                         f"(or a folder holding one), not {kind!r}")
+    return path
 
 
 class Vocabulary:
