@@ -78,6 +78,31 @@ def test_rows_without_text_are_empty_documents(tmp_path):
     assert sum(len(dm.splits[s]) for s in dm.splits) == 4 * sum(1 for r in rows if r["text"])
 
 
+def test_a_training_split_smaller_than_one_batch_is_refused(tmp_path):
+    """The loader drops a last partial batch, so a training split of fewer examples than one batch
+    trained no step and still reported its test metrics: refused at setup (one process) and at the
+    training loader (the trainer's world), in one line, the splits left unset."""
+    path = _write(tmp_path, "\n\n".join(f"the cat sat on mat number {i} today" for i in range(60)))
+    kw = dict(vocab_size=None, context_size=2, min_doc_tokens=1, val_fraction=0.2, test_fraction=0.2)
+    dm = TextDataModule("files", path=path, batch_size=512, **kw)
+    with pytest.raises(ValueError, match=r"^the training split gives \d+ examples, fewer than one batch of 512 "
+                                         r"\(data\.batch_size=512\), so no step would train: lower "
+                                         r"data\.batch_size, or give more text$"):
+        dm.setup()
+    assert dm.splits == {}
+    dm = TextDataModule("files", path=path, batch_size=128, **kw)
+    dm.setup()
+    n = len(dm.splits["train"])
+    assert 128 <= n < 256
+    with pytest.raises(ValueError, match=rf"^the training split gives {n} examples, fewer than one batch of 256 "
+                                         r"\(data\.batch_size=128 on each of 2 processes\)"):
+        dm._loader("train", True, rank=0, world_size=2)
+    seq = TextDataModule("files", path=path, batch_size=4096, sequences=True, sequence_length=8, **kw)
+    with pytest.raises(ValueError, match=r"^the training split gives \d+ sequences of 8 tokens, fewer than one batch "
+                                         r"of 512 \(data\.batch_size=4096\)"):
+        seq.setup()
+
+
 def test_missing_and_empty_files_are_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         TextDataModule("files", path=str(tmp_path / "nope.txt")).setup()

@@ -83,6 +83,8 @@ class _WindowDataModule(pl.LightningDataModule):
             trainer = self.trainer
             rank, world_size = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         limit = None if train or self.max_eval_examples is None else self._examples(self.max_eval_examples)
+        if train:
+            self.check_one_batch(len(ds), world_size)
         sampler = EpochBatchSampler(
             len(ds), self._examples(self.batch_size if train else self.eval_batch_size), shuffle=train,
             seed=self.seed, drop_last=train, rank=rank, world_size=world_size, limit=limit,
@@ -92,6 +94,17 @@ class _WindowDataModule(pl.LightningDataModule):
         kind, extra = (ResumableLoader, {"seed": self.seed}) if train else (DataLoader, {})
         return kind(_PaddedIds(ds), sampler=sampler, batch_size=None, num_workers=self.num_workers,
                     persistent_workers=self.num_workers > 0, **extra)
+
+    def check_one_batch(self, examples: int, world_size: int = 1) -> None:
+        """Refuse a training split of ``examples`` that fills no batch of the world's (the loader
+        drops a last partial batch, so no step would train)."""
+        batch = self._examples(self.batch_size)
+        if examples < world_size * batch:
+            what = f"sequences of {self.sequence_length} tokens" if self.sequences else "examples"
+            each = f" on each of {world_size} processes" if world_size > 1 else ""
+            raise ValueError(f"the training split gives {examples:,} {what}, fewer than one batch of "
+                             f"{world_size * batch:,} (data.batch_size={self.batch_size}{each}), so no step would "
+                             "train: lower data.batch_size, or give more text")
 
     def eval_dataloader(self, split: str, rank: int = 0, world_size: int = 1) -> DataLoader:
         """An evaluation split as ``rank`` of ``world_size`` sees it (default: all of it,
@@ -167,11 +180,12 @@ class TextDataModule(_WindowDataModule):
             return
         vocab = self._vocabulary()
         bos = vocab.index[BOS] if self.pad_start else None
+        splits = {}
         for s in SPLITS:
             encoded = self.tokenised.encode(s, vocab, self.extra)
             if self.sequences:
-                self.splits[s] = TokenSequences(encoded, self.sequence_length, bos)
-                if len(self.splits[s]) == 0:
+                splits[s] = TokenSequences(encoded, self.sequence_length, bos)
+                if len(splits[s]) == 0:
                     raise ValueError(f"no {s} document has two tokens: nothing to predict")
                 continue
             w = NgramWindows(encoded, self.context_size, bos)
@@ -180,7 +194,9 @@ class TextDataModule(_WindowDataModule):
                     f"data.context_size={self.context_size} is longer than every {s} document "
                     f"(the longest has {w.longest_document} tokens); lower it or set data.pad_start=true"
                 )
-            self.splits[s] = w
+            splits[s] = w
+        self.check_one_batch(len(splits["train"]))  # one process's; the loader checks the trainer's world
+        self.splits = splits
         self.num_classes = self.input_vocab_size = len(vocab)
         self.class_counts = vocab.counts.clone()
         log.info("%s", self.tokenised.describe(vocab, self.extra))
