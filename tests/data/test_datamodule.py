@@ -87,7 +87,7 @@ def test_a_training_split_smaller_than_one_batch_is_refused(tmp_path):
     dm = TextDataModule("files", path=path, batch_size=512, **kw)
     with pytest.raises(ValueError, match=r"^the training split gives \d+ examples, fewer than one batch of 512 "
                                          r"\(data\.batch_size=512\), so no step would train: lower "
-                                         r"data\.batch_size, or give more text$"):
+                                         r"data\.batch_size, or give more training data$"):
         dm.setup()
     assert dm.splits == {}
     dm = TextDataModule("files", path=path, batch_size=128, **kw)

@@ -104,7 +104,7 @@ class _WindowDataModule(pl.LightningDataModule):
             each = f" on each of {world_size} processes" if world_size > 1 else ""
             raise ValueError(f"the training split gives {examples:,} {what}, fewer than one batch of "
                              f"{world_size * batch:,} (data.batch_size={self.batch_size}{each}), so no step would "
-                             "train: lower data.batch_size, or give more text")
+                             "train: lower data.batch_size, or give more training data")
 
     def eval_dataloader(self, split: str, rank: int = 0, world_size: int = 1) -> DataLoader:
         """An evaluation split as ``rank`` of ``world_size`` sees it (default: all of it,
