@@ -118,3 +118,11 @@ def test_data_files_that_do_not_exist_name_data_path(tmp_path):
     missing = str(tmp_path / "nope.jsonl")
     with pytest.raises(FileNotFoundError, match=r"^data\.path='.*nope\.jsonl' \(the data files of data\.name='json'\): "):
         load_corpus("hub", name="json", path=missing)
+
+
+def test_a_malformed_data_file_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "a b c"}\n{"text": "d e\n')
+    with pytest.raises(ValueError, match=r"^data\.name='json' data\.path='.*bad\.jsonl': datasets could not read it "
+                                         r"\(JSON parse error: [^\n]*\)$"):
+        load_corpus("hub", name="json", path=str(path))

@@ -141,6 +141,9 @@ def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datase
         if not path:
             raise
         raise FileNotFoundError(f"data.path={path!r} (the data files of data.name={name!r}): {e}") from e
+    except datasets.exceptions.DatasetGenerationError as e:  # a malformed file: the parser's error, one line
+        where = f"data.name={name!r}" + (f" data.path={path!r}" if path else "")
+        raise ValueError(f"{where}: datasets could not read it ({e.__cause__ or e})") from e
     if "train" not in dd:
         raise ValueError(f"hub dataset {name!r} has no train split (its splits: {sorted(dd)})")
     columns = dd["train"].features
