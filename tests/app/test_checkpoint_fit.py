@@ -35,3 +35,22 @@ def test_mismatches_name_keys_and_shapes_and_skip_a_sharded_heads_shapes():
                                        "head.V is (0, 3) there, (4, 3) here"]
     assert mismatches(saved, here, skip="head.") == ["head.n missing there", "head.x not in this model"]
     assert mismatches(here, here) == []
+
+
+def test_a_resume_on_a_changed_corpus_is_refused_even_where_the_shapes_fit(tmp_path):
+    """The corpus edited between a run and its resume: with ``data.vocab_size`` capping D the shapes
+    still fit, but the ids name other words (the checkpoint's rows would train as other classes).
+    Refused in one line naming the saved vocab.json, before the run writes anything."""
+    words = ["alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(words[(i * 7 + j * j) % 8] for j in range(30)) for i in range(200)))
+    args = (*FAST, "test=false", "data=text_files", f"data.path={corpus}", "data.vocab_size=5", "data.min_doc_tokens=1")
+    out = tmp_path / "run"
+    run(cfg_of(*args), out)
+    before = files(out)
+    corpus.write_text(corpus.read_text() + "\n\n" + "\n\n".join(" ".join(["theta"] * 30) for _ in range(300)))
+    with pytest.raises(ValueError, match=r"^ckpt_path=last: the data's vocabulary is not the one .*vocab\.json holds "
+                                         r"\(5 words there, 5 here; id \d+ is '\S+' there, 'theta' here\): resume on "
+                                         r"the data of the run that saved .*last\.ckpt$"):
+        run(cfg_of(*args, "ckpt_path=last"), out)
+    assert files(out) == before

@@ -7,6 +7,7 @@ naming the first tensors that differ and the settings that differ from the confi
 the checkpoint."""
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 
@@ -39,6 +40,21 @@ def differing_settings(cfg: DictConfig, ckpt: Path) -> list[str]:
     return [f"{k}={saved.get(k)} (here {here.get(k)})" for k in keys]
 
 
+def vocabulary_change(words: list[str] | None, ckpt: Path) -> str | None:
+    """How the data's vocabulary ``words`` differs from the vocab.json of the run that saved
+    ``ckpt`` (its ids are the checkpoint's rows), or None where it is the same or either is missing."""
+    for path in (ckpt.parent.parent / "vocab.json", ckpt.parent / "vocab.json"):
+        if words is not None and path.is_file():
+            there = json.loads(path.read_text())["words"]
+            if there == words:
+                return None
+            i = next((i for i, (a, b) in enumerate(zip(there, words)) if a != b), min(len(there), len(words)))
+            a, b = (w[i] if i < len(w) else None for w in (there, words))
+            return (f"the data's vocabulary is not the one {path} holds ({len(there)} words there, {len(words)} "
+                    f"here; id {i} is {a!r} there, {b!r} here)")
+    return None
+
+
 def mismatches(saved: dict, here: dict, skip: str | None = None) -> list[str]:
     """The tensors of ``here`` (the built model's state) that ``saved`` lacks, holds beyond it, or
     holds in another shape; a key under ``skip`` is compared by name only."""
@@ -52,15 +68,23 @@ def mismatches(saved: dict, here: dict, skip: str | None = None) -> list[str]:
     return out
 
 
-def check_fits(cfg: DictConfig, module: torch.nn.Module, ckpt_path: str | Path) -> None:
-    """One line (ValueError) when the checkpoint's model state does not fit ``module``."""
+def check_fits(cfg: DictConfig, module: torch.nn.Module, ckpt_path: str | Path, words: list[str] | None = None) -> None:
+    """One line (ValueError) when the checkpoint's model state does not fit ``module``, or the data's
+    vocabulary ``words`` is not the one the checkpoint's run trained on (the same shapes, other
+    words for its ids: the corpus changed)."""
     ckpt = Path(ckpt_path)
     mmap = zipfile.is_zipfile(ckpt)  # torch.save's format (the legacy one cannot be mapped)
     state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=mmap).get("state_dict", {})
     sharded = getattr(getattr(module, "head", None), "parallel", "none") == "sharded"
     wrong = mismatches(state, module.state_dict(), "head." if sharded else None)
+    changed = vocabulary_change(words, ckpt)
     if not wrong:
+        if changed:
+            raise ValueError(f"ckpt_path={cfg.get('ckpt_path')}: {changed}: resume on the data of the run that "
+                             f"saved {ckpt}")
         return
+    if changed:
+        wrong.insert(0, changed)
     settings = differing_settings(cfg, ckpt)
     more = f" (and {len(wrong) - SHOWN} more)" if len(wrong) > SHOWN else ""
     hint = (f"; the settings that differ from the run that saved it: {', '.join(settings[:SHOWN])}"

@@ -302,7 +302,8 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     if ckpt is not None:
         from .checkpoint_fit import check_fits  # noqa: PLC0415
 
-        check_fits(cfg, module, ckpt)  # another model's checkpoint: one line, before the run writes anything
+        check_fits(cfg, module, ckpt, getattr(getattr(dm, "vocab", None), "words", None))  # another model's (or
+        # another corpus's) checkpoint: one line, before the run writes anything
     module.compiled = compile_choice(setting, body, module.head, device, trainer.world_size,
                                      trainer.accumulate_grad_batches)
     if pl.utilities.rank_zero_only.rank == 0 and (module.compiled.any or device.type == "cuda"):

@@ -150,9 +150,10 @@ def _load_hub(name, subset, path, text_column, fractions, seed, cache) -> datase
     if text_column not in columns:
         raise ValueError(f"data.text_column={text_column!r} is not a column of {name!r}: name one of {list(columns)}")
     kind = getattr(columns[text_column], "dtype", type(columns[text_column]).__name__)
-    if kind not in ("string", "large_string"):
+    text_types = ("string", "large_string")  # datasets' dtypes of text
+    if kind not in text_types:
         raise ValueError(f"data.text_column={text_column!r} of {name!r} holds {kind} values, not text: name one of "
-                         f"{[c for c, f in columns.items() if getattr(f, 'dtype', None) in ('string', 'large_string')]}")
+                         f"{[c for c, f in columns.items() if getattr(f, 'dtype', None) in text_types]}")
     if text_column != "text":
         dd = dd.select_columns([text_column]).rename_column(text_column, "text")
     dd = _carve_missing(dd, fractions, seed)
