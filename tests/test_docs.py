@@ -94,7 +94,7 @@ def runnable_overrides(line: str) -> list[str]:
         if (token.startswith("-") or token == "job" or not value or key.startswith("hydra.")
                 or re.search(r"[<$(]", token) or re.fullmatch(r"[A-Z]", value)):
             continue
-        out.append(f"{key}={value.split(',')[0]}")
+        out.append(token if value.startswith(("{", "[")) else f"{key}={value.split(',')[0]}")  # a dict, a list: one value
     return out
 
 
