@@ -43,8 +43,10 @@ def differing_settings(cfg: DictConfig, ckpt: Path) -> list[str]:
 def vocabulary_change(words: list[str] | None, ckpt: Path) -> str | None:
     """How the data's vocabulary ``words`` differs from the vocab.json of the run that saved
     ``ckpt`` (its ids are the checkpoint's rows), or None where it is the same or either is missing."""
+    if words is None:  # data without a vocabulary (the synthetic task)
+        return None
     for path in (ckpt.parent.parent / "vocab.json", ckpt.parent / "vocab.json"):
-        if words is not None and path.is_file():
+        if path.is_file():
             there = json.loads(path.read_text())["words"]
             if there == words:
                 return None

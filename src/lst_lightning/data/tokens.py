@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ import torch
 
 from .corpus import SPLITS, cache_dir
 from .flat import FlatDocuments
-from .vocab import Vocabulary, tokenize, tokenizer_file, tokenizer_of
+from .vocab import Vocabulary, tokenizer_file, tokenizer_of
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def tokenise(source, tokenizer: str, max_tokens: int | None = None) -> Tokenised
     """``source``'s documents tokenised (sources.py), from the cache when they are there."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"data.max_tokens must be >= 1 (or null: every token), got {max_tokens}")
-    tokenize("", tokenizer)  # an unknown tokenizer, before the long part
+    pieces = tokenizer_of(tokenizer)  # an unknown tokenizer, before the long part; a tokenizer.json read once
     path = token_cache() / cache_key(source, tokenizer, max_tokens)
     if (path / "meta.json").is_file():
         try:
@@ -180,7 +181,7 @@ def tokenise(source, tokenizer: str, max_tokens: int | None = None) -> Tokenised
     path.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".building-", dir=path.parent))
     try:
-        _build(source, tokenizer, max_tokens, work)
+        _build(source, tokenizer, pieces, max_tokens, work)
         try:
             os.replace(work, path)
         except OSError:  # another process finished the same corpus first
@@ -209,12 +210,11 @@ def _progress():
                     console=console, transient=True, disable=not console.is_terminal)
 
 
-def _build(source, tokenizer: str, max_tokens: int | None, out: Path) -> None:
+def _build(source, tokenizer: str, pieces: Callable[[str], list[str]], max_tokens: int | None, out: Path) -> None:
     start = time.perf_counter()
     log.info("data: tokenising %s with the %s tokenizer%s, once: later runs read %s", source.name, tokenizer,
              f", up to {max_tokens:,} tokens" if max_tokens else "", out.parent)
     size = source.size()
-    pieces = tokenizer_of(tokenizer)
     index: dict[str, int] = {}
     setdefault = index.setdefault
     buffers = {s: array.array("i") for s in SPLITS}
