@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lst_lightning.data import Vocabulary
-from lst_lightning.data.vocab import UNK, tokenize
+from lst_lightning.data.vocab import BOS, MARK, UNK, tokenize
 
 
 def test_vocab_sorted_by_frequency_with_unk():
@@ -34,7 +34,9 @@ def test_vocab_larger_than_corpus_is_an_error():
 
 def test_tokenizer():
     assert tokenize("The cat's 3 hats, isn't it?") == ["the", "cat's", "hats", "isn't", "it"]
-    assert tokenize("a <unk> b", "whitespace") == ["a", "<unk>", "b"]
+    assert tokenize("a <b> c", "whitespace") == ["a", "<b>", "c"]
+    # spelled like the vocabulary's own <unk> and <s> (wikitext's literal <unk>): a class of its own, marked
+    assert tokenize("a <unk> <s> b", "whitespace") == ["a", MARK + UNK, MARK + BOS, "b"]
     with pytest.raises(ValueError, match="tokenizer"):
         tokenize("x", "bpe")
 
@@ -68,3 +70,28 @@ def test_vocab_follows_its_rule(seed):
                 continue
             v = Vocabulary.build(docs, max_size, min_count, extra)
             assert (v.words, v.counts.tolist()) == _reference(docs, max_size, min_count, extra)
+
+
+@pytest.mark.parametrize("tokenizer", ["whitespace", "hf"])
+def test_a_corpus_that_spells_unk_and_s_builds_its_vocabulary(tmp_path, monkeypatch, tokenizer):
+    """wikitext holds the literal ``<unk>``; a tokenizer.json's special pieces (``<unk>``, ``<s>``)
+    turn up in code and web text. Each was a second ``<unk>`` (or ``<s>``) beside the vocabulary's own,
+    and the vocabulary refused to build ("words must be unique"): now a class of its own, marked."""
+    from lst_lightning.data import TextDataModule
+
+    monkeypatch.setenv("LST_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "c.txt"
+    path.write_text("\n\n".join(f"the <unk> sat on <s> mat {i} today" for i in range(80)))
+    if tokenizer == "hf":
+        tokenizers = pytest.importorskip("tokenizers")
+        tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="<unk>"))
+        tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+        trainer = tokenizers.trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>"])
+        tok.train_from_iterator([path.read_text()], trainer)
+        tok.save(str(tmp_path / "tokenizer.json"))
+        tokenizer = str(tmp_path / "tokenizer.json")
+    dm = TextDataModule("files", path=str(path), tokenizer=tokenizer, vocab_size=None, min_doc_tokens=1,
+                        context_size=2, pad_start=True, batch_size=8)
+    dm.setup()
+    words = dm.vocab.words
+    assert len(set(words)) == len(words) and {UNK, BOS, MARK + UNK, MARK + BOS} <= set(words)

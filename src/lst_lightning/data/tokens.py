@@ -42,7 +42,7 @@ from .vocab import Vocabulary, tokenizer_file, tokenizer_of
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # the layout and the tokenisers' version: a change makes new keys
+FORMAT = 2  # the layout and the tokenisers' version: a change makes new keys
 _FLUSH = 1 << 20  # ids buffered before they are written
 _CHUNK = 1 << 24  # ids encoded at a time
 

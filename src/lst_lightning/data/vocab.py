@@ -18,6 +18,14 @@ _WORD = re.compile(r"[^\W\d_]+(?:'[^\W\d_]+)?", re.UNICODE)
 # 0x1F, 1.5e-3, 10UL) and each other mark on its own, case kept.
 _CODE = re.compile(r"[^\W\d]\w*|\d+(?:\.\d+)?(?:[eE][+-]?\d+)?\w*|[^\w\s]", re.UNICODE)
 TOKENIZERS = ("words", "whitespace", "code")
+#: a corpus token spelled like one of the vocabulary's own (``<unk>``, ``<s>``: wikitext's literal
+#: ``<unk>``, a tokenizer's special pieces) is a class of its own, spelled with this mark before it
+MARK = "\u2060"
+
+
+def _own(tokens: list[str]) -> list[str]:
+    """``tokens`` with those spelled like ``<unk>`` or ``<s>`` marked (``MARK``)."""
+    return [MARK + t if t == UNK or t == BOS else t for t in tokens]
 
 
 def tokenize(text: str, kind: str = "words") -> list[str]:
@@ -30,11 +38,12 @@ def tokenizer_of(kind: str) -> Callable[[str], list[str]]:
     (matches SimLex); ``whitespace``, split only (for pre-tokenised corpora such as wikitext and
     lm1b); ``code``, identifiers, numbers and single punctuation marks, case kept (the source-code
     corpora); or a Hugging Face ``tokenizer.json`` (or a folder holding one, as a model's checkpoint
-    does), read now: its pieces, no special tokens added."""
+    does), read now: its pieces, no special tokens added. The two that can spell ``<unk>`` or ``<s>``
+    (whitespace, a tokenizer.json) mark such a token as a class of its own (``MARK``)."""
     if kind == "words":
         return lambda text: _WORD.findall(text.lower())
     if kind == "whitespace":
-        return str.split
+        return lambda text: _own(text.split()) if "<" in text else text.split()
     if kind == "code":
         return _CODE.findall
     path = tokenizer_file(kind)
@@ -47,7 +56,7 @@ def tokenizer_of(kind: str) -> Callable[[str], list[str]]:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the Rust parser's own error, one line
         raise ValueError(f"data.tokenizer={kind!r}: {path} is not a Hugging Face tokenizer.json ({e})") from e
-    return lambda text: tok.encode(text, add_special_tokens=False).tokens
+    return lambda text: _own(tok.encode(text, add_special_tokens=False).tokens)
 
 
 def tokenizer_file(kind: str) -> Path | None:
