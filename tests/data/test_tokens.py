@@ -199,3 +199,20 @@ def test_a_file_that_is_no_tokenizer_is_refused_in_one_line(tmp_path, cache):
     with pytest.raises(ValueError, match=r"^data\.tokenizer='.*': .*tokenizer\.json is not a Hugging Face "
                                          r"tokenizer\.json \([^\n]*\)$"):
         TextDataModule("files", path=str(_corpus(tmp_path)), tokenizer=str(tmp_path))
+
+
+def test_pieces_holding_newlines_and_backslashes_round_trip_through_the_cache(tmp_path, cache):
+    """A tokenizer.json whose pieces hold a newline or a backslash (SentencePiece vocabularies hold
+    "\\n" pieces): types.txt keeps one type a line, and the vocabulary read back is the pieces seen."""
+    tokenizers = pytest.importorskip("tokenizers")
+    text = "\n\n".join(f"a\nb c\\d e\\nf{i % 3} g\\\\h" for i in range(60))
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(" ", behavior="removed")
+    tok.train_from_iterator([text], tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    path = tmp_path / "c.txt"
+    path.write_text(text)
+    first = tokenise(CorpusSource(_args(path)), str(tmp_path))
+    again = tokenise(CorpusSource(_args(path)), str(tmp_path))  # read from the cache, its checks passed
+    assert again.path == first.path
+    assert set(again.types()) == {"a\nb", "c\\d", "e\\nf0", "e\\nf1", "e\\nf2", "g\\\\h"}

@@ -8,7 +8,7 @@ ranks. What it keeps, in ``$LST_CACHE_DIR/tokens/<corpus>-<tokenizer>-<key>/``:
 
 - ``<split>.ids.npy`` (int32: each token's rank) and ``<split>.offsets.npy`` (int64:
   where each document starts), read memory-mapped;
-- ``types.txt`` (the types by rank, one a line), ``counts.npy`` (their training counts);
+- ``types.txt`` (the types by rank, one a line: ``_escaped``), ``counts.npy`` (their training counts);
 - ``meta.json`` (documents and tokens per split, types, the seconds it took), written last.
 
 Any vocabulary is then a prefix of the ranks (vocab.py's order), and encoding a split is
@@ -25,6 +25,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -42,7 +43,7 @@ from .vocab import Vocabulary, tokenizer_file, tokenizer_of
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # the layout and the tokenisers' version: a change makes new keys
+FORMAT = 3  # the layout and the tokenisers' version: a change makes new keys
 _FLUSH = 1 << 20  # ids buffered before they are written
 _CHUNK = 1 << 24  # ids encoded at a time
 
@@ -96,7 +97,7 @@ class Tokenised:
     def types(self, n: int | None = None) -> list[str]:
         """The first ``n`` types by rank (all of them when None), read from the cache."""
         with (self.path / "types.txt").open(encoding="utf-8", errors="surrogatepass", newline="\n") as f:
-            return [line.removesuffix("\n") for line in itertools.islice(f, n)]
+            return [_unescaped(line.removesuffix("\n")) for line in itertools.islice(f, n)]
 
     @property
     def train_types(self) -> int:
@@ -143,6 +144,17 @@ def _lookup(table: np.ndarray, ids: np.ndarray) -> np.ndarray:
     for a in range(0, len(ids), _CHUNK):
         out[a : a + _CHUNK] = table[ids[a : a + _CHUNK]]
     return out
+
+
+def _escaped(token: str) -> str:
+    """``token`` on one line of types.txt: its backslashes doubled and its newlines written ``\\n`` (a
+    tokenizer.json's pieces may hold both)."""
+    return token.replace("\\", "\\\\").replace("\n", "\\n") if "\\" in token or "\n" in token else token
+
+
+def _unescaped(line: str) -> str:
+    """The token of a line of types.txt (``_escaped``'s inverse)."""
+    return re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], line) if "\\" in line else line
 
 
 def kept(vocab: Vocabulary, extra: tuple[str, ...] = ()) -> int:
@@ -256,7 +268,7 @@ def _build(source, tokenizer: str, pieces: Callable[[str], list[str]], max_token
         np.save(out / f"{s}.ids.npy", _lookup(rank, raw[s]))
         np.save(out / f"{s}.offsets.npy", np.concatenate([[0], np.cumsum(lengths[s], dtype=np.int64)]))
         (out / f"{s}.raw").unlink()
-    (out / "types.txt").write_text("\n".join(types[i] for i in order), "utf-8", "surrogatepass")
+    (out / "types.txt").write_text("\n".join(_escaped(types[i]) for i in order), "utf-8", "surrogatepass")
     np.save(out / "counts.npy", counts[order])
     meta = {"source": source.name, "tokenizer": tokenizer, "max_tokens": max_tokens,
             "capped": bool(max_tokens and tokens >= max_tokens),
