@@ -54,3 +54,21 @@ def test_a_resume_on_a_changed_corpus_is_refused_even_where_the_shapes_fit(tmp_p
                                          r"the data of the run that saved .*last\.ckpt$"):
         run(cfg_of(*args, "ckpt_path=last"), out)
     assert files(out) == before
+
+
+@pytest.mark.parametrize("data", [(), ("data=synthetic", "~data.vocab_size", "data.num_classes=300",
+                                         "data.train_size=2000", "data.eval_size=256")], ids=["wiki", "synthetic"])
+def test_a_resume_with_another_data_seed_is_refused_and_one_with_another_seed_alone_is_not(tmp_path, data):
+    """``seed=1`` on resume moves ``data.seed`` with it: the synthetic task's examples (and a corpus's
+    splits) are drawn anew, while every shape still fits and the task has no vocabulary to compare.
+    Refused in one line saying which seed to keep, before the run writes anything; ``data.seed``
+    pinned, another ``seed`` resumes."""
+    args = (*FAST, *data, "test=false", "trainer.max_steps=2")
+    run(cfg_of(*args), tmp_path)
+    before = files(tmp_path)
+    with pytest.raises(ValueError, match=r"^ckpt_path=last: data\.seed=1 draws other examples than the checkpoint's "
+                                         r"run's data\.seed=0 .*set data\.seed=0 to keep them .*: resume on the data "
+                                         r"of the run that saved .*last\.ckpt$"):
+        run(cfg_of(*args, "ckpt_path=last", "seed=1"), tmp_path)
+    assert files(tmp_path) == before
+    run(cfg_of(*args[:-1], "trainer.max_steps=4", "ckpt_path=last", "seed=1", "data.seed=0"), tmp_path)

@@ -4,7 +4,8 @@ ranks, and its own loader checks them). A resume with settings that change the m
 ``model.hidden_dim``, ``head``, ``data.vocab_size``) is refused in one line, before the run
 writes anything into its directory (its config.yaml and vocab.json are the checkpoint's run's),
 naming the first tensors that differ and the settings that differ from the config.yaml beside
-the checkpoint."""
+the checkpoint. So is a resume on other data with the same shapes: another vocabulary (an edited
+corpus) or another ``data.seed`` (other splits, or another synthetic task)."""
 from __future__ import annotations
 
 import json
@@ -57,6 +58,19 @@ def vocabulary_change(words: list[str] | None, ckpt: Path) -> str | None:
     return None
 
 
+def data_seed_change(cfg: DictConfig, ckpt: Path) -> str | None:
+    """How this run's ``data.seed`` differs from the run that saved ``ckpt``, or None. The seed draws
+    a corpus's held-out documents and the synthetic task's examples, so another one resumes on other
+    training examples, held-out ones among them, and the vocabulary check misses it where the
+    vocabulary stays (the synthetic task has none)."""
+    saved, here = (saved_config(ckpt) or {}).get("data.seed"), OmegaConf.select(cfg, "data.seed")
+    if saved is None or here is None or saved == here:
+        return None
+    return (f"data.seed={here} draws other examples than the checkpoint's run's data.seed={saved} (its splits, "
+            f"or the synthetic task's examples); set data.seed={saved} to keep them (seed={here} may stay, "
+            f"for the rest)")
+
+
 def mismatches(saved: dict, here: dict, skip: str | None = None) -> list[str]:
     """The tensors of ``here`` (the built model's state) that ``saved`` lacks, holds beyond it, or
     holds in another shape; a key under ``skip`` is compared by name only."""
@@ -79,7 +93,7 @@ def check_fits(cfg: DictConfig, module: torch.nn.Module, ckpt_path: str | Path, 
     state = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=mmap).get("state_dict", {})
     sharded = getattr(getattr(module, "head", None), "parallel", "none") == "sharded"
     wrong = mismatches(state, module.state_dict(), "head." if sharded else None)
-    changed = vocabulary_change(words, ckpt)
+    changed = "; ".join(filter(None, (data_seed_change(cfg, ckpt), vocabulary_change(words, ckpt))))
     if not wrong:
         if changed:
             raise ValueError(f"ckpt_path={cfg.get('ckpt_path')}: {changed}: resume on the data of the run that "
