@@ -8,7 +8,7 @@ from lst_lightning.integrations import factor_lm_head, head_follows_trainer, sch
 
 from round_trips import COPIES
 
-from .conftest import batch, tiny
+from .conftest import VOCAB, batch, tiny
 
 
 class Rows(torch.utils.data.Dataset):
@@ -191,6 +191,37 @@ def test_gradient_accumulation_under_the_trainer_is_exact(tmp_path):
     assert torch.allclose(W["whole"], W["halves"], rtol=1e-9, atol=1e-10)
     assert all(torch.allclose(whole[k], halves[k], rtol=1e-9, atol=1e-10) for k in whole if
                not k.startswith("lm_head.") or k.endswith(("Q", "wbar", "omega")))
+
+
+def accelerate_loop(batch_size, accumulate, mixed_precision="no"):
+    """A loop of your own under accelerate: ``Accelerator(gradient_accumulation_steps=...)``, its
+    ``accumulate`` context and ``backward``, and the head attached to the optimizer it returns
+    (an ``AcceleratedOptimizer``, which steps the torch optimizer at a window's end only)."""
+    from accelerate import Accelerator  # noqa: PLC0415
+    from accelerate.state import AcceleratorState, GradientState  # noqa: PLC0415
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, dtype=torch.float64).double()
+    accelerator = Accelerator(gradient_accumulation_steps=accumulate, mixed_precision=mixed_precision, cpu=True)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model.lm_head.attach(optimizer)
+    ids = torch.randint(0, VOCAB, (12, 10), generator=torch.Generator().manual_seed(2))  # no padding: equal tokens
+    for rows in ids.split(batch_size):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=rows, labels=rows).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+    return model, model.state_dict()
+
+
+def test_gradient_accumulation_in_an_accelerate_loop_is_exact():
+    """``head.attach(accelerated_optimizer)``: the wrapper's torch optimizer is attached, so the head
+    steps once a window, at the torch optimizer's step; two micro-batches of 2 a step give the model
+    that batches of 4 give (the wrapper itself has no step hooks: attaching it raised AttributeError)."""
+    (_, whole), (model, halves) = accelerate_loop(4, 1), accelerate_loop(2, 2)
+    assert int(halves["lm_head.steps"]) == 3 and model.lm_head.attached
+    assert all(torch.allclose(whole[k], halves[k], rtol=1e-9, atol=1e-10) for k in whole)
 
 
 def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():

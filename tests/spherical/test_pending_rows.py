@@ -139,6 +139,42 @@ def test_attach_refuses_heads_that_step_in_their_forward():
         f.attach(object())
 
 
+class Wrapper(torch.optim.Optimizer):
+    """An optimizer wrapper as accelerate's ``AcceleratedOptimizer`` is: an Optimizer that never
+    ran ``Optimizer.__init__`` (no step hooks of its own), stepping ``.optimizer`` on the steps it
+    takes, with the loop's ``.scaler``."""
+
+    def __init__(self, optimizer, scaler=None):
+        self.optimizer, self.scaler, self.takes = optimizer, scaler, False
+
+    def step(self, closure=None):
+        if self.takes:
+            self.optimizer.step()
+
+
+def test_a_wrapped_optimizer_is_attached_through_the_optimizer_it_wraps_with_its_scaler():
+    f, _ = make_pair("zloss")
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    opt = Wrapper(dummy_optimizer(), scaler)
+    f.attach(opt)
+    assert f.attached and f.pending.scaler is scaler and f.current_loss_scale() == 4.0
+    (H1, i1), *_ = micro_batches()
+    (f(H1, i1) * 4.0).backward()
+    opt.step()  # inside a window: the wrapped optimizer does not step, nor does the head
+    assert int(f.steps) == 0 and f.pending_rows == H1.shape[0]
+    opt.takes = True
+    opt.step()
+    assert int(f.steps) == 1 and f.pending_rows == 0
+
+
+def test_an_optimizer_without_step_hooks_is_refused_in_one_line_and_nothing_attached():
+    f, _ = make_pair("zloss")
+    with pytest.raises(TypeError, match=r"^attach\(\) needs an optimizer with torch's step hooks: Wrapper did not "
+                                        r"run torch\.optim\.Optimizer\.__init__ \(attach the optimizer it wraps\)$"):
+        f.attach(Wrapper(None))
+    assert not f.attached and f.pending.scaler is None
+
+
 def test_detach_steps_in_backward_again():
     f, _ = make_pair("zloss")
     opt = dummy_optimizer()

@@ -184,8 +184,7 @@ def head_follows_trainer():
             join_processes(self.head)
             self.patch.items_over_world = bool(args.average_tokens_across_devices)
             self.base_lr = self.head.lr
-            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
-            self.head.attach(inner, getattr(optimizer, "scaler", None), accumulate=args.gradient_accumulation_steps)
+            self.head.attach(optimizer, accumulate=args.gradient_accumulation_steps)  # accelerate's, and its scaler
             if self.head.device.type == "cuda" and state.is_world_process_zero:
                 log.info("head_follows_trainer: the head's %s step, its flags read every %d steps; not replayed from "
                          "a CUDA graph, which steps in the forward: the Trainer steps the head at its optimizer's step",

@@ -598,8 +598,10 @@ class SphericalHeadBase(OutputHead):
         step when the scaler skips). Several backward passes before one optimizer step
         accumulate exactly: one step on all their rows. ``accumulate``: the micro-batches
         of one optimizer step, when the loop knows it; a training forward that finds that
-        many kept and no step since raises (a loop that raised inside its window). Call
-        ``detach()`` to undo."""
+        many kept and no step since raises (a loop that raised inside its window). A wrapper
+        holding the torch optimizer as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``,
+        Lightning's and Fabric's) is attached through the optimizer it wraps, with its
+        ``.scaler`` where ``scaler`` is not given. Call ``detach()`` to undo."""
         self.pending.attach(self, optimizer, scaler, max_pending_rows, accumulate)
 
     def detach(self) -> None:
