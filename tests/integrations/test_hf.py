@@ -1,4 +1,5 @@
 import os
+import warnings
 
 import pytest
 import torch
@@ -416,6 +417,22 @@ def test_a_saved_shard_of_v_carries_its_rows_and_loads_only_into_them():
     with pytest.raises(ValueError, match=f"rows 0:20 of V's {VOCAB}.*gather_head_for_checkpoint") as e:
         model.load_state_dict(shard)
     assert "\n" not in str(e.value) and same_state(before, model.state_dict())
+
+
+def test_saving_a_shard_of_v_warns_that_from_pretrained_would_get_a_random_lm_head(tmp_path):
+    """``save_pretrained`` on one rank of a sharded head whose V was not gathered writes that rank's
+    rows and no dense lm_head (there is no W to form): one warning naming the fix, the file written."""
+    model = factor_lm_head(tiny("llama"))
+    state = model.state_dict()
+    shard = {**state, "lm_head.V": state["lm_head.V"][:20].clone(), "lm_head.v_rows": torch.tensor([0, 20])}
+    with pytest.warns(UserWarning, match=r"^save_pretrained: this file holds this rank's rows .*LlamaForCausalLM"
+                                         r"\.from_pretrained would make a random lm_head: call "
+                                         r"gather_head_for_checkpoint\(model\) on every rank before the save$"):
+        model.save_pretrained(tmp_path, state_dict=shard)
+    assert (tmp_path / "model.safetensors").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.save_pretrained(tmp_path / "whole")  # the whole V: no warning
 
 
 def test_under_bf16_autocast_the_loss_is_the_heads_loss_in_its_own_precision():

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..heads.targets import target_slots
+from ..heads.user_warning import warn
 from ..spherical import FactoredSphericalHead
 from ..spherical.blocks import weight_of
 from ..spherical.factored import V_ROWS
@@ -233,7 +234,12 @@ def _save_pretrained(model: nn.Module, *args, **kwargs):
     call = inspect.signature(type(model).save_pretrained).bind(model, *args, **kwargs)  # state_dict however given
     given = call.arguments.get("state_dict")
     state = dict(model.state_dict() if given is None else given)
-    state.update(dense_lm_head(model, state))
+    dense = dense_lm_head(model, state)
+    if not dense and "lm_head.V" in state:  # a sharded head's rows on this rank, its V not gathered
+        warn(f"save_pretrained: this file holds this rank's rows of the sharded head's V only, and no dense "
+             f"lm_head.weight, so {type(model).__name__}.from_pretrained would make a random lm_head: call "
+             f"gather_head_for_checkpoint(model) on every rank before the save")
+    state.update(dense)
     call.arguments["state_dict"] = state
     return type(model).save_pretrained(*call.args, **call.kwargs)
 
