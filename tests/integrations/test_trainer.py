@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from lst_lightning.integrations import factor_lm_head, head_follows_trainer, scheduled_lr
+from lst_lightning.integrations import export_dense_head, factor_lm_head, head_follows_trainer, scheduled_lr
 
 from round_trips import COPIES
 
@@ -222,6 +222,25 @@ def test_gradient_accumulation_in_an_accelerate_loop_is_exact():
     (_, whole), (model, halves) = accelerate_loop(4, 1), accelerate_loop(2, 2)
     assert int(halves["lm_head.steps"]) == 3 and model.lm_head.attached
     assert all(torch.allclose(whole[k], halves[k], rtol=1e-9, atol=1e-10) for k in whole)
+
+
+def test_a_model_accelerate_unwraps_from_mixed_precision_keeps_its_forward_and_pickles(tmp_path):
+    """``unwrap_model(model, keep_fp32_wrapper=False)`` binds the forward accelerate wrapped in autocast
+    to the model, as a class's function: the patched forward was then called with the model as its
+    input ids (TypeError). It gives the exported model's logits, and the model pickles."""
+    from accelerate import Accelerator  # noqa: PLC0415
+
+    model, _ = accelerate_loop(2, 2, mixed_precision="bf16")
+    plain = Accelerator().unwrap_model(model, keep_fp32_wrapper=False).eval()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = plain(input_ids=ids).logits
+        assert torch.equal(plain(ids).logits, logits)
+    torch.save(plain, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, logits)
+        assert torch.allclose(export_dense_head(loaded)(input_ids=ids).logits, logits, rtol=1e-9, atol=1e-9)
 
 
 def test_scheduled_lr_scales_the_heads_lr_and_stays_positive():
