@@ -419,6 +419,23 @@ def test_a_saved_shard_of_v_carries_its_rows_and_loads_only_into_them():
     assert "\n" not in str(e.value) and same_state(before, model.state_dict())
 
 
+def test_the_compiled_model_steps_as_the_eager_one(family):
+    """torch.compile(model), as the Trainer's ``torch_compile`` and accelerate's dynamo plugin do: the
+    patched forward is traced with the body, the head's step runs outside the graph, and the losses
+    and the head are the eager model's, step for step."""
+    compiled, eager = factor_lm_head(tiny(family), lr=0.5), factor_lm_head(tiny(family), lr=0.5)
+    run = torch.compile(compiled, backend="aot_eager")
+    ids, mask, labels = batch()
+    for _ in range(3):
+        a = run(input_ids=ids, attention_mask=mask, labels=labels).loss
+        b = eager(input_ids=ids, attention_mask=mask, labels=labels).loss
+        a.backward()
+        b.backward()
+        assert torch.allclose(a, b, rtol=1e-6)
+    assert int(compiled.lm_head.steps) == 3
+    assert torch.allclose(compiled.lm_head.weight(), eager.lm_head.weight(), atol=1e-6)
+
+
 def test_saving_a_shard_of_v_warns_that_from_pretrained_would_get_a_random_lm_head(tmp_path):
     """``save_pretrained`` on one rank of a sharded head whose V was not gathered writes that rank's
     rows and no dense lm_head (there is no W to form): one warning naming the fix, the file written."""
@@ -476,7 +493,7 @@ def test_a_patched_trained_model_pickles_and_deep_copies_with_its_forward_and_he
     ids, mask, labels = batch()
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     for twin in (make(model) for make in COPIES):  # each of the model as it is then
-        assert twin.forward.args[0] is twin and factored_head(twin) is not factored_head(model)
+        assert twin.forward.model is twin and factored_head(twin) is not factored_head(model)
         a, b = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (model, twin))
         assert a.logits is None and b.logits is None and torch.equal(a.loss, b.loss)
         a.loss.backward()

@@ -189,28 +189,37 @@ def factor_lm_head(model: nn.Module, **head_kwargs) -> nn.Module:
     setattr(model, PATCH, patch)
     model.lm_head = head
     ddp_ignores_head(model, "lm_head", head)  # several processes: the head keeps its replicas itself
-    # an instance attribute (export deletes it); a partial, which pickles by reference, not a bound method
-    model.forward = OwnForward(_forward, model)
+    model.forward = OwnForward(model)  # an instance attribute (export deletes it)
     model.resize_token_embeddings = functools.partial(_resize_refused, model)  # the same way
     model.save_pretrained = functools.partial(_save_pretrained, model)  # the same way
     return model
 
 
-class OwnForward(functools.partial):
-    """``functools.partial(_forward, model)``, the patched model's forward as an attribute of its own.
-    accelerate's ``unwrap_model(model, keep_fp32_wrapper=False)`` gives a model the forward it wrapped
-    for mixed precision bound to the model, as it would a class's function, so the call comes with
-    the model first: that argument is dropped, and this forward takes its place back (bound, it cannot
-    be pickled)."""
+class OwnForward:
+    """The patched model's forward, ``_forward`` with the model, an attribute of its own that pickles
+    by reference (a bound method would pickle as the class's). accelerate's
+    ``unwrap_model(model, keep_fp32_wrapper=False)`` gives a model the forward it wrapped for mixed
+    precision bound to the model, as it would a class's function, so the call comes with the model
+    first: that argument is dropped, and this forward takes its place back (bound, it cannot be
+    pickled)."""
 
-    def __call__(self, /, *args, **kwargs):
-        model = self.args[0]
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """``_forward``'s without the model, as ``inspect.signature`` reports a partial's: the HF Trainer
+        keeps the dataset's columns the forward names."""
+        return inspect.signature(functools.partial(_forward, self.model))
+
+    def __call__(self, *args, **kwargs):
+        model = self.model
         if args and args[0] is model:
             args = args[1:]
             bound = vars(model).get("forward")
             if getattr(bound, "__func__", None) is self:
                 vars(model)["forward"] = self
-        return super().__call__(*args, **kwargs)
+        return _forward(model, *args, **kwargs)
 
 
 def _resize_refused(model: nn.Module, *args, **kwargs):

@@ -84,10 +84,10 @@ def drop_autocast_wrapper(model) -> None:
     an ordinary model's forward is a bound method, which pickling takes back to the class's, but
     the patched forward is the model's own attribute, so ``torch.save(model)`` failed after
     training. The model is then as an ordinary one is once saved and loaded."""
-    from .hf import _forward
+    from .hf import OwnForward
 
     original = vars(model).get("_original_forward")
-    if getattr(original, "func", None) is _forward and "forward" in vars(model):
+    if isinstance(original, OwnForward) and "forward" in vars(model):
         model.forward = original
         del model._original_forward
 
