@@ -2,6 +2,7 @@
 accumulation, the loss scale divided out, no step when the GradScaler skips), once per
 forward, and never in eval mode."""
 import copy
+import types
 import warnings
 
 import pytest
@@ -172,6 +173,10 @@ def test_an_optimizer_without_step_hooks_is_refused_in_one_line_and_nothing_atta
     with pytest.raises(TypeError, match=r"^attach\(\) needs an optimizer with torch's step hooks: Wrapper did not "
                                         r"run torch\.optim\.Optimizer\.__init__ \(attach the optimizer it wraps\)$"):
         f.attach(Wrapper(None))
+    # not an Optimizer, though it holds one (Lightning's LightningOptimizer): its scaler is the loop's
+    with pytest.raises(TypeError, match=r"^attach\(\) needs a torch\.optim\.Optimizer, got SimpleNamespace \(in "
+                                        r"Lightning, the HeadSteps callback attaches the head: .*\)$"):
+        f.attach(types.SimpleNamespace(optimizer=dummy_optimizer()))
     assert not f.attached and f.pending.scaler is None
 
 

@@ -600,7 +600,7 @@ class SphericalHeadBase(OutputHead):
         of one optimizer step, when the loop knows it; a training forward that finds that
         many kept and no step since raises (a loop that raised inside its window). A wrapper
         holding the torch optimizer as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``,
-        Lightning's and Fabric's) is attached through the optimizer it wraps, with its
+        Fabric's) is attached through the optimizer it wraps, with its
         ``.scaler`` where ``scaler`` is not given. Call ``detach()`` to undo."""
         self.pending.attach(self, optimizer, scaler, max_pending_rows, accumulate)
 

@@ -50,13 +50,14 @@ class PendingRows:
 
     def attach(self, head, optimizer: torch.optim.Optimizer, scaler=None, max_pending_rows: int | None = None,
                accumulate: int | None = None) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__} (in Lightning, "
+                            "the HeadSteps callback attaches the head: from lst_lightning.app.callbacks import HeadSteps)")
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            # a wrapper (accelerate's AcceleratedOptimizer, Lightning's and Fabric's) steps the optimizer
-            # it wraps on the steps it takes (not inside an accumulation window, not when its scaler skips)
+            # a wrapper (accelerate's AcceleratedOptimizer, Fabric's) steps the optimizer it wraps on the
+            # steps it takes (not inside an accumulation window, not when its scaler skips)
             optimizer, scaler = inner, scaler if scaler is not None else getattr(optimizer, "scaler", None)
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not hasattr(optimizer, "_optimizer_step_post_hooks"):
             raise TypeError(f"attach() needs an optimizer with torch's step hooks: {type(optimizer).__name__} did not "
                             "run torch.optim.Optimizer.__init__ (attach the optimizer it wraps)")
