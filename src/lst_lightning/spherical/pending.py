@@ -51,8 +51,9 @@ class PendingRows:
     def attach(self, head, optimizer: torch.optim.Optimizer, scaler=None, max_pending_rows: int | None = None,
                accumulate: int | None = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__} (in Lightning, "
-                            "the HeadSteps callback attaches the head: from lst_lightning.app.callbacks import HeadSteps)")
+            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__} (in "
+                            "Lightning, the HeadSteps callback attaches the head: from lst_lightning.app.callbacks "
+                            "import HeadSteps)")
         inner = getattr(optimizer, "optimizer", None)
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
             # a wrapper (accelerate's AcceleratedOptimizer, Fabric's) steps the optimizer it wraps on the
