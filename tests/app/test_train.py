@@ -438,3 +438,18 @@ def test_the_summary_puts_the_runs_own_figures_under_no_split(capsys):
     out = capsys.readouterr().out.splitlines()
     assert not any("step_time_ms" in line and "│" in line for line in out)
     assert "step_time_ms 2.5, wall_s 9" in out
+
+
+@pytest.mark.parametrize("over,refusal", [
+    (["trainer=ddp_cpu", "head.parallel=replicated", "data.train_size=300"],
+     "300 examples, fewer than one batch of 512 \\(data\\.batch_size=256 on each of 2 processes\\)"),
+    (["data.train_size=100"], "100 examples, fewer than one batch of 256 \\(data\\.batch_size=256\\)"),
+], ids=["two processes", "synthetic"])
+def test_a_training_split_that_fills_no_batch_of_the_world_is_refused_before_any_process_starts(tmp_path, over,
+                                                                                               refusal):
+    """The data module's setup checks one process's batch, and the training loader the world's, but
+    there spawned workers (and Lightning's fit) raised it as a traceback: the built run checks it
+    with the trainer's world, in one line, before the run writes or spawns anything."""
+    with pytest.raises(ValueError, match=rf"^the training split gives {refusal}"):
+        run(cfg_of("logger=csv", "callbacks=minimal", "data=synthetic", "data.num_classes=300", *over), tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -199,11 +199,12 @@ def check_strategy(trainer) -> None:
                          "head too large for one GPU use head.parallel=sharded (docs/multi_gpu.md)")
 
 
-def check_built(cfg: DictConfig, module, trainer) -> None:
+def check_built(cfg: DictConfig, dm, module, trainer) -> None:
     """Every check of the built run that needs the objects themselves, in one place, before
     any process is started: the strategy, the head with accumulation, a graph step on its
     device, the head and the processes, a sharded head and spawn, a callback that averages the
-    head's buffers (``+callbacks.<name>._target_``)."""
+    head's buffers (``+callbacks.<name>._target_``), a training split that fills no batch of
+    the world's."""
     from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher  # noqa: PLC0415
 
     from .callbacks.head_steps import check_weight_averaging  # noqa: PLC0415
@@ -215,6 +216,7 @@ def check_built(cfg: DictConfig, module, trainer) -> None:
     check_accumulation(cfg, head)
     check_graph_step(head, trainer)
     check_distributed(head, trainer.world_size)
+    dm.check_one_batch(len(dm.splits["train"]), trainer.world_size)  # spawned workers would raise it as a traceback
     if getattr(head, "parallel", "none") == "sharded" and isinstance(trainer.strategy.launcher, _MultiProcessingLauncher):
         # The workers hand the model back through rank 0's state_dict: one shard of V.
         raise ValueError(f"head.parallel=sharded cannot run under trainer.strategy={cfg.trainer.strategy}: spawned "
@@ -298,7 +300,7 @@ def build(cfg: DictConfig, run_dir: str | Path, extra_callbacks: Sequence = ()):
     )
     if cfg.head.get("step") == AUTO:
         choose_step(module.head, trainer)
-    check_built(cfg, module, trainer)
+    check_built(cfg, dm, module, trainer)
     if ckpt is not None:
         from .checkpoint_fit import check_fits  # noqa: PLC0415
 
