@@ -625,7 +625,8 @@ class SphericalHeadBase(OutputHead):
     def _warn_loss_factor(self, factor: float) -> None:
         self._warn_once("weight", f"{type(self).__name__}: the loss reached the head multiplied by {factor:g} and "
                                   "the head stepped with that factor. If this is gradient accumulation or a loss "
-                                  "scaler, attach the head to the optimizer for one exact step: head.attach(optimizer, scaler); "
+                                  "scaler, attach the head to the optimizer for one exact step: head.attach(optimizer, scaler) "
+                                  "(in an accelerate loop, the optimizer accelerator.prepare returns); "
                                   "in Lightning, Trainer(callbacks=[HeadSteps()]) with "
                                   "`from lst_lightning.app.callbacks import HeadSteps`")
 
