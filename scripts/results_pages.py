@@ -928,7 +928,8 @@ def key_figures_block() -> str:
 
 
 #: the real corpus that answers for a row of the "which head" table (its D cell)
-REAL_CASES = {"10^5": ("python_code", "Python code"), "10^6": ("linux_source", "Linux C")}
+REAL_CASES = {"10^4": ("wiki", "the Wikipedia extract"), "10^5": ("python_code", "Python code"),
+              "10^6": ("linux_source", "Linux C")}
 
 
 def real_cell(case: str, label: str) -> str:
