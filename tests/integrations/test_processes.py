@@ -5,10 +5,9 @@ import os
 
 import pytest
 import torch
+from forked_ranks import fork_ranks
 
 from lst_lightning.integrations import export_dense_head, factor_lm_head
-
-from forked_ranks import fork_ranks
 
 from .conftest import VOCAB, tiny
 
