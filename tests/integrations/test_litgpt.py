@@ -1,19 +1,23 @@
 """litgpt's GPT with the factored head (factor_gpt_head): tiny random-init models of the
 real class, trained by Fabric and Lightning loops, exported back to an ordinary GPT."""
 import importlib
+import warnings
 
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision
 from litgpt import GPT, Config
 from litgpt.generate.base import generate
 from litgpt.utils import chunked_cross_entropy
+from round_trips import COPIES
 from torch import nn
 
 from lst_lightning.app.callbacks.head_steps import HeadSteps
 from lst_lightning.integrations import export_dense_head, factor_gpt_head, factored_head, sampling_logits
 from lst_lightning.spherical import NaiveSphericalHead
-from round_trips import COPIES
+
+from head_pairs import rel
 
 VOCAB, PADDED, HIDDEN, T = 40, 48, 16, 12
 
@@ -102,13 +106,18 @@ def test_the_loss_is_the_dense_heads_on_the_same_outputs_as_litgpt_computes_it(l
 
 
 def fabric_run(batch: int, accumulate: int, steps: int = 3, precision="64-true"):
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
+    if precision == "16-mixed":  # Fabric's fp16 with its GradScaler (on the CPU only as a plugin)
+        fabric = L.Fabric(accelerator="cpu", devices=1,
+                          plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))])
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision)
     model = factor_gpt_head(tiny_gpt(), loss="zloss", lr=0.5, dtype=torch.float64 if precision == "64-true" else
                             torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = fabric.setup(model, optimizer)
     head = factored_head(model.module)
-    head.attach(optimizer)  # the Fabric-wrapped optimizer: one head step per optimizer step
+    head.attach(optimizer)  # the Fabric-wrapped optimizer: one head step per optimizer step, with its scaler
+    assert head.pending.scaler is getattr(fabric.strategy.precision, "scaler", None)
     # every row padded alike: litgpt's loss / accumulate is then the batch's mean over real tokens
     ids, targets = rows(m=batch * accumulate * steps, seed=3, padded=slice(None))
     losses = []
@@ -133,6 +142,19 @@ def test_a_fabric_loop_accumulates_exactly():
     assert int(factored_head(halves).steps) == 3
     a, b = state(whole), state(halves)
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12) for k in a)
+
+
+def test_a_fabric_loop_under_fp16_divides_its_scalers_scale_out_of_the_head_step():
+    """Under Fabric's 16-mixed, ``fabric.backward`` multiplies the loss by its GradScaler's scale:
+    ``attach(optimizer)`` takes that scaler from Fabric's optimizer, so the head steps as under
+    32-true (a head not given it steps 65 536 times too far)."""
+    ref, _ = fabric_run(batch=2, accumulate=2, steps=4, precision="32-true")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*multiplied by")
+        model, _ = fabric_run(batch=2, accumulate=2, steps=4, precision="16-mixed")
+        factored_head(model).sync()
+    assert int(factored_head(model).steps) == 4
+    assert rel(factored_head(model).weight(), factored_head(ref).weight()) < 1e-4
 
 
 def test_a_fabric_loop_under_bf16_mixed_lowers_the_loss():
@@ -251,7 +273,9 @@ def test_a_lora_gpt_trains_its_lora_weights_and_the_head_and_exports_its_lora_li
     """litgpt.lora's GPT without LoRA on lm_head (a LoRALinear of rank 0): patched, its logits are
     the model's; your optimizer trains the LoRA weights (the rest frozen), the head takes its own
     step; export puts the LoRALinear back around a layer holding W."""
-    from litgpt.lora import GPT as LoraGPT, Config as LoraConfig, LoRALinear, mark_only_lora_as_trainable  # noqa: PLC0415
+    from litgpt.lora import GPT as LoraGPT  # noqa: PLC0415
+    from litgpt.lora import Config as LoraConfig
+    from litgpt.lora import LoRALinear, mark_only_lora_as_trainable
 
     torch.manual_seed(0)
     model = LoraGPT(LoraConfig(**TINY, lora_r=4, lora_alpha=8, lora_query=True, lora_value=True))
@@ -282,7 +306,8 @@ def test_a_lora_gpt_trains_its_lora_weights_and_the_head_and_exports_its_lora_li
 def test_adapters_gpt_with_its_linear_lm_head_trains_and_exports():
     """litgpt.adapter's GPT keeps a linear lm_head: patched, its logits are the model's, it trains
     the head, and export gives its lm_head back."""
-    from litgpt.adapter import GPT as AdapterGPT, Config as AdapterConfig  # noqa: PLC0415
+    from litgpt.adapter import GPT as AdapterGPT  # noqa: PLC0415
+    from litgpt.adapter import Config as AdapterConfig
 
     torch.manual_seed(0)
     model = AdapterGPT(AdapterConfig(**TINY, adapter_prompt_length=4, adapter_start_layer=0))

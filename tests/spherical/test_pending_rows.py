@@ -245,6 +245,38 @@ def test_grad_scaler_scale_is_divided_out_of_the_head_step(attach):
     assert head.current_loss_scale() == scaler.get_scale()  # the scale the head divides out, however told
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_scaled_loss_reaching_an_attached_head_with_no_scaler_is_warned(which):
+    """attach(optimizer) in a loop whose GradScaler the head was not given: the gradient it gets
+    is the loss scale, more than any accumulation's 1/N, and a warning names the fix."""
+    batches = scaled_batches(2)
+    body, _ = body_and_head()
+    head = make_pair("zloss", lr=0.1)[which]  # factored (flags read by head.sync()) and naive (at once)
+    opt = torch.optim.SGD(body.parameters(), lr=0.05)
+    head.attach(opt)  # the scaler not passed
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    with pytest.warns(UserWarning, match=r"multiplied by 65536 while it waits for the optimizer's step.*"
+                                         r"pass it: head\.attach\(optimizer, scaler\)$"):
+        for x, idx in batches:
+            scaler.scale(head(body(x), idx)).backward()
+            scaler.step(opt)
+            scaler.update()
+        head.sync()
+
+
+def test_accumulated_micro_batches_of_an_attached_head_are_not_warned():
+    body, head = body_and_head()
+    opt = torch.optim.SGD(body.parameters(), lr=0.05)
+    head.attach(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x, idx in scaled_batches(4):
+            (head(body(x), idx) / 2).backward()
+        opt.step()
+        head.sync()
+    assert int(head.steps) == 1
+
+
 def test_head_skips_its_step_when_the_scaler_skips():
     batches = scaled_batches()
     body0, head0 = body_and_head()

@@ -623,6 +623,11 @@ class SphericalHeadBase(OutputHead):
         self.pending.apply(self)
 
     def _warn_loss_factor(self, factor: float) -> None:
+        if self.pending.hook is not None:
+            self._warn_once("weight", f"{type(self).__name__}: the loss reached the head multiplied by {factor:g} "
+                                      "while it waits for the optimizer's step, and the head stepped with that "
+                                      "factor. If this is a loss scaler, pass it: head.attach(optimizer, scaler)")
+            return
         self._warn_once("weight", f"{type(self).__name__}: the loss reached the head multiplied by {factor:g} and "
                                   "the head stepped with that factor. If this is gradient accumulation or a loss "
                                   "scaler, attach the head to the optimizer for one exact step: head.attach(optimizer, scaler) "

@@ -30,6 +30,13 @@ from .settings import positive_int
 MAX_PENDING_ROWS = 1 << 20
 
 
+def wrapper_scaler(wrapper) -> torch.amp.GradScaler | None:
+    """The GradScaler an optimizer wrapper steps with: accelerate's ``.scaler``, Fabric's its
+    strategy's precision's (``fabric.strategy.precision.scaler``), else None."""
+    fabric = getattr(getattr(getattr(wrapper, "_strategy", None), "precision", None), "scaler", None)
+    return getattr(wrapper, "scaler", None) or fabric
+
+
 class PendingRows:
     """The rows kept for the attached optimizer's next step, the loss scale, and the checks
     of an accumulation window. The head provides ``_hidden_grad(saved, grad)`` (dL/dH, no
@@ -58,7 +65,7 @@ class PendingRows:
         if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
             # a wrapper (accelerate's AcceleratedOptimizer, Fabric's) steps the optimizer it wraps on the
             # steps it takes (not inside an accumulation window, not when its scaler skips)
-            optimizer, scaler = inner, scaler if scaler is not None else getattr(optimizer, "scaler", None)
+            optimizer, scaler = inner, scaler if scaler is not None else wrapper_scaler(optimizer)
         if not hasattr(optimizer, "_optimizer_step_post_hooks"):
             raise TypeError(f"attach() needs an optimizer with torch's step hooks: {type(optimizer).__name__} did not "
                             "run torch.optim.Optimizer.__init__ (attach the optimizer it wraps)")
@@ -119,6 +126,12 @@ class PendingRows:
         """The backward of a micro-batch of ``m`` rows while attached: dL/dH now, its rows kept for
         the step."""
         scale = self.scale()
+        if grad.numel() == 1 and "weight" not in head._warned:  # more than 1: a loss scaler not attached
+            factor = getattr(head, "_loss_factor", None)  # the factored head's: warned at the flags' read
+            if factor is not None:
+                factor.copy_(torch.where(grad > scale, grad.to(torch.float64) / scale, factor))
+            elif float(grad) > scale:
+                head._warn_loss_factor(float(grad) / scale)  # the naive head's: at once
         if self._scaler_skipped():
             self.scaler_skips += 1
             self.discard()
