@@ -149,6 +149,28 @@ def test_no_logits_in_training_and_training_lowers_the_loss(family):
     assert losses[-1] < 0.9 * losses[0] and int(model.lm_head.steps) == 8
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gradient_checkpointing_trains_the_model_bit_for_bit_as_without_it(use_reentrant):
+    """``gradient_checkpointing_enable()`` (the Trainer's ``gradient_checkpointing=True``) runs the
+    body's layers again in the backward: the head still steps once per backward, on the same dL/dH."""
+    ids, mask, labels = batch()
+    models = []
+    for checkpointing in (False, True):
+        model = factor_lm_head(tiny("llama"), loss="zloss", lr=0.5, dtype=torch.float64).double()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            opt.step()
+        models.append(model)
+    plain, checkpointed = models
+    assert int(factored_head(checkpointed).steps) == 3
+    assert same_state(state(plain), state(checkpointed))
+
+
 def test_num_items_in_batch_two_halves_equal_the_full_batch():
     ids, mask, labels = batch(m=3)
     n = int((labels[:, 1:] != -100).sum())
