@@ -232,6 +232,9 @@ def test_a_model_accelerate_unwraps_from_mixed_precision_keeps_its_forward_and_p
 
     model, _ = accelerate_loop(2, 2, mixed_precision="bf16")
     plain = Accelerator().unwrap_model(model, keep_fp32_wrapper=False).eval()
+    with pytest.raises(AttributeError, match=r"^LlamaForCausalLM's patched forward, bound to the model by "
+                                             r"accelerate's unwrap_model.*: call the model once first"):
+        torch.save(plain, tmp_path / "bound.pt")  # before its first call: refused with the fix
     ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = plain(input_ids=ids).logits

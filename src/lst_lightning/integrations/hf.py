@@ -212,6 +212,14 @@ class OwnForward:
         keeps the dataset's columns the forward names."""
         return inspect.signature(functools.partial(_forward, self.model))
 
+    @property
+    def __name__(self) -> str:
+        """What pickle asks of a bound forward, refused with the fix (an AttributeError, so that
+        ``functools.wraps`` and others that ask with a default go on)."""
+        raise AttributeError(f"{type(self.model).__name__}'s patched forward, bound to the model by accelerate's "
+                             "unwrap_model(model, keep_fp32_wrapper=False), cannot be pickled: call the model once "
+                             "first (the forward then takes its own place back), or save model.state_dict()")
+
     def __call__(self, *args, **kwargs):
         model = self.model
         if args and args[0] is model:
