@@ -31,10 +31,12 @@ MAX_PENDING_ROWS = 1 << 20
 
 
 def wrapper_scaler(wrapper) -> torch.amp.GradScaler | None:
-    """The GradScaler an optimizer wrapper steps with: accelerate's ``.scaler``, Fabric's its
-    strategy's precision's (``fabric.strategy.precision.scaler``), else None."""
-    fabric = getattr(getattr(getattr(wrapper, "_strategy", None), "precision", None), "scaler", None)
-    return getattr(wrapper, "scaler", None) or fabric
+    """The GradScaler an optimizer wrapper steps with: accelerate's ``.scaler``, else its strategy's
+    precision's (Fabric's ``fabric.strategy.precision.scaler``, Lightning's LightningOptimizer's
+    ``trainer.strategy.precision_plugin.scaler``), else None."""
+    strategy = getattr(wrapper, "_strategy", None)
+    precision = getattr(strategy, "precision", None) or getattr(strategy, "precision_plugin", None)
+    return getattr(wrapper, "scaler", None) or getattr(precision, "scaler", None)
 
 
 class PendingRows:

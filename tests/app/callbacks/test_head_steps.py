@@ -102,6 +102,41 @@ def test_16_mixed_grad_scaler_step_is_unscaled():
     assert rel(module.body.weight, reference.body.weight) < 1e-12
 
 
+class Manual(Plain):
+    """Manual optimization, without HeadSteps: the head attached by hand to ``self.optimizers()``
+    (a LightningOptimizer), two micro-batches an optimizer step."""
+
+    def __init__(self, head):
+        super().__init__(head)
+        self.automatic_optimization = False
+
+    def on_train_start(self):
+        self.head.attach(self.optimizers())
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(super().training_step(batch, batch_idx) / 2)
+        if batch_idx % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("which", [0, 1])  # factored, naive
+def test_manual_optimization_under_16_mixed_attaches_with_the_trainers_scaler(which):
+    """``head.attach(self.optimizers())`` takes the scaler of the Trainer's precision: one unscaled
+    step per optimizer step, on the union (not given it, the head stepped 65 536 times too far)."""
+    head = make_pair("zloss", D=D, d=d, lr=0.3)[which]
+    ref = make_pair("zloss", D=D, d=d, lr=0.3)[which]
+    ref.reset_weight(head.weight())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+    module = Manual(head)
+    fit(module, callbacks=[], plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+    reference = by_hand(ref, 2)
+    assert head.pending.scaler is scaler and scaler.get_scale() == 2.0 ** 16 and int(head.steps) == 3
+    assert rel(head.weight(), ref.weight()) < 1e-12
+    assert rel(module.body.weight, reference.body.weight) < 1e-12
+
+
 @pytest.mark.parametrize("which", [0, 1])  # factored, naive
 def test_weight_averaging_of_a_factored_heads_buffers_is_refused_and_without_them_the_head_is_as_trained(which):
     """Lightning's EMAWeightAveraging averages every buffer by default and writes the average into
