@@ -633,7 +633,8 @@ class SphericalHeadBase(OutputHead):
                                   "scaler, attach the head to the optimizer for one exact step: head.attach(optimizer, scaler) "
                                   "(in an accelerate loop, the optimizer accelerator.prepare returns); "
                                   "in Lightning, Trainer(callbacks=[HeadSteps()]) with "
-                                  "`from lst_lightning.app.callbacks import HeadSteps`")
+                                  "`from lst_lightning.app.callbacks import HeadSteps` (under manual optimization, "
+                                  "head.attach(self.optimizers()) in on_train_start)")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
