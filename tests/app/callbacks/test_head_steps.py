@@ -49,16 +49,18 @@ def fit(module, **trainer_kw):
     return trainer
 
 
-def by_hand(head, group):
-    """The reference: per optimizer step, one forward and backward on the union of ``group`` batches."""
+def by_hand(head, *groups):
+    """The reference: per optimizer step, one forward and backward on the union of ``group`` batches
+    (an epoch for each of ``groups``)."""
     module = Plain(head)
     opt = torch.optim.SGD(module.body.parameters(), lr=0.05)
     batches = list(data())
-    for i in range(0, len(batches), group):
-        x, y = (torch.cat(t) for t in zip(*batches[i:i + group]))
-        opt.zero_grad()
-        head(module.body(x), y).backward()
-        opt.step()
+    for group in groups:
+        for i in range(0, len(batches), group):
+            x, y = (torch.cat(t) for t in zip(*batches[i:i + group]))
+            opt.zero_grad()
+            head(module.body(x), y).backward()
+            opt.step()
     return module
 
 
@@ -72,6 +74,23 @@ def test_accumulate_grad_batches_is_one_step_on_the_union(which):
     trainer = fit(module, accumulate_grad_batches=2)
     reference = by_hand(ref, 2)
     assert trainer.global_step == 3 and int(head.steps) == 3 and not head.attached
+    assert rel(head.weight(), ref.weight()) < 1e-12
+    assert rel(module.body.weight, reference.body.weight) < 1e-12
+
+
+@pytest.mark.parametrize("which", [0, 1])  # factored, naive
+def test_a_gradient_accumulation_scheduler_gives_one_step_on_each_union(which):
+    """Lightning's GradientAccumulationScheduler sets accumulate_grad_batches at each epoch's start,
+    after training started: HeadSteps attaches for its largest (it saw 1 and left the head
+    stepping in each backward, half steps in the second epoch)."""
+    head = make_pair("spherical_softmax", D=D, d=d, lr=0.3)[which]
+    ref = make_pair("spherical_softmax", D=D, d=d, lr=0.3)[which]
+    ref.reset_weight(head.weight())
+    module = Plain(head)
+    schedule = pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})
+    trainer = fit(module, max_epochs=2, callbacks=[HeadSteps(), schedule])
+    reference = by_hand(ref, 1, 2)
+    assert trainer.global_step == 9 and int(head.steps) == 9
     assert rel(head.weight(), ref.weight()) < 1e-12
     assert rel(module.body.weight, reference.body.weight) < 1e-12
 

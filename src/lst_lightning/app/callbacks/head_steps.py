@@ -1,7 +1,7 @@
 """Self-updating heads step at Lightning's optimizer step: exact gradient accumulation
-(``accumulate_grad_batches``) and the unscaled step, skipped with the optimizer's,
-under a ``GradScaler`` (``precision="16-mixed"``); their device flags are read at the end of
-training. Works with any LightningModule that holds spherical
+(``accumulate_grad_batches``, or a ``GradientAccumulationScheduler``'s) and the unscaled step,
+skipped with the optimizer's, under a ``GradScaler`` (``precision="16-mixed"``); their device
+flags are read at the end of training. Works with any LightningModule that holds spherical
 heads; the app's ``LanguageModel`` adds it itself. Lightning's weight averaging of buffers
 (``WeightAveraging``, ``EMAWeightAveraging``: ``use_buffers=True``, their default) over a factored
 head is refused before any step (``check_weight_averaging``)."""
@@ -20,6 +20,17 @@ def grad_scaler(trainer: pl.Trainer) -> torch.amp.GradScaler | None:
     """The precision plugin's loss scaler (``16-mixed``), if any."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return scaler if isinstance(scaler, torch.amp.GradScaler) else None
+
+
+def most_accumulated(trainer: pl.Trainer) -> tuple[int, str]:
+    """The most batches an optimizer step of this fit accumulates, and the setting that says so:
+    ``accumulate_grad_batches``, or a ``GradientAccumulationScheduler``'s largest (it sets
+    ``accumulate_grad_batches`` at each epoch's start, after training has started)."""
+    most, why = trainer.accumulate_grad_batches, f"accumulate_grad_batches={trainer.accumulate_grad_batches}"
+    for cb in trainer.callbacks:
+        if isinstance(cb, pl.callbacks.GradientAccumulationScheduler) and max(cb.scheduling.values()) > most:
+            most, why = max(cb.scheduling.values()), f"GradientAccumulationScheduler({cb.scheduling})"
+    return most, why
 
 
 def check_weight_averaging(callbacks, heads) -> None:
@@ -60,13 +71,13 @@ class HeadSteps(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         heads = self._all_heads(pl_module)
         scaler = grad_scaler(trainer)
-        accumulate = trainer.accumulate_grad_batches
+        accumulate, why = most_accumulated(trainer)
         if not heads or (accumulate == 1 and scaler is None):
             return
         if len(trainer.optimizers) != 1:
             raise ValueError(f"a self-updating head steps with the optimizer: {len(trainer.optimizers)} "
                              "optimizers leave it ambiguous; use one optimizer")
-        why = f"accumulate_grad_batches={accumulate}" if accumulate > 1 else "a loss scaler (16-mixed)"
+        why = why if accumulate > 1 else "a loss scaler (16-mixed)"
         for head in heads:
             try:
                 head.attach(trainer.optimizers[0], scaler)
