@@ -173,7 +173,8 @@ def test_a_run_resumed_between_two_reads_goes_on_bit_for_bit():
     assert int(a.checks) == int(b.checks) >= 2
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa if isinstance(sa[k], torch.Tensor))
-    for key, bad in (("flags_read_at", [8]), ("rho_max", torch.tensor(float("nan")))):
+    for key, bad in (("flags_read_at", [8]), ("rho_max", torch.tensor(float("nan"))),
+                     ("loss_factor", torch.tensor(float("nan"), dtype=torch.float64))):
         c = deferred(**kw)
         before = state_of(c)
         with pytest.raises(ValueError, match=key) as err:
@@ -206,6 +207,23 @@ def test_a_head_that_ran_before_it_loads_a_state_goes_on_as_a_new_head_loading_i
     assert int(new.checks) == int(ran.checks) >= 1
     sn, sr = state_of(new), state_of(ran)
     assert all(torch.equal(sn[k], sr[k]) for k in sn)
+
+
+def test_a_loss_factor_not_yet_read_is_the_states():
+    """A loss that reached the head halved (accumulation, not attached) is warned at the flags' next
+    read: by a head that loads a state saved before that read, and not by a head that recorded one
+    and then loads a state without (Lightning's tuner runs steps, then restores the state it saved)."""
+    clean = deferred(sync_every=10)
+    H, idx = batch(5, d, D, 2)
+    halved = copy.deepcopy(clean)
+    (halved(H.clone().requires_grad_(), idx) * 0.5).backward()
+    for head, saved, warns in ((deferred(sync_every=10), halved.state_dict(), True),
+                               (halved, clean.state_dict(), False)):
+        head.load_state_dict(saved)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            head.sync()
+        assert any("multiplied by 0.5" in str(w.message) for w in caught) == warns
 
 
 def test_the_flags_rho_bound_follows_the_heads_moves():

@@ -221,7 +221,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         # since that read, as the saved run's would
         out = {**super().get_extra_state(), "uinv_fresh": self._uinv_fresh, "flags_read_at": list(checks.synced),
                # a bad batch's step not yet read: the resumed run's next read raises for it (no host read)
-               "bad_input": self._bad_input.detach().clone()}
+               "bad_input": self._bad_input.detach().clone(),
+               # a loss factor not yet read: the resumed run's next read warns of it
+               "loss_factor": self._loss_factor.detach().clone()}
         if self.plan.neumann == "adaptive":  # a resumed run goes on
             out["neumann_factors"] = checks.factors  # with the factors its last read chose
             if checks.rho_max is not None:  # and the largest rho bound of the steps since that read
@@ -246,8 +248,9 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
             self.step_checks.factors = int(state["neumann_factors"])
         if "rho_max" in state:
             self.step_checks.rho_max = state["rho_max"].to(self.device, self.cond_bound.dtype).reshape(()).clone()
-        bad = state.get("bad_input")
+        bad, factor = state.get("bad_input"), state.get("loss_factor")
         self._bad_input.copy_(bad.reshape(()) if bad is not None else torch.zeros((), dtype=torch.long))
+        self._loss_factor.copy_(factor.reshape(()) if factor is not None else torch.zeros((), dtype=torch.float64))
 
     # -- the implicit W -----------------------------------------------------------------
     @torch.no_grad()
@@ -441,6 +444,10 @@ class FactoredSphericalHead(ShardedEvaluation, SphericalHeadBase):
         if bad is not None and not (isinstance(bad, Tensor) and bad.numel() == 1 and not bad.is_floating_point()
                                     and not bad.is_complex() and int(bad) >= 0):
             raise ValueError(f"the state's bad_input must be one step number (an int >= 0), got {bad!r}")
+        factor = (extra or {}).get("loss_factor")
+        if factor is not None and not (isinstance(factor, Tensor) and factor.numel() == 1 and factor.is_floating_point()
+                                       and math.isfinite(float(factor)) and float(factor) >= 0):
+            raise ValueError(f"the state's loss_factor must be one finite value >= 0, got {factor!r}")
         files = (extra or {}).get("v_files")
         if V is not None and (files is not None or (self.sharded and V.shape[0] == self.num_classes != self.V.shape[0])):
             self._ensure_distributed()

@@ -1,9 +1,12 @@
 """HeadSteps: a spherical head in a plain LightningModule steps at Lightning's optimizer
 step: exact gradient accumulation, and the unscaled step under a GradScaler (16-mixed)."""
+import warnings
+
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.tuner import Tuner
 
 from lst_lightning.app.callbacks import HeadSteps
 from lst_lightning.app.train import run
@@ -93,6 +96,24 @@ def test_a_gradient_accumulation_scheduler_gives_one_step_on_each_union(which):
     assert trainer.global_step == 9 and int(head.steps) == 9
     assert rel(head.weight(), ref.weight()) < 1e-12
     assert rel(module.body.weight, reference.body.weight) < 1e-12
+
+
+def test_the_learning_rate_finder_leaves_no_warning_for_the_fit_after_it():
+    """Lightning's Tuner.lr_find runs steps without the Trainer's callbacks (the head unattached,
+    stepping in each of the accumulated backwards), then restores the state it saved: the fit after
+    it is the fit without it, and says nothing of the finder's steps."""
+    module = Plain(make_pair("zloss", D=D, d=d, lr=0.3)[0])
+    module.lr = 0.05
+    module.configure_optimizers = lambda: torch.optim.SGD(module.body.parameters(), lr=module.lr)
+    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[HeadSteps()],
+                         accumulate_grad_batches=2)
+    Tuner(trainer).lr_find(module, data(), num_training=3, update_attr=False)
+    assert int(module.head.steps) == 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*multiplied by")
+        trainer.fit(module, data())
+    assert trainer.global_step == int(module.head.steps) == 3
 
 
 def test_accumulation_with_sampled_classes_equals_the_naive_head():
