@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lst_lightning.distributed.collectives import ProcessGroup
 from lst_lightning.spherical import plan
 
 from head_pairs import batch, deferred, make_pair, rel
@@ -262,6 +263,26 @@ def test_a_scaled_loss_reaching_an_attached_head_with_no_scaler_is_warned(which)
             scaler.step(opt)
             scaler.update()
         head.sync()
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_ranks_share_of_the_worlds_loss_is_not_warned_but_more_is(which):
+    """Where the loss is the world's mean (the HF Trainer's average_tokens_across_devices multiplies
+    a rank's loss by the number of processes), a rank holding more than its share of the tokens
+    hands its head up to that number; past it, the loss scaler not attached is warned."""
+    body, _ = body_and_head()
+    for factor, warned in ((1.5, False), (4.0, True)):
+        head = make_pair("zloss", lr=0.1)[which]
+        head.processes.pg = ProcessGroup(world=2)  # as a rank of two sees it (the step itself is one process's)
+        opt = torch.optim.SGD(body.parameters(), lr=0.05)
+        head.attach(opt)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, idx in scaled_batches(2):
+                (head(body(x), idx) * factor).backward()
+                opt.step()
+            head.sync()
+        assert any("multiplied by" in str(w.message) for w in caught) == warned, factor
 
 
 def test_accumulated_micro_batches_of_an_attached_head_are_not_warned():
