@@ -622,18 +622,6 @@ class SphericalHeadBase(OutputHead):
         hook calls it; a loop may call it itself). Nothing kept: nothing happens."""
         self.pending.apply(self)
 
-    def _note_loss_factor(self, grad: Tensor, scale: float, off) -> None:
-        """The factor a scalar loss reached the backward with, where ``off(grad)`` (a device bool)
-        says it is wrong: the factored head's flag, warned at the flags' read (no host read), the
-        naive head's warned at once."""
-        if grad.numel() != 1 or "weight" in self._warned:
-            return
-        factor = getattr(self, "_loss_factor", None)
-        if factor is not None:
-            factor.copy_(torch.where(off(grad), grad.to(torch.float64) / scale, factor))
-        elif bool(off(grad)):
-            self._warn_loss_factor(float(grad) / scale)
-
     def _warn_loss_factor(self, factor: float) -> None:
         if self.pending.hook is not None:
             self._warn_once("weight", f"{type(self).__name__}: the loss reached the head multiplied by {factor:g} "

@@ -299,7 +299,11 @@ def autograd_backward(ctx, grad_out: Tensor) -> tuple[Tensor, None, None, None, 
                 dH = pending.keep(head, ctx.saved, grad, ctx.m)
             else:
                 scale = pending.loss_scale
-                head._note_loss_factor(grad, scale, lambda g: g != scale)  # any factor but the scale
+                factor = getattr(head, "_loss_factor", None)  # the factored head's: warned at the flags' read
+                if grad.numel() == 1 and "weight" not in head._warned and factor is not None:
+                    factor.copy_(torch.where(grad != scale, grad.to(torch.float64) / scale, factor))
+                elif grad.numel() == 1 and "weight" not in head._warned and float(grad) != scale:
+                    head._warn_loss_factor(float(grad) / scale)  # the naive head's: at once
                 dH = head._backward_step(ctx.saved, grad / scale)
                 if scale != 1.0:
                     dH = dH * scale

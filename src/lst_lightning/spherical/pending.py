@@ -128,10 +128,15 @@ class PendingRows:
         """The backward of a micro-batch of ``m`` rows while attached: dL/dH now, its rows kept for
         the step."""
         scale = self.scale()
-        # a micro-batch's share of the window's loss, times the processes where the loss is the world's
-        # mean (the HF Trainer's average_tokens_across_devices): more is a loss scaler not attached
-        most = scale * head.processes.world
-        head._note_loss_factor(grad, scale, lambda g: g > most)
+        if grad.numel() == 1 and "weight" not in head._warned:
+            # a micro-batch's share of the window's loss, times the processes where the loss is the
+            # world's mean (the HF Trainer's average_tokens_across_devices): more is a loss scaler not attached
+            most = scale * head.processes.world
+            factor = getattr(head, "_loss_factor", None)  # the factored head's: warned at the flags' read
+            if factor is not None:
+                factor.copy_(torch.where(grad > most, grad.to(torch.float64) / scale, factor))
+            elif float(grad) > most:
+                head._warn_loss_factor(float(grad) / scale)  # the naive head's: at once
         if self._scaler_skipped():
             self.scaler_skips += 1
             self.discard()
