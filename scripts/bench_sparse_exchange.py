@@ -63,8 +63,10 @@ def run(rank: int, world: int, rdv: str, args, out: str) -> None:
 def measure(args) -> list[dict]:
     """Each rank's {(gradient, D): bytes received, median ms, distinct rows}."""
     with tempfile.TemporaryDirectory() as tmp:
+        # forked from a fresh server (torch imported once there), never from this process: a fork
+        # of a process whose autograd has started its threads fails at its first backward
         mp.start_processes(run, args=(args.world, os.path.join(tmp, "rdv"), args, tmp), nprocs=args.world,
-                           start_method="fork")  # CPU: no torch re-import per rank
+                           start_method="forkserver")
         return [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(args.world)]
 
 

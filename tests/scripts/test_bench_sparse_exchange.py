@@ -1,4 +1,4 @@
-"""scripts/bench_sparse_exchange.py: two forked gloo ranks on tiny tables, torch's sparse
+"""scripts/bench_sparse_exchange.py: two gloo ranks (forked from a fresh server) on tiny tables, torch's sparse
 gradient and static rows; the bytes exchanged are the same for every D (the same rows touched)
 and the rows go to the CSV of the run directory."""
 from __future__ import annotations
