@@ -79,6 +79,7 @@ def test_a_trainer_that_relaunches_its_command_keeps_the_rows(tmp_path, trainer)
     assert_rows(tmp_path)
 
 
+@pytest.mark.slow  # forked ranks through a fresh process
 def test_workers_started_per_trainer_call_keep_the_rows(tmp_path):
     run_keeps_its_rows(tmp_path, "trainer=ddp_cpu", "trainer.strategy=ddp_fork", launch=partial(in_fresh_process, run_of))
 

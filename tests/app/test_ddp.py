@@ -127,8 +127,12 @@ class _ReportRanks(pl.Callback):
                    self.out / f"rank{trainer.global_rank}.pt")
 
 
-@pytest.mark.parametrize("head,embedding", [("softmax", "sparse_sgd"), ("softmax", "sparse_adam"),
-                                           ("softmax", "dense"), ("hsoftmax", "sparse_sgd"), ("hsoftmax", "row_adam")])
+#: the default suite runs torch's sparse gradients' exchange (static rows: test_fsdp2.py, -m slow here)
+@pytest.mark.parametrize("head,embedding", [pytest.param("softmax", "sparse_sgd", marks=pytest.mark.slow),
+                                           ("softmax", "sparse_adam"),
+                                           pytest.param("softmax", "dense", marks=pytest.mark.slow),
+                                           pytest.param("hsoftmax", "sparse_sgd", marks=pytest.mark.slow),
+                                           pytest.param("hsoftmax", "row_adam", marks=pytest.mark.slow)])
 def test_two_ranks_train_like_one_softmax(tmp_path, head, embedding):
     """An ordinary head: DDP averages its gradients with the body's; the input
     embedding's row-sparse ones are kept out of DDP and averaged by the app's all-gather
@@ -175,6 +179,7 @@ def test_two_ranks_train_like_one_self_updating_head(tmp_path):
     assert_metrics_equal(r1, r2, splits=("val",), exact_only=True)
 
 
+@pytest.mark.slow  # its ranks against one process: tests/baselines/test_preconditioned_rows_ranks.py
 def test_two_ranks_hold_one_preconditioner_of_the_global_batch(tmp_path):
     """head=sampled_preconditioned through the whole app on two ranks: its moments are summed over
     the ranks' rows (an all-reduce in the head) and kept out of DDP's broadcast, so both ranks end
@@ -210,7 +215,9 @@ def run_external(overrides: list, run_dir: Path, world: int = 2, callbacks_out: 
     return json.loads((run_dir / "results.json").read_text())
 
 
-@pytest.mark.parametrize("parallel,launch", [("replicated", "fork"), ("sharded", "external")])
+#: the default suite: replicated here, sharded with accumulation below (-m slow: each both ways)
+@pytest.mark.parametrize("parallel,launch", [("replicated", "fork"),
+                                             pytest.param("sharded", "external", marks=pytest.mark.slow)])
 def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
     """The factored head through the whole app: W (materialised) and the body after
     two-rank training equal one-process training on the global batches; the evaluation
@@ -242,7 +249,8 @@ def test_two_ranks_train_like_one_factored_head(tmp_path, parallel, launch):
     assert_metrics_equal(r1, r2)
 
 
-@pytest.mark.parametrize("parallel,launch", [("replicated", "fork"), ("sharded", "external")])
+@pytest.mark.parametrize("parallel,launch", [pytest.param("replicated", "fork", marks=pytest.mark.slow),
+                                             ("sharded", "external")])
 def test_two_ranks_accumulating_train_like_one_factored_head(tmp_path, parallel, launch):
     """Gradient accumulation across processes: two ranks with micro-batches of B/2,
     accumulating 2 per optimizer step, take the steps of one process with 2B rows (one
@@ -337,6 +345,7 @@ def weight_of(run_dir, over):
     return head.weight()
 
 
+@pytest.mark.slow  # two-rank runs and their resumes (the default suite: test_resume.py's two ranks)
 @pytest.mark.parametrize("head_checkpoint", ["whole", "per_rank"])
 def test_sharded_checkpoint_resumes_on_any_number_of_ranks(tmp_path, head_checkpoint):
     """A 2-rank sharded run's checkpoint (V gathered whole, or one file per rank) resumes on

@@ -36,21 +36,23 @@ def files(tmp_path):
     return tmp_path
 
 
-# one process each (the app's imports): a refusal of the config, of the command line and of the
-# data in the fast suite; the others' checks are tested in-process (tests/app/test_checks.py) and here with -m slow
+# one process each (the app's imports): a refusal of the config and of the data in the fast suite;
+# the others' checks are tested in process (tests/app/test_checks.py, the command line's in
+# test_composition.py) and here with -m slow
 SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("args,match", [
     (["trainer.max_steps=-5"], "trainer.max_steps=-5"),
-    (["loss.a=-1"], "write loss.kwargs.a=-1"),
+    pytest.param(["loss.a=-1"], "write loss.kwargs.a=-1", marks=SLOW),
     pytest.param(["head_step=fused"], "head_step is no longer a setting: the step mode is the head's own setting: "
                  "write head.step=fused", marks=SLOW),
     pytest.param(["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt", marks=SLOW),
     pytest.param(["ckpt_path=last", "hydra.run.dir=fresh"], "ckpt_path=last: no checkpoint to resume in", marks=SLOW),
     (["data=text_files", "data.path=/nonexistent.txt"], "data.path: /nonexistent.txt not found"),
     pytest.param(["data=text_files", "data.path=empty.txt"], "is empty", marks=SLOW),
-    (["head=nosuch"], "head=nosuch: head has no option nosuch; the choices are adaptive, "),  # Hydra's: composition.py
+    pytest.param(["head=nosuch"], "head=nosuch: head has no option nosuch; the choices are adaptive, ",
+                 marks=SLOW),  # Hydra's: composition.py; in process: test_composition.py
     pytest.param(["data.batch_sise=3"], "did you mean data.batch_size? (+data.batch_sise=3 adds it", marks=SLOW),
     pytest.param(["-m", "head=factored,nosuch"], "head=nosuch: head has no option nosuch", marks=SLOW),
 ])
@@ -61,6 +63,7 @@ def test_config_errors_answer_in_one_line_before_the_heavy_imports(files, args, 
     assert "lst_lightning.app.train" in modules  # the listing works: the app itself is in it
 
 
+@SLOW
 @pytest.mark.parametrize("arg,last", [
     ("trainer.max_steps=-5", "trainer.max_steps=-5"),
     pytest.param("head=nosuch", "provider=schema, path=structured://", marks=SLOW),  # Hydra's own message

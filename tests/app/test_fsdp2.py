@@ -78,9 +78,11 @@ ACCUMULATING = [f"data.batch_size={B // 2}", "trainer.accumulate_grad_batches=2"
 CLIPPING = ["trainer.gradient_clip_val=0.05"]  # small enough to clip every step
 
 
-@pytest.mark.parametrize("parallel,two,embedding", [("replicated", ACCUMULATING, "sparse_sgd"),
+@pytest.mark.parametrize("parallel,two,embedding", [pytest.param("replicated", ACCUMULATING, "sparse_sgd",
+                                                                 marks=pytest.mark.slow),
                                                     ("sharded", CLIPPING, "sparse_sgd"),
-                                                    ("replicated", ACCUMULATING, "row_adam")],
+                                                    pytest.param("replicated", ACCUMULATING, "row_adam",
+                                                                 marks=pytest.mark.slow)],
                          ids=["replicated-accumulating", "sharded-clipping", "row_adam-accumulating"])
 def test_two_ranks_with_an_fsdp2_body_train_like_one(tmp_path, parallel, two, embedding):
     """With accumulation (two micro-batches of B/2 per rank and step: one exact head step on the

@@ -29,7 +29,8 @@ class CountFrom(pl.Callback):
             self.reads.__exit__(None, None, None)
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
+# accumulate=2 with -m slow: the head's accumulated route counts its reads in tests/spherical/test_host_reads.py
+@pytest.mark.parametrize("accumulate", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_lst_train_reads_the_host_at_most_once_in_ten_steps(tmp_path, accumulate):
     cfg = cfg_of(*FAST, "head=factored", "test=false", "trainer.limit_val_batches=0",
                  f"trainer.limit_train_batches={STEPS * accumulate}", f"trainer.accumulate_grad_batches={accumulate}",

@@ -111,6 +111,7 @@ def test_a_killed_run_resumes_exactly(tmp_path, uninterrupted):
     same(outcome(tmp_path), uninterrupted)
 
 
+@pytest.mark.slow  # the default suite resumes after a SIGKILL and after SIGTERM's save
 def test_a_run_killed_in_the_middle_of_a_background_save_resumes_exactly(tmp_path, uninterrupted):
     """The checkpoint of step 7 is half written in the background while training goes on to
     step 8 (whose save waits for it): SIGKILL then leaves last.ckpt at step 6, whole, and the
@@ -147,6 +148,7 @@ def test_a_preempted_run_saves_and_resumes_exactly(tmp_path, uninterrupted):
     same(outcome(tmp_path), uninterrupted)
 
 
+@pytest.mark.slow  # the default suite resumes after a SIGKILL and after SIGTERM's save
 def test_a_first_ctrl_c_saves_after_the_batch_and_resumes_exactly(tmp_path, uninterrupted):
     """Ctrl-C (SIGINT to the run's process group, as a terminal sends it) during step 7: the step
     finishes, last.ckpt holds it, the run exits with 130 saying how to resume; resumed with

@@ -47,10 +47,11 @@ def body_takes(model: str, experiment: str | None) -> bool:
     return set(sets) <= set(parameters(body, NOT_MODEL_SETTINGS))
 
 
-@pytest.mark.parametrize("experiment", [None, *group("experiment")])
+@pytest.mark.parametrize("experiment", [None, *(pytest.param(e, marks=pytest.mark.slow) for e in group("experiment"))])
 def test_every_config_composes(experiment):
     # Every option of these groups on top of each experiment, one group at a time: their
-    # full product (700 composes) took 14 min on a busy 2-core machine.
+    # full product (700 composes) took 14 min on a busy 2-core machine. The default suite composes
+    # them on the defaults (each experiment alone: test_checks.py), -m slow on each experiment.
     base = [f"experiment={experiment}"] if experiment else []
     options = [(g, o) for g in ("trainer", "data", "model") for o in group(g)
                if g != "model" or body_takes(o, experiment)]
@@ -231,9 +232,12 @@ def _same(x, y) -> bool:
 
 
 @pytest.mark.parametrize("head,embedding", [(TOY, "sparse_adam"), (TOY_SOFTMAX, "sparse_adam"),
-                                            (TOY_SOFTMAX, "adagrad"), (TOY_SOFTMAX, "dense"),
-                                            ("factored", "sparse_adam"), ("sampled", "sparse_adam"),
-                                            ("hsoftmax", "adagrad"), ("sampled", "row_adam")])
+                                            (TOY_SOFTMAX, "adagrad"),
+                                            pytest.param(TOY_SOFTMAX, "dense", marks=pytest.mark.slow),
+                                            ("factored", "sparse_adam"),
+                                            pytest.param("sampled", "sparse_adam", marks=pytest.mark.slow),
+                                            pytest.param("hsoftmax", "adagrad", marks=pytest.mark.slow),
+                                            ("sampled", "row_adam")])
 def test_resume_is_bit_identical(tmp_path, head, embedding):
     """The row-sparse optimiser's state (and the dense one's) travels with the checkpoint;
     the sampled and hierarchical softmax's row-sparse class rows (head.sparse=true) with it;

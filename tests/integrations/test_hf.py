@@ -441,6 +441,8 @@ def test_a_saved_shard_of_v_carries_its_rows_and_loads_only_into_them():
     assert "\n" not in str(e.value) and same_state(before, model.state_dict())
 
 
+@pytest.mark.slow  # a compile a family (the default suite compiles a patched model: test_litgpt.py's)
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2", "mistral"])
 def test_the_compiled_model_steps_as_the_eager_one(family):
     """torch.compile(model), as the Trainer's ``torch_compile`` and accelerate's dynamo plugin do: the
     patched forward is traced with the body, the head's step runs outside the graph, and the losses

@@ -55,7 +55,8 @@ def _sharded_rank(rank, port, out):
     _rank(rank, port, out, "sharded")
 
 
-@pytest.mark.parametrize("parallel", MODES)
+@pytest.mark.parametrize("parallel", [pytest.param(p, marks=pytest.mark.slow if p == "sharded" else ())
+                                      for p in MODES])  # sharded: -m slow (the head's: test_multi_process.py)
 def test_an_accelerate_loop_on_two_processes_trains_as_one_process_on_the_union(tmp_path, parallel):
     ranks = fork_ranks({"replicated": _replicated_rank, "sharded": _sharded_rank}[parallel], tmp_path)
     one = accelerate_run()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow  # every head on both bodies, compiled
 def test_smoke_run_writes_every_head_for_both_bodies(sandbox):
     # --all-losses-up-to 0: the factored head with the Z-loss and lst-train's default,
     # loss=sampled, at every D all the same (the default's bound at 10^6 needs the latter there)
@@ -146,6 +147,7 @@ def test_tokens_must_fill_whole_sequences(capsys):
     assert "--tokens must be a positive multiple of 32" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a compile of a real-size transformer
 def test_a_transformer_of_real_size_compiled_as_lst_train_compiles(sandbox, monkeypatch):
     """--bodies gpt_d1024 (its smoke widths) with --compile true: the body and the sampled softmax
     compiled (aot_eager here), the factored head its own step; every row has the head's share."""

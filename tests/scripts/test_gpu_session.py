@@ -1,6 +1,8 @@
 """scripts/gpu_session.py, the GPU benchmark suite: each part's smoke run writes its files
 directly into --out and the log ends with the summary; the full suite's limits are those
-docs/gpu.md gives."""
+docs/gpu.md gives. The parts' smoke runs (child processes, compiles) run with -m slow:
+``uv run pytest -m slow tests/scripts/test_gpu_session.py`` before a GPU session; the default
+suite checks the suite's plumbing."""
 from __future__ import annotations
 
 import csv
@@ -17,14 +19,19 @@ def summary(out):
     return log.split("=== summary", 1)[1]
 
 
-def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
-    """The kernels' pytest step (its junit counted into the summary), compiled_step.py,
-    profile_step.py, bench_heads.py and tf32_drift.py at tiny sizes. The ``tests`` part, whose
-    gpu-marked tests all skip on a CPU, runs under -m slow (test_the_gpu_tests_part_smoke);
-    here its paths exist and the same pytest step's plumbing runs as ``kernels``."""
+def test_the_tests_parts_paths_exist(tmp_path):
+    """The ``tests`` part's pytest steps, smoke and full, name test files that exist."""
     for s in gs.tests(tmp_path, smoke=True) + gs.tests(tmp_path, smoke=False):
         paths = [a for a in s.argv if a.startswith("tests/")]
         assert paths and all((gs.ROOT / a).exists() for a in paths), paths
+
+
+@pytest.mark.slow  # child processes and compiles: -m slow, before a GPU session (above)
+def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
+    """The kernels' pytest step (its junit counted into the summary), compiled_step.py,
+    profile_step.py, bench_heads.py and tf32_drift.py at tiny sizes. The ``tests`` part, whose
+    gpu-marked tests all skip on a CPU, runs in test_the_gpu_tests_part_smoke; the same pytest
+    step's plumbing runs here as ``kernels``."""
     assert gs.main(["kernels", "compiled", "profile", "heads", "tf32", "--out", str(tmp_path), "--smoke"]) == 0
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n for n in names if not n.startswith("bench_heads_")] == [
@@ -48,8 +55,8 @@ def test_the_correctness_parts_and_bench_heads_smoke(tmp_path):
     assert "UNMEASURED" in text  # the targets, from the benchmark's output
 
 
-@pytest.mark.slow  # a pytest child whose tests all skip on a CPU: its paths and the pytest step's plumbing are
-# test_the_correctness_parts_and_bench_heads_smoke's
+@pytest.mark.slow  # a pytest child whose tests all skip on a CPU: its paths are test_the_tests_parts_paths_exist's,
+# the pytest step's plumbing test_the_correctness_parts_and_bench_heads_smoke's
 def test_the_gpu_tests_part_smoke(tmp_path):
     assert gs.main(["tests", "--out", str(tmp_path), "--smoke"]) == 0
     counts = gs.junit_counts(tmp_path / "gpu_tests_junit.xml")
@@ -68,6 +75,7 @@ def test_the_whole_step_and_quality_parts_smoke(tmp_path):
     assert row["head"] == "factored-zloss" and int(row["train_steps"]) > 0 and not row.get("error"), row
 
 
+@pytest.mark.slow  # child processes and compiles: -m slow, before a GPU session (above)
 def test_the_d_sweep_part_smoke(tmp_path):
     """dsweep: bench_heads.py --sweep-d (the default factored step and the fused softmaxes at two
     widths) and crossover.py on its CSV, every file directly in --out."""
@@ -193,6 +201,7 @@ def test_a_silent_step_past_its_limit_is_killed(tmp_path, monkeypatch):
     assert "quiet  exit 124" in (tmp_path / gs.LOG).read_text()
 
 
+@pytest.mark.slow  # child processes and compiles: -m slow, before a GPU session (above)
 def test_the_batch_sizes_part_smoke(tmp_path):
     """compiled_step.py --batch-sizes at tiny sizes on the CPU, the Z-loss's step (the default head's
     compiled step through random batch sizes, equal to the eager one: test_batch_shapes.py's

@@ -185,6 +185,7 @@ def test_train_clock_is_the_schedules_clock(monkeypatch):
     assert time_spent(qt.ValidationCurve()) == 0.0  # --budget-clock wall: Lightning's own Timer is the budget
 
 
+@pytest.mark.slow  # lst-train runs with timed validation
 def test_budget_on_the_train_clock_with_timed_validation(sandbox, tmp_path):
     out = tmp_path / "large"
     qt.main(["--preset", "quick", "--tasks", "wiki", "--heads", "softmax", "--modes", "budget", "--budget-s", "2",

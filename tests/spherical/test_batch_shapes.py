@@ -90,10 +90,12 @@ def drive(route, eager, fast, ms, seed=1):
     return worst, Ks
 
 
-#: lst-train's default head on every route: fused, autograd (its backward takes the forward's
-#: saved state, padded) and under accumulation (which pads the union of two batches); the other
-#: losses: -m slow (the padding is the same code)
-FAST_ROUTES = {("fused", "shared"), ("autograd", "shared"), ("accumulated", "shared")}
+#: lst-train's default head on the autograd route (its backward takes the forward's saved state,
+#: padded); the fused route, accumulation (which pads the union of two batches) and the other
+#: losses: -m slow (the padding is the same code; the fused step takes random batch sizes in
+#: test_batch_sizes_and_neumann_factors_past_any_fixed_limit_never_stop_the_step, accumulation
+#: changing ones in test_host_reads.py)
+FAST_ROUTES = {("autograd", "shared")}
 ROUTES = [pytest.param(route, kind, marks=[] if (route, kind) in FAST_ROUTES else pytest.mark.slow)
           for route in ("fused", "autograd", "accumulated") for kind in sorted(KINDS)]
 
@@ -142,6 +144,7 @@ def test_a_resumed_head_steps_bit_for_bit_on_new_batch_sizes(aot_eager):
     assert torch.equal(fast.weight(), again.weight())
 
 
+@pytest.mark.slow  # past any limit: test_batch_sizes_and_neumann_factors_past_any_fixed_limit_never_stop_the_step
 def test_more_batch_sizes_than_dynamos_limit_never_hit_it(aot_eager):
     """Three batch sizes (set by hand), one graph each, past a recompile limit of 2: the step runs
     under its own limit (one graph a key met, ``driver.graph_key``), whatever the loop's."""

@@ -64,7 +64,8 @@ def graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("kind", [ZLOSS, DEFAULT, CLIPPED], ids=["zloss", "default", "clipped"])
+@pytest.mark.parametrize("kind", [ZLOSS, DEFAULT, pytest.param(CLIPPED, marks=pytest.mark.slow)],
+                         ids=["zloss", "default", "clipped"])
 def test_every_device_part_traces_as_one_graph_without_a_break(kind):
     h = head(kind, False)
     H, idx = batches(1)[0]
@@ -189,7 +190,9 @@ def accumulated_steps(eager, fast, n=3, micro=2):
     return 0.0
 
 
-@pytest.mark.parametrize("kind", [ZLOSS, DEFAULT, CLIPPED], ids=["zloss", "default", "clipped"])
+@pytest.mark.parametrize("kind", [pytest.param(ZLOSS, marks=pytest.mark.slow), DEFAULT,
+                                  pytest.param(CLIPPED, marks=pytest.mark.slow)],
+                         ids=["zloss", "default", "clipped"])  # -m slow: the fused step compiles them too
 def test_the_autograd_step_and_exact_accumulation_run_compiled(aot_eager, kind):
     gap, fast = twins(kind, autograd_steps)
     assert gap <= 1e-12 and int(fast.steps) == 6
@@ -199,11 +202,13 @@ def test_the_autograd_step_and_exact_accumulation_run_compiled(aot_eager, kind):
     assert graphs() == 3  # and the records' step
 
 
-#: settings drawn at random (random_cases.py), compiled: cases and steps a case
-RANDOM_CASES, RANDOM_STEPS = 8, 6
+#: settings drawn at random (random_cases.py), compiled: cases and steps a case; the first
+#: FAST_CASES in the default suite (test_random_settings.py draws many more, eager), all with -m slow
+RANDOM_CASES, RANDOM_STEPS, FAST_CASES = 8, 6, 1
 
 
-@pytest.mark.parametrize("seed", range(RANDOM_CASES))
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=() if s < FAST_CASES else pytest.mark.slow)
+                                  for s in range(RANDOM_CASES)])
 def test_in_settings_drawn_at_random_the_compiled_step_equals_the_naive_head(aot_eager, seed):
     """``compile_step=True`` in test_random_settings.py's ordinary cases (every setting drawn
     together: the loss, the bias, the reduction, weight decay, the sampled classes, P, the bound on
@@ -215,7 +220,7 @@ def test_in_settings_drawn_at_random_the_compiled_step_equals_the_naive_head(aot
     assert f.compiles and graphs() >= 1 and int(f.steps) == RANDOM_STEPS
 
 
-@pytest.mark.parametrize("step", ["autograd", "fused"])
+@pytest.mark.parametrize("step", ["autograd", pytest.param("fused", marks=pytest.mark.slow)])
 def test_with_sync_every_1_the_step_compiles_checks_each_batch_first_and_equals_the_eager_one(aot_eager, step):
     """``sync_every=1`` compiles the same device part: 6 steps of lst-train's default head equal
     the eager head's (float64, 1e-12) in one graph, the flags read after every step; a batch
@@ -273,23 +278,24 @@ def settle_neumann_factors(h, steps, reads: int = 6) -> None:
     raise AssertionError(f"the Neumann factors still change after {reads} reads")
 
 
-def test_after_the_factors_settle_the_compiled_steps_compile_nothing(aot_eager):
+@pytest.mark.slow  # the GPU's route on the CPU; the default suite's compiled steps take no recompile
+@pytest.mark.parametrize("route", ["autograd", "fused"])
+def test_after_the_factors_settle_the_compiled_steps_compile_nothing(aot_eager, route):
     """The CPU side of test_on_cuda_the_default_step_never_waits_for_the_gpu: after
     settle_neumann_factors, sync_every - 1 steps on the GPU's U^-1 route (products, adaptive
     factors) compile no graph, on each route."""
-    for route in ("autograd", "fused"):
-        h = head(DEFAULT, True, dtype=torch.float32, stabiliser={"inverse": "products"})
-        h.step = route
-        data = batches(h.sync_every + 2)
+    h = head(DEFAULT, True, dtype=torch.float32, stabiliser={"inverse": "products"})
+    h.step = route
+    data = batches(h.sync_every + 2)
 
-        def one(H, idx):
-            h(H.clone().requires_grad_(), idx).backward()
+    def one(H, idx):
+        h(H.clone().requires_grad_(), idx).backward()
 
-        settle_neumann_factors(h, lambda: [one(H, idx) for H, idx in data[:2]])
-        compiled, calls = graphs(), h.step_checks.calls
-        for H, idx in data[2:2 + h.sync_every - 1 - calls % h.sync_every]:
-            one(H, idx)
-        assert graphs() == compiled and int(h.steps) >= h.sync_every - 1, route
+    settle_neumann_factors(h, lambda: [one(H, idx) for H, idx in data[:2]])
+    compiled, calls = graphs(), h.step_checks.calls
+    for H, idx in data[2:2 + h.sync_every - 1 - calls % h.sync_every]:
+        one(H, idx)
+    assert graphs() == compiled and int(h.steps) >= h.sync_every - 1
 
 
 # -- on a CUDA device (``-m gpu``; the GPU suite's ``tests`` part) --------------------------------

@@ -109,10 +109,10 @@ def test_a_hundred_steps_end_where_the_reference_did(name, reference, runs):
         assert float((value - want).abs().max()) <= TOL * scale, (key, float((value - want).abs().max()))
 
 
-#: the eager modes also run compiled in the default suite (each of them with ``-m slow``): the folds,
-#: the products route, P with Q from factors, a bad batch, negatives per row, exact accumulation
-COMPILED_TOO = ("zloss_folds_sync8", "zloss_products_sync8", "zloss_P_factors_sync8", "sampled_bad_batch_sync8",
-                "per_row_sync8", "zloss_accumulate_sync8")
+#: the eager modes also run compiled in the default suite (each of them with ``-m slow``, the products
+#: route, P with Q from factors and negatives per row among them): the folds, a bad batch, exact
+#: accumulation
+COMPILED_TOO = ("zloss_folds_sync8", "sampled_bad_batch_sync8", "zloss_accumulate_sync8")
 #: what a compiled run holds to its eager reference: W (V U + 1 omega^T), its bookkeeping, the losses,
 #: dL/dH; V, U and U^-1 apart can differ past rounding (the repairs' power iterations amplify it)
 IMPLICIT = ("W", "Q", "wbar", "omega", "losses", "dH")
