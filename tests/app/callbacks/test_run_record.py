@@ -28,7 +28,6 @@ def jobs(sweep):
     return out
 
 
-@pytest.mark.slow  # a multirun of lst-train (the default suite: test_sweeps.py's)
 def test_each_job_of_a_multirun_is_its_own_finished_wandb_run(wandb_sweep, wandb_group):
     runs = read_runs(wandb_sweep)
     assert len(runs) == 2 and len({r.run_id for r in runs}) == 2
@@ -39,7 +38,6 @@ def test_each_job_of_a_multirun_is_its_own_finished_wandb_run(wandb_sweep, wandb
     assert {r.name for r in runs} == {"tiny[loss.kwargs.a=0.1]", "tiny[loss.kwargs.a=1]"}
 
 
-@pytest.mark.slow  # a multirun of lst-train (the default suite: test_sweeps.py's)
 def test_facts_are_flat_config_keys_and_in_results(wandb_sweep):
     for results, _, run in jobs(wandb_sweep):
         facts = {k: run.config[k] for k in FACTS}
@@ -51,7 +49,6 @@ def test_facts_are_flat_config_keys_and_in_results(wandb_sweep):
             "machine": machine_name(gpu=False)}
 
 
-@pytest.mark.slow  # a multirun of lst-train (the default suite: test_sweeps.py's)
 def test_summary_holds_results_under_the_csv_names(wandb_sweep):
     for results, rows, run in jobs(wandb_sweep):
         flat = summary_of(results)
