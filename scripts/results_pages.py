@@ -69,7 +69,8 @@ def number(text: str):
 
 
 def short_machine(name: str) -> str:
-    return {"AMD-EPYC-2cores": "2-core AMD EPYC (CPU)", "Intel-Xeon-2cores": "2-core Intel Xeon (CPU)",
+    return {"AMD-EPYC-2cores": "2-core AMD EPYC (CPU)", "AMD-EPYC-2cores-AVX2": "2-core AMD EPYC, AVX2 only (CPU)",
+            "Intel-Xeon-2cores": "2-core Intel Xeon (CPU)",
             "NVIDIA-H100-80GB-HBM3": "NVIDIA H100", "NVIDIA-H200": "NVIDIA H200"}.get(name, name)
 
 
