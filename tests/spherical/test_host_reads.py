@@ -83,3 +83,19 @@ def test_batches_of_changing_size_padded_to_a_batch_size_read_the_host_no_more(r
         ROUTES[route](h, STEPS)
     assert int(h.steps) == STEPS + 2
     assert reads.count / STEPS <= MAX_READS_A_STEP, reads.sites
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_step_asks_the_cuda_driver_nothing(route, monkeypatch):
+    """Whether a CUDA graph is being captured is asked only where CUDA is initialized: under
+    Lightning (``PYTORCH_NVML_BASED_CUDA_CHECK=1``) each ``torch.cuda.is_available()`` loads NVML
+    anew, about 0.1 ms on a machine without a driver."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda *a: calls.append(a) or 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda *a: calls.append(a) or False)
+    torch.manual_seed(0)
+    h = head()
+    ROUTES[route](h, 2)
+    calls.clear()
+    ROUTES[route](h, 8)
+    assert int(h.steps) == 10 and not calls

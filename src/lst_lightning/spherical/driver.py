@@ -107,7 +107,8 @@ class DeviceFlags:
         and a compiled step at each call: no recompile for a new lr); the adaptive rule's rho
         bound's board made once."""
         lr = head._lr
-        if not self.pinned and self.lr_filled != lr and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # (no NVML load)
+        if not self.pinned and self.lr_filled != lr and not capturing:
             head._lr_t.fill_(lr)
             self.lr_filled = lr
         if self.rho_max is None:
@@ -129,7 +130,7 @@ class DeviceFlags:
         """One more step run (on the host, after its device part); whether the flags are due to
         be read (every ``sync_every``). A step being captured is counted by its replays
         (``head.count_replay``), not here."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             return False
         self.calls += 1
         return self.calls % head.driving.sync_every == 0
